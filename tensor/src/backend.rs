@@ -1,0 +1,287 @@
+//! The contract between the op front-ends (`ops/`) and the two backends (`cpu/`, `wgpu/`).
+//!
+//! Front-ends validate shapes, devices and axes, reduce every op to one of these kernels, and
+//! count FLOPs. Kernels trust their arguments (already validated), allocate their output through
+//! the device's memory tracker (so `OutOfMemory` surfaces), and return contiguous tensors.
+//! Inputs may be arbitrary strided views unless the doc of a method says "contiguous".
+
+use crate::device::Device;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// Elementwise unary ops. The scalar-carrying variants implement `x op s` without a second tensor.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum UnaryOp {
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Rsqrt,
+    Abs,
+    Sign,
+    Tanh,
+    Sigmoid,
+    Relu,
+    /// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+    Gelu,
+    /// d/dx of the tanh-form GELU (for its backward).
+    GeluGrad,
+    Sin,
+    Cos,
+    Square,
+    Recip,
+    /// `x * mul + add` (covers add/sub/mul/div by a scalar).
+    Affine {
+        mul: f32,
+        add: f32,
+    },
+    /// `x ^ p`.
+    Powf(f32),
+    /// `s / x`.
+    RDiv(f32),
+    /// `s - x`.
+    RSub(f32),
+    MaxScalar(f32),
+    MinScalar(f32),
+    /// 1.0 where `x > s`, else 0.0 (masks for relu/max backward, causal masks).
+    GtScalar(f32),
+    /// 1.0 where `x == s`, else 0.0.
+    EqScalar(f32),
+}
+
+/// Elementwise binary ops on two operands of the same (broadcast) shape.
+/// Comparisons give 1.0 for true and 0.0 for false.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Maximum,
+    Minimum,
+    Pow,
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+/// Row reductions. `ArgMax`/`ArgMin` give the first index of the extreme value, as f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+    Min,
+    ArgMax,
+    ArgMin,
+}
+
+/// How one matmul operand sits in its storage: element (b, i, j) is at
+/// `offset + b * batch_stride + i * row_stride + j * col_stride` (so a transposed operand is just
+/// swapped strides, and a broadcast batch is `batch_stride = 0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatLayout {
+    pub offset: usize,
+    pub batch_stride: usize,
+    pub row_stride: usize,
+    pub col_stride: usize,
+}
+
+/// `out[b] = a[b] (m x k) @ b[b] (k x n)` for `b` in `0..batch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatDims {
+    pub batch: usize,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+}
+
+/// Geometry of a 2-D convolution, NCHW input, weight `[c_out, c_in / groups, kh, kw]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Conv2dGeometry {
+    pub n: usize,
+    pub c_in: usize,
+    pub h: usize,
+    pub w: usize,
+    pub c_out: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub dilation: (usize, usize),
+    pub groups: usize,
+    pub h_out: usize,
+    pub w_out: usize,
+}
+
+impl Conv2dGeometry {
+    /// Rows of one group's im2col matrix: `c_in / groups * kh * kw`.
+    pub fn col_rows(&self) -> usize {
+        self.c_in / self.groups * self.kh * self.kw
+    }
+    /// Columns of the im2col matrix: `h_out * w_out`.
+    pub fn col_cols(&self) -> usize {
+        self.h_out * self.w_out
+    }
+}
+
+/// Geometry of a 2-D pooling window over NCHW input (padding counts as -inf for max and as zeros
+/// in the average, whose divisor is always `kh * kw`, as PyTorch's default `count_include_pad`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Pool2dGeometry {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub h_out: usize,
+    pub w_out: usize,
+}
+
+/// Hyper-parameters of one fused Adam step, per element:
+/// `g' = g + weight_decay * p` unless `decoupled`; `m' = beta1 m + (1 - beta1) g'`;
+/// `v' = beta2 v + (1 - beta2) g'^2`; `p' = p - lr * (m' / bias_correction1) /
+/// (sqrt(v' / bias_correction2) + eps) - (decoupled ? lr * weight_decay * p : 0)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamStep {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    pub decoupled: bool,
+    /// `1 - beta1^t`.
+    pub bias_correction1: f32,
+    /// `1 - beta2^t`.
+    pub bias_correction2: f32,
+}
+
+/// The kernels every backend provides. See the module doc for the contract.
+pub(crate) trait Kernels: Send + Sync {
+    /// A contiguous tensor of `shape` holding `data` (row-major).
+    fn from_host(&self, dev: &Device, data: &[f32], shape: &[usize]) -> Result<Tensor>;
+    /// The elements of `x` in row-major logical order.
+    fn to_host(&self, x: &Tensor) -> Result<Vec<f32>>;
+    /// A contiguous tensor of `shape` filled with `value`.
+    fn fill(&self, dev: &Device, shape: &[usize], value: f32) -> Result<Tensor>;
+    /// Materialises any view as a contiguous tensor.
+    fn contiguous(&self, x: &Tensor) -> Result<Tensor>;
+    fn unary(&self, op: UnaryOp, x: &Tensor) -> Result<Tensor>;
+    /// `a` and `b` are views of the same shape (broadcast already applied as zero strides).
+    fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor>;
+    /// `cond != 0 ? a : b`, all three views of the same shape.
+    fn where_cond(&self, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor>;
+    /// `x` contiguous, seen as `[rows, cols]`; reduces each row, giving `[rows]`.
+    fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor>;
+    /// `x` contiguous `[rows, cols]`; numerically stable (log-)softmax of each row.
+    fn softmax_rows(&self, x: &Tensor, rows: usize, cols: usize, log: bool) -> Result<Tensor>;
+    /// Batched matmul on strided operands; output contiguous `[batch, m, n]`.
+    fn matmul(
+        &self,
+        a: &Tensor,
+        la: MatLayout,
+        b: &Tensor,
+        lb: MatLayout,
+        dims: MatDims,
+    ) -> Result<Tensor>;
+    /// `x` contiguous `[rows, cols]`, `gamma`/`beta` contiguous `[cols]`. Returns
+    /// `(y [rows, cols], mean [rows], rstd [rows])` with `rstd = 1/sqrt(var + eps)`
+    /// (biased variance, as PyTorch).
+    fn layer_norm_rows(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)>;
+    /// `x` contiguous `[outer, dim, inner]`, `idx` contiguous `[n]` (f32 holding integers,
+    /// already checked to be in `0..dim`). Output `[outer, n, inner]`.
+    fn index_select(
+        &self,
+        x: &Tensor,
+        idx: &Tensor,
+        outer: usize,
+        dim: usize,
+        inner: usize,
+    ) -> Result<Tensor>;
+    /// Adjoint of `index_select`: `src` contiguous `[outer, n, inner]`, output
+    /// `[outer, dim, inner]` = zeros with `src[:, j, :]` added at row `idx[j]` (repeats add up).
+    fn index_add(
+        &self,
+        src: &Tensor,
+        idx: &Tensor,
+        outer: usize,
+        dim: usize,
+        inner: usize,
+    ) -> Result<Tensor>;
+    /// Torch-style gather: `x` contiguous `[outer, dim, inner]`, `idx` contiguous
+    /// `[outer, n, inner]` (values in `0..dim`), output `[outer, n, inner]`.
+    fn gather(
+        &self,
+        x: &Tensor,
+        idx: &Tensor,
+        outer: usize,
+        dim: usize,
+        inner: usize,
+    ) -> Result<Tensor>;
+    /// Adjoint of `gather`: `src`, `idx` contiguous `[outer, n, inner]`; output
+    /// `[outer, dim, inner]` = zeros with `src` added at the gathered positions.
+    fn scatter_add(
+        &self,
+        src: &Tensor,
+        idx: &Tensor,
+        outer: usize,
+        dim: usize,
+        inner: usize,
+    ) -> Result<Tensor>;
+    /// Concatenates strided `xs` along `axis` into a contiguous tensor of `out_shape`.
+    fn concat(&self, xs: &[&Tensor], axis: usize, out_shape: &[usize]) -> Result<Tensor>;
+    /// `x` contiguous `[n, c_in, h, w]` -> columns `[n, groups, col_rows, col_cols]`
+    /// (zero where the window is in the padding).
+    fn im2col(&self, x: &Tensor, g: &Conv2dGeometry) -> Result<Tensor>;
+    /// Adjoint of `im2col`: columns `[n, groups, col_rows, col_cols]` -> `[n, c_in, h, w]`,
+    /// overlapping windows adding up.
+    fn col2im(&self, cols: &Tensor, g: &Conv2dGeometry) -> Result<Tensor>;
+    /// `x` contiguous NCHW. Returns `(y [n, c, h_out, w_out], argmax)` where `argmax` holds, as
+    /// f32, the flat index `iy * w + ix` of each maximum inside its `(n, c)` plane.
+    fn max_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<(Tensor, Tensor)>;
+    /// Adjoint of max-pool: `dy`, `argmax` contiguous `[n, c, h_out, w_out]` -> `dx [n, c, h, w]`.
+    fn max_pool2d_backward(
+        &self,
+        dy: &Tensor,
+        argmax: &Tensor,
+        g: &Pool2dGeometry,
+    ) -> Result<Tensor>;
+    /// `x` contiguous NCHW -> `[n, c, h_out, w_out]`.
+    fn avg_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<Tensor>;
+    /// Adjoint of avg-pool: `dy` contiguous `[n, c, h_out, w_out]` -> `dx [n, c, h, w]`.
+    fn avg_pool2d_backward(&self, dy: &Tensor, g: &Pool2dGeometry) -> Result<Tensor>;
+    /// Dropout multipliers of `shape`: element i is `crate::rng::dropout_value(seed, offset, i, p)`.
+    fn dropout_mask(
+        &self,
+        dev: &Device,
+        shape: &[usize],
+        p: f32,
+        seed: u64,
+        offset: u64,
+    ) -> Result<Tensor>;
+    /// One fused Adam/AdamW step on contiguous `param`, `grad`, `m`, `v` of the same shape.
+    /// Returns `(param', m', v')`; see [`AdamStep`] for the arithmetic.
+    fn adam_update(
+        &self,
+        param: &Tensor,
+        grad: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+        hp: &AdamStep,
+    ) -> Result<(Tensor, Tensor, Tensor)>;
+    /// Waits until all queued work of this device is done (no-op on CPU).
+    fn synchronize(&self) -> Result<()>;
+}

@@ -1,0 +1,255 @@
+//! Devices: the CPU, wgpu adapters (one wgpu `Device` + `Queue` each), and virtual devices that
+//! share a backing device's arithmetic but keep their own memory accounting and FLOP counter
+//! (the simulated cluster builds on these).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use crate::backend::Kernels;
+use crate::cpu::CpuKernels;
+use crate::error::{Error, Result};
+use crate::memory::{MemoryStats, MemoryTracker};
+
+pub use crate::wgpu::AdapterInfo;
+
+/// Which arithmetic a device runs on.
+#[derive(Clone)]
+pub(crate) enum Backend {
+    Cpu,
+    Wgpu(Arc<crate::wgpu::WgpuContext>),
+}
+
+/// A place tensors live and ops run. Cheap to clone; two clones are the same device.
+#[derive(Clone)]
+pub struct Device {
+    inner: Arc<DeviceInner>,
+}
+
+struct DeviceInner {
+    id: usize,
+    name: String,
+    backend: Backend,
+    memory: MemoryTracker,
+    flops: AtomicU64,
+}
+
+static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
+static CPU: OnceLock<Device> = OnceLock::new();
+static CPU_KERNELS: CpuKernels = CpuKernels;
+
+/// The environment variable that overrides [`Device::best`]: `cpu`, `wgpu` (first non-software
+/// adapter, else any), `wgpu:N` (adapter N of [`Device::adapters`]), or `auto`.
+pub const DEVICE_ENV: &str = "WGPIPE_DEVICE";
+
+impl Device {
+    fn make(name: String, backend: Backend) -> Device {
+        let memory = MemoryTracker::new(&name);
+        Device {
+            inner: Arc::new(DeviceInner {
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                name,
+                backend,
+                memory,
+                flops: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The process-wide CPU device.
+    pub fn cpu() -> Device {
+        CPU.get_or_init(|| Device::make("cpu".into(), Backend::Cpu))
+            .clone()
+    }
+
+    /// A new CPU device with its own name and accounting (e.g. one per pipeline stage).
+    pub fn new_cpu(name: &str) -> Device {
+        Device::make(name.into(), Backend::Cpu)
+    }
+
+    /// A virtual device: the arithmetic of `self`, its own name, memory counters, optional
+    /// capacity and FLOP counter. The simulated cluster is made of these.
+    pub fn virtual_device(&self, name: &str, capacity: Option<usize>) -> Device {
+        let d = Device::make(name.into(), self.inner.backend.clone());
+        d.memory().set_capacity(capacity);
+        d
+    }
+
+    /// Every wgpu adapter on this machine (Vulkan, Metal, DX12), in a stable order.
+    pub fn adapters() -> Vec<AdapterInfo> {
+        crate::wgpu::list_adapters()
+    }
+
+    /// Opens a new wgpu device (with its own queue) on adapter `index` of [`Device::adapters`].
+    /// Calling it twice gives two devices on one adapter.
+    pub fn wgpu(index: usize) -> Result<Device> {
+        let ctx = crate::wgpu::WgpuContext::open(index)?;
+        let name = format!("wgpu:{index} ({})", ctx.adapter_info().name);
+        Ok(Device::make(name, Backend::Wgpu(Arc::new(ctx))))
+    }
+
+    /// Opens a device on the first adapter whose name contains `needle` (case-insensitive),
+    /// e.g. `"llvmpipe"` for Mesa's lavapipe.
+    pub fn wgpu_by_name(needle: &str) -> Result<Device> {
+        let needle = needle.to_lowercase();
+        let all = Device::adapters();
+        let hit = all
+            .iter()
+            .find(|a| a.name.to_lowercase().contains(&needle))
+            .ok_or_else(|| {
+                Error::Device(format!(
+                    "no wgpu adapter named like '{needle}'; adapters: [{}]",
+                    all.iter()
+                        .map(|a| a.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })?;
+        Device::wgpu(hit.index)
+    }
+
+    /// The first software adapter (lavapipe, WARP, SwiftShader), which tests use to run every WGSL
+    /// kernel without a GPU. `Err` says why there is none.
+    pub fn software_wgpu() -> Result<Device> {
+        let all = Device::adapters();
+        match all.iter().find(|a| a.is_software) {
+            Some(a) => Device::wgpu(a.index),
+            None => Err(Error::Device(format!(
+                "no software wgpu adapter (install mesa-vulkan-drivers for lavapipe); adapters: [{}]",
+                all.iter().map(|a| a.name.as_str()).collect::<Vec<_>>().join(", ")
+            ))),
+        }
+    }
+
+    /// A discrete GPU, else an integrated one, else the CPU. Software adapters are never picked:
+    /// the CPU backend is faster than them.
+    pub fn best() -> Device {
+        let all = Device::adapters();
+        let pick =
+            all.iter()
+                .filter(|a| !a.is_software)
+                .min_by_key(|a| if a.is_discrete { 0 } else { 1 });
+        match pick {
+            Some(a) => Device::wgpu(a.index).unwrap_or_else(|_| Device::cpu()),
+            None => Device::cpu(),
+        }
+    }
+
+    /// [`Device::best`], unless `WGPIPE_DEVICE` says otherwise.
+    pub fn from_env() -> Result<Device> {
+        match std::env::var(DEVICE_ENV) {
+            Ok(v) => Device::parse(&v),
+            Err(_) => Ok(Device::best()),
+        }
+    }
+
+    /// Parses `cpu`, `auto`, `wgpu`, `wgpu:N` or `wgpu:NAME`.
+    pub fn parse(spec: &str) -> Result<Device> {
+        let spec = spec.trim();
+        match spec {
+            "cpu" => Ok(Device::cpu()),
+            "auto" | "" => Ok(Device::best()),
+            "wgpu" | "gpu" => {
+                let all = Device::adapters();
+                let pick = all
+                    .iter()
+                    .filter(|a| !a.is_software)
+                    .min_by_key(|a| if a.is_discrete { 0 } else { 1 })
+                    .or(all.first());
+                match pick {
+                    Some(a) => Device::wgpu(a.index),
+                    None => Err(Error::Device(
+                        "no wgpu adapter found (no Vulkan/Metal/DX12 driver)".into(),
+                    )),
+                }
+            }
+            s if s.starts_with("wgpu:") => {
+                let rest = &s[5..];
+                match rest.parse::<usize>() {
+                    Ok(i) => Device::wgpu(i),
+                    Err(_) => Device::wgpu_by_name(rest),
+                }
+            }
+            other => Err(Error::Device(format!(
+                "unknown device '{other}': expected cpu, auto, wgpu, wgpu:N or wgpu:NAME"
+            ))),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+    /// Unique per device in this process.
+    pub fn id(&self) -> usize {
+        self.inner.id
+    }
+    pub fn is_cpu(&self) -> bool {
+        matches!(self.inner.backend, Backend::Cpu)
+    }
+    pub fn is_wgpu(&self) -> bool {
+        matches!(self.inner.backend, Backend::Wgpu(_))
+    }
+    /// True when both devices run on the same arithmetic (same wgpu device, or both CPU), so a
+    /// tensor can move between them without a copy through the host.
+    pub fn same_backend(&self, other: &Device) -> bool {
+        match (&self.inner.backend, &other.inner.backend) {
+            (Backend::Cpu, Backend::Cpu) => true,
+            (Backend::Wgpu(a), Backend::Wgpu(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+    pub fn memory(&self) -> &MemoryTracker {
+        &self.inner.memory
+    }
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.inner.memory.stats()
+    }
+    /// FLOPs of the ops run on this device so far (as counted by the op front-ends).
+    pub fn flops(&self) -> u64 {
+        self.inner.flops.load(Ordering::Relaxed)
+    }
+    pub(crate) fn add_flops(&self, n: u64) {
+        self.inner.flops.fetch_add(n, Ordering::Relaxed);
+    }
+    /// Waits until the device has finished all queued work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.kernels().synchronize()
+    }
+    /// Adapter details when this is a wgpu device.
+    pub fn adapter_info(&self) -> Option<AdapterInfo> {
+        match &self.inner.backend {
+            Backend::Wgpu(c) => Some(c.adapter_info().clone()),
+            Backend::Cpu => None,
+        }
+    }
+    pub(crate) fn kernels(&self) -> &dyn Kernels {
+        match &self.inner.backend {
+            Backend::Cpu => &CPU_KERNELS,
+            Backend::Wgpu(c) => c.as_ref(),
+        }
+    }
+    pub(crate) fn wgpu_context(&self) -> Option<&Arc<crate::wgpu::WgpuContext>> {
+        match &self.inner.backend {
+            Backend::Wgpu(c) => Some(c),
+            Backend::Cpu => None,
+        }
+    }
+}
+
+impl PartialEq for Device {
+    fn eq(&self, other: &Self) -> bool {
+        self.inner.id == other.inner.id
+    }
+}
+impl Eq for Device {}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Device({})", self.inner.name)
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.inner.name)
+    }
+}

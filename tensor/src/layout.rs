@@ -1,0 +1,305 @@
+//! Shapes, strides and offsets: the layout every kernel receives, so that views cost nothing.
+
+use crate::error::{Error, Result};
+
+/// Where the elements of a tensor live in its storage: element (i0, i1, ...) is at
+/// `offset + sum(ik * strides[k])`. A stride of 0 repeats an element (broadcast).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Layout {
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub offset: usize,
+}
+
+/// Row-major strides of a contiguous tensor of `shape`.
+pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![0; shape.len()];
+    let mut acc = 1;
+    for (s, &d) in strides.iter_mut().zip(shape).rev() {
+        *s = acc;
+        acc *= d.max(1);
+    }
+    strides
+}
+
+/// Number of elements of a shape (1 for a scalar, 0 if any dimension is 0).
+pub fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+/// Numpy-style broadcast of two shapes (aligned at the right; 1 stretches).
+pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+    let rank = a.len().max(b.len());
+    let mut out = vec![0; rank];
+    for i in 0..rank {
+        let da = if i + a.len() >= rank {
+            a[i + a.len() - rank]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= rank {
+            b[i + b.len() - rank]
+        } else {
+            1
+        };
+        out[i] = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => {
+                return Err(Error::shape(
+                    op,
+                    format!("shapes {a:?} and {b:?} cannot be broadcast together"),
+                ))
+            }
+        };
+    }
+    Ok(out)
+}
+
+/// Resolve a possibly negative axis (-1 = last) against a rank.
+pub fn resolve_axis(op: &'static str, axis: isize, rank: usize) -> Result<usize> {
+    let a = if axis < 0 { axis + rank as isize } else { axis };
+    if a < 0 || a as usize >= rank {
+        return Err(Error::Axis { op, axis, rank });
+    }
+    Ok(a as usize)
+}
+
+impl Layout {
+    pub fn contiguous(shape: &[usize]) -> Self {
+        Layout {
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+            offset: 0,
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+
+    pub fn numel(&self) -> usize {
+        numel(&self.shape)
+    }
+
+    /// True when the elements are laid out row-major without gaps (size-1 dims are free).
+    pub fn is_contiguous(&self) -> bool {
+        let mut acc = 1;
+        for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if d != 1 && s != acc {
+                return false;
+            }
+            acc *= d;
+        }
+        true
+    }
+
+    /// Storage index of the element at a row-major linear position `i`.
+    pub fn index_of(&self, mut i: usize) -> usize {
+        let mut idx = self.offset;
+        for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if d == 0 {
+                return idx;
+            }
+            idx += (i % d) * s;
+            i /= d;
+        }
+        idx
+    }
+
+    /// Iterator over storage indices in row-major logical order.
+    pub fn indices(&self) -> StridedIndices<'_> {
+        StridedIndices {
+            layout: self,
+            pos: vec![0; self.rank()],
+            next: self.offset,
+            remaining: self.numel(),
+        }
+    }
+
+    /// The view of this layout broadcast to `shape` (zero strides on stretched dims).
+    pub fn broadcast_to(&self, op: &'static str, shape: &[usize]) -> Result<Layout> {
+        if shape.len() < self.rank() {
+            return Err(Error::shape(
+                op,
+                format!("cannot broadcast shape {:?} to {:?}", self.shape, shape),
+            ));
+        }
+        let pad = shape.len() - self.rank();
+        let mut strides = vec![0; shape.len()];
+        for (i, &d) in shape.iter().enumerate() {
+            if i < pad {
+                continue;
+            }
+            let (sd, ss) = (self.shape[i - pad], self.strides[i - pad]);
+            strides[i] = if sd == d {
+                ss
+            } else if sd == 1 {
+                0
+            } else {
+                return Err(Error::shape(
+                    op,
+                    format!("cannot broadcast shape {:?} to {:?}", self.shape, shape),
+                ));
+            };
+        }
+        Ok(Layout {
+            shape: shape.to_vec(),
+            strides,
+            offset: self.offset,
+        })
+    }
+
+    pub fn permute(&self, op: &'static str, perm: &[usize]) -> Result<Layout> {
+        let rank = self.rank();
+        let mut seen = vec![false; rank];
+        if perm.len() != rank
+            || perm
+                .iter()
+                .any(|&p| p >= rank || std::mem::replace(&mut seen[p], true))
+        {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "{perm:?} is not a permutation of the axes of a tensor of shape {:?}",
+                    self.shape
+                ),
+            ));
+        }
+        Ok(Layout {
+            shape: perm.iter().map(|&p| self.shape[p]).collect(),
+            strides: perm.iter().map(|&p| self.strides[p]).collect(),
+            offset: self.offset,
+        })
+    }
+
+    pub fn narrow(
+        &self,
+        op: &'static str,
+        axis: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<Layout> {
+        if axis >= self.rank() {
+            return Err(Error::Axis {
+                op,
+                axis: axis as isize,
+                rank: self.rank(),
+            });
+        }
+        if start + len > self.shape[axis] {
+            return Err(Error::index(
+                op,
+                format!(
+                    "range {start}..{} is out of bounds for axis {axis} of size {} (shape {:?})",
+                    start + len,
+                    self.shape[axis],
+                    self.shape
+                ),
+            ));
+        }
+        let mut l = self.clone();
+        l.offset += start * self.strides[axis];
+        l.shape[axis] = len;
+        Ok(l)
+    }
+
+    /// A reshape that keeps the storage when possible (contiguous layouts always can).
+    /// Returns None when the data would have to be copied first.
+    pub fn reshape(&self, shape: &[usize]) -> Option<Layout> {
+        if self.is_contiguous() {
+            return Some(Layout {
+                shape: shape.to_vec(),
+                strides: contiguous_strides(shape),
+                offset: self.offset,
+            });
+        }
+        None
+    }
+}
+
+/// Row-major walk over the storage indices of a strided layout, without division per element.
+pub struct StridedIndices<'a> {
+    layout: &'a Layout,
+    pos: Vec<usize>,
+    next: usize,
+    remaining: usize,
+}
+
+impl Iterator for StridedIndices<'_> {
+    type Item = usize;
+    fn next(&mut self) -> Option<usize> {
+        if self.remaining == 0 {
+            return None;
+        }
+        self.remaining -= 1;
+        let cur = self.next;
+        let l = self.layout;
+        for k in (0..l.rank()).rev() {
+            self.pos[k] += 1;
+            self.next += l.strides[k];
+            if self.pos[k] < l.shape[k] {
+                break;
+            }
+            self.next -= l.strides[k] * l.shape[k];
+            self.pos[k] = 0;
+        }
+        Some(cur)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.remaining, Some(self.remaining))
+    }
+}
+
+impl ExactSizeIterator for StridedIndices<'_> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strided_indices_match_index_of() {
+        let l = Layout::contiguous(&[2, 3, 4])
+            .permute("t", &[2, 0, 1])
+            .unwrap();
+        let it: Vec<usize> = l.indices().collect();
+        let direct: Vec<usize> = (0..l.numel()).map(|i| l.index_of(i)).collect();
+        assert_eq!(it, direct);
+        assert_eq!(&it[..4], &[0, 4, 8, 12]);
+    }
+
+    #[test]
+    fn broadcast_rules() {
+        assert_eq!(broadcast_shapes("t", &[3, 1], &[4]).unwrap(), vec![3, 4]);
+        assert_eq!(broadcast_shapes("t", &[], &[2, 2]).unwrap(), vec![2, 2]);
+        let e = broadcast_shapes("add", &[3], &[4]).unwrap_err().to_string();
+        assert!(
+            e.contains("add") && e.contains("[3]") && e.contains("[4]"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn contiguity() {
+        assert!(Layout::contiguous(&[2, 3]).is_contiguous());
+        assert!(!Layout::contiguous(&[2, 3])
+            .permute("t", &[1, 0])
+            .unwrap()
+            .is_contiguous());
+        assert!(Layout::contiguous(&[1, 3])
+            .permute("t", &[1, 0])
+            .unwrap()
+            .is_contiguous());
+        assert_eq!(contiguous_strides(&[2, 0, 3]), vec![3, 3, 1]);
+    }
+
+    #[test]
+    fn bad_permutation_and_narrow() {
+        let l = Layout::contiguous(&[2, 3]);
+        assert!(l.permute("permute", &[0, 0]).is_err());
+        assert!(l.narrow("narrow", 1, 2, 2).is_err());
+        assert_eq!(l.narrow("narrow", 1, 1, 2).unwrap().offset, 1);
+    }
+}

@@ -1,0 +1,24 @@
+//! wgpipe-tensor: f32 tensors on the CPU and on wgpu devices (WGSL kernels), strided views,
+//! every op training needs, and per-device memory accounting.
+//!
+//! Ops live in `ops/` as front-ends that validate and lower to the [`backend`] kernels, which the
+//! CPU (`cpu/`) and wgpu (`wgpu/`) backends implement side by side.
+
+pub mod backend;
+mod cpu;
+pub mod device;
+pub mod error;
+pub mod layout;
+pub mod memory;
+pub mod ops;
+pub mod rng;
+mod storage;
+pub mod tensor;
+mod wgpu;
+
+pub use backend::{BinaryOp, ReduceOp, UnaryOp};
+pub use device::{AdapterInfo, Device, DEVICE_ENV};
+pub use error::{Error, Result};
+pub use layout::Layout;
+pub use memory::{MemoryStats, MemoryTracker, Tag, TagGuard};
+pub use tensor::Tensor;

@@ -1,0 +1,1 @@
+//! Op front-ends: validation and lowering to backend kernels.

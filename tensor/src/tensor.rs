@@ -1,0 +1,400 @@
+//! `Tensor`: f32 values on a device, seen through a layout (shape, strides, offset), so that
+//! reshape, permute, transpose, narrow and broadcast are free views of the same storage.
+
+use std::sync::Arc;
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::layout::{contiguous_strides, numel, resolve_axis, Layout};
+use crate::memory::Tag;
+use crate::storage::Storage;
+
+/// An immutable n-dimensional array of f32. Cloning is cheap (shares the storage).
+#[derive(Clone)]
+pub struct Tensor {
+    storage: Arc<Storage>,
+    layout: Layout,
+    device: Device,
+}
+
+impl Tensor {
+    // ---- construction (crate-internal) ----
+
+    /// A contiguous tensor of `shape` over freshly made `storage` (used by the backends).
+    pub(crate) fn from_storage(storage: Storage, shape: &[usize], device: &Device) -> Tensor {
+        Tensor {
+            storage: Arc::new(storage),
+            layout: Layout::contiguous(shape),
+            device: device.clone(),
+        }
+    }
+
+    /// A view of the same storage with another layout.
+    pub(crate) fn with_layout(&self, layout: Layout) -> Tensor {
+        Tensor {
+            storage: self.storage.clone(),
+            layout,
+            device: self.device.clone(),
+        }
+    }
+
+    pub(crate) fn storage(&self) -> &Storage {
+        &self.storage
+    }
+
+    // ---- creation ----
+
+    /// A tensor of `shape` holding `data` in row-major order.
+    pub fn from_vec(data: Vec<f32>, shape: &[usize], device: &Device) -> Result<Tensor> {
+        if data.len() != numel(shape) {
+            return Err(Error::shape(
+                "from_vec",
+                format!(
+                    "{} values cannot fill shape {shape:?} ({} elements)",
+                    data.len(),
+                    numel(shape)
+                ),
+            ));
+        }
+        if device.is_cpu() {
+            let a = Storage::reserve(device, data.len())?;
+            return Ok(Tensor::from_storage(Storage::cpu(data, a), shape, device));
+        }
+        device.kernels().from_host(device, &data, shape)
+    }
+
+    pub fn from_slice(data: &[f32], shape: &[usize], device: &Device) -> Result<Tensor> {
+        Tensor::from_vec(data.to_vec(), shape, device)
+    }
+
+    /// A 0-dimensional tensor.
+    pub fn scalar(value: f32, device: &Device) -> Result<Tensor> {
+        Tensor::from_vec(vec![value], &[], device)
+    }
+
+    pub fn full(shape: &[usize], value: f32, device: &Device) -> Result<Tensor> {
+        device.kernels().fill(device, shape, value)
+    }
+    pub fn zeros(shape: &[usize], device: &Device) -> Result<Tensor> {
+        Tensor::full(shape, 0.0, device)
+    }
+    pub fn ones(shape: &[usize], device: &Device) -> Result<Tensor> {
+        Tensor::full(shape, 1.0, device)
+    }
+
+    /// `[start, start + step, ...]` below `end` (1-D).
+    pub fn arange(start: f32, end: f32, step: f32, device: &Device) -> Result<Tensor> {
+        if step == 0.0 || !step.is_finite() || (end - start) / step < 0.0 {
+            return Err(Error::invalid(
+                "arange",
+                format!("cannot step from {start} to {end} by {step}"),
+            ));
+        }
+        let n = ((end - start) / step).ceil() as usize;
+        let v: Vec<f32> = (0..n).map(|i| start + step * i as f32).collect();
+        Tensor::from_vec(v, &[n], device)
+    }
+
+    /// Uniform values in `[lo, hi)` from the counter-based stream `seed`: the same seed gives
+    /// the same values on every backend.
+    pub fn rand_uniform(
+        shape: &[usize],
+        lo: f32,
+        hi: f32,
+        seed: u64,
+        device: &Device,
+    ) -> Result<Tensor> {
+        Tensor::from_vec(
+            crate::rng::uniform_vec(seed, 0, numel(shape), lo, hi),
+            shape,
+            device,
+        )
+    }
+
+    /// Normal values (`mean`, `std`) from the counter-based stream `seed`, equal on every backend.
+    pub fn rand_normal(
+        shape: &[usize],
+        mean: f32,
+        std: f32,
+        seed: u64,
+        device: &Device,
+    ) -> Result<Tensor> {
+        Tensor::from_vec(
+            crate::rng::normal_vec(seed, 0, numel(shape), mean, std),
+            shape,
+            device,
+        )
+    }
+
+    /// Values stored as f16 (e.g. read from a file), widened to f32.
+    pub fn from_f16(data: &[half::f16], shape: &[usize], device: &Device) -> Result<Tensor> {
+        Tensor::from_vec(data.iter().map(|h| h.to_f32()).collect(), shape, device)
+    }
+
+    // ---- inspection ----
+
+    pub fn shape(&self) -> &[usize] {
+        &self.layout.shape
+    }
+    pub fn dims(&self) -> &[usize] {
+        &self.layout.shape
+    }
+    pub fn rank(&self) -> usize {
+        self.layout.rank()
+    }
+    pub fn numel(&self) -> usize {
+        self.layout.numel()
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.layout.strides
+    }
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    pub fn is_contiguous(&self) -> bool {
+        self.layout.is_contiguous()
+    }
+    /// Size of axis `axis` (negative counts from the end).
+    pub fn dim(&self, axis: isize) -> Result<usize> {
+        Ok(self.layout.shape[resolve_axis("dim", axis, self.rank())?])
+    }
+    /// True when both tensors view the same storage.
+    pub fn shares_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.storage, &other.storage)
+    }
+    /// Bytes of the storage behind this tensor (what the device's accounting charged).
+    pub fn storage_bytes(&self) -> usize {
+        self.storage.bytes()
+    }
+
+    /// The values in row-major order (reads back from the GPU when needed).
+    pub fn to_vec(&self) -> Result<Vec<f32>> {
+        self.device.kernels().to_host(self)
+    }
+
+    /// The single value of a tensor with one element.
+    pub fn to_scalar(&self) -> Result<f32> {
+        if self.numel() != 1 {
+            return Err(Error::shape(
+                "to_scalar",
+                format!(
+                    "tensor of shape {:?} has {} elements, not 1",
+                    self.shape(),
+                    self.numel()
+                ),
+            ));
+        }
+        Ok(self.to_vec()?[0])
+    }
+
+    /// The values narrowed to f16 (for compact transfer and storage).
+    pub fn to_f16_vec(&self) -> Result<Vec<half::f16>> {
+        Ok(self
+            .to_vec()?
+            .into_iter()
+            .map(half::f16::from_f32)
+            .collect())
+    }
+
+    /// Moves (copies) the tensor to `device`. Same device: a cheap clone. Same arithmetic
+    /// (virtual devices over one backing device): a device-local copy charged to `device`.
+    /// Otherwise through host memory.
+    pub fn to_device(&self, device: &Device) -> Result<Tensor> {
+        if &self.device == device {
+            return Ok(self.clone());
+        }
+        if self.device.same_backend(device) {
+            let moved = Tensor {
+                storage: self.storage.clone(),
+                layout: self.layout.clone(),
+                device: device.clone(),
+            };
+            return device.kernels().contiguous(&moved);
+        }
+        Tensor::from_vec(self.to_vec()?, self.shape(), device)
+    }
+
+    /// Moves this tensor's bytes to accounting tag `tag` (e.g. after building a parameter).
+    pub fn retag(&self, tag: Tag) {
+        self.storage.retag(tag);
+    }
+
+    // ---- views (free) ----
+
+    /// A contiguous copy, or `self` when already contiguous.
+    pub fn contiguous(&self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        self.device.kernels().contiguous(self)
+    }
+
+    /// The same elements in a new shape; one dimension may be given as `usize::MAX` to be
+    /// inferred. Copies only when the layout cannot be reshaped in place.
+    pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
+        let shape = infer_shape("reshape", shape, self.numel(), self.shape())?;
+        match self.layout.reshape(&shape) {
+            Some(l) => Ok(self.with_layout(l)),
+            None => Ok(self.contiguous()?.with_layout(Layout {
+                shape: shape.clone(),
+                strides: contiguous_strides(&shape),
+                offset: 0,
+            })),
+        }
+    }
+
+    pub fn permute(&self, perm: &[usize]) -> Result<Tensor> {
+        Ok(self.with_layout(self.layout.permute("permute", perm)?))
+    }
+
+    /// Swaps two axes (negative counts from the end).
+    pub fn transpose(&self, a: isize, b: isize) -> Result<Tensor> {
+        let r = self.rank();
+        let (a, b) = (
+            resolve_axis("transpose", a, r)?,
+            resolve_axis("transpose", b, r)?,
+        );
+        let mut perm: Vec<usize> = (0..r).collect();
+        perm.swap(a, b);
+        self.permute(&perm)
+    }
+
+    /// Transpose of the last two axes.
+    pub fn t(&self) -> Result<Tensor> {
+        if self.rank() < 2 {
+            return Err(Error::shape(
+                "t",
+                format!("needs rank >= 2, got shape {:?}", self.shape()),
+            ));
+        }
+        self.transpose(-2, -1)
+    }
+
+    /// `len` elements of `axis` starting at `start`.
+    pub fn narrow(&self, axis: isize, start: usize, len: usize) -> Result<Tensor> {
+        let a = resolve_axis("narrow", axis, self.rank())?;
+        Ok(self.with_layout(self.layout.narrow("narrow", a, start, len)?))
+    }
+
+    /// A view broadcast to `shape` (numpy rules; stretched axes get stride 0).
+    pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor> {
+        Ok(self.with_layout(self.layout.broadcast_to("broadcast_to", shape)?))
+    }
+
+    /// Alias of [`Tensor::broadcast_to`] (PyTorch's name).
+    pub fn expand(&self, shape: &[usize]) -> Result<Tensor> {
+        self.broadcast_to(shape)
+    }
+
+    /// Inserts an axis of size 1 at `axis` (in `0..=rank`; negative counts from the end).
+    pub fn unsqueeze(&self, axis: isize) -> Result<Tensor> {
+        let r = self.rank() as isize + 1;
+        let a = resolve_axis("unsqueeze", axis, r as usize)?;
+        let mut l = self.layout.clone();
+        let stride = if a < l.rank() {
+            l.strides[a] * l.shape[a]
+        } else {
+            1
+        };
+        l.shape.insert(a, 1);
+        l.strides.insert(a, stride);
+        Ok(self.with_layout(l))
+    }
+
+    /// Removes axis `axis`, which must have size 1.
+    pub fn squeeze(&self, axis: isize) -> Result<Tensor> {
+        let a = resolve_axis("squeeze", axis, self.rank())?;
+        if self.shape()[a] != 1 {
+            return Err(Error::shape(
+                "squeeze",
+                format!(
+                    "axis {a} of shape {:?} has size {}, not 1",
+                    self.shape(),
+                    self.shape()[a]
+                ),
+            ));
+        }
+        let mut l = self.layout.clone();
+        l.shape.remove(a);
+        l.strides.remove(a);
+        Ok(self.with_layout(l))
+    }
+
+    /// Merges axes `start..=end` into one.
+    pub fn flatten(&self, start: isize, end: isize) -> Result<Tensor> {
+        let r = self.rank();
+        if r == 0 {
+            return self.reshape(&[1]);
+        }
+        let (s, e) = (
+            resolve_axis("flatten", start, r)?,
+            resolve_axis("flatten", end, r)?,
+        );
+        if s > e {
+            return Err(Error::invalid(
+                "flatten",
+                format!("start axis {s} is after end axis {e}"),
+            ));
+        }
+        let mut shape = self.shape()[..s].to_vec();
+        shape.push(self.shape()[s..=e].iter().product());
+        shape.extend_from_slice(&self.shape()[e + 1..]);
+        self.reshape(&shape)
+    }
+
+    /// Fails with `DeviceMismatch` unless `other` is on this tensor's device.
+    pub(crate) fn same_device(&self, op: &'static str, other: &Tensor) -> Result<()> {
+        if self.device != other.device {
+            return Err(Error::DeviceMismatch {
+                op,
+                a: self.device.name().to_string(),
+                b: other.device.name().to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Resolves one `usize::MAX` placeholder and checks the element count.
+fn infer_shape(op: &'static str, shape: &[usize], n: usize, from: &[usize]) -> Result<Vec<usize>> {
+    let unknown: Vec<usize> = (0..shape.len())
+        .filter(|&i| shape[i] == usize::MAX)
+        .collect();
+    let known: usize = shape.iter().filter(|&&d| d != usize::MAX).product();
+    let mut out = shape.to_vec();
+    match unknown.len() {
+        0 => {}
+        1 if known > 0 && n % known == 0 => out[unknown[0]] = n / known,
+        _ => {
+            return Err(Error::shape(
+                op,
+                format!("cannot infer a shape like {shape:?} for {n} elements (from {from:?})"),
+            ))
+        }
+    }
+    if numel(&out) != n {
+        return Err(Error::shape(
+            op,
+            format!(
+                "cannot view shape {from:?} ({n} elements) as {out:?} ({} elements)",
+                numel(&out)
+            ),
+        ));
+    }
+    Ok(out)
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor(shape={:?}, device={}", self.shape(), self.device)?;
+        if self.numel() <= 16 {
+            if let Ok(v) = self.to_vec() {
+                write!(f, ", values={v:?}")?;
+            }
+        }
+        write!(f, ")")
+    }
+}
