@@ -1,1 +1,19 @@
-//! placeholder
+//! wgpipe-autograd: a tape-based reverse mode over `wgpipe-tensor`, parameters and the `Module`
+//! trait, re-materialization (`checkpoint`), optimizers and safetensors save/load.
+
+pub mod checkpoint;
+pub mod module;
+mod ops;
+pub mod optim;
+pub mod param;
+pub mod serialize;
+pub mod tape;
+pub mod var;
+
+pub use checkpoint::checkpoint;
+pub use module::{CostHint, ForwardCtx, Module};
+pub use optim::{Adam, AdamW, LrSchedule, Optimizer, Sgd};
+pub use param::Param;
+pub use tape::{BackwardFn, Grads, Tape};
+pub use var::Var;
+pub use wgpipe_tensor as tensor;

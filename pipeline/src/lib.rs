@@ -1,1 +1,35 @@
-//! placeholder
+//! wgpipe-pipeline: GPipe micro-batch pipelining across devices, re-materialization, schedules
+//! as data, a simulated multi-accelerator cluster, and reports/traces of every step.
+//!
+//! ```ignore
+//! let mut pipe = Pipeline::builder(layers)
+//!     .devices(vec![dev0, dev1])
+//!     .balance(Balance::Explicit(vec![3, 3]))
+//!     .micro_batches(8)
+//!     .checkpoint(CheckpointMode::ExceptLast)
+//!     .optimizer(|| Box::new(Sgd::new(0.1)))
+//!     .build()?;
+//! let report = pipe.train_step(&x, &y, &loss_fn)?;
+//! pipe.optimizer_step()?;
+//! ```
+
+pub mod builder;
+pub mod error;
+pub mod microbatch;
+pub mod partition;
+pub mod pipeline;
+pub mod report;
+pub mod schedule;
+pub mod sim;
+pub mod timeline;
+pub mod trace;
+pub mod worker;
+
+pub use builder::{Balance, PipelineBuilder, ScheduleKind};
+pub use error::{PipelineError, Result, StageCause};
+pub use pipeline::Pipeline;
+pub use report::{SimReport, StageReport, StepReport};
+pub use schedule::{CheckpointMode, Schedule};
+pub use sim::SimCluster;
+pub use timeline::{DeviceSpec, LinkSpec, Timeline};
+pub use worker::{LossFn, Stage};

@@ -1,1 +1,461 @@
-//! placeholder
+//! Shared support for the cross-crate integration tests: small models, a plain (non-pipelined)
+//! reference trainer, pipelined training on a simulated cluster, comparisons, and test layers
+//! (fault injection, an equal-cost linear layer).
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use wgpipe_autograd::optim::{zero_grad, Optimizer, Sgd, SgdConfig};
+use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Tape, Var};
+use wgpipe_models::{
+    finish_step_all, forward_all, sequence_parameters, Gelu, LayerNorm, Linear, Relu,
+    TransformerLm,
+};
+use wgpipe_pipeline::{
+    Balance, CheckpointMode, LinkSpec, LossFn, Pipeline, ScheduleKind, SimCluster, StepReport,
+};
+use wgpipe_tensor::{Device, Error, Result, Tensor};
+
+pub use wgpipe_models::{cross_entropy, mse};
+
+/// The RNG seed every pipelined and plain run uses (dropout keys).
+pub const SEED: u64 = 7;
+/// Learning rate and momentum of the SGD every test trains with.
+pub const LR: f32 = 0.05;
+pub const MOMENTUM: f32 = 0.9;
+
+pub const ALL_MODES: [CheckpointMode; 3] = [
+    CheckpointMode::Always,
+    CheckpointMode::ExceptLast,
+    CheckpointMode::Never,
+];
+pub const ALL_SCHEDULES: [ScheduleKind; 2] = [ScheduleKind::GPipe, ScheduleKind::OneFOneB];
+
+/// SGD with momentum (so per-stage optimizer state matters too).
+pub fn sgd() -> Box<dyn Optimizer> {
+    Box::new(Sgd::with_config(SgdConfig {
+        lr: LR,
+        momentum: MOMENTUM,
+        dampening: 0.0,
+        weight_decay: 0.0,
+        nesterov: false,
+    }))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Models and data
+// ---------------------------------------------------------------------------------------------
+
+/// A small MLP as 8 layers: Linear, ReLU, Linear, GELU, LayerNorm, Linear, ReLU, Linear.
+/// Widths `input -> width -> ... -> out` (different at each boundary so byte counts differ).
+pub fn mlp(input: usize, width: usize, out: usize, seed: u64) -> Vec<Box<dyn Module>> {
+    let d = Device::cpu();
+    let w2 = width + 4;
+    vec![
+        Box::new(Linear::new(input, width, seed, &d).unwrap()),
+        Box::new(Relu),
+        Box::new(Linear::new(width, w2, seed + 1, &d).unwrap()),
+        Box::new(Gelu),
+        Box::new(LayerNorm::new(w2, &d).unwrap()),
+        Box::new(Linear::new(w2, width, seed + 2, &d).unwrap()),
+        Box::new(Relu),
+        Box::new(Linear::new(width, out, seed + 3, &d).unwrap()),
+    ]
+}
+
+/// The Transformer LM of the tests: vocab 16, d 16, 2 heads, 2 blocks, sequences of 6:
+/// 5 elements (embedding, 2 blocks, LayerNorm, head).
+pub fn transformer_cfg(dropout: f32) -> TransformerLm {
+    TransformerLm {
+        vocab: 16,
+        d_model: 16,
+        heads: 2,
+        layers: 2,
+        seq_len: 6,
+        dropout,
+    }
+}
+
+pub fn transformer(dropout: f32, seed: u64) -> Vec<Box<dyn Module>> {
+    transformer_cfg(dropout)
+        .build(seed, &Device::cpu())
+        .unwrap()
+}
+
+/// Deterministic normal data `[shape]` on the CPU.
+pub fn normal_data(shape: &[usize], seed: u64) -> Tensor {
+    Tensor::rand_normal(shape, 0.0, 1.0, seed, &Device::cpu()).unwrap()
+}
+
+/// Integer ids in `0..vocab` as f32, `[n, t]`, from a fixed formula.
+pub fn token_ids(n: usize, t: usize, vocab: usize, salt: usize) -> Tensor {
+    let v: Vec<f32> = (0..n * t)
+        .map(|i| ((i * 7 + salt * 13 + (i / t) * 3) % vocab) as f32)
+        .collect();
+    Tensor::from_vec(v, &[n, t], &Device::cpu()).unwrap()
+}
+
+/// Layers per stage, as even as possible (the first stages get the extra layers).
+pub fn even_balance(layers: usize, k: usize) -> Vec<usize> {
+    (0..k).map(|i| layers / k + usize::from(i < layers % k)).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Training runs
+// ---------------------------------------------------------------------------------------------
+
+/// What a few training steps produced: the loss of each step and every parameter at the end.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunResult {
+    pub losses: Vec<f32>,
+    pub params: Vec<(String, Vec<f32>)>,
+}
+
+/// Every parameter's value, by name (sorted), on the host.
+pub fn snapshot(params: &[(String, Param)]) -> Vec<(String, Vec<f32>)> {
+    let mut v: Vec<_> = params
+        .iter()
+        .map(|(n, p)| (n.clone(), p.value().to_vec().unwrap()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// Every parameter's gradient (None where there is none), by name (sorted), on the host.
+pub fn grad_snapshot(params: &[(String, Param)]) -> Vec<(String, Option<Vec<f32>>)> {
+    let mut v: Vec<_> = params
+        .iter()
+        .map(|(n, p)| (n.clone(), p.grad().map(|g| g.to_vec().unwrap())))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// PLAIN training, the reference: the layers in order on one tape over the whole mini-batch,
+/// mean loss, backward, deferred updates, the same SGD, `steps` times. Step `s` runs with
+/// `ForwardCtx::train(SEED, s, 0)`.
+pub fn plain_train(
+    layers: &[Box<dyn Module>],
+    x: &Tensor,
+    y: &Tensor,
+    loss_fn: &LossFn,
+    steps: usize,
+) -> RunResult {
+    let params = sequence_parameters(layers);
+    let mut opt = sgd();
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        let tape = Tape::new();
+        let input = tape.constant(x.clone());
+        let out = forward_all(layers, &input, &ForwardCtx::train(SEED, step as u64, 0)).unwrap();
+        let loss = loss_fn(&out, y).unwrap();
+        losses.push(loss.to_scalar().unwrap());
+        tape.backward(&loss).unwrap();
+        finish_step_all(layers).unwrap();
+        opt.step(&params).unwrap();
+        zero_grad(&params);
+    }
+    RunResult {
+        losses,
+        params: snapshot(&params),
+    }
+}
+
+/// How to build a pipeline for a test.
+#[derive(Debug, Clone)]
+pub struct PipeCfg {
+    pub k: usize,
+    pub m: usize,
+    pub mode: CheckpointMode,
+    pub schedule: ScheduleKind,
+    pub balance: Option<Vec<usize>>,
+    pub link: LinkSpec,
+    /// Memory capacity of each virtual device (`u64::MAX`: unlimited).
+    pub memory: Vec<u64>,
+    pub flops_per_sec: f64,
+}
+
+impl PipeCfg {
+    pub fn new(k: usize, m: usize, mode: CheckpointMode, schedule: ScheduleKind) -> Self {
+        PipeCfg {
+            k,
+            m,
+            mode,
+            schedule,
+            balance: None,
+            link: LinkSpec::FREE,
+            memory: vec![u64::MAX; k],
+            flops_per_sec: 1e9,
+        }
+    }
+    pub fn balance(mut self, b: Vec<usize>) -> Self {
+        self.balance = Some(b);
+        self
+    }
+}
+
+/// A pipeline over `layers` on a simulated cluster of CPU-backed virtual devices.
+pub fn sim_pipeline(layers: Vec<Box<dyn Module>>, cfg: &PipeCfg) -> Pipeline {
+    try_sim_pipeline(layers, cfg).unwrap()
+}
+
+pub fn try_sim_pipeline(
+    layers: Vec<Box<dyn Module>>,
+    cfg: &PipeCfg,
+) -> wgpipe_pipeline::Result<Pipeline> {
+    let n = layers.len();
+    let specs: Vec<_> = cfg
+        .memory
+        .iter()
+        .map(|&memory_bytes| wgpipe_pipeline::DeviceSpec {
+            flops_per_sec: cfg.flops_per_sec,
+            memory_bytes,
+        })
+        .collect();
+    let cluster = SimCluster::new(&Device::cpu(), &specs, cfg.link);
+    Pipeline::builder(layers)
+        .sim(cluster)
+        .balance(Balance::Explicit(
+            cfg.balance.clone().unwrap_or_else(|| even_balance(n, cfg.k)),
+        ))
+        .micro_batches(cfg.m)
+        .checkpoint(cfg.mode)
+        .schedule(cfg.schedule)
+        .seed(SEED)
+        .optimizer(sgd)
+        .build()
+}
+
+/// `steps` pipelined training steps (train_step then optimizer_step); the reports of each.
+pub fn pipe_train(
+    pipe: &mut Pipeline,
+    x: &Tensor,
+    y: &Tensor,
+    loss_fn: &LossFn,
+    steps: usize,
+) -> (RunResult, Vec<StepReport>) {
+    let mut losses = Vec::new();
+    let mut reports = Vec::new();
+    for _ in 0..steps {
+        let r = pipe.train_step(x, y, loss_fn).unwrap();
+        losses.push(r.loss);
+        reports.push(r);
+        pipe.optimizer_step().unwrap();
+    }
+    (
+        RunResult {
+            losses,
+            params: snapshot(&pipe.named_parameters()),
+        },
+        reports,
+    )
+}
+
+/// Largest |a - b| over the largest |b| (0 when both are 0): a norm-wise relative error, which
+/// is what summation-order differences bound (an element-wise relative error is meaningless
+/// for elements that happen to be near zero).
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let diff = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() as f64)
+        .fold(0.0, f64::max);
+    let scale = b.iter().map(|y| y.abs() as f64).fold(0.0, f64::max);
+    if diff == 0.0 {
+        0.0
+    } else {
+        diff / scale.max(f64::MIN_POSITIVE)
+    }
+}
+
+/// The worst relative error between two runs (losses and every parameter tensor), with the
+/// name of where it happened.
+pub fn worst_err(a: &RunResult, b: &RunResult) -> (f64, String) {
+    let mut worst = (0.0, String::new());
+    for (i, (x, y)) in a.losses.iter().zip(&b.losses).enumerate() {
+        let e = rel_err(&[*x], &[*y]);
+        if e > worst.0 {
+            worst = (e, format!("loss of step {i} ({x} vs {y})"));
+        }
+    }
+    assert_eq!(a.losses.len(), b.losses.len());
+    assert_eq!(a.params.len(), b.params.len(), "parameter counts differ");
+    for ((na, va), (nb, vb)) in a.params.iter().zip(&b.params) {
+        assert_eq!(na, nb, "parameter names differ");
+        let e = rel_err(va, vb);
+        if e > worst.0 {
+            worst = (e, format!("parameter {na}"));
+        }
+    }
+    worst
+}
+
+pub fn assert_close(a: &RunResult, b: &RunResult, tol: f64, what: &str) {
+    let (e, at) = worst_err(a, b);
+    assert!(e <= tol, "{what}: relative error {e:.3e} > {tol:.0e} at {at}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Test layers
+// ---------------------------------------------------------------------------------------------
+
+/// What a [`Fault`] layer does when triggered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// Panics in forward.
+    Panic,
+    /// Returns an error from forward.
+    Error,
+    /// Returns an error from its backward.
+    BackwardError,
+    /// Panics in its backward.
+    BackwardPanic,
+}
+
+/// The trigger of a [`Fault`] layer, shared with the test.
+#[derive(Debug, Default)]
+pub struct FaultState {
+    /// Fire on this micro-batch's (first, not recomputed) forward, or its backward.
+    pub armed: Option<(FaultKind, u64)>,
+    /// When it fired.
+    pub fired_at: Option<Instant>,
+}
+
+/// An identity layer that fails on demand at a given micro-batch (of the stage it lands on).
+pub struct Fault {
+    pub state: Arc<Mutex<FaultState>>,
+}
+
+impl Fault {
+    pub fn new() -> (Fault, Arc<Mutex<FaultState>>) {
+        let state = Arc::new(Mutex::new(FaultState::default()));
+        (
+            Fault {
+                state: state.clone(),
+            },
+            state,
+        )
+    }
+}
+
+fn fire(state: &Arc<Mutex<FaultState>>) {
+    state.lock().unwrap_or_else(|p| p.into_inner()).fired_at = Some(Instant::now());
+}
+
+impl Module for Fault {
+    fn name(&self) -> String {
+        "Fault".into()
+    }
+    fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
+        let armed = self.state.lock().unwrap_or_else(|p| p.into_inner()).armed;
+        let Some((kind, m)) = armed else {
+            return Ok(x.clone());
+        };
+        if !ctx.train || ctx.micro_batch != m {
+            return Ok(x.clone());
+        }
+        match kind {
+            FaultKind::Panic if !ctx.recompute => {
+                fire(&self.state);
+                panic!("injected panic at micro-batch {m}");
+            }
+            FaultKind::Error if !ctx.recompute => {
+                fire(&self.state);
+                Err(Error::Invalid {
+                    op: "Fault",
+                    msg: format!("injected error at micro-batch {m}"),
+                })
+            }
+            FaultKind::BackwardError | FaultKind::BackwardPanic => {
+                let state = self.state.clone();
+                Var::from_op("fault", &[x], x.value().clone(), move |g, _| {
+                    fire(&state);
+                    if kind == FaultKind::BackwardPanic {
+                        panic!("injected backward panic at micro-batch {m}");
+                    }
+                    let _ = g;
+                    Err(Error::Invalid {
+                        op: "Fault",
+                        msg: format!("injected backward error at micro-batch {m}"),
+                    })
+                })
+            }
+            _ => Ok(x.clone()),
+        }
+    }
+    fn parameters(&self) -> Vec<(String, Param)> {
+        Vec::new()
+    }
+    fn cost(&self, input_shape: &[usize]) -> CostHint {
+        CostHint {
+            output_shape: input_shape.to_vec(),
+            ..CostHint::default()
+        }
+    }
+}
+
+/// `y = (x + shift) W^T`: a linear layer whose input always needs a gradient (through `shift`),
+/// so that the first stage does exactly the work of every other stage (with a plain `Linear`
+/// first, stage 0 skips the input-gradient matmul because its input is data).
+pub struct ShiftLinear {
+    pub shift: Param,
+    pub weight: Param,
+    width: usize,
+}
+
+impl ShiftLinear {
+    pub fn new(width: usize, seed: u64) -> ShiftLinear {
+        let d = Device::cpu();
+        let b = 1.0 / (width as f32).sqrt();
+        ShiftLinear {
+            shift: Param::new("shift", Tensor::zeros(&[width], &d).unwrap()),
+            weight: Param::new(
+                "weight",
+                Tensor::rand_uniform(&[width, width], -b, b, seed, &d).unwrap(),
+            ),
+            width,
+        }
+    }
+}
+
+impl Module for ShiftLinear {
+    fn name(&self) -> String {
+        format!("ShiftLinear({})", self.width)
+    }
+    fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
+        let t = x.tape();
+        let h = x.add(&t.param(&self.shift))?;
+        h.matmul(&t.param(&self.weight).t()?)
+    }
+    fn parameters(&self) -> Vec<(String, Param)> {
+        vec![
+            ("shift".into(), self.shift.clone()),
+            ("weight".into(), self.weight.clone()),
+        ]
+    }
+    fn cost(&self, input_shape: &[usize]) -> CostHint {
+        let rows: usize = input_shape[..input_shape.len() - 1].iter().product();
+        CostHint {
+            param_bytes: 4 * (self.width * self.width + self.width),
+            flops: (2 * rows * self.width * self.width + rows * self.width) as f64,
+            activation_bytes: 4 * rows * self.width,
+            output_shape: input_shape.to_vec(),
+        }
+    }
+}
+
+/// A wgpu device for the tests, or why there is none: `SKIPPED: <reason>` on stderr.
+pub fn software_wgpu_or_skip(test: &str) -> Option<Device> {
+    match std::panic::catch_unwind(Device::software_wgpu) {
+        Ok(Ok(d)) => Some(d),
+        Ok(Err(e)) => {
+            eprintln!("SKIPPED: {test}: no software wgpu device: {e}");
+            None
+        }
+        Err(_) => {
+            eprintln!("SKIPPED: {test}: opening a software wgpu device panicked");
+            None
+        }
+    }
+}

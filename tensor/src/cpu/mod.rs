@@ -1,40 +1,146 @@
-//! CPU backend (placeholder until the kernels land).
-#![allow(unused_variables)]
+//! CPU backend: `Kernels` on host vectors, multi-threaded with rayon for large tensors, matmul
+//! through the `gemm` crate. This file only allocates outputs and dispatches; each kind of
+//! kernel lives in its own module.
+
+use std::borrow::Cow;
+
 use crate::backend::*;
 use crate::device::Device;
 use crate::error::Result;
+use crate::layout::numel;
+use crate::memory::Allocation;
+use crate::storage::Storage;
 use crate::tensor::Tensor;
+
+mod conv;
+mod elementwise;
+mod index;
+mod math;
+mod matmul;
+mod norm;
+mod optim;
+mod par;
+mod pool;
+mod random;
+mod reduce;
+mod simd;
+mod strided;
+#[cfg(test)]
+mod tests;
 
 pub(crate) struct CpuKernels;
 
+/// A fresh output buffer whose bytes are already charged to its device.
+struct Out {
+    data: Vec<f32>,
+    alloc: Allocation,
+}
+
+impl Out {
+    /// Reserves `n` values on `dev` (failing with `OutOfMemory` before any memory is touched),
+    /// then allocates them zeroed.
+    fn zeros(dev: &Device, n: usize) -> Result<Out> {
+        let alloc = Storage::reserve(dev, n)?;
+        Ok(Out {
+            data: vec![0.0; n],
+            alloc,
+        })
+    }
+
+    fn into_tensor(self, shape: &[usize], dev: &Device) -> Tensor {
+        Tensor::from_storage(Storage::cpu(self.data, self.alloc), shape, dev)
+    }
+}
+
+/// The whole host storage behind `x`.
+fn data(x: &Tensor) -> &[f32] {
+    x.storage()
+        .as_cpu()
+        .expect("CPU kernel called with a tensor whose storage is not on the host")
+}
+
+/// The elements of a tensor the contract says is contiguous, in row-major order (a view that is
+/// not contiguous after all is copied rather than misread).
+fn contig(x: &Tensor) -> Cow<'_, [f32]> {
+    let l = x.layout();
+    let d = data(x);
+    if l.is_contiguous() {
+        Cow::Borrowed(&d[l.offset..l.offset + l.numel()])
+    } else {
+        let mut v = vec![0.0; l.numel()];
+        elementwise::copy(&mut v, d, l);
+        Cow::Owned(v)
+    }
+}
+
 impl Kernels for CpuKernels {
-    fn from_host(&self, dev: &Device, data: &[f32], shape: &[usize]) -> Result<Tensor> {
-        unimplemented!()
+    fn from_host(&self, dev: &Device, src: &[f32], shape: &[usize]) -> Result<Tensor> {
+        let alloc = Storage::reserve(dev, src.len())?;
+        Ok(Tensor::from_storage(
+            Storage::cpu(src.to_vec(), alloc),
+            shape,
+            dev,
+        ))
     }
+
     fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
-        unimplemented!()
+        Ok(contig(x).into_owned())
     }
+
     fn fill(&self, dev: &Device, shape: &[usize], value: f32) -> Result<Tensor> {
-        unimplemented!()
+        let n = numel(shape);
+        let alloc = Storage::reserve(dev, n)?;
+        Ok(Tensor::from_storage(
+            Storage::cpu(vec![value; n], alloc),
+            shape,
+            dev,
+        ))
     }
+
     fn contiguous(&self, x: &Tensor) -> Result<Tensor> {
-        unimplemented!()
+        let mut out = Out::zeros(x.device(), x.numel())?;
+        elementwise::copy(&mut out.data, data(x), x.layout());
+        Ok(out.into_tensor(x.shape(), x.device()))
     }
+
     fn unary(&self, op: UnaryOp, x: &Tensor) -> Result<Tensor> {
-        unimplemented!()
+        let mut out = Out::zeros(x.device(), x.numel())?;
+        elementwise::unary(op, &mut out.data, data(x), x.layout());
+        Ok(out.into_tensor(x.shape(), x.device()))
     }
+
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-        unimplemented!()
+        let mut out = Out::zeros(a.device(), a.numel())?;
+        elementwise::binary(op, &mut out.data, data(a), a.layout(), data(b), b.layout());
+        Ok(out.into_tensor(a.shape(), a.device()))
     }
+
     fn where_cond(&self, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-        unimplemented!()
+        let mut out = Out::zeros(a.device(), a.numel())?;
+        elementwise::where_cond(
+            &mut out.data,
+            data(cond),
+            cond.layout(),
+            data(a),
+            a.layout(),
+            data(b),
+            b.layout(),
+        );
+        Ok(out.into_tensor(a.shape(), a.device()))
     }
+
     fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
-        unimplemented!()
+        let mut out = Out::zeros(x.device(), rows)?;
+        reduce::reduce_rows(op, &mut out.data, &contig(x), cols);
+        Ok(out.into_tensor(&[rows], x.device()))
     }
+
     fn softmax_rows(&self, x: &Tensor, rows: usize, cols: usize, log: bool) -> Result<Tensor> {
-        unimplemented!()
+        let mut out = Out::zeros(x.device(), rows * cols)?;
+        reduce::softmax_rows(&mut out.data, &contig(x), cols, log);
+        Ok(out.into_tensor(&[rows, cols], x.device()))
     }
+
     fn matmul(
         &self,
         a: &Tensor,
@@ -43,8 +149,11 @@ impl Kernels for CpuKernels {
         lb: MatLayout,
         dims: MatDims,
     ) -> Result<Tensor> {
-        unimplemented!()
+        let mut out = Out::zeros(a.device(), dims.batch * dims.m * dims.n)?;
+        matmul::matmul(&mut out.data, data(a), la, data(b), lb, dims);
+        Ok(out.into_tensor(&[dims.batch, dims.m, dims.n], a.device()))
     }
+
     fn layer_norm_rows(
         &self,
         x: &Tensor,
@@ -54,8 +163,38 @@ impl Kernels for CpuKernels {
         cols: usize,
         eps: f32,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        unimplemented!()
+        let dev = x.device();
+        let (ay, am, ar) = (
+            Storage::reserve(dev, rows * cols)?,
+            Storage::reserve(dev, rows)?,
+            Storage::reserve(dev, rows)?,
+        );
+        let (mut y, mut mean, mut rstd) =
+            (vec![0.0; rows * cols], vec![0.0; rows], vec![0.0; rows]);
+        norm::layer_norm_rows(
+            &mut y,
+            &mut mean,
+            &mut rstd,
+            &contig(x),
+            &contig(gamma),
+            &contig(beta),
+            eps,
+        );
+        Ok((
+            Out { data: y, alloc: ay }.into_tensor(&[rows, cols], dev),
+            Out {
+                data: mean,
+                alloc: am,
+            }
+            .into_tensor(&[rows], dev),
+            Out {
+                data: rstd,
+                alloc: ar,
+            }
+            .into_tensor(&[rows], dev),
+        ))
     }
+
     fn index_select(
         &self,
         x: &Tensor,
@@ -64,8 +203,12 @@ impl Kernels for CpuKernels {
         dim: usize,
         inner: usize,
     ) -> Result<Tensor> {
-        unimplemented!()
+        let n = idx.numel();
+        let mut out = Out::zeros(x.device(), outer * n * inner)?;
+        index::index_select(&mut out.data, &contig(x), &contig(idx), dim, inner);
+        Ok(out.into_tensor(&[outer, n, inner], x.device()))
     }
+
     fn index_add(
         &self,
         src: &Tensor,
@@ -74,8 +217,11 @@ impl Kernels for CpuKernels {
         dim: usize,
         inner: usize,
     ) -> Result<Tensor> {
-        unimplemented!()
+        let mut out = Out::zeros(src.device(), outer * dim * inner)?;
+        index::index_add(&mut out.data, &contig(src), &contig(idx), dim, inner);
+        Ok(out.into_tensor(&[outer, dim, inner], src.device()))
     }
+
     fn gather(
         &self,
         x: &Tensor,
@@ -84,8 +230,12 @@ impl Kernels for CpuKernels {
         dim: usize,
         inner: usize,
     ) -> Result<Tensor> {
-        unimplemented!()
+        let n = idx.numel().checked_div(outer * inner).unwrap_or(0);
+        let mut out = Out::zeros(x.device(), outer * n * inner)?;
+        index::gather(&mut out.data, &contig(x), &contig(idx), n, dim, inner);
+        Ok(out.into_tensor(&[outer, n, inner], x.device()))
     }
+
     fn scatter_add(
         &self,
         src: &Tensor,
@@ -94,34 +244,84 @@ impl Kernels for CpuKernels {
         dim: usize,
         inner: usize,
     ) -> Result<Tensor> {
-        unimplemented!()
+        let n = idx.numel().checked_div(outer * inner).unwrap_or(0);
+        let mut out = Out::zeros(src.device(), outer * dim * inner)?;
+        index::scatter_add(&mut out.data, &contig(src), &contig(idx), n, dim, inner);
+        Ok(out.into_tensor(&[outer, dim, inner], src.device()))
     }
+
     fn concat(&self, xs: &[&Tensor], axis: usize, out_shape: &[usize]) -> Result<Tensor> {
-        unimplemented!()
+        let dev = xs[0].device();
+        let mut out = Out::zeros(dev, numel(out_shape))?;
+        let inner: usize = out_shape[axis + 1..].iter().product();
+        let row = out_shape[axis] * inner;
+        par::for_rows(&mut out.data, row, |o0, chunk| {
+            for (k, dst) in chunk.chunks_mut(row).enumerate() {
+                let o = o0 + k;
+                let mut at = 0;
+                for x in xs {
+                    let len = x.shape()[axis] * inner;
+                    elementwise::copy_range(&mut dst[at..at + len], data(x), x.layout(), o * len);
+                    at += len;
+                }
+            }
+        });
+        Ok(out.into_tensor(out_shape, dev))
     }
+
     fn im2col(&self, x: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
-        unimplemented!()
+        let (rows, cols) = (g.col_rows(), g.col_cols());
+        let mut out = Out::zeros(x.device(), g.n * g.groups * rows * cols)?;
+        conv::im2col(&mut out.data, &contig(x), g);
+        Ok(out.into_tensor(&[g.n, g.groups, rows, cols], x.device()))
     }
+
     fn col2im(&self, cols: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
-        unimplemented!()
+        let mut out = Out::zeros(cols.device(), g.n * g.c_in * g.h * g.w)?;
+        conv::col2im(&mut out.data, &contig(cols), g);
+        Ok(out.into_tensor(&[g.n, g.c_in, g.h, g.w], cols.device()))
     }
+
     fn max_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<(Tensor, Tensor)> {
-        unimplemented!()
+        let dev = x.device();
+        let n = g.n * g.c * g.h_out * g.w_out;
+        let (ay, aa) = (Storage::reserve(dev, n)?, Storage::reserve(dev, n)?);
+        let (mut y, mut am) = (vec![0.0; n], vec![0.0; n]);
+        pool::max_pool2d(&mut y, &mut am, &contig(x), g);
+        let shape = [g.n, g.c, g.h_out, g.w_out];
+        Ok((
+            Out { data: y, alloc: ay }.into_tensor(&shape, dev),
+            Out {
+                data: am,
+                alloc: aa,
+            }
+            .into_tensor(&shape, dev),
+        ))
     }
+
     fn max_pool2d_backward(
         &self,
         dy: &Tensor,
         argmax: &Tensor,
         g: &Pool2dGeometry,
     ) -> Result<Tensor> {
-        unimplemented!()
+        let mut out = Out::zeros(dy.device(), g.n * g.c * g.h * g.w)?;
+        pool::max_pool2d_backward(&mut out.data, &contig(dy), &contig(argmax), g);
+        Ok(out.into_tensor(&[g.n, g.c, g.h, g.w], dy.device()))
     }
+
     fn avg_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
-        unimplemented!()
+        let mut out = Out::zeros(x.device(), g.n * g.c * g.h_out * g.w_out)?;
+        pool::avg_pool2d(&mut out.data, &contig(x), g);
+        Ok(out.into_tensor(&[g.n, g.c, g.h_out, g.w_out], x.device()))
     }
+
     fn avg_pool2d_backward(&self, dy: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
-        unimplemented!()
+        let mut out = Out::zeros(dy.device(), g.n * g.c * g.h * g.w)?;
+        pool::avg_pool2d_backward(&mut out.data, &contig(dy), g);
+        Ok(out.into_tensor(&[g.n, g.c, g.h, g.w], dy.device()))
     }
+
     fn dropout_mask(
         &self,
         dev: &Device,
@@ -130,8 +330,11 @@ impl Kernels for CpuKernels {
         seed: u64,
         offset: u64,
     ) -> Result<Tensor> {
-        unimplemented!()
+        let mut out = Out::zeros(dev, numel(shape))?;
+        random::dropout_mask(&mut out.data, p, seed, offset);
+        Ok(out.into_tensor(shape, dev))
     }
+
     fn adam_update(
         &self,
         param: &Tensor,
@@ -140,8 +343,44 @@ impl Kernels for CpuKernels {
         v: &Tensor,
         hp: &AdamStep,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        unimplemented!()
+        let dev = param.device();
+        let n = param.numel();
+        let (ap, am, av) = (
+            Storage::reserve(dev, n)?,
+            Storage::reserve(dev, n)?,
+            Storage::reserve(dev, n)?,
+        );
+        let (mut p2, mut m2, mut v2) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        optim::adam(
+            &mut p2,
+            &mut m2,
+            &mut v2,
+            &contig(param),
+            &contig(grad),
+            &contig(m),
+            &contig(v),
+            hp,
+        );
+        let shape = param.shape();
+        Ok((
+            Out {
+                data: p2,
+                alloc: ap,
+            }
+            .into_tensor(shape, dev),
+            Out {
+                data: m2,
+                alloc: am,
+            }
+            .into_tensor(shape, dev),
+            Out {
+                data: v2,
+                alloc: av,
+            }
+            .into_tensor(shape, dev),
+        ))
     }
+
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }

@@ -1,0 +1,159 @@
+//! Views and layout ops (their gradients are views or reshapes of the output gradient),
+//! `concat` and `stack`.
+
+use wgpipe_tensor::{Result, Tensor};
+
+use super::{resolve_axis, same_tape};
+use crate::var::Var;
+
+/// Records a view-like op whose gradient is `bwd(g)`.
+fn view(
+    op: &'static str,
+    x: &Var,
+    y: Tensor,
+    bwd: impl FnOnce(&Tensor) -> Result<Tensor> + 'static,
+) -> Result<Var> {
+    Var::from_op(op, &[x], y, move |g, _| Ok(vec![Some(bwd(g)?)]))
+}
+
+impl Var {
+    /// The same elements in a new shape (`usize::MAX` infers one dimension).
+    pub fn reshape(&self, shape: &[usize]) -> Result<Var> {
+        let y = self.value.reshape(shape)?;
+        let s = self.shape().to_vec();
+        view("reshape", self, y, move |g| g.reshape(&s))
+    }
+
+    pub fn permute(&self, perm: &[usize]) -> Result<Var> {
+        let y = self.value.permute(perm)?;
+        let mut inv = vec![0; perm.len()];
+        for (i, &p) in perm.iter().enumerate() {
+            inv[p] = i;
+        }
+        view("permute", self, y, move |g| g.permute(&inv))
+    }
+
+    pub fn transpose(&self, a: isize, b: isize) -> Result<Var> {
+        let y = self.value.transpose(a, b)?;
+        view("transpose", self, y, move |g| g.transpose(a, b))
+    }
+
+    /// Transpose of the last two axes.
+    pub fn t(&self) -> Result<Var> {
+        let y = self.value.t()?;
+        view("t", self, y, |g| g.t())
+    }
+
+    /// `len` elements of `axis` from `start`; the gradient is zero outside that range.
+    pub fn narrow(&self, axis: isize, start: usize, len: usize) -> Result<Var> {
+        let y = self.value.narrow(axis, start, len)?;
+        let a = resolve_axis("narrow", axis, self.rank())?;
+        let shape = self.shape().to_vec();
+        view("narrow", self, y, move |g| {
+            let after = shape[a] - start - len;
+            if start == 0 && after == 0 {
+                return Ok(g.clone());
+            }
+            let zeros = |n: usize| {
+                let mut s = shape.clone();
+                s[a] = n;
+                Tensor::zeros(&s, g.device())
+            };
+            let mut parts = Vec::with_capacity(3);
+            if start > 0 {
+                parts.push(zeros(start)?);
+            }
+            parts.push(g.clone());
+            if after > 0 {
+                parts.push(zeros(after)?);
+            }
+            Tensor::concat(&parts.iter().collect::<Vec<_>>(), a as isize)
+        })
+    }
+
+    /// A view broadcast to `shape`; the gradient is summed back.
+    pub fn broadcast_to(&self, shape: &[usize]) -> Result<Var> {
+        let y = self.value.broadcast_to(shape)?;
+        let s = self.shape().to_vec();
+        view("broadcast_to", self, y, move |g| {
+            if g.shape() == s.as_slice() {
+                Ok(g.clone())
+            } else {
+                g.sum_to_shape(&s)
+            }
+        })
+    }
+
+    /// Alias of [`Var::broadcast_to`].
+    pub fn expand(&self, shape: &[usize]) -> Result<Var> {
+        self.broadcast_to(shape)
+    }
+
+    pub fn unsqueeze(&self, axis: isize) -> Result<Var> {
+        let y = self.value.unsqueeze(axis)?;
+        let s = self.shape().to_vec();
+        view("unsqueeze", self, y, move |g| g.reshape(&s))
+    }
+
+    pub fn squeeze(&self, axis: isize) -> Result<Var> {
+        let y = self.value.squeeze(axis)?;
+        let s = self.shape().to_vec();
+        view("squeeze", self, y, move |g| g.reshape(&s))
+    }
+
+    /// Merges axes `start..=end`.
+    pub fn flatten(&self, start: isize, end: isize) -> Result<Var> {
+        let y = self.value.flatten(start, end)?;
+        let s = self.shape().to_vec();
+        view("flatten", self, y, move |g| g.reshape(&s))
+    }
+
+    /// A contiguous copy (the gradient passes through).
+    pub fn contiguous(&self) -> Result<Var> {
+        let y = self.value.contiguous()?;
+        view("contiguous", self, y, |g| Ok(g.clone()))
+    }
+
+    /// Concatenates `vars` along `axis`; each gets its slice of the gradient.
+    pub fn concat(vars: &[&Var], axis: isize) -> Result<Var> {
+        same_tape("concat", vars)?;
+        let y = Tensor::concat(&vars.iter().map(|v| &v.value).collect::<Vec<_>>(), axis)?;
+        let a = resolve_axis("concat", axis, y.rank())?;
+        let sizes: Vec<usize> = vars.iter().map(|v| v.shape()[a]).collect();
+        Var::from_op("concat", vars, y, move |g, w| {
+            let mut start = 0;
+            let mut out = Vec::with_capacity(sizes.len());
+            for (&n, &want) in sizes.iter().zip(w) {
+                out.push(if want {
+                    Some(g.narrow(a as isize, start, n)?)
+                } else {
+                    None
+                });
+                start += n;
+            }
+            Ok(out)
+        })
+    }
+
+    /// Stacks same-shaped `vars` along a new axis `axis`.
+    pub fn stack(vars: &[&Var], axis: isize) -> Result<Var> {
+        same_tape("stack", vars)?;
+        let y = Tensor::stack(&vars.iter().map(|v| &v.value).collect::<Vec<_>>(), axis)?;
+        let a = resolve_axis("stack", axis, y.rank())?;
+        let shapes: Vec<Vec<usize>> = vars.iter().map(|v| v.shape().to_vec()).collect();
+        Var::from_op("stack", vars, y, move |g, w| {
+            shapes
+                .iter()
+                .zip(w)
+                .enumerate()
+                .map(|(i, (s, &want))| {
+                    if want {
+                        Ok(Some(g.narrow(a as isize, i, 1)?.reshape(s)?))
+                    } else {
+                        Ok(None)
+                    }
+                })
+                .collect()
+        })
+    }
+}

@@ -1,0 +1,116 @@
+//! `Param`: a named, trainable tensor with its accumulated gradient.
+//!
+//! Shared handle (`Arc<Mutex<..>>`): a module owns its params, the tape refers to them while
+//! recording, the optimizer updates them. Gradients accumulate across backward calls (one per
+//! micro-batch) until `zero_grad`.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use wgpipe_tensor::{Device, Result, Tag, Tensor};
+
+#[derive(Clone)]
+pub struct Param {
+    inner: Arc<Mutex<ParamInner>>,
+}
+
+struct ParamInner {
+    name: String,
+    value: Tensor,
+    grad: Option<Tensor>,
+    trainable: bool,
+}
+
+impl Param {
+    /// A trainable parameter; its bytes are accounted as `Tag::Parameters`.
+    pub fn new(name: impl Into<String>, value: Tensor) -> Param {
+        value.retag(Tag::Parameters);
+        Param {
+            inner: Arc::new(Mutex::new(ParamInner {
+                name: name.into(),
+                value,
+                grad: None,
+                trainable: true,
+            })),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ParamInner> {
+        // A panic in another thread while holding the lock leaves consistent data (every write
+        // is a single assignment), so a poisoned lock is safe to use.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn name(&self) -> String {
+        self.lock().name.clone()
+    }
+    pub fn set_name(&self, name: impl Into<String>) {
+        self.lock().name = name.into();
+    }
+    pub fn value(&self) -> Tensor {
+        self.lock().value.clone()
+    }
+    pub fn shape(&self) -> Vec<usize> {
+        self.lock().value.shape().to_vec()
+    }
+    pub fn device(&self) -> Device {
+        self.lock().value.device().clone()
+    }
+    /// Replaces the value (optimizer step, load). The new tensor is accounted as a parameter.
+    pub fn set_value(&self, value: Tensor) {
+        value.retag(Tag::Parameters);
+        self.lock().value = value;
+    }
+    pub fn grad(&self) -> Option<Tensor> {
+        self.lock().grad.clone()
+    }
+    pub fn set_grad(&self, grad: Option<Tensor>) {
+        if let Some(g) = &grad {
+            g.retag(Tag::Gradients);
+        }
+        self.lock().grad = grad;
+    }
+    /// Adds `g` to the accumulated gradient (the first call stores it).
+    pub fn accumulate_grad(&self, g: &Tensor) -> Result<()> {
+        let mut inner = self.lock();
+        let sum = match &inner.grad {
+            Some(old) => old.add(g)?,
+            None => g.contiguous()?,
+        };
+        sum.retag(Tag::Gradients);
+        inner.grad = Some(sum);
+        Ok(())
+    }
+    pub fn zero_grad(&self) {
+        self.lock().grad = None;
+    }
+    /// Frozen params get no gradient (fine-tuning with a frozen body).
+    pub fn set_trainable(&self, trainable: bool) {
+        self.lock().trainable = trainable;
+    }
+    pub fn is_trainable(&self) -> bool {
+        self.lock().trainable
+    }
+    /// Moves the value (and gradient) to `device`.
+    pub fn to_device(&self, device: &Device) -> Result<()> {
+        let mut inner = self.lock();
+        let v = wgpipe_tensor::memory::with_tag(Tag::Parameters, || inner.value.to_device(device))?;
+        inner.value = v;
+        if let Some(g) = inner.grad.take() {
+            inner.grad = Some(wgpipe_tensor::memory::with_tag(Tag::Gradients, || {
+                g.to_device(device)
+            })?);
+        }
+        Ok(())
+    }
+    /// True when both handles are the same parameter.
+    pub fn same(&self, other: &Param) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl std::fmt::Debug for Param {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let i = self.lock();
+        write!(f, "Param({}, {:?})", i.name, i.value.shape())
+    }
+}

@@ -1,0 +1,80 @@
+//! `Var`: a tensor recorded on a tape. Its op methods (in `ops/`) mirror the tensor ops and
+//! record their backward on the tape.
+
+use wgpipe_tensor::{Device, Result, Tensor};
+
+use crate::tape::{BackwardFn, Tape};
+
+/// A value on a [`Tape`]. Cloning is cheap (the value's storage is shared).
+#[derive(Clone)]
+pub struct Var {
+    pub(crate) id: usize,
+    pub(crate) value: Tensor,
+    pub(crate) tape: Tape,
+    /// True when a gradient flows to this var in backward (leaf, trainable param, or the result
+    /// of an op on such a var, on a recording tape).
+    pub(crate) requires_grad: bool,
+}
+
+impl Var {
+    pub fn value(&self) -> &Tensor {
+        &self.value
+    }
+    pub fn shape(&self) -> &[usize] {
+        self.value.shape()
+    }
+    pub fn rank(&self) -> usize {
+        self.value.rank()
+    }
+    pub fn numel(&self) -> usize {
+        self.value.numel()
+    }
+    pub fn device(&self) -> &Device {
+        self.value.device()
+    }
+    pub fn tape(&self) -> &Tape {
+        &self.tape
+    }
+    pub fn id(&self) -> usize {
+        self.id
+    }
+    /// True when backward will compute a gradient for this var.
+    pub fn requires_grad(&self) -> bool {
+        self.requires_grad
+    }
+    /// The same value as a constant on the same tape: no gradient flows through it.
+    pub fn detach(&self) -> Var {
+        self.tape.constant(self.value.clone())
+    }
+    /// The single value of a one-element var (e.g. a loss).
+    pub fn to_scalar(&self) -> Result<f32> {
+        self.value.to_scalar()
+    }
+
+    /// A custom op: `value` computed from `inputs` (all on one tape) with its `backward`, which
+    /// gets the output gradient and which inputs want a gradient, and returns one gradient (or
+    /// `None`) per input, shaped like that input. Every built-in op records through this.
+    pub fn from_op(
+        op: &'static str,
+        inputs: &[&Var],
+        value: Tensor,
+        backward: impl FnOnce(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + 'static,
+    ) -> Result<Var> {
+        let tape = inputs.first().map(|v| v.tape.clone()).ok_or_else(|| {
+            crate::tape::invalid(op, "an op needs at least one input var".to_string())
+        })?;
+        tape.record(op, inputs, value, false, Box::new(backward) as BackwardFn)
+    }
+}
+
+impl std::fmt::Debug for Var {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Var(id={}, shape={:?}, requires_grad={})",
+            self.id,
+            self.shape(),
+            self.requires_grad
+        )
+    }
+}

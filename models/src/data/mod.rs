@@ -1,0 +1,293 @@
+//! Datasets for training without any download at run time.
+//!
+//! * [`text`]: byte-level and compact character-level tokenisation, text datasets read from
+//!   files, and a deterministic synthetic corpus ([`TextDataset::synthetic`]) that a small
+//!   character-level language model learns visibly in a couple of minutes on a CPU.
+//! * [`images`]: the in-memory [`ImageSet`] (N×C×H×W `f32`), batching, shuffling,
+//!   normalisation, and two deterministic synthetic classification tasks
+//!   ([`SyntheticTask::Shapes`], [`SyntheticTask::Stripes`]) for training and transfer tests.
+//! * [`idx`]: the MNIST IDX file format (reader and writer).
+//! * [`cifar`]: the CIFAR-10 binary file format (reader and writer).
+//!
+//! Everything depends only on `std`. Randomness comes from a small seeded splitmix64
+//! generator, so every synthetic set and every batch is a pure function of its seeds.
+
+pub mod cifar;
+pub mod idx;
+pub mod images;
+pub mod text;
+
+pub use cifar::{read_cifar10_bin, read_cifar10_bins, write_cifar10_bin};
+pub use idx::{
+    read_idx_images, read_idx_labels, read_mnist, write_idx_images, write_idx_labels, IdxImages,
+};
+pub use images::{ImageSet, SyntheticTask};
+pub use text::{empirical_bigram_entropy, empirical_unigram_entropy};
+pub use text::{ByteTokenizer, CharVocab, TextDataset};
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// Errors from reading, writing or building datasets. Every variant that concerns a file
+/// names that file.
+#[derive(Debug)]
+pub enum DataError {
+    /// The file could not be opened, read or written (missing, permissions, ...).
+    Io {
+        /// The file concerned.
+        path: PathBuf,
+        /// What was being done: `"read"` or `"write"`.
+        action: &'static str,
+        /// The underlying error.
+        source: io::Error,
+    },
+    /// The file was read but its contents are not valid for the expected format
+    /// (bad magic number, wrong length, truncated record, too short, ...).
+    Format {
+        /// The file concerned.
+        path: PathBuf,
+        /// What is wrong, e.g. "expected 7840000 image bytes, file has 1234".
+        problem: String,
+    },
+    /// Arguments or in-memory data are inconsistent (no file involved), e.g. a label
+    /// count that does not match the image count, or a character outside a vocabulary.
+    Invalid {
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+impl DataError {
+    pub(crate) fn io(path: &Path, action: &'static str, source: io::Error) -> Self {
+        DataError::Io {
+            path: path.to_path_buf(),
+            action,
+            source,
+        }
+    }
+
+    pub(crate) fn format(path: &Path, problem: impl Into<String>) -> Self {
+        DataError::Format {
+            path: path.to_path_buf(),
+            problem: problem.into(),
+        }
+    }
+
+    pub(crate) fn invalid(problem: impl Into<String>) -> Self {
+        DataError::Invalid {
+            problem: problem.into(),
+        }
+    }
+
+    /// The file this error concerns, if any.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            DataError::Io { path, .. } | DataError::Format { path, .. } => Some(path),
+            DataError::Invalid { .. } => None,
+        }
+    }
+}
+
+impl fmt::Display for DataError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DataError::Io {
+                path,
+                action,
+                source,
+            } => {
+                if source.kind() == io::ErrorKind::NotFound {
+                    write!(
+                        f,
+                        "cannot {action} '{}': file not found ({source})",
+                        path.display()
+                    )
+                } else {
+                    write!(f, "cannot {action} '{}': {source}", path.display())
+                }
+            }
+            DataError::Format { path, problem } => {
+                write!(f, "invalid data in '{}': {problem}", path.display())
+            }
+            DataError::Invalid { problem } => write!(f, "invalid dataset: {problem}"),
+        }
+    }
+}
+
+impl std::error::Error for DataError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            DataError::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+/// Reads a whole file, mapping failures to [`DataError::Io`] naming the path.
+pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, DataError> {
+    std::fs::read(path).map_err(|e| DataError::io(path, "read", e))
+}
+
+/// Writes a whole file, mapping failures to [`DataError::Io`] naming the path.
+pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
+    std::fs::write(path, bytes).map_err(|e| DataError::io(path, "write", e))
+}
+
+/// A clear error for gzip-compressed input (MNIST and CIFAR are distributed compressed;
+/// this crate reads only the decompressed files).
+pub(crate) fn reject_gzip(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
+    if bytes.len() >= 2 && bytes[0] == 0x1f && bytes[1] == 0x8b {
+        return Err(DataError::format(
+            path,
+            "file is gzip-compressed; decompress it first (e.g. `gunzip`, then `tar xf` for CIFAR)",
+        ));
+    }
+    Ok(())
+}
+
+/// splitmix64: a tiny, fast, seedable generator. Good enough for data generation and
+/// shuffling; not cryptographic.
+#[derive(Clone, Debug)]
+pub(crate) struct Rng {
+    state: u64,
+}
+
+impl Rng {
+    pub(crate) fn new(seed: u64) -> Self {
+        Rng { state: seed }
+    }
+
+    /// A generator seeded from several values (e.g. seed, step, row), so that different
+    /// tuples give independent-looking streams.
+    pub(crate) fn from_parts(parts: &[u64]) -> Self {
+        let mut h = 0x243F_6A88_85A3_08D3u64;
+        for &p in parts {
+            h = mix64(h ^ mix64(p.wrapping_add(0x9E37_79B9_7F4A_7C15)));
+        }
+        Rng::new(h)
+    }
+
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        mix64(self.state)
+    }
+
+    /// Uniform in `0..n` (`n > 0`), via 128-bit multiply (negligible bias).
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
+        debug_assert!(n > 0);
+        ((self.next_u64() as u128 * n as u128) >> 64) as u64
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub(crate) fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Uniform in `[lo, hi)`.
+    pub(crate) fn range(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.unit()
+    }
+
+    /// Standard normal (Box–Muller).
+    pub(crate) fn normal(&mut self) -> f64 {
+        let u1 = 1.0 - self.unit(); // (0, 1]
+        let u2 = self.unit();
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+
+    /// Fisher–Yates shuffle.
+    pub(crate) fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = self.below(i as u64 + 1) as usize;
+            v.swap(i, j);
+        }
+    }
+}
+
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A unique path under the system temp directory for test files.
+#[cfg(test)]
+pub(crate) fn temp_path(tag: &str) -> PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    std::env::temp_dir().join(format!(
+        "wgpipe-data-{}-{}-{}-{}",
+        std::process::id(),
+        nanos,
+        n,
+        tag
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error;
+
+    #[test]
+    fn display_names_path_and_problem() {
+        let e = DataError::format(Path::new("/x/y.idx"), "bad magic");
+        let s = e.to_string();
+        assert!(s.contains("/x/y.idx") && s.contains("bad magic"), "{s}");
+        assert_eq!(e.path(), Some(Path::new("/x/y.idx")));
+        assert!(e.source().is_none());
+    }
+
+    #[test]
+    fn missing_file_error_says_not_found() {
+        let p = temp_path("definitely-missing");
+        let e = read_file(&p).unwrap_err();
+        let s = e.to_string();
+        assert!(s.contains("not found"), "{s}");
+        assert!(s.contains(&*p.to_string_lossy()), "{s}");
+        assert!(e.source().is_some());
+    }
+
+    #[test]
+    fn invalid_has_no_path() {
+        let e = DataError::invalid("labels and images differ");
+        assert!(e.path().is_none());
+        assert!(e.to_string().contains("labels and images differ"));
+    }
+
+    #[test]
+    fn gzip_is_rejected_with_hint() {
+        let e = reject_gzip(Path::new("a.gz"), &[0x1f, 0x8b, 8, 0]).unwrap_err();
+        assert!(e.to_string().contains("gzip"));
+        assert!(reject_gzip(Path::new("a"), &[0, 0, 8, 3]).is_ok());
+    }
+
+    #[test]
+    fn rng_is_deterministic_and_uniformish() {
+        let mut a = Rng::from_parts(&[1, 2, 3]);
+        let mut b = Rng::from_parts(&[1, 2, 3]);
+        let mut c = Rng::from_parts(&[1, 2, 4]);
+        let va: Vec<u64> = (0..8).map(|_| a.next_u64()).collect();
+        let vb: Vec<u64> = (0..8).map(|_| b.next_u64()).collect();
+        let vc: Vec<u64> = (0..8).map(|_| c.next_u64()).collect();
+        assert_eq!(va, vb);
+        assert_ne!(va, vc);
+        let mut r = Rng::new(7);
+        let mut counts = [0usize; 4];
+        for _ in 0..4000 {
+            counts[r.below(4) as usize] += 1;
+        }
+        assert!(
+            counts.iter().all(|&k| (850..1150).contains(&k)),
+            "{counts:?}"
+        );
+        let mean: f64 = (0..4000).map(|_| r.normal()).sum::<f64>() / 4000.0;
+        assert!(mean.abs() < 0.1, "{mean}");
+    }
+}

@@ -1,0 +1,53 @@
+//! Parameter-free activations: `Relu`, `Gelu`.
+
+use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Var};
+use wgpipe_tensor::Result;
+
+use super::f32_bytes;
+
+fn elementwise_cost(input_shape: &[usize], flops_per: f64) -> CostHint {
+    CostHint {
+        param_bytes: 0,
+        flops: flops_per * input_shape.iter().product::<usize>() as f64,
+        activation_bytes: f32_bytes(input_shape),
+        output_shape: input_shape.to_vec(),
+    }
+}
+
+/// `max(x, 0)`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Relu;
+
+impl Module for Relu {
+    fn name(&self) -> String {
+        "ReLU".into()
+    }
+    fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
+        x.relu()
+    }
+    fn parameters(&self) -> Vec<(String, Param)> {
+        Vec::new()
+    }
+    fn cost(&self, input_shape: &[usize]) -> CostHint {
+        elementwise_cost(input_shape, 1.0)
+    }
+}
+
+/// GELU (the tensor library's `gelu`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Gelu;
+
+impl Module for Gelu {
+    fn name(&self) -> String {
+        "GELU".into()
+    }
+    fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
+        x.gelu()
+    }
+    fn parameters(&self) -> Vec<(String, Param)> {
+        Vec::new()
+    }
+    fn cost(&self, input_shape: &[usize]) -> CostHint {
+        elementwise_cost(input_shape, 8.0)
+    }
+}

@@ -1,0 +1,133 @@
+//! Causal multi-head self-attention: `q, k, v, out` projections (`Linear(d, d)` each), scores
+//! `q k^T / sqrt(d_head)`, the future masked out, softmax, optional dropout on the
+//! probabilities, heads merged and projected. Input and output `[B, T, d]`.
+
+use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Var};
+use wgpipe_tensor::{Device, Error, Result, Tensor};
+
+use super::{f32_bytes, prefix, shape_error, Dropout, Linear};
+use crate::init::sub_seed;
+
+/// Added where a query may not look: large and finite, so softmax gives an exact 0 there and no
+/// `inf - inf` can appear on any backend.
+pub const MASK_VALUE: f32 = -1e9;
+
+/// `[t, t]` with 1 where key `j` lies in the future of query `i` (`j > i`), else 0.
+pub fn causal_mask(t: usize, dev: &Device) -> Result<Tensor> {
+    let v: Vec<f32> = (0..t * t)
+        .map(|k| if k % t > k / t { 1.0 } else { 0.0 })
+        .collect();
+    Tensor::from_vec(v, &[t, t], dev)
+}
+
+pub struct CausalSelfAttention {
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub out: Linear,
+    heads: usize,
+    d_model: usize,
+    /// Dropout on the attention probabilities (site 0).
+    pub attn_dropout: Dropout,
+}
+
+impl CausalSelfAttention {
+    pub fn new(
+        d_model: usize,
+        heads: usize,
+        attn_dropout: f32,
+        seed: u64,
+        dev: &Device,
+    ) -> Result<Self> {
+        if heads == 0 || !d_model.is_multiple_of(heads) {
+            return Err(Error::Invalid {
+                op: "CausalSelfAttention",
+                msg: format!("d_model = {d_model} is not a multiple of heads = {heads}"),
+            });
+        }
+        Ok(CausalSelfAttention {
+            q: Linear::new(d_model, d_model, sub_seed(seed, 0), dev)?,
+            k: Linear::new(d_model, d_model, sub_seed(seed, 1), dev)?,
+            v: Linear::new(d_model, d_model, sub_seed(seed, 2), dev)?,
+            out: Linear::new(d_model, d_model, sub_seed(seed, 3), dev)?,
+            heads,
+            d_model,
+            attn_dropout: Dropout::new(attn_dropout, 0)?,
+        })
+    }
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+}
+
+impl Module for CausalSelfAttention {
+    fn name(&self) -> String {
+        format!(
+            "CausalSelfAttention(d={}, heads={})",
+            self.d_model, self.heads
+        )
+    }
+
+    fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
+        let s = x.shape().to_vec();
+        if s.len() != 3 || s[2] != self.d_model {
+            return Err(shape_error(
+                "CausalSelfAttention",
+                format!("input {s:?} must be [B, T, {}]", self.d_model),
+            ));
+        }
+        let (b, t, h) = (s[0], s[1], self.heads);
+        let dh = self.d_model / h;
+        // [B, T, d] -> [B, H, T, dh]
+        let split = |y: Var| -> Result<Var> { y.reshape(&[b, t, h, dh])?.permute(&[0, 2, 1, 3]) };
+        let q = split(self.q.forward(x, ctx)?)?;
+        let k = split(self.k.forward(x, ctx)?)?;
+        let v = split(self.v.forward(x, ctx)?)?;
+        let scores = q
+            .matmul(&k.transpose(-2, -1)?)?
+            .mul_scalar(1.0 / (dh as f32).sqrt())?;
+        let mask = causal_mask(t, x.value().device())?;
+        let probs = scores.masked_fill(&mask, MASK_VALUE)?.softmax(-1)?;
+        let probs = self.attn_dropout.forward(&probs, ctx)?;
+        // [B, H, T, dh] -> [B, T, d]
+        let y = probs
+            .matmul(&v)?
+            .permute(&[0, 2, 1, 3])?
+            .reshape(&[b, t, self.d_model])?;
+        self.out.forward(&y, ctx)
+    }
+
+    fn parameters(&self) -> Vec<(String, Param)> {
+        let mut p = prefix("q", self.q.parameters());
+        p.extend(prefix("k", self.k.parameters()));
+        p.extend(prefix("v", self.v.parameters()));
+        p.extend(prefix("out", self.out.parameters()));
+        p
+    }
+
+    fn set_train(&mut self, train: bool) {
+        self.attn_dropout.set_train(train);
+    }
+
+    fn cost(&self, input_shape: &[usize]) -> CostHint {
+        let proj = self.q.cost(input_shape);
+        let (b, t) = match input_shape {
+            [b, t, _] => (*b, *t),
+            _ => (1, 1),
+        };
+        let d = self.d_model;
+        let scores = b * self.heads * t * t;
+        // 4 projections, q k^T and probs v (2 * b * t * t * d each), softmax (~5 per score).
+        let flops = 4.0 * proj.flops + 4.0 * (b * t * t * d) as f64 + 5.0 * scores as f64;
+        // Projection inputs (x once for q/k/v, y for out), q, k, v, probs (and mask).
+        let act = 2 * f32_bytes(input_shape)
+            + 3 * f32_bytes(input_shape)
+            + 4 * scores * if self.attn_dropout.p() > 0.0 { 2 } else { 1 };
+        CostHint {
+            param_bytes: 4 * proj.param_bytes,
+            flops,
+            activation_bytes: act,
+            output_shape: input_shape.to_vec(),
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! `Linear`: `y = x W^T + b` over the last axis, weight `[out, in]` as in PyTorch.
+
+use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Var};
+use wgpipe_tensor::{Device, Result, Tensor};
+
+use super::{f32_bytes, shape_error};
+use crate::init::{kaiming_uniform, sub_seed};
+
+pub struct Linear {
+    pub weight: Param,
+    pub bias: Option<Param>,
+    in_features: usize,
+    out_features: usize,
+}
+
+impl Linear {
+    /// With a bias; PyTorch's init: weight and bias `U(-1/sqrt(in), 1/sqrt(in))`.
+    pub fn new(in_features: usize, out_features: usize, seed: u64, dev: &Device) -> Result<Self> {
+        Linear::with_bias(in_features, out_features, true, seed, dev)
+    }
+
+    pub fn with_bias(
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        seed: u64,
+        dev: &Device,
+    ) -> Result<Self> {
+        let w = kaiming_uniform(
+            &[out_features, in_features],
+            in_features,
+            sub_seed(seed, 0),
+            dev,
+        )?;
+        let b = if bias {
+            Some(kaiming_uniform(
+                &[out_features],
+                in_features,
+                sub_seed(seed, 1),
+                dev,
+            )?)
+        } else {
+            None
+        };
+        Linear::from_tensors(w, b)
+    }
+
+    /// From given values: `weight [out, in]`, `bias [out]`.
+    pub fn from_tensors(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        if weight.rank() != 2 {
+            return Err(shape_error(
+                "Linear",
+                format!("weight must be [out, in], got {:?}", weight.shape()),
+            ));
+        }
+        let (out_features, in_features) = (weight.shape()[0], weight.shape()[1]);
+        if let Some(b) = &bias {
+            if b.shape() != [out_features] {
+                return Err(shape_error(
+                    "Linear",
+                    format!(
+                        "bias must be [{out_features}], got {:?} (weight {:?})",
+                        b.shape(),
+                        weight.shape()
+                    ),
+                ));
+            }
+        }
+        Ok(Linear {
+            weight: Param::new("weight", weight),
+            bias: bias.map(|b| Param::new("bias", b)),
+            in_features,
+            out_features,
+        })
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+}
+
+impl Module for Linear {
+    fn name(&self) -> String {
+        format!("Linear({}->{})", self.in_features, self.out_features)
+    }
+
+    fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
+        let shape = x.shape().to_vec();
+        if shape.last() != Some(&self.in_features) {
+            return Err(shape_error(
+                "Linear",
+                format!(
+                    "input {shape:?} does not end in in_features = {} (weight [{}, {}])",
+                    self.in_features, self.out_features, self.in_features
+                ),
+            ));
+        }
+        let tape = x.tape();
+        let w = tape.param(&self.weight);
+        let rows: usize = shape[..shape.len() - 1].iter().product();
+        let x2 = if shape.len() == 2 {
+            x.clone()
+        } else {
+            x.reshape(&[rows, self.in_features])?
+        };
+        let mut y = x2.matmul(&w.t()?)?;
+        if let Some(b) = &self.bias {
+            y = y.add(&tape.param(b))?;
+        }
+        if shape.len() == 2 {
+            return Ok(y);
+        }
+        let mut out = shape;
+        *out.last_mut().unwrap() = self.out_features;
+        y.reshape(&out)
+    }
+
+    fn parameters(&self) -> Vec<(String, Param)> {
+        let mut v = vec![("weight".to_string(), self.weight.clone())];
+        if let Some(b) = &self.bias {
+            v.push(("bias".to_string(), b.clone()));
+        }
+        v
+    }
+
+    fn cost(&self, input_shape: &[usize]) -> CostHint {
+        let rows: usize = input_shape[..input_shape.len().saturating_sub(1)]
+            .iter()
+            .product();
+        let mut out = input_shape.to_vec();
+        if let Some(l) = out.last_mut() {
+            *l = self.out_features;
+        }
+        let nparams = self.in_features * self.out_features
+            + if self.bias.is_some() {
+                self.out_features
+            } else {
+                0
+            };
+        CostHint {
+            param_bytes: 4 * nparams,
+            flops: 2.0 * (rows * self.in_features * self.out_features) as f64
+                + if self.bias.is_some() {
+                    (rows * self.out_features) as f64
+                } else {
+                    0.0
+                },
+            // The input is kept for the weight gradient.
+            activation_bytes: f32_bytes(input_shape),
+            output_shape: out,
+        }
+    }
+}

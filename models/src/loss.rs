@@ -1,0 +1,43 @@
+//! Losses as plain functions on a tape: each returns a 0-d `Var`, the mean over all positions,
+//! so the gradient of a mini-batch's loss is the same however it was split into micro-batches
+//! (when each micro-batch's loss is scaled by its share of the mini-batch).
+
+use wgpipe_autograd::Var;
+use wgpipe_tensor::{Error, Result, Tensor};
+
+/// Cross-entropy of `logits [.., C]` against integer class ids `targets [..]` (f32 values
+/// holding integers in `0..C`), averaged over every position:
+/// `-mean(log_softmax(logits)[target])`.
+pub fn cross_entropy(logits: &Var, targets: &Tensor) -> Result<Var> {
+    let s = logits.shape().to_vec();
+    if s.is_empty() || s[..s.len() - 1] != *targets.shape() {
+        return Err(Error::Shape {
+            op: "cross_entropy",
+            msg: format!(
+                "logits {s:?} must be the targets' shape {:?} plus a class axis",
+                targets.shape()
+            ),
+        });
+    }
+    let c = s[s.len() - 1];
+    let n = targets.numel();
+    let lp = logits.reshape(&[n, c])?.log_softmax(-1)?;
+    let idx = targets.reshape(&[n, 1])?;
+    lp.gather(1, &idx)?.mean(&[], false)?.neg()
+}
+
+/// Mean squared error `mean((pred - target)^2)` over every element.
+pub fn mse(pred: &Var, target: &Tensor) -> Result<Var> {
+    if pred.shape() != target.shape() {
+        return Err(Error::Shape {
+            op: "mse",
+            msg: format!(
+                "prediction {:?} and target {:?} differ",
+                pred.shape(),
+                target.shape()
+            ),
+        });
+    }
+    let t = pred.tape().constant(target.clone());
+    pred.sub(&t)?.square()?.mean(&[], false)
+}

@@ -1,0 +1,60 @@
+//! A GPT-style language model as a layer sequence:
+//! `[TokenPositionEmbedding, TransformerBlock x layers, LayerNorm, Linear head]`.
+//! Input: token ids `[B, T]` (f32 values holding integers, `T <= seq_len`);
+//! output: logits `[B, T, vocab]`. Each block is one element, so a pipeline can cut anywhere.
+
+use wgpipe_autograd::Module;
+use wgpipe_tensor::{Device, Error, Result};
+
+use crate::init::sub_seed;
+use crate::layers::{LayerNorm, Linear, TokenPositionEmbedding, TransformerBlock};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransformerLm {
+    pub vocab: usize,
+    pub d_model: usize,
+    pub heads: usize,
+    pub layers: usize,
+    /// The longest sequence (size of the positional table).
+    pub seq_len: usize,
+    /// Dropout after the embedding, on attention probabilities and on each residual branch.
+    pub dropout: f32,
+}
+
+impl TransformerLm {
+    /// `layers + 3` elements; element `i` is initialised from `sub_seed(seed, i)`.
+    pub fn build(&self, seed: u64, dev: &Device) -> Result<Vec<Box<dyn Module>>> {
+        if self.vocab == 0 || self.d_model == 0 || self.seq_len == 0 {
+            return Err(Error::Invalid {
+                op: "TransformerLm",
+                msg: format!("vocab, d_model and seq_len must be positive: {self:?}"),
+            });
+        }
+        let mut v: Vec<Box<dyn Module>> = Vec::with_capacity(self.layers + 3);
+        v.push(Box::new(TokenPositionEmbedding::new(
+            self.vocab,
+            self.seq_len,
+            self.d_model,
+            self.dropout,
+            sub_seed(seed, 0),
+            dev,
+        )?));
+        for l in 0..self.layers {
+            v.push(Box::new(TransformerBlock::new(
+                self.d_model,
+                self.heads,
+                self.dropout,
+                sub_seed(seed, 1 + l as u64),
+                dev,
+            )?));
+        }
+        v.push(Box::new(LayerNorm::new(self.d_model, dev)?));
+        v.push(Box::new(Linear::new(
+            self.d_model,
+            self.vocab,
+            sub_seed(seed, 2 + self.layers as u64),
+            dev,
+        )?));
+        Ok(v)
+    }
+}

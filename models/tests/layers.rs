@@ -1,0 +1,329 @@
+//! Each layer's forward against hand-computed values on tiny inputs.
+
+mod common;
+
+use common::*;
+use wgpipe_autograd::{ForwardCtx, Module, Tape};
+use wgpipe_models::layers::*;
+use wgpipe_tensor::ops::Conv2dParams;
+
+fn run(m: &dyn Module, x: &wgpipe_tensor::Tensor) -> wgpipe_tensor::Tensor {
+    let tape = Tape::no_grad();
+    m.forward(&tape.constant(x.clone()), &ForwardCtx::eval())
+        .unwrap()
+        .value()
+        .clone()
+}
+
+#[test]
+fn linear_with_set_weights() {
+    let l = Linear::from_tensors(
+        t(&[1., 2., 3., 4., 5., 6.], &[3, 2]),
+        Some(t(&[0.5, -1., 0.], &[3])),
+    )
+    .unwrap();
+    let y = run(&l, &t(&[1., 1., 2., -1.], &[2, 2]));
+    assert_eq!(y.shape(), &[2, 3]);
+    assert_close(&vals(&y), &[3.5, 6., 11., 0.5, 1., 4.], 1e-6);
+    // Rank 3: the same rows.
+    let y3 = run(&l, &t(&[1., 1., 2., -1.], &[1, 2, 2]));
+    assert_eq!(y3.shape(), &[1, 2, 3]);
+    assert_close(&vals(&y3), &[3.5, 6., 11., 0.5, 1., 4.], 1e-6);
+    // A wrong input width is an error naming the layer.
+    let tape = Tape::no_grad();
+    let e = l
+        .forward(
+            &tape.constant(t(&[1., 2., 3.], &[1, 3])),
+            &ForwardCtx::eval(),
+        )
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("Linear"), "{e}");
+}
+
+#[test]
+fn linear_without_bias() {
+    let l = Linear::with_bias(3, 2, false, 1, &cpu()).unwrap();
+    assert_eq!(l.parameters().len(), 1);
+    l.weight.set_value(t(&[1., 0., -1., 2., 2., 2.], &[2, 3]));
+    let y = run(&l, &t(&[1., 2., 3.], &[1, 3]));
+    assert_close(&vals(&y), &[-2., 12.], 1e-6);
+}
+
+#[test]
+fn layer_norm_values() {
+    let ln = LayerNorm::new(3, &cpu()).unwrap();
+    let y = run(&ln, &t(&[1., 2., 3., -1., -1., -1.], &[2, 3]));
+    let s = 1.0 / (2.0f32 / 3.0 + 1e-5).sqrt();
+    assert_close(&vals(&y), &[-s, 0., s, 0., 0., 0.], 1e-5);
+    ln.weight.set_value(t(&[2., 1., 1.], &[3]));
+    ln.bias.set_value(t(&[0., 1., 0.], &[3]));
+    let y = run(&ln, &t(&[1., 2., 3.], &[1, 3]));
+    assert_close(&vals(&y), &[-2. * s, 1., s], 1e-5);
+}
+
+#[test]
+fn embedding_and_positions() {
+    let e = Embedding::from_tensor(t(&[0., 1., 10., 11., 20., 21.], &[3, 2])).unwrap();
+    let y = run(&e, &t(&[2., 0., 1., 1.], &[2, 2]));
+    assert_eq!(y.shape(), &[2, 2, 2]);
+    assert_close(&vals(&y), &[20., 21., 0., 1., 10., 11., 10., 11.], 0.0);
+    // An id out of range is an error, not a panic.
+    let tape = Tape::no_grad();
+    assert!(e
+        .forward(&tape.constant(t(&[3.], &[1, 1])), &ForwardCtx::eval())
+        .is_err());
+
+    let p = PositionalEmbedding::new(4, 2, 7, &cpu()).unwrap();
+    p.weight
+        .set_value(t(&[100., 200., 300., 400., 0., 0., 0., 0.], &[4, 2]));
+    let y2 = run(&p, &y);
+    assert_close(
+        &vals(&y2),
+        &[120., 221., 300., 401., 110., 211., 310., 411.],
+        0.0,
+    );
+    // Longer than max_len: an error.
+    assert!(p
+        .forward(&tape.constant(rand(&[1, 5, 2], 1)), &ForwardCtx::eval())
+        .is_err());
+}
+
+#[test]
+fn activations() {
+    let x = t(&[-1., 0., 2.], &[3]);
+    assert_close(&vals(&run(&Relu, &x)), &[0., 0., 2.], 0.0);
+    // GELU(x) = x Phi(x): Phi(-1) = 0.158655, Phi(2) = 0.977250 (tanh form within 1e-3).
+    assert_close(&vals(&run(&Gelu, &x)), &[-0.158655, 0., 1.954_5], 1e-3);
+}
+
+#[test]
+fn dropout_replays_and_scales() {
+    let d = Dropout::new(0.5, 3).unwrap();
+    let x = wgpipe_tensor::Tensor::ones(&[4, 64], &cpu()).unwrap();
+    // Eval: identity.
+    assert_close(&vals(&run(&d, &x)), &vals(&x), 0.0);
+    let ctx = ForwardCtx::train(11, 2, 1).at_layer(5);
+    let go = |ctx: &ForwardCtx| {
+        let tape = Tape::no_grad();
+        vals(d.forward(&tape.constant(x.clone()), ctx).unwrap().value())
+    };
+    let a = go(&ctx);
+    assert!(a.iter().all(|&v| v == 0.0 || v == 2.0));
+    let kept = a.iter().filter(|&&v| v == 2.0).count();
+    assert!((64..=192).contains(&kept), "kept {kept} of 256");
+    assert_eq!(a, go(&ctx), "same ctx and site: the same mask");
+    let b = go(&ForwardCtx {
+        micro_batch: 2,
+        ..ctx
+    });
+    assert_ne!(a, b, "another micro-batch: another mask");
+    assert!(Dropout::new(1.0, 0).is_err());
+}
+
+#[test]
+fn attention_one_head_identity_projections() {
+    let dev = cpu();
+    let a = CausalSelfAttention::new(2, 1, 0.0, 1, &dev).unwrap();
+    for l in [&a.q, &a.k, &a.v, &a.out] {
+        l.weight.set_value(t(&[1., 0., 0., 1.], &[2, 2]));
+        l.bias.as_ref().unwrap().set_value(t(&[0., 0.], &[2]));
+    }
+    // x0 = [1, 0], x1 = [0, 1], x2 = [1, 1]
+    let y = run(&a, &t(&[1., 0., 0., 1., 1., 1.], &[1, 3, 2]));
+    let s = 1.0 / 2f32.sqrt();
+    // Position 0 sees only itself.
+    let mut want = vec![1., 0.];
+    // Position 1: scores [x1.x0, x1.x1] * s = [0, s].
+    let (e0, e1) = (1.0f32, s.exp());
+    want.extend([e0 / (e0 + e1), e1 / (e0 + e1)]);
+    // Position 2: scores [s, s, 2s].
+    let (f0, f2) = (s.exp(), (2.0 * s).exp());
+    let z = 2.0 * f0 + f2;
+    want.extend([(f0 + f2) / z, (f0 + f2) / z]);
+    assert_close(&vals(&y), &want, 1e-5);
+}
+
+#[test]
+fn causal_mask_blocks_the_future() {
+    let dev = cpu();
+    let a = CausalSelfAttention::new(8, 2, 0.0, 5, &dev).unwrap();
+    let x = rand(&[2, 5, 8], 1);
+    let mut v = vals(&x);
+    // Change position 3 of every sequence.
+    for b in 0..2 {
+        for d in 0..8 {
+            v[b * 40 + 3 * 8 + d] += 1.5;
+        }
+    }
+    let x2 = t(&v, &[2, 5, 8]);
+    let (y, y2) = (vals(&run(&a, &x)), vals(&run(&a, &x2)));
+    for b in 0..2 {
+        for p in 0..5 {
+            let r = b * 40 + p * 8..b * 40 + p * 8 + 8;
+            if p < 3 {
+                assert_eq!(y[r.clone()], y2[r], "position {p} saw the future");
+            } else {
+                assert_ne!(y[r.clone()], y2[r], "position {p} must see position 3");
+            }
+        }
+    }
+    let m = vals(&causal_mask(3, &dev).unwrap());
+    assert_eq!(m, vec![0., 1., 1., 0., 0., 1., 0., 0., 0.]);
+}
+
+#[test]
+fn transformer_block_shapes_and_names() {
+    let b = TransformerBlock::new(8, 2, 0.0, 3, &cpu()).unwrap();
+    let y = run(&b, &rand(&[2, 3, 8], 2));
+    assert_eq!(y.shape(), &[2, 3, 8]);
+    let names: Vec<String> = b.parameters().into_iter().map(|(n, _)| n).collect();
+    for n in [
+        "ln1.weight",
+        "ln1.bias",
+        "attn.q.weight",
+        "attn.k.bias",
+        "attn.v.weight",
+        "attn.out.bias",
+        "ln2.weight",
+        "mlp.fc1.weight",
+        "mlp.fc1.bias",
+        "mlp.fc2.weight",
+    ] {
+        assert!(names.iter().any(|m| m == n), "missing {n} in {names:?}");
+    }
+    assert_eq!(names.len(), 16);
+    let mlp = &b.mlp;
+    assert_eq!(mlp.fc1.out_features(), 32);
+}
+
+#[test]
+fn conv2d_values() {
+    let dev = cpu();
+    let x = t(
+        &(1..=9).map(|v| v as f32).collect::<Vec<_>>(),
+        &[1, 1, 3, 3],
+    );
+    let c = Conv2d::from_tensors(
+        t(&[1., 1., 1., 1.], &[1, 1, 2, 2]),
+        Some(t(&[0.5], &[1])),
+        Conv2dParams::default(),
+    )
+    .unwrap();
+    let y = run(&c, &x);
+    assert_eq!(y.shape(), &[1, 1, 2, 2]);
+    assert_close(&vals(&y), &[12.5, 16.5, 24.5, 28.5], 1e-6);
+    assert_eq!(c.cost(&[1, 1, 3, 3]).output_shape, vec![1, 1, 2, 2]);
+
+    // Padding 1, stride 2, 3x3 ones: sums of the clipped windows at (0,0), (0,2), (2,0), (2,2).
+    let c = Conv2d::from_tensors(
+        wgpipe_tensor::Tensor::ones(&[1, 1, 3, 3], &dev).unwrap(),
+        None,
+        Conv2dParams {
+            stride: (2, 2),
+            padding: (1, 1),
+            ..Conv2dParams::default()
+        },
+    )
+    .unwrap();
+    let y = run(&c, &x);
+    assert_close(&vals(&y), &[12., 16., 24., 28.], 1e-6);
+    assert_eq!(c.cost(&[1, 1, 3, 3]).output_shape, y.shape().to_vec());
+
+    // Depthwise (groups = 2): each channel with its own 1x1 kernel.
+    let c = Conv2d::from_tensors(
+        t(&[2., -1.], &[2, 1, 1, 1]),
+        None,
+        Conv2dParams {
+            groups: 2,
+            ..Conv2dParams::default()
+        },
+    )
+    .unwrap();
+    let y = run(&c, &t(&[1., 2., 3., 4.], &[1, 2, 1, 2]));
+    assert_close(&vals(&y), &[2., 4., -3., -4.], 1e-6);
+    assert!(Conv2d::with_params(
+        3,
+        4,
+        (1, 1),
+        Conv2dParams {
+            groups: 2,
+            ..Default::default()
+        },
+        true,
+        0,
+        &dev
+    )
+    .is_err());
+}
+
+#[test]
+fn pools_flatten_gap() {
+    let x = t(
+        &(0..16).map(|v| v as f32).collect::<Vec<_>>(),
+        &[1, 1, 4, 4],
+    );
+    let y = run(&MaxPool2d::new(2, 2, 0), &x);
+    assert_close(&vals(&y), &[5., 7., 13., 15.], 0.0);
+    let y = run(&AvgPool2d::new(2, 2, 0), &x);
+    assert_close(&vals(&y), &[2.5, 4.5, 10.5, 12.5], 1e-6);
+    assert_eq!(
+        MaxPool2d::new(3, 1, 1).cost(&[2, 3, 5, 5]).output_shape,
+        vec![2, 3, 5, 5]
+    );
+    assert_eq!(
+        AvgPool2d::new(3, 2, 1).cost(&[2, 3, 8, 8]).output_shape,
+        vec![2, 3, 4, 4]
+    );
+    let x2 = t(&[1., 2., 3., 4., 10., 20., 30., 40.], &[1, 2, 2, 2]);
+    let g = run(&GlobalAvgPool, &x2);
+    assert_eq!(g.shape(), &[1, 2]);
+    assert_close(&vals(&g), &[2.5, 25.], 1e-6);
+    let f = run(&Flatten::default(), &x2);
+    assert_eq!(f.shape(), &[1, 8]);
+    assert_eq!(
+        Flatten::default().cost(&[1, 2, 2, 2]).output_shape,
+        vec![1, 8]
+    );
+}
+
+#[test]
+fn batchnorm_train_and_eval() {
+    let bn = BatchNorm2d::new(2, &cpu()).unwrap();
+    // Channel 0: [1, 3, 5, 7] (mean 4, var 5), channel 1: all 2 (var 0).
+    let x = t(&[1., 3., 2., 2., 5., 7., 2., 2.], &[2, 2, 1, 2]);
+    let tape = Tape::no_grad();
+    let ctx = ForwardCtx::train(0, 0, 0);
+    let y = vals(bn.forward(&tape.constant(x.clone()), &ctx).unwrap().value());
+    let s = 1.0 / (5.0f32 + 1e-5).sqrt();
+    assert_close(&y, &[-3. * s, -s, 0., 0., s, 3. * s, 0., 0.], 1e-5);
+    bn.finish_step().unwrap();
+    // running_mean = 0.1 * [4, 2]; running_var = 0.9 + 0.1 * unbiased [20/3, 0].
+    assert_close(&vals(&bn.running_mean.value()), &[0.4, 0.2], 1e-6);
+    assert_close(
+        &vals(&bn.running_var.value()),
+        &[0.9 + 2.0 / 3.0, 0.9],
+        1e-5,
+    );
+    // Eval: (x - rm) / sqrt(rv + eps).
+    let ye = vals(&run(&bn, &x));
+    let want0 = (1.0 - 0.4) / (0.9f32 + 2.0 / 3.0 + 1e-5).sqrt();
+    assert!((ye[0] - want0).abs() < 1e-5, "{} vs {want0}", ye[0]);
+    let names: Vec<String> = bn.buffers().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, vec!["running_mean", "running_var"]);
+}
+
+#[test]
+fn sequential_and_residual() {
+    let dev = cpu();
+    let l = Linear::from_tensors(t(&[2., 0., 0., 2.], &[2, 2]), None).unwrap();
+    let seq = Sequential::new("").with("fc", l).with("act", Relu);
+    let y = run(&seq, &t(&[1., -1.], &[1, 2]));
+    assert_close(&vals(&y), &[2., 0.], 0.0);
+    assert_eq!(seq.parameters()[0].0, "fc.weight");
+    let r = Residual::new(seq).with_post(Relu);
+    let y = run(&r, &t(&[1., -1.], &[1, 2]));
+    assert_close(&vals(&y), &[3., 0.], 0.0);
+    assert_eq!(r.parameters()[0].0, "body.fc.weight");
+    let _ = dev;
+}

@@ -1,0 +1,270 @@
+//! Whole models: build, shapes, names, cost hints, causality, head replacement, and a few SGD
+//! steps that reduce the loss on a fixed batch.
+
+mod common;
+
+use common::*;
+use wgpipe_autograd::optim::zero_grad;
+use wgpipe_autograd::{ForwardCtx, Module, Optimizer, Sgd, Tape};
+use wgpipe_models::{
+    cross_entropy, finish_step_all, forward_all, parameter_count, replace_head, sequence_buffers,
+    sequence_parameters, AmoebaNet, ResNet, TransformerLm,
+};
+use wgpipe_tensor::Tensor;
+
+type Layers = Vec<Box<dyn Module>>;
+
+fn ids(n: usize, vocab: usize, seed: u64, shape: &[usize]) -> Tensor {
+    let v: Vec<f32> = (0..n)
+        .map(|i| ((i as u64 * 7 + seed * 13 + (i as u64 * i as u64) % 5) % vocab as u64) as f32)
+        .collect();
+    t(&v, shape)
+}
+
+fn logits(layers: &Layers, x: &Tensor, ctx: &ForwardCtx) -> Tensor {
+    let tape = Tape::no_grad();
+    forward_all(layers, &tape.constant(x.clone()), ctx)
+        .unwrap()
+        .value()
+        .clone()
+}
+
+/// Cost hints chained through the sequence agree with the real shapes and parameter count.
+fn check_costs(layers: &Layers, x: &Tensor) {
+    let mut shape = x.shape().to_vec();
+    let mut h = Tape::no_grad().constant(x.clone());
+    let mut bytes = 0;
+    for (i, l) in layers.iter().enumerate() {
+        let c = l.cost(&shape);
+        h = l
+            .forward(&h, &ForwardCtx::eval().at_layer(i as u64))
+            .unwrap();
+        assert_eq!(
+            c.output_shape,
+            h.shape().to_vec(),
+            "layer {i}: {}",
+            l.name()
+        );
+        assert!(c.flops >= 0.0);
+        bytes += c.param_bytes;
+        shape = c.output_shape;
+    }
+    assert_eq!(bytes, 4 * parameter_count(layers));
+}
+
+/// `steps` of plain SGD on one fixed batch; returns the losses.
+fn train(layers: &Layers, x: &Tensor, y: &Tensor, lr: f32, steps: usize) -> Vec<f32> {
+    let params = sequence_parameters(layers);
+    let mut opt = Sgd::new(lr);
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        zero_grad(&params);
+        let tape = Tape::new();
+        let out = forward_all(
+            layers,
+            &tape.constant(x.clone()),
+            &ForwardCtx::train(1, step as u64, 0),
+        )
+        .unwrap();
+        let loss = cross_entropy(&out, y).unwrap();
+        losses.push(loss.to_scalar().unwrap());
+        tape.backward(&loss).unwrap();
+        opt.step(&params).unwrap();
+        finish_step_all(layers).unwrap();
+    }
+    losses
+}
+
+#[track_caller]
+fn assert_falls(losses: &[f32], factor: f32) {
+    let (first, last) = (losses[0], *losses.last().unwrap());
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    assert!(
+        last < factor * first,
+        "loss did not fall enough: {losses:?}"
+    );
+}
+
+fn lm() -> TransformerLm {
+    TransformerLm {
+        vocab: 11,
+        d_model: 16,
+        heads: 2,
+        layers: 2,
+        seq_len: 8,
+        dropout: 0.1,
+    }
+}
+
+#[test]
+fn transformer_lm_builds_and_runs() {
+    let dev = cpu();
+    let layers = lm().build(7, &dev).unwrap();
+    assert_eq!(layers.len(), 2 + 3);
+    let names: Vec<String> = sequence_parameters(&layers)
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    for n in [
+        "0.tok.weight",
+        "0.pos.weight",
+        "1.attn.q.weight",
+        "2.mlp.fc2.bias",
+        "3.weight",
+        "4.weight",
+        "4.bias",
+    ] {
+        assert!(names.iter().any(|m| m == n), "missing {n}");
+    }
+    let x = ids(2 * 6, 11, 1, &[2, 6]);
+    let y = logits(&layers, &x, &ForwardCtx::eval());
+    assert_eq!(y.shape(), &[2, 6, 11]);
+    check_costs(&layers, &x);
+    // Same seed: same model; dropout in training replays with the same ctx.
+    let again = lm().build(7, &dev).unwrap();
+    assert_eq!(vals(&y), vals(&logits(&again, &x, &ForwardCtx::eval())));
+    let ctx = ForwardCtx::train(3, 1, 2);
+    assert_eq!(
+        vals(&logits(&layers, &x, &ctx)),
+        vals(&logits(&again, &x, &ctx))
+    );
+    assert_ne!(vals(&logits(&layers, &x, &ctx)), vals(&y));
+    // Too long a sequence is an error.
+    let tape = Tape::no_grad();
+    assert!(forward_all(
+        &layers,
+        &tape.constant(ids(9, 11, 1, &[1, 9])),
+        &ForwardCtx::eval()
+    )
+    .is_err());
+}
+
+#[test]
+fn transformer_lm_is_causal() {
+    let layers = lm().build(3, &cpu()).unwrap();
+    let x = ids(8, 11, 2, &[1, 8]);
+    let mut v = vals(&x);
+    v[5] = (v[5] + 1.0) % 11.0;
+    let a = vals(&logits(&layers, &x, &ForwardCtx::eval()));
+    let b = vals(&logits(&layers, &t(&v, &[1, 8]), &ForwardCtx::eval()));
+    assert_eq!(a[..5 * 11], b[..5 * 11], "positions < 5 changed");
+    assert_ne!(a[5 * 11..6 * 11], b[5 * 11..6 * 11]);
+}
+
+#[test]
+fn transformer_lm_learns_a_fixed_batch() {
+    let layers = lm().build(1, &cpu()).unwrap();
+    let x = ids(4 * 8, 11, 3, &[4, 8]);
+    // Next-token targets: x shifted by one (the last predicts token 0).
+    let v = vals(&x);
+    let y: Vec<f32> = (0..32)
+        .map(|i| if i % 8 == 7 { 0.0 } else { v[i + 1] })
+        .collect();
+    let losses = train(&layers, &x, &t(&y, &[4, 8]), 0.1, 30);
+    assert!((losses[0] - 11f32.ln()).abs() < 1.5, "{losses:?}");
+    assert_falls(&losses, 0.7);
+}
+
+fn resnet() -> ResNet {
+    ResNet {
+        blocks: vec![1, 1],
+        width: 4,
+        num_classes: 3,
+        in_channels: 3,
+    }
+}
+
+#[test]
+fn resnet_builds_runs_and_learns() {
+    let dev = cpu();
+    let layers = resnet().build(2, &dev).unwrap();
+    // stem, 2 blocks, GAP, head
+    assert_eq!(layers.len(), 5);
+    let names: Vec<String> = sequence_parameters(&layers)
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    for n in [
+        "0.conv1.weight",
+        "1.bn1.weight",
+        "2.downsample.0.weight",
+        "4.weight",
+    ] {
+        assert!(names.iter().any(|m| m == n), "missing {n} in {names:?}");
+    }
+    let bufs: Vec<String> = sequence_buffers(&layers)
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert!(
+        bufs.iter().any(|n| n == "2.downsample.1.running_var"),
+        "{bufs:?}"
+    );
+    let x = rand(&[6, 3, 8, 8], 4);
+    assert_eq!(logits(&layers, &x, &ForwardCtx::eval()).shape(), &[6, 3]);
+    check_costs(&layers, &x);
+    let y = t(&[0., 1., 2., 0., 1., 2.], &[6]);
+    let before = vals(&sequence_buffers(&layers)[0].1.value());
+    let losses = train(&layers, &x, &y, 0.1, 15);
+    assert_falls(&losses, 0.7);
+    // Running statistics moved (finish_step ran).
+    assert_ne!(before, vals(&sequence_buffers(&layers)[0].1.value()));
+    assert!(logits(&layers, &x, &ForwardCtx::eval())
+        .to_vec()
+        .unwrap()
+        .iter()
+        .all(|v| v.is_finite()));
+}
+
+#[test]
+fn amoebanet_builds_runs_and_learns() {
+    let dev = cpu();
+    let net = AmoebaNet {
+        normal_cells: 1,
+        filters: 4,
+        num_classes: 3,
+        in_channels: 3,
+    };
+    let layers = net.build(3, &dev).unwrap();
+    // stem, N, R, N, R, N, pool, head
+    assert_eq!(layers.len(), 8);
+    let names: Vec<String> = sequence_parameters(&layers)
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    for n in [
+        "1.prep.conv.weight",
+        "1.n1.a.dw.weight",
+        "2.n2.b.pw.weight",
+        "7.bias",
+    ] {
+        assert!(names.iter().any(|m| m == n), "missing {n} in {names:?}");
+    }
+    let x = rand(&[6, 3, 8, 8], 5);
+    assert_eq!(logits(&layers, &x, &ForwardCtx::eval()).shape(), &[6, 3]);
+    check_costs(&layers, &x);
+    let y = t(&[0., 1., 2., 0., 1., 2.], &[6]);
+    let losses = train(&layers, &x, &y, 0.1, 15);
+    assert_falls(&losses, 0.7);
+}
+
+#[test]
+fn replace_head_for_transfer() {
+    let dev = cpu();
+    let mut layers = resnet().build(2, &dev).unwrap();
+    let body_before = vals(&sequence_parameters(&layers)[0].1.value());
+    replace_head(&mut layers, 7, 99, &dev).unwrap();
+    let x = rand(&[2, 3, 8, 8], 4);
+    assert_eq!(logits(&layers, &x, &ForwardCtx::eval()).shape(), &[2, 7]);
+    assert_eq!(
+        body_before,
+        vals(&sequence_parameters(&layers)[0].1.value())
+    );
+    let mut lm_layers = lm().build(1, &dev).unwrap();
+    replace_head(&mut lm_layers, 5, 1, &dev).unwrap();
+    let y = logits(&lm_layers, &ids(4, 11, 1, &[1, 4]), &ForwardCtx::eval());
+    assert_eq!(y.shape(), &[1, 4, 5]);
+    // A model whose last element is not a linear head.
+    let mut no_head: Layers = vec![Box::new(wgpipe_models::Relu)];
+    assert!(replace_head(&mut no_head, 3, 0, &dev).is_err());
+}

@@ -1,0 +1,239 @@
+//! Building a pipeline: devices, partitioning, schedule, placement.
+
+use std::time::Instant;
+
+use wgpipe_autograd::optim::Optimizer;
+use wgpipe_autograd::{ForwardCtx, Module, Tape};
+use wgpipe_tensor::memory::{with_tag, Tag};
+use wgpipe_tensor::{Device, Tensor};
+
+use crate::error::{PipelineError, Result};
+use crate::partition::{balance_by_cost, stage_ranges, validate_balance};
+use crate::pipeline::Pipeline;
+use crate::schedule::{gpipe, one_f_one_b, CheckpointMode};
+use crate::sim::SimCluster;
+use crate::worker::Stage;
+
+/// How layers are assigned to stages.
+#[derive(Clone, Debug)]
+pub enum Balance {
+    /// Layers per stage, e.g. `[3, 3, 2, 2]` (torchgpipe's `balance`).
+    Explicit(Vec<usize>),
+    /// Minimise the largest stage's parameter bytes.
+    ByParams,
+    /// Minimise the largest stage's forward FLOPs for inputs of this shape (the layers' cost hints).
+    ByFlops { input_shape: Vec<usize> },
+    /// Minimise the largest stage's measured forward+backward time on this sample micro-batch.
+    ByTime { sample: Tensor },
+    /// Minimise the largest stage's memory: parameters × `optimizer_factor` (SGD 2–3, Adam 4–5,
+    /// as torchgpipe's balance-by-size) plus the activations of an input of this shape.
+    ByMemory {
+        input_shape: Vec<usize>,
+        optimizer_factor: f64,
+    },
+}
+
+/// Which schedule to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScheduleKind {
+    /// Fill-drain: all forwards, then all backwards (micro-batch i on stage j at clock i + j).
+    GPipe,
+    /// PipeDream-Flush: at most K micro-batches of activations alive per stage.
+    OneFOneB,
+}
+
+pub struct PipelineBuilder {
+    layers: Vec<Box<dyn Module>>,
+    devices: Vec<Device>,
+    sim: Option<SimCluster>,
+    balance: Balance,
+    micro_batches: usize,
+    checkpoint: CheckpointMode,
+    schedule: ScheduleKind,
+    seed: u64,
+    optimizer: Option<Box<dyn Fn() -> Box<dyn Optimizer>>>,
+}
+
+impl PipelineBuilder {
+    pub(crate) fn new(layers: Vec<Box<dyn Module>>) -> Self {
+        PipelineBuilder {
+            layers,
+            devices: Vec::new(),
+            sim: None,
+            balance: Balance::ByParams,
+            micro_batches: 1,
+            checkpoint: CheckpointMode::ExceptLast,
+            schedule: ScheduleKind::GPipe,
+            seed: 0,
+            optimizer: None,
+        }
+    }
+
+    /// One device per stage (the same device may appear several times).
+    pub fn devices(mut self, devices: Vec<Device>) -> Self {
+        self.devices = devices;
+        self
+    }
+    /// Run on a simulated cluster: one stage per virtual device, simulated times in the reports.
+    pub fn sim(mut self, cluster: SimCluster) -> Self {
+        self.devices = cluster.devices().to_vec();
+        self.sim = Some(cluster);
+        self
+    }
+    pub fn balance(mut self, balance: Balance) -> Self {
+        self.balance = balance;
+        self
+    }
+    pub fn micro_batches(mut self, m: usize) -> Self {
+        self.micro_batches = m;
+        self
+    }
+    pub fn checkpoint(mut self, mode: CheckpointMode) -> Self {
+        self.checkpoint = mode;
+        self
+    }
+    pub fn schedule(mut self, kind: ScheduleKind) -> Self {
+        self.schedule = kind;
+        self
+    }
+    /// Seed of the counter-based RNG (dropout), keyed further by step, micro-batch and layer.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+    /// One optimizer per stage, made by `factory`.
+    pub fn optimizer(mut self, factory: impl Fn() -> Box<dyn Optimizer> + 'static) -> Self {
+        self.optimizer = Some(Box::new(factory));
+        self
+    }
+
+    /// Partitions, places every stage's layers on its device and validates the schedule.
+    pub fn build(self) -> Result<Pipeline> {
+        let k = self.devices.len();
+        if k == 0 {
+            return Err(PipelineError::Config(
+                "no devices: give one per stage with .devices(..) or .sim(..)".into(),
+            ));
+        }
+        if self.micro_batches == 0 {
+            return Err(PipelineError::Config("the number of micro-batches must be at least 1".into()));
+        }
+        let balance = match &self.balance {
+            Balance::Explicit(b) => {
+                if b.len() != k {
+                    return Err(PipelineError::Config(format!(
+                        "balance {b:?} has {} stages but {k} devices were given",
+                        b.len()
+                    )));
+                }
+                validate_balance(b, self.layers.len())?;
+                b.clone()
+            }
+            other => balance_by_cost(&layer_costs(&self.layers, other)?, k)?,
+        };
+        let schedule = match self.schedule {
+            ScheduleKind::GPipe => gpipe(k, self.micro_batches, self.checkpoint)?,
+            ScheduleKind::OneFOneB => one_f_one_b(k, self.micro_batches, self.checkpoint)?,
+        };
+        schedule.validate()?;
+
+        let mut layers = self.layers.into_iter();
+        let mut stages = Vec::with_capacity(k);
+        for (index, range) in stage_ranges(&balance).into_iter().enumerate() {
+            let device = self.devices[index].clone();
+            let mut stage_layers: Vec<Box<dyn Module>> = layers.by_ref().take(range.len()).collect();
+            for l in &mut stage_layers {
+                with_tag(Tag::Parameters, || l.to_device(&device)).map_err(|e| {
+                    PipelineError::Config(format!(
+                        "placing layer {} on stage {index} (device {device}): {e}",
+                        l.name()
+                    ))
+                })?;
+            }
+            stages.push(Stage {
+                index,
+                device,
+                first_layer: range.start,
+                layers: stage_layers,
+            });
+        }
+        let optimizers = match &self.optimizer {
+            Some(f) => stages.iter().map(|_| f()).collect(),
+            None => Vec::new(),
+        };
+        Ok(Pipeline {
+            stages,
+            schedule,
+            seed: self.seed,
+            step: 0,
+            sim: self.sim,
+            optimizers,
+        })
+    }
+}
+
+/// The cost of each layer under a balancing rule.
+fn layer_costs(layers: &[Box<dyn Module>], balance: &Balance) -> Result<Vec<f64>> {
+    let param_bytes = |l: &dyn Module| -> f64 {
+        l.parameters().iter().map(|(_, p)| p.value().numel() * 4).sum::<usize>() as f64
+    };
+    match balance {
+        Balance::Explicit(_) => unreachable!("explicit balances are not cost-balanced"),
+        Balance::ByParams => Ok(layers.iter().map(|l| param_bytes(l.as_ref())).collect()),
+        Balance::ByFlops { input_shape } => {
+            let mut shape = input_shape.clone();
+            Ok(layers
+                .iter()
+                .map(|l| {
+                    let c = l.cost(&shape);
+                    shape = c.output_shape;
+                    c.flops
+                })
+                .collect())
+        }
+        Balance::ByMemory {
+            input_shape,
+            optimizer_factor,
+        } => {
+            let mut shape = input_shape.clone();
+            Ok(layers
+                .iter()
+                .map(|l| {
+                    let c = l.cost(&shape);
+                    shape = c.output_shape;
+                    c.param_bytes as f64 * optimizer_factor + c.activation_bytes as f64
+                })
+                .collect())
+        }
+        Balance::ByTime { sample } => profile_layers(layers, sample),
+    }
+}
+
+/// Measured forward+backward seconds of each layer on `sample` (the best of three runs, so that
+/// one-off costs such as kernel compilation do not count). Gradients made here are cleared.
+fn profile_layers(layers: &[Box<dyn Module>], sample: &Tensor) -> Result<Vec<f64>> {
+    let mut x = sample.clone();
+    let mut costs = Vec::with_capacity(layers.len());
+    for (i, l) in layers.iter().enumerate() {
+        let ctx = ForwardCtx::train(0, 0, 0).at_layer(i as u64);
+        let mut best = f64::INFINITY;
+        let mut out = None;
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            let tape = Tape::new();
+            let input = tape.leaf(x.clone());
+            let y = l.forward(&input, &ctx)?;
+            let loss = y.sum(&[], false)?;
+            tape.backward(&loss)?;
+            x.device().synchronize()?;
+            best = best.min(t0.elapsed().as_secs_f64());
+            out = Some(y.value().clone());
+        }
+        for (_, p) in l.parameters() {
+            p.zero_grad();
+        }
+        costs.push(best);
+        x = out.expect("three runs happened");
+    }
+    Ok(costs)
+}

@@ -1,0 +1,70 @@
+//! Pipeline errors: every failure names where it happened (stage, micro-batch, action) and why.
+
+use crate::partition::PartitionError;
+use crate::schedule::ScheduleError;
+use crate::timeline::TimelineError;
+
+/// Why a stage failed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StageCause {
+    /// An op returned an error (shape, out of memory, wgpu...).
+    Tensor(wgpipe_tensor::Error),
+    /// A layer panicked; the payload's message.
+    Panic(String),
+    /// A neighbouring stage disappeared (it failed first, or its channel closed).
+    Disconnected(String),
+}
+
+impl std::fmt::Display for StageCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StageCause::Tensor(e) => write!(f, "{e}"),
+            StageCause::Panic(m) => write!(f, "panic: {m}"),
+            StageCause::Disconnected(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PipelineError {
+    /// The pipeline was configured wrongly (devices, micro-batches, inputs...).
+    #[error("pipeline configuration: {0}")]
+    Config(String),
+    #[error("partition: {0}")]
+    Partition(#[from] PartitionError),
+    #[error("schedule: {0}")]
+    Schedule(#[from] ScheduleError),
+    #[error("simulated timeline: {0}")]
+    Timeline(#[from] TimelineError),
+    /// A stage failed while running its schedule; every stage was stopped.
+    #[error("stage {stage} (device {device}), micro-batch {micro_batch}, {action}: {cause}")]
+    Stage {
+        stage: usize,
+        device: String,
+        micro_batch: usize,
+        action: String,
+        cause: StageCause,
+    },
+    /// An op outside any stage (splitting the batch, moving data, the optimizer) failed.
+    #[error("{0}")]
+    Tensor(#[from] wgpipe_tensor::Error),
+}
+
+impl PipelineError {
+    /// The failing stage, for stage errors.
+    pub fn stage(&self) -> Option<usize> {
+        match self {
+            PipelineError::Stage { stage, .. } => Some(*stage),
+            _ => None,
+        }
+    }
+    /// The failing micro-batch, for stage errors.
+    pub fn micro_batch(&self) -> Option<usize> {
+        match self {
+            PipelineError::Stage { micro_batch, .. } => Some(*micro_batch),
+            _ => None,
+        }
+    }
+}
+
+pub type Result<T, E = PipelineError> = std::result::Result<T, E>;

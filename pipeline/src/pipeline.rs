@@ -1,0 +1,429 @@
+//! `Pipeline`: a sequence of modules cut into stages on devices, trained GPipe-style.
+//!
+//! `train_step` splits the mini-batch into micro-batches, runs one worker thread per stage over
+//! the schedule, accumulates gradients, and leaves them for `optimizer_step`. After a step the
+//! gradients equal those of plain training on the whole mini-batch (up to summation order),
+//! whatever K, M, schedule and checkpoint mode.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::channel;
+use std::time::Instant;
+
+use wgpipe_autograd::optim::Optimizer;
+use wgpipe_autograd::{ForwardCtx, Module, Param, Tape};
+use wgpipe_tensor::{Device, Tensor};
+
+use crate::builder::PipelineBuilder;
+use crate::error::{PipelineError, Result, StageCause};
+use crate::microbatch::split_batch;
+use crate::report::{wall_timeline, SimReport, StageReport, StepReport};
+use crate::schedule::{Action, Schedule};
+use crate::sim::SimCluster;
+use crate::timeline::{simulate, ActionCost};
+use crate::worker::{ActionRecord, LossFn, Position, Stage, StageLinks, StageOutcome, StepInputs};
+
+/// Makes one optimizer per stage (each runs on its stage's device over its stage's params).
+pub type OptimizerFactory = Box<dyn Fn() -> Box<dyn Optimizer> + Send>;
+
+pub struct Pipeline {
+    pub(crate) stages: Vec<Stage>,
+    pub(crate) schedule: Schedule,
+    pub(crate) seed: u64,
+    pub(crate) step: u64,
+    pub(crate) sim: Option<SimCluster>,
+    pub(crate) optimizers: Vec<Box<dyn Optimizer>>,
+}
+
+impl Pipeline {
+    /// Starts a builder over `layers` (see [`PipelineBuilder`]).
+    pub fn builder(layers: Vec<Box<dyn Module>>) -> PipelineBuilder {
+        PipelineBuilder::new(layers)
+    }
+
+    pub fn num_stages(&self) -> usize {
+        self.stages.len()
+    }
+    pub fn num_micro_batches(&self) -> usize {
+        self.schedule.num_micro_batches
+    }
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+    pub fn stages(&self) -> &[Stage] {
+        &self.stages
+    }
+    /// Layers per stage.
+    pub fn balance(&self) -> Vec<usize> {
+        self.stages.iter().map(|s| s.layers.len()).collect()
+    }
+    pub fn devices(&self) -> Vec<Device> {
+        self.stages.iter().map(|s| s.device.clone()).collect()
+    }
+    /// Steps taken so far (the RNG key of the next step).
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+    pub fn sim_cluster(&self) -> Option<&SimCluster> {
+        self.sim.as_ref()
+    }
+
+    /// Every parameter, named `<global layer index>.<name inside the layer>`.
+    pub fn named_parameters(&self) -> Vec<(String, Param)> {
+        self.stages.iter().flat_map(stage_params).collect()
+    }
+
+    /// Every buffer (e.g. batch-norm running statistics), named like the parameters.
+    pub fn named_buffers(&self) -> Vec<(String, Param)> {
+        self.stages
+            .iter()
+            .flat_map(|s| {
+                s.layers.iter().enumerate().flat_map(move |(i, l)| {
+                    l.buffers()
+                        .into_iter()
+                        .map(move |(n, p)| (format!("{}.{n}", s.first_layer + i), p))
+                })
+            })
+            .collect()
+    }
+
+    /// The layers back, in order (e.g. to run them plain or rebuild the pipeline).
+    pub fn into_layers(self) -> Vec<Box<dyn Module>> {
+        self.stages.into_iter().flat_map(|s| s.layers).collect()
+    }
+
+    /// Train or eval mode for every layer.
+    pub fn set_train(&mut self, train: bool) {
+        for s in &mut self.stages {
+            for l in &mut s.layers {
+                l.set_train(train);
+            }
+        }
+    }
+
+    /// Runs forward and backward of every micro-batch of `(inputs, targets)` (split along axis
+    /// 0), accumulating gradients into the parameters. The loss of each micro-batch is its mean
+    /// loss times its share of the mini-batch, so the reported loss and the gradients are those
+    /// of the mean loss over the whole mini-batch. On error every stage is stopped, every thread
+    /// joined, and the gradients are put back as they were before the call.
+    pub fn train_step(&mut self, inputs: &Tensor, targets: &Tensor, loss_fn: &LossFn) -> Result<StepReport> {
+        let m = self.schedule.num_micro_batches;
+        let xs = split_batch("inputs", inputs, m)?;
+        let ys = split_batch("targets", targets, m)?;
+        let n = inputs.shape()[0] as f32;
+        let scales: Vec<f32> = xs.iter().map(|x| x.shape()[0] as f32 / n).collect();
+
+        let params = self.named_parameters();
+        let saved_grads: Vec<Option<Tensor>> = params.iter().map(|(_, p)| p.grad()).collect();
+        for s in &self.stages {
+            s.device.memory().reset_peak();
+        }
+        let flops0: Vec<u64> = self.stages.iter().map(|s| s.device.flops()).collect();
+
+        let clock = Instant::now();
+        let results = self.run_workers(&xs, &ys, &scales, loss_fn, clock);
+        let wall = clock.elapsed().as_secs_f64();
+
+        let outcomes = match first_error(&self.stages, results) {
+            Ok(o) => o,
+            Err(e) => {
+                for ((_, p), g) in params.iter().zip(saved_grads) {
+                    p.set_grad(g);
+                }
+                return Err(e);
+            }
+        };
+        for s in &self.stages {
+            for l in &s.layers {
+                l.finish_step()?;
+            }
+        }
+        let mut loss = 0.0f32;
+        for t in &outcomes[self.stages.len() - 1].losses {
+            loss += t.to_scalar()?;
+        }
+        let report = self.report(outcomes, flops0, wall, loss)?;
+        self.step += 1;
+        Ok(report)
+    }
+
+    /// Spawns one scoped thread per stage and collects each one's outcome.
+    fn run_workers(
+        &mut self,
+        xs: &[Tensor],
+        ys: &[Tensor],
+        scales: &[f32],
+        loss_fn: &LossFn,
+        clock: Instant,
+    ) -> Vec<(Position, std::result::Result<StageOutcome, StageCause>)> {
+        let k = self.stages.len();
+        let mut links: Vec<StageLinks> = (0..k).map(|_| StageLinks::default()).collect();
+        for j in 0..k.saturating_sub(1) {
+            let (atx, arx) = channel();
+            let (gtx, grx) = channel();
+            links[j].act_out = Some(atx);
+            links[j + 1].act_in = Some(arx);
+            links[j + 1].grad_out = Some(gtx);
+            links[j].grad_in = Some(grx);
+        }
+        let abort = AtomicBool::new(false);
+        let schedule = &self.schedule;
+        let (seed, step) = (self.seed, self.step);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .stages
+                .iter_mut()
+                .zip(links)
+                .map(|(stage, links)| {
+                    let abort = &abort;
+                    let io = StepInputs {
+                        actions: &schedule.stages[stage.index],
+                        num_micro_batches: schedule.num_micro_batches,
+                        checkpoint: schedule.checkpoint,
+                        seed,
+                        step,
+                        inputs: xs,
+                        targets: ys,
+                        scales,
+                        loss_fn,
+                        abort,
+                        clock,
+                    };
+                    // `&mut Stage` is Send (layers are Send, not Sync): each thread owns its stage.
+                    scope.spawn(move || {
+                        let mut pos = Position::default();
+                        let r = catch_unwind(AssertUnwindSafe(|| stage.run_step(&links, &io, &mut pos)));
+                        let r = match r {
+                            Ok(r) => r,
+                            Err(payload) => Err(StageCause::Panic(panic_message(payload))),
+                        };
+                        if r.is_err() {
+                            abort.store(true, Ordering::SeqCst);
+                        }
+                        // Dropping `links` here closes this stage's channels, which also
+                        // wakes any neighbour blocked on them.
+                        drop(links);
+                        (pos, r)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|p| {
+                        (Position::default(), Err(StageCause::Panic(panic_message(p))))
+                    })
+                })
+                .collect()
+        })
+    }
+
+    fn report(&self, outcomes: Vec<StageOutcome>, flops0: Vec<u64>, wall: f64, loss: f32) -> Result<StepReport> {
+        let records: Vec<Vec<ActionRecord>> = outcomes.into_iter().map(|o| o.records).collect();
+        let timeline = wall_timeline(&records, wall);
+        let stages = self
+            .stages
+            .iter()
+            .zip(&records)
+            .map(|(s, recs)| StageReport {
+                stage: s.index,
+                device: s.device.name().to_string(),
+                layers: s.first_layer..s.first_layer + s.layers.len(),
+                num_params: stage_params(s).iter().map(|(_, p)| p.value().numel()).sum(),
+                busy_secs: timeline.busy[s.index],
+                flops: (s.device.flops() - flops0[s.index]) as f64,
+                bytes_sent: recs.iter().map(|r| r.bytes).sum(),
+                memory: s.device.memory_stats(),
+            })
+            .collect();
+        let simulated = match &self.sim {
+            Some(cluster) => {
+                let cost = |stage: usize, action: Action| {
+                    records[stage]
+                        .iter()
+                        .find(|r| r.action == action)
+                        .map(|r| ActionCost {
+                            flops: r.flops,
+                            bytes: r.bytes,
+                        })
+                        .unwrap_or_default()
+                };
+                let t = simulate(&self.schedule, cluster.specs(), &cluster.link(), cost)?;
+                Some(SimReport {
+                    makespan_secs: t.makespan,
+                    bubble_fraction: t.bubble_fraction(),
+                    timeline: t,
+                })
+            }
+            None => None,
+        };
+        Ok(StepReport {
+            step: self.step,
+            loss,
+            num_micro_batches: self.schedule.num_micro_batches,
+            wall_secs: wall,
+            wall_bubble_fraction: timeline.bubble_fraction(),
+            wall_timeline: timeline,
+            stages,
+            simulated,
+        })
+    }
+
+    /// Evaluation forward: micro-batch by micro-batch through every stage, recording nothing.
+    /// Returns the outputs concatenated along axis 0, on the last stage's device.
+    pub fn forward(&self, inputs: &Tensor) -> Result<Tensor> {
+        let xs = split_batch("inputs", inputs, self.schedule.num_micro_batches)?;
+        let mut outs = Vec::with_capacity(xs.len());
+        for x in xs {
+            let mut h = x;
+            for s in &self.stages {
+                let tape = Tape::no_grad();
+                let v = tape.constant(h.to_device(&s.device)?);
+                h = s
+                    .run_layers(&v, ForwardCtx::eval())
+                    .map_err(|e| stage_error(s, 0, "Forward (eval)", StageCause::Tensor(e)))?
+                    .value()
+                    .clone();
+            }
+            outs.push(h);
+        }
+        let refs: Vec<&Tensor> = outs.iter().collect();
+        Ok(Tensor::concat(&refs, 0)?)
+    }
+
+    /// Sets one optimizer per stage from `factory` (replacing any earlier ones and their state).
+    pub fn set_optimizer(&mut self, factory: impl Fn() -> Box<dyn Optimizer>) {
+        self.optimizers = self.stages.iter().map(|_| factory()).collect();
+    }
+
+    /// The per-stage optimizers (e.g. to save or load their state).
+    pub fn optimizers_mut(&mut self) -> &mut [Box<dyn Optimizer>] {
+        &mut self.optimizers
+    }
+
+    pub fn set_lr(&mut self, lr: f32) {
+        for o in &mut self.optimizers {
+            o.set_lr(lr);
+        }
+    }
+
+    /// Scales all gradients so that their global L2 norm (over every stage) is at most
+    /// `max_norm`; returns the norm before clipping.
+    pub fn clip_grad_norm(&self, max_norm: f32) -> Result<f32> {
+        let mut sq = 0.0f64;
+        for s in &self.stages {
+            sq += wgpipe_autograd::optim::grad_norm_sq(&stage_params(s))?;
+        }
+        let norm = sq.sqrt() as f32;
+        if norm > max_norm && norm > 0.0 {
+            let f = max_norm / (norm + 1e-6);
+            for s in &self.stages {
+                wgpipe_autograd::optim::scale_grads(&stage_params(s), f)?;
+            }
+        }
+        Ok(norm)
+    }
+
+    /// Applies each stage's optimizer to its parameters on its own device (stages in parallel),
+    /// then clears the gradients.
+    pub fn optimizer_step(&mut self) -> Result<()> {
+        if self.optimizers.len() != self.stages.len() {
+            return Err(PipelineError::Config(
+                "no optimizer set: call set_optimizer (or the builder's optimizer) first".into(),
+            ));
+        }
+        let results: Vec<Result<()>> = std::thread::scope(|scope| {
+            let hs: Vec<_> = self
+                .stages
+                .iter_mut()
+                .zip(self.optimizers.iter_mut())
+                .map(|(s, o)| {
+                    scope.spawn(move || {
+                        let s: &Stage = s;
+                        let params = stage_params(s);
+                        o.step(&params)
+                            .map_err(|e| stage_error(s, 0, "optimizer step", StageCause::Tensor(e)))
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|p| {
+                        Err(PipelineError::Config(format!(
+                            "optimizer panicked: {}",
+                            panic_message(p)
+                        )))
+                    })
+                })
+                .collect()
+        });
+        results.into_iter().collect::<Result<Vec<()>>>()?;
+        self.zero_grad();
+        Ok(())
+    }
+
+    pub fn zero_grad(&self) {
+        for (_, p) in self.named_parameters() {
+            p.zero_grad();
+        }
+    }
+}
+
+fn stage_params(s: &Stage) -> Vec<(String, Param)> {
+    s.layers
+        .iter()
+        .enumerate()
+        .flat_map(|(i, l)| {
+            l.parameters()
+                .into_iter()
+                .map(move |(n, p)| (format!("{}.{n}", s.first_layer + i), p))
+        })
+        .collect()
+}
+
+fn stage_error(s: &Stage, micro_batch: usize, action: &str, cause: StageCause) -> PipelineError {
+    PipelineError::Stage {
+        stage: s.index,
+        device: s.device.name().to_string(),
+        micro_batch,
+        action: action.to_string(),
+        cause,
+    }
+}
+
+/// The root cause among the stages' results: a stage's own failure wins over the
+/// "stopped because another stage failed" of the others.
+fn first_error(
+    stages: &[Stage],
+    results: Vec<(Position, std::result::Result<StageOutcome, StageCause>)>,
+) -> Result<Vec<StageOutcome>> {
+    let mut errors = Vec::new();
+    let mut ok = Vec::new();
+    for (s, (pos, r)) in stages.iter().zip(results) {
+        match r {
+            Ok(o) => ok.push(o),
+            Err(cause) => {
+                let action = pos.action.map_or("start".to_string(), |a| format!("{a:?}"));
+                errors.push(stage_error(s, pos.micro_batch, &action, cause));
+            }
+        }
+    }
+    let root = errors
+        .iter()
+        .position(|e| !matches!(e, PipelineError::Stage { cause: StageCause::Disconnected(_), .. }))
+        .unwrap_or(0);
+    match errors.into_iter().nth(root) {
+        Some(e) => Err(e),
+        None => Ok(ok),
+    }
+}
+
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".into()
+    }
+}

@@ -1,0 +1,157 @@
+//! What one training step did: time, bubble, per-stage busy time and memory, bytes moved.
+
+use std::fmt::Write as _;
+use std::ops::Range;
+
+use wgpipe_tensor::{MemoryStats, Tag};
+
+use crate::schedule::Action;
+use crate::timeline::{Event, EventKind, Timeline};
+use crate::worker::ActionRecord;
+
+/// One stage's share of a step.
+#[derive(Debug, Clone)]
+pub struct StageReport {
+    pub stage: usize,
+    pub device: String,
+    /// Global indices of the stage's layers.
+    pub layers: Range<usize>,
+    pub num_params: usize,
+    /// Wall seconds spent in forward, backward and recompute.
+    pub busy_secs: f64,
+    /// FLOPs counted on the stage's device during the step.
+    pub flops: f64,
+    /// Bytes this stage sent to its neighbours.
+    pub bytes_sent: u64,
+    /// Memory counters of the stage's device, with peaks since the step began.
+    pub memory: MemoryStats,
+}
+
+impl StageReport {
+    pub fn peak_activations(&self) -> usize {
+        self.memory.peak_of(Tag::Activations)
+    }
+}
+
+/// The simulated view of a step (labelled simulated wherever it is printed).
+#[derive(Debug, Clone)]
+pub struct SimReport {
+    pub makespan_secs: f64,
+    pub bubble_fraction: f64,
+    pub timeline: Timeline,
+}
+
+/// Everything measured in one `train_step`.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    pub step: u64,
+    /// Mean loss over the mini-batch.
+    pub loss: f32,
+    pub num_micro_batches: usize,
+    pub wall_secs: f64,
+    /// Idle share of stage time measured on the wall clock: 1 − Σ busy / (K × wall).
+    pub wall_bubble_fraction: f64,
+    /// The measured timeline (wall-clock seconds since the step began).
+    pub wall_timeline: Timeline,
+    pub stages: Vec<StageReport>,
+    pub simulated: Option<SimReport>,
+}
+
+impl StepReport {
+    pub fn bytes_sent(&self) -> u64 {
+        self.stages.iter().map(|s| s.bytes_sent).sum()
+    }
+
+    /// The bubble fraction to show: simulated when in simulated mode, else measured.
+    pub fn bubble_fraction(&self) -> f64 {
+        self.simulated
+            .as_ref()
+            .map_or(self.wall_bubble_fraction, |s| s.bubble_fraction)
+    }
+
+    /// A per-stage summary table (markdown).
+    pub fn stage_table(&self) -> String {
+        let mut s = String::new();
+        let sim = self.simulated.is_some();
+        let _ = writeln!(
+            s,
+            "| stage | device | layers | params | busy % (wall) | peak params MiB | peak grads MiB | peak optim MiB | peak activations MiB | sent MiB |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|");
+        for st in &self.stages {
+            let mib = |t: Tag| st.memory.peak_of(t) as f64 / (1 << 20) as f64;
+            let busy = if self.wall_secs > 0.0 {
+                100.0 * st.busy_secs / self.wall_secs
+            } else {
+                0.0
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {}..{} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                st.stage,
+                st.device,
+                st.layers.start,
+                st.layers.end,
+                st.num_params,
+                busy,
+                mib(Tag::Parameters),
+                mib(Tag::Gradients),
+                mib(Tag::OptimizerState),
+                mib(Tag::Activations),
+                st.bytes_sent as f64 / (1 << 20) as f64
+            );
+        }
+        if let Some(simr) = &self.simulated {
+            let _ = writeln!(
+                s,
+                "\nsimulated step time {:.3} ms, simulated bubble {:.1}%",
+                simr.makespan_secs * 1e3,
+                simr.bubble_fraction * 100.0
+            );
+        } else if !sim {
+            let _ = writeln!(
+                s,
+                "\nwall step time {:.3} ms, measured bubble {:.1}%",
+                self.wall_secs * 1e3,
+                self.wall_bubble_fraction * 100.0
+            );
+        }
+        s
+    }
+}
+
+/// Builds the wall-clock timeline from the workers' records: compute actions as compute events,
+/// and each receive as a transfer from its sender (the hand-off copy runs on the receiver).
+pub(crate) fn wall_timeline(records: &[Vec<ActionRecord>], wall: f64) -> Timeline {
+    let mut events = Vec::new();
+    let mut busy = vec![0.0; records.len()];
+    for (stage, recs) in records.iter().enumerate() {
+        for r in recs {
+            let (kind, from, to) = match r.action {
+                Action::Forward(_) => (EventKind::Forward, stage, None),
+                Action::Backward(_) => (EventKind::Backward, stage, None),
+                Action::Recompute(_) => (EventKind::Recompute, stage, None),
+                Action::RecvActivation(_) => (EventKind::Transfer, stage - 1, Some(stage)),
+                Action::RecvGrad(_) => (EventKind::Transfer, stage + 1, Some(stage)),
+                _ => continue,
+            };
+            if kind != EventKind::Transfer {
+                busy[stage] += r.end - r.start;
+            }
+            events.push(Event {
+                stage: from,
+                kind,
+                micro_batch: r.action.micro_batch(),
+                start: r.start,
+                end: r.end,
+                peer: to,
+            });
+        }
+    }
+    events.sort_by(|a, b| a.start.total_cmp(&b.start).then(a.stage.cmp(&b.stage)));
+    Timeline {
+        events,
+        makespan: wall,
+        busy,
+    }
+}

@@ -1,0 +1,85 @@
+//! The simulated cluster: K virtual accelerators for CI and planning.
+//!
+//! Each virtual device does its arithmetic on a real backing device (the CPU or a wgpu adapter
+//! such as lavapipe), but has its own memory accounting with an enforced capacity (going past it
+//! is an `OutOfMemory` error for that stage), its own FLOP counter, a compute rate and a link to
+//! its neighbours. The pipeline turns the FLOPs and bytes it measured into a deterministic
+//! simulated timeline (`timeline::simulate`); those times are always labelled simulated.
+
+use wgpipe_tensor::Device;
+
+use crate::timeline::{DeviceSpec, LinkSpec};
+
+/// K virtual devices with their specs and the link between neighbours.
+#[derive(Clone, Debug)]
+pub struct SimCluster {
+    devices: Vec<Device>,
+    specs: Vec<DeviceSpec>,
+    link: LinkSpec,
+}
+
+impl SimCluster {
+    /// `k` identical virtual devices on `backing`, each with `memory_bytes` of memory and
+    /// `flops_per_sec` of compute, joined by `link`.
+    pub fn uniform(
+        backing: &Device,
+        k: usize,
+        memory_bytes: u64,
+        flops_per_sec: f64,
+        link: LinkSpec,
+    ) -> SimCluster {
+        let specs = vec![
+            DeviceSpec {
+                flops_per_sec,
+                memory_bytes
+            };
+            k
+        ];
+        SimCluster::new(backing, &specs, link)
+    }
+
+    /// One virtual device per spec, named `sim0`, `sim1`, ...
+    pub fn new(backing: &Device, specs: &[DeviceSpec], link: LinkSpec) -> SimCluster {
+        let devices = specs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let cap = (s.memory_bytes != u64::MAX).then_some(s.memory_bytes as usize);
+                backing.virtual_device(&format!("sim{i}"), cap)
+            })
+            .collect();
+        SimCluster {
+            devices,
+            specs: specs.to_vec(),
+            link,
+        }
+    }
+
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+    pub fn specs(&self) -> &[DeviceSpec] {
+        &self.specs
+    }
+    pub fn link(&self) -> LinkSpec {
+        self.link
+    }
+    pub fn len(&self) -> usize {
+        self.devices.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty()
+    }
+}
+
+/// A rough V100-like accelerator for planning tables: 15 TFLOP/s, 16 GB.
+pub const V100_LIKE: DeviceSpec = DeviceSpec {
+    flops_per_sec: 15e12,
+    memory_bytes: 16 << 30,
+};
+
+/// PCIe-3-like link without NVLink: 10 GB/s, 10 µs latency.
+pub const PCIE_LINK: LinkSpec = LinkSpec {
+    bandwidth_bytes_per_sec: 10e9,
+    latency_sec: 10e-6,
+};

@@ -1,0 +1,609 @@
+//! The deterministic simulated timeline of a K-accelerator pipeline run.
+//!
+//! Real runs on a laptop cannot show what K accelerators would do, so this module replays a
+//! [`Schedule`] against a cost model: each stage has its own clock and walks its actions in order,
+//! compute takes FLOPs over the device's rate, and a message arrives after the link's latency plus
+//! its bytes over the bandwidth (transfers on one link queue behind each other). The result is a
+//! list of timed events, the makespan, and the bubble: the share of device time spent idle.
+//! All times are simulated seconds.
+
+use std::fmt;
+
+use crate::schedule::{Action, Schedule, ScheduleError};
+
+/// One simulated accelerator.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceSpec {
+    /// Compute rate; a compute action lasts `flops / flops_per_sec` seconds.
+    pub flops_per_sec: f64,
+    /// Memory capacity. Carried for the simulated cluster; the timeline does not model memory.
+    pub memory_bytes: u64,
+}
+
+/// The link between two neighbouring stages (one such link per direction per pair).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkSpec {
+    /// Bytes per second; `f64::INFINITY` makes transfers take no time beyond the latency.
+    pub bandwidth_bytes_per_sec: f64,
+    /// Fixed delay added to every message, in seconds.
+    pub latency_sec: f64,
+}
+
+impl LinkSpec {
+    /// A link that costs nothing: infinite bandwidth, zero latency.
+    pub const FREE: LinkSpec = LinkSpec {
+        bandwidth_bytes_per_sec: f64::INFINITY,
+        latency_sec: 0.0,
+    };
+
+    /// Seconds the link is occupied by a message of `bytes` (latency excluded: it overlaps).
+    fn occupancy(&self, bytes: u64) -> f64 {
+        bytes as f64 / self.bandwidth_bytes_per_sec
+    }
+}
+
+/// The measured or estimated cost of one action: `flops` for compute actions, `bytes` for sends.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ActionCost {
+    pub flops: f64,
+    pub bytes: u64,
+}
+
+/// What a timeline event represents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    Forward,
+    Backward,
+    Recompute,
+    /// A message on a link: an activation if `peer > stage`, a gradient if `peer < stage`.
+    Transfer,
+}
+
+impl EventKind {
+    /// Lower-case name, used as a trace category.
+    pub fn name(self) -> &'static str {
+        match self {
+            EventKind::Forward => "forward",
+            EventKind::Backward => "backward",
+            EventKind::Recompute => "recompute",
+            EventKind::Transfer => "transfer",
+        }
+    }
+
+    /// One-letter tag (`F`, `B`, `R`, `T`) as in the schedule grid.
+    pub fn letter(self) -> char {
+        match self {
+            EventKind::Forward => 'F',
+            EventKind::Backward => 'B',
+            EventKind::Recompute => 'R',
+            EventKind::Transfer => 'T',
+        }
+    }
+}
+
+/// One timed interval. For transfers `stage` is the sender and `peer` the receiver; `start` is
+/// when the message got the link and `end` when it arrived.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Event {
+    pub stage: usize,
+    pub kind: EventKind,
+    pub micro_batch: usize,
+    pub start: f64,
+    pub end: f64,
+    /// The receiving stage of a transfer; `None` for compute events.
+    pub peer: Option<usize>,
+}
+
+/// The simulated run: events sorted by start time (then stage), the makespan, and per-stage
+/// compute-busy seconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Timeline {
+    pub events: Vec<Event>,
+    pub makespan: f64,
+    pub busy: Vec<f64>,
+}
+
+impl Timeline {
+    /// Share of device time not spent computing: 1 − Σ busy / (K × makespan). Computed as
+    /// idle / total so that with exact (integer) times it equals the ideal fraction bit for bit.
+    pub fn bubble_fraction(&self) -> f64 {
+        let total = self.busy.len() as f64 * self.makespan;
+        if total <= 0.0 {
+            return 0.0;
+        }
+        let busy: f64 = self.busy.iter().sum();
+        (total - busy) / total
+    }
+
+    /// Number of stages.
+    pub fn num_stages(&self) -> usize {
+        self.busy.len()
+    }
+}
+
+/// Why a simulation could not run.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TimelineError {
+    /// The schedule failed [`Schedule::validate`].
+    Schedule(ScheduleError),
+    /// One device spec per stage is needed.
+    DeviceCount { stages: usize, devices: usize },
+    /// A device's rate is zero, negative or NaN.
+    InvalidDevice { stage: usize, flops_per_sec: f64 },
+    /// Bandwidth must be positive (infinity allowed); latency finite and non-negative.
+    InvalidLink { bandwidth: f64, latency: f64 },
+    /// The cost of a compute action is negative, NaN or infinite.
+    InvalidCost {
+        stage: usize,
+        action: Action,
+        flops: f64,
+    },
+}
+
+impl fmt::Display for TimelineError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TimelineError::Schedule(e) => write!(f, "invalid schedule: {e}"),
+            TimelineError::DeviceCount { stages, devices } => write!(
+                f,
+                "schedule has {stages} stages but {devices} device specs were given"
+            ),
+            TimelineError::InvalidDevice {
+                stage,
+                flops_per_sec,
+            } => write!(
+                f,
+                "device of stage {stage} has rate {flops_per_sec} FLOP/s; it must be positive"
+            ),
+            TimelineError::InvalidLink { bandwidth, latency } => write!(
+                f,
+                "link bandwidth {bandwidth} B/s must be positive and latency {latency} s \
+                 finite and non-negative"
+            ),
+            TimelineError::InvalidCost {
+                stage,
+                action,
+                flops,
+            } => write!(
+                f,
+                "stage {stage}: {action:?} costs {flops} FLOPs; it must be finite and non-negative"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for TimelineError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            TimelineError::Schedule(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<ScheduleError> for TimelineError {
+    fn from(e: ScheduleError) -> Self {
+        TimelineError::Schedule(e)
+    }
+}
+
+fn check_inputs(
+    schedule: &Schedule,
+    devices: &[DeviceSpec],
+    link: &LinkSpec,
+) -> Result<(), TimelineError> {
+    schedule.validate()?;
+    if devices.len() != schedule.num_stages {
+        return Err(TimelineError::DeviceCount {
+            stages: schedule.num_stages,
+            devices: devices.len(),
+        });
+    }
+    if let Some((stage, d)) = devices
+        .iter()
+        .enumerate()
+        .find(|(_, d)| d.flops_per_sec.is_nan() || d.flops_per_sec <= 0.0)
+    {
+        return Err(TimelineError::InvalidDevice {
+            stage,
+            flops_per_sec: d.flops_per_sec,
+        });
+    }
+    let bandwidth_ok = link.bandwidth_bytes_per_sec > 0.0; // false for NaN
+    let latency_ok = link.latency_sec.is_finite() && link.latency_sec >= 0.0;
+    if !bandwidth_ok || !latency_ok {
+        return Err(TimelineError::InvalidLink {
+            bandwidth: link.bandwidth_bytes_per_sec,
+            latency: link.latency_sec,
+        });
+    }
+    Ok(())
+}
+
+/// The mutable state of one simulation, advanced action by action.
+struct Sim<'a> {
+    devices: &'a [DeviceSpec],
+    link: LinkSpec,
+    clock: Vec<f64>,
+    /// When each directed link is next free: index 2·i for i → i+1, 2·i+1 for i+1 → i.
+    link_free: Vec<f64>,
+    busy: Vec<f64>,
+    events: Vec<Event>,
+    error: Option<TimelineError>,
+}
+
+impl Sim<'_> {
+    /// Runs one action on `stage` and returns the stage's clock, or the arrival time for a send.
+    fn step(
+        &mut self,
+        stage: usize,
+        action: Action,
+        cost: ActionCost,
+        arrival: Option<f64>,
+    ) -> f64 {
+        let m = action.micro_batch();
+        match action {
+            Action::Forward(_) => self.compute(stage, action, EventKind::Forward, cost.flops),
+            Action::Backward(_) => self.compute(stage, action, EventKind::Backward, cost.flops),
+            Action::Recompute(_) => self.compute(stage, action, EventKind::Recompute, cost.flops),
+            Action::SendActivation(_) => self.send(stage, stage + 1, 2 * stage, m, cost.bytes),
+            Action::SendGrad(_) => self.send(stage, stage - 1, 2 * (stage - 1) + 1, m, cost.bytes),
+            Action::RecvActivation(_) | Action::RecvGrad(_) => {
+                let t = arrival.unwrap_or(0.0);
+                self.clock[stage] = self.clock[stage].max(t);
+                self.clock[stage]
+            }
+        }
+    }
+
+    fn compute(&mut self, stage: usize, action: Action, kind: EventKind, flops: f64) -> f64 {
+        if !flops.is_finite() || flops < 0.0 {
+            self.error.get_or_insert(TimelineError::InvalidCost {
+                stage,
+                action,
+                flops,
+            });
+        }
+        let start = self.clock[stage];
+        let end = start + flops / self.devices[stage].flops_per_sec;
+        self.push(stage, kind, action.micro_batch(), start, end, None);
+        self.busy[stage] += end - start;
+        self.clock[stage] = end;
+        end
+    }
+
+    /// Queues a message on the directed link `channel`; the sender does not wait.
+    fn send(&mut self, from: usize, to: usize, channel: usize, m: usize, bytes: u64) -> f64 {
+        let start = self.clock[from].max(self.link_free[channel]);
+        self.link_free[channel] = start + self.link.occupancy(bytes);
+        let arrival = self.link_free[channel] + self.link.latency_sec;
+        self.push(from, EventKind::Transfer, m, start, arrival, Some(to));
+        arrival
+    }
+
+    fn push(
+        &mut self,
+        stage: usize,
+        kind: EventKind,
+        m: usize,
+        start: f64,
+        end: f64,
+        peer: Option<usize>,
+    ) {
+        self.events.push(Event {
+            stage,
+            kind,
+            micro_batch: m,
+            start,
+            end,
+            peer,
+        });
+    }
+}
+
+/// Simulates `schedule` on one device per stage joined by identical `link`s, with `cost(stage,
+/// action)` giving the FLOPs of compute actions and the bytes of sends (it is not asked about
+/// receives). Deterministic: the same inputs give the same timeline.
+pub fn simulate<F>(
+    schedule: &Schedule,
+    devices: &[DeviceSpec],
+    link: &LinkSpec,
+    mut cost: F,
+) -> Result<Timeline, TimelineError>
+where
+    F: FnMut(usize, Action) -> ActionCost,
+{
+    check_inputs(schedule, devices, link)?;
+    let k = schedule.num_stages;
+    let mut sim = Sim {
+        devices,
+        link: *link,
+        clock: vec![0.0; k],
+        link_free: vec![0.0; 2 * k.saturating_sub(1)],
+        busy: vec![0.0; k],
+        events: Vec::new(),
+        error: None,
+    };
+    schedule.drive(|stage, action, arrival: Option<f64>| {
+        let c = match action {
+            Action::RecvActivation(_) | Action::RecvGrad(_) => ActionCost::default(),
+            _ => cost(stage, action),
+        };
+        sim.step(stage, action, c, arrival)
+    })?;
+    if let Some(e) = sim.error {
+        return Err(e);
+    }
+    let makespan = sim
+        .events
+        .iter()
+        .map(|e| e.end)
+        .chain(sim.clock.iter().copied())
+        .fold(0.0, f64::max);
+    let mut events = sim.events;
+    events.sort_by(|a, b| a.start.total_cmp(&b.start).then(a.stage.cmp(&b.stage)));
+    Ok(Timeline {
+        events,
+        makespan,
+        busy: sim.busy,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::{gpipe, one_f_one_b, Cell, CheckpointMode};
+
+    fn unit_devices(k: usize) -> Vec<DeviceSpec> {
+        vec![
+            DeviceSpec {
+                flops_per_sec: 1.0,
+                memory_bytes: 1 << 30,
+            };
+            k
+        ]
+    }
+
+    /// One FLOP per compute action, `bytes` per message.
+    fn unit_cost(bytes: u64) -> impl FnMut(usize, Action) -> ActionCost {
+        move |_, _| ActionCost { flops: 1.0, bytes }
+    }
+
+    fn unit_run(s: &Schedule, link: &LinkSpec, bytes: u64) -> Timeline {
+        simulate(s, &unit_devices(s.num_stages), link, unit_cost(bytes)).unwrap()
+    }
+
+    fn compute_events(t: &Timeline, stage: usize) -> Vec<(EventKind, usize, f64, f64)> {
+        t.events
+            .iter()
+            .filter(|e| e.stage == stage && e.kind != EventKind::Transfer)
+            .map(|e| (e.kind, e.micro_batch, e.start, e.end))
+            .collect()
+    }
+
+    #[test]
+    fn gpipe_unit_costs_give_ideal_makespan_and_bubble() {
+        for k in 1..=6 {
+            for m in 1..=9 {
+                let s = gpipe(k, m, CheckpointMode::Never).unwrap();
+                let t = unit_run(&s, &LinkSpec::FREE, 100);
+                assert_eq!(t.makespan, (2 * (m + k - 1)) as f64, "K={k} M={m}");
+                let ideal = (k - 1) as f64 / (m + k - 1) as f64;
+                assert_eq!(t.bubble_fraction(), ideal, "K={k} M={m}");
+                assert_eq!(t.busy, vec![(2 * m) as f64; k]);
+            }
+        }
+    }
+
+    #[test]
+    fn one_f_one_b_has_the_same_bubble_as_gpipe() {
+        for k in 1..=5 {
+            for m in 1..=8 {
+                let s = one_f_one_b(k, m, CheckpointMode::Never).unwrap();
+                let ideal = (k - 1) as f64 / (m + k - 1) as f64;
+                assert_eq!(unit_run(&s, &LinkSpec::FREE, 1).bubble_fraction(), ideal);
+            }
+        }
+    }
+
+    #[test]
+    fn unit_timeline_agrees_with_clock_grid() {
+        for k in 1..=4 {
+            for m in 1..=5 {
+                for mode in [CheckpointMode::Always, CheckpointMode::ExceptLast] {
+                    for s in [gpipe(k, m, mode).unwrap(), one_f_one_b(k, m, mode).unwrap()] {
+                        let t = unit_run(&s, &LinkSpec::FREE, 1);
+                        for (j, row) in s.clock_grid().iter().enumerate() {
+                            let from_grid: Vec<(Cell, f64)> = row
+                                .iter()
+                                .enumerate()
+                                .filter_map(|(tick, c)| c.map(|c| (c, tick as f64)))
+                                .collect();
+                            let from_timeline: Vec<(Cell, f64)> = compute_events(&t, j)
+                                .into_iter()
+                                .map(|(kind, mb, start, _)| {
+                                    let cell = match kind {
+                                        EventKind::Forward => Cell::Forward(mb),
+                                        EventKind::Backward => Cell::Backward(mb),
+                                        _ => Cell::Recompute(mb),
+                                    };
+                                    (cell, start)
+                                })
+                                .collect();
+                            assert_eq!(from_grid, from_timeline);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn slow_link_two_stages_one_micro_batch() {
+        // 10 bytes at 10 B/s = 1 s on the wire, plus 0.5 s latency, each way.
+        // Stage 0 F [0,1]; activation arrives 2.5; stage 1 F [2.5,3.5], B [3.5,4.5];
+        // gradient arrives 6.0; stage 0 B [6,7]. Free links would give 4.
+        let s = gpipe(2, 1, CheckpointMode::Never).unwrap();
+        let link = LinkSpec {
+            bandwidth_bytes_per_sec: 10.0,
+            latency_sec: 0.5,
+        };
+        let t = unit_run(&s, &link, 10);
+        assert_eq!(t.makespan, 7.0);
+        assert_eq!(unit_run(&s, &LinkSpec::FREE, 10).makespan, 4.0);
+        assert_eq!(
+            compute_events(&t, 0),
+            vec![
+                (EventKind::Forward, 0, 0.0, 1.0),
+                (EventKind::Backward, 0, 6.0, 7.0)
+            ]
+        );
+        let transfers: Vec<(usize, Option<usize>, f64, f64)> = t
+            .events
+            .iter()
+            .filter(|e| e.kind == EventKind::Transfer)
+            .map(|e| (e.stage, e.peer, e.start, e.end))
+            .collect();
+        assert_eq!(
+            transfers,
+            vec![(0, Some(1), 1.0, 2.5), (1, Some(0), 4.5, 6.0)]
+        );
+        assert_eq!(t.busy, vec![2.0, 2.0]);
+        assert_eq!(t.bubble_fraction(), 10.0 / 14.0);
+    }
+
+    #[test]
+    fn transfers_on_one_link_serialise() {
+        // 3 s per message, no latency. Activations leave stage 0 at 1 and 2, but the second
+        // waits for the link until 4 and arrives at 7.
+        let s = gpipe(2, 2, CheckpointMode::Never).unwrap();
+        let link = LinkSpec {
+            bandwidth_bytes_per_sec: 1.0,
+            latency_sec: 0.0,
+        };
+        let t = unit_run(&s, &link, 3);
+        assert_eq!(
+            compute_events(&t, 1)[..2],
+            [
+                (EventKind::Forward, 0, 4.0, 5.0),
+                (EventKind::Forward, 1, 7.0, 8.0)
+            ]
+        );
+    }
+
+    #[test]
+    fn recompute_overlaps_waiting_for_the_gradient() {
+        // Latency 5 each way. Stage 0 recomputes at [1,2] while the gradient is on its way,
+        // so the makespan is 15, not 16: F0 [0,1] | stage 1 F [6,7] R [7,8] B [8,9] | B [14,15].
+        let s = gpipe(2, 1, CheckpointMode::Always).unwrap();
+        let link = LinkSpec {
+            bandwidth_bytes_per_sec: f64::INFINITY,
+            latency_sec: 5.0,
+        };
+        let t = unit_run(&s, &link, 1);
+        assert_eq!(t.makespan, 15.0);
+        assert_eq!(
+            compute_events(&t, 0),
+            vec![
+                (EventKind::Forward, 0, 0.0, 1.0),
+                (EventKind::Recompute, 0, 1.0, 2.0),
+                (EventKind::Backward, 0, 14.0, 15.0)
+            ]
+        );
+        assert_eq!(t.busy, vec![3.0, 3.0]);
+    }
+
+    #[test]
+    fn slower_device_stretches_its_stage() {
+        let s = gpipe(2, 1, CheckpointMode::Never).unwrap();
+        let mut devices = unit_devices(2);
+        devices[1].flops_per_sec = 0.5;
+        let t = simulate(&s, &devices, &LinkSpec::FREE, unit_cost(0)).unwrap();
+        assert_eq!(t.makespan, 6.0);
+        assert_eq!(t.busy, vec![2.0, 4.0]);
+    }
+
+    #[test]
+    fn cost_is_looked_up_by_stage_and_action() {
+        let s = gpipe(2, 2, CheckpointMode::Never).unwrap();
+        let mut asked = Vec::new();
+        let t = simulate(&s, &unit_devices(2), &LinkSpec::FREE, |stage, action| {
+            asked.push((stage, action));
+            let flops = match action {
+                Action::Backward(_) => 2.0,
+                _ => 1.0,
+            };
+            ActionCost { flops, bytes: 0 }
+        })
+        .unwrap();
+        assert!(asked.contains(&(1, Action::Backward(1))));
+        assert!(asked
+            .iter()
+            .all(|(_, a)| !matches!(a, Action::RecvActivation(_) | Action::RecvGrad(_))));
+        // Backward costs 2. Stage 1: F0 [1,2] F1 [2,3] B1 [3,5] B0 [5,7];
+        // stage 0: F0 [0,1] F1 [1,2] B1 [5,7] B0 [7,9].
+        assert_eq!(t.makespan, 9.0);
+    }
+
+    #[test]
+    fn deterministic() {
+        let s = one_f_one_b(4, 7, CheckpointMode::ExceptLast).unwrap();
+        let link = LinkSpec {
+            bandwidth_bytes_per_sec: 3.0,
+            latency_sec: 0.25,
+        };
+        let cost = |stage: usize, action: Action| ActionCost {
+            flops: 1.0 + stage as f64 * 0.3 + action.micro_batch() as f64 * 0.1,
+            bytes: 2 + action.micro_batch() as u64,
+        };
+        let a = simulate(&s, &unit_devices(4), &link, cost).unwrap();
+        let b = simulate(&s, &unit_devices(4), &link, cost).unwrap();
+        assert_eq!(a, b);
+        assert!(a.events.windows(2).all(|w| w[0].start <= w[1].start));
+    }
+
+    #[test]
+    fn rejects_bad_inputs_with_named_causes() {
+        let s = gpipe(2, 2, CheckpointMode::Never).unwrap();
+        let e = simulate(&s, &unit_devices(3), &LinkSpec::FREE, unit_cost(0)).unwrap_err();
+        assert_eq!(
+            e,
+            TimelineError::DeviceCount {
+                stages: 2,
+                devices: 3
+            }
+        );
+        assert!(e.to_string().contains("2 stages but 3 device specs"));
+
+        let mut devices = unit_devices(2);
+        devices[1].flops_per_sec = 0.0;
+        let e = simulate(&s, &devices, &LinkSpec::FREE, unit_cost(0)).unwrap_err();
+        assert!(matches!(e, TimelineError::InvalidDevice { stage: 1, .. }));
+
+        let bad_link = LinkSpec {
+            bandwidth_bytes_per_sec: 0.0,
+            latency_sec: 0.0,
+        };
+        let e = simulate(&s, &unit_devices(2), &bad_link, unit_cost(0)).unwrap_err();
+        assert!(matches!(e, TimelineError::InvalidLink { .. }));
+
+        let nan_cost = |_, _| ActionCost {
+            flops: f64::NAN,
+            bytes: 0,
+        };
+        let e = simulate(&s, &unit_devices(2), &LinkSpec::FREE, nan_cost).unwrap_err();
+        assert!(
+            matches!(e, TimelineError::InvalidCost { stage: 0, .. }),
+            "{e}"
+        );
+
+        let mut broken = s.clone();
+        broken.stages[1].retain(|a| *a != Action::SendGrad(0));
+        let e = simulate(&broken, &unit_devices(2), &LinkSpec::FREE, unit_cost(0)).unwrap_err();
+        assert!(matches!(e, TimelineError::Schedule(_)));
+        assert!(
+            e.to_string().starts_with("invalid schedule: stage 1"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,484 @@
+//! Pictures of a simulated timeline: a Chrome trace (load it in `chrome://tracing` or Perfetto)
+//! and a self-contained SVG.
+//!
+//! Users of pipeline systems complain that they cannot see the schedule; these two views show
+//! every compute and transfer interval per stage, with the bubble visible as empty space.
+
+use std::fmt::Write as _;
+
+use serde_json::{json, Value};
+
+use crate::timeline::{Event, EventKind, Timeline};
+
+/// Short event name: `F3`, `B3`, `R3` for compute, `A3` / `G3` for activation / gradient
+/// transfers of micro-batch 3.
+fn event_name(e: &Event) -> String {
+    let letter = match (e.kind, e.peer) {
+        (EventKind::Transfer, Some(peer)) if peer < e.stage => 'G',
+        (EventKind::Transfer, _) => 'A',
+        (kind, _) => kind.letter(),
+    };
+    format!("{letter}{}", e.micro_batch)
+}
+
+/// Trace thread of an event. Stages are threads 0..K. Each directed link gets its own thread
+/// after them (K + 2i for activations i → i+1, K + 2i + 1 for gradients i+1 → i), because a
+/// transfer overlaps the sender's compute and overlapping "X" events on one thread render badly.
+fn thread_of(e: &Event, num_stages: usize) -> usize {
+    match (e.kind, e.peer) {
+        (EventKind::Transfer, Some(peer)) if peer < e.stage => num_stages + 2 * peer + 1,
+        (EventKind::Transfer, _) => num_stages + 2 * e.stage,
+        _ => e.stage,
+    }
+}
+
+fn thread_name_event(tid: usize, name: String) -> Value {
+    json!({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}})
+}
+
+/// Metadata naming the process, each stage thread and each link thread.
+fn metadata_events(num_stages: usize, label: &str) -> Vec<Value> {
+    let mut events = vec![json!({
+        "name": "process_name", "ph": "M", "pid": 0, "tid": 0,
+        "args": {"name": format!("{label} (simulated)")}
+    })];
+    for stage in 0..num_stages {
+        events.push(thread_name_event(stage, format!("stage {stage}")));
+    }
+    for i in 0..num_stages.saturating_sub(1) {
+        let activations = format!("link {i}->{} activations", i + 1);
+        let gradients = format!("link {}->{i} gradients", i + 1);
+        events.push(thread_name_event(num_stages + 2 * i, activations));
+        events.push(thread_name_event(num_stages + 2 * i + 1, gradients));
+    }
+    events
+}
+
+fn complete_event(e: &Event, num_stages: usize) -> Value {
+    let mut args = json!({"stage": e.stage, "micro_batch": e.micro_batch});
+    if let Some(peer) = e.peer {
+        args["to_stage"] = json!(peer);
+    }
+    json!({
+        "name": event_name(e),
+        "cat": e.kind.name(),
+        "ph": "X",
+        "ts": e.start * 1e6,
+        "dur": (e.end - e.start) * 1e6,
+        "pid": 0,
+        "tid": thread_of(e, num_stages),
+        "args": args,
+    })
+}
+
+/// The timeline in Chrome trace-event JSON: one complete ("X") event per timeline event, times
+/// in microseconds of simulated time, plus metadata naming the stages and links.
+pub fn chrome_trace_json(timeline: &Timeline, label: &str) -> String {
+    let k = timeline.num_stages();
+    let mut events = metadata_events(k, label);
+    events.extend(timeline.events.iter().map(|e| complete_event(e, k)));
+    json!({
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"label": label, "clock": "simulated"},
+    })
+    .to_string()
+}
+
+/// Escapes text for XML content and attribute values.
+fn escape_xml(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+fn colour(kind: EventKind) -> &'static str {
+    match kind {
+        EventKind::Forward => "#4e79a7",
+        EventKind::Backward => "#f28e2b",
+        EventKind::Recompute => "#59a14f",
+        EventKind::Transfer => "#9c755f",
+    }
+}
+
+/// A display unit for a span of seconds, so tick labels stay short: (name, factor).
+fn time_unit(span_sec: f64) -> (&'static str, f64) {
+    if span_sec >= 1.0 {
+        ("s", 1.0)
+    } else if span_sec >= 1e-3 {
+        ("ms", 1e3)
+    } else if span_sec >= 1e-6 {
+        ("µs", 1e6)
+    } else {
+        ("ns", 1e9)
+    }
+}
+
+/// A 1-2-5 tick step giving about eight ticks over `span` (in display units).
+fn tick_step(span: f64) -> f64 {
+    let raw = span / 8.0;
+    let magnitude = 10f64.powf(raw.log10().floor());
+    [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|f| f * magnitude)
+        .find(|&step| step >= raw)
+        .unwrap_or(10.0 * magnitude)
+}
+
+/// Geometry shared by the drawing helpers.
+struct Layout {
+    num_stages: usize,
+    /// Pixels per second of simulated time.
+    scale: f64,
+}
+
+const LEFT: f64 = 90.0;
+const PLOT_WIDTH: f64 = 900.0;
+const RIGHT: f64 = 20.0;
+const TOP: f64 = 40.0;
+const ROW: f64 = 26.0;
+/// Height of the lane between two stage rows where that link's transfers are drawn.
+const LANE: f64 = 12.0;
+const CHAR_WIDTH: f64 = 7.0;
+
+impl Layout {
+    fn row_y(&self, stage: usize) -> f64 {
+        TOP + stage as f64 * (ROW + LANE)
+    }
+
+    fn plot_bottom(&self) -> f64 {
+        self.row_y(self.num_stages) - LANE
+    }
+
+    fn x(&self, t: f64) -> f64 {
+        LEFT + t * self.scale
+    }
+
+    /// The box of an event: compute fills its stage row; a transfer takes the upper (activation)
+    /// or lower (gradient) half of the lane between the two stages it connects.
+    fn event_box(&self, e: &Event) -> (f64, f64, f64, f64) {
+        let x = self.x(e.start);
+        let w = (e.end - e.start) * self.scale;
+        match (e.kind, e.peer) {
+            (EventKind::Transfer, Some(peer)) => {
+                let lane_y = self.row_y(peer.min(e.stage)) + ROW;
+                let y = if peer > e.stage {
+                    lane_y
+                } else {
+                    lane_y + LANE / 2.0
+                };
+                (x, y, w, LANE / 2.0)
+            }
+            _ => (x, self.row_y(e.stage), w, ROW),
+        }
+    }
+}
+
+fn draw_event(svg: &mut String, layout: &Layout, e: &Event) {
+    let (x, y, w, h) = layout.event_box(e);
+    let tooltip = format!(
+        "{} stage {}{}: {:.6}-{:.6} s",
+        event_name(e),
+        e.stage,
+        e.peer.map_or(String::new(), |p| format!("->{p}")),
+        e.start,
+        e.end
+    );
+    let _ = write!(
+        svg,
+        r#"<rect class="event {}" x="{x:.2}" y="{y:.2}" width="{w:.2}" height="{h:.2}" fill="{}" stroke="white" stroke-width="0.5"><title>{}</title></rect>"#,
+        e.kind.name(),
+        colour(e.kind),
+        escape_xml(&tooltip)
+    );
+    svg.push('\n');
+    let label = e.micro_batch.to_string();
+    let fits = w >= CHAR_WIDTH * label.len() as f64 + 4.0 && h >= ROW;
+    if fits {
+        let _ = writeln!(
+            svg,
+            r#"<text x="{:.2}" y="{:.2}" text-anchor="middle" fill="white">{label}</text>"#,
+            x + w / 2.0,
+            y + h / 2.0 + 4.0
+        );
+    }
+}
+
+fn draw_stage_labels(svg: &mut String, layout: &Layout) {
+    for stage in 0..layout.num_stages {
+        let y = layout.row_y(stage) + ROW / 2.0 + 4.0;
+        let _ = writeln!(
+            svg,
+            r#"<text x="{:.2}" y="{y:.2}" text-anchor="end">stage {stage}</text>"#,
+            LEFT - 8.0
+        );
+    }
+}
+
+fn draw_axis(svg: &mut String, layout: &Layout, makespan: f64) {
+    let y = layout.plot_bottom() + 6.0;
+    let (unit, factor) = time_unit(makespan);
+    let span = makespan * factor;
+    let _ = writeln!(
+        svg,
+        r#"<line x1="{LEFT}" y1="{y:.2}" x2="{:.2}" y2="{y:.2}" stroke="black"/>"#,
+        LEFT + PLOT_WIDTH
+    );
+    if span > 0.0 {
+        let step = tick_step(span);
+        let decimals = (-step.log10().floor()).max(0.0) as usize;
+        let mut i = 0;
+        while i as f64 * step <= span * (1.0 + 1e-9) {
+            let value = i as f64 * step;
+            let x = layout.x(value / factor);
+            let _ = writeln!(
+                svg,
+                r#"<line x1="{x:.2}" y1="{y:.2}" x2="{x:.2}" y2="{:.2}" stroke="black"/><text x="{x:.2}" y="{:.2}" text-anchor="middle">{value:.decimals$}</text>"#,
+                y + 5.0,
+                y + 18.0
+            );
+            i += 1;
+        }
+    }
+    let _ = writeln!(
+        svg,
+        r#"<text x="{:.2}" y="{:.2}" text-anchor="middle">time ({}, simulated)</text>"#,
+        LEFT + PLOT_WIDTH / 2.0,
+        y + 34.0,
+        escape_xml(unit)
+    );
+}
+
+fn draw_legend(svg: &mut String, y: f64) {
+    let kinds = [
+        EventKind::Forward,
+        EventKind::Backward,
+        EventKind::Recompute,
+        EventKind::Transfer,
+    ];
+    for (i, kind) in kinds.into_iter().enumerate() {
+        let x = LEFT + i as f64 * 120.0;
+        let _ = writeln!(
+            svg,
+            r#"<rect class="legend" x="{x:.2}" y="{y:.2}" width="14" height="14" fill="{}"/><text x="{:.2}" y="{:.2}">{}</text>"#,
+            colour(kind),
+            x + 20.0,
+            y + 11.0,
+            kind.name()
+        );
+    }
+}
+
+/// The timeline as an SVG document: one row per stage, transfers in the lanes between rows,
+/// micro-batch numbers in boxes wide enough to hold them, a time axis (simulated time, unit
+/// chosen from the makespan), a legend and the title.
+pub fn svg_timeline(timeline: &Timeline, title: &str) -> String {
+    let num_stages = timeline.num_stages();
+    let scale = if timeline.makespan > 0.0 {
+        PLOT_WIDTH / timeline.makespan
+    } else {
+        0.0
+    };
+    let layout = Layout { num_stages, scale };
+    let legend_y = layout.plot_bottom() + 56.0;
+    let width = LEFT + PLOT_WIDTH + RIGHT;
+    let height = legend_y + 30.0;
+    let mut svg = String::new();
+    let _ = writeln!(svg, r#"<?xml version="1.0" encoding="UTF-8"?>"#);
+    let _ = writeln!(
+        svg,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height:.0}" viewBox="0 0 {width} {height:.0}" font-family="sans-serif" font-size="11">"#
+    );
+    let _ = writeln!(
+        svg,
+        r#"<text x="{LEFT}" y="22" font-size="15" font-weight="bold">{}</text>"#,
+        escape_xml(title)
+    );
+    draw_stage_labels(&mut svg, &layout);
+    for e in &timeline.events {
+        draw_event(&mut svg, &layout, e);
+    }
+    draw_axis(&mut svg, &layout, timeline.makespan);
+    draw_legend(&mut svg, legend_y);
+    svg.push_str("</svg>\n");
+    svg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::{gpipe, CheckpointMode};
+    use crate::timeline::{simulate, ActionCost, DeviceSpec, LinkSpec};
+
+    fn sample(k: usize, m: usize, latency_sec: f64) -> Timeline {
+        let s = gpipe(k, m, CheckpointMode::ExceptLast).unwrap();
+        let devices = vec![
+            DeviceSpec {
+                flops_per_sec: 1e12,
+                memory_bytes: 1 << 30,
+            };
+            k
+        ];
+        let link = LinkSpec {
+            bandwidth_bytes_per_sec: 1e9,
+            latency_sec,
+        };
+        simulate(&s, &devices, &link, |_, _| ActionCost {
+            flops: 1e9,
+            bytes: 1 << 20,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn chrome_trace_parses_and_has_one_x_event_per_timeline_event() {
+        let t = sample(3, 4, 1e-5);
+        let label = "run \"A\"\n<ünïcode> & \\";
+        let text = chrome_trace_json(&t, label);
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let events = v["traceEvents"].as_array().unwrap();
+        let xs: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+        assert_eq!(xs.len(), t.events.len());
+        assert_eq!(v["displayTimeUnit"], "ms");
+        assert_eq!(v["otherData"]["label"], label);
+        let threads = events.iter().filter(|e| e["name"] == "thread_name").count();
+        assert_eq!(threads, 3 + 2 * 2);
+        // The first event is F0 on stage 0 at t = 0, lasting 1 ms = 1000 µs.
+        assert_eq!(xs[0]["name"], "F0");
+        assert_eq!(xs[0]["cat"], "forward");
+        assert_eq!(xs[0]["tid"], 0);
+        assert_eq!(xs[0]["ts"].as_f64(), Some(0.0));
+        assert!((xs[0]["dur"].as_f64().unwrap() - 1000.0).abs() < 1e-6);
+        for cat in ["forward", "backward", "recompute", "transfer"] {
+            assert!(xs.iter().any(|e| e["cat"] == cat), "no {cat} event");
+        }
+        assert!(xs.iter().any(|e| e["name"] == "G2"));
+        assert!(xs.iter().any(|e| e["name"] == "A2"));
+    }
+
+    #[test]
+    fn transfer_threads_are_per_directed_link() {
+        let t = sample(3, 2, 0.0);
+        let v: Value = serde_json::from_str(&chrome_trace_json(&t, "x")).unwrap();
+        for e in v["traceEvents"].as_array().unwrap() {
+            if e["ph"] != "X" {
+                continue;
+            }
+            let tid = e["tid"].as_u64().unwrap();
+            let stage = e["args"]["stage"].as_u64().unwrap();
+            match e["args"]["to_stage"].as_u64() {
+                Some(to) if to > stage => assert_eq!(tid, 3 + 2 * stage),
+                Some(to) => assert_eq!(tid, 3 + 2 * to + 1),
+                None => assert_eq!(tid, stage),
+            }
+        }
+    }
+
+    /// Checks that tags nest and close properly and that every `&` starts an entity.
+    fn assert_well_formed(xml: &str) {
+        let mut stack: Vec<&str> = Vec::new();
+        let mut roots = 0;
+        let mut rest = xml;
+        while let Some(open) = rest.find('<') {
+            assert_entities(&rest[..open]);
+            let after = &rest[open..];
+            let close = after.find('>').expect("unterminated tag");
+            let tag = &after[1..close];
+            rest = &after[close + 1..];
+            if tag.starts_with('?') || tag.starts_with('!') {
+                continue;
+            }
+            if let Some(name) = tag.strip_prefix('/') {
+                assert_eq!(stack.pop(), Some(name.trim()), "mismatched </{name}>");
+                continue;
+            }
+            assert!(
+                tag.matches('"').count().is_multiple_of(2),
+                "bad quoting in <{tag}>"
+            );
+            assert_entities(tag);
+            let name = tag
+                .split(|c: char| c.is_whitespace() || c == '/')
+                .next()
+                .unwrap();
+            if stack.is_empty() {
+                roots += 1;
+            }
+            if !tag.ends_with('/') {
+                stack.push(name);
+            }
+        }
+        assert!(stack.is_empty(), "unclosed: {stack:?}");
+        assert_eq!(roots, 1);
+        assert_entities(rest);
+    }
+
+    fn assert_entities(text: &str) {
+        for (i, _) in text.match_indices('&') {
+            let ok = ["&amp;", "&lt;", "&gt;", "&quot;", "&apos;"]
+                .iter()
+                .any(|ent| text[i..].starts_with(ent));
+            assert!(ok, "raw & in {text:?}");
+        }
+    }
+
+    #[test]
+    fn svg_has_one_event_rect_per_event_and_is_well_formed() {
+        let t = sample(4, 6, 2e-5);
+        let title = "GPipe <K=4> & \"M=6\" 'sim'";
+        let svg = svg_timeline(&t, title);
+        assert_well_formed(&svg);
+        assert_eq!(svg.matches("<rect class=\"event ").count(), t.events.len());
+        assert_eq!(svg.matches("<rect class=\"legend\"").count(), 4);
+        assert!(svg.contains("GPipe &lt;K=4&gt; &amp; &quot;M=6&quot; &apos;sim&apos;"));
+        assert!(svg.contains("time (ms, simulated)"));
+        for kind in ["forward", "backward", "recompute", "transfer"] {
+            assert!(
+                svg.contains(&format!(">{kind}</text>")),
+                "legend lacks {kind}"
+            );
+        }
+        // Compute boxes are wide here (≈ 900 px / 22 ms per ms), so they carry numbers.
+        assert!(svg.contains(r#"fill="white">5</text>"#));
+    }
+
+    #[test]
+    fn svg_handles_degenerate_timelines() {
+        let empty = Timeline {
+            events: Vec::new(),
+            makespan: 0.0,
+            busy: vec![0.0],
+        };
+        let svg = svg_timeline(&empty, "");
+        assert_well_formed(&svg);
+        assert_eq!(svg.matches("<rect class=\"event").count(), 0);
+    }
+
+    #[test]
+    fn units_and_ticks() {
+        assert_eq!(time_unit(3.0).0, "s");
+        assert_eq!(time_unit(0.02).0, "ms");
+        assert_eq!(time_unit(2e-5).0, "µs");
+        assert_eq!(time_unit(2e-9).0, "ns");
+        assert_eq!(tick_step(22.0), 5.0);
+        assert_eq!(tick_step(8.0), 1.0);
+        assert_eq!(tick_step(0.15), 0.02);
+    }
+
+    #[test]
+    fn escape_covers_xml_specials() {
+        assert_eq!(
+            escape_xml(r#"<a & 'b' "c">"#),
+            "&lt;a &amp; &apos;b&apos; &quot;c&quot;&gt;"
+        );
+    }
+}

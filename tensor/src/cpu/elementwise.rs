@@ -1,0 +1,354 @@
+//! Elementwise kernels over strided views: unary and binary ops, `where`, and strided copies
+//! (materialising a view, concatenation). Contiguous inputs take a plain slice loop; other views
+//! are walked run by run (see [`Walk`]), with unit and zero inner strides special-cased.
+
+use crate::backend::{BinaryOp, UnaryOp};
+use crate::layout::Layout;
+
+use super::math::{exp, gelu, gelu_grad, sigmoid};
+use super::par::for_rows;
+use super::simd;
+use super::strided::Walk;
+
+/// `out[i] = f(x[i])`, `x` a view of `out.len()` elements.
+pub(crate) fn map1<F>(out: &mut [f32], x: &[f32], lx: &Layout, f: F)
+where
+    F: Fn(f32) -> f32 + Sync + Send,
+{
+    if lx.is_contiguous() {
+        let xs = &x[lx.offset..lx.offset + out.len()];
+        for_rows(out, 1, |s, o| {
+            let e = s + o.len();
+            simd::map(o, &xs[s..e], &f)
+        });
+        return;
+    }
+    let w = Walk::new(&lx.shape, [lx]);
+    for_rows(out, 1, |s, o| {
+        wide(|| {
+            w.runs(s, o.len(), |p, [b], c| {
+                let o = &mut o[p..p + c];
+                match w.inner_stride[0] {
+                    1 => {
+                        for (o, &v) in o.iter_mut().zip(&x[b..b + c]) {
+                            *o = f(v);
+                        }
+                    }
+                    0 => o.fill(f(x[b])),
+                    st => {
+                        for (j, o) in o.iter_mut().enumerate() {
+                            *o = f(x[b + j * st]);
+                        }
+                    }
+                }
+            })
+        })
+    });
+}
+
+/// `out[i] = f(a[i], b[i])` for two views of `out.len()` elements.
+pub(crate) fn map2<F>(out: &mut [f32], a: &[f32], la: &Layout, b: &[f32], lb: &Layout, f: F)
+where
+    F: Fn(f32, f32) -> f32 + Sync + Send,
+{
+    if la.is_contiguous() && lb.is_contiguous() {
+        let n = out.len();
+        let (as_, bs) = (&a[la.offset..la.offset + n], &b[lb.offset..lb.offset + n]);
+        for_rows(out, 1, |s, o| {
+            let e = s + o.len();
+            simd::zip(o, &as_[s..e], &bs[s..e], &f)
+        });
+        return;
+    }
+    let w = Walk::new(&la.shape, [la, lb]);
+    for_rows(out, 1, |s, o| {
+        wide(|| {
+            w.runs(s, o.len(), |p, [ba, bb], c| {
+                let o = &mut o[p..p + c];
+                match w.inner_stride {
+                    [1, 1] => {
+                        for ((o, &x), &y) in o.iter_mut().zip(&a[ba..ba + c]).zip(&b[bb..bb + c]) {
+                            *o = f(x, y);
+                        }
+                    }
+                    [1, 0] => {
+                        let y = b[bb];
+                        for (o, &x) in o.iter_mut().zip(&a[ba..ba + c]) {
+                            *o = f(x, y);
+                        }
+                    }
+                    [0, 1] => {
+                        let x = a[ba];
+                        for (o, &y) in o.iter_mut().zip(&b[bb..bb + c]) {
+                            *o = f(x, y);
+                        }
+                    }
+                    [sa, sb] => {
+                        for (j, o) in o.iter_mut().enumerate() {
+                            *o = f(a[ba + j * sa], b[bb + j * sb]);
+                        }
+                    }
+                }
+            })
+        })
+    });
+}
+
+/// `out[i] = f(x[i], y[i], z[i])` for three views of `out.len()` elements.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn map3<F>(
+    out: &mut [f32],
+    x: &[f32],
+    lx: &Layout,
+    y: &[f32],
+    ly: &Layout,
+    z: &[f32],
+    lz: &Layout,
+    f: F,
+) where
+    F: Fn(f32, f32, f32) -> f32 + Sync + Send,
+{
+    let w = Walk::new(&lx.shape, [lx, ly, lz]);
+    for_rows(out, 1, |s, o| {
+        w.runs(s, o.len(), |p, [bx, by, bz], c| {
+            let o = &mut o[p..p + c];
+            if w.inner_stride == [1, 1, 1] {
+                let (xs, ys, zs) = (&x[bx..bx + c], &y[by..by + c], &z[bz..bz + c]);
+                for (j, o) in o.iter_mut().enumerate() {
+                    *o = f(xs[j], ys[j], zs[j]);
+                }
+            } else {
+                let [sx, sy, sz] = w.inner_stride;
+                for (j, o) in o.iter_mut().enumerate() {
+                    *o = f(x[bx + j * sx], y[by + j * sy], z[bz + j * sz]);
+                }
+            }
+        })
+    });
+}
+
+/// Copies the elements `start..start + out.len()` (row-major logical positions) of view `x`.
+pub(crate) fn copy_range(out: &mut [f32], x: &[f32], lx: &Layout, start: usize) {
+    if lx.is_contiguous() {
+        let b = lx.offset + start;
+        out.copy_from_slice(&x[b..b + out.len()]);
+        return;
+    }
+    let w = Walk::new(&lx.shape, [lx]);
+    w.runs(start, out.len(), |p, [b], c| {
+        let o = &mut out[p..p + c];
+        match w.inner_stride[0] {
+            1 => o.copy_from_slice(&x[b..b + c]),
+            0 => o.fill(x[b]),
+            st => {
+                for (j, o) in o.iter_mut().enumerate() {
+                    *o = x[b + j * st];
+                }
+            }
+        }
+    });
+}
+
+/// Materialises view `x` into `out` (in parallel when big).
+pub(crate) fn copy(out: &mut [f32], x: &[f32], lx: &Layout) {
+    if !lx.is_contiguous() {
+        let w = Walk::new(&lx.shape, [lx]);
+        if let Some((rows, [1])) = w.last_outer() {
+            if w.inner_stride[0] > 1 && w.inner >= 8 && rows >= 8 {
+                copy_transposed(out, x, &w);
+                return;
+            }
+        }
+    }
+    for_rows(out, 1, |s, o| copy_range(o, x, lx, s));
+}
+
+/// A view whose two innermost dims are swapped (the dim above the innermost has stride 1): copied
+/// in 32 x 32 tiles, so every cache line read is used whole while it is in L1.
+fn copy_transposed(out: &mut [f32], x: &[f32], w: &Walk<1>) {
+    const T: usize = 32;
+    let (q, s) = (w.inner, w.inner_stride[0]);
+    for_rows(out, q, |r0, chunk| {
+        let rows = chunk.len() / q;
+        for r in (0..rows).step_by(T) {
+            let nr = T.min(rows - r);
+            let bases: [usize; T] =
+                std::array::from_fn(|i| if i < nr { w.base(r0 + r + i)[0] } else { 0 });
+            for q0 in (0..q).step_by(T) {
+                let q1 = (q0 + T).min(q);
+                for (i, &b) in bases[..nr].iter().enumerate() {
+                    let o = &mut chunk[(r + i) * q + q0..(r + i) * q + q1];
+                    for (j, o) in o.iter_mut().enumerate() {
+                        *o = x[b + (q0 + j) * s];
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[inline]
+fn sign(x: f32) -> f32 {
+    if x > 0.0 {
+        1.0
+    } else if x < 0.0 {
+        -1.0
+    } else {
+        x // keeps 0, -0 and NaN
+    }
+}
+
+#[inline]
+fn flag(b: bool) -> f32 {
+    if b {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+/// The scalar function of a unary op (the reference the vector loops are checked against).
+#[cfg(test)]
+pub(crate) fn unary_scalar(op: UnaryOp, x: f32) -> f32 {
+    match op {
+        UnaryOp::Neg => -x,
+        UnaryOp::Exp => exp(x),
+        UnaryOp::Log => x.ln(),
+        UnaryOp::Sqrt => x.sqrt(),
+        UnaryOp::Rsqrt => 1.0 / x.sqrt(),
+        UnaryOp::Abs => x.abs(),
+        UnaryOp::Sign => sign(x),
+        UnaryOp::Tanh => x.tanh(),
+        UnaryOp::Sigmoid => sigmoid(x),
+        UnaryOp::Relu => {
+            if x < 0.0 {
+                0.0
+            } else {
+                x
+            }
+        }
+        UnaryOp::Gelu => gelu(x),
+        UnaryOp::GeluGrad => gelu_grad(x),
+        UnaryOp::Sin => x.sin(),
+        UnaryOp::Cos => x.cos(),
+        UnaryOp::Square => x * x,
+        UnaryOp::Recip => 1.0 / x,
+        UnaryOp::Affine { mul, add } => x * mul + add,
+        UnaryOp::Powf(p) => x.powf(p),
+        UnaryOp::RDiv(s) => s / x,
+        UnaryOp::RSub(s) => s - x,
+        UnaryOp::MaxScalar(s) => x.max(s),
+        UnaryOp::MinScalar(s) => x.min(s),
+        UnaryOp::GtScalar(s) => flag(x > s),
+        UnaryOp::EqScalar(s) => flag(x == s),
+    }
+}
+
+/// `out = op(x)`. Each op gets its own monomorphised loop (the match is outside the loop).
+pub(crate) fn unary(op: UnaryOp, out: &mut [f32], x: &[f32], lx: &Layout) {
+    macro_rules! go {
+        ($f:expr) => {
+            map1(out, x, lx, $f)
+        };
+    }
+    match op {
+        UnaryOp::Neg => go!(|v| -v),
+        UnaryOp::Exp => go!(exp),
+        UnaryOp::Log => go!(f32::ln),
+        UnaryOp::Sqrt => go!(f32::sqrt),
+        UnaryOp::Rsqrt => go!(|v: f32| 1.0 / v.sqrt()),
+        UnaryOp::Abs => go!(f32::abs),
+        UnaryOp::Sign => go!(sign),
+        UnaryOp::Tanh => go!(f32::tanh),
+        UnaryOp::Sigmoid => go!(sigmoid),
+        UnaryOp::Relu => go!(|v| if v < 0.0 { 0.0 } else { v }),
+        UnaryOp::Gelu => go!(gelu),
+        UnaryOp::GeluGrad => go!(gelu_grad),
+        UnaryOp::Sin => go!(f32::sin),
+        UnaryOp::Cos => go!(f32::cos),
+        UnaryOp::Square => go!(|v| v * v),
+        UnaryOp::Recip => go!(|v| 1.0 / v),
+        UnaryOp::Affine { mul, add } => go!(move |v| v * mul + add),
+        UnaryOp::Powf(p) => go!(move |v: f32| v.powf(p)),
+        UnaryOp::RDiv(s) => go!(move |v| s / v),
+        UnaryOp::RSub(s) => go!(move |v| s - v),
+        UnaryOp::MaxScalar(s) => go!(move |v: f32| v.max(s)),
+        UnaryOp::MinScalar(s) => go!(move |v: f32| v.min(s)),
+        UnaryOp::GtScalar(s) => go!(move |v| flag(v > s)),
+        UnaryOp::EqScalar(s) => go!(move |v| flag(v == s)),
+    }
+}
+
+/// The scalar function of a binary op (test reference).
+#[cfg(test)]
+pub(crate) fn binary_scalar(op: BinaryOp, a: f32, b: f32) -> f32 {
+    match op {
+        BinaryOp::Add => a + b,
+        BinaryOp::Sub => a - b,
+        BinaryOp::Mul => a * b,
+        BinaryOp::Div => a / b,
+        BinaryOp::Maximum => a.max(b),
+        BinaryOp::Minimum => a.min(b),
+        BinaryOp::Pow => a.powf(b),
+        BinaryOp::Eq => flag(a == b),
+        BinaryOp::Ne => flag(a != b),
+        BinaryOp::Lt => flag(a < b),
+        BinaryOp::Le => flag(a <= b),
+        BinaryOp::Gt => flag(a > b),
+        BinaryOp::Ge => flag(a >= b),
+    }
+}
+
+/// `out = a op b` on two views of the same shape.
+pub(crate) fn binary(
+    op: BinaryOp,
+    out: &mut [f32],
+    a: &[f32],
+    la: &Layout,
+    b: &[f32],
+    lb: &Layout,
+) {
+    macro_rules! go {
+        ($f:expr) => {
+            map2(out, a, la, b, lb, $f)
+        };
+    }
+    match op {
+        BinaryOp::Add => go!(|x, y| x + y),
+        BinaryOp::Sub => go!(|x, y| x - y),
+        BinaryOp::Mul => go!(|x, y| x * y),
+        BinaryOp::Div => go!(|x, y| x / y),
+        BinaryOp::Maximum => go!(f32::max),
+        BinaryOp::Minimum => go!(f32::min),
+        BinaryOp::Pow => go!(f32::powf),
+        BinaryOp::Eq => go!(|x, y| flag(x == y)),
+        BinaryOp::Ne => go!(|x, y| flag(x != y)),
+        BinaryOp::Lt => go!(|x, y| flag(x < y)),
+        BinaryOp::Le => go!(|x, y| flag(x <= y)),
+        BinaryOp::Gt => go!(|x, y| flag(x > y)),
+        BinaryOp::Ge => go!(|x, y| flag(x >= y)),
+    }
+}
+
+/// `out = cond != 0 ? a : b` on three views of the same shape.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn where_cond(
+    out: &mut [f32],
+    c: &[f32],
+    lc: &Layout,
+    a: &[f32],
+    la: &Layout,
+    b: &[f32],
+    lb: &Layout,
+) {
+    map3(
+        out,
+        c,
+        lc,
+        a,
+        la,
+        b,
+        lb,
+        |c, a, b| if c != 0.0 { a } else { b },
+    );
+}

@@ -1,0 +1,40 @@
+//! Work splitting: big outputs are cut into chunks of whole rows that rayon runs in parallel;
+//! small ones stay on the calling thread (spawning costs more than the work).
+
+use rayon::prelude::*;
+
+/// Below this many output elements a kernel runs single-threaded.
+pub(crate) const PAR_THRESHOLD: usize = 32 * 1024;
+/// The smallest chunk handed to one rayon task.
+const MIN_CHUNK: usize = 8 * 1024;
+
+/// Rows per parallel chunk for `rows` rows of `work_per_row` elements each, or `None` when the
+/// job is small enough to run in one go.
+pub(crate) fn rows_per_chunk(rows: usize, work_per_row: usize) -> Option<usize> {
+    let work_per_row = work_per_row.max(1);
+    let threads = rayon::current_num_threads();
+    if threads <= 1 || rows <= 1 || rows.saturating_mul(work_per_row) < PAR_THRESHOLD {
+        return None;
+    }
+    let by_threads = rows.div_ceil(threads * 4);
+    let by_size = MIN_CHUNK.div_ceil(work_per_row);
+    Some(by_threads.max(by_size).max(1))
+}
+
+/// Runs `f(first_row, chunk)` over `out` cut into chunks of whole rows of `row` elements
+/// (`row = 1` for plain elementwise work), in parallel when `out` is big.
+pub(crate) fn for_rows<F>(out: &mut [f32], row: usize, f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync + Send,
+{
+    if out.is_empty() || row == 0 {
+        return;
+    }
+    match rows_per_chunk(out.len() / row, row) {
+        None => f(0, out),
+        Some(rpc) => out
+            .par_chunks_mut(rpc * row)
+            .enumerate()
+            .for_each(|(c, chunk)| f(c * rpc, chunk)),
+    }
+}

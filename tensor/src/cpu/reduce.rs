@@ -1,0 +1,214 @@
+//! Row reductions and row softmax on contiguous `[rows, cols]` data. Rows are spread over threads;
+//! a few very long rows are split inside the row instead.
+
+use rayon::prelude::*;
+
+use crate::backend::ReduceOp;
+
+use super::par::{rows_per_chunk, PAR_THRESHOLD};
+use super::simd::multiversion;
+
+/// Sum with 8 independent f32 lanes (vectorises) per block of 4096, blocks added in f64: fast,
+/// and far more accurate than one running f32 sum.
+#[inline(always)]
+pub(crate) fn sum(xs: &[f32]) -> f32 {
+    let mut total = 0f64;
+    for block in xs.chunks(4096) {
+        let mut acc = [0f32; 8];
+        let chunks = block.chunks_exact(8);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for k in 0..8 {
+                acc[k] += c[k];
+            }
+        }
+        let mut s =
+            ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        for &v in rest {
+            s += v;
+        }
+        total += s as f64;
+    }
+    total as f32
+}
+
+/// `true` when `v` should replace the running maximum `best` (NaN wins and sticks, as PyTorch).
+#[inline]
+fn beats_max(v: f32, best: f32) -> bool {
+    v > best || (v.is_nan() && !best.is_nan())
+}
+
+#[inline]
+fn beats_min(v: f32, best: f32) -> bool {
+    v < best || (v.is_nan() && !best.is_nan())
+}
+
+/// Maximum of a slice (`-inf` when empty); NaN propagates.
+#[inline(always)]
+pub(crate) fn max(xs: &[f32]) -> f32 {
+    extreme(xs, f32::NEG_INFINITY, |a, b| a > b)
+}
+
+/// Minimum of a slice (`+inf` when empty); NaN propagates.
+#[inline(always)]
+pub(crate) fn min(xs: &[f32]) -> f32 {
+    extreme(xs, f32::INFINITY, |a, b| a < b)
+}
+
+/// Eight-lane max/min (vectorises); a NaN anywhere gives NaN.
+#[inline(always)]
+fn extreme(xs: &[f32], init: f32, better: impl Fn(f32, f32) -> bool) -> f32 {
+    let mut acc = [init; 8];
+    let mut nan = [false; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for k in 0..8 {
+            acc[k] = if better(c[k], acc[k]) { c[k] } else { acc[k] };
+            nan[k] |= c[k].is_nan();
+        }
+    }
+    let mut m = init;
+    for &v in acc.iter().chain(rest) {
+        if better(v, m) {
+            m = v;
+        }
+    }
+    if nan.iter().any(|&b| b) || rest.iter().any(|v| v.is_nan()) {
+        return f32::NAN;
+    }
+    m
+}
+
+/// `(index, value)` of the first extreme element (`(0, first)` for an empty slice: 0).
+fn arg_extreme(xs: &[f32], beats: fn(f32, f32) -> bool) -> (usize, f32) {
+    let mut bi = 0;
+    let mut best = match xs.first() {
+        Some(&v) => v,
+        None => return (0, f32::NAN),
+    };
+    for (i, &v) in xs.iter().enumerate().skip(1) {
+        if beats(v, best) {
+            best = v;
+            bi = i;
+        }
+    }
+    (bi, best)
+}
+
+/// One row reduced.
+fn reduce_one(op: ReduceOp, xs: &[f32]) -> f32 {
+    match op {
+        ReduceOp::Sum => sum(xs),
+        ReduceOp::Max => max(xs),
+        ReduceOp::Min => min(xs),
+        ReduceOp::ArgMax => arg_extreme(xs, beats_max).0 as f32,
+        ReduceOp::ArgMin => arg_extreme(xs, beats_min).0 as f32,
+    }
+}
+
+/// A long row reduced in parallel pieces.
+fn reduce_long(op: ReduceOp, xs: &[f32]) -> f32 {
+    let piece = xs
+        .len()
+        .div_ceil(rayon::current_num_threads() * 4)
+        .max(8192);
+    match op {
+        ReduceOp::Sum => {
+            let parts: Vec<f32> = xs.par_chunks(piece).map(sum).collect();
+            parts.iter().map(|&v| v as f64).sum::<f64>() as f32
+        }
+        ReduceOp::Max => max(&xs.par_chunks(piece).map(max).collect::<Vec<_>>()),
+        ReduceOp::Min => min(&xs.par_chunks(piece).map(min).collect::<Vec<_>>()),
+        ReduceOp::ArgMax | ReduceOp::ArgMin => {
+            let beats = if op == ReduceOp::ArgMax {
+                beats_max
+            } else {
+                beats_min
+            };
+            let parts: Vec<(usize, f32)> = xs
+                .par_chunks(piece)
+                .enumerate()
+                .map(|(c, p)| {
+                    let (i, v) = arg_extreme(p, beats);
+                    (c * piece + i, v)
+                })
+                .collect();
+            // Pieces are in order, so keeping the earlier one on ties keeps the first index.
+            let mut best = parts[0];
+            for &p in &parts[1..] {
+                if beats(p.1, best.1) {
+                    best = p;
+                }
+            }
+            best.0 as f32
+        }
+    }
+}
+
+/// `out[r] = op(x[r, :])` for contiguous `x` of `out.len()` rows of `cols`.
+pub(crate) fn reduce_rows(op: ReduceOp, out: &mut [f32], x: &[f32], cols: usize) {
+    let rows = out.len();
+    if cols == 0 {
+        let v = match op {
+            ReduceOp::Sum | ReduceOp::ArgMax | ReduceOp::ArgMin => 0.0,
+            ReduceOp::Max => f32::NEG_INFINITY,
+            ReduceOp::Min => f32::INFINITY,
+        };
+        out.fill(v);
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    if rows < 2 * threads && cols >= PAR_THRESHOLD && threads > 1 {
+        for (r, o) in out.iter_mut().enumerate() {
+            *o = reduce_long(op, &x[r * cols..(r + 1) * cols]);
+        }
+        return;
+    }
+    let run = |r0: usize, o: &mut [f32]| {
+        for (i, o) in o.iter_mut().enumerate() {
+            let r = r0 + i;
+            *o = reduce_one(op, &x[r * cols..(r + 1) * cols]);
+        }
+    };
+    match rows_per_chunk(rows, cols) {
+        None => run(0, out),
+        Some(rpc) => out
+            .par_chunks_mut(rpc)
+            .enumerate()
+            .for_each(|(c, o)| run(c * rpc, o)),
+    }
+}
+
+multiversion! {
+/// Numerically stable softmax (or log-softmax) of one row into `out`.
+fn softmax_row(out: &mut [f32], x: &[f32], log: bool) {
+    let m = max(x);
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = super::math::exp(v - m);
+    }
+    let s = sum(out);
+    if log {
+        // (v - m) is exact near the maximum; adding m to ln(s) first would round it away.
+        let ls = s.ln();
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = (v - m) - ls;
+        }
+    } else {
+        let inv = 1.0 / s;
+        for o in out.iter_mut() {
+            *o *= inv;
+        }
+    }
+}
+}
+
+/// Softmax of each row of contiguous `x` (`out.len() / cols` rows).
+pub(crate) fn softmax_rows(out: &mut [f32], x: &[f32], cols: usize, log: bool) {
+    super::par::for_rows(out, cols, |r0, o| {
+        for (i, o) in o.chunks_mut(cols).enumerate() {
+            let r = r0 + i;
+            softmax_row(o, &x[r * cols..(r + 1) * cols], log);
+        }
+    });
+}

@@ -1,0 +1,206 @@
+//! Elementwise ops: unary, scalar (lowered to the scalar-carrying unary kernels), binary with
+//! numpy broadcasting, and selection. Broadcasting is free: both operands become zero-stride views
+//! of the output shape, so the kernels only ever see equal shapes. FLOPs: one per output element.
+
+use crate::backend::{BinaryOp, UnaryOp};
+use crate::error::Result;
+use crate::layout::broadcast_shapes;
+use crate::tensor::Tensor;
+
+/// The user-facing name of a binary op, for error messages.
+fn binary_name(op: BinaryOp) -> &'static str {
+    match op {
+        BinaryOp::Add => "add",
+        BinaryOp::Sub => "sub",
+        BinaryOp::Mul => "mul",
+        BinaryOp::Div => "div",
+        BinaryOp::Maximum => "maximum",
+        BinaryOp::Minimum => "minimum",
+        BinaryOp::Pow => "pow",
+        BinaryOp::Eq => "eq",
+        BinaryOp::Ne => "ne",
+        BinaryOp::Lt => "lt",
+        BinaryOp::Le => "le",
+        BinaryOp::Gt => "gt",
+        BinaryOp::Ge => "ge",
+    }
+}
+
+impl Tensor {
+    /// Any unary op (including the scalar-carrying ones), elementwise.
+    pub fn unary(&self, op: UnaryOp) -> Result<Tensor> {
+        if self.numel() == 0 {
+            return Tensor::zeros(self.shape(), self.device());
+        }
+        let out = self.device().kernels().unary(op, self)?;
+        self.device().add_flops(self.numel() as u64);
+        Ok(out)
+    }
+
+    /// Any binary op, with numpy broadcasting of the two shapes.
+    pub fn binary(&self, op: BinaryOp, other: &Tensor) -> Result<Tensor> {
+        let name = binary_name(op);
+        self.same_device(name, other)?;
+        let shape = broadcast_shapes(name, self.shape(), other.shape())?;
+        let dev = self.device();
+        if shape.iter().product::<usize>() == 0 {
+            return Tensor::zeros(&shape, dev);
+        }
+        let a = self.broadcast_to(&shape)?;
+        let b = other.broadcast_to(&shape)?;
+        let out = dev.kernels().binary(op, &a, &b)?;
+        dev.add_flops(out.numel() as u64);
+        Ok(out)
+    }
+
+    /// `cond != 0 ? a : b`, the three shapes broadcast together.
+    pub fn where_cond(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        select("where_cond", cond, a, b)
+    }
+
+    /// `value` where `mask != 0`, else `self` (mask broadcast against `self`).
+    pub fn masked_fill(&self, mask: &Tensor, value: f32) -> Result<Tensor> {
+        self.same_device("masked_fill", mask)?;
+        let v = Tensor::scalar(value, self.device())?;
+        select("masked_fill", mask, &v, self)
+    }
+}
+
+/// Shared body of `where_cond` and `masked_fill`: `op` is the name errors report.
+fn select(op: &'static str, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    cond.same_device(op, a)?;
+    cond.same_device(op, b)?;
+    let shape = broadcast_shapes(op, cond.shape(), a.shape())
+        .and_then(|s| broadcast_shapes(op, &s, b.shape()))
+        .map_err(|_| {
+            crate::error::Error::shape(
+                op,
+                format!(
+                    "condition {:?}, values {:?} and {:?} cannot be broadcast together",
+                    cond.shape(),
+                    a.shape(),
+                    b.shape()
+                ),
+            )
+        })?;
+    let dev = cond.device();
+    if shape.iter().product::<usize>() == 0 {
+        return Tensor::zeros(&shape, dev);
+    }
+    let out = dev.kernels().where_cond(
+        &cond.broadcast_to(&shape)?,
+        &a.broadcast_to(&shape)?,
+        &b.broadcast_to(&shape)?,
+    )?;
+    dev.add_flops(out.numel() as u64);
+    Ok(out)
+}
+
+/// Generates a named method per binary op.
+macro_rules! binary_methods {
+    ($($(#[$doc:meta])* $name:ident => $op:ident;)*) => {
+        impl Tensor {
+            $($(#[$doc])* pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
+                self.binary(BinaryOp::$op, other)
+            })*
+        }
+    };
+}
+
+binary_methods! {
+    add => Add;
+    sub => Sub;
+    mul => Mul;
+    div => Div;
+    maximum => Maximum;
+    minimum => Minimum;
+    /// `self ^ other`, elementwise.
+    pow => Pow;
+    /// 1.0 where equal, else 0.0 (likewise for the other comparisons).
+    eq => Eq;
+    ne => Ne;
+    lt => Lt;
+    le => Le;
+    gt => Gt;
+    ge => Ge;
+}
+
+/// Generates a named method per parameterless unary op.
+macro_rules! unary_methods {
+    ($($(#[$doc:meta])* $name:ident => $op:ident;)*) => {
+        impl Tensor {
+            $($(#[$doc])* pub fn $name(&self) -> Result<Tensor> {
+                self.unary(UnaryOp::$op)
+            })*
+        }
+    };
+}
+
+unary_methods! {
+    neg => Neg;
+    exp => Exp;
+    log => Log;
+    sqrt => Sqrt;
+    rsqrt => Rsqrt;
+    abs => Abs;
+    /// -1, 0 or 1.
+    sign => Sign;
+    tanh => Tanh;
+    sigmoid => Sigmoid;
+    relu => Relu;
+    /// GELU, tanh approximation.
+    gelu => Gelu;
+    /// Derivative of [`Tensor::gelu`].
+    gelu_grad => GeluGrad;
+    sin => Sin;
+    cos => Cos;
+    square => Square;
+    /// `1 / x`.
+    recip => Recip;
+}
+
+impl Tensor {
+    /// `x * mul + add`.
+    pub fn affine(&self, mul: f32, add: f32) -> Result<Tensor> {
+        self.unary(UnaryOp::Affine { mul, add })
+    }
+    pub fn add_scalar(&self, s: f32) -> Result<Tensor> {
+        self.affine(1.0, s)
+    }
+    pub fn sub_scalar(&self, s: f32) -> Result<Tensor> {
+        self.affine(1.0, -s)
+    }
+    pub fn mul_scalar(&self, s: f32) -> Result<Tensor> {
+        self.affine(s, 0.0)
+    }
+    /// `x * (1 / s)` (may differ from `x / s` in the last bit).
+    pub fn div_scalar(&self, s: f32) -> Result<Tensor> {
+        self.affine(1.0 / s, 0.0)
+    }
+    /// `x ^ p`.
+    pub fn powf(&self, p: f32) -> Result<Tensor> {
+        self.unary(UnaryOp::Powf(p))
+    }
+    pub fn maximum_scalar(&self, s: f32) -> Result<Tensor> {
+        self.unary(UnaryOp::MaxScalar(s))
+    }
+    pub fn minimum_scalar(&self, s: f32) -> Result<Tensor> {
+        self.unary(UnaryOp::MinScalar(s))
+    }
+    /// `s - x`.
+    pub fn rsub_scalar(&self, s: f32) -> Result<Tensor> {
+        self.unary(UnaryOp::RSub(s))
+    }
+    /// `s / x`.
+    pub fn rdiv_scalar(&self, s: f32) -> Result<Tensor> {
+        self.unary(UnaryOp::RDiv(s))
+    }
+    /// 1.0 where `x > s`, else 0.0.
+    pub fn gt_scalar(&self, s: f32) -> Result<Tensor> {
+        self.unary(UnaryOp::GtScalar(s))
+    }
+    /// 1.0 where `x == s`, else 0.0.
+    pub fn eq_scalar(&self, s: f32) -> Result<Tensor> {
+        self.unary(UnaryOp::EqScalar(s))
+    }
+}

@@ -1,0 +1,234 @@
+//! Indexing ops and their adjoints (index_select / index_add, gather / scatter_add), one_hot,
+//! concat and stack. Index tensors are f32 tensors holding integers; their range is checked by
+//! [`check_indices`] (always on the CPU, on a GPU only when small: see its doc). Every op views
+//! its operands as `[outer, dim, inner]` around the indexed axis, the shape the kernels take.
+//! FLOPs: one per source element for the adds; the pure copies (select, gather, concat) count
+//! none, like `contiguous`.
+
+use crate::error::{Error, Result};
+use crate::layout::resolve_axis;
+use crate::ops::{check_indices, split_at_axis};
+use crate::tensor::Tensor;
+
+/// `shape` with axis `axis` set to `size`.
+fn with_axis(shape: &[usize], axis: usize, size: usize) -> Vec<usize> {
+    let mut s = shape.to_vec();
+    s[axis] = size;
+    s
+}
+
+/// Fails unless `idx` is 1-D (index_select and index_add take a list of rows).
+fn check_list(op: &'static str, idx: &Tensor, other: &[usize]) -> Result<()> {
+    if idx.rank() != 1 {
+        return Err(Error::shape(
+            op,
+            format!(
+                "index must be 1-d, got shape {:?} (tensor {other:?})",
+                idx.shape()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl Tensor {
+    /// The rows `idx[j]` of axis `axis`: the output has `idx.len()` there.
+    pub fn index_select(&self, axis: isize, idx: &Tensor) -> Result<Tensor> {
+        const OP: &str = "index_select";
+        self.same_device(OP, idx)?;
+        let a = resolve_axis(OP, axis, self.rank())?;
+        check_list(OP, idx, self.shape())?;
+        let (outer, dim, inner) = split_at_axis(self.shape(), a);
+        check_indices(OP, idx, dim)?;
+        let shape = with_axis(self.shape(), a, idx.numel());
+        let dev = self.device();
+        if shape.iter().product::<usize>() == 0 {
+            return Tensor::zeros(&shape, dev);
+        }
+        let out = dev.kernels().index_select(
+            &self.contiguous()?,
+            &idx.contiguous()?,
+            outer,
+            dim,
+            inner,
+        )?;
+        out.reshape(&shape)
+    }
+
+    /// Adjoint of `index_select`: zeros with `dim_size` rows along `axis`, and `src`'s row `j`
+    /// added at row `idx[j]` (repeated indices add up).
+    pub fn index_add(axis: isize, idx: &Tensor, src: &Tensor, dim_size: usize) -> Result<Tensor> {
+        const OP: &str = "index_add";
+        src.same_device(OP, idx)?;
+        let a = resolve_axis(OP, axis, src.rank())?;
+        check_list(OP, idx, src.shape())?;
+        if src.shape()[a] != idx.numel() {
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "src {:?} has {} rows along axis {a}, index {:?} has {}",
+                    src.shape(),
+                    src.shape()[a],
+                    idx.shape(),
+                    idx.numel()
+                ),
+            ));
+        }
+        check_indices(OP, idx, dim_size)?;
+        let shape = with_axis(src.shape(), a, dim_size);
+        let dev = src.device();
+        if src.numel() == 0 {
+            return Tensor::zeros(&shape, dev);
+        }
+        let (outer, _, inner) = split_at_axis(src.shape(), a);
+        let out = dev.kernels().index_add(
+            &src.contiguous()?,
+            &idx.contiguous()?,
+            outer,
+            dim_size,
+            inner,
+        )?;
+        dev.add_flops(src.numel() as u64);
+        out.reshape(&shape)
+    }
+
+    /// Torch-style gather: `out[.., j, ..] = x[.., idx[.., j, ..], ..]` along `axis`. `idx` has
+    /// the rank of `self`, and on the other axes no more than `self`'s sizes (`self` is narrowed
+    /// to them, as torch reads only that corner); the output has `idx`'s shape.
+    pub fn gather(&self, axis: isize, idx: &Tensor) -> Result<Tensor> {
+        const OP: &str = "gather";
+        self.same_device(OP, idx)?;
+        let a = resolve_axis(OP, axis, self.rank())?;
+        let fits = idx.rank() == self.rank()
+            && (0..self.rank()).all(|d| d == a || idx.shape()[d] <= self.shape()[d]);
+        if !fits {
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "index {:?} must have the rank of {:?} and no larger sizes off axis {a}",
+                    idx.shape(),
+                    self.shape()
+                ),
+            ));
+        }
+        let dim = self.shape()[a];
+        check_indices(OP, idx, dim)?;
+        let dev = self.device();
+        if idx.numel() == 0 {
+            return Tensor::zeros(idx.shape(), dev);
+        }
+        let mut x = self.clone();
+        for d in (0..self.rank()).filter(|&d| d != a) {
+            x = x.narrow(d as isize, 0, idx.shape()[d])?;
+        }
+        let (outer, _, inner) = split_at_axis(idx.shape(), a);
+        let out = dev
+            .kernels()
+            .gather(&x.contiguous()?, &idx.contiguous()?, outer, dim, inner)?;
+        out.reshape(idx.shape())
+    }
+
+    /// Adjoint of `gather`: zeros shaped like `idx` but with `dim_size` along `axis`, and each
+    /// `src` element added at the position its index names.
+    pub fn scatter_add(axis: isize, idx: &Tensor, src: &Tensor, dim_size: usize) -> Result<Tensor> {
+        const OP: &str = "scatter_add";
+        src.same_device(OP, idx)?;
+        let a = resolve_axis(OP, axis, src.rank())?;
+        if idx.shape() != src.shape() {
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "index {:?} and src {:?} must have the same shape",
+                    idx.shape(),
+                    src.shape()
+                ),
+            ));
+        }
+        check_indices(OP, idx, dim_size)?;
+        let shape = with_axis(src.shape(), a, dim_size);
+        let dev = src.device();
+        if src.numel() == 0 {
+            return Tensor::zeros(&shape, dev);
+        }
+        let (outer, _, inner) = split_at_axis(src.shape(), a);
+        let out = dev.kernels().scatter_add(
+            &src.contiguous()?,
+            &idx.contiguous()?,
+            outer,
+            dim_size,
+            inner,
+        )?;
+        dev.add_flops(src.numel() as u64);
+        out.reshape(&shape)
+    }
+
+    /// One-hot encoding of an index tensor: a new last axis of size `classes`, 1.0 at the index.
+    pub fn one_hot(&self, classes: usize) -> Result<Tensor> {
+        check_indices("one_hot", self, classes)?;
+        let range = Tensor::arange(0.0, classes as f32, 1.0, self.device())?;
+        self.unsqueeze(-1)?.eq(&range)
+    }
+
+    /// Joins tensors of equal shape except along `axis` into one.
+    pub fn concat(xs: &[&Tensor], axis: isize) -> Result<Tensor> {
+        join("concat", xs, axis, false)
+    }
+
+    /// Stacks tensors of equal shape along a new axis `axis` (in `0..=rank`).
+    pub fn stack(xs: &[&Tensor], axis: isize) -> Result<Tensor> {
+        join("stack", xs, axis, true)
+    }
+}
+
+/// Shared body of concat and stack (`new_axis`: insert `axis` in every input first).
+fn join(op: &'static str, xs: &[&Tensor], axis: isize, new_axis: bool) -> Result<Tensor> {
+    let Some(first) = xs.first() else {
+        return Err(Error::invalid(op, "needs at least one tensor, got none"));
+    };
+    let shapes: Vec<&[usize]> = xs.iter().map(|x| x.shape()).collect();
+    let rank = first.rank() + new_axis as usize;
+    if rank == 0 {
+        return Err(Error::shape(
+            op,
+            "cannot concatenate 0-d tensors (shapes [])",
+        ));
+    }
+    let a = resolve_axis(op, axis, rank)?;
+    let xs: Vec<Tensor> = xs
+        .iter()
+        .map(|x| {
+            first.same_device(op, x)?;
+            if new_axis {
+                if x.shape() != first.shape() {
+                    return Err(mismatch(op, &shapes, "all shapes must be equal"));
+                }
+                x.unsqueeze(a as isize)
+            } else {
+                Ok((*x).clone())
+            }
+        })
+        .collect::<Result<_>>()?;
+    let mut out_shape = xs[0].shape().to_vec();
+    out_shape[a] = 0;
+    for x in &xs {
+        let s = x.shape();
+        if s.len() != rank || (0..rank).any(|d| d != a && s[d] != out_shape[d]) {
+            return Err(mismatch(
+                op,
+                &shapes,
+                "shapes must agree off the joined axis",
+            ));
+        }
+        out_shape[a] += s[a];
+    }
+    let dev = first.device();
+    if out_shape.iter().product::<usize>() == 0 {
+        return Tensor::zeros(&out_shape, dev);
+    }
+    let refs: Vec<&Tensor> = xs.iter().filter(|x| x.numel() > 0).collect();
+    dev.kernels().concat(&refs, a, &out_shape)
+}
+
+fn mismatch(op: &'static str, shapes: &[&[usize]], why: &str) -> Error {
+    Error::shape(op, format!("{why}, got shapes {shapes:?}"))
+}

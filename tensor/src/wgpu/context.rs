@@ -1,0 +1,171 @@
+//! `WgpuContext`: one wgpu `Device` + `Queue` opened on an adapter with the adapter's real
+//! limits, plus the runtime state (recorder, buffer pools, pipeline cache, error sink).
+
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use super::discovery::{discovery, AdapterInfo};
+use super::pipelines::PipelineCache;
+use super::pool::BufferPool;
+use super::runtime::Recorder;
+use crate::error::{Error, Result};
+
+/// Errors wgpu reported outside an error scope (validation of recorded commands, device loss),
+/// collected by the device's handler and returned by the next call that checks.
+#[derive(Default)]
+pub(crate) struct ErrorSink {
+    errors: Mutex<Vec<String>>,
+    /// Set once the device is lost: every later call fails.
+    lost: Mutex<Option<String>>,
+}
+
+impl ErrorSink {
+    pub(crate) fn push(&self, msg: String) {
+        self.errors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(msg);
+    }
+    fn take(&self) -> Option<String> {
+        if let Some(l) = self.lost.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Some(l);
+        }
+        let mut e = self.errors.lock().unwrap_or_else(|p| p.into_inner());
+        if e.is_empty() {
+            None
+        } else {
+            Some(std::mem::take(&mut *e).join("; "))
+        }
+    }
+}
+
+pub(crate) struct WgpuContext {
+    pub(super) info: AdapterInfo,
+    /// The name errors carry (as `Device::wgpu` names the device).
+    pub(super) name: String,
+    pub(super) device: wgpu::Device,
+    pub(super) queue: wgpu::Queue,
+    pub(super) limits: wgpu::Limits,
+    pub(super) sink: Arc<ErrorSink>,
+    /// Submission epoch: bumped at every submit (see `pool`).
+    pub(super) epoch: Arc<AtomicU64>,
+    /// Storage buffers of tensors.
+    pub(super) pool: Arc<BufferPool>,
+    /// Read-back staging buffers.
+    pub(super) staging: Arc<BufferPool>,
+    pub(super) recorder: Mutex<Recorder>,
+    pub(super) pipelines: PipelineCache,
+}
+
+impl WgpuContext {
+    /// Opens a new device (with its own queue) on adapter `index` of `list_adapters()`.
+    pub(crate) fn open(index: usize) -> Result<WgpuContext> {
+        let d = discovery();
+        let (adapter, info) = match (d.adapters.get(index), d.infos.get(index)) {
+            (Some(a), Some(i)) => (a, i.clone()),
+            _ => {
+                return Err(Error::Device(format!(
+                    "no wgpu adapter {index}; adapters: [{}]",
+                    d.infos
+                        .iter()
+                        .map(|a| format!("{}: {}", a.index, a.name))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )))
+            }
+        };
+        let name = format!("wgpu:{index} ({})", info.name);
+        // The adapter's real limits, not wgpu's small defaults (128 MiB bindings, 256 MiB
+        // buffers); f16 only where the adapter has it.
+        let limits = adapter.limits();
+        let mut features = wgpu::Features::empty();
+        if adapter.features().contains(wgpu::Features::SHADER_F16) {
+            features |= wgpu::Features::SHADER_F16;
+        }
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("wgpipe"),
+            required_features: features,
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| Error::Wgpu {
+            device: name.clone(),
+            msg: format!("request_device failed: {e}"),
+        })?;
+
+        let sink = Arc::new(ErrorSink::default());
+        {
+            let sink = sink.clone();
+            device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| sink.push(e.to_string())));
+        }
+        {
+            let sink = sink.clone();
+            device.set_device_lost_callback(move |reason, msg| {
+                if reason != wgpu::DeviceLostReason::Destroyed {
+                    *sink.lost.lock().unwrap_or_else(|p| p.into_inner()) =
+                        Some(format!("device lost ({reason:?}): {msg}"));
+                }
+            });
+        }
+
+        let epoch = Arc::new(AtomicU64::new(0));
+        let pool = BufferPool::new(
+            device.clone(),
+            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            limits.max_buffer_size,
+            epoch.clone(),
+            "wgpipe tensor",
+        );
+        let staging = BufferPool::new(
+            device.clone(),
+            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            limits.max_buffer_size,
+            epoch.clone(),
+            "wgpipe read-back",
+        );
+        let recorder = Recorder::new(&device, &limits);
+        Ok(WgpuContext {
+            info,
+            name,
+            device,
+            queue,
+            limits,
+            sink,
+            epoch,
+            pool,
+            staging,
+            recorder: Mutex::new(recorder),
+            pipelines: PipelineCache::default(),
+        })
+    }
+
+    pub(crate) fn adapter_info(&self) -> &AdapterInfo {
+        &self.info
+    }
+
+    /// An `Error::Wgpu` on this device.
+    pub(super) fn err(&self, msg: impl Into<String>) -> Error {
+        Error::Wgpu {
+            device: self.name.clone(),
+            msg: msg.into(),
+        }
+    }
+
+    /// Returns (and clears) the errors wgpu reported since the last check.
+    pub(super) fn check(&self) -> Result<()> {
+        match self.sink.take() {
+            None => Ok(()),
+            Some(msg) => Err(self.err(msg)),
+        }
+    }
+}
+
+impl Drop for WgpuContext {
+    fn drop(&mut self) {
+        // Submit what is recorded and let the device finish, so no work is cut off mid-flight.
+        if let Ok(mut rec) = self.recorder.lock() {
+            self.flush_locked(&mut rec);
+        }
+        let _ = self.device.poll(wgpu::PollType::wait_indefinitely());
+    }
+}

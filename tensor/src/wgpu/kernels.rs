@@ -1,0 +1,971 @@
+//! `impl Kernels for WgpuContext`: each trait method validates what the shaders rely on, lays
+//! out the parameter block, allocates outputs (memory tracker first, then the buffer pool) and
+//! records its dispatch(es).
+
+use wgpipe_shaders::{
+    Binary, IndexKernel, Kernel, MatmulConfig, OperandLoad, Reduce, ReduceMode, SpatialKernel,
+    Unary, ELEMENTWISE_WG, ROW_WG,
+};
+
+use super::context::WgpuContext;
+use super::pool::GpuBuffer;
+use super::runtime::Arg;
+use crate::backend::*;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::layout::numel;
+use crate::storage::{Storage, StorageData};
+use crate::tensor::Tensor;
+
+/// The GPU buffer behind a tensor (an error for a tensor of another backend).
+pub(super) fn gpu(x: &Tensor) -> Result<&GpuBuffer> {
+    match &x.storage().data {
+        StorageData::Wgpu(b) => Ok(b),
+        StorageData::Cpu(_) => Err(Error::invalid(
+            "wgpu kernel",
+            format!("tensor on {} is not a wgpu tensor", x.device()),
+        )),
+    }
+}
+
+fn u(v: usize) -> u32 {
+    v as u32
+}
+
+/// Merges the dims of several same-shaped layouts: size-1 dims go, and neighbouring dims that
+/// are contiguous with each other in every layout become one. Returns the shape and each
+/// layout's strides.
+pub(super) fn collapse(shape: &[usize], strides: &[&[usize]]) -> (Vec<usize>, Vec<Vec<usize>>) {
+    let mut out_shape: Vec<usize> = Vec::new();
+    let mut out_strides: Vec<Vec<usize>> = vec![Vec::new(); strides.len()];
+    for (d, &size) in shape.iter().enumerate() {
+        if size == 1 {
+            continue;
+        }
+        let mergeable = !out_shape.is_empty()
+            && strides.iter().zip(&out_strides).all(|(s, o)| {
+                let last = *o.last().expect("same length as out_shape");
+                last == s[d] * size
+            });
+        if mergeable {
+            *out_shape.last_mut().expect("non-empty") *= size;
+            for (s, o) in strides.iter().zip(out_strides.iter_mut()) {
+                *o.last_mut().expect("non-empty") = s[d];
+            }
+        } else {
+            out_shape.push(size);
+            for (s, o) in strides.iter().zip(out_strides.iter_mut()) {
+                o.push(s[d]);
+            }
+        }
+    }
+    (out_shape, out_strides)
+}
+
+fn unary_kernel(op: UnaryOp) -> (Unary, f32, f32) {
+    match op {
+        UnaryOp::Neg => (Unary::Neg, 0.0, 0.0),
+        UnaryOp::Exp => (Unary::Exp, 0.0, 0.0),
+        UnaryOp::Log => (Unary::Log, 0.0, 0.0),
+        UnaryOp::Sqrt => (Unary::Sqrt, 0.0, 0.0),
+        UnaryOp::Rsqrt => (Unary::Rsqrt, 0.0, 0.0),
+        UnaryOp::Abs => (Unary::Abs, 0.0, 0.0),
+        UnaryOp::Sign => (Unary::Sign, 0.0, 0.0),
+        UnaryOp::Tanh => (Unary::Tanh, 0.0, 0.0),
+        UnaryOp::Sigmoid => (Unary::Sigmoid, 0.0, 0.0),
+        UnaryOp::Relu => (Unary::Relu, 0.0, 0.0),
+        UnaryOp::Gelu => (Unary::Gelu, 0.0, 0.0),
+        UnaryOp::GeluGrad => (Unary::GeluGrad, 0.0, 0.0),
+        UnaryOp::Sin => (Unary::Sin, 0.0, 0.0),
+        UnaryOp::Cos => (Unary::Cos, 0.0, 0.0),
+        UnaryOp::Square => (Unary::Square, 0.0, 0.0),
+        UnaryOp::Recip => (Unary::Recip, 0.0, 0.0),
+        UnaryOp::Affine { mul, add } => (Unary::Affine, mul, add),
+        UnaryOp::Powf(p) => (Unary::Powf, p, 0.0),
+        UnaryOp::RDiv(s) => (Unary::RDiv, s, 0.0),
+        UnaryOp::RSub(s) => (Unary::RSub, s, 0.0),
+        UnaryOp::MaxScalar(s) => (Unary::MaxScalar, s, 0.0),
+        UnaryOp::MinScalar(s) => (Unary::MinScalar, s, 0.0),
+        UnaryOp::GtScalar(s) => (Unary::GtScalar, s, 0.0),
+        UnaryOp::EqScalar(s) => (Unary::EqScalar, s, 0.0),
+    }
+}
+
+fn binary_kernel(op: BinaryOp) -> Binary {
+    match op {
+        BinaryOp::Add => Binary::Add,
+        BinaryOp::Sub => Binary::Sub,
+        BinaryOp::Mul => Binary::Mul,
+        BinaryOp::Div => Binary::Div,
+        BinaryOp::Maximum => Binary::Maximum,
+        BinaryOp::Minimum => Binary::Minimum,
+        BinaryOp::Pow => Binary::Pow,
+        BinaryOp::Eq => Binary::Eq,
+        BinaryOp::Ne => Binary::Ne,
+        BinaryOp::Lt => Binary::Lt,
+        BinaryOp::Le => Binary::Le,
+        BinaryOp::Gt => Binary::Gt,
+        BinaryOp::Ge => Binary::Ge,
+    }
+}
+
+fn reduce_kernel(op: ReduceOp) -> Reduce {
+    match op {
+        ReduceOp::Sum => Reduce::Sum,
+        ReduceOp::Max => Reduce::Max,
+        ReduceOp::Min => Reduce::Min,
+        ReduceOp::ArgMax => Reduce::ArgMax,
+        ReduceOp::ArgMin => Reduce::ArgMin,
+    }
+}
+
+/// Lavapipe (llvmpipe) ends an invocation after 65535 loop iterations summed over all its loops
+/// (`LP_MAX_TGSI_LOOP_ITERATIONS`); kernels keep each invocation well under this many.
+const LOOP_BUDGET: usize = 16384;
+
+/// Columns per workgroup in the first pass of a long-row reduction.
+const REDUCE_SEGMENT: usize = ROW_WG as usize * 64;
+
+/// Workgroups for `n` invocations of the one-invocation-per-element kernels.
+fn groups_for(n: usize) -> u64 {
+    (n as u64).div_ceil(u64::from(ELEMENTWISE_WG))
+}
+
+impl WgpuContext {
+    /// A fresh contiguous tensor of `shape` on `dev` (charged to `dev`'s tracker first).
+    pub(super) fn empty(&self, dev: &Device, shape: &[usize]) -> Result<Tensor> {
+        let n = numel(shape);
+        if n > u32::MAX as usize {
+            return Err(self.err(format!(
+                "a tensor of shape {shape:?} has {n} elements; wgpu kernels index with u32"
+            )));
+        }
+        let allocation = Storage::reserve(dev, n)?;
+        let buffer = self.pool.alloc((n * 4) as u64).map_err(|m| self.err(m))?;
+        Ok(Tensor::from_storage(
+            Storage::new(StorageData::Wgpu(buffer), allocation),
+            shape,
+            dev,
+        ))
+    }
+
+    /// `x` itself when contiguous from element 0, else a contiguous copy (kernels that index
+    /// their inputs as dense arrays).
+    fn dense(&self, x: &Tensor) -> Result<Tensor> {
+        if x.is_contiguous() && x.layout().offset == 0 {
+            Ok(x.clone())
+        } else {
+            self.contiguous(x)
+        }
+    }
+
+    /// `x` contiguous (offset allowed).
+    fn packed(&self, x: &Tensor) -> Result<Tensor> {
+        if x.is_contiguous() {
+            Ok(x.clone())
+        } else {
+            self.contiguous(x)
+        }
+    }
+
+    /// The elementwise template over same-shaped strided `inputs`.
+    fn map(
+        &self,
+        kernel: impl Fn(bool) -> Kernel,
+        inputs: &[&Tensor],
+        s0: f32,
+        s1: f32,
+    ) -> Result<Tensor> {
+        let x0 = inputs[0];
+        let out = self.empty(x0.device(), x0.shape())?;
+        let n = x0.numel();
+        if n == 0 {
+            return Ok(out);
+        }
+        let strides: Vec<&[usize]> = inputs.iter().map(|t| t.strides()).collect();
+        let (shape, cstrides) = collapse(x0.shape(), &strides);
+        let contiguous = cstrides.iter().all(|s| s.is_empty() || s == &[1]);
+        let mut params = vec![u(n), 0, s0.to_bits(), s1.to_bits()];
+        if !contiguous {
+            params[1] = u(shape.len());
+            params.extend(shape.iter().map(|&d| u(d)));
+        }
+        for (t, s) in inputs.iter().zip(&cstrides) {
+            params.push(u(t.layout().offset));
+            if !contiguous {
+                params.extend(s.iter().map(|&v| u(v)));
+            }
+        }
+        let mut bufs = Vec::with_capacity(inputs.len() + 1);
+        for t in inputs {
+            bufs.push(gpu(t)?);
+        }
+        let o = gpu(&out)?;
+        let mut args: Vec<Arg<'_>> = bufs.iter().map(|b| Arg::of(b)).collect();
+        args.push(Arg::of(o));
+        self.dispatch(kernel(!contiguous), &params, &args, groups_for(n), 1)?;
+        self.check()?;
+        Ok(out)
+    }
+
+    /// The matmul variant for these operands on this adapter.
+    pub(super) fn matmul_config(&self, la: &MatLayout, lb: &MatLayout, d: &MatDims) -> MatmulConfig {
+        let a4 = |v: usize| v % 4 == 0;
+        let a = if la.col_stride == 1
+            && a4(d.k)
+            && a4(la.offset)
+            && a4(la.row_stride)
+            && a4(la.batch_stride)
+        {
+            OperandLoad::VecK
+        } else if la.row_stride == 1
+            && a4(d.m)
+            && a4(la.offset)
+            && a4(la.col_stride)
+            && a4(la.batch_stride)
+        {
+            OperandLoad::VecMn
+        } else if la.col_stride <= la.row_stride {
+            OperandLoad::ScalarK
+        } else {
+            OperandLoad::ScalarMn
+        };
+        let b = if lb.col_stride == 1
+            && a4(d.n)
+            && a4(lb.offset)
+            && a4(lb.row_stride)
+            && a4(lb.batch_stride)
+        {
+            OperandLoad::VecMn
+        } else if lb.row_stride == 1
+            && a4(d.k)
+            && a4(lb.offset)
+            && a4(lb.col_stride)
+            && a4(lb.batch_stride)
+        {
+            OperandLoad::VecK
+        } else if lb.col_stride <= lb.row_stride {
+            OperandLoad::ScalarMn
+        } else {
+            OperandLoad::ScalarK
+        };
+        let (bm, bn, bk, tm, tn) = self.matmul_tile(d);
+        MatmulConfig {
+            bm,
+            bn,
+            bk,
+            tm,
+            tn,
+            a,
+            b,
+            c_vec: a4(d.n),
+        }
+    }
+
+    /// Tile shape per adapter and problem size: small problems get small tiles (more
+    /// workgroups); software adapters (one CPU thread per workgroup) prefer 64 x 64 tiles with
+    /// 8 x 8 outputs per invocation; GPUs take 128 x 128 tiles when the problem is large.
+    fn matmul_tile(&self, d: &MatDims) -> (u32, u32, u32, u32, u32) {
+        let limits = &self.limits;
+        let fits = |t: (u32, u32, u32, u32, u32)| {
+            let cfg = MatmulConfig {
+                bm: t.0,
+                bn: t.1,
+                bk: t.2,
+                tm: t.3,
+                tn: t.4,
+                a: OperandLoad::ScalarK,
+                b: OperandLoad::ScalarK,
+                c_vec: false,
+            };
+            cfg.threads() <= limits.max_compute_invocations_per_workgroup
+                && cfg.threads() <= limits.max_compute_workgroup_size_x
+                && cfg.shared_bytes() <= limits.max_compute_workgroup_storage_size
+        };
+        let [t64x4, t64x8, t32, t128] = MatmulConfig::TILES;
+        let work = d.batch * d.m.div_ceil(64) * d.n.div_ceil(64);
+        let pick = if d.m <= 32 || d.n <= 32 {
+            t32
+        } else if self.info.is_software {
+            t64x8
+        } else if work >= 256 && fits(t128) && d.m >= 512 && d.n >= 512 {
+            t128
+        } else {
+            t64x4
+        };
+        if fits(pick) {
+            pick
+        } else {
+            t32
+        }
+    }
+
+    /// Batched matmul with the variant chosen for the operands, or `forced` (tests).
+    pub(super) fn matmul_with(
+        &self,
+        a: &Tensor,
+        la: MatLayout,
+        b: &Tensor,
+        lb: MatLayout,
+        dims: MatDims,
+        forced: Option<MatmulConfig>,
+    ) -> Result<Tensor> {
+        let out = self.empty(a.device(), &[dims.batch, dims.m, dims.n])?;
+        if dims.batch == 0 || dims.m == 0 || dims.n == 0 {
+            return Ok(out);
+        }
+        if dims.k == 0 {
+            return self.fill(a.device(), &[dims.batch, dims.m, dims.n], 0.0);
+        }
+        // Strides of size-1 axes never matter; zero them so that they do not block vec4 loads.
+        let norm = |l: MatLayout, rows: usize, cols: usize| MatLayout {
+            offset: l.offset,
+            batch_stride: if dims.batch == 1 { 0 } else { l.batch_stride },
+            row_stride: if rows == 1 { 0 } else { l.row_stride },
+            col_stride: if cols == 1 { 0 } else { l.col_stride },
+        };
+        let la = norm(la, dims.m, dims.k);
+        let lb = norm(lb, dims.k, dims.n);
+        let cfg = forced.unwrap_or_else(|| self.matmul_config(&la, &lb, &dims));
+        let tiles_n = dims.n.div_ceil(cfg.bn as usize);
+        let tiles = dims.m.div_ceil(cfg.bm as usize) * tiles_n;
+        let max = self.limits.max_compute_workgroups_per_dimension as usize;
+        let (ba, bb, bo) = (gpu(a)?, gpu(b)?, gpu(&out)?);
+        // k in chunks small enough for lavapipe's loop limit (one chunk elsewhere); later chunks
+        // add to the output.
+        let per_slab = 1 + cfg.bk + (cfg.bm + cfg.bn) * cfg.bk / cfg.threads() + 1;
+        let k_chunk = if self.info.is_software {
+            (LOOP_BUDGET / per_slab as usize).max(1) * cfg.bk as usize
+        } else {
+            dims.k
+        };
+        let mut base = 0;
+        while base < dims.batch {
+            let z = (dims.batch - base).min(max);
+            let mut k0 = 0;
+            while k0 < dims.k {
+                let k1 = (k0 + k_chunk).min(dims.k);
+                let params = [
+                    u(dims.m),
+                    u(k1),
+                    u(dims.n),
+                    u(tiles_n),
+                    u(la.offset),
+                    u(la.batch_stride),
+                    u(la.row_stride),
+                    u(la.col_stride),
+                    u(lb.offset),
+                    u(lb.batch_stride),
+                    u(lb.row_stride),
+                    u(lb.col_stride),
+                    u(base),
+                    u(k0),
+                    u32::from(k0 > 0),
+                ];
+                self.dispatch(
+                    Kernel::Matmul(cfg),
+                    &params,
+                    &[Arg::of(ba), Arg::of(bb), Arg::of(bo)],
+                    tiles as u64,
+                    z as u32,
+                )?;
+                k0 = k1;
+            }
+            base += z;
+        }
+        self.check()?;
+        Ok(out)
+    }
+
+    /// Records the strided copy of `src` into `dst` at (`out_offset`, `out_strides`).
+    fn copy_into(
+        &self,
+        src: &Tensor,
+        dst: &GpuBuffer,
+        out_offset: usize,
+        out_strides: &[usize],
+    ) -> Result<()> {
+        let n = src.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let (shape, s) = collapse(src.shape(), &[src.strides(), out_strides]);
+        let mut params = vec![u(n), u(shape.len())];
+        params.extend(shape.iter().map(|&d| u(d)));
+        params.push(u(src.layout().offset));
+        params.extend(s[0].iter().map(|&v| u(v)));
+        params.push(u(out_offset));
+        params.extend(s[1].iter().map(|&v| u(v)));
+        self.dispatch(
+            Kernel::CopyStrided,
+            &params,
+            &[Arg::of(gpu(src)?), Arg::of(dst)],
+            groups_for(n),
+            1,
+        )
+    }
+
+    fn spatial_params(g: &Pool2dGeometry) -> Vec<u32> {
+        vec![
+            u(g.n),
+            u(g.c),
+            u(g.h),
+            u(g.w),
+            u(g.kh),
+            u(g.kw),
+            u(g.stride.0),
+            u(g.stride.1),
+            u(g.padding.0),
+            u(g.padding.1),
+            1,
+            1,
+            1,
+            u(g.h_out),
+            u(g.w_out),
+        ]
+    }
+
+    fn conv_params(g: &Conv2dGeometry) -> Vec<u32> {
+        vec![
+            u(g.n),
+            u(g.c_in),
+            u(g.h),
+            u(g.w),
+            u(g.kh),
+            u(g.kw),
+            u(g.stride.0),
+            u(g.stride.1),
+            u(g.padding.0),
+            u(g.padding.1),
+            u(g.dilation.0),
+            u(g.dilation.1),
+            u(g.groups),
+            u(g.h_out),
+            u(g.w_out),
+        ]
+    }
+
+    /// Rows longer than this many columns exceed lavapipe's loop limit in the one-workgroup-per-
+    /// row kernels (softmax, layer norm: three passes over the row per invocation).
+    fn check_row_len(&self, op: &'static str, cols: usize) -> Result<()> {
+        let max = 20_000 * ROW_WG as usize;
+        if self.info.is_software && cols > max {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "rows of {cols} columns are longer than the {max} this software adapter \
+                     ({}) can process per row",
+                    self.info.name
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// One index kernel: `src` and `idx` dense, output of `out_shape`, `items` invocations.
+    /// The accumulating kernels (index_add, scatter_add) start from zeros and walk j in chunks
+    /// of at most `LOOP_BUDGET` per dispatch.
+    fn index_kernel(
+        &self,
+        k: IndexKernel,
+        src: &Tensor,
+        idx: &Tensor,
+        dims: [usize; 4],
+        out_shape: &[usize],
+        items: usize,
+    ) -> Result<Tensor> {
+        let src = self.dense(src)?;
+        let idx = self.dense(idx)?;
+        let accumulates = matches!(k, IndexKernel::IndexAdd | IndexKernel::ScatterAdd);
+        let out = if accumulates {
+            self.fill(src.device(), out_shape, 0.0)?
+        } else {
+            self.empty(src.device(), out_shape)?
+        };
+        let n = dims[3];
+        let step = if accumulates { LOOP_BUDGET } else { n.max(1) };
+        let mut j0 = 0;
+        loop {
+            let j1 = (j0 + step).min(n);
+            let mut params: Vec<u32> = dims.iter().map(|&d| u(d)).collect();
+            params.extend([u(j0), u(j1)]);
+            self.dispatch(
+                Kernel::Index(k),
+                &params,
+                &[Arg::of(gpu(&src)?), Arg::of(gpu(&idx)?), Arg::of(gpu(&out)?)],
+                groups_for(items),
+                1,
+            )?;
+            j0 = j1;
+            if j0 >= n {
+                break;
+            }
+        }
+        self.check()?;
+        Ok(out)
+    }
+}
+
+impl Kernels for WgpuContext {
+    fn from_host(&self, dev: &Device, data: &[f32], shape: &[usize]) -> Result<Tensor> {
+        let out = self.empty(dev, shape)?;
+        self.upload(gpu(&out)?, data)?;
+        Ok(out)
+    }
+
+    fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
+        let x = self.packed(x)?;
+        self.read(gpu(&x)?, x.layout().offset, x.numel())
+    }
+
+    fn fill(&self, dev: &Device, shape: &[usize], value: f32) -> Result<Tensor> {
+        let out = self.empty(dev, shape)?;
+        let n = out.numel();
+        self.dispatch(
+            Kernel::Fill,
+            &[u(n), value.to_bits()],
+            &[Arg::of(gpu(&out)?)],
+            groups_for(n),
+            1,
+        )?;
+        self.check()?;
+        Ok(out)
+    }
+
+    fn contiguous(&self, x: &Tensor) -> Result<Tensor> {
+        self.map(
+            |strided| Kernel::Unary {
+                op: Unary::Identity,
+                strided,
+            },
+            &[x],
+            0.0,
+            0.0,
+        )
+    }
+
+    fn unary(&self, op: UnaryOp, x: &Tensor) -> Result<Tensor> {
+        let (op, s0, s1) = unary_kernel(op);
+        self.map(|strided| Kernel::Unary { op, strided }, &[x], s0, s1)
+    }
+
+    fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let op = binary_kernel(op);
+        self.map(|strided| Kernel::Binary { op, strided }, &[a, b], 0.0, 0.0)
+    }
+
+    fn where_cond(&self, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        self.map(|strided| Kernel::Where { strided }, &[cond, a, b], 0.0, 0.0)
+    }
+
+    fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
+        let x = self.packed(x)?;
+        let out = self.empty(x.device(), &[rows])?;
+        let op = reduce_kernel(op);
+        let off = u(x.layout().offset);
+        if cols <= 2 * REDUCE_SEGMENT {
+            self.dispatch(
+                Kernel::Reduce {
+                    op,
+                    mode: ReduceMode::Direct,
+                },
+                &[u(rows), u(cols), off, 1, u(cols.max(1))],
+                &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
+                rows as u64,
+                1,
+            )?;
+        } else {
+            // Long rows: segments of REDUCE_SEGMENT columns into (value, index) partials, then
+            // one workgroup per row over its partials.
+            let segs = cols.div_ceil(REDUCE_SEGMENT);
+            let pv = self.empty(x.device(), &[rows, segs])?;
+            let pi = self.empty(x.device(), &[rows, segs])?;
+            self.dispatch(
+                Kernel::Reduce {
+                    op,
+                    mode: ReduceMode::Partial,
+                },
+                &[u(rows), u(cols), off, u(segs), u(REDUCE_SEGMENT)],
+                &[Arg::of(gpu(&x)?), Arg::of(gpu(&pv)?), Arg::of(gpu(&pi)?)],
+                (rows * segs) as u64,
+                1,
+            )?;
+            self.dispatch(
+                Kernel::Reduce {
+                    op,
+                    mode: ReduceMode::Final,
+                },
+                &[u(rows), u(segs), 0, 1, u(segs)],
+                &[Arg::of(gpu(&pv)?), Arg::of(gpu(&pi)?), Arg::of(gpu(&out)?)],
+                rows as u64,
+                1,
+            )?;
+        }
+        self.check()?;
+        Ok(out)
+    }
+
+    fn softmax_rows(&self, x: &Tensor, rows: usize, cols: usize, log: bool) -> Result<Tensor> {
+        self.check_row_len("softmax", cols)?;
+        let x = self.packed(x)?;
+        let out = self.empty(x.device(), x.shape())?;
+        if cols > 0 {
+            self.dispatch(
+                Kernel::Softmax { log },
+                &[u(rows), u(cols), u(x.layout().offset)],
+                &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
+                rows as u64,
+                1,
+            )?;
+        }
+        self.check()?;
+        Ok(out)
+    }
+
+    fn matmul(
+        &self,
+        a: &Tensor,
+        la: MatLayout,
+        b: &Tensor,
+        lb: MatLayout,
+        dims: MatDims,
+    ) -> Result<Tensor> {
+        self.matmul_with(a, la, b, lb, dims, None)
+    }
+
+    fn layer_norm_rows(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        self.check_row_len("layer_norm", cols)?;
+        let x = self.packed(x)?;
+        let gamma = self.packed(gamma)?;
+        let beta = self.packed(beta)?;
+        let dev = x.device();
+        let y = self.empty(dev, x.shape())?;
+        let mean = self.empty(dev, &[rows])?;
+        let rstd = self.empty(dev, &[rows])?;
+        self.dispatch(
+            Kernel::LayerNorm,
+            &[
+                u(rows),
+                u(cols),
+                eps.to_bits(),
+                u(x.layout().offset),
+                u(gamma.layout().offset),
+                u(beta.layout().offset),
+            ],
+            &[
+                Arg::of(gpu(&x)?),
+                Arg::of(gpu(&gamma)?),
+                Arg::of(gpu(&beta)?),
+                Arg::of(gpu(&y)?),
+                Arg::of(gpu(&mean)?),
+                Arg::of(gpu(&rstd)?),
+            ],
+            rows as u64,
+            1,
+        )?;
+        self.check()?;
+        Ok((y, mean, rstd))
+    }
+
+    fn index_select(
+        &self,
+        x: &Tensor,
+        idx: &Tensor,
+        outer: usize,
+        dim: usize,
+        inner: usize,
+    ) -> Result<Tensor> {
+        let n = idx.numel();
+        self.index_kernel(
+            IndexKernel::IndexSelect,
+            x,
+            idx,
+            [outer, dim, inner, n],
+            &[outer, n, inner],
+            outer * n * inner,
+        )
+    }
+
+    fn index_add(
+        &self,
+        src: &Tensor,
+        idx: &Tensor,
+        outer: usize,
+        dim: usize,
+        inner: usize,
+    ) -> Result<Tensor> {
+        let n = idx.numel();
+        self.index_kernel(
+            IndexKernel::IndexAdd,
+            src,
+            idx,
+            [outer, dim, inner, n],
+            &[outer, dim, inner],
+            outer * inner,
+        )
+    }
+
+    fn gather(
+        &self,
+        x: &Tensor,
+        idx: &Tensor,
+        outer: usize,
+        dim: usize,
+        inner: usize,
+    ) -> Result<Tensor> {
+        let n = if outer * inner == 0 {
+            0
+        } else {
+            idx.numel() / (outer * inner)
+        };
+        self.index_kernel(
+            IndexKernel::Gather,
+            x,
+            idx,
+            [outer, dim, inner, n],
+            &[outer, n, inner],
+            outer * n * inner,
+        )
+    }
+
+    fn scatter_add(
+        &self,
+        src: &Tensor,
+        idx: &Tensor,
+        outer: usize,
+        dim: usize,
+        inner: usize,
+    ) -> Result<Tensor> {
+        let n = if outer * inner == 0 {
+            0
+        } else {
+            idx.numel() / (outer * inner)
+        };
+        self.index_kernel(
+            IndexKernel::ScatterAdd,
+            src,
+            idx,
+            [outer, dim, inner, n],
+            &[outer, dim, inner],
+            outer * inner,
+        )
+    }
+
+    fn concat(&self, xs: &[&Tensor], axis: usize, out_shape: &[usize]) -> Result<Tensor> {
+        let dev = xs
+            .first()
+            .map(|x| x.device().clone())
+            .ok_or_else(|| Error::invalid("concat", "no tensors to concatenate"))?;
+        let out = self.empty(&dev, out_shape)?;
+        let strides = out.strides().to_vec();
+        let o = gpu(&out)?;
+        let mut start = 0;
+        for x in xs {
+            self.copy_into(x, o, start * strides[axis], &strides)?;
+            start += x.shape()[axis];
+        }
+        self.check()?;
+        Ok(out)
+    }
+
+    fn im2col(&self, x: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
+        let x = self.dense(x)?;
+        let shape = [g.n, g.groups, g.col_rows(), g.col_cols()];
+        let out = self.empty(x.device(), &shape)?;
+        self.dispatch(
+            Kernel::Spatial(SpatialKernel::Im2col),
+            &Self::conv_params(g),
+            &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
+            groups_for(numel(&shape)),
+            1,
+        )?;
+        self.check()?;
+        Ok(out)
+    }
+
+    fn col2im(&self, cols: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
+        let cols = self.dense(cols)?;
+        let shape = [g.n, g.c_in, g.h, g.w];
+        let out = self.empty(cols.device(), &shape)?;
+        self.dispatch(
+            Kernel::Spatial(SpatialKernel::Col2im),
+            &Self::conv_params(g),
+            &[Arg::of(gpu(&cols)?), Arg::of(gpu(&out)?)],
+            groups_for(numel(&shape)),
+            1,
+        )?;
+        self.check()?;
+        Ok(out)
+    }
+
+    fn max_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<(Tensor, Tensor)> {
+        let x = self.dense(x)?;
+        let shape = [g.n, g.c, g.h_out, g.w_out];
+        let y = self.empty(x.device(), &shape)?;
+        let arg = self.empty(x.device(), &shape)?;
+        self.dispatch(
+            Kernel::Spatial(SpatialKernel::MaxPool2d),
+            &Self::spatial_params(g),
+            &[
+                Arg::of(gpu(&x)?),
+                Arg::of(gpu(&y)?),
+                Arg::of(gpu(&arg)?),
+            ],
+            groups_for(numel(&shape)),
+            1,
+        )?;
+        self.check()?;
+        Ok((y, arg))
+    }
+
+    fn max_pool2d_backward(
+        &self,
+        dy: &Tensor,
+        argmax: &Tensor,
+        g: &Pool2dGeometry,
+    ) -> Result<Tensor> {
+        let dy = self.dense(dy)?;
+        let argmax = self.dense(argmax)?;
+        let shape = [g.n, g.c, g.h, g.w];
+        let dx = self.empty(dy.device(), &shape)?;
+        self.dispatch(
+            Kernel::Spatial(SpatialKernel::MaxPool2dBackward),
+            &Self::spatial_params(g),
+            &[
+                Arg::of(gpu(&dy)?),
+                Arg::of(gpu(&argmax)?),
+                Arg::of(gpu(&dx)?),
+            ],
+            groups_for(numel(&shape)),
+            1,
+        )?;
+        self.check()?;
+        Ok(dx)
+    }
+
+    fn avg_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
+        let x = self.dense(x)?;
+        let shape = [g.n, g.c, g.h_out, g.w_out];
+        let y = self.empty(x.device(), &shape)?;
+        self.dispatch(
+            Kernel::Spatial(SpatialKernel::AvgPool2d),
+            &Self::spatial_params(g),
+            &[Arg::of(gpu(&x)?), Arg::of(gpu(&y)?)],
+            groups_for(numel(&shape)),
+            1,
+        )?;
+        self.check()?;
+        Ok(y)
+    }
+
+    fn avg_pool2d_backward(&self, dy: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
+        let dy = self.dense(dy)?;
+        let shape = [g.n, g.c, g.h, g.w];
+        let dx = self.empty(dy.device(), &shape)?;
+        self.dispatch(
+            Kernel::Spatial(SpatialKernel::AvgPool2dBackward),
+            &Self::spatial_params(g),
+            &[Arg::of(gpu(&dy)?), Arg::of(gpu(&dx)?)],
+            groups_for(numel(&shape)),
+            1,
+        )?;
+        self.check()?;
+        Ok(dx)
+    }
+
+    fn dropout_mask(
+        &self,
+        dev: &Device,
+        shape: &[usize],
+        p: f32,
+        seed: u64,
+        offset: u64,
+    ) -> Result<Tensor> {
+        let out = self.empty(dev, shape)?;
+        let n = out.numel();
+        // The same f32 arithmetic as `rng::dropout_value`, so the multipliers match bit for bit.
+        let scale = 1.0 / (1.0 - p);
+        let params = [
+            u(n),
+            seed as u32,
+            (seed >> 32) as u32,
+            offset as u32,
+            (offset >> 32) as u32,
+            p.to_bits(),
+            scale.to_bits(),
+        ];
+        self.dispatch(
+            Kernel::Dropout,
+            &params,
+            &[Arg::of(gpu(&out)?)],
+            groups_for(n.div_ceil(4)),
+            1,
+        )?;
+        self.check()?;
+        Ok(out)
+    }
+
+    fn adam_update(
+        &self,
+        param: &Tensor,
+        grad: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+        hp: &AdamStep,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (p, g, m, v) = (
+            self.dense(param)?,
+            self.dense(grad)?,
+            self.dense(m)?,
+            self.dense(v)?,
+        );
+        let dev = param.device();
+        let shape = param.shape();
+        let (po, mo, vo) = (
+            self.empty(dev, shape)?,
+            self.empty(dev, shape)?,
+            self.empty(dev, shape)?,
+        );
+        let n = po.numel();
+        let params = [
+            u(n),
+            hp.lr.to_bits(),
+            hp.beta1.to_bits(),
+            hp.beta2.to_bits(),
+            hp.eps.to_bits(),
+            hp.weight_decay.to_bits(),
+            u32::from(hp.decoupled),
+            hp.bias_correction1.to_bits(),
+            hp.bias_correction2.to_bits(),
+        ];
+        self.dispatch(
+            Kernel::Adam,
+            &params,
+            &[
+                Arg::of(gpu(&p)?),
+                Arg::of(gpu(&g)?),
+                Arg::of(gpu(&m)?),
+                Arg::of(gpu(&v)?),
+                Arg::of(gpu(&po)?),
+                Arg::of(gpu(&mo)?),
+                Arg::of(gpu(&vo)?),
+            ],
+            groups_for(n),
+            1,
+        )?;
+        self.check()?;
+        Ok((po, mo, vo))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.sync()
+    }
+}

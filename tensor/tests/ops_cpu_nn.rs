@@ -1,0 +1,153 @@
+//! Softmax, layer norm and dropout masks on the CPU device against naive references.
+
+mod common;
+
+use common::*;
+use proptest::prelude::*;
+use wgpipe_tensor::{Device, Error, Tensor};
+
+/// (log-)softmax along `axis` of `x`, in f64.
+fn softmax_ref(x: &Nd, axis: usize, log: bool) -> Nd {
+    Nd::from_fn(&x.shape, |idx| {
+        let lane: Vec<f64> = (0..x.shape[axis])
+            .map(|j| {
+                let mut i = idx.to_vec();
+                i[axis] = j;
+                x.at(&i) as f64
+            })
+            .collect();
+        let m = lane.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = lane.iter().map(|v| (v - m).exp()).sum();
+        let v = x.at(idx) as f64 - m;
+        (if log { v - z.ln() } else { v.exp() / z }) as f32
+    })
+}
+
+proptest! {
+    #![proptest_config(cases(48))]
+
+    #[test]
+    fn softmax_matches_naive(
+        shape in prop::collection::vec(1usize..6, 1..5),
+        axis_seed in 0usize..64,
+        variant in 0..VARIANTS,
+        seed in 0u64..1000,
+    ) {
+        let axis = axis_seed % shape.len();
+        let x = Nd::rand(&shape, seed, -5.0, 5.0);
+        let t = x.tensor_as(variant);
+        let ax = if axis_seed % 2 == 0 { axis as isize } else { axis as isize - shape.len() as isize };
+        assert_nd(&t.softmax(ax).unwrap(), &softmax_ref(&x, axis, false), 1e-5, 1e-6);
+        assert_nd(&t.log_softmax(ax).unwrap(), &softmax_ref(&x, axis, true), 1e-5, 1e-5);
+    }
+
+    #[test]
+    fn layer_norm_matches_naive(
+        lead in prop::collection::vec(1usize..4, 0..3),
+        d in 1usize..9,
+        variant in 0..VARIANTS,
+        seed in 0u64..1000,
+    ) {
+        let mut shape = lead.clone();
+        shape.push(d);
+        let x = Nd::rand(&shape, seed, -3.0, 3.0);
+        let gamma = Nd::rand(&[d], seed + 1, 0.5, 1.5);
+        let beta = Nd::rand(&[d], seed + 2, -1.0, 1.0);
+        let eps = 1e-5;
+        let (y, mean, rstd) = x.tensor_as(variant).layer_norm(&gamma.tensor(), &beta.tensor(), eps).unwrap();
+        let rows = x.data.len() / d;
+        let mut stat_shape = lead.clone();
+        stat_shape.push(1);
+        let (mut wy, mut wm, mut wr) = (vec![], vec![], vec![]);
+        for r in 0..rows {
+            let row: Vec<f64> = x.data[r * d..(r + 1) * d].iter().map(|&v| v as f64).collect();
+            let m = row.iter().sum::<f64>() / d as f64;
+            let v = row.iter().map(|x| (x - m).powi(2)).sum::<f64>() / d as f64;
+            let rs = 1.0 / (v + eps as f64).sqrt();
+            for (j, x) in row.iter().enumerate() {
+                wy.push(((x - m) * rs * gamma.data[j] as f64 + beta.data[j] as f64) as f32);
+            }
+            wm.push(m as f32);
+            wr.push(rs as f32);
+        }
+        assert_nd(&y, &Nd::new(&shape, wy), 1e-4, 1e-4);
+        assert_nd(&mean, &Nd::new(&stat_shape, wm), 1e-5, 1e-5);
+        assert_nd(&rstd, &Nd::new(&stat_shape, wr), 1e-3, 1e-3);
+    }
+}
+
+#[test]
+fn softmax_is_stable_and_handles_size_one_axes() {
+    let dev = Device::cpu();
+    let x = Tensor::from_slice(&[1000.0, 0.0, -1000.0, 1000.0], &[2, 2], &dev).unwrap();
+    let ls = x.log_softmax(1).unwrap().to_vec().unwrap();
+    assert_close(&ls, &[0.0, -1000.0, -2000.0, 0.0], 1e-6, 1e-3);
+    let s = x.softmax(1).unwrap().to_vec().unwrap();
+    assert_close(&s, &[1.0, 0.0, 0.0, 1.0], 0.0, 1e-6);
+    // Along axis 0 of the transposed view the result is a (free) permuted view.
+    let s0 = x.t().unwrap().softmax(0).unwrap();
+    assert_close(&s0.to_vec().unwrap(), &[1.0, 0.0, 0.0, 1.0], 0.0, 1e-6);
+    let one = Tensor::from_slice(&[3.0, -2.0], &[2, 1], &dev).unwrap();
+    assert_eq!(one.softmax(1).unwrap().to_vec().unwrap(), vec![1.0, 1.0]);
+    assert_eq!(one.log_softmax(-1).unwrap().to_vec().unwrap(), vec![0.0, 0.0]);
+    let e = Tensor::zeros(&[0, 3], &dev).unwrap();
+    assert_eq!(e.softmax(1).unwrap().shape(), &[0, 3]);
+    assert_eq!(Tensor::zeros(&[3, 0], &dev).unwrap().log_softmax(1).unwrap().shape(), &[3, 0]);
+}
+
+#[test]
+fn layer_norm_shapes_and_empty() {
+    let dev = Device::cpu();
+    let g = Tensor::ones(&[4], &dev).unwrap();
+    let b = Tensor::zeros(&[4], &dev).unwrap();
+    let x = Tensor::from_slice(&[1.0, 2.0, 3.0, 4.0], &[1, 4], &dev).unwrap();
+    let (y, m, r) = x.layer_norm(&g, &b, 0.0).unwrap();
+    assert_eq!(m.to_vec().unwrap(), vec![2.5]);
+    assert_eq!(m.shape(), &[1, 1]);
+    let s = 1.0 / 1.25f32.sqrt();
+    assert_close(&r.to_vec().unwrap(), &[s], 1e-6, 0.0);
+    assert_close(&y.to_vec().unwrap(), &[-1.5 * s, -0.5 * s, 0.5 * s, 1.5 * s], 1e-5, 1e-6);
+    let (y, m, _) = Tensor::zeros(&[0, 2, 4], &dev).unwrap().layer_norm(&g, &b, 1e-5).unwrap();
+    assert_eq!((y.shape(), m.shape()), (&[0, 2, 4][..], &[0, 2, 1][..]));
+}
+
+#[test]
+fn dropout_mask_is_the_counter_based_stream() {
+    let dev = Device::new_cpu("dropout");
+    let shape = [3, 50];
+    let p = 0.3;
+    let m = Tensor::dropout_mask(&shape, p, 42, 7, &dev).unwrap();
+    assert_eq!(m.shape(), &shape);
+    let want: Vec<f32> = (0..150)
+        .map(|i| wgpipe_tensor::rng::dropout_value(42, 7, i, p))
+        .collect();
+    assert_eq!(m.to_vec().unwrap(), want);
+    assert!(want.iter().all(|&v| v == 0.0 || v == 1.0 / (1.0 - p)));
+    assert!(want.contains(&0.0));
+    assert_eq!(
+        Tensor::dropout_mask(&shape, p, 42, 7, &dev).unwrap().to_vec().unwrap(),
+        want,
+        "same key, same mask"
+    );
+    assert_ne!(Tensor::dropout_mask(&shape, p, 42, 8, &dev).unwrap().to_vec().unwrap(), want);
+    assert_eq!(Tensor::dropout_mask(&[4], 0.0, 1, 0, &dev).unwrap().to_vec().unwrap(), vec![1.0; 4]);
+    assert_eq!(Tensor::dropout_mask(&[0, 4], 0.5, 1, 0, &dev).unwrap().shape(), &[0, 4]);
+}
+
+#[test]
+fn nn_errors_name_op_and_shapes() {
+    let dev = Device::cpu();
+    let x = Tensor::zeros(&[2, 3], &dev).unwrap();
+    assert_err!(x.softmax(2), Error::Axis { op: "softmax", axis: 2, rank: 2 }, "softmax");
+    assert_err!(x.log_softmax(-3), Error::Axis { op: "log_softmax", .. }, "log_softmax");
+    let g = Tensor::ones(&[4], &dev).unwrap();
+    let g3 = Tensor::ones(&[3], &dev).unwrap();
+    assert_err!(x.layer_norm(&g, &g3, 1e-5), Error::Shape { op: "layer_norm", .. }, "layer_norm", "[4]", "[2, 3]");
+    let s = Tensor::scalar(1.0, &dev).unwrap();
+    assert_err!(s.layer_norm(&g, &g, 1e-5), Error::Shape { op: "layer_norm", .. }, "[]");
+    let o = Tensor::ones(&[3], &other_device()).unwrap();
+    assert_err!(x.layer_norm(&g3, &o, 1e-5), Error::DeviceMismatch { op: "layer_norm", .. }, "other-cpu");
+    for p in [1.0, -0.1, f32::NAN] {
+        assert_err!(Tensor::dropout_mask(&[2], p, 0, 0, &dev), Error::Invalid { op: "dropout_mask", .. }, "dropout_mask", "[2]");
+    }
+}

@@ -1,0 +1,204 @@
+//! Fault injection: a layer that panics or errors (in forward or backward) at stage k,
+//! micro-batch m, and a stage that runs out of memory. Each must come back as one `Err` naming
+//! the stage, micro-batch and cause, well under a second after the fault; every worker thread is
+//! joined (`train_step` runs them in a thread scope, so returning at all proves it); parameters
+//! and gradients are as before the step; and the next step succeeds.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use wgpipe_autograd::Module;
+use wgpipe_models::{Linear, Relu};
+use wgpipe_pipeline::{CheckpointMode, Pipeline, PipelineError, ScheduleKind, StageCause};
+use wgpipe_tensor::{Device, Tensor};
+use wgpipe_tests::*;
+
+const K: usize = 3;
+const WIDTH: usize = 8;
+
+/// K stages of [Linear, ReLU], with a `Fault` layer appended to stage `fault_stage`.
+fn faulty_model(fault_stage: usize) -> (Vec<Box<dyn Module>>, Vec<usize>, Arc<Mutex<FaultState>>) {
+    let d = Device::cpu();
+    let (fault, state) = Fault::new();
+    let mut fault = Some(fault);
+    let mut layers: Vec<Box<dyn Module>> = Vec::new();
+    let mut balance = Vec::new();
+    for s in 0..K {
+        layers.push(Box::new(Linear::new(WIDTH, WIDTH, 100 + s as u64, &d).unwrap()));
+        layers.push(Box::new(Relu));
+        let mut n = 2;
+        if s == fault_stage {
+            layers.push(Box::new(fault.take().unwrap()));
+            n += 1;
+        }
+        balance.push(n);
+    }
+    (layers, balance, state)
+}
+
+fn data() -> (Tensor, Tensor) {
+    (normal_data(&[8, WIDTH], 21), normal_data(&[8, WIDTH], 22))
+}
+
+/// Runs one failing step on a pipeline that already holds gradients from a good step, checks
+/// the error and the state, then disarms the fault and checks that training continues exactly
+/// as if the failure had never happened.
+#[allow(clippy::too_many_arguments)]
+fn check_fault(
+    pipe: &mut Pipeline,
+    arm: &dyn Fn(),
+    disarm: &dyn Fn(&mut Pipeline),
+    fired_at: &dyn Fn() -> Option<Instant>,
+    stage: usize,
+    micro_batch: Option<usize>,
+    cause: &dyn Fn(&StageCause) -> bool,
+    what: &str,
+    reference: &dyn Fn() -> Pipeline,
+) {
+    let (x, y) = data();
+    // A good step first, so there are gradients to restore (accumulation across mini-batches).
+    pipe.train_step(&x, &y, &mse).unwrap();
+    let params = snapshot(&pipe.named_parameters());
+    let grads = grad_snapshot(&pipe.named_parameters());
+    assert!(grads.iter().all(|(_, g)| g.is_some()));
+    arm();
+
+    let t0 = Instant::now();
+    let err = pipe.train_step(&x, &y, &mse).unwrap_err();
+    let returned = Instant::now();
+    let total = returned - t0;
+    let since_fault = fired_at().map(|t| returned.saturating_duration_since(t));
+    eprintln!("{what}: Err after {total:?} ({since_fault:?} after the fault): {err}");
+    assert!(total < Duration::from_secs(1), "{what}: took {total:?}");
+    if let Some(d) = since_fault {
+        assert!(d < Duration::from_secs(1), "{what}: {d:?} after the fault");
+    }
+    match &err {
+        PipelineError::Stage {
+            stage: s,
+            micro_batch: m,
+            cause: c,
+            ..
+        } => {
+            assert_eq!(*s, stage, "{what}: wrong stage in {err}");
+            if let Some(mb) = micro_batch {
+                assert_eq!(*m, mb, "{what}: wrong micro-batch in {err}");
+            }
+            assert!(cause(c), "{what}: wrong cause in {err}");
+        }
+        other => panic!("{what}: not a stage error: {other:?}"),
+    }
+    let msg = err.to_string();
+    assert!(msg.contains(&format!("stage {stage}")), "{msg}");
+    if let Some(mb) = micro_batch {
+        assert!(msg.contains(&format!("micro-batch {mb}")), "{msg}");
+    }
+    assert_eq!(snapshot(&pipe.named_parameters()), params, "{what}: parameters changed");
+    assert_eq!(grad_snapshot(&pipe.named_parameters()), grads, "{what}: gradients changed");
+    for d in pipe.devices() {
+        // Nothing of the failed step is left alive on any device.
+        assert_eq!(
+            d.memory_stats().live_of(wgpipe_tensor::Tag::Activations),
+            0,
+            "{what}: activations leaked on {d}"
+        );
+    }
+
+    // Remove the fault: the next step runs, and training continues as if nothing happened.
+    disarm(pipe);
+    pipe.train_step(&x, &y, &mse).unwrap();
+    pipe.optimizer_step().unwrap();
+    pipe.train_step(&x, &y, &mse).unwrap();
+    let mut clean = reference();
+    clean.train_step(&x, &y, &mse).unwrap();
+    clean.train_step(&x, &y, &mse).unwrap();
+    clean.optimizer_step().unwrap();
+    clean.train_step(&x, &y, &mse).unwrap();
+    assert_eq!(snapshot(&pipe.named_parameters()), snapshot(&clean.named_parameters()));
+    assert_eq!(
+        grad_snapshot(&pipe.named_parameters()),
+        grad_snapshot(&clean.named_parameters())
+    );
+}
+
+#[test]
+fn layer_panics_and_errors_stop_every_stage_and_leave_the_model_as_it_was() {
+    let kinds = [
+        (FaultKind::Panic, "panic"),
+        (FaultKind::Error, "error"),
+        (FaultKind::BackwardError, "backward error"),
+        (FaultKind::BackwardPanic, "backward panic"),
+    ];
+    for (kind, label) in kinds {
+        for schedule in ALL_SCHEDULES {
+            for mode in [CheckpointMode::Always, CheckpointMode::Never] {
+                for (stage, mb) in [(0, 0), (1, 2), (2, 3)] {
+                    let (layers, balance, state) = faulty_model(stage);
+                    let cfg = PipeCfg::new(K, 4, mode, schedule).balance(balance.clone());
+                    let mut pipe = sim_pipeline(layers, &cfg);
+                    let st0 = state.clone();
+                    let st = state.clone();
+                    let st2 = state.clone();
+                    let reference = || {
+                        let (layers, _, _) = faulty_model(stage);
+                        sim_pipeline(layers, &cfg)
+                    };
+                    let is_cause = |c: &StageCause| match (kind, c) {
+                        (FaultKind::Panic | FaultKind::BackwardPanic, StageCause::Panic(m)) => {
+                            m.contains("injected") && m.contains(&format!("micro-batch {mb}"))
+                        }
+                        (FaultKind::Error | FaultKind::BackwardError, StageCause::Tensor(e)) => {
+                            e.to_string().contains("injected")
+                        }
+                        _ => false,
+                    };
+                    check_fault(
+                        &mut pipe,
+                        &move || st0.lock().unwrap().armed = Some((kind, mb as u64)),
+                        &move |_| st.lock().unwrap().armed = None,
+                        &move || st2.lock().unwrap().fired_at,
+                        stage,
+                        Some(mb),
+                        &is_cause,
+                        &format!("{label} at stage {stage} micro-batch {mb} {mode} {schedule:?}"),
+                        &reference,
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_stage_out_of_memory_is_a_clean_error() {
+    for schedule in ALL_SCHEDULES {
+        for stage in 0..K {
+            let make = |cap: u64| {
+                let (layers, balance, _) = faulty_model(K); // no fault layer
+                let mut cfg =
+                    PipeCfg::new(K, 4, CheckpointMode::Never, schedule).balance(balance);
+                cfg.memory[stage] = cap;
+                sim_pipeline(layers, &cfg)
+            };
+            // Armed after a good step: room for what lives (parameters, gradients) plus 192
+            // bytes, fewer than the activations of 4 micro-batches of 2 samples need.
+            let mut pipe = make(u64::MAX);
+            let is_oom = |c: &StageCause| {
+                matches!(c, StageCause::Tensor(wgpipe_tensor::Error::OutOfMemory { .. }))
+            };
+            let dev = pipe.devices()[stage].clone();
+            let (d1, d2) = (dev.clone(), dev.clone());
+            check_fault(
+                &mut pipe,
+                &move || d1.memory().set_capacity(Some(d1.memory_stats().live + 192)),
+                &move |_| d2.memory().set_capacity(None),
+                &|| None,
+                stage,
+                None,
+                &is_oom,
+                &format!("out of memory on stage {stage} {schedule:?}"),
+                &|| make(u64::MAX),
+            );
+        }
+    }
+}

@@ -1,0 +1,5 @@
+//! Cross-crate tests of the pipeline, all on simulated CPU-backed devices unless named wgpu.
+//! One test binary (one link) with a module per theme.
+
+mod equivalence;
+mod faults;
