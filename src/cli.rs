@@ -14,10 +14,9 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::autograd::optim::Optimizer;
 use crate::autograd::serialize::{load_checkpoint, save_checkpoint, OPTIM_PREFIX};
 use crate::autograd::{Module, Param};
-use crate::pipeline::sim::{PCIE_LINK, V100_LIKE};
 use crate::pipeline::trace::{chrome_trace_json, svg_timeline};
 use crate::pipeline::{
-    Balance, CheckpointMode, Pipeline, PipelineError, ScheduleKind, SimCluster, StepReport,
+    Balance, CheckpointMode, LinkSpec, Pipeline, PipelineError, ScheduleKind, SimCluster, StepReport,
 };
 use crate::tensor::{Device, Tensor};
 
@@ -106,14 +105,10 @@ pub fn install_ctrl_c() {
     });
 }
 
-/// True once Ctrl-C was pressed (or [`request_stop`] called).
-pub fn stop_requested() -> bool {
-    STOP.load(Ordering::SeqCst)
-}
-
-/// Asks the training loop to stop after the current step, as Ctrl-C does.
-pub fn request_stop(stop: bool) {
-    STOP.store(stop, Ordering::SeqCst);
+/// The flag Ctrl-C sets: the examples' `run` functions stop after the step during which it
+/// was set (their `run_with` variants take another flag, e.g. in tests).
+pub fn ctrl_c_flag() -> &'static AtomicBool {
+    &STOP
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -129,7 +124,7 @@ pub enum DeviceChoice {
     Cpu,
     /// K wgpu devices: on separate adapters when there are several GPUs, else on one adapter.
     Gpu,
-    /// A simulated cluster of K V100-like virtual devices on the CPU (simulated timeline).
+    /// A simulated cluster of K virtual devices on the CPU (see --sim-*; simulated timeline).
     Sim,
 }
 
@@ -246,6 +241,10 @@ pub struct PipelineArgs {
     /// Resume from a checkpoint written by --save (bit-exact continuation; --steps is the total).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Stop at this step as Ctrl-C would (then save with --save); the learning-rate schedule
+    /// still spans --steps, so a later --resume with the same flags continues bit-exactly.
+    #[arg(long)]
+    pub stop_at: Option<u64>,
     /// Chrome trace of the last step (open in Perfetto or chrome://tracing).
     #[arg(long)]
     pub trace: Option<PathBuf>,
@@ -255,6 +254,16 @@ pub struct PipelineArgs {
     /// No progress bar (plain log lines instead).
     #[arg(long)]
     pub quiet: bool,
+    /// --device sim: compute rate of each virtual device, in GFLOP/s.
+    #[arg(long, default_value_t = 100.0)]
+    pub sim_gflops: f64,
+    /// --device sim: memory of each virtual device, in GiB (an allocation past it is an
+    /// out-of-memory error of that stage).
+    #[arg(long, default_value_t = 16.0)]
+    pub sim_memory_gib: f64,
+    /// --device sim: link bandwidth between neighbouring devices, in GB/s (latency 10 µs).
+    #[arg(long, default_value_t = 10.0)]
+    pub sim_link_gbs: f64,
 }
 
 impl PipelineArgs {
@@ -311,43 +320,61 @@ impl Placement {
     }
 }
 
+/// The virtual devices of `--device sim` (and of `auto` without a GPU).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SimSpec {
+    pub gflops: f64,
+    pub memory_gib: f64,
+    pub link_gbs: f64,
+}
+
+impl PipelineArgs {
+    pub fn sim_spec(&self) -> SimSpec {
+        SimSpec {
+            gflops: self.sim_gflops,
+            memory_gib: self.sim_memory_gib,
+            link_gbs: self.sim_link_gbs,
+        }
+    }
+}
+
 /// Places `k` stages: see [`DeviceChoice`].
-pub fn place(choice: DeviceChoice, k: usize) -> AppResult<Placement> {
+pub fn place(choice: DeviceChoice, k: usize, sim: SimSpec) -> AppResult<Placement> {
+    if !(sim.gflops > 0.0 && sim.memory_gib > 0.0 && sim.link_gbs > 0.0) {
+        bail!("--sim-gflops, --sim-memory-gib and --sim-link-gbs must be positive");
+    }
     match choice {
         DeviceChoice::Cpu => Ok(Placement {
             devices: (0..k).map(|i| Device::new_cpu(&format!("cpu{i}"))).collect(),
             sim: None,
             description: format!("{k} stages on {k} CPU devices (wall-clock times)"),
         }),
-        DeviceChoice::Sim => Ok(sim_placement(k, "")),
+        DeviceChoice::Sim => Ok(sim_placement(k, sim, "")),
         DeviceChoice::Gpu => gpu_placement(k, true),
         DeviceChoice::Auto => {
             let has_gpu = Device::adapters().iter().any(|a| !a.is_software);
             if has_gpu {
                 gpu_placement(k, false)
             } else {
-                Ok(sim_placement(
-                    k,
-                    "no GPU found: ",
-                ))
+                Ok(sim_placement(k, sim, "no GPU found: "))
             }
         }
     }
 }
 
-fn sim_placement(k: usize, why: &str) -> Placement {
-    let cluster = SimCluster::uniform(
-        &Device::cpu(),
-        k,
-        V100_LIKE.memory_bytes,
-        V100_LIKE.flops_per_sec,
-        PCIE_LINK,
-    );
+fn sim_placement(k: usize, sim: SimSpec, why: &str) -> Placement {
+    let link = LinkSpec {
+        bandwidth_bytes_per_sec: sim.link_gbs * 1e9,
+        latency_sec: 10e-6,
+    };
+    let memory = (sim.memory_gib * (1u64 << 30) as f64) as u64;
+    let cluster = SimCluster::uniform(&Device::cpu(), k, memory, sim.gflops * 1e9, link);
     Placement {
         devices: cluster.devices().to_vec(),
         sim: Some(cluster),
         description: format!(
-            "{why}{k} stages on a simulated cluster of {k} virtual V100-like devices (15 TFLOP/s, 16 GiB, PCIe link) whose arithmetic runs on the CPU; step times and bubbles are simulated"
+            "{why}{k} stages on a simulated cluster of {k} virtual devices ({} GFLOP/s, {} GiB, {} GB/s links; set with --sim-*) whose arithmetic runs on the CPU; step times and bubbles are simulated",
+            sim.gflops, sim.memory_gib, sim.link_gbs
         ),
     }
 }
@@ -669,4 +696,144 @@ impl SplitMix {
     pub fn unit(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The training loop
+// ---------------------------------------------------------------------------------------------
+
+/// How [`train_loop`] runs.
+pub struct LoopConfig<'a> {
+    /// First step (non-zero when resumed) and total steps.
+    pub start: u64,
+    pub steps: u64,
+    pub base_lr: f32,
+    pub schedule: crate::autograd::LrSchedule,
+    /// Global gradient-norm clip.
+    pub clip: Option<f32>,
+    pub quiet: bool,
+    /// Items (tokens, images) per step, and their name for the rate ("tok", "img").
+    pub items_per_step: usize,
+    pub unit: &'static str,
+    /// Stop after the step during which this became true (Ctrl-C).
+    pub stop: &'a AtomicBool,
+    /// Stop when this step is reached (`--stop-at`).
+    pub stop_at: Option<u64>,
+}
+
+/// What [`train_loop`] did.
+pub struct LoopResult {
+    pub losses: Vec<f32>,
+    pub last_report: Option<StepReport>,
+    pub wall_secs: f64,
+    pub items_per_sec: f64,
+    /// Stopped by Ctrl-C.
+    pub interrupted: bool,
+}
+
+impl LoopResult {
+    /// The step after the last one run.
+    pub fn end_step(&self, start: u64) -> u64 {
+        start + self.losses.len() as u64
+    }
+    /// Mean of the last `k` losses.
+    pub fn tail_loss(&self, k: usize) -> f32 {
+        let k = k.min(self.losses.len()).max(1);
+        self.losses.iter().rev().take(k).sum::<f32>() / k as f32
+    }
+}
+
+/// Steps `cfg.start..cfg.steps`: learning rate from the schedule, `train_step` on
+/// `batch(step)`, clip, optimizer step; a progress bar (or, with `quiet`, ten log lines) with
+/// loss, throughput and bubble. Stops early after the step during which Ctrl-C was pressed.
+pub fn train_loop(
+    pipe: &mut Pipeline,
+    cfg: &LoopConfig<'_>,
+    mut batch: impl FnMut(u64) -> AppResult<(Tensor, Tensor)>,
+    loss_fn: &crate::pipeline::LossFn,
+) -> AppResult<LoopResult> {
+    let pb = progress_bar(cfg.start, cfg.steps, cfg.quiet);
+    let clock = std::time::Instant::now();
+    let mut r = LoopResult {
+        losses: Vec::new(),
+        last_report: None,
+        wall_secs: 0.0,
+        items_per_sec: 0.0,
+        interrupted: false,
+    };
+    let log_every = (cfg.steps / 10).max(1);
+    let mut items = 0usize;
+    for step in cfg.start..cfg.steps {
+        let (x, y) = batch(step)?;
+        for o in pipe.optimizers_mut() {
+            cfg.schedule.apply(o.as_mut(), cfg.base_lr);
+        }
+        let report = pipe
+            .train_step(&x, &y, loss_fn)
+            .context(format!("training step {step}"))?;
+        if let Some(c) = cfg.clip {
+            pipe.clip_grad_norm(c)?;
+        }
+        pipe.optimizer_step()
+            .context(format!("optimizer step {step}"))?;
+        items += cfg.items_per_step;
+        r.losses.push(report.loss);
+        let elapsed = clock.elapsed().as_secs_f64();
+        let msg = format!(
+            "loss {:.3}  {:.0} {}/s  bubble {:.0}%{}",
+            report.loss,
+            items as f64 / elapsed,
+            cfg.unit,
+            report.bubble_fraction() * 100.0,
+            if report.simulated.is_some() { " (simulated)" } else { " (measured)" }
+        );
+        pb.set_position(step + 1);
+        pb.set_message(msg.clone());
+        if cfg.quiet && ((step + 1) % log_every == 0 || step + 1 == cfg.steps) {
+            println!("step {:>5}/{}  {msg}", step + 1, cfg.steps);
+        }
+        r.last_report = Some(report);
+        let why = if cfg.stop.load(Ordering::SeqCst) {
+            Some("Ctrl-C")
+        } else if cfg.stop_at == Some(step + 1) && step + 1 < cfg.steps {
+            Some("--stop-at")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            r.interrupted = true;
+            pb.abandon();
+            eprintln!("stopped by {why} after step {}", step + 1);
+            break;
+        }
+    }
+    pb.finish();
+    r.wall_secs = clock.elapsed().as_secs_f64();
+    if r.wall_secs > 0.0 {
+        r.items_per_sec = items as f64 / r.wall_secs;
+    }
+    Ok(r)
+}
+
+/// After training: the per-stage table of the last step, the schedule grid (for M <= 12), and
+/// the trace and SVG timeline.
+pub fn report_outputs(
+    pipe: &Pipeline,
+    report: &StepReport,
+    label: &str,
+    trace: &Path,
+    timeline: &Path,
+) -> AppResult<()> {
+    println!("\nlast step, per stage:\n{}", report.stage_table());
+    if pipe.num_micro_batches() <= 12 {
+        println!("schedule (one column per clock tick):\n{}", pipe.schedule());
+    }
+    write_pictures(report, label, trace, timeline)?;
+    println!(
+        "wrote the Chrome trace of step {} to {} (open it in https://ui.perfetto.dev) and its timeline to {}",
+        report.step,
+        trace.display(),
+        timeline.display()
+    );
+    Ok(())
 }

@@ -69,9 +69,11 @@ impl PipelineBuilder {
         }
     }
 
-    /// One device per stage (the same device may appear several times).
+    /// One device per stage (the same device may appear several times, but then those stages
+    /// share its memory and FLOP counters in the reports). Replaces an earlier `.sim(..)`.
     pub fn devices(mut self, devices: Vec<Device>) -> Self {
         self.devices = devices;
+        self.sim = None;
         self
     }
     /// Run on a simulated cluster: one stage per virtual device, simulated times in the reports.
@@ -116,7 +118,9 @@ impl PipelineBuilder {
             ));
         }
         if self.micro_batches == 0 {
-            return Err(PipelineError::Config("the number of micro-batches must be at least 1".into()));
+            return Err(PipelineError::Config(
+                "the number of micro-batches must be at least 1".into(),
+            ));
         }
         let balance = match &self.balance {
             Balance::Explicit(b) => {
@@ -141,7 +145,8 @@ impl PipelineBuilder {
         let mut stages = Vec::with_capacity(k);
         for (index, range) in stage_ranges(&balance).into_iter().enumerate() {
             let device = self.devices[index].clone();
-            let mut stage_layers: Vec<Box<dyn Module>> = layers.by_ref().take(range.len()).collect();
+            let mut stage_layers: Vec<Box<dyn Module>> =
+                layers.by_ref().take(range.len()).collect();
             for l in &mut stage_layers {
                 with_tag(Tag::Parameters, || l.to_device(&device)).map_err(|e| {
                     PipelineError::Config(format!(
@@ -175,7 +180,10 @@ impl PipelineBuilder {
 /// The cost of each layer under a balancing rule.
 fn layer_costs(layers: &[Box<dyn Module>], balance: &Balance) -> Result<Vec<f64>> {
     let param_bytes = |l: &dyn Module| -> f64 {
-        l.parameters().iter().map(|(_, p)| p.value().numel() * 4).sum::<usize>() as f64
+        l.parameters()
+            .iter()
+            .map(|(_, p)| p.value().numel() * 4)
+            .sum::<usize>() as f64
     };
     match balance {
         Balance::Explicit(_) => unreachable!("explicit balances are not cost-balanced"),

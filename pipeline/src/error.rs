@@ -43,7 +43,8 @@ pub enum PipelineError {
         device: String,
         micro_batch: usize,
         action: String,
-        cause: StageCause,
+        /// Boxed: it holds a tensor error, and `Result<_, PipelineError>` stays small.
+        cause: Box<StageCause>,
     },
     /// An op outside any stage (splitting the batch, moving data, the optimizer) failed.
     #[error("{0}")]
@@ -55,6 +56,13 @@ impl PipelineError {
     pub fn stage(&self) -> Option<usize> {
         match self {
             PipelineError::Stage { stage, .. } => Some(*stage),
+            _ => None,
+        }
+    }
+    /// Why the stage failed, for stage errors.
+    pub fn cause(&self) -> Option<&StageCause> {
+        match self {
+            PipelineError::Stage { cause, .. } => Some(cause),
             _ => None,
         }
     }

@@ -12,7 +12,9 @@ use crate::error::{PipelineError, Result};
 /// Sizes of the M micro-batches of N samples.
 pub fn micro_batch_sizes(n: usize, m: usize) -> Result<Vec<usize>> {
     if m == 0 {
-        return Err(PipelineError::Config("the number of micro-batches must be at least 1".into()));
+        return Err(PipelineError::Config(
+            "the number of micro-batches must be at least 1".into(),
+        ));
     }
     if n < m {
         return Err(PipelineError::Config(format!(
@@ -50,7 +52,10 @@ mod tests {
         assert_eq!(micro_batch_sizes(10, 4).unwrap(), vec![3, 3, 2, 2]);
         assert_eq!(micro_batch_sizes(3, 3).unwrap(), vec![1, 1, 1]);
         let e = micro_batch_sizes(2, 3).unwrap_err().to_string();
-        assert!(e.contains("2 samples") && e.contains("3 micro-batches"), "{e}");
+        assert!(
+            e.contains("2 samples") && e.contains("3 micro-batches"),
+            "{e}"
+        );
         assert!(micro_batch_sizes(4, 0).is_err());
     }
 }

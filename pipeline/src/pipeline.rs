@@ -106,19 +106,32 @@ impl Pipeline {
     /// loss times its share of the mini-batch, so the reported loss and the gradients are those
     /// of the mean loss over the whole mini-batch. On error every stage is stopped, every thread
     /// joined, and the gradients are put back as they were before the call.
-    pub fn train_step(&mut self, inputs: &Tensor, targets: &Tensor, loss_fn: &LossFn) -> Result<StepReport> {
+    pub fn train_step(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_fn: &LossFn,
+    ) -> Result<StepReport> {
         let m = self.schedule.num_micro_batches;
         let xs = split_batch("inputs", inputs, m)?;
         let ys = split_batch("targets", targets, m)?;
+        if inputs.shape()[0] != targets.shape()[0] {
+            return Err(PipelineError::Config(format!(
+                "inputs {:?} and targets {:?} differ in the number of samples (axis 0)",
+                inputs.shape(),
+                targets.shape()
+            )));
+        }
         let n = inputs.shape()[0] as f32;
         let scales: Vec<f32> = xs.iter().map(|x| x.shape()[0] as f32 / n).collect();
 
         let params = self.named_parameters();
         let saved_grads: Vec<Option<Tensor>> = params.iter().map(|(_, p)| p.grad()).collect();
+        let buffers = self.named_buffers();
+        let saved_buffers: Vec<Tensor> = buffers.iter().map(|(_, b)| b.value()).collect();
         for s in &self.stages {
             s.device.memory().reset_peak();
         }
-        let flops0: Vec<u64> = self.stages.iter().map(|s| s.device.flops()).collect();
 
         let clock = Instant::now();
         let results = self.run_workers(&xs, &ys, &scales, loss_fn, clock);
@@ -129,6 +142,18 @@ impl Pipeline {
             Err(e) => {
                 for ((_, p), g) in params.iter().zip(saved_grads) {
                     p.set_grad(g);
+                }
+                // Deferred updates recorded by the micro-batches that did run (batch-norm
+                // statistics) must not leak into the next step. The Module trait has no
+                // "discard" hook, so apply them (finish_step consumes them) and put every
+                // buffer back as it was. Errors here are secondary to `e`.
+                for s in &self.stages {
+                    for l in &s.layers {
+                        let _ = catch_unwind(AssertUnwindSafe(|| l.finish_step()));
+                    }
+                }
+                for ((_, b), v) in buffers.iter().zip(saved_buffers) {
+                    b.set_value(v);
                 }
                 return Err(e);
             }
@@ -142,7 +167,7 @@ impl Pipeline {
         for t in &outcomes[self.stages.len() - 1].losses {
             loss += t.to_scalar()?;
         }
-        let report = self.report(outcomes, flops0, wall, loss)?;
+        let report = self.report(outcomes, wall, loss)?;
         self.step += 1;
         Ok(report)
     }
@@ -192,7 +217,9 @@ impl Pipeline {
                     // `&mut Stage` is Send (layers are Send, not Sync): each thread owns its stage.
                     scope.spawn(move || {
                         let mut pos = Position::default();
-                        let r = catch_unwind(AssertUnwindSafe(|| stage.run_step(&links, &io, &mut pos)));
+                        let r = catch_unwind(AssertUnwindSafe(|| {
+                            stage.run_step(&links, &io, &mut pos)
+                        }));
                         let r = match r {
                             Ok(r) => r,
                             Err(payload) => Err(StageCause::Panic(panic_message(payload))),
@@ -211,14 +238,17 @@ impl Pipeline {
                 .into_iter()
                 .map(|h| {
                     h.join().unwrap_or_else(|p| {
-                        (Position::default(), Err(StageCause::Panic(panic_message(p))))
+                        (
+                            Position::default(),
+                            Err(StageCause::Panic(panic_message(p))),
+                        )
                     })
                 })
                 .collect()
         })
     }
 
-    fn report(&self, outcomes: Vec<StageOutcome>, flops0: Vec<u64>, wall: f64, loss: f32) -> Result<StepReport> {
+    fn report(&self, outcomes: Vec<StageOutcome>, wall: f64, loss: f32) -> Result<StepReport> {
         let records: Vec<Vec<ActionRecord>> = outcomes.into_iter().map(|o| o.records).collect();
         let timeline = wall_timeline(&records, wall);
         let stages = self
@@ -231,7 +261,7 @@ impl Pipeline {
                 layers: s.first_layer..s.first_layer + s.layers.len(),
                 num_params: stage_params(s).iter().map(|(_, p)| p.value().numel()).sum(),
                 busy_secs: timeline.busy[s.index],
-                flops: (s.device.flops() - flops0[s.index]) as f64,
+                flops: recs.iter().map(|r| r.flops).sum(),
                 bytes_sent: recs.iter().map(|r| r.bytes).sum(),
                 memory: s.device.memory_stats(),
             })
@@ -274,16 +304,28 @@ impl Pipeline {
     pub fn forward(&self, inputs: &Tensor) -> Result<Tensor> {
         let xs = split_batch("inputs", inputs, self.schedule.num_micro_batches)?;
         let mut outs = Vec::with_capacity(xs.len());
-        for x in xs {
+        for (mb, x) in xs.into_iter().enumerate() {
             let mut h = x;
             for s in &self.stages {
-                let tape = Tape::no_grad();
-                let v = tape.constant(h.to_device(&s.device)?);
-                h = s
-                    .run_layers(&v, ForwardCtx::eval())
-                    .map_err(|e| stage_error(s, 0, "Forward (eval)", StageCause::Tensor(e)))?
-                    .value()
-                    .clone();
+                let run = || -> wgpipe_tensor::Result<Tensor> {
+                    let tape = Tape::no_grad();
+                    let v = tape.constant(h.to_device(&s.device)?);
+                    Ok(s.run_layers(&v, ForwardCtx::eval())?.value().clone())
+                };
+                h = match catch_unwind(AssertUnwindSafe(run)) {
+                    Ok(Ok(t)) => t,
+                    Ok(Err(e)) => {
+                        return Err(stage_error(s, mb, "Forward (eval)", StageCause::Tensor(e)))
+                    }
+                    Err(p) => {
+                        return Err(stage_error(
+                            s,
+                            mb,
+                            "Forward (eval)",
+                            StageCause::Panic(panic_message(p)),
+                        ))
+                    }
+                };
             }
             outs.push(h);
         }
@@ -387,7 +429,7 @@ fn stage_error(s: &Stage, micro_batch: usize, action: &str, cause: StageCause) -
         device: s.device.name().to_string(),
         micro_batch,
         action: action.to_string(),
-        cause,
+        cause: Box::new(cause),
     }
 }
 
@@ -410,7 +452,7 @@ fn first_error(
     }
     let root = errors
         .iter()
-        .position(|e| !matches!(e, PipelineError::Stage { cause: StageCause::Disconnected(_), .. }))
+        .position(|e| !matches!(e.cause(), Some(StageCause::Disconnected(_))))
         .unwrap_or(0);
     match errors.into_iter().nth(root) {
         Some(e) => Err(e),

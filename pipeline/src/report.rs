@@ -7,6 +7,7 @@ use wgpipe_tensor::{MemoryStats, Tag};
 
 use crate::schedule::Action;
 use crate::timeline::{Event, EventKind, Timeline};
+use crate::trace::{chrome_trace_json_on, svg_timeline_on, Clock};
 use crate::worker::ActionRecord;
 
 /// One stage's share of a step.
@@ -19,11 +20,17 @@ pub struct StageReport {
     pub num_params: usize,
     /// Wall seconds spent in forward, backward and recompute.
     pub busy_secs: f64,
-    /// FLOPs counted on the stage's device during the step.
+    /// FLOPs counted on the stage's device during the stage's compute actions.
     pub flops: f64,
     /// Bytes this stage sent to its neighbours.
     pub bytes_sent: u64,
-    /// Memory counters of the stage's device, with peaks since the step began.
+    /// Memory counters of the stage's device, with peaks since the step began. By tag:
+    /// `Activations` are forward values (stashed stage inputs, saved tensors of the tapes,
+    /// recomputes, activations in flight); `Gradients` are the accumulated parameter gradients
+    /// and everything the backward pass allocates (received and sent gradients, per-micro-batch
+    /// parameter gradients before accumulation). Stages that share one device (e.g. the same
+    /// `Device::cpu()` given twice) share these counters and its FLOP counter: give each stage
+    /// its own device (`Device::new_cpu`, a `SimCluster`) for per-stage figures.
     pub memory: MemoryStats,
 }
 
@@ -67,6 +74,26 @@ impl StepReport {
         self.simulated
             .as_ref()
             .map_or(self.wall_bubble_fraction, |s| s.bubble_fraction)
+    }
+
+    /// The timeline to show and its clock: simulated in simulated mode, else measured.
+    pub fn timeline(&self) -> (&Timeline, Clock) {
+        match &self.simulated {
+            Some(s) => (&s.timeline, Clock::Simulated),
+            None => (&self.wall_timeline, Clock::Wall),
+        }
+    }
+
+    /// [`StepReport::timeline`] as Chrome trace-event JSON, labelled with its clock.
+    pub fn chrome_trace_json(&self, label: &str) -> String {
+        let (t, clock) = self.timeline();
+        chrome_trace_json_on(t, label, clock)
+    }
+
+    /// [`StepReport::timeline`] as an SVG picture, labelled with its clock.
+    pub fn svg_timeline(&self, title: &str) -> String {
+        let (t, clock) = self.timeline();
+        svg_timeline_on(t, title, clock)
     }
 
     /// A per-stage summary table (markdown).

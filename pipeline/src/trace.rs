@@ -10,6 +10,24 @@ use serde_json::{json, Value};
 
 use crate::timeline::{Event, EventKind, Timeline};
 
+/// Which clock a timeline's times are on; every picture says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Clock {
+    /// The simulated cluster's clock (`timeline::simulate`).
+    Simulated,
+    /// Measured wall-clock time (`StepReport::wall_timeline`).
+    Wall,
+}
+
+impl Clock {
+    pub fn name(self) -> &'static str {
+        match self {
+            Clock::Simulated => "simulated",
+            Clock::Wall => "wall clock",
+        }
+    }
+}
+
 /// Short event name: `F3`, `B3`, `R3` for compute, `A3` / `G3` for activation / gradient
 /// transfers of micro-batch 3.
 fn event_name(e: &Event) -> String {
@@ -37,10 +55,10 @@ fn thread_name_event(tid: usize, name: String) -> Value {
 }
 
 /// Metadata naming the process, each stage thread and each link thread.
-fn metadata_events(num_stages: usize, label: &str) -> Vec<Value> {
+fn metadata_events(num_stages: usize, label: &str, clock: Clock) -> Vec<Value> {
     let mut events = vec![json!({
         "name": "process_name", "ph": "M", "pid": 0, "tid": 0,
-        "args": {"name": format!("{label} (simulated)")}
+        "args": {"name": format!("{label} ({})", clock.name())}
     })];
     for stage in 0..num_stages {
         events.push(thread_name_event(stage, format!("stage {stage}")));
@@ -74,13 +92,18 @@ fn complete_event(e: &Event, num_stages: usize) -> Value {
 /// The timeline in Chrome trace-event JSON: one complete ("X") event per timeline event, times
 /// in microseconds of simulated time, plus metadata naming the stages and links.
 pub fn chrome_trace_json(timeline: &Timeline, label: &str) -> String {
+    chrome_trace_json_on(timeline, label, Clock::Simulated)
+}
+
+/// [`chrome_trace_json`] for a timeline on `clock` (labelled accordingly).
+pub fn chrome_trace_json_on(timeline: &Timeline, label: &str, clock: Clock) -> String {
     let k = timeline.num_stages();
-    let mut events = metadata_events(k, label);
+    let mut events = metadata_events(k, label, clock);
     events.extend(timeline.events.iter().map(|e| complete_event(e, k)));
     json!({
         "traceEvents": events,
         "displayTimeUnit": "ms",
-        "otherData": {"label": label, "clock": "simulated"},
+        "otherData": {"label": label, "clock": clock.name()},
     })
     .to_string()
 }
@@ -224,7 +247,7 @@ fn draw_stage_labels(svg: &mut String, layout: &Layout) {
     }
 }
 
-fn draw_axis(svg: &mut String, layout: &Layout, makespan: f64) {
+fn draw_axis(svg: &mut String, layout: &Layout, makespan: f64, clock: Clock) {
     let y = layout.plot_bottom() + 6.0;
     let (unit, factor) = time_unit(makespan);
     let span = makespan * factor;
@@ -251,10 +274,11 @@ fn draw_axis(svg: &mut String, layout: &Layout, makespan: f64) {
     }
     let _ = writeln!(
         svg,
-        r#"<text x="{:.2}" y="{:.2}" text-anchor="middle">time ({}, simulated)</text>"#,
+        r#"<text x="{:.2}" y="{:.2}" text-anchor="middle">time ({}, {})</text>"#,
         LEFT + PLOT_WIDTH / 2.0,
         y + 34.0,
-        escape_xml(unit)
+        escape_xml(unit),
+        clock.name()
     );
 }
 
@@ -282,6 +306,11 @@ fn draw_legend(svg: &mut String, y: f64) {
 /// micro-batch numbers in boxes wide enough to hold them, a time axis (simulated time, unit
 /// chosen from the makespan), a legend and the title.
 pub fn svg_timeline(timeline: &Timeline, title: &str) -> String {
+    svg_timeline_on(timeline, title, Clock::Simulated)
+}
+
+/// [`svg_timeline`] for a timeline on `clock` (the time axis says which).
+pub fn svg_timeline_on(timeline: &Timeline, title: &str, clock: Clock) -> String {
     let num_stages = timeline.num_stages();
     let scale = if timeline.makespan > 0.0 {
         PLOT_WIDTH / timeline.makespan
@@ -307,7 +336,7 @@ pub fn svg_timeline(timeline: &Timeline, title: &str) -> String {
     for e in &timeline.events {
         draw_event(&mut svg, &layout, e);
     }
-    draw_axis(&mut svg, &layout, timeline.makespan);
+    draw_axis(&mut svg, &layout, timeline.makespan, clock);
     draw_legend(&mut svg, legend_y);
     svg.push_str("</svg>\n");
     svg

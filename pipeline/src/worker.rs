@@ -117,7 +117,6 @@ impl Stage {
         io: &StepInputs<'_>,
         pos: &mut Position,
     ) -> Result<StageOutcome, StageCause> {
-        let _tag = TagGuard::new(Tag::Activations);
         let mut out = StageOutcome::default();
         let mut received: HashMap<usize, Tensor> = HashMap::new();
         let mut grads_in: HashMap<usize, Tensor> = HashMap::new();
@@ -135,6 +134,13 @@ impl Stage {
                 micro_batch: m,
                 action: Some(action),
             };
+            // Memory accounting: forward values (inputs, saved tensors, messages) are activations;
+            // everything the backward pass makes (received and sent gradients, the transient
+            // per-micro-batch parameter gradients before they are accumulated) is gradients.
+            let _tag = TagGuard::new(match action {
+                Action::Backward(_) | Action::RecvGrad(_) | Action::SendGrad(_) => Tag::Gradients,
+                _ => Tag::Activations,
+            });
             let mut start = io.clock.elapsed().as_secs_f64();
             let flops0 = self.device.flops();
             let mut bytes = 0u64;
@@ -142,8 +148,8 @@ impl Stage {
                 Action::RecvActivation(_) => {
                     let msg = recv(links.act_in.as_ref(), io.abort, "activation", self.index)?;
                     start = io.clock.elapsed().as_secs_f64(); // time the copy, not the wait
-                    // The hand-off copy (host staging between different devices) runs here, on
-                    // the receiver, so the sender's compute does not wait for it.
+                                                              // The hand-off copy (host staging between different devices) runs here, on
+                                                              // the receiver, so the sender's compute does not wait for it.
                     received.insert(msg.micro_batch, msg.tensor.to_device(&self.device)?);
                 }
                 Action::RecvGrad(_) => {
@@ -159,7 +165,11 @@ impl Stage {
                     };
                     let checkpointed = io.checkpoint.recomputes(m, io.num_micro_batches);
                     let ctx = ForwardCtx::train(io.seed, io.step, m as u64);
-                    let tape = if checkpointed { Tape::no_grad() } else { Tape::new() };
+                    let tape = if checkpointed {
+                        Tape::no_grad()
+                    } else {
+                        Tape::new()
+                    };
                     let input = self.input_var(&tape, &x, links);
                     let mut output = self.run_layers(&input, ctx)?;
                     if last {
@@ -182,7 +192,11 @@ impl Stage {
                 Action::Recompute(_) => {
                     let x = match stash.remove(&m) {
                         Some(Stash::Input(x)) => x,
-                        _ => return Err(internal(format!("no stashed input to recompute micro-batch {m}"))),
+                        _ => {
+                            return Err(internal(format!(
+                                "no stashed input to recompute micro-batch {m}"
+                            )))
+                        }
                     };
                     let ctx = ForwardCtx {
                         recompute: true,
@@ -210,7 +224,11 @@ impl Stage {
                             input,
                             output,
                         }) => (tape, input, output),
-                        _ => return Err(internal(format!("micro-batch {m} has no recorded forward to back-propagate"))),
+                        _ => {
+                            return Err(internal(format!(
+                                "micro-batch {m} has no recorded forward to back-propagate"
+                            )))
+                        }
                     };
                     let grads = if last {
                         tape.backward(&output)?
@@ -220,7 +238,10 @@ impl Stage {
                     };
                     if !self.is_first(links) {
                         let g = grads.get(&input).cloned().ok_or_else(|| {
-                            internal(format!("no gradient reached the input of stage {}", self.index))
+                            internal(format!(
+                                "no gradient reached the input of stage {}",
+                                self.index
+                            ))
                         })?;
                         to_send.insert(m, g);
                     }
@@ -232,7 +253,14 @@ impl Stage {
                         Action::SendActivation(_) => links.act_out.as_ref(),
                         _ => links.grad_out.as_ref(),
                     };
-                    send(link, Msg { micro_batch: m, tensor: t }, self.index)?;
+                    send(
+                        link,
+                        Msg {
+                            micro_batch: m,
+                            tensor: t,
+                        },
+                        self.index,
+                    )?;
                 }
             }
             if action.is_compute() {
@@ -261,7 +289,12 @@ impl Stage {
 
     /// The micro-batch's mean loss scaled by its share of the mini-batch, so that the
     /// accumulated gradient is that of the mean loss over the whole mini-batch.
-    fn scaled_loss(&self, output: &Var, io: &StepInputs<'_>, m: usize) -> wgpipe_tensor::Result<Var> {
+    fn scaled_loss(
+        &self,
+        output: &Var,
+        io: &StepInputs<'_>,
+        m: usize,
+    ) -> wgpipe_tensor::Result<Var> {
         let target = io.targets[m].to_device(&self.device)?;
         (io.loss_fn)(output, &target)?.mul_scalar(io.scales[m])
     }

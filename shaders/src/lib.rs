@@ -19,6 +19,8 @@ const REDUCE: &str = include_str!("reduce.wgsl");
 const SOFTMAX: &str = include_str!("softmax.wgsl");
 const LAYER_NORM: &str = include_str!("layer_norm.wgsl");
 const MATMUL: &str = include_str!("matmul.wgsl");
+const MATMUL_SUBGROUP: &str = include_str!("matmul_subgroup.wgsl");
+const PACK: &str = include_str!("pack.wgsl");
 const INDEX: &str = include_str!("index.wgsl");
 const SPATIAL: &str = include_str!("spatial.wgsl");
 const PHILOX: &str = include_str!("philox.wgsl");
@@ -514,6 +516,103 @@ impl MatmulConfig {
     }
 }
 
+/// The subgroup matmul of CPU-backed adapters (`matmul_subgroup.wgsl`): `sg` lanes per
+/// workgroup, `s * sg` rows and `4 * sg * q` columns of c per workgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SubgroupMatmulConfig {
+    pub sg: u32,
+    pub s: u32,
+    pub q: u32,
+    /// vec4 stores of c (n a multiple of 4).
+    pub c_vec: bool,
+}
+
+impl SubgroupMatmulConfig {
+    /// The (s, q) shapes the runtime picks from.
+    pub const SHAPES: [(u32, u32); 2] = [(4, 1), (2, 1)];
+
+    /// Rows of c per workgroup.
+    pub fn rows(&self) -> u32 {
+        self.s * self.sg
+    }
+    /// Columns of c per workgroup.
+    pub fn cols(&self) -> u32 {
+        4 * self.sg * self.q
+    }
+
+    fn source(&self) -> String {
+        let (sg, s, q) = (self.sg, self.s, self.q);
+        assert!(sg.is_power_of_two() && s >= 1 && q >= 1, "invalid {self:?}");
+        let tm = s * sg;
+        let w = sg * q;
+        let i2 = "        ";
+        let mut acc = String::new();
+        for r in 0..tm {
+            for qq in 0..q {
+                acc += &format!("    var acc_{r}_{qq} = vec4<f32>(0.0);\n");
+            }
+        }
+        let mut loads = String::new();
+        for e in 0..4 {
+            for qq in 0..q {
+                loads += &format!("{i2}let b{e}_{qq} = b[bi + {}u];\n", e * w + qq * sg);
+            }
+        }
+        for ss in 0..s {
+            loads += &format!("{i2}let av{ss} = a[ai + {}u];\n", ss * sg);
+        }
+        let comp = ["x", "y", "z", "w"];
+        let mut inner = String::new();
+        for r in 0..tm {
+            inner += &format!(
+                "{i2}let a{r} = subgroupBroadcast(av{}, {}u);\n",
+                r / sg,
+                r % sg
+            );
+            for (e, cmp) in comp.iter().enumerate() {
+                for qq in 0..q {
+                    inner += &format!(
+                        "{i2}acc_{r}_{qq} = fma(vec4<f32>(a{r}.{cmp}), b{e}_{qq}, acc_{r}_{qq});\n"
+                    );
+                }
+            }
+        }
+        let mut store = String::new();
+        for r in 0..tm {
+            store += &format!("    if (row0 + {r}u < M) {{\n");
+            for qq in 0..q {
+                store += &format!(
+                    "        let col4_{r}_{qq} = wid.x * {w}u + {}u + lane;\n",
+                    qq * sg
+                );
+                if self.c_vec {
+                    store += &format!(
+                        "        if (col4_{r}_{qq} * 4u < N) {{\n            let ci = (c_base + (row0 + {r}u) * N) / 4u + col4_{r}_{qq};\n            if (accumulate) {{ c[ci] = c[ci] + acc_{r}_{qq}; }} else {{ c[ci] = acc_{r}_{qq}; }}\n        }}\n"
+                    );
+                } else {
+                    store += &format!(
+                        "        for (var e = 0u; e < 4u; e = e + 1u) {{\n            let col = col4_{r}_{qq} * 4u + e;\n            if (col < N) {{\n                let ci = c_base + (row0 + {r}u) * N + col;\n                if (accumulate) {{ c[ci] = c[ci] + acc_{r}_{qq}[e]; }} else {{ c[ci] = acc_{r}_{qq}[e]; }}\n            }}\n        }}\n"
+                    );
+                }
+            }
+            store += "    }\n";
+        }
+        render(
+            MATMUL_SUBGROUP,
+            &[
+                ("SG", &sg.to_string()),
+                ("TM", &tm.to_string()),
+                ("W", &w.to_string()),
+                ("C_TYPE", if self.c_vec { "vec4<f32>" } else { "f32" }),
+                ("ACC", &acc),
+                ("LOADS", &loads),
+                ("INNER", &inner),
+                ("STORE", &store),
+            ],
+        )
+    }
+}
+
 /// Entry points of `index.wgsl`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum IndexKernel {
@@ -551,6 +650,10 @@ pub enum Kernel {
     Softmax { log: bool },
     LayerNorm,
     Matmul(MatmulConfig),
+    /// Needs the `SUBGROUP` feature and a fixed subgroup size of `sg`.
+    MatmulSubgroup(SubgroupMatmulConfig),
+    /// Strided matrices to the tiled, padded operand layout of `MatmulSubgroup`.
+    Pack,
     Index(IndexKernel),
     Spatial(SpatialKernel),
     Dropout,
@@ -610,12 +713,19 @@ impl Kernel {
             ),
             Kernel::LayerNorm => render(LAYER_NORM, &[("WG", &row_wg)]),
             Kernel::Matmul(cfg) => cfg.source(),
+            Kernel::MatmulSubgroup(cfg) => cfg.source(),
+            Kernel::Pack => render(PACK, &[("WG", &wg)]),
             Kernel::Index(_) => render(INDEX, &[("WG", &wg)]),
             Kernel::Spatial(_) => render(SPATIAL, &[("WG", &wg)]),
             Kernel::Dropout => format!("{PHILOX}\n{}", render(DROPOUT, &[("WG", &wg)])),
             Kernel::Adam => render(ADAM, &[("WG", &wg)]),
         };
         format!("{COMMON}\n{body}")
+    }
+
+    /// Whether the variant needs the `SUBGROUP` device feature (and naga capability).
+    pub fn needs_subgroups(&self) -> bool {
+        matches!(self, Kernel::MatmulSubgroup(_))
     }
 
     /// The entry point to compile.
@@ -662,7 +772,8 @@ impl Kernel {
             },
             Kernel::Softmax { .. } => seq(1, 1),
             Kernel::LayerNorm => seq(3, 3),
-            Kernel::Matmul(_) => seq(2, 1),
+            Kernel::Matmul(_) | Kernel::MatmulSubgroup(_) => seq(2, 1),
+            Kernel::Pack => seq(1, 1),
             Kernel::Index(_) => seq(2, 1),
             Kernel::Spatial(k) => match k {
                 SpatialKernel::MaxPool2d => vec![(1, R), (3, W), (4, W)],
@@ -678,6 +789,7 @@ impl Kernel {
         match self {
             Kernel::Reduce { .. } | Kernel::Softmax { .. } | Kernel::LayerNorm => ROW_WG,
             Kernel::Matmul(cfg) => cfg.threads(),
+            Kernel::MatmulSubgroup(cfg) => cfg.sg,
             _ => ELEMENTWISE_WG,
         }
     }
@@ -713,6 +825,14 @@ impl Kernel {
                 }
             }
         }
+        for sg in [8, 16] {
+            for (s, q) in SubgroupMatmulConfig::SHAPES {
+                for c_vec in [false, true] {
+                    v.push(Kernel::MatmulSubgroup(SubgroupMatmulConfig { sg, s, q, c_vec }));
+                }
+            }
+        }
+        v.push(Kernel::Pack);
         v.extend(
             [
                 IndexKernel::IndexSelect,

@@ -8,7 +8,12 @@ fn validate(k: &Kernel) -> Result<naga::Module, String> {
     let src = k.source();
     let module = naga::front::wgsl::parse_str(&src)
         .map_err(|e| format!("{k:?}: parse error:\n{}", e.emit_to_string(&src)))?;
-    Validator::new(ValidationFlags::all(), Capabilities::empty())
+    let caps = if k.needs_subgroups() {
+        Capabilities::SUBGROUP
+    } else {
+        Capabilities::empty()
+    };
+    Validator::new(ValidationFlags::all(), caps)
         .validate(&module)
         .map_err(|e| format!("{k:?}: validation error: {e:?}\n{src}"))?;
     Ok(module)

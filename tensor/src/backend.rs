@@ -164,6 +164,7 @@ pub struct AdamStep {
 /// The kernels every backend provides. See the module doc for the contract.
 pub(crate) trait Kernels: Send + Sync {
     /// A contiguous tensor of `shape` holding `data` (row-major).
+    #[allow(clippy::wrong_self_convention)] // `self` is the backend, not the source
     fn from_host(&self, dev: &Device, data: &[f32], shape: &[usize]) -> Result<Tensor>;
     /// The elements of `x` in row-major logical order.
     fn to_host(&self, x: &Tensor) -> Result<Vec<f32>>;

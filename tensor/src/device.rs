@@ -221,16 +221,18 @@ impl Device {
             Backend::Cpu => None,
         }
     }
-    pub(crate) fn kernels(&self) -> &dyn Kernels {
-        match &self.inner.backend {
-            Backend::Cpu => &CPU_KERNELS,
-            Backend::Wgpu(c) => c.as_ref(),
-        }
-    }
+    /// The wgpu context behind this device (crate tests reach the runtime through it).
+    #[cfg(test)]
     pub(crate) fn wgpu_context(&self) -> Option<&Arc<crate::wgpu::WgpuContext>> {
         match &self.inner.backend {
             Backend::Wgpu(c) => Some(c),
             Backend::Cpu => None,
+        }
+    }
+    pub(crate) fn kernels(&self) -> &dyn Kernels {
+        match &self.inner.backend {
+            Backend::Cpu => &CPU_KERNELS,
+            Backend::Wgpu(c) => c.as_ref(),
         }
     }
 }

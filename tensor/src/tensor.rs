@@ -367,7 +367,7 @@ fn infer_shape(op: &'static str, shape: &[usize], n: usize, from: &[usize]) -> R
     let mut out = shape.to_vec();
     match unknown.len() {
         0 => {}
-        1 if known > 0 && n % known == 0 => out[unknown[0]] = n / known,
+        1 if known > 0 && n.is_multiple_of(known) => out[unknown[0]] = n / known,
         _ => {
             return Err(Error::shape(
                 op,

@@ -53,18 +53,29 @@ fn conv_case() -> impl Strategy<Value = ConvCase> {
     (
         (1usize..3, 1usize..4, 1usize..3, 1usize..3),
         (1usize..8, 1usize..8, 1usize..4, 1usize..4),
-        ((1usize..3, 1usize..3), (0usize..3, 0usize..3), (1usize..3, 1usize..3)),
+        (
+            (1usize..3, 1usize..3),
+            (0usize..3, 0usize..3),
+            (1usize..3, 1usize..3),
+        ),
     )
-        .prop_map(|((n, groups, cig, cog), (h, w, kh, kw), (stride, padding, dilation))| ConvCase {
-            n,
-            groups,
-            cig,
-            cog,
-            h,
-            w,
-            k: (kh, kw),
-            p: Conv2dParams { stride, padding, dilation, groups },
-        })
+        .prop_map(
+            |((n, groups, cig, cog), (h, w, kh, kw), (stride, padding, dilation))| ConvCase {
+                n,
+                groups,
+                cig,
+                cog,
+                h,
+                w,
+                k: (kh, kw),
+                p: Conv2dParams {
+                    stride,
+                    padding,
+                    dilation,
+                    groups,
+                },
+            },
+        )
         .prop_filter("kernel must fit", |c| {
             c.h + 2 * c.p.padding.0 > c.p.dilation.0 * (c.k.0 - 1)
                 && c.w + 2 * c.p.padding.1 > c.p.dilation.1 * (c.k.1 - 1)
@@ -117,7 +128,12 @@ proptest! {
 #[test]
 fn depthwise_and_pointwise_convolutions() {
     // Depthwise: groups = c_in = c_out, padding 1, stride 2.
-    let p = Conv2dParams { stride: (2, 2), padding: (1, 1), dilation: (1, 1), groups: 4 };
+    let p = Conv2dParams {
+        stride: (2, 2),
+        padding: (1, 1),
+        dilation: (1, 1),
+        groups: 4,
+    };
     let x = Nd::rand(&[2, 4, 7, 6], 11, -1.0, 1.0);
     let w = Nd::rand(&[4, 1, 3, 3], 12, -1.0, 1.0);
     let y = x.tensor().conv2d(&w.tensor(), None, p).unwrap();
@@ -128,11 +144,22 @@ fn depthwise_and_pointwise_convolutions() {
     assert_nd(&y2, &conv_ref(&x, &w2, None, p), 1e-5, 1e-6);
     // 1x1 convolution = per-pixel matmul.
     let w1 = Nd::rand(&[3, 4, 1, 1], 14, -1.0, 1.0);
-    let y1 = x.tensor().conv2d(&w1.tensor(), None, Conv2dParams::default()).unwrap();
-    assert_nd(&y1, &conv_ref(&x, &w1, None, Conv2dParams::default()), 1e-5, 1e-6);
+    let y1 = x
+        .tensor()
+        .conv2d(&w1.tensor(), None, Conv2dParams::default())
+        .unwrap();
+    assert_nd(
+        &y1,
+        &conv_ref(&x, &w1, None, Conv2dParams::default()),
+        1e-5,
+        1e-6,
+    );
     // Hand-computed: all-ones 2x2 kernel sums each window.
     let dev = Device::cpu();
-    let xs = Tensor::arange(0.0, 9.0, 1.0, &dev).unwrap().reshape(&[1, 1, 3, 3]).unwrap();
+    let xs = Tensor::arange(0.0, 9.0, 1.0, &dev)
+        .unwrap()
+        .reshape(&[1, 1, 3, 3])
+        .unwrap();
     let k = Tensor::ones(&[1, 1, 2, 2], &dev).unwrap();
     let b = Tensor::from_slice(&[0.5], &[1], &dev).unwrap();
     let ys = xs.conv2d(&k, Some(&b), Conv2dParams::default()).unwrap();
@@ -146,7 +173,10 @@ fn conv_flops_are_those_of_the_matmul() {
     let x = Tensor::ones(&[2, 4, 5, 5], &dev).unwrap();
     let w = Tensor::ones(&[6, 2, 3, 3], &dev).unwrap();
     let f0 = dev.flops();
-    let p = Conv2dParams { groups: 2, ..Default::default() };
+    let p = Conv2dParams {
+        groups: 2,
+        ..Default::default()
+    };
     x.conv2d(&w, None, p).unwrap();
     // batch n*g = 4, m = c_out/g = 3, k = 2*3*3 = 18, n = 3*3 = 9.
     assert_eq!(dev.flops() - f0, 2 * 4 * 3 * 18 * 9);
@@ -169,15 +199,31 @@ fn pool_ref(x: &Nd, p: Pool2dParams, max: bool) -> Nd {
                 acc = if max { acc.max(v) } else { acc + v };
             }
         }
-        if max { acc } else { acc / (p.kernel.0 * p.kernel.1) as f32 }
+        if max {
+            acc
+        } else {
+            acc / (p.kernel.0 * p.kernel.1) as f32
+        }
     })
 }
 
 fn pool_case() -> impl Strategy<Value = (Vec<usize>, Pool2dParams)> {
-    ((1usize..3, 1usize..4, 1usize..8, 1usize..8), (1usize..4, 1usize..4), (1usize..4, 1usize..4), (0usize..2, 0usize..2))
+    (
+        (1usize..3, 1usize..4, 1usize..8, 1usize..8),
+        (1usize..4, 1usize..4),
+        (1usize..4, 1usize..4),
+        (0usize..2, 0usize..2),
+    )
         .prop_map(|((n, c, h, w), kernel, stride, (py, px))| {
             let padding = (py.min(kernel.0 / 2), px.min(kernel.1 / 2));
-            (vec![n, c, h, w], Pool2dParams { kernel, stride, padding })
+            (
+                vec![n, c, h, w],
+                Pool2dParams {
+                    kernel,
+                    stride,
+                    padding,
+                },
+            )
         })
         .prop_filter("window must fit", |(s, p)| {
             s[2] + 2 * p.padding.0 >= p.kernel.0 && s[3] + 2 * p.padding.1 >= p.kernel.1
@@ -226,19 +272,35 @@ fn hand_computed_pools() {
         &dev,
     )
     .unwrap();
-    let p = Pool2dParams { kernel: (2, 2), stride: (1, 1), padding: (0, 0) };
+    let p = Pool2dParams {
+        kernel: (2, 2),
+        stride: (1, 1),
+        padding: (0, 0),
+    };
     let (y, am) = x.max_pool2d(p).unwrap();
     assert_eq!(y.to_vec().unwrap(), vec![4.0, 5.0, 9.0, 8.0]);
     assert_eq!(am.to_vec().unwrap(), vec![4.0, 2.0, 6.0, 7.0]);
     // Overlapping windows: position 4 is the max of one window only; 5 gets none.
     let dy = Tensor::from_slice(&[1.0, 10.0, 100.0, 1000.0], &[1, 1, 2, 2], &dev).unwrap();
     let dx = Tensor::max_pool2d_backward(&dy, &am, &[1, 1, 3, 3], p).unwrap();
-    assert_eq!(dx.to_vec().unwrap(), vec![0.0, 0.0, 10.0, 0.0, 1.0, 0.0, 100.0, 1000.0, 0.0]);
+    assert_eq!(
+        dx.to_vec().unwrap(),
+        vec![0.0, 0.0, 10.0, 0.0, 1.0, 0.0, 100.0, 1000.0, 0.0]
+    );
     // Average with zero padding counted in the divisor.
-    let pa = Pool2dParams { kernel: (2, 2), stride: (2, 2), padding: (1, 1) };
+    let pa = Pool2dParams {
+        kernel: (2, 2),
+        stride: (2, 2),
+        padding: (1, 1),
+    };
     let ya = x.avg_pool2d(pa).unwrap();
     assert_eq!(ya.to_vec().unwrap(), vec![0.25, 1.75, 3.0, 4.75]);
-    let da = Tensor::avg_pool2d_backward(&Tensor::ones(&[1, 1, 2, 2], &dev).unwrap(), &[1, 1, 3, 3], pa).unwrap();
+    let da = Tensor::avg_pool2d_backward(
+        &Tensor::ones(&[1, 1, 2, 2], &dev).unwrap(),
+        &[1, 1, 3, 3],
+        pa,
+    )
+    .unwrap();
     assert_eq!(da.to_vec().unwrap(), vec![0.25; 9]);
 }
 
@@ -248,54 +310,145 @@ fn conv_and_pool_errors_name_op_and_shapes() {
     let x = Tensor::zeros(&[1, 4, 5, 5], &dev).unwrap();
     let w = Tensor::zeros(&[6, 2, 3, 3], &dev).unwrap();
     let d = Conv2dParams::default();
-    assert_err!(x.conv2d(&w, None, d), Error::Shape { op: "conv2d", .. }, "conv2d", "[1, 4, 5, 5]", "[6, 2, 3, 3]");
+    assert_err!(
+        x.conv2d(&w, None, d),
+        Error::Shape { op: "conv2d", .. },
+        "conv2d",
+        "[1, 4, 5, 5]",
+        "[6, 2, 3, 3]"
+    );
     let g3 = Conv2dParams { groups: 3, ..d };
-    assert_err!(x.conv2d(&w, None, g3), Error::Shape { op: "conv2d", .. }, "[6, 2, 3, 3]");
+    assert_err!(
+        x.conv2d(&w, None, g3),
+        Error::Shape { op: "conv2d", .. },
+        "[6, 2, 3, 3]"
+    );
     let g2 = Conv2dParams { groups: 2, ..d };
     let big = Tensor::zeros(&[6, 2, 7, 7], &dev).unwrap();
-    assert_err!(x.conv2d(&big, None, g2), Error::Shape { op: "conv2d", .. }, "smaller", "[6, 2, 7, 7]");
-    assert_err!(x.conv2d(&w, None, Conv2dParams { stride: (0, 1), ..g2 }), Error::Invalid { op: "conv2d", .. }, "stride");
-    assert_err!(x.conv2d(&w, None, Conv2dParams { groups: 0, ..d }), Error::Invalid { op: "conv2d", .. }, "groups");
+    assert_err!(
+        x.conv2d(&big, None, g2),
+        Error::Shape { op: "conv2d", .. },
+        "smaller",
+        "[6, 2, 7, 7]"
+    );
+    assert_err!(
+        x.conv2d(
+            &w,
+            None,
+            Conv2dParams {
+                stride: (0, 1),
+                ..g2
+            }
+        ),
+        Error::Invalid { op: "conv2d", .. },
+        "stride"
+    );
+    assert_err!(
+        x.conv2d(&w, None, Conv2dParams { groups: 0, ..d }),
+        Error::Invalid { op: "conv2d", .. },
+        "groups"
+    );
     let b = Tensor::zeros(&[5], &dev).unwrap();
-    assert_err!(x.conv2d(&w, Some(&b), g2), Error::Shape { op: "conv2d", .. }, "bias", "[5]");
+    assert_err!(
+        x.conv2d(&w, Some(&b), g2),
+        Error::Shape { op: "conv2d", .. },
+        "bias",
+        "[5]"
+    );
     let x3 = Tensor::zeros(&[4, 5, 5], &dev).unwrap();
-    assert_err!(x3.conv2d(&w, None, g2), Error::Shape { op: "conv2d", .. }, "[4, 5, 5]");
+    assert_err!(
+        x3.conv2d(&w, None, g2),
+        Error::Shape { op: "conv2d", .. },
+        "[4, 5, 5]"
+    );
     let o = Tensor::zeros(&[6, 2, 3, 3], &other_device()).unwrap();
-    assert_err!(x.conv2d(&o, None, g2), Error::DeviceMismatch { op: "conv2d", .. }, "other-cpu");
+    assert_err!(
+        x.conv2d(&o, None, g2),
+        Error::DeviceMismatch { op: "conv2d", .. },
+        "other-cpu"
+    );
     let dy = Tensor::zeros(&[1, 6, 2, 2], &dev).unwrap();
     assert_err!(
         Tensor::conv2d_input_grad(&dy, &w, &[1, 4, 5, 5], g2),
-        Error::Shape { op: "conv2d_input_grad", .. },
+        Error::Shape {
+            op: "conv2d_input_grad",
+            ..
+        },
         "[1, 6, 2, 2]",
         "[1, 6, 3, 3]"
     );
     assert_err!(
         Tensor::conv2d_weight_grad(&x, &dy, &[6, 2, 3, 3], g2),
-        Error::Shape { op: "conv2d_weight_grad", .. },
+        Error::Shape {
+            op: "conv2d_weight_grad",
+            ..
+        },
         "[1, 6, 2, 2]"
     );
     assert_err!(
         Tensor::conv2d_weight_grad(&x, &o, &[6, 2, 3, 3], g2),
-        Error::DeviceMismatch { op: "conv2d_weight_grad", .. },
+        Error::DeviceMismatch {
+            op: "conv2d_weight_grad",
+            ..
+        },
         "other-cpu"
     );
 
-    let p = Pool2dParams { kernel: (2, 2), stride: (2, 2), padding: (0, 0) };
-    assert_err!(x3.max_pool2d(p), Error::Shape { op: "max_pool2d", .. }, "[4, 5, 5]");
-    let wide = Pool2dParams { kernel: (2, 2), stride: (1, 1), padding: (2, 0) };
-    assert_err!(x.avg_pool2d(wide), Error::Invalid { op: "avg_pool2d", .. }, "padding");
-    let huge = Pool2dParams { kernel: (9, 9), stride: (1, 1), padding: (0, 0) };
-    assert_err!(x.avg_pool2d(huge), Error::Shape { op: "avg_pool2d", .. }, "[1, 4, 5, 5]");
+    let p = Pool2dParams {
+        kernel: (2, 2),
+        stride: (2, 2),
+        padding: (0, 0),
+    };
+    assert_err!(
+        x3.max_pool2d(p),
+        Error::Shape {
+            op: "max_pool2d",
+            ..
+        },
+        "[4, 5, 5]"
+    );
+    let wide = Pool2dParams {
+        kernel: (2, 2),
+        stride: (1, 1),
+        padding: (2, 0),
+    };
+    assert_err!(
+        x.avg_pool2d(wide),
+        Error::Invalid {
+            op: "avg_pool2d",
+            ..
+        },
+        "padding"
+    );
+    let huge = Pool2dParams {
+        kernel: (9, 9),
+        stride: (1, 1),
+        padding: (0, 0),
+    };
+    assert_err!(
+        x.avg_pool2d(huge),
+        Error::Shape {
+            op: "avg_pool2d",
+            ..
+        },
+        "[1, 4, 5, 5]"
+    );
     let (y, am) = x.max_pool2d(p).unwrap();
     assert_err!(
         Tensor::max_pool2d_backward(&y, &am, &[1, 4, 6, 6], p),
-        Error::Shape { op: "max_pool2d_backward", .. },
+        Error::Shape {
+            op: "max_pool2d_backward",
+            ..
+        },
         "[1, 4, 2, 2]",
         "[1, 4, 3, 3]"
     );
     assert_err!(
         Tensor::avg_pool2d_backward(&x, &[1, 4, 5, 5], p),
-        Error::Shape { op: "avg_pool2d_backward", .. },
+        Error::Shape {
+            op: "avg_pool2d_backward",
+            ..
+        },
         "[1, 4, 5, 5]"
     );
 }
@@ -309,6 +462,10 @@ fn empty_batches() {
     assert_eq!(y.shape(), &[0, 3, 2, 2]);
     let dw = Tensor::conv2d_weight_grad(&x, &y, w.shape(), Conv2dParams::default()).unwrap();
     assert_eq!(dw.to_vec().unwrap(), vec![0.0; 54]);
-    let p = Pool2dParams { kernel: (2, 2), stride: (2, 2), padding: (0, 0) };
+    let p = Pool2dParams {
+        kernel: (2, 2),
+        stride: (2, 2),
+        padding: (0, 0),
+    };
     assert_eq!(x.max_pool2d(p).unwrap().0.shape(), &[0, 2, 2, 2]);
 }

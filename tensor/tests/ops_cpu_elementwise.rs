@@ -17,13 +17,17 @@ fn gelu_grad(x: f32) -> f32 {
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
 }
 
+/// A unary method, e.g. `Tensor::exp`.
+type UnaryFn = fn(&Tensor) -> wgpipe_tensor::Result<Tensor>;
+/// A unary method and its scalar reference.
+type UnaryCase = (&'static str, UnaryFn, fn(f32) -> f32);
+/// A scalar op's result and its scalar reference.
+type ScalarCase = (&'static str, Tensor, Box<dyn Fn(f32) -> f32>);
+/// A binary method, e.g. `Tensor::add`.
+type BinaryFn = fn(&Tensor, &Tensor) -> wgpipe_tensor::Result<Tensor>;
+
 /// Every unary method with its scalar reference.
-#[allow(clippy::type_complexity)]
-fn unary_cases() -> Vec<(
-    &'static str,
-    fn(&Tensor) -> wgpipe_tensor::Result<Tensor>,
-    fn(f32) -> f32,
-)> {
+fn unary_cases() -> Vec<UnaryCase> {
     vec![
         ("neg", Tensor::neg, |x| -x),
         ("exp", Tensor::exp, f32::exp),
@@ -72,11 +76,7 @@ fn unary_ops_match_scalar_functions_on_every_layout() {
 #[test]
 fn positive_domain_unary_ops() {
     let x = Nd::rand(&[2, 7], 2, 0.1, 4.0);
-    let cases: [(
-        &str,
-        fn(&Tensor) -> wgpipe_tensor::Result<Tensor>,
-        fn(f32) -> f32,
-    ); 3] = [
+    let cases: [UnaryCase; 3] = [
         ("log", Tensor::log, f32::ln),
         ("sqrt", Tensor::sqrt, f32::sqrt),
         ("rsqrt", Tensor::rsqrt, |x| 1.0 / x.sqrt()),
@@ -114,14 +114,58 @@ fn unary_special_values() {
         .log()
         .unwrap();
     assert_eq!(l.to_vec().unwrap(), vec![f32::NEG_INFINITY]);
+    assert_eq!(
+        Tensor::from_slice(&[0.0], &[1], &dev)
+            .unwrap()
+            .recip()
+            .unwrap()
+            .to_vec()
+            .unwrap(),
+        vec![f32::INFINITY]
+    );
+    // Negative bases with integral exponents stay real (as powf does).
+    let n = Tensor::from_slice(&[-2.0, -3.0], &[2], &dev).unwrap();
+    assert_eq!(n.powf(2.0).unwrap().to_vec().unwrap(), vec![4.0, 9.0]);
+    assert_eq!(n.powf(3.0).unwrap().to_vec().unwrap(), vec![-8.0, -27.0]);
+    let e = Tensor::from_slice(&[3.0, 2.0], &[2], &dev).unwrap();
+    assert_eq!(n.pow(&e).unwrap().to_vec().unwrap(), vec![-8.0, 9.0]);
+}
+
+#[test]
+fn selection_does_not_leak_the_unselected_branch() {
+    let dev = Device::cpu();
+    let c = Tensor::from_slice(&[1.0, 0.0, 1.0], &[3], &dev).unwrap();
+    let a = Tensor::from_slice(&[1.0, f32::NAN, f32::INFINITY], &[3], &dev).unwrap();
+    let b = Tensor::from_slice(&[f32::NAN, 2.0, f32::NEG_INFINITY], &[3], &dev).unwrap();
+    let w = Tensor::where_cond(&c, &a, &b).unwrap().to_vec().unwrap();
+    assert_eq!(w, vec![1.0, 2.0, f32::INFINITY]);
+    // Attention-style mask: -inf exactly where masked, the rest untouched.
+    let x = Tensor::from_slice(&[0.5, -1.0, 2.0], &[3], &dev).unwrap();
+    let y = x
+        .masked_fill(&c, f32::NEG_INFINITY)
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    assert_eq!(y, vec![f32::NEG_INFINITY, -1.0, f32::NEG_INFINITY]);
+    let s = Tensor::from_slice(&[0.0, f32::NEG_INFINITY, 0.0], &[1, 3], &dev).unwrap();
+    assert_eq!(s.softmax(1).unwrap().to_vec().unwrap(), vec![0.5, 0.0, 0.5]);
+    let ls = s.log_softmax(1).unwrap().to_vec().unwrap();
+    assert_eq!(ls[1], f32::NEG_INFINITY);
+    assert!((ls[0] + std::f32::consts::LN_2).abs() < 1e-6);
+    assert_eq!(s.max(&[1], false).unwrap().to_vec().unwrap(), vec![0.0]);
+    let all = Tensor::full(&[2], f32::NEG_INFINITY, &dev).unwrap();
+    assert_eq!(
+        all.max(&[], false).unwrap().to_scalar().unwrap(),
+        f32::NEG_INFINITY
+    );
+    assert_eq!(all.argmax(0, false).unwrap().to_scalar().unwrap(), 0.0);
 }
 
 #[test]
 fn scalar_ops() {
     let x = Nd::rand(&[4, 3], 3, 0.5, 2.0);
     let t = x.tensor_as(1);
-    #[allow(clippy::type_complexity)]
-    let cases: Vec<(&str, Tensor, Box<dyn Fn(f32) -> f32>)> = vec![
+    let cases: Vec<ScalarCase> = vec![
         (
             "add_scalar",
             t.add_scalar(1.5).unwrap(),
@@ -303,11 +347,7 @@ proptest! {
 fn named_binary_methods_are_the_ops() {
     let a = Nd::rand(&[2, 3], 5, 1.0, 2.0).tensor();
     let b = Nd::rand(&[3], 6, 1.0, 2.0).tensor();
-    #[allow(clippy::type_complexity)]
-    let methods: [(
-        BinaryOp,
-        fn(&Tensor, &Tensor) -> wgpipe_tensor::Result<Tensor>,
-    ); 13] = [
+    let methods: [(BinaryOp, BinaryFn); 13] = [
         (BinaryOp::Add, Tensor::add),
         (BinaryOp::Sub, Tensor::sub),
         (BinaryOp::Mul, Tensor::mul),

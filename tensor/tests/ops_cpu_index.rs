@@ -137,15 +137,24 @@ proptest! {
 #[test]
 fn hand_computed_indexing() {
     let dev = Device::cpu();
-    let x = Tensor::arange(0.0, 6.0, 1.0, &dev).unwrap().reshape(&[3, 2]).unwrap();
+    let x = Tensor::arange(0.0, 6.0, 1.0, &dev)
+        .unwrap()
+        .reshape(&[3, 2])
+        .unwrap();
     let idx = Tensor::from_slice(&[2.0, 0.0, 2.0], &[3], &dev).unwrap();
     let s = x.index_select(0, &idx).unwrap();
     assert_eq!(s.to_vec().unwrap(), vec![4.0, 5.0, 0.0, 1.0, 4.0, 5.0]);
     let back = Tensor::index_add(0, &idx, &Tensor::ones(&[3, 2], &dev).unwrap(), 4).unwrap();
-    assert_eq!(back.to_vec().unwrap(), vec![1.0, 1.0, 0.0, 0.0, 2.0, 2.0, 0.0, 0.0]);
+    assert_eq!(
+        back.to_vec().unwrap(),
+        vec![1.0, 1.0, 0.0, 0.0, 2.0, 2.0, 0.0, 0.0]
+    );
     let gi = Tensor::from_slice(&[1.0, 0.0, 0.0, 0.0], &[2, 2], &dev).unwrap();
     // Rows 0..2 of x, picking column gi: [[1, 0], [2, 2]].
-    assert_eq!(x.gather(1, &gi).unwrap().to_vec().unwrap(), vec![1.0, 0.0, 2.0, 2.0]);
+    assert_eq!(
+        x.gather(1, &gi).unwrap().to_vec().unwrap(),
+        vec![1.0, 0.0, 2.0, 2.0]
+    );
     let sc = Tensor::scatter_add(1, &gi, &Tensor::ones(&[2, 2], &dev).unwrap(), 3).unwrap();
     assert_eq!(sc.to_vec().unwrap(), vec![1.0, 1.0, 0.0, 2.0, 0.0, 0.0]);
     let labels = Tensor::from_slice(&[2.0, 0.0], &[2], &dev).unwrap();
@@ -157,10 +166,24 @@ fn hand_computed_indexing() {
     // Empty index lists.
     let none = Tensor::zeros(&[0], &dev).unwrap();
     assert_eq!(x.index_select(1, &none).unwrap().shape(), &[3, 0]);
-    assert_eq!(Tensor::index_add(0, &none, &Tensor::zeros(&[0, 2], &dev).unwrap(), 3).unwrap().to_vec().unwrap(), vec![0.0; 6]);
+    assert_eq!(
+        Tensor::index_add(0, &none, &Tensor::zeros(&[0, 2], &dev).unwrap(), 3)
+            .unwrap()
+            .to_vec()
+            .unwrap(),
+        vec![0.0; 6]
+    );
     // Index given as a non-contiguous view.
-    let iv = Tensor::from_slice(&[1.0, 9.0, 0.0, 9.0], &[2, 2], &dev).unwrap().narrow(1, 0, 1).unwrap().reshape(&[2]).unwrap();
-    assert_eq!(x.index_select(0, &iv).unwrap().to_vec().unwrap(), vec![2.0, 3.0, 0.0, 1.0]);
+    let iv = Tensor::from_slice(&[1.0, 9.0, 0.0, 9.0], &[2, 2], &dev)
+        .unwrap()
+        .narrow(1, 0, 1)
+        .unwrap()
+        .reshape(&[2])
+        .unwrap();
+    assert_eq!(
+        x.index_select(0, &iv).unwrap().to_vec().unwrap(),
+        vec![2.0, 3.0, 0.0, 1.0]
+    );
 }
 
 #[test]
@@ -173,10 +196,26 @@ fn concat_stack_edge_cases() {
     assert_eq!(Tensor::concat(&[&e, &e], -2).unwrap().shape(), &[0, 3]);
     let s = Tensor::stack(&[&a, &a], -1).unwrap();
     assert_eq!(s.shape(), &[2, 3, 2]);
-    let sc = Tensor::stack(&[&Tensor::scalar(1.0, &dev).unwrap(), &Tensor::scalar(2.0, &dev).unwrap()], 0).unwrap();
+    let sc = Tensor::stack(
+        &[
+            &Tensor::scalar(1.0, &dev).unwrap(),
+            &Tensor::scalar(2.0, &dev).unwrap(),
+        ],
+        0,
+    )
+    .unwrap();
     assert_eq!(sc.to_vec().unwrap(), vec![1.0, 2.0]);
-    let bc = Tensor::from_slice(&[1.0, 2.0], &[2, 1], &dev).unwrap().broadcast_to(&[2, 2]).unwrap();
-    assert_eq!(Tensor::concat(&[&bc, &bc.t().unwrap()], 1).unwrap().to_vec().unwrap(), vec![1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 1.0, 2.0]);
+    let bc = Tensor::from_slice(&[1.0, 2.0], &[2, 1], &dev)
+        .unwrap()
+        .broadcast_to(&[2, 2])
+        .unwrap();
+    assert_eq!(
+        Tensor::concat(&[&bc, &bc.t().unwrap()], 1)
+            .unwrap()
+            .to_vec()
+            .unwrap(),
+        vec![1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 1.0, 2.0]
+    );
 }
 
 #[test]
@@ -184,33 +223,154 @@ fn index_errors_name_op_and_shapes() {
     let dev = Device::cpu();
     let x = Tensor::zeros(&[3, 2], &dev).unwrap();
     let bad = Tensor::from_slice(&[0.0, 3.0], &[2], &dev).unwrap();
-    assert_err!(x.index_select(0, &bad), Error::Index { op: "index_select", .. }, "index_select", "3", "0..3");
+    assert_err!(
+        x.index_select(0, &bad),
+        Error::Index {
+            op: "index_select",
+            ..
+        },
+        "index_select",
+        "3",
+        "0..3"
+    );
     let frac = Tensor::from_slice(&[0.5], &[1], &dev).unwrap();
-    assert_err!(x.index_select(1, &frac), Error::Index { op: "index_select", .. }, "0.5");
+    assert_err!(
+        x.index_select(1, &frac),
+        Error::Index {
+            op: "index_select",
+            ..
+        },
+        "0.5"
+    );
     let neg = Tensor::from_slice(&[-1.0], &[1], &dev).unwrap();
-    assert_err!(x.gather(0, &neg.reshape(&[1, 1]).unwrap()), Error::Index { op: "gather", .. }, "-1");
-    assert_err!(x.index_select(2, &bad), Error::Axis { op: "index_select", axis: 2, rank: 2 }, "index_select");
-    assert_err!(x.index_select(0, &x), Error::Shape { op: "index_select", .. }, "[3, 2]");
+    assert_err!(
+        x.gather(0, &neg.reshape(&[1, 1]).unwrap()),
+        Error::Index { op: "gather", .. },
+        "-1"
+    );
+    assert_err!(
+        x.index_select(2, &bad),
+        Error::Axis {
+            op: "index_select",
+            axis: 2,
+            rank: 2
+        },
+        "index_select"
+    );
+    assert_err!(
+        x.index_select(0, &x),
+        Error::Shape {
+            op: "index_select",
+            ..
+        },
+        "[3, 2]"
+    );
     let src = Tensor::zeros(&[3, 2], &dev).unwrap();
-    assert_err!(Tensor::index_add(0, &bad, &src, 5), Error::Shape { op: "index_add", .. }, "[3, 2]", "[2]");
-    assert_err!(Tensor::index_add(1, &bad, &src, 3), Error::Index { op: "index_add", .. }, "0..3");
+    assert_err!(
+        Tensor::index_add(0, &bad, &src, 5),
+        Error::Shape {
+            op: "index_add",
+            ..
+        },
+        "[3, 2]",
+        "[2]"
+    );
+    assert_err!(
+        Tensor::index_add(1, &bad, &src, 3),
+        Error::Index {
+            op: "index_add",
+            ..
+        },
+        "0..3"
+    );
     let gi = Tensor::zeros(&[4, 2], &dev).unwrap();
-    assert_err!(x.gather(1, &gi), Error::Shape { op: "gather", .. }, "gather", "[4, 2]", "[3, 2]");
+    assert_err!(
+        x.gather(1, &gi),
+        Error::Shape { op: "gather", .. },
+        "gather",
+        "[4, 2]",
+        "[3, 2]"
+    );
     assert_err!(x.gather(1, &bad), Error::Shape { op: "gather", .. }, "[2]");
-    assert_err!(Tensor::scatter_add(0, &gi, &x, 4), Error::Shape { op: "scatter_add", .. }, "[4, 2]", "[3, 2]");
-    assert_err!(Tensor::scatter_add(0, &bad.reshape(&[2, 1]).unwrap(), &Tensor::zeros(&[2, 1], &dev).unwrap(), 2), Error::Index { op: "scatter_add", .. }, "0..2");
+    assert_err!(
+        Tensor::scatter_add(0, &gi, &x, 4),
+        Error::Shape {
+            op: "scatter_add",
+            ..
+        },
+        "[4, 2]",
+        "[3, 2]"
+    );
+    assert_err!(
+        Tensor::scatter_add(
+            0,
+            &bad.reshape(&[2, 1]).unwrap(),
+            &Tensor::zeros(&[2, 1], &dev).unwrap(),
+            2
+        ),
+        Error::Index {
+            op: "scatter_add",
+            ..
+        },
+        "0..2"
+    );
     assert_err!(bad.one_hot(3), Error::Index { op: "one_hot", .. }, "0..3");
     let o = Tensor::zeros(&[2], &other_device()).unwrap();
-    assert_err!(x.index_select(0, &o), Error::DeviceMismatch { op: "index_select", .. }, "other-cpu");
-    assert_err!(Tensor::concat(&[&x, &o], 0), Error::DeviceMismatch { op: "concat", .. }, "other-cpu");
-    assert_err!(Tensor::concat(&[], 0), Error::Invalid { op: "concat", .. }, "concat");
+    assert_err!(
+        x.index_select(0, &o),
+        Error::DeviceMismatch {
+            op: "index_select",
+            ..
+        },
+        "other-cpu"
+    );
+    assert_err!(
+        Tensor::concat(&[&x, &o], 0),
+        Error::DeviceMismatch { op: "concat", .. },
+        "other-cpu"
+    );
+    assert_err!(
+        Tensor::concat(&[], 0),
+        Error::Invalid { op: "concat", .. },
+        "concat"
+    );
     let y = Tensor::zeros(&[3, 3], &dev).unwrap();
-    assert_err!(Tensor::concat(&[&x, &y], 0), Error::Shape { op: "concat", .. }, "[3, 2]", "[3, 3]");
-    assert_err!(Tensor::stack(&[&x, &y], 0), Error::Shape { op: "stack", .. }, "[3, 2]", "[3, 3]");
-    assert_err!(Tensor::concat(&[&x, &y], 2), Error::Axis { op: "concat", axis: 2, .. }, "concat");
-    assert_err!(Tensor::stack(&[&x], 3), Error::Axis { op: "stack", axis: 3, rank: 3 }, "stack");
+    assert_err!(
+        Tensor::concat(&[&x, &y], 0),
+        Error::Shape { op: "concat", .. },
+        "[3, 2]",
+        "[3, 3]"
+    );
+    assert_err!(
+        Tensor::stack(&[&x, &y], 0),
+        Error::Shape { op: "stack", .. },
+        "[3, 2]",
+        "[3, 3]"
+    );
+    assert_err!(
+        Tensor::concat(&[&x, &y], 2),
+        Error::Axis {
+            op: "concat",
+            axis: 2,
+            ..
+        },
+        "concat"
+    );
+    assert_err!(
+        Tensor::stack(&[&x], 3),
+        Error::Axis {
+            op: "stack",
+            axis: 3,
+            rank: 3
+        },
+        "stack"
+    );
     let s = Tensor::scalar(0.0, &dev).unwrap();
-    assert_err!(Tensor::concat(&[&s, &s], 0), Error::Shape { op: "concat", .. }, "[]");
+    assert_err!(
+        Tensor::concat(&[&s, &s], 0),
+        Error::Shape { op: "concat", .. },
+        "[]"
+    );
 }
 
 #[test]
@@ -235,16 +395,24 @@ fn adam_update_matches_the_formula() {
         let t = |x: &Nd| Tensor::from_slice(&x.data, &x.shape, &dev).unwrap();
         // The gradient as a transposed view: the front-end makes it contiguous.
         let g_stored: Vec<f32> = (0..n).map(|i| g.data[(i % 2) * 5 + i / 2]).collect();
-        let gt = Tensor::from_slice(&g_stored, &[5, 2], &dev).unwrap().t().unwrap();
+        let gt = Tensor::from_slice(&g_stored, &[5, 2], &dev)
+            .unwrap()
+            .t()
+            .unwrap();
         assert!(!gt.is_contiguous());
         let (p2, m2, v2) = Tensor::adam_update(&t(&p), &gt, &t(&m), &t(&v), &hp).unwrap();
         let (mut wp, mut wm, mut wv) = (vec![], vec![], vec![]);
         for i in 0..n {
             let (pp, gg) = (p.data[i], g.data[i]);
-            let g2 = if decoupled { gg } else { gg + hp.weight_decay * pp };
+            let g2 = if decoupled {
+                gg
+            } else {
+                gg + hp.weight_decay * pp
+            };
             let mm = hp.beta1 * m.data[i] + (1.0 - hp.beta1) * g2;
             let vv = hp.beta2 * v.data[i] + (1.0 - hp.beta2) * g2 * g2;
-            let mut np = pp - hp.lr * (mm / hp.bias_correction1) / ((vv / hp.bias_correction2).sqrt() + hp.eps);
+            let mut np = pp
+                - hp.lr * (mm / hp.bias_correction1) / ((vv / hp.bias_correction2).sqrt() + hp.eps);
             if decoupled {
                 np -= hp.lr * hp.weight_decay * pp;
             }
@@ -256,12 +424,36 @@ fn adam_update_matches_the_formula() {
         assert_close(&m2.to_vec().unwrap(), &wm, 1e-5, 1e-7);
         assert_close(&v2.to_vec().unwrap(), &wv, 1e-5, 1e-8);
     }
-    let hp = AdamStep { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0, decoupled: true, bias_correction1: 0.1, bias_correction2: 0.01 };
+    let hp = AdamStep {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        decoupled: true,
+        bias_correction1: 0.1,
+        bias_correction2: 0.01,
+    };
     let a = Tensor::zeros(&[2, 5], &dev).unwrap();
     let b = Tensor::zeros(&[5, 2], &dev).unwrap();
-    assert_err!(Tensor::adam_update(&a, &b, &a, &a, &hp), Error::Shape { op: "adam_update", .. }, "[2, 5]", "[5, 2]");
+    assert_err!(
+        Tensor::adam_update(&a, &b, &a, &a, &hp),
+        Error::Shape {
+            op: "adam_update",
+            ..
+        },
+        "[2, 5]",
+        "[5, 2]"
+    );
     let o = Tensor::zeros(&[2, 5], &other_device()).unwrap();
-    assert_err!(Tensor::adam_update(&a, &a, &o, &a, &hp), Error::DeviceMismatch { op: "adam_update", .. }, "other-cpu");
+    assert_err!(
+        Tensor::adam_update(&a, &a, &o, &a, &hp),
+        Error::DeviceMismatch {
+            op: "adam_update",
+            ..
+        },
+        "other-cpu"
+    );
     // Non-contiguous operands are accepted.
     let tv = b.t().unwrap();
     let (p3, _, _) = Tensor::adam_update(&tv, &tv, &tv, &tv, &hp).unwrap();

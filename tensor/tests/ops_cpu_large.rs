@@ -13,15 +13,40 @@ fn large_elementwise_on_strided_and_broadcast_views() {
     let b = Nd::rand(&[257], 2, -2.0, 2.0);
     let at = a.tensor_as(1);
     let got = at.mul(&b.tensor()).unwrap();
-    assert_nd(&got, &Nd::from_fn(&a.shape, |i| a.at(i) * b.at(&[i[1]])), 1e-6, 0.0);
+    assert_nd(
+        &got,
+        &Nd::from_fn(&a.shape, |i| a.at(i) * b.at(&[i[1]])),
+        1e-6,
+        0.0,
+    );
     let e = a.tensor_as(3).exp().unwrap();
-    assert_nd(&e, &Nd::new(&a.shape, a.data.iter().map(|v| v.exp()).collect()), 1e-6, 0.0);
+    assert_nd(
+        &e,
+        &Nd::new(&a.shape, a.data.iter().map(|v| v.exp()).collect()),
+        1e-6,
+        0.0,
+    );
     let c = Nd::rand_index(&[300, 1], 3, 2);
     let w = Tensor::where_cond(&c.tensor(), &at, &b.tensor()).unwrap();
-    assert_nd(&w, &Nd::from_fn(&a.shape, |i| if c.at(&[i[0], 0]) != 0.0 { a.at(i) } else { b.at(&[i[1]]) }), 0.0, 0.0);
+    assert_nd(
+        &w,
+        &Nd::from_fn(&a.shape, |i| {
+            if c.at(&[i[0], 0]) != 0.0 {
+                a.at(i)
+            } else {
+                b.at(&[i[1]])
+            }
+        }),
+        0.0,
+        0.0,
+    );
     let g = at.gelu().unwrap().to_vec().unwrap();
     let c0 = (2.0f32 / std::f32::consts::PI).sqrt();
-    let want: Vec<f32> = a.data.iter().map(|&x| 0.5 * x * (1.0 + (c0 * (x + 0.044715 * x * x * x)).tanh())).collect();
+    let want: Vec<f32> = a
+        .data
+        .iter()
+        .map(|&x| 0.5 * x * (1.0 + (c0 * (x + 0.044715 * x * x * x)).tanh()))
+        .collect();
     assert_close(&g, &want, 1e-5, 1e-6);
 }
 
@@ -31,10 +56,14 @@ fn large_reductions_and_softmax() {
     for variant in 0..VARIANTS {
         let t = a.tensor_as(variant);
         let s0 = t.sum(&[0], false).unwrap().to_vec().unwrap();
-        let want0: Vec<f32> = (0..257).map(|j| (0..300).map(|i| a.at(&[i, j]) as f64).sum::<f64>() as f32).collect();
+        let want0: Vec<f32> = (0..257)
+            .map(|j| (0..300).map(|i| a.at(&[i, j]) as f64).sum::<f64>() as f32)
+            .collect();
         assert_close(&s0, &want0, 1e-4, 1e-4);
         let m1 = t.max(&[1], false).unwrap().to_vec().unwrap();
-        let want1: Vec<f32> = (0..300).map(|i| (0..257).map(|j| a.at(&[i, j])).fold(f32::MIN, f32::max)).collect();
+        let want1: Vec<f32> = (0..300)
+            .map(|i| (0..257).map(|j| a.at(&[i, j])).fold(f32::MIN, f32::max))
+            .collect();
         assert_eq!(m1, want1);
         let am = t.argmin(0, false).unwrap().to_vec().unwrap();
         for (j, &k) in am.iter().enumerate() {
@@ -61,16 +90,26 @@ fn large_matmul_and_layer_norm() {
     let got = a.tensor_as(1).matmul(&bt).unwrap().to_vec().unwrap();
     for (o, &g) in got.iter().enumerate().step_by(97) {
         let (bi, i, j) = (o / (130 * 150), (o / 150) % 130, o % 150);
-        let want: f64 = (0..140).map(|k| a.at(&[bi, i, k]) as f64 * b.at(&[k, j]) as f64).sum();
+        let want: f64 = (0..140)
+            .map(|k| a.at(&[bi, i, k]) as f64 * b.at(&[k, j]) as f64)
+            .sum();
         assert!((g as f64 - want).abs() < 1e-4, "{o}: {g} vs {want}");
     }
     let x = Nd::rand(&[400, 128], 7, -2.0, 2.0);
     let dev = Device::cpu();
     let (y, mean, rstd) = x
         .tensor_as(2)
-        .layer_norm(&Tensor::ones(&[128], &dev).unwrap(), &Tensor::zeros(&[128], &dev).unwrap(), 1e-5)
+        .layer_norm(
+            &Tensor::ones(&[128], &dev).unwrap(),
+            &Tensor::zeros(&[128], &dev).unwrap(),
+            1e-5,
+        )
         .unwrap();
-    let (yv, mv, rv) = (y.to_vec().unwrap(), mean.to_vec().unwrap(), rstd.to_vec().unwrap());
+    let (yv, mv, rv) = (
+        y.to_vec().unwrap(),
+        mean.to_vec().unwrap(),
+        rstd.to_vec().unwrap(),
+    );
     for r in (0..400).step_by(37) {
         let row = &x.data[r * 128..(r + 1) * 128];
         let m = row.iter().map(|&v| v as f64).sum::<f64>() / 128.0;
@@ -83,13 +122,22 @@ fn large_matmul_and_layer_norm() {
 
 #[test]
 fn large_conv_pool_and_adjoints() {
-    let p = Conv2dParams { stride: (1, 1), padding: (1, 1), dilation: (1, 1), groups: 2 };
+    let p = Conv2dParams {
+        stride: (1, 1),
+        padding: (1, 1),
+        dilation: (1, 1),
+        groups: 2,
+    };
     let x = Nd::rand(&[4, 8, 32, 32], 8, -1.0, 1.0).tensor();
     let w = Nd::rand(&[16, 4, 3, 3], 9, -1.0, 1.0).tensor();
     let y = x.conv2d(&w, None, p).unwrap();
     assert_eq!(y.shape(), &[4, 16, 32, 32]);
     // Spot-check one interior and one border output against the direct sum.
-    let (xv, wv, yv) = (x.to_vec().unwrap(), w.to_vec().unwrap(), y.to_vec().unwrap());
+    let (xv, wv, yv) = (
+        x.to_vec().unwrap(),
+        w.to_vec().unwrap(),
+        y.to_vec().unwrap(),
+    );
     for &(b, co, oy, ox) in &[(1usize, 9usize, 10usize, 17usize), (3, 15, 0, 31)] {
         let g = co / 8;
         let mut acc = 0f64;
@@ -115,7 +163,11 @@ fn large_conv_pool_and_adjoints() {
     let dw = Tensor::conv2d_weight_grad(&x, &dy, w.shape(), p).unwrap();
     assert_adjoint(lhs, dot(&w, &dw), abs_dot(&y, &dy));
 
-    let pp = Pool2dParams { kernel: (3, 3), stride: (2, 2), padding: (1, 1) };
+    let pp = Pool2dParams {
+        kernel: (3, 3),
+        stride: (2, 2),
+        padding: (1, 1),
+    };
     let (ym, am) = x.max_pool2d(pp).unwrap();
     let dym = Nd::rand(ym.shape(), 11, -1.0, 1.0).tensor();
     let dxm = Tensor::max_pool2d_backward(&dym, &am, x.shape(), pp).unwrap();
@@ -130,10 +182,19 @@ fn large_indexing_and_joins() {
     let x = Nd::rand(&[500, 96], 12, -1.0, 1.0);
     let idx = Nd::rand_index(&[700], 13, 500);
     let sel = x.tensor_as(3).index_select(0, &idx.tensor()).unwrap();
-    assert_nd(&sel, &Nd::from_fn(&[700, 96], |i| x.at(&[idx.data[i[0]] as usize, i[1]])), 0.0, 0.0);
+    assert_nd(
+        &sel,
+        &Nd::from_fn(&[700, 96], |i| x.at(&[idx.data[i[0]] as usize, i[1]])),
+        0.0,
+        0.0,
+    );
     let src = Nd::rand(&[700, 96], 14, -1.0, 1.0).tensor();
     let back = Tensor::index_add(0, &idx.tensor(), &src, 500).unwrap();
-    assert_adjoint(dot(&sel, &src), dot(&x.tensor(), &back), abs_dot(&sel, &src));
+    assert_adjoint(
+        dot(&sel, &src),
+        dot(&x.tensor(), &back),
+        abs_dot(&sel, &src),
+    );
     let gi = Nd::rand_index(&[500, 96], 15, 96);
     let gat = x.tensor().gather(1, &gi.tensor()).unwrap();
     let sg = Nd::rand(&[500, 96], 16, -1.0, 1.0).tensor();
@@ -141,11 +202,24 @@ fn large_indexing_and_joins() {
     assert_adjoint(dot(&gat, &sg), dot(&x.tensor(), &sc), abs_dot(&gat, &sg));
     let parts = [x.tensor_as(1), x.tensor_as(2)];
     let cat = Tensor::concat(&[&parts[0], &parts[1]], 1).unwrap();
-    assert_nd(&cat, &Nd::from_fn(&[500, 192], |i| x.at(&[i[0], i[1] % 96])), 0.0, 0.0);
+    assert_nd(
+        &cat,
+        &Nd::from_fn(&[500, 192], |i| x.at(&[i[0], i[1] % 96])),
+        0.0,
+        0.0,
+    );
     let oh = idx.tensor().one_hot(500).unwrap();
-    assert_eq!(oh.sum(&[1], false).unwrap().to_vec().unwrap(), vec![1.0; 700]);
+    assert_eq!(
+        oh.sum(&[1], false).unwrap().to_vec().unwrap(),
+        vec![1.0; 700]
+    );
     assert_eq!(oh.argmax(1, false).unwrap().to_vec().unwrap(), idx.data);
-    let m = Tensor::dropout_mask(&[300, 300], 0.1, 5, 6, &Device::cpu()).unwrap().to_vec().unwrap();
-    let want: Vec<f32> = (0..90_000).map(|i| wgpipe_tensor::rng::dropout_value(5, 6, i, 0.1)).collect();
+    let m = Tensor::dropout_mask(&[300, 300], 0.1, 5, 6, &Device::cpu())
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    let want: Vec<f32> = (0..90_000)
+        .map(|i| wgpipe_tensor::rng::dropout_value(5, 6, i, 0.1))
+        .collect();
     assert_eq!(m, want);
 }

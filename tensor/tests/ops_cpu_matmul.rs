@@ -75,15 +75,24 @@ fn hand_computed_and_transposed() {
     let dev = Device::cpu();
     let a = Tensor::from_slice(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], &dev).unwrap();
     let b = Tensor::from_slice(&[1.0, 0.0, 0.0, 1.0, 1.0, 1.0], &[3, 2], &dev).unwrap();
-    assert_eq!(a.matmul(&b).unwrap().to_vec().unwrap(), vec![4.0, 5.0, 10.0, 11.0]);
+    assert_eq!(
+        a.matmul(&b).unwrap().to_vec().unwrap(),
+        vec![4.0, 5.0, 10.0, 11.0]
+    );
     // a @ a^T with the transpose as a free view.
     let at = a.t().unwrap();
     assert!(!at.is_contiguous());
-    assert_eq!(a.matmul(&at).unwrap().to_vec().unwrap(), vec![14.0, 32.0, 32.0, 77.0]);
+    assert_eq!(
+        a.matmul(&at).unwrap().to_vec().unwrap(),
+        vec![14.0, 32.0, 32.0, 77.0]
+    );
     assert_eq!(at.matmul(&a).unwrap().shape(), &[3, 3]);
     // A [1, 1] result and a single-row operand.
     let r = Tensor::from_slice(&[1.0, 1.0], &[1, 2], &dev).unwrap();
-    assert_eq!(r.matmul(&r.t().unwrap()).unwrap().to_vec().unwrap(), vec![2.0]);
+    assert_eq!(
+        r.matmul(&r.t().unwrap()).unwrap().to_vec().unwrap(),
+        vec![2.0]
+    );
 }
 
 #[test]
@@ -97,11 +106,21 @@ fn mixed_broadcast_batches_and_weights_shared_over_batch() {
     // A rank-2 weight against a rank-4 activation (linear layer).
     let x = Nd::rand(&[2, 3, 4, 5], 3, -1.0, 1.0);
     let w = Nd::rand(&[5, 6], 4, -1.0, 1.0);
-    assert_nd(&x.tensor().matmul(&w.tensor()).unwrap(), &matmul_ref(&x, &w, &[2, 3]), 1e-5, 1e-6);
+    assert_nd(
+        &x.tensor().matmul(&w.tensor()).unwrap(),
+        &matmul_ref(&x, &w, &[2, 3]),
+        1e-5,
+        1e-6,
+    );
     // Batch broadcast from a stride-0 view made by broadcast_to.
     let wb = w.tensor().broadcast_to(&[3, 5, 6]).unwrap();
     let x3 = Nd::rand(&[3, 4, 5], 5, -1.0, 1.0);
-    assert_nd(&x3.tensor().matmul(&wb).unwrap(), &matmul_ref(&x3, &w, &[3]), 1e-5, 1e-6);
+    assert_nd(
+        &x3.tensor().matmul(&wb).unwrap(),
+        &matmul_ref(&x3, &w, &[3]),
+        1e-5,
+        1e-6,
+    );
     let _ = dev;
 }
 
@@ -113,9 +132,19 @@ fn empty_contraction_gives_zeros() {
     let y = a.matmul(&b).unwrap();
     assert_eq!(y.shape(), &[2, 3]);
     assert_eq!(y.to_vec().unwrap(), vec![0.0; 6]);
-    assert_eq!(b.matmul(&Tensor::ones(&[3, 2], &dev).unwrap()).unwrap().shape(), &[0, 2]);
+    assert_eq!(
+        b.matmul(&Tensor::ones(&[3, 2], &dev).unwrap())
+            .unwrap()
+            .shape(),
+        &[0, 2]
+    );
     let z = Tensor::ones(&[0, 2, 2], &dev).unwrap();
-    assert_eq!(z.matmul(&Tensor::ones(&[2, 2], &dev).unwrap()).unwrap().shape(), &[0, 2, 2]);
+    assert_eq!(
+        z.matmul(&Tensor::ones(&[2, 2], &dev).unwrap())
+            .unwrap()
+            .shape(),
+        &[0, 2, 2]
+    );
 }
 
 #[test]
@@ -133,11 +162,31 @@ fn matmul_errors_name_shapes() {
     let dev = Device::cpu();
     let a = Tensor::zeros(&[2, 3], &dev).unwrap();
     let v = Tensor::zeros(&[3], &dev).unwrap();
-    assert_err!(a.matmul(&v), Error::Shape { op: "matmul", .. }, "matmul", "[2, 3]", "[3]");
-    assert_err!(a.matmul(&a), Error::Shape { op: "matmul", .. }, "matmul", "[2, 3]");
+    assert_err!(
+        a.matmul(&v),
+        Error::Shape { op: "matmul", .. },
+        "matmul",
+        "[2, 3]",
+        "[3]"
+    );
+    assert_err!(
+        a.matmul(&a),
+        Error::Shape { op: "matmul", .. },
+        "matmul",
+        "[2, 3]"
+    );
     let b1 = Tensor::zeros(&[2, 3, 4], &dev).unwrap();
     let b2 = Tensor::zeros(&[3, 4, 5], &dev).unwrap();
-    assert_err!(b1.matmul(&b2), Error::Shape { op: "matmul", .. }, "[2, 3, 4]", "[3, 4, 5]");
+    assert_err!(
+        b1.matmul(&b2),
+        Error::Shape { op: "matmul", .. },
+        "[2, 3, 4]",
+        "[3, 4, 5]"
+    );
     let o = Tensor::zeros(&[3, 2], &other_device()).unwrap();
-    assert_err!(a.matmul(&o), Error::DeviceMismatch { op: "matmul", .. }, "other-cpu");
+    assert_err!(
+        a.matmul(&o),
+        Error::DeviceMismatch { op: "matmul", .. },
+        "other-cpu"
+    );
 }

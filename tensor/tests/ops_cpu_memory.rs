@@ -19,7 +19,11 @@ fn live_and_peak_follow_tensors() {
     assert!(!v.shares_storage(&b));
     let view = b.permute(&[1, 0]).unwrap();
     assert!(view.shares_storage(&b));
-    assert_eq!(dev.memory_stats().live, 800 + 400, "the reshape of a transpose copies once");
+    assert_eq!(
+        dev.memory_stats().live,
+        800 + 400,
+        "the reshape of a transpose copies once"
+    );
     drop(v);
     drop(a);
     assert_eq!(dev.memory_stats().live, 400);
@@ -42,7 +46,10 @@ fn op_temporaries_are_released() {
     let w = Tensor::ones(&[6, 2, 3, 3], &dev).unwrap();
     let xi = Tensor::ones(&[2, 4, 5, 5], &dev).unwrap();
     let before = dev.memory_stats().live;
-    let p = Conv2dParams { groups: 2, ..Default::default() };
+    let p = Conv2dParams {
+        groups: 2,
+        ..Default::default()
+    };
     let y = xi.conv2d(&w, None, p).unwrap();
     assert_eq!(dev.memory_stats().live, before + y.storage_bytes());
     drop(y);
@@ -57,10 +64,19 @@ fn capacity_refuses_then_keeps_working() {
     let e = a.exp().unwrap_err();
     assert_eq!(
         e,
-        Error::OutOfMemory { device: "capped".into(), requested: 800, live: 800, capacity: 1000 }
+        Error::OutOfMemory {
+            device: "capped".into(),
+            requested: 800,
+            live: 800,
+            capacity: 1000
+        }
     );
     assert!(e.to_string().contains("capped"));
-    assert_eq!(dev.memory_stats().live, 800, "a refused op leaves nothing behind");
+    assert_eq!(
+        dev.memory_stats().live,
+        800,
+        "a refused op leaves nothing behind"
+    );
     // Small ops still fit.
     let s = a.sum_all().unwrap();
     assert_eq!(s.to_scalar().unwrap(), 200.0);

@@ -89,10 +89,20 @@ fn softmax_is_stable_and_handles_size_one_axes() {
     assert_close(&s0.to_vec().unwrap(), &[1.0, 0.0, 0.0, 1.0], 0.0, 1e-6);
     let one = Tensor::from_slice(&[3.0, -2.0], &[2, 1], &dev).unwrap();
     assert_eq!(one.softmax(1).unwrap().to_vec().unwrap(), vec![1.0, 1.0]);
-    assert_eq!(one.log_softmax(-1).unwrap().to_vec().unwrap(), vec![0.0, 0.0]);
+    assert_eq!(
+        one.log_softmax(-1).unwrap().to_vec().unwrap(),
+        vec![0.0, 0.0]
+    );
     let e = Tensor::zeros(&[0, 3], &dev).unwrap();
     assert_eq!(e.softmax(1).unwrap().shape(), &[0, 3]);
-    assert_eq!(Tensor::zeros(&[3, 0], &dev).unwrap().log_softmax(1).unwrap().shape(), &[3, 0]);
+    assert_eq!(
+        Tensor::zeros(&[3, 0], &dev)
+            .unwrap()
+            .log_softmax(1)
+            .unwrap()
+            .shape(),
+        &[3, 0]
+    );
 }
 
 #[test]
@@ -106,8 +116,16 @@ fn layer_norm_shapes_and_empty() {
     assert_eq!(m.shape(), &[1, 1]);
     let s = 1.0 / 1.25f32.sqrt();
     assert_close(&r.to_vec().unwrap(), &[s], 1e-6, 0.0);
-    assert_close(&y.to_vec().unwrap(), &[-1.5 * s, -0.5 * s, 0.5 * s, 1.5 * s], 1e-5, 1e-6);
-    let (y, m, _) = Tensor::zeros(&[0, 2, 4], &dev).unwrap().layer_norm(&g, &b, 1e-5).unwrap();
+    assert_close(
+        &y.to_vec().unwrap(),
+        &[-1.5 * s, -0.5 * s, 0.5 * s, 1.5 * s],
+        1e-5,
+        1e-6,
+    );
+    let (y, m, _) = Tensor::zeros(&[0, 2, 4], &dev)
+        .unwrap()
+        .layer_norm(&g, &b, 1e-5)
+        .unwrap();
     assert_eq!((y.shape(), m.shape()), (&[0, 2, 4][..], &[0, 2, 1][..]));
 }
 
@@ -125,29 +143,95 @@ fn dropout_mask_is_the_counter_based_stream() {
     assert!(want.iter().all(|&v| v == 0.0 || v == 1.0 / (1.0 - p)));
     assert!(want.contains(&0.0));
     assert_eq!(
-        Tensor::dropout_mask(&shape, p, 42, 7, &dev).unwrap().to_vec().unwrap(),
+        Tensor::dropout_mask(&shape, p, 42, 7, &dev)
+            .unwrap()
+            .to_vec()
+            .unwrap(),
         want,
         "same key, same mask"
     );
-    assert_ne!(Tensor::dropout_mask(&shape, p, 42, 8, &dev).unwrap().to_vec().unwrap(), want);
-    assert_eq!(Tensor::dropout_mask(&[4], 0.0, 1, 0, &dev).unwrap().to_vec().unwrap(), vec![1.0; 4]);
-    assert_eq!(Tensor::dropout_mask(&[0, 4], 0.5, 1, 0, &dev).unwrap().shape(), &[0, 4]);
+    assert_ne!(
+        Tensor::dropout_mask(&shape, p, 42, 8, &dev)
+            .unwrap()
+            .to_vec()
+            .unwrap(),
+        want
+    );
+    assert_eq!(
+        Tensor::dropout_mask(&[4], 0.0, 1, 0, &dev)
+            .unwrap()
+            .to_vec()
+            .unwrap(),
+        vec![1.0; 4]
+    );
+    assert_eq!(
+        Tensor::dropout_mask(&[0, 4], 0.5, 1, 0, &dev)
+            .unwrap()
+            .shape(),
+        &[0, 4]
+    );
 }
 
 #[test]
 fn nn_errors_name_op_and_shapes() {
     let dev = Device::cpu();
     let x = Tensor::zeros(&[2, 3], &dev).unwrap();
-    assert_err!(x.softmax(2), Error::Axis { op: "softmax", axis: 2, rank: 2 }, "softmax");
-    assert_err!(x.log_softmax(-3), Error::Axis { op: "log_softmax", .. }, "log_softmax");
+    assert_err!(
+        x.softmax(2),
+        Error::Axis {
+            op: "softmax",
+            axis: 2,
+            rank: 2
+        },
+        "softmax"
+    );
+    assert_err!(
+        x.log_softmax(-3),
+        Error::Axis {
+            op: "log_softmax",
+            ..
+        },
+        "log_softmax"
+    );
     let g = Tensor::ones(&[4], &dev).unwrap();
     let g3 = Tensor::ones(&[3], &dev).unwrap();
-    assert_err!(x.layer_norm(&g, &g3, 1e-5), Error::Shape { op: "layer_norm", .. }, "layer_norm", "[4]", "[2, 3]");
+    assert_err!(
+        x.layer_norm(&g, &g3, 1e-5),
+        Error::Shape {
+            op: "layer_norm",
+            ..
+        },
+        "layer_norm",
+        "[4]",
+        "[2, 3]"
+    );
     let s = Tensor::scalar(1.0, &dev).unwrap();
-    assert_err!(s.layer_norm(&g, &g, 1e-5), Error::Shape { op: "layer_norm", .. }, "[]");
+    assert_err!(
+        s.layer_norm(&g, &g, 1e-5),
+        Error::Shape {
+            op: "layer_norm",
+            ..
+        },
+        "[]"
+    );
     let o = Tensor::ones(&[3], &other_device()).unwrap();
-    assert_err!(x.layer_norm(&g3, &o, 1e-5), Error::DeviceMismatch { op: "layer_norm", .. }, "other-cpu");
+    assert_err!(
+        x.layer_norm(&g3, &o, 1e-5),
+        Error::DeviceMismatch {
+            op: "layer_norm",
+            ..
+        },
+        "other-cpu"
+    );
     for p in [1.0, -0.1, f32::NAN] {
-        assert_err!(Tensor::dropout_mask(&[2], p, 0, 0, &dev), Error::Invalid { op: "dropout_mask", .. }, "dropout_mask", "[2]");
+        assert_err!(
+            Tensor::dropout_mask(&[2], p, 0, 0, &dev),
+            Error::Invalid {
+                op: "dropout_mask",
+                ..
+            },
+            "dropout_mask",
+            "[2]"
+        );
     }
 }

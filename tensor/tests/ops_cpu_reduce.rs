@@ -72,14 +72,14 @@ fn as_isize(axes: &[usize], rank: usize, seed: u64) -> Vec<isize> {
     let mut v: Vec<isize> = axes
         .iter()
         .map(|&a| {
-            if (a as u64 + seed) % 2 == 0 {
+            if (a as u64 + seed).is_multiple_of(2) {
                 a as isize - rank as isize
             } else {
                 a as isize
             }
         })
         .collect();
-    if seed % 3 == 0 {
+    if seed.is_multiple_of(3) {
         v.reverse();
     }
     v

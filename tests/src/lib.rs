@@ -8,8 +8,7 @@ use std::time::Instant;
 use wgpipe_autograd::optim::{zero_grad, Optimizer, Sgd, SgdConfig};
 use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Tape, Var};
 use wgpipe_models::{
-    finish_step_all, forward_all, sequence_parameters, Gelu, LayerNorm, Linear, Relu,
-    TransformerLm,
+    finish_step_all, forward_all, sequence_parameters, Gelu, LayerNorm, Linear, Relu, TransformerLm,
 };
 use wgpipe_pipeline::{
     Balance, CheckpointMode, LinkSpec, LossFn, Pipeline, ScheduleKind, SimCluster, StepReport,
@@ -97,7 +96,9 @@ pub fn token_ids(n: usize, t: usize, vocab: usize, salt: usize) -> Tensor {
 
 /// Layers per stage, as even as possible (the first stages get the extra layers).
 pub fn even_balance(layers: usize, k: usize) -> Vec<usize> {
-    (0..k).map(|i| layers / k + usize::from(i < layers % k)).collect()
+    (0..k)
+        .map(|i| layers / k + usize::from(i < layers % k))
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -216,7 +217,9 @@ pub fn try_sim_pipeline(
     Pipeline::builder(layers)
         .sim(cluster)
         .balance(Balance::Explicit(
-            cfg.balance.clone().unwrap_or_else(|| even_balance(n, cfg.k)),
+            cfg.balance
+                .clone()
+                .unwrap_or_else(|| even_balance(n, cfg.k)),
         ))
         .micro_batches(cfg.m)
         .checkpoint(cfg.mode)
@@ -293,7 +296,10 @@ pub fn worst_err(a: &RunResult, b: &RunResult) -> (f64, String) {
 
 pub fn assert_close(a: &RunResult, b: &RunResult, tol: f64, what: &str) {
     let (e, at) = worst_err(a, b);
-    assert!(e <= tol, "{what}: relative error {e:.3e} > {tol:.0e} at {at}");
+    assert!(
+        e <= tol,
+        "{what}: relative error {e:.3e} > {tol:.0e} at {at}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -25,23 +25,17 @@ where
     }
     let w = Walk::new(&lx.shape, [lx]);
     for_rows(out, 1, |s, o| {
-        wide(|| {
-            w.runs(s, o.len(), |p, [b], c| {
-                let o = &mut o[p..p + c];
-                match w.inner_stride[0] {
-                    1 => {
-                        for (o, &v) in o.iter_mut().zip(&x[b..b + c]) {
-                            *o = f(v);
-                        }
-                    }
-                    0 => o.fill(f(x[b])),
-                    st => {
-                        for (j, o) in o.iter_mut().enumerate() {
-                            *o = f(x[b + j * st]);
-                        }
+        w.runs(s, o.len(), |p, [b], c| {
+            let o = &mut o[p..p + c];
+            match w.inner_stride[0] {
+                1 => simd::map(o, &x[b..b + c], &f),
+                0 => o.fill(f(x[b])),
+                st => {
+                    for (j, o) in o.iter_mut().enumerate() {
+                        *o = f(x[b + j * st]);
                     }
                 }
-            })
+            }
         })
     });
 }
@@ -62,34 +56,21 @@ where
     }
     let w = Walk::new(&la.shape, [la, lb]);
     for_rows(out, 1, |s, o| {
-        wide(|| {
-            w.runs(s, o.len(), |p, [ba, bb], c| {
-                let o = &mut o[p..p + c];
-                match w.inner_stride {
-                    [1, 1] => {
-                        for ((o, &x), &y) in o.iter_mut().zip(&a[ba..ba + c]).zip(&b[bb..bb + c]) {
-                            *o = f(x, y);
-                        }
-                    }
-                    [1, 0] => {
-                        let y = b[bb];
-                        for (o, &x) in o.iter_mut().zip(&a[ba..ba + c]) {
-                            *o = f(x, y);
-                        }
-                    }
-                    [0, 1] => {
-                        let x = a[ba];
-                        for (o, &y) in o.iter_mut().zip(&b[bb..bb + c]) {
-                            *o = f(x, y);
-                        }
-                    }
-                    [sa, sb] => {
-                        for (j, o) in o.iter_mut().enumerate() {
-                            *o = f(a[ba + j * sa], b[bb + j * sb]);
-                        }
+        w.runs(s, o.len(), |p, [ba, bb], c| {
+            let o = &mut o[p..p + c];
+            match w.inner_stride {
+                [1, 1] => simd::zip(o, &a[ba..ba + c], &b[bb..bb + c], &f),
+                [1, 0] => simd::zip_scalar(o, &a[ba..ba + c], b[bb], &f),
+                [0, 1] => {
+                    let x = a[ba];
+                    simd::zip_scalar(o, &b[bb..bb + c], x, &|y, x| f(x, y))
+                }
+                [sa, sb] => {
+                    for (j, o) in o.iter_mut().enumerate() {
+                        *o = f(a[ba + j * sa], b[bb + j * sb]);
                     }
                 }
-            })
+            }
         })
     });
 }
@@ -164,7 +145,8 @@ pub(crate) fn copy(out: &mut [f32], x: &[f32], lx: &Layout) {
 }
 
 /// A view whose two innermost dims are swapped (the dim above the innermost has stride 1): copied
-/// in 32 x 32 tiles, so every cache line read is used whole while it is in L1.
+/// in 32 x 32 tiles, reading runs of the source along its unit stride, so every cache line read
+/// is used whole while it is in L1.
 fn copy_transposed(out: &mut [f32], x: &[f32], w: &Walk<1>) {
     const T: usize = 32;
     let (q, s) = (w.inner, w.inner_stride[0]);
@@ -174,12 +156,20 @@ fn copy_transposed(out: &mut [f32], x: &[f32], w: &Walk<1>) {
             let nr = T.min(rows - r);
             let bases: [usize; T] =
                 std::array::from_fn(|i| if i < nr { w.base(r0 + r + i)[0] } else { 0 });
+            // Rows of one tile are consecutive in the source unless the tile spans two batches.
+            let run = bases[nr - 1] == bases[0] + nr - 1;
+            let tile = &mut chunk[r * q..(r + nr) * q];
             for q0 in (0..q).step_by(T) {
-                let q1 = (q0 + T).min(q);
-                for (i, &b) in bases[..nr].iter().enumerate() {
-                    let o = &mut chunk[(r + i) * q + q0..(r + i) * q + q1];
-                    for (j, o) in o.iter_mut().enumerate() {
-                        *o = x[b + (q0 + j) * s];
+                for j in q0..(q0 + T).min(q) {
+                    if run {
+                        let src = &x[bases[0] + j * s..bases[0] + j * s + nr];
+                        for (i, &v) in src.iter().enumerate() {
+                            tile[i * q + j] = v;
+                        }
+                    } else {
+                        for (i, &b) in bases[..nr].iter().enumerate() {
+                            tile[i * q + j] = x[b + j * s];
+                        }
                     }
                 }
             }

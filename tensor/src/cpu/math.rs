@@ -14,13 +14,7 @@ const LO: f32 = -87.336_55;
 /// polynomial. Exact at the edges that matter: `exp(-inf) = 0`, `exp(inf) = inf`, NaN stays NaN.
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
-    let xc = if x > HI {
-        HI
-    } else if x < LO {
-        LO
-    } else {
-        x
-    };
+    let xc = x.clamp(LO, HI); // NaN stays NaN
     let t = xc * LOG2E + MAGIC;
     let n = t - MAGIC;
     let r = xc - n * LN2_HI - n * LN2_LO;
@@ -29,7 +23,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let er = p * r * r + r + 1.0;
     // 2^n from the integer in t's mantissa, as 2^h * 2^(n - h) with h = n / 2, so that both
     // factors are normal floats for every n in -126..=128.

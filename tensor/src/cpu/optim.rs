@@ -5,6 +5,7 @@ use rayon::prelude::*;
 use crate::backend::AdamStep;
 
 use super::par::rows_per_chunk;
+use super::simd::multiversion;
 
 /// One element: returns `(p', m', v')` exactly as documented on [`AdamStep`].
 #[inline]
@@ -37,27 +38,8 @@ pub(crate) fn adam(
     hp: &AdamStep,
 ) {
     let run = |s: usize, po: &mut [f32], mo: &mut [f32], vo: &mut [f32]| {
-        super::simd::wide(|| {
-            // Fixed-size blocks through local arrays: no aliasing for LLVM to check, so the
-            // arithmetic vectorises.
-            const B: usize = 16;
-            let mut i = 0;
-            while i < po.len() {
-                let n = B.min(po.len() - i);
-                let (mut pb, mut gb, mut mb, mut vb) = ([0f32; B], [0f32; B], [0f32; B], [0f32; B]);
-                pb[..n].copy_from_slice(&p[s + i..s + i + n]);
-                gb[..n].copy_from_slice(&g[s + i..s + i + n]);
-                mb[..n].copy_from_slice(&m[s + i..s + i + n]);
-                vb[..n].copy_from_slice(&v[s + i..s + i + n]);
-                for k in 0..B {
-                    (pb[k], mb[k], vb[k]) = adam_scalar(pb[k], gb[k], mb[k], vb[k], hp);
-                }
-                po[i..i + n].copy_from_slice(&pb[..n]);
-                mo[i..i + n].copy_from_slice(&mb[..n]);
-                vo[i..i + n].copy_from_slice(&vb[..n]);
-                i += n;
-            }
-        })
+        let e = s + po.len();
+        adam_block(po, mo, vo, &p[s..e], &g[s..e], &m[s..e], &v[s..e], hp);
     };
     match rows_per_chunk(p_out.len(), 1) {
         None => run(0, p_out, m_out, v_out),
@@ -68,4 +50,38 @@ pub(crate) fn adam(
             .enumerate()
             .for_each(|(k, ((po, mo), vo))| run(k * c, po, mo, vo)),
     }
+}
+
+multiversion! {
+/// [`adam_scalar`] over slices of one length, in fixed-size blocks through local arrays (no
+/// aliasing for LLVM to check, so the arithmetic vectorises).
+#[allow(clippy::too_many_arguments)]
+fn adam_block(
+    po: &mut [f32],
+    mo: &mut [f32],
+    vo: &mut [f32],
+    p: &[f32],
+    g: &[f32],
+    m: &[f32],
+    v: &[f32],
+    hp: &AdamStep,
+) {
+    const B: usize = 16;
+    let mut i = 0;
+    while i < po.len() {
+        let n = B.min(po.len() - i);
+        let (mut pb, mut gb, mut mb, mut vb) = ([0f32; B], [0f32; B], [0f32; B], [0f32; B]);
+        pb[..n].copy_from_slice(&p[i..i + n]);
+        gb[..n].copy_from_slice(&g[i..i + n]);
+        mb[..n].copy_from_slice(&m[i..i + n]);
+        vb[..n].copy_from_slice(&v[i..i + n]);
+        for k in 0..B {
+            (pb[k], mb[k], vb[k]) = adam_scalar(pb[k], gb[k], mb[k], vb[k], hp);
+        }
+        po[i..i + n].copy_from_slice(&pb[..n]);
+        mo[i..i + n].copy_from_slice(&mb[..n]);
+        vo[i..i + n].copy_from_slice(&vb[..n]);
+        i += n;
+    }
+}
 }

@@ -34,19 +34,22 @@ pub(crate) fn max_pool2d(y: &mut [f32], argmax: &mut [f32], x: &[f32], g: &Pool2
                 let yo = &mut yp[oy * g.w_out..(oy + 1) * g.w_out];
                 let ao = &mut ap[oy * g.w_out..(oy + 1) * g.w_out];
                 for ((yo, ao), &(x0, x1)) in yo.iter_mut().zip(ao.iter_mut()).zip(&xw) {
+                    // Branch-free scan (random data would mispredict every compare); an empty
+                    // window gives -inf at index 0.
                     let mut best = f32::NEG_INFINITY;
                     let mut at = usize::MAX;
                     for iy in y0..y1 {
                         let row = &xp[iy * g.w..(iy + 1) * g.w];
                         for (ix, &v) in row[x0..x1].iter().enumerate() {
-                            if v > best || at == usize::MAX || (v.is_nan() && !best.is_nan()) {
-                                best = v;
-                                at = iy * g.w + x0 + ix;
-                            }
+                            let first = at == usize::MAX;
+                            let better = first | (v > best) | (v.is_nan() & !best.is_nan());
+                            best = if better { v } else { best };
+                            at = if better { iy * g.w + x0 + ix } else { at };
                         }
                     }
+                    let at = if at == usize::MAX { 0 } else { at };
                     *yo = best;
-                    *ao = if at == usize::MAX { 0.0 } else { at as f32 };
+                    *ao = at as f32;
                 }
             }
         }

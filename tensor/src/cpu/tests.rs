@@ -713,6 +713,20 @@ fn dropout_mask_equals_rng_dropout_value() {
             .collect();
         assert_eq!(y, want, "n = {n}, p = {p}");
     }
+    // The portable path too (the AVX2 one runs above where the CPU has it), and counters whose
+    // high word changes inside one group of blocks.
+    for first in [0u64, (1u64 << 32) - 3] {
+        let mut out = vec![0.0; 64];
+        super::random::fill_blocks_portable(&mut out, first, 5, [7, 8], 0.3, 1.0 / 0.7);
+        let mut fast = vec![0.0; 64];
+        super::random::fill_blocks(&mut fast, first, 5, [7, 8], 0.3, 1.0 / 0.7);
+        let seed = 7 | (8u64 << 32);
+        let want: Vec<f32> = (0..64)
+            .map(|i| crate::rng::dropout_value(seed, 5, first * 4 + i, 0.3))
+            .collect();
+        assert_eq!(out, want);
+        assert_eq!(fast, want);
+    }
     let y = K.dropout_mask(&d, &[3, 5], 0.5, 1, 1u64 << 40).unwrap();
     assert_eq!(y.shape(), &[3, 5]);
     let want: Vec<f32> = (0..15)
@@ -867,6 +881,31 @@ fn bench_kernels() {
             *o = super::math::exp(v);
         }
         std::hint::black_box(&mut **b);
+    });
+    let (mut b1, mut b2, mut b3) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
+    let bufs = std::cell::RefCell::new((&mut b1, &mut b2, &mut b3));
+    let hp0 = AdamStep {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        decoupled: true,
+        bias_correction1: 0.1,
+        bias_correction2: 0.001,
+    };
+    time("into buffers: adam", 28 * n, &|| {
+        let mut b = bufs.borrow_mut();
+        let (p, m, v) = &mut *b;
+        super::optim::adam(p, m, v, &xs, &xs, &xs, &xs, &hp0);
+    });
+    time("into buffers: dropout", 4 * n, &|| {
+        let mut b = bufs.borrow_mut();
+        super::random::dropout_mask(b.0, 0.1, 1, 2);
+    });
+    time("into buffers: exp", 8 * n, &|| {
+        let mut b = bufs.borrow_mut();
+        super::elementwise::unary(UnaryOp::Exp, b.0, &xs, &Layout::contiguous(&[n]));
     });
     time("unary exp", 8 * n, &|| {
         drop(K.unary(UnaryOp::Exp, &x).unwrap())

@@ -59,7 +59,7 @@ fn as_matrix(x: &Tensor, batch: &[usize], rows: usize, cols: usize) -> Result<(T
     shape.extend([rows, cols]);
     let mut v = x.broadcast_to(&shape)?;
     let nb = batch.len();
-    let batch_stride = match single_stride(&batch[..], &v.strides()[..nb]) {
+    let batch_stride = match single_stride(batch, &v.strides()[..nb]) {
         Some(s) => s,
         None => {
             v = v.contiguous()?;

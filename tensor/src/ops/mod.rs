@@ -5,8 +5,9 @@
 //! that compute it (broadcasting and transposes as strided views, reductions as row reductions),
 //! and counts the op's FLOPs on the device so the simulated cluster can time it.
 //!
-//! Empty results never reach a kernel: front-ends return a zero-filled tensor of the right shape
-//! instead, so backends need not handle zero-sized dispatches.
+//! Empty results (and empty contractions) never reach a compute kernel: front-ends return
+//! `Tensor::zeros` of the right shape instead, so `fill` is the only kernel that must accept zero
+//! elements.
 
 mod elementwise;
 mod index;

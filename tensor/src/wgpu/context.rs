@@ -55,6 +55,8 @@ pub(crate) struct WgpuContext {
     pub(super) staging: Arc<BufferPool>,
     pub(super) recorder: Mutex<Recorder>,
     pub(super) pipelines: PipelineCache,
+    /// The adapter's subgroup size when it is fixed and the device has `SUBGROUP`.
+    pub(super) subgroup_size: Option<u32>,
 }
 
 impl WgpuContext {
@@ -79,8 +81,10 @@ impl WgpuContext {
         // buffers); f16 only where the adapter has it.
         let limits = adapter.limits();
         let mut features = wgpu::Features::empty();
-        if adapter.features().contains(wgpu::Features::SHADER_F16) {
-            features |= wgpu::Features::SHADER_F16;
+        for f in [wgpu::Features::SHADER_F16, wgpu::Features::SUBGROUP] {
+            if adapter.features().contains(f) {
+                features |= f;
+            }
         }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("wgpipe"),
@@ -111,7 +115,9 @@ impl WgpuContext {
         let epoch = Arc::new(AtomicU64::new(0));
         let pool = BufferPool::new(
             device.clone(),
-            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
             limits.max_buffer_size,
             epoch.clone(),
             "wgpipe tensor",
@@ -124,6 +130,11 @@ impl WgpuContext {
             "wgpipe read-back",
         );
         let recorder = Recorder::new(&device, &limits);
+        let ainfo = adapter.get_info();
+        let subgroup_size = (features.contains(wgpu::Features::SUBGROUP)
+            && ainfo.subgroup_min_size == ainfo.subgroup_max_size
+            && ainfo.subgroup_min_size.is_power_of_two())
+        .then_some(ainfo.subgroup_min_size);
         Ok(WgpuContext {
             info,
             name,
@@ -136,6 +147,7 @@ impl WgpuContext {
             staging,
             recorder: Mutex::new(recorder),
             pipelines: PipelineCache::default(),
+            subgroup_size,
         })
     }
 

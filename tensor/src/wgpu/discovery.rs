@@ -36,9 +36,15 @@ pub(super) fn is_software(info: &wgpu::AdapterInfo) -> bool {
         return true;
     }
     let name = format!("{} {}", info.name, info.driver).to_lowercase();
-    ["llvmpipe", "lavapipe", "swiftshader", "microsoft basic render", "warp"]
-        .iter()
-        .any(|s| name.contains(s))
+    [
+        "llvmpipe",
+        "lavapipe",
+        "swiftshader",
+        "microsoft basic render",
+        "warp",
+    ]
+    .iter()
+    .any(|s| name.contains(s))
 }
 
 fn backend_rank(b: wgpu::Backend) -> u8 {
@@ -75,12 +81,18 @@ fn discover() -> Discovery {
         .collect();
     // Stable order: hardware before software, then backend, name, bus id.
     found.sort_by(|(_, x), (_, y)| {
-        (is_software(x), backend_rank(x.backend), &x.name, &x.device_pci_bus_id).cmp(&(
-            is_software(y),
-            backend_rank(y.backend),
-            &y.name,
-            &y.device_pci_bus_id,
-        ))
+        (
+            is_software(x),
+            backend_rank(x.backend),
+            &x.name,
+            &x.device_pci_bus_id,
+        )
+            .cmp(&(
+                is_software(y),
+                backend_rank(y.backend),
+                &y.name,
+                &y.device_pci_bus_id,
+            ))
     });
 
     let infos = found

@@ -4,7 +4,7 @@
 
 use wgpipe_shaders::{
     Binary, IndexKernel, Kernel, MatmulConfig, OperandLoad, Reduce, ReduceMode, SpatialKernel,
-    Unary, ELEMENTWISE_WG, ROW_WG,
+    SubgroupMatmulConfig, Unary, ELEMENTWISE_WG, ROW_WG,
 };
 
 use super::context::WgpuContext;
@@ -209,7 +209,12 @@ impl WgpuContext {
     }
 
     /// The matmul variant for these operands on this adapter.
-    pub(super) fn matmul_config(&self, la: &MatLayout, lb: &MatLayout, d: &MatDims) -> MatmulConfig {
+    pub(super) fn matmul_config(
+        &self,
+        la: &MatLayout,
+        lb: &MatLayout,
+        d: &MatDims,
+    ) -> MatmulConfig {
         let a4 = |v: usize| v % 4 == 0;
         let a = if la.col_stride == 1
             && a4(d.k)
@@ -326,6 +331,11 @@ impl WgpuContext {
         };
         let la = norm(la, dims.m, dims.k);
         let lb = norm(lb, dims.k, dims.n);
+        if forced.is_none() {
+            if let Some(cfg) = self.subgroup_matmul_config(&dims) {
+                return self.matmul_subgroup(a, la, b, lb, dims, cfg);
+            }
+        }
         let cfg = forced.unwrap_or_else(|| self.matmul_config(&la, &lb, &dims));
         let tiles_n = dims.n.div_ceil(cfg.bn as usize);
         let tiles = dims.m.div_ceil(cfg.bm as usize) * tiles_n;
@@ -370,6 +380,120 @@ impl WgpuContext {
                     z as u32,
                 )?;
                 k0 = k1;
+            }
+            base += z;
+        }
+        self.check()?;
+        Ok(out)
+    }
+
+    /// The subgroup matmul for CPU-backed adapters (lavapipe), when it applies: a fixed
+    /// subgroup size and a problem big enough to repay packing the operands.
+    fn subgroup_matmul_config(&self, d: &MatDims) -> Option<SubgroupMatmulConfig> {
+        let sg = self.subgroup_size?;
+        if !self.info.is_software || !(4..=64).contains(&sg) || d.m * d.n * d.k < 16 * 16 * 16 {
+            return None;
+        }
+        let s = if d.m <= 2 * sg as usize { 2 } else { 4 };
+        let cfg = SubgroupMatmulConfig {
+            sg,
+            s,
+            q: 1,
+            c_vec: d.n % 4 == 0,
+        };
+        let max = self.limits.max_compute_workgroups_per_dimension as usize;
+        let fits = d.m.div_ceil(cfg.rows() as usize) <= max
+            && d.n.div_ceil(cfg.cols() as usize) <= max;
+        fits.then_some(cfg)
+    }
+
+    /// Packs `x` (a strided batch of r x c matrices) into tiles of t0 x t1 (see `pack.wgsl`).
+    #[allow(clippy::too_many_arguments)]
+    fn pack(
+        &self,
+        x: &Tensor,
+        l: &MatLayout,
+        batch: usize,
+        (r, c): (usize, usize),
+        (t0, t1): (usize, usize),
+        (n0, n1): (usize, usize),
+        col_outer: bool,
+    ) -> Result<Tensor> {
+        let total = batch * n0 * n1 * t0 * t1;
+        let out = self.empty(x.device(), &[total])?;
+        let params = [
+            u(total),
+            u(r),
+            u(c),
+            u(t0),
+            u(t1),
+            u(n0),
+            u(n1),
+            u32::from(col_outer),
+            u(l.offset),
+            u(l.batch_stride),
+            u(l.row_stride),
+            u(l.col_stride),
+        ];
+        self.dispatch(
+            Kernel::Pack,
+            &params,
+            &[Arg::of(gpu(x)?), Arg::of(gpu(&out)?)],
+            groups_for(total),
+            1,
+        )?;
+        Ok(out)
+    }
+
+    /// Matmul through packed operands and the subgroup kernel.
+    pub(super) fn matmul_subgroup(
+        &self,
+        a: &Tensor,
+        la: MatLayout,
+        b: &Tensor,
+        lb: MatLayout,
+        dims: MatDims,
+        cfg: SubgroupMatmulConfig,
+    ) -> Result<Tensor> {
+        let MatDims { batch, m, k, n } = dims;
+        let out = self.empty(a.device(), &[batch, m, n])?;
+        if batch == 0 || m == 0 || n == 0 {
+            return Ok(out);
+        }
+        let (tm, cw) = (cfg.rows() as usize, cfg.cols() as usize);
+        let (mb, nb, k4) = (m.div_ceil(tm), n.div_ceil(cw), k.div_ceil(4));
+        let a_batch = if la.batch_stride == 0 { 1 } else { batch };
+        let b_batch = if lb.batch_stride == 0 { 1 } else { batch };
+        let ap = self.pack(a, &la, a_batch, (m, k), (tm, 4), (mb, k4), false)?;
+        let bp = self.pack(b, &lb, b_batch, (k, n), (1, cw), (k4 * 4, nb), true)?;
+        let a_bs = if a_batch == 1 { 0 } else { mb * k4 * tm };
+        let b_bs = if b_batch == 1 { 0 } else { nb * k4 * cw };
+        let max = self.limits.max_compute_workgroups_per_dimension as usize;
+        let (bap, bbp, bo) = (gpu(&ap)?, gpu(&bp)?, gpu(&out)?);
+        let mut base = 0;
+        while base < batch {
+            let z = (batch - base).min(max);
+            let mut k0 = 0;
+            while k0 < k4.max(1) {
+                let k1 = (k0 + LOOP_BUDGET).min(k4);
+                let params = [
+                    u(m),
+                    u(n),
+                    u(k0),
+                    u(k1),
+                    u32::from(k0 > 0),
+                    u(a_bs),
+                    u(b_bs),
+                    u(base),
+                    u(k4),
+                ];
+                self.dispatch_grid(
+                    Kernel::MatmulSubgroup(cfg),
+                    &params,
+                    &[Arg::of(bap), Arg::of(bbp), Arg::of(bo)],
+                    [u(nb), u(mb), u(z)],
+                )?;
+                k0 = k1.max(k0 + 1);
             }
             base += z;
         }
@@ -492,7 +616,11 @@ impl WgpuContext {
             self.dispatch(
                 Kernel::Index(k),
                 &params,
-                &[Arg::of(gpu(&src)?), Arg::of(gpu(&idx)?), Arg::of(gpu(&out)?)],
+                &[
+                    Arg::of(gpu(&src)?),
+                    Arg::of(gpu(&idx)?),
+                    Arg::of(gpu(&out)?),
+                ],
                 groups_for(items),
                 1,
             )?;
@@ -814,11 +942,7 @@ impl Kernels for WgpuContext {
         self.dispatch(
             Kernel::Spatial(SpatialKernel::MaxPool2d),
             &Self::spatial_params(g),
-            &[
-                Arg::of(gpu(&x)?),
-                Arg::of(gpu(&y)?),
-                Arg::of(gpu(&arg)?),
-            ],
+            &[Arg::of(gpu(&x)?), Arg::of(gpu(&y)?), Arg::of(gpu(&arg)?)],
             groups_for(numel(&shape)),
             1,
         )?;

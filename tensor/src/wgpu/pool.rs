@@ -147,11 +147,6 @@ impl BufferPool {
         free.clear();
         self.free_bytes.swap(0, Ordering::Relaxed)
     }
-
-    /// Bytes held in free buffers.
-    pub(crate) fn free_bytes(&self) -> u64 {
-        self.free_bytes.load(Ordering::Relaxed)
-    }
 }
 
 impl GpuBuffer {

@@ -224,8 +224,7 @@ impl WgpuContext {
             return Ok(());
         }
         let mut rec = self.lock();
-        if dst.freed_epoch() == Some(self.epoch.load(Ordering::Relaxed)) && rec.encoder.is_some()
-        {
+        if dst.freed_epoch() == Some(self.epoch.load(Ordering::Relaxed)) && rec.encoder.is_some() {
             self.flush_locked(&mut rec);
         }
         self.queue

@@ -174,10 +174,22 @@ fn every_unary_op() {
         (UnaryOp::Powf(0.0), false, Box::new(|x: f32| x.powf(0.0))),
         (UnaryOp::RDiv(3.0), true, Box::new(|x| 3.0 / x)),
         (UnaryOp::RSub(3.0), false, Box::new(|x| 3.0 - x)),
-        (UnaryOp::MaxScalar(0.5), false, Box::new(|x: f32| x.max(0.5))),
-        (UnaryOp::MinScalar(0.5), false, Box::new(|x: f32| x.min(0.5))),
+        (
+            UnaryOp::MaxScalar(0.5),
+            false,
+            Box::new(|x: f32| x.max(0.5)),
+        ),
+        (
+            UnaryOp::MinScalar(0.5),
+            false,
+            Box::new(|x: f32| x.min(0.5)),
+        ),
         (UnaryOp::GtScalar(0.5), false, Box::new(move |x| b(x > 0.5))),
-        (UnaryOp::EqScalar(1.0), false, Box::new(move |x| b(x == 1.0))),
+        (
+            UnaryOp::EqScalar(1.0),
+            false,
+            Box::new(move |x| b(x == 1.0)),
+        ),
     ];
     for (op, positive, f) in cases {
         let (input, src) = if positive { (&xp, &pos) } else { (&x, &data) };
@@ -195,12 +207,13 @@ fn every_unary_op() {
 #[test]
 fn every_binary_op_with_broadcast() {
     let Some(d) = device() else { return };
-    let a_data: Vec<f32> = vals(12, 3).iter().map(|v| (v * 4.0).round() / 2.0).collect();
+    let a_data: Vec<f32> = vals(12, 3)
+        .iter()
+        .map(|v| (v * 4.0).round() / 2.0)
+        .collect();
     let b_data: Vec<f32> = vals(4, 4).iter().map(|v| (v * 4.0).round() / 2.0).collect();
     let a = t(&d, &a_data, &[3, 4]);
-    let b = t(&d, &b_data, &[4])
-        .broadcast_to(&[3, 4])
-        .unwrap();
+    let b = t(&d, &b_data, &[4]).broadcast_to(&[3, 4]).unwrap();
     let f = |x: bool| if x { 1.0 } else { 0.0 };
     let pow = |x: f32, y: f32| x.powf(y);
     let ops: Vec<(BinaryOp, Box<dyn Fn(f32, f32) -> f32>)> = vec![
@@ -224,9 +237,7 @@ fn every_binary_op_with_broadcast() {
         // Division by zero gives inf on both sides; compare with a relative tolerance.
         for (i, (x, y)) in got.iter().zip(&want).enumerate() {
             assert!(
-                (x.is_nan() && y.is_nan())
-                    || x == y
-                    || (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                (x.is_nan() && y.is_nan()) || x == y || (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
                 "{op:?} element {i}: got {x}, want {y} (a={}, b={})",
                 a_data[i],
                 b_data[i % 4]
@@ -274,7 +285,10 @@ fn reductions_softmax_layer_norm() {
             bi as f32
         };
         let cases: Vec<(ReduceOp, Vec<f32>)> = vec![
-            (ReduceOp::Sum, (0..rows).map(|r| row(r).iter().sum()).collect()),
+            (
+                ReduceOp::Sum,
+                (0..rows).map(|r| row(r).iter().sum()).collect(),
+            ),
             (
                 ReduceOp::Max,
                 (0..rows)
@@ -314,7 +328,12 @@ fn reductions_softmax_layer_norm() {
                     }
                 }));
             }
-            close(&got, &want, 1e-5, &format!("softmax log={log} {rows}x{cols}"));
+            close(
+                &got,
+                &want,
+                1e-5,
+                &format!("softmax log={log} {rows}x{cols}"),
+            );
         }
         let gamma_d = vals(cols, 6);
         let beta_d = vals(cols, 7);
@@ -344,7 +363,9 @@ fn reductions_softmax_layer_norm() {
     let data = vals(40, 8);
     let x = t(&d, &data, &[8, 5]).narrow(0, 2, 3).unwrap();
     let got = host(&d, &k(&d).reduce_rows(ReduceOp::Sum, &x, 3, 5).unwrap());
-    let want: Vec<f32> = (2..5).map(|r| data[r * 5..r * 5 + 5].iter().sum()).collect();
+    let want: Vec<f32> = (2..5)
+        .map(|r| data[r * 5..r * 5 + 5].iter().sum())
+        .collect();
     close(&got, &want, 1e-5, "sum of an offset view");
 }
 
@@ -356,8 +377,10 @@ fn matmul_ref(a: &[f32], la: MatLayout, b: &[f32], lb: MatLayout, d: MatDims) ->
             for j in 0..d.n {
                 let mut s = 0.0f64;
                 for kk in 0..d.k {
-                    let x = a[la.offset + bi * la.batch_stride + i * la.row_stride + kk * la.col_stride];
-                    let y = b[lb.offset + bi * lb.batch_stride + kk * lb.row_stride + j * lb.col_stride];
+                    let x = a
+                        [la.offset + bi * la.batch_stride + i * la.row_stride + kk * la.col_stride];
+                    let y = b
+                        [lb.offset + bi * lb.batch_stride + kk * lb.row_stride + j * lb.col_stride];
                     s += f64::from(x) * f64::from(y);
                 }
                 out[(bi * d.m + i) * d.n + j] = s as f32;
@@ -393,7 +416,12 @@ fn matmul_every_tile_and_operand_layout() {
     let c = ctx(&d);
     let mut seen = std::collections::HashSet::new();
     // (batch, m, k, n): aligned and ragged shapes
-    for (batch, m, kk, n) in [(2, 68, 40, 72), (1, 33, 17, 9), (3, 5, 8, 12), (1, 130, 64, 129)] {
+    for (batch, m, kk, n) in [
+        (2, 68, 40, 72),
+        (1, 33, 17, 9),
+        (3, 5, 8, 12),
+        (1, 130, 64, 129),
+    ] {
         for ta in [false, true] {
             for tb in [false, true] {
                 for offset in [0, 4, 1] {
@@ -420,6 +448,16 @@ fn matmul_every_tile_and_operand_layout() {
                         let got = c.matmul_with(&a, la, &b, lb, dims, Some(cfg)).unwrap();
                         assert_eq!(got.shape(), &[batch, m, n]);
                         close(&host(&d, &got), &want, 1e-4, &format!("{dims:?} {cfg:?}"));
+                    }
+                    // the subgroup kernel (lavapipe), every shape
+                    if let Some(sg) = c.subgroup_size {
+                        for (s, q) in wgpipe_shaders::SubgroupMatmulConfig::SHAPES {
+                            for c_vec in [false, n % 4 == 0] {
+                                let cfg = wgpipe_shaders::SubgroupMatmulConfig { sg, s, q, c_vec };
+                                let got = c.matmul_subgroup(&a, la, &b, lb, dims, cfg).unwrap();
+                                close(&host(&d, &got), &want, 1e-4, &format!("{dims:?} {cfg:?}"));
+                            }
+                        }
                     }
                     // and the scalar paths on the same operands
                     for (a_load, b_load) in [
@@ -471,7 +509,10 @@ fn index_kernels() {
     let idx_data = [4.0, 0.0, 4.0, 2.0];
     let idx = t(&d, &idx_data, &[4]);
     let n = idx_data.len();
-    let got = host(&d, &k(&d).index_select(&x, &idx, outer, dim, inner).unwrap());
+    let got = host(
+        &d,
+        &k(&d).index_select(&x, &idx, outer, dim, inner).unwrap(),
+    );
     let mut want = Vec::new();
     for o in 0..outer {
         for &j in &idx_data {
@@ -495,7 +536,9 @@ fn index_kernels() {
     }
     close(&got, &want, 1e-6, "index_add");
     // gather / scatter_add with idx [outer, n, inner]
-    let gidx_data: Vec<f32> = (0..outer * n * inner).map(|e| ((e * 7 + 3) % dim) as f32).collect();
+    let gidx_data: Vec<f32> = (0..outer * n * inner)
+        .map(|e| ((e * 7 + 3) % dim) as f32)
+        .collect();
     let gidx = t(&d, &gidx_data, &[outer, n, inner]);
     let got = host(&d, &k(&d).gather(&x, &gidx, outer, dim, inner).unwrap());
     let want: Vec<f32> = (0..outer * n * inner)
@@ -505,7 +548,10 @@ fn index_kernels() {
         })
         .collect();
     assert_eq!(got, want);
-    let got = host(&d, &k(&d).scatter_add(&src, &gidx, outer, dim, inner).unwrap());
+    let got = host(
+        &d,
+        &k(&d).scatter_add(&src, &gidx, outer, dim, inner).unwrap(),
+    );
     let mut want = vec![0.0; outer * dim * inner];
     for e in 0..outer * n * inner {
         let (o, i) = (e / (n * inner), e % inner);
@@ -520,7 +566,11 @@ fn concat_of_views() {
     let a_data = vals(6, 30);
     let b_data = vals(12, 31);
     let a = t(&d, &a_data, &[2, 3]);
-    let b = t(&d, &b_data, &[3, 4]).t().unwrap().narrow(0, 1, 2).unwrap(); // [2, 3] strided
+    let b = t(&d, &b_data, &[3, 4])
+        .t()
+        .unwrap()
+        .narrow(0, 1, 2)
+        .unwrap(); // [2, 3] strided
     let out = k(&d).concat(&[&a, &b], 0, &[4, 3]).unwrap();
     let mut want = a_data.clone();
     want.extend(view_values(&b_data, b.layout()));
@@ -595,7 +645,11 @@ fn im2col_ref(x: &[f32], g: &Conv2dGeometry) -> Vec<f32> {
 #[test]
 fn im2col_and_its_adjoint() {
     let Some(d) = device() else { return };
-    for g in [conv_geo(1, 1, 1, 1), conv_geo(2, 2, 1, 1), conv_geo(4, 1, 2, 2)] {
+    for g in [
+        conv_geo(1, 1, 1, 1),
+        conv_geo(2, 2, 1, 1),
+        conv_geo(4, 1, 2, 2),
+    ] {
         let x_data = vals(g.n * g.c_in * g.h * g.w, 40);
         let x = t(&d, &x_data, &[g.n, g.c_in, g.h, g.w]);
         let cols = k(&d).im2col(&x, &g).unwrap();
@@ -606,8 +660,16 @@ fn im2col_and_its_adjoint() {
         let c_data = vals(want.len(), 41);
         let c = t(&d, &c_data, cols.shape());
         let back = host(&d, &k(&d).col2im(&c, &g).unwrap());
-        let lhs: f64 = want.iter().zip(&c_data).map(|(a, b)| f64::from(a * b)).sum();
-        let rhs: f64 = x_data.iter().zip(&back).map(|(a, b)| f64::from(a * b)).sum();
+        let lhs: f64 = want
+            .iter()
+            .zip(&c_data)
+            .map(|(a, b)| f64::from(a * b))
+            .sum();
+        let rhs: f64 = x_data
+            .iter()
+            .zip(&back)
+            .map(|(a, b)| f64::from(a * b))
+            .sum();
         assert!((lhs - rhs).abs() < 1e-3, "{g:?}: {lhs} vs {rhs}");
     }
 }
@@ -752,8 +814,7 @@ fn adam_matches_the_documented_arithmetic() {
             let mi = hp.beta1 * m[i] + (1.0 - hp.beta1) * gi;
             let vi = hp.beta2 * v[i] + (1.0 - hp.beta2) * gi * gi;
             let mut pi = p[i]
-                - hp.lr * (mi / hp.bias_correction1)
-                    / ((vi / hp.bias_correction2).sqrt() + hp.eps);
+                - hp.lr * (mi / hp.bias_correction1) / ((vi / hp.bias_correction2).sqrt() + hp.eps);
             if decoupled {
                 pi -= hp.lr * hp.weight_decay * p[i];
             }
@@ -773,15 +834,17 @@ fn dispatches_wider_than_65535_workgroups() {
     // 65536 * 256 + 3 elements: 65537 workgroups of 256, more than one grid row.
     let n = 65536 * 256 + 3;
     let x = k(&d).fill(&d, &[n], 1.5).unwrap();
-    let y = k(&d).unary(UnaryOp::Affine { mul: 2.0, add: 1.0 }, &x).unwrap();
+    let y = k(&d)
+        .unary(UnaryOp::Affine { mul: 2.0, add: 1.0 }, &x)
+        .unwrap();
     let v = host(&d, &y);
     assert_eq!(v.len(), n);
     assert!(v.iter().all(|&e| e == 4.0));
-    let s = host(
-        &d,
-        &k(&d).reduce_rows(ReduceOp::Sum, &y, 1, n).unwrap(),
+    let s = host(&d, &k(&d).reduce_rows(ReduceOp::Sum, &y, 1, n).unwrap());
+    assert!(
+        (s[0] - 4.0 * n as f32).abs() / (4.0 * n as f32) < 1e-4,
+        "{s:?}"
     );
-    assert!((s[0] - 4.0 * n as f32).abs() / (4.0 * n as f32) < 1e-4, "{s:?}");
 }
 
 #[test]
@@ -867,8 +930,15 @@ fn long_loops_are_split() {
     let am = host(&d, &k(&d).reduce_rows(ReduceOp::ArgMin, &x, 1, n).unwrap())[0];
     assert_eq!(am, 7.0);
     // two rows of a long reduction with an offset view
-    let x2 = t(&d, &data, &[n]).narrow(0, 1000, 2 * 600_000).unwrap().reshape(&[2, 600_000]).unwrap();
-    let got = host(&d, &k(&d).reduce_rows(ReduceOp::Sum, &x2, 2, 600_000).unwrap());
+    let x2 = t(&d, &data, &[n])
+        .narrow(0, 1000, 2 * 600_000)
+        .unwrap()
+        .reshape(&[2, 600_000])
+        .unwrap();
+    let got = host(
+        &d,
+        &k(&d).reduce_rows(ReduceOp::Sum, &x2, 2, 600_000).unwrap(),
+    );
     assert_eq!(got, vec![600_000.0, 600_000.0]);
 
     // matmul with a long k
@@ -877,10 +947,21 @@ fn long_loops_are_split() {
     let b_data = vals(kk * nn, 91);
     let la = layout(m, kk, false, 0, false);
     let lb = layout(kk, nn, true, 0, false);
-    let dims = MatDims { batch: 1, m, k: kk, n: nn };
+    let dims = MatDims {
+        batch: 1,
+        m,
+        k: kk,
+        n: nn,
+    };
     let want = matmul_ref(&a_data, la, &b_data, lb, dims);
     let got = k(&d)
-        .matmul(&t(&d, &a_data, &[m * kk]), la, &t(&d, &b_data, &[kk * nn]), lb, dims)
+        .matmul(
+            &t(&d, &a_data, &[m * kk]),
+            la,
+            &t(&d, &b_data, &[kk * nn]),
+            lb,
+            dims,
+        )
         .unwrap();
     close(&host(&d, &got), &want, 1e-3, "long-k matmul");
 
@@ -904,12 +985,37 @@ fn long_loops_are_split() {
 fn tune_matmul_tiles() {
     let Some(d) = device() else { return };
     let c = ctx(&d);
-    let size: usize = std::env::var("TUNE_N").ok().and_then(|v| v.parse().ok()).unwrap_or(1024);
+    let size: usize = std::env::var("TUNE_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1024);
     let a = t(&d, &vals(size * size, 1), &[size * size]);
     let b = t(&d, &vals(size * size, 2), &[size * size]);
     let l = layout(size, size, false, 0, false);
-    let dims = MatDims { batch: 1, m: size, k: size, n: size };
+    let dims = MatDims {
+        batch: 1,
+        m: size,
+        k: size,
+        n: size,
+    };
     let auto = c.matmul_config(&l, &l, &dims);
+    if let Some(sg) = c.subgroup_size {
+        for (s, q) in [(4, 1), (2, 1), (2, 2), (4, 2), (8, 1), (3, 1)] {
+            let cfg = wgpipe_shaders::SubgroupMatmulConfig { sg, s, q, c_vec: true };
+            let _ = c.matmul_subgroup(&a, l, &b, l, dims, cfg).unwrap();
+            d.synchronize().unwrap();
+            let t0 = std::time::Instant::now();
+            for _ in 0..3 {
+                let _ = c.matmul_subgroup(&a, l, &b, l, dims, cfg).unwrap();
+            }
+            d.synchronize().unwrap();
+            let secs = t0.elapsed().as_secs_f64() / 3.0;
+            eprintln!("subgroup s{s} q{q}: {:.1} GFLOP/s", 2.0 * (size as f64).powi(3) / secs / 1e9);
+        }
+    }
+    if std::env::var("TUNE_TILED").is_err() {
+        return;
+    }
     let extra: Vec<(u32, u32, u32, u32, u32)> = vec![
         (32, 32, 8, 4, 4),
         (32, 64, 8, 4, 8),
@@ -927,7 +1033,14 @@ fn tune_matmul_tiles() {
         (64, 64, 8, 8, 16),
     ];
     for (bm, bn, bk, tm, tn) in MatmulConfig::TILES.iter().cloned().chain(extra) {
-        let cfg = MatmulConfig { bm, bn, bk, tm, tn, ..auto };
+        let cfg = MatmulConfig {
+            bm,
+            bn,
+            bk,
+            tm,
+            tn,
+            ..auto
+        };
         if cfg.threads() > c.limits.max_compute_invocations_per_workgroup {
             continue;
         }
@@ -946,66 +1059,4 @@ fn tune_matmul_tiles() {
             2.0 * (size as f64).powi(3) / s / 1e9
         );
     }
-}
-
-/// Experiment harness: times the WGSL in $EXP_WGSL (bindings: 0 params [m,k,n], 1 a, 2 b, 3 c;
-/// grid from $EXP_GRID "x,y") on a 1024^3 matmul and checks one output.
-#[test]
-#[ignore]
-fn experiment_wgsl() {
-    let Some(d) = device() else { return };
-    let c = ctx(&d);
-    let n: usize = std::env::var("EXP_N").ok().and_then(|v| v.parse().ok()).unwrap_or(1024);
-    let src = std::fs::read_to_string(std::env::var("EXP_WGSL").unwrap()).unwrap();
-    let grid: Vec<u32> = std::env::var("EXP_GRID").unwrap().split(',').map(|v| v.parse().unwrap()).collect();
-    let a_data = vals(n * n, 1);
-    let b_data = vals(n * n, 2);
-    let a = t(&d, &a_data, &[n * n]);
-    let b = t(&d, &b_data, &[n * n]);
-    let out = k(&d).fill(&d, &[n * n], 0.0).unwrap();
-    let params = t(&d, &[f32::from_bits(n as u32), f32::from_bits(n as u32), f32::from_bits(n as u32)], &[3]);
-    let module = c.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: None,
-        source: wgpu::ShaderSource::Wgsl(src.into()),
-    });
-    let pipe = c.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-        label: None,
-        layout: None,
-        module: &module,
-        entry_point: Some("main"),
-        compilation_options: Default::default(),
-        cache: None,
-    });
-    let bgl = pipe.get_bind_group_layout(0);
-    let bufs = [gpu(&params).unwrap(), gpu(&a).unwrap(), gpu(&b).unwrap(), gpu(&out).unwrap()];
-    let entries: Vec<wgpu::BindGroupEntry> = bufs
-        .iter()
-        .enumerate()
-        .map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.buffer().as_entire_binding() })
-        .collect();
-    let bg = c.device.create_bind_group(&wgpu::BindGroupDescriptor { label: None, layout: &bgl, entries: &entries });
-    let run = |reps: usize| {
-        let mut enc = c.device.create_command_encoder(&Default::default());
-        {
-            let mut pass = enc.begin_compute_pass(&Default::default());
-            pass.set_pipeline(&pipe);
-            pass.set_bind_group(0, &bg, &[]);
-            for _ in 0..reps {
-                pass.dispatch_workgroups(grid[0], grid[1], 1);
-            }
-        }
-        c.queue.submit([enc.finish()]);
-        c.device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
-    };
-    run(1);
-    let t0 = std::time::Instant::now();
-    run(3);
-    let s = t0.elapsed().as_secs_f64() / 3.0;
-    let got = host(&d, &out);
-    let mut max_err = 0.0f32;
-    for &(i, j) in &[(0usize, 0usize), (n - 1, n - 1), (n / 2, 3), (7, n / 3)] {
-        let want: f32 = (0..n).map(|kk| a_data[i * n + kk] * b_data[kk * n + j]).sum();
-        max_err = max_err.max((got[i * n + j] - want).abs());
-    }
-    eprintln!("{:.1} GFLOP/s (max err {max_err})", 2.0 * (n as f64).powi(3) / s / 1e9);
 }

@@ -229,8 +229,16 @@ pub fn broadcast(a: &[usize], b: &[usize]) -> Vec<usize> {
     let r = a.len().max(b.len());
     (0..r)
         .map(|d| {
-            let da = if d + a.len() >= r { a[d + a.len() - r] } else { 1 };
-            let db = if d + b.len() >= r { b[d + b.len() - r] } else { 1 };
+            let da = if d + a.len() >= r {
+                a[d + a.len() - r]
+            } else {
+                1
+            };
+            let db = if d + b.len() >= r {
+                b[d + b.len() - r]
+            } else {
+                1
+            };
             assert!(da == db || da == 1 || db == 1, "{a:?} vs {b:?}");
             if da == 1 {
                 db

@@ -59,13 +59,19 @@ fn grid(
                     if mode == CheckpointMode::ExceptLast && (m == k || m == 8) {
                         let mut again = sim_pipeline(make(), &cfg);
                         let (got2, _) = pipe_train(&mut again, x, y, loss, STEPS);
-                        assert!(got2 == *first.as_ref().unwrap(), "{what}: not deterministic");
+                        assert!(
+                            got2 == *first.as_ref().unwrap(),
+                            "{what}: not deterministic"
+                        );
                     }
                 }
             }
         }
     }
-    eprintln!("{name}: worst relative error vs plain {:.3e} ({})", worst.0, worst.1);
+    eprintln!(
+        "{name}: worst relative error vs plain {:.3e} ({})",
+        worst.0, worst.1
+    );
 }
 
 #[test]
@@ -115,14 +121,23 @@ fn more_micro_batches_than_samples_is_a_clear_error() {
     let err = pipe.train_step(&x, &y, &mse).unwrap_err();
     assert!(matches!(err, PipelineError::Config(_)), "{err:?}");
     let msg = err.to_string();
-    assert!(msg.contains("4 samples") && msg.contains("8 micro-batches"), "{msg}");
+    assert!(
+        msg.contains("4 samples") && msg.contains("8 micro-batches"),
+        "{msg}"
+    );
     assert_eq!(snapshot(&pipe.named_parameters()), before);
-    assert!(pipe.named_parameters().iter().all(|(_, p)| p.grad().is_none()));
+    assert!(pipe
+        .named_parameters()
+        .iter()
+        .all(|(_, p)| p.grad().is_none()));
     // A mini-batch that can be split still trains.
     let (x, y) = mlp_data(8);
     pipe.train_step(&x, &y, &mse).unwrap();
     // The evaluation forward gives the same error.
-    let e = pipe.forward(&normal_data(&[3, 6], 9)).unwrap_err().to_string();
+    let e = pipe
+        .forward(&normal_data(&[3, 6], 9))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("3 samples"), "{e}");
 }
 
@@ -164,10 +179,55 @@ fn dropout_replays_identically_across_modes_runs_and_stages() {
                 by_k.push(first.unwrap());
             }
             for r in &by_k[1..] {
-                assert_close(r, &by_k[0], 1e-5, &format!("dropout, K vs K=1, M={m} {schedule:?}"));
+                assert_close(
+                    r,
+                    &by_k[0],
+                    1e-5,
+                    &format!("dropout, K vs K=1, M={m} {schedule:?}"),
+                );
             }
             let (e, _) = worst_err(&by_k[0], &no_dropout);
             assert!(e > 1e-3, "dropout 0.2 changed nothing ({e:.3e})");
+        }
+    }
+}
+
+/// Batch norm: statistics per micro-batch in training, but the running statistics are updated
+/// once per mini-batch from the whole mini-batch (deferred), so after a step they equal plain
+/// training's whatever K, M, schedule and checkpoint mode (a recompute must not count twice).
+#[test]
+fn batch_norm_running_statistics_do_not_depend_on_k_or_m() {
+    use wgpipe_models::{BatchNorm2d, Linear, Relu};
+    let make = || -> Vec<Box<dyn wgpipe_autograd::Module>> {
+        let d = wgpipe_tensor::Device::cpu();
+        vec![
+            Box::new(Linear::new(6, 8, 1, &d).unwrap()),
+            Box::new(BatchNorm2d::new(8, &d).unwrap()),
+            Box::new(Relu),
+            Box::new(Linear::new(8, 3, 2, &d).unwrap()),
+        ]
+    };
+    let (x, y) = mlp_data(8);
+    let plain = make();
+    plain_train(&plain, &x, &y, &mse, 1);
+    let want = snapshot(&wgpipe_models::sequence_buffers(&plain));
+    for k in [1, 2] {
+        for m in [1, 2, 4, 8] {
+            for schedule in ALL_SCHEDULES {
+                for mode in ALL_MODES {
+                    let mut pipe = sim_pipeline(make(), &PipeCfg::new(k, m, mode, schedule));
+                    pipe_train(&mut pipe, &x, &y, &mse, 1);
+                    let got = snapshot(&pipe.named_buffers());
+                    assert_eq!(got.len(), want.len());
+                    for ((n, a), (_, b)) in got.iter().zip(&want) {
+                        let e = rel_err(a, b);
+                        assert!(
+                            e <= 1e-5,
+                            "K={k} M={m} {mode} {schedule:?}: {n} off by {e:.3e}"
+                        );
+                    }
+                }
+            }
         }
     }
 }

@@ -9,22 +9,27 @@ use std::time::{Duration, Instant};
 
 use wgpipe_autograd::Module;
 use wgpipe_models::{Linear, Relu};
-use wgpipe_pipeline::{CheckpointMode, Pipeline, PipelineError, ScheduleKind, StageCause};
+use wgpipe_pipeline::{CheckpointMode, Pipeline, PipelineError, StageCause};
 use wgpipe_tensor::{Device, Tensor};
 use wgpipe_tests::*;
 
 const K: usize = 3;
 const WIDTH: usize = 8;
 
+/// Layers, their balance, and the trigger of their `Fault` layer.
+type FaultyModel = (Vec<Box<dyn Module>>, Vec<usize>, Arc<Mutex<FaultState>>);
+
 /// K stages of [Linear, ReLU], with a `Fault` layer appended to stage `fault_stage`.
-fn faulty_model(fault_stage: usize) -> (Vec<Box<dyn Module>>, Vec<usize>, Arc<Mutex<FaultState>>) {
+fn faulty_model(fault_stage: usize) -> FaultyModel {
     let d = Device::cpu();
     let (fault, state) = Fault::new();
     let mut fault = Some(fault);
     let mut layers: Vec<Box<dyn Module>> = Vec::new();
     let mut balance = Vec::new();
     for s in 0..K {
-        layers.push(Box::new(Linear::new(WIDTH, WIDTH, 100 + s as u64, &d).unwrap()));
+        layers.push(Box::new(
+            Linear::new(WIDTH, WIDTH, 100 + s as u64, &d).unwrap(),
+        ));
         layers.push(Box::new(Relu));
         let mut n = 2;
         if s == fault_stage {
@@ -84,7 +89,7 @@ fn check_fault(
             if let Some(mb) = micro_batch {
                 assert_eq!(*m, mb, "{what}: wrong micro-batch in {err}");
             }
-            assert!(cause(c), "{what}: wrong cause in {err}");
+            assert!(cause(c.as_ref()), "{what}: wrong cause in {err}");
         }
         other => panic!("{what}: not a stage error: {other:?}"),
     }
@@ -93,8 +98,16 @@ fn check_fault(
     if let Some(mb) = micro_batch {
         assert!(msg.contains(&format!("micro-batch {mb}")), "{msg}");
     }
-    assert_eq!(snapshot(&pipe.named_parameters()), params, "{what}: parameters changed");
-    assert_eq!(grad_snapshot(&pipe.named_parameters()), grads, "{what}: gradients changed");
+    assert_eq!(
+        snapshot(&pipe.named_parameters()),
+        params,
+        "{what}: parameters changed"
+    );
+    assert_eq!(
+        grad_snapshot(&pipe.named_parameters()),
+        grads,
+        "{what}: gradients changed"
+    );
     for d in pipe.devices() {
         // Nothing of the failed step is left alive on any device.
         assert_eq!(
@@ -114,7 +127,10 @@ fn check_fault(
     clean.train_step(&x, &y, &mse).unwrap();
     clean.optimizer_step().unwrap();
     clean.train_step(&x, &y, &mse).unwrap();
-    assert_eq!(snapshot(&pipe.named_parameters()), snapshot(&clean.named_parameters()));
+    assert_eq!(
+        snapshot(&pipe.named_parameters()),
+        snapshot(&clean.named_parameters())
+    );
     assert_eq!(
         grad_snapshot(&pipe.named_parameters()),
         grad_snapshot(&clean.named_parameters())
@@ -175,8 +191,7 @@ fn a_stage_out_of_memory_is_a_clean_error() {
         for stage in 0..K {
             let make = |cap: u64| {
                 let (layers, balance, _) = faulty_model(K); // no fault layer
-                let mut cfg =
-                    PipeCfg::new(K, 4, CheckpointMode::Never, schedule).balance(balance);
+                let mut cfg = PipeCfg::new(K, 4, CheckpointMode::Never, schedule).balance(balance);
                 cfg.memory[stage] = cap;
                 sim_pipeline(layers, &cfg)
             };
@@ -184,7 +199,10 @@ fn a_stage_out_of_memory_is_a_clean_error() {
             // bytes, fewer than the activations of 4 micro-batches of 2 samples need.
             let mut pipe = make(u64::MAX);
             let is_oom = |c: &StageCause| {
-                matches!(c, StageCause::Tensor(wgpipe_tensor::Error::OutOfMemory { .. }))
+                matches!(
+                    c,
+                    StageCause::Tensor(wgpipe_tensor::Error::OutOfMemory { .. })
+                )
             };
             let dev = pipe.devices()[stage].clone();
             let (d1, d2) = (dev.clone(), dev.clone());
@@ -198,6 +216,58 @@ fn a_stage_out_of_memory_is_a_clean_error() {
                 &is_oom,
                 &format!("out of memory on stage {stage} {schedule:?}"),
                 &|| make(u64::MAX),
+            );
+        }
+    }
+}
+
+/// Batch norm defers its running statistics to `finish_step`; the micro-batches that ran
+/// before a failure must not leak their statistics into the next step.
+#[test]
+fn a_failed_step_leaves_no_deferred_batch_norm_statistics() {
+    use wgpipe_models::BatchNorm2d;
+    let make = || {
+        let d = Device::cpu();
+        let (fault, state) = Fault::new();
+        let layers: Vec<Box<dyn Module>> = vec![
+            Box::new(Linear::new(WIDTH, WIDTH, 1, &d).unwrap()),
+            Box::new(BatchNorm2d::new(WIDTH, &d).unwrap()),
+            Box::new(Relu),
+            Box::new(Linear::new(WIDTH, WIDTH, 2, &d).unwrap()),
+            Box::new(fault),
+        ];
+        (layers, state)
+    };
+    let (x, y) = data();
+    for schedule in ALL_SCHEDULES {
+        for mode in ALL_MODES {
+            let cfg = PipeCfg::new(2, 4, mode, schedule).balance(vec![3, 2]);
+            let (layers, state) = make();
+            let mut pipe = sim_pipeline(layers, &cfg);
+            pipe.train_step(&x, &y, &mse).unwrap();
+            pipe.optimizer_step().unwrap();
+            // Stage 1 fails at micro-batch 2: stage 0 has run batch norm on micro-batches 0..=2
+            // (GPipe: all 4) by then.
+            state.lock().unwrap().armed = Some((FaultKind::Error, 2));
+            let buffers = snapshot(&pipe.named_buffers());
+            pipe.train_step(&x, &y, &mse).unwrap_err();
+            assert_eq!(
+                snapshot(&pipe.named_buffers()),
+                buffers,
+                "{cfg:?}: buffers changed"
+            );
+            state.lock().unwrap().armed = None;
+            pipe.train_step(&x, &y, &mse).unwrap();
+
+            let (layers, _) = make();
+            let mut clean = sim_pipeline(layers, &cfg);
+            clean.train_step(&x, &y, &mse).unwrap();
+            clean.optimizer_step().unwrap();
+            clean.train_step(&x, &y, &mse).unwrap();
+            assert_eq!(
+                snapshot(&pipe.named_buffers()),
+                snapshot(&clean.named_buffers()),
+                "{cfg:?}: statistics of the failed step leaked into the next one"
             );
         }
     }

@@ -3,3 +3,7 @@
 
 mod equivalence;
 mod faults;
+mod memory;
+mod reports;
+mod sim_time;
+mod wgpu;

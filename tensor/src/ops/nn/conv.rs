@@ -121,10 +121,12 @@ fn grouped_dy(op: &'static str, dy: &Tensor, g: &Conv2dGeometry) -> Result<Tenso
 
 /// im2col of `x`: `[n, groups, R, L]`.
 fn columns(x: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
-    x.device()
-        .kernels()
-        .im2col(&x.contiguous()?, g)?
-        .reshape(&[g.n, g.groups, g.col_rows(), g.col_cols()])
+    x.device().kernels().im2col(&x.contiguous()?, g)?.reshape(&[
+        g.n,
+        g.groups,
+        g.col_rows(),
+        g.col_cols(),
+    ])
 }
 
 impl Tensor {

@@ -1,0 +1,142 @@
+//! Op throughput on every device of this machine: the CPU backend and each wgpu adapter
+//! (lavapipe included). Prints a Markdown table.
+//!
+//! `cargo run --release --example bench_ops [-- --quick]`
+//!
+//! - matmul (f32, square n x n): GFLOP/s counting 2 n^3 per product, "queued" = N products
+//!   enqueued then one `synchronize`, "read-back" = each product read back to the host;
+//! - elementwise add of two 16M-float tensors: GB/s counting 12 bytes per element (two reads,
+//!   one write);
+//! - softmax over the rows of a 4096 x 1024 matrix: rows per second.
+
+use std::time::{Duration, Instant};
+
+use wgpipe::tensor::{Device, Tensor};
+
+/// Runs `f` until about `budget` has passed (at least once after a warm-up); seconds per call.
+fn time_per_call(budget: Duration, mut f: impl FnMut() -> usize) -> f64 {
+    f(); // warm-up: pipelines compiled, buffers pooled
+    let start = Instant::now();
+    let mut calls = 0usize;
+    while calls == 0 || start.elapsed() < budget {
+        calls += f();
+    }
+    start.elapsed().as_secs_f64() / calls as f64
+}
+
+struct Row {
+    device: String,
+    op: String,
+    size: String,
+    queued: String,
+    readback: String,
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let budget = Duration::from_millis(if quick { 300 } else { 1500 });
+
+    let mut devices = vec![Device::cpu()];
+    for a in Device::adapters() {
+        match Device::wgpu(a.index) {
+            Ok(d) => devices.push(d),
+            Err(e) => eprintln!("skipping adapter {} ({}): {e}", a.index, a.name),
+        }
+    }
+
+    let mut rows = Vec::new();
+    for dev in &devices {
+        let kind = match dev.adapter_info() {
+            Some(i) => format!("{} [{}{}]", dev.name(), i.backend, if i.is_software { ", software" } else { "" }),
+            None => format!("{} [{} threads]", dev.name(), std::thread::available_parallelism().map_or(1, |n| n.get())),
+        };
+        eprintln!("benchmarking {kind}");
+
+        for n in [256usize, 512, 1024, 2048] {
+            let a = Tensor::rand_uniform(&[n, n], -1.0, 1.0, 1, dev).unwrap();
+            let b = Tensor::rand_uniform(&[n, n], -1.0, 1.0, 2, dev).unwrap();
+            let flops = 2.0 * (n as f64).powi(3);
+            // Enqueue a batch of products sized to the budget, then wait once.
+            let probe = time_per_call(Duration::ZERO, || {
+                let c = a.matmul(&b).unwrap();
+                dev.synchronize().unwrap();
+                drop(c);
+                1
+            });
+            let batch = ((budget.as_secs_f64() / 4.0 / probe) as usize).clamp(1, 64);
+            let queued = time_per_call(budget, || {
+                for _ in 0..batch {
+                    let _ = a.matmul(&b).unwrap();
+                }
+                dev.synchronize().unwrap();
+                batch
+            });
+            let readback = time_per_call(budget, || {
+                let c = a.matmul(&b).unwrap();
+                std::hint::black_box(c.to_vec().unwrap());
+                1
+            });
+            rows.push(Row {
+                device: kind.clone(),
+                op: "matmul f32".into(),
+                size: format!("{n}x{n}x{n}"),
+                queued: format!("{:.1} GFLOP/s", flops / queued / 1e9),
+                readback: format!("{:.1} GFLOP/s", flops / readback / 1e9),
+            });
+            eprintln!("  matmul {n}: {:.1} / {:.1} GFLOP/s", flops / queued / 1e9, flops / readback / 1e9);
+        }
+
+        let len = 16 << 20;
+        let x = Tensor::rand_uniform(&[len], -1.0, 1.0, 3, dev).unwrap();
+        let y = Tensor::rand_uniform(&[len], -1.0, 1.0, 4, dev).unwrap();
+        let bytes = 12.0 * len as f64;
+        let queued = time_per_call(budget, || {
+            for _ in 0..4 {
+                let _ = x.add(&y).unwrap();
+            }
+            dev.synchronize().unwrap();
+            4
+        });
+        let readback = time_per_call(budget, || {
+            std::hint::black_box(x.add(&y).unwrap().to_vec().unwrap());
+            1
+        });
+        rows.push(Row {
+            device: kind.clone(),
+            op: "add".into(),
+            size: "16M f32".into(),
+            queued: format!("{:.1} GB/s", bytes / queued / 1e9),
+            readback: format!("{:.1} GB/s", bytes / readback / 1e9),
+        });
+
+        let (r, c) = (4096usize, 1024usize);
+        let s = Tensor::rand_uniform(&[r, c], -4.0, 4.0, 5, dev).unwrap();
+        let queued = time_per_call(budget, || {
+            for _ in 0..4 {
+                let _ = s.softmax(-1).unwrap();
+            }
+            dev.synchronize().unwrap();
+            4
+        });
+        let readback = time_per_call(budget, || {
+            std::hint::black_box(s.softmax(-1).unwrap().to_vec().unwrap());
+            1
+        });
+        rows.push(Row {
+            device: kind.clone(),
+            op: "softmax (last axis)".into(),
+            size: format!("{r}x{c}"),
+            queued: format!("{:.2} M rows/s", r as f64 / queued / 1e6),
+            readback: format!("{:.2} M rows/s", r as f64 / readback / 1e6),
+        });
+    }
+
+    println!("| device | op | size | queued (N ops, one sync) | with read-back |");
+    println!("|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {} | {} | {} | {} |",
+            r.device, r.op, r.size, r.queued, r.readback
+        );
+    }
+}

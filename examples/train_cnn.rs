@@ -1,0 +1,12 @@
+//! A ResNet- or AmoebaNet-style CNN trained through a GPipe pipeline on synthetic images
+//! (or `--cifar` / `--mnist` files), with transfer learning (`--init`, `--freeze-body`).
+//! `--help` lists the flags.
+
+use clap::Parser;
+use wgpipe::apps::train_cnn::{run, CnnArgs};
+use wgpipe::cli::{exit_on_error, install_ctrl_c};
+
+fn main() {
+    install_ctrl_c();
+    exit_on_error(run(CnnArgs::parse()));
+}

@@ -1,0 +1,426 @@
+//! The main job: a character-level Transformer LM trained through a K-stage pipeline.
+//!
+//! `cargo run --release --example train_transformer -- --help` lists the flags. [`run`] is the
+//! whole program (the example's `main` only parses the flags), so tests call it directly.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+use crate::autograd::optim::{AdamConfig, LrSchedule};
+use crate::autograd::{AdamW, Tape, Var};
+use crate::bail;
+use std::sync::atomic::AtomicBool;
+
+use crate::cli::{
+    ctrl_c_flag,
+    build_pipeline, describe_stages, load_pipeline, out_path, place, report_outputs,
+    save_pipeline, train_loop, AppResult, Context, LoopConfig, PipelineArgs, SplitMix,
+};
+use crate::models::data::TextDataset;
+use crate::models::{cross_entropy, parameter_count, TransformerLm};
+use crate::pipeline::{Pipeline, StepReport};
+use crate::tensor::{Device, Tensor};
+
+/// Characters of the built-in synthetic corpus (see `wgpipe_models::data::text`).
+pub const SYNTHETIC_CHARS: usize = 300_000;
+
+#[derive(Parser, Clone, Debug)]
+#[command(
+    args_override_self = true,
+    name = "train_transformer",
+    about = "Train a character-level Transformer LM through a GPipe pipeline (K stages, M micro-batches)"
+)]
+pub struct TransformerArgs {
+    #[command(flatten)]
+    pub pipe: PipelineArgs,
+    /// Transformer blocks (the model has layers + 3 elements: embedding, blocks, norm, head).
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    /// Model width.
+    #[arg(long, default_value_t = 64)]
+    pub d_model: usize,
+    /// Attention heads (must divide --d-model).
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// Context length in tokens.
+    #[arg(long, default_value_t = 64)]
+    pub seq_len: usize,
+    /// Total training steps (a resumed run continues up to this step).
+    #[arg(long, default_value_t = 300)]
+    pub steps: u64,
+    /// Sequences per mini-batch (split into --micro-batches).
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// Peak learning rate of AdamW (linear warm-up, then cosine decay to a tenth).
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f32,
+    /// Dropout (0 keeps resumed runs bit-exact whatever the step; the pipeline keys dropout by
+    /// step).
+    #[arg(long, default_value_t = 0.0)]
+    pub dropout: f32,
+    /// A UTF-8 text file to train on, byte-level (default: the built-in synthetic corpus).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Characters of text to sample from the trained model.
+    #[arg(long, default_value_t = 160)]
+    pub sample_len: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.7)]
+    pub temperature: f32,
+}
+
+impl TransformerArgs {
+    /// The flags as parsed from `args` (without the program name).
+    pub fn parse_from_args<I, S>(args: I) -> AppResult<TransformerArgs>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<std::ffi::OsString> + Clone,
+    {
+        let argv = std::iter::once(std::ffi::OsString::from("train_transformer"))
+            .chain(args.into_iter().map(Into::into));
+        TransformerArgs::try_parse_from(argv).map_err(|e| crate::cli::AppError(e.to_string()))
+    }
+}
+
+/// What a run did.
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    /// The step the run started from (non-zero when resumed).
+    pub start_step: u64,
+    /// Loss of every step run, in order.
+    pub losses: Vec<f32>,
+    /// Mean loss on held-out text after training.
+    pub eval_loss: f32,
+    /// `ln(vocab)`: the loss of guessing uniformly.
+    pub uniform_loss: f32,
+    pub tokens_per_sec: f64,
+    pub wall_secs: f64,
+    pub sample: String,
+    pub trace: PathBuf,
+    pub timeline: PathBuf,
+    /// Stopped by Ctrl-C before `--steps`.
+    pub interrupted: bool,
+    /// The last step's report.
+    pub last_report: Option<StepReport>,
+}
+
+fn ids_tensor(ids: &[u32], shape: &[usize]) -> AppResult<Tensor> {
+    let v: Vec<f32> = ids.iter().map(|&i| i as f32).collect();
+    Ok(Tensor::from_vec(v, shape, &Device::cpu())?)
+}
+
+/// Loads the text: the file given, or the synthetic corpus.
+fn load_data(args: &TransformerArgs) -> AppResult<(TextDataset, String)> {
+    match &args.data {
+        Some(p) => {
+            let d = TextDataset::from_file(p, args.seq_len).context("--data")?;
+            let what = format!("{} ({} bytes, byte-level, vocab 256)", p.display(), d.len());
+            Ok((d, what))
+        }
+        None => {
+            let d = TextDataset::synthetic(args.pipe.seed, SYNTHETIC_CHARS);
+            let what = format!(
+                "the built-in synthetic corpus ({} characters of grammar sentences, vocab {})",
+                d.len(),
+                d.vocab_size()
+            );
+            Ok((d, what))
+        }
+    }
+}
+
+/// Mean loss over up to `max_batches` held-out batches, through `Pipeline::forward`.
+fn eval_loss(
+    pipe: &Pipeline,
+    val: &TextDataset,
+    batch: usize,
+    seq_len: usize,
+    max_batches: usize,
+) -> AppResult<f32> {
+    let rows = batch.min(val.len().saturating_sub(1) / seq_len).max(pipe.num_micro_batches());
+    let batches = val.eval_batches(rows, seq_len);
+    if batches.is_empty() {
+        bail!(
+            "the held-out text ({} tokens) is too short for one batch of {rows} x {seq_len}",
+            val.len()
+        );
+    }
+    let mut sum = 0.0;
+    let n = batches.len().min(max_batches);
+    for (x, y) in batches.iter().take(n) {
+        let logits = pipe.forward(&ids_tensor(x, &[rows, seq_len])?)?;
+        let t = ids_tensor(y, &[rows, seq_len])?.to_device(logits.device())?;
+        let tape = Tape::no_grad();
+        sum += cross_entropy(&tape.constant(logits), &t)?.to_scalar()?;
+    }
+    Ok(sum / n as f32)
+}
+
+/// Samples `len` tokens after `prompt` for `rows` sequences at once (the pipeline splits its
+/// input into M micro-batches, so it needs at least M rows). Returns the first row's text.
+fn sample_text(
+    pipe: &Pipeline,
+    data: &TextDataset,
+    prompt: &[u32],
+    seq_len: usize,
+    len: usize,
+    temperature: f32,
+    seed: u64,
+) -> AppResult<String> {
+    let rows = pipe.num_micro_batches();
+    let mut seqs: Vec<Vec<u32>> = vec![prompt.to_vec(); rows];
+    let mut rng = SplitMix(seed ^ 0x5EED);
+    let v = data.vocab_size();
+    for _ in 0..len {
+        let t = seqs[0].len().min(seq_len);
+        let ids: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| s[s.len() - t..].iter().copied())
+            .collect();
+        let logits = pipe.forward(&ids_tensor(&ids, &[rows, t])?)?;
+        let last = logits.narrow(1, t - 1, 1)?.to_vec()?;
+        for (r, s) in seqs.iter_mut().enumerate() {
+            let row = &last[r * v..(r + 1) * v];
+            s.push(pick(row, temperature, &mut rng));
+        }
+    }
+    Ok(data.decode(&seqs[0]))
+}
+
+/// Greedy (temperature 0) or softmax(logits / temperature) sampling.
+fn pick(logits: &[f32], temperature: f32, rng: &mut SplitMix) -> u32 {
+    let argmax = logits
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map_or(0, |(i, _)| i);
+    if temperature <= 0.0 {
+        return argmax as u32;
+    }
+    let m = logits[argmax];
+    let w: Vec<f64> = logits
+        .iter()
+        .map(|&l| (((l - m) / temperature) as f64).exp())
+        .collect();
+    let mut u = rng.unit() * w.iter().sum::<f64>();
+    for (i, wi) in w.iter().enumerate() {
+        u -= wi;
+        if u <= 0.0 {
+            return i as u32;
+        }
+    }
+    argmax as u32
+}
+
+/// The whole program: trains, reports, samples, writes the pictures.
+pub fn run(args: TransformerArgs) -> AppResult<TrainSummary> {
+    run_with(args, ctrl_c_flag())
+}
+
+/// [`run`] with another stop flag than Ctrl-C's: training stops after the step during which it
+/// became true (then saves with `--save`).
+pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSummary> {
+    let p = &args.pipe;
+    if args.batch == 0 || args.seq_len == 0 || args.d_model == 0 || args.heads == 0 {
+        bail!("--batch, --seq-len, --d-model and --heads must be positive");
+    }
+    if args.d_model % args.heads != 0 {
+        bail!(
+            "--heads {} must divide --d-model {}",
+            args.heads,
+            args.d_model
+        );
+    }
+    if !(0.0..1.0).contains(&args.dropout) {
+        bail!("--dropout must be in [0, 1), got {}", args.dropout);
+    }
+    let num_layers = args.layers + 3;
+    p.validate(
+        num_layers,
+        &format!(
+            "embedding + {} blocks + final norm + head; raise --layers",
+            args.layers
+        ),
+    )?;
+    if args.batch < p.micro_batches {
+        bail!(
+            "--batch {} cannot be split into --micro-batches {}: every micro-batch needs at least one sequence",
+            args.batch,
+            p.micro_batches
+        );
+    }
+    let (data, data_what) = load_data(&args)?;
+    // Hold out 5% of the text, and at least one evaluation batch of M sequences.
+    let held = (p.micro_batches * args.seq_len + 1).max(data.len() / 20);
+    if data.len() < held + args.seq_len + 1 {
+        bail!(
+            "the text has {} tokens: too short for --seq-len {} (it needs {} for training and {held} held out)",
+            data.len(),
+            args.seq_len,
+            args.seq_len + 1
+        );
+    }
+    let (train, val) = data.split(1.0 - held as f64 / data.len() as f64);
+    let vocab = data.vocab_size();
+    let cfg = TransformerLm {
+        vocab,
+        d_model: args.d_model,
+        heads: args.heads,
+        layers: args.layers,
+        seq_len: args.seq_len,
+        dropout: args.dropout,
+    };
+    let layers = cfg.build(p.seed, &Device::cpu()).context("building the model")?;
+    let n_params = parameter_count(&layers);
+
+    let placement = place(p.device, p.stages, p.sim_spec())?;
+    let mb = args.batch / p.micro_batches;
+    let sample_in = ids_tensor(&vec![0; mb * args.seq_len], &[mb, args.seq_len])?;
+    let adam = AdamConfig {
+        lr: args.lr,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.01,
+    };
+    let mut pipe = build_pipeline(layers, p, &placement, &sample_in, move || {
+        Box::new(AdamW::with_config(adam))
+    })?;
+
+    let warmup = (args.steps / 10).clamp(1, 30);
+    let schedule = LrSchedule::WarmupCosine {
+        warmup_steps: warmup,
+        total_steps: args.steps,
+        min_lr: args.lr / 10.0,
+    };
+    let lc_seed = p.seed;
+    let mut start_step = 0;
+    if let Some(path) = &p.resume {
+        let (step, _) = load_pipeline(&mut pipe, path)?;
+        start_step = step;
+    }
+
+    println!(
+        "TransformerLm: vocab {vocab}, d_model {}, {} heads, {} blocks, seq_len {} — {} parameters",
+        args.d_model, args.heads, args.layers, args.seq_len, n_params
+    );
+    println!("data: {data_what}");
+    println!("devices: {}", placement.description);
+    print!("{}", describe_stages(&pipe));
+    println!(
+        "mini-batch {} sequences = {} micro-batches; schedule {:?}, checkpoint {}, balance {}",
+        args.batch,
+        p.micro_batches,
+        p.schedule,
+        pipe.schedule().checkpoint,
+        p.balance
+    );
+    println!(
+        "loss references (nats/char): uniform ln({vocab}) = {:.2}{}",
+        (vocab as f32).ln(),
+        if args.data.is_none() {
+            "; unigram 2.92, bigram 1.75, grammar floor 0.30"
+        } else {
+            ""
+        }
+    );
+    if let Some(r) = &p.resume {
+        println!("resumed from {} at step {start_step}", r.display());
+    }
+    if start_step >= args.steps {
+        println!(
+            "nothing to train: the checkpoint is at step {start_step}, --steps is {}",
+            args.steps
+        );
+    }
+
+    let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
+    let lc = LoopConfig {
+        start: start_step,
+        steps: args.steps,
+        base_lr: args.lr,
+        schedule,
+        clip: Some(1.0),
+        quiet: p.quiet,
+        items_per_step: args.batch * args.seq_len,
+        unit: "tok",
+        stop,
+        stop_at: p.stop_at,
+    };
+    let (b, t) = (args.batch, args.seq_len);
+    let r = train_loop(
+        &mut pipe,
+        &lc,
+        |step| {
+            let (x, y) = train.batch(b, t, lc_seed, step);
+            Ok((ids_tensor(&x, &[b, t])?, ids_tensor(&y, &[b, t])?))
+        },
+        &loss_fn,
+    )?;
+    let (wall, tokens_per_sec) = (r.wall_secs, r.items_per_sec);
+    let end_step = r.end_step(start_step);
+    let losses = r.losses.clone();
+    if let Some(path) = &p.save {
+        save_pipeline(
+            &mut pipe,
+            path,
+            end_step,
+            &[("model".into(), format!("{cfg:?}")), ("data".into(), data_what.clone())],
+        )?;
+        println!("saved checkpoint at step {end_step} to {}", path.display());
+    }
+
+    pipe.set_train(false);
+    let eval = eval_loss(&pipe, &val, args.batch, args.seq_len, 8)?;
+    if let (Some(first), Some(last)) = (losses.first(), losses.last()) {
+        let k = losses.len().min(10);
+        let tail = r.tail_loss(k);
+        println!(
+            "\ntrained steps {start_step}..{end_step} in {wall:.1} s ({tokens_per_sec:.0} tokens/s): loss {first:.3} -> {last:.3} (mean of last {k}: {tail:.3}); held-out loss {eval:.3} (uniform {:.3})",
+            (vocab as f32).ln()
+        );
+    } else {
+        println!("\nheld-out loss {eval:.3} (uniform {:.3})", (vocab as f32).ln());
+    }
+
+    let trace = out_path(&p.trace, "trace.json");
+    let timeline = out_path(&p.timeline, "timeline.svg");
+    if let Some(rep) = &r.last_report {
+        report_outputs(&pipe, rep, "train_transformer", &trace, &timeline)?;
+    }
+
+    let prompt_text = if args.data.is_none() {
+        "the ".to_string()
+    } else {
+        val.decode(&val.tokens()[..8.min(val.len())])
+    };
+    let prompt = data.encode(&prompt_text).unwrap_or_else(|_| vec![0]);
+    let sample = sample_text(
+        &pipe,
+        &data,
+        &prompt,
+        args.seq_len,
+        args.sample_len,
+        args.temperature,
+        p.seed,
+    )?;
+    println!(
+        "\nsample (temperature {}):\n{}\n",
+        args.temperature,
+        sample.trim_end()
+    );
+    Ok(TrainSummary {
+        start_step,
+        losses,
+        eval_loss: eval,
+        uniform_loss: (vocab as f32).ln(),
+        tokens_per_sec,
+        wall_secs: wall,
+        sample,
+        trace,
+        timeline,
+        interrupted: r.interrupted,
+        last_report: r.last_report,
+    })
+}

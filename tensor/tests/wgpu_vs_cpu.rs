@@ -1,0 +1,646 @@
+//! Every op on every wgpu adapter (lavapipe included, and any hardware adapter present) against
+//! the CPU backend, with random shapes, strided views (permuted, narrowed, offset, broadcast) and
+//! values. Without any adapter each test prints `SKIPPED: no wgpu adapter (<reason>)` to stderr
+//! and returns.
+
+use std::sync::OnceLock;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use wgpipe_tensor::backend::AdamStep;
+use wgpipe_tensor::ops::{Conv2dParams, Pool2dParams};
+use wgpipe_tensor::{BinaryOp, Device, Error, Tensor, UnaryOp};
+
+/// Cases per property (each case runs on every adapter).
+const CASES: u32 = 32;
+
+fn gpus() -> &'static Result<Vec<Device>, String> {
+    static GPUS: OnceLock<Result<Vec<Device>, String>> = OnceLock::new();
+    GPUS.get_or_init(|| {
+        let mut devs = Vec::new();
+        let mut reason = String::new();
+        match Device::software_wgpu() {
+            Ok(d) => devs.push(d),
+            Err(e) => reason = e.to_string(),
+        }
+        for a in Device::adapters().iter().filter(|a| !a.is_software) {
+            match Device::wgpu(a.index) {
+                Ok(d) => devs.push(d),
+                Err(e) => reason = format!("{reason}; {}: {e}", a.name),
+            }
+        }
+        if devs.is_empty() {
+            Err(reason)
+        } else {
+            Ok(devs)
+        }
+    })
+}
+
+/// Runs `check` on `CASES` random values of `strategy` for every wgpu device, or says why not.
+fn run<S: Strategy>(
+    name: &str,
+    strategy: S,
+    check: impl Fn(&Device, S::Value) -> Result<(), TestCaseError>,
+) where
+    S::Value: Clone,
+{
+    let devs = match gpus() {
+        Ok(d) => d,
+        Err(reason) => {
+            eprintln!("SKIPPED: no wgpu adapter ({reason})");
+            return;
+        }
+    };
+    for dev in devs {
+        let mut runner = TestRunner::new(Config {
+            cases: CASES,
+            failure_persistence: None,
+            ..Config::default()
+        });
+        if let Err(e) = runner.run(&strategy, |v| check(dev, v)) {
+            panic!("{name} on {dev}: {e}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------- data and views
+
+/// Deterministic values from `seed`: continuous in [-2, 2), or (when `discrete`) half-integers,
+/// which make ties for comparisons and arg-reductions.
+fn values(n: usize, seed: u64, discrete: bool) -> Vec<f32> {
+    let mut s = seed ^ 0x9E37_79B9_7F4A_7C15;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let u = ((s >> 40) as f32) / (1u64 << 24) as f32; // [0, 1)
+            let v = 4.0 * u - 2.0;
+            if discrete {
+                (v * 2.0).round() / 2.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+/// How an operand is laid out in memory; its logical shape is always the one asked for.
+#[derive(Debug, Clone, Copy)]
+enum View {
+    Contiguous,
+    /// Contiguous, at an element offset inside a larger storage.
+    Offset,
+    /// Stored with permuted axes (a transpose when rank is 2), permuted back as a view.
+    Permuted(u64),
+    /// One axis narrowed out of a larger one.
+    Narrowed(usize),
+    /// Axes chosen by the bits stored with size 1 and broadcast (stride 0).
+    Broadcast(u8),
+}
+
+fn view() -> impl Strategy<Value = View> {
+    prop_oneof![
+        Just(View::Contiguous),
+        Just(View::Offset),
+        any::<u64>().prop_map(View::Permuted),
+        (0usize..4).prop_map(View::Narrowed),
+        any::<u8>().prop_map(View::Broadcast),
+    ]
+}
+
+fn permutation(rank: usize, seed: u64) -> Vec<usize> {
+    let mut p: Vec<usize> = (0..rank).collect();
+    let mut s = seed;
+    for i in (1..rank).rev() {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1);
+        p.swap(i, (s >> 33) as usize % (i + 1));
+    }
+    p
+}
+
+/// An operand of logical `shape` laid out as `view`, holding values from `seed` (mapped by
+/// `f`); the same call on two devices gives the same logical values.
+fn operand(
+    dev: &Device,
+    shape: &[usize],
+    view: View,
+    seed: u64,
+    discrete: bool,
+    f: fn(f32) -> f32,
+) -> Tensor {
+    let gen = |n: usize| -> Vec<f32> { values(n, seed, discrete).into_iter().map(f).collect() };
+    let n: usize = shape.iter().product();
+    let rank = shape.len();
+    match view {
+        View::Contiguous => Tensor::from_vec(gen(n), shape, dev).unwrap(),
+        View::Offset => Tensor::from_vec(gen(n + 3), &[n + 3], dev)
+            .unwrap()
+            .narrow(0, 3, n)
+            .unwrap()
+            .reshape(shape)
+            .unwrap(),
+        View::Permuted(s) if rank >= 2 => {
+            let p = permutation(rank, s);
+            let stored: Vec<usize> = p.iter().map(|&i| shape[i]).collect();
+            let mut inv = vec![0; rank];
+            for (i, &pi) in p.iter().enumerate() {
+                inv[pi] = i;
+            }
+            Tensor::from_vec(gen(n), &stored, dev)
+                .unwrap()
+                .permute(&inv)
+                .unwrap()
+        }
+        View::Narrowed(a) if rank >= 1 => {
+            let a = a % rank;
+            let mut big = shape.to_vec();
+            big[a] += 2;
+            let m: usize = big.iter().product();
+            Tensor::from_vec(gen(m), &big, dev)
+                .unwrap()
+                .narrow(a as isize, 1, shape[a])
+                .unwrap()
+        }
+        View::Broadcast(bits) if rank >= 1 => {
+            let small: Vec<usize> = shape
+                .iter()
+                .enumerate()
+                .map(|(i, &d)| if bits & (1 << i) != 0 { 1 } else { d })
+                .collect();
+            let m: usize = small.iter().product();
+            Tensor::from_vec(gen(m), &small, dev)
+                .unwrap()
+                .broadcast_to(shape)
+                .unwrap()
+        }
+        _ => Tensor::from_vec(gen(n), shape, dev).unwrap(),
+    }
+}
+
+fn id(x: f32) -> f32 {
+    x
+}
+fn positive(x: f32) -> f32 {
+    x.abs() + 0.25
+}
+
+fn shape(max_rank: usize, max_dim: usize) -> impl Strategy<Value = Vec<usize>> {
+    prop::collection::vec(1..=max_dim, 1..=max_rank)
+}
+
+/// `got` (wgpu) against `want` (CPU): same shape, `|g - w| <= atol + rtol |w|` (NaN matches NaN,
+/// infinities must be equal).
+fn close(got: &Tensor, want: &Tensor, rtol: f32, atol: f32, what: &str) -> Result<(), TestCaseError> {
+    prop_assert_eq!(got.shape(), want.shape(), "{}: shapes", what);
+    let (g, w) = (got.to_vec().unwrap(), want.to_vec().unwrap());
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        let ok = (a.is_nan() && b.is_nan())
+            || a == b
+            || (a.is_finite() && b.is_finite() && (a - b).abs() <= atol + rtol * b.abs());
+        prop_assert!(ok, "{}: element {} of {:?}: wgpu {} vs cpu {}", what, i, got.shape(), a, b);
+    }
+    Ok(())
+}
+
+fn cpu() -> Device {
+    Device::cpu()
+}
+
+// ---------------------------------------------------------------- elementwise
+
+const UNARY: [(UnaryOp, bool); 27] = [
+    (UnaryOp::Neg, false),
+    (UnaryOp::Exp, false),
+    (UnaryOp::Log, true),
+    (UnaryOp::Sqrt, true),
+    (UnaryOp::Rsqrt, true),
+    (UnaryOp::Abs, false),
+    (UnaryOp::Sign, false),
+    (UnaryOp::Tanh, false),
+    (UnaryOp::Sigmoid, false),
+    (UnaryOp::Relu, false),
+    (UnaryOp::Gelu, false),
+    (UnaryOp::GeluGrad, false),
+    (UnaryOp::Sin, false),
+    (UnaryOp::Cos, false),
+    (UnaryOp::Square, false),
+    (UnaryOp::Recip, true),
+    (UnaryOp::Affine { mul: -1.5, add: 0.25 }, false),
+    (UnaryOp::Powf(2.0), false),
+    (UnaryOp::Powf(3.0), false),
+    (UnaryOp::Powf(0.5), true),
+    (UnaryOp::Powf(-1.5), true),
+    (UnaryOp::RDiv(2.0), true),
+    (UnaryOp::RSub(1.0), false),
+    (UnaryOp::MaxScalar(0.5), false),
+    (UnaryOp::MinScalar(-0.5), false),
+    (UnaryOp::GtScalar(0.0), false),
+    (UnaryOp::EqScalar(0.5), false),
+];
+
+#[test]
+fn unary_ops_on_views() {
+    let strat = (shape(4, 5), view(), any::<u64>(), 0..UNARY.len(), any::<bool>());
+    run("unary", strat, |dev, (shape, v, seed, op, discrete)| {
+        let (op, pos) = UNARY[op];
+        let f = if pos { positive } else { id };
+        let g = operand(dev, &shape, v, seed, discrete, f).unary(op).unwrap();
+        let c = operand(&cpu(), &shape, v, seed, discrete, f).unary(op).unwrap();
+        close(&g, &c, 1e-5, 1e-5, &format!("{op:?} {v:?}"))
+    });
+}
+
+const BINARY: [BinaryOp; 13] = [
+    BinaryOp::Add,
+    BinaryOp::Sub,
+    BinaryOp::Mul,
+    BinaryOp::Div,
+    BinaryOp::Maximum,
+    BinaryOp::Minimum,
+    BinaryOp::Pow,
+    BinaryOp::Eq,
+    BinaryOp::Ne,
+    BinaryOp::Lt,
+    BinaryOp::Le,
+    BinaryOp::Gt,
+    BinaryOp::Ge,
+];
+
+#[test]
+fn binary_ops_with_broadcasting_and_views() {
+    let strat = (
+        shape(4, 4),
+        view(),
+        view(),
+        any::<u64>(),
+        0..BINARY.len(),
+        any::<u8>(),
+    );
+    run("binary", strat, |dev, (shape, va, vb, seed, op, drop)| {
+        let op = BINARY[op];
+        // b has some axes of size 1 or fewer axes: numpy broadcasting in the op itself.
+        let mut bs: Vec<usize> = shape
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| if drop & (1 << i) != 0 { 1 } else { d })
+            .collect();
+        if drop & 0x80 != 0 && bs.len() > 1 {
+            bs.remove(0);
+        }
+        let (fa, fb): (fn(f32) -> f32, fn(f32) -> f32) = match op {
+            BinaryOp::Pow => (positive, id),
+            BinaryOp::Div => (id, positive),
+            _ => (id, id),
+        };
+        let pair = |d: &Device| {
+            let a = operand(d, &shape, va, seed, true, fa);
+            let b = operand(d, &bs, vb, seed ^ 1, true, fb);
+            a.binary(op, &b).unwrap()
+        };
+        close(&pair(dev), &pair(&cpu()), 1e-5, 1e-5, &format!("{op:?}"))
+    });
+}
+
+#[test]
+fn scalar_ops_where_and_masked_fill() {
+    let strat = (shape(3, 5), view(), view(), view(), any::<u64>(), -2.0f32..2.0);
+    run("scalar/where", strat, |dev, (shape, v1, v2, v3, seed, s)| {
+        let all = |d: &Device| -> Vec<Tensor> {
+            let x = operand(d, &shape, v1, seed, true, id);
+            let y = operand(d, &shape, v2, seed ^ 5, false, id);
+            let m = operand(d, &shape, v3, seed ^ 9, true, id).gt_scalar(0.0).unwrap();
+            vec![
+                x.add_scalar(s).unwrap(),
+                x.sub_scalar(s).unwrap(),
+                x.mul_scalar(s).unwrap(),
+                x.div_scalar(s.abs() + 0.5).unwrap(),
+                x.affine(s, -s).unwrap(),
+                x.maximum_scalar(s).unwrap(),
+                x.minimum_scalar(s).unwrap(),
+                x.rsub_scalar(s).unwrap(),
+                x.gt_scalar(s.round()).unwrap(),
+                x.eq_scalar(0.5).unwrap(),
+                Tensor::where_cond(&m, &x, &y).unwrap(),
+                x.masked_fill(&m, s).unwrap(),
+                x.contiguous().unwrap(),
+            ]
+        };
+        for (i, (g, c)) in all(dev).iter().zip(all(&cpu())).enumerate() {
+            close(g, &c, 1e-5, 1e-5, &format!("scalar op #{i}"))?;
+        }
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------- reductions, softmax, norm
+
+#[test]
+fn reductions_over_random_axes() {
+    let strat = (shape(4, 6), view(), any::<u64>(), any::<u8>(), any::<bool>(), any::<bool>());
+    run("reduce", strat, |dev, (shape, v, seed, axes_bits, keep, discrete)| {
+        let rank = shape.len();
+        let axes: Vec<isize> = (0..rank)
+            .filter(|i| axes_bits & (1 << i) != 0)
+            .map(|i| i as isize)
+            .collect();
+        let one = (axes_bits as usize % rank) as isize - rank as isize; // a negative axis
+        let all = |d: &Device| -> Vec<Tensor> {
+            let x = operand(d, &shape, v, seed, discrete, id);
+            vec![
+                x.sum(&axes, keep).unwrap(),
+                x.mean(&axes, keep).unwrap(),
+                x.max(&axes, keep).unwrap(),
+                x.min(&axes, keep).unwrap(),
+                x.var(&axes, keep).unwrap(),
+                x.argmax(one, keep).unwrap(),
+                x.argmin(one, keep).unwrap(),
+                x.sum_all().unwrap(),
+                x.mean_all().unwrap(),
+            ]
+        };
+        let names = ["sum", "mean", "max", "min", "var", "argmax", "argmin", "sum_all", "mean_all"];
+        for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(names) {
+            close(g, &c, 1e-4, 1e-4, &format!("{name} axes {axes:?} keep {keep}"))?;
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn softmax_log_softmax_layer_norm() {
+    let strat = (shape(3, 7), view(), view(), any::<u64>(), any::<u8>());
+    run("softmax/layer_norm", strat, |dev, (mut shape, v, vg, seed, axis)| {
+        if axis & 0x80 != 0 {
+            // now and then a row longer than one workgroup
+            *shape.last_mut().unwrap() = 300 + (seed % 300) as usize;
+        }
+        let axis = (axis as usize % shape.len()) as isize;
+        let d = *shape.last().unwrap();
+        let all = |dv: &Device| -> Vec<Tensor> {
+            let x = operand(dv, &shape, v, seed, false, |x| 3.0 * x);
+            // Rows broadcast from one value have zero variance: y would be rounding noise
+            // times 1/sqrt(eps), so layer norm gets a view whose rows vary.
+            let xl = match v {
+                View::Broadcast(_) => operand(dv, &shape, View::Offset, seed, false, id),
+                _ => x.clone(),
+            };
+            let gamma = operand(dv, &[d], vg, seed ^ 2, false, id);
+            let beta = operand(dv, &[d], View::Offset, seed ^ 3, false, id);
+            let (y, mean, rstd) = xl.layer_norm(&gamma, &beta, 1e-5).unwrap();
+            vec![x.softmax(axis).unwrap(), x.log_softmax(axis).unwrap(), y, mean, rstd]
+        };
+        let names = ["softmax", "log_softmax", "layer_norm y", "mean", "rstd"];
+        for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(names) {
+            close(g, &c, 1e-4, 1e-5, &format!("{name} axis {axis}"))?;
+        }
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------- matmul
+
+#[test]
+fn matmul_batched_broadcast_transposed() {
+    let strat = (
+        1usize..4,
+        1usize..70,
+        1usize..70,
+        1usize..70,
+        any::<bool>(),
+        any::<bool>(),
+        0u8..3,
+        any::<u64>(),
+    );
+    run("matmul", strat, |dev, (batch, m, k, n, ta, tb, bmode, seed)| {
+        let make = |d: &Device| {
+            // a: [batch, m, k] (stored transposed when ta); b: [k, n], [1, k, n] or [batch, k, n]
+            let a = if ta {
+                operand(d, &[batch, k, m], View::Contiguous, seed, false, id)
+                    .transpose(-1, -2)
+                    .unwrap()
+            } else {
+                operand(d, &[batch, m, k], View::Offset, seed, false, id)
+            };
+            let bshape: Vec<usize> = match bmode {
+                0 => vec![k, n],
+                1 => vec![1, k, n],
+                _ => vec![batch, k, n],
+            };
+            let b = if tb {
+                let mut st = bshape.clone();
+                let r = st.len();
+                st.swap(r - 1, r - 2);
+                operand(d, &st, View::Contiguous, seed ^ 7, false, id)
+                    .transpose(-1, -2)
+                    .unwrap()
+            } else {
+                operand(d, &bshape, View::Contiguous, seed ^ 7, false, id)
+            };
+            a.matmul(&b).unwrap()
+        };
+        close(&make(dev), &make(&cpu()), 1e-4, 1e-4 * k as f32, &format!("{batch}x{m}x{k}x{n}"))
+    });
+}
+
+// ---------------------------------------------------------------- index ops
+
+#[test]
+fn index_gather_scatter_concat() {
+    let strat = (shape(3, 5), any::<u64>(), any::<u8>(), 1usize..7, view());
+    run("index", strat, |dev, (shape, seed, axis, n, v)| {
+        let rank = shape.len();
+        let axis = axis as usize % rank;
+        let dim = shape[axis];
+        let idx_vals: Vec<f32> = values(n, seed ^ 11, false)
+            .iter()
+            .map(|u| ((u + 2.0) / 4.0 * dim as f32).floor().min(dim as f32 - 1.0))
+            .collect();
+        let mut gshape = shape.clone();
+        gshape[axis] = n;
+        let gidx_vals: Vec<f32> = values(gshape.iter().product(), seed ^ 13, false)
+            .iter()
+            .map(|u| ((u + 2.0) / 4.0 * dim as f32).floor().min(dim as f32 - 1.0))
+            .collect();
+        let ax = axis as isize;
+        let all = |d: &Device| -> Vec<Tensor> {
+            let x = operand(d, &shape, v, seed, false, id);
+            let idx = Tensor::from_vec(idx_vals.clone(), &[n], d).unwrap();
+            let gidx = Tensor::from_vec(gidx_vals.clone(), &gshape, d).unwrap();
+            let src = operand(d, &gshape, View::Contiguous, seed ^ 17, false, id);
+            let y = operand(d, &shape, View::Contiguous, seed ^ 19, false, id);
+            vec![
+                x.index_select(ax, &idx).unwrap(),
+                Tensor::index_add(ax, &idx, &src, dim).unwrap(),
+                x.gather(ax, &gidx).unwrap(),
+                Tensor::scatter_add(ax, &gidx, &src, dim).unwrap(),
+                idx.one_hot(dim).unwrap(),
+                Tensor::concat(&[&x, &y, &x], ax).unwrap(),
+                Tensor::stack(&[&x, &y], ax).unwrap(),
+            ]
+        };
+        let names = ["index_select", "index_add", "gather", "scatter_add", "one_hot", "concat", "stack"];
+        for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(names) {
+            close(g, &c, 1e-5, 1e-5, &format!("{name} axis {axis}"))?;
+        }
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------- conv and pooling
+
+#[test]
+fn conv2d_and_its_gradients() {
+    let strat = (
+        1usize..3,    // n
+        1usize..3,    // channels per group in
+        1usize..3,    // channels per group out
+        1usize..3,    // groups
+        3usize..8,    // h
+        3usize..8,    // w
+        1usize..4,    // kernel
+        1usize..3,    // stride
+        0usize..2,    // padding
+        1usize..3,    // dilation
+        any::<u64>(),
+    );
+    run("conv2d", strat, |dev, (n, cig, cog, groups, h, w, k, s, p, dil, seed)| {
+        let (c_in, c_out) = (cig * groups, cog * groups);
+        prop_assume!(h + 2 * p > dil * (k - 1) && w + 2 * p > dil * (k - 1));
+        let params = Conv2dParams {
+            stride: (s, s),
+            padding: (p, p),
+            dilation: (dil, dil),
+            groups,
+        };
+        let all = |d: &Device| -> Vec<Tensor> {
+            let x = operand(d, &[n, c_in, h, w], View::Contiguous, seed, false, id);
+            let wt = operand(d, &[c_out, cig, k, k], View::Contiguous, seed ^ 3, false, id);
+            let bias = operand(d, &[c_out], View::Contiguous, seed ^ 5, false, id);
+            let y = x.conv2d(&wt, Some(&bias), params).unwrap();
+            let dy = operand(d, y.shape(), View::Contiguous, seed ^ 7, false, id);
+            let dx = Tensor::conv2d_input_grad(&dy, &wt, x.shape(), params).unwrap();
+            let dw = Tensor::conv2d_weight_grad(&x, &dy, wt.shape(), params).unwrap();
+            vec![y, dx, dw]
+        };
+        for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(["y", "dx", "dw"]) {
+            close(g, &c, 1e-4, 1e-4, &format!("conv2d {name}"))?;
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn pooling_and_backward() {
+    let strat = (1usize..3, 1usize..4, 2usize..9, 2usize..9, 1usize..4, 1usize..3, 0usize..2, any::<u64>());
+    run("pool", strat, |dev, (n, c, h, w, k, s, p, seed)| {
+        prop_assume!(2 * p <= k && h + 2 * p >= k && w + 2 * p >= k);
+        let params = Pool2dParams {
+            kernel: (k, k),
+            stride: (s, s),
+            padding: (p, p),
+        };
+        let shape = [n, c, h, w];
+        let all = |d: &Device| -> Vec<Tensor> {
+            let x = operand(d, &shape, View::Contiguous, seed, true, id);
+            let (y, arg) = x.max_pool2d(params).unwrap();
+            let dy = operand(d, y.shape(), View::Contiguous, seed ^ 3, false, id);
+            let dx = Tensor::max_pool2d_backward(&dy, &arg, &shape, params).unwrap();
+            let ya = x.avg_pool2d(params).unwrap();
+            let dxa = Tensor::avg_pool2d_backward(&dy, &shape, params).unwrap();
+            vec![y, arg, dx, ya, dxa]
+        };
+        let names = ["max", "argmax", "max backward", "avg", "avg backward"];
+        for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(names) {
+            close(g, &c, 1e-5, 1e-5, &format!("pool {name}"))?;
+        }
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------- dropout and Adam
+
+#[test]
+fn dropout_masks_are_bit_identical() {
+    let strat = (shape(3, 40), 0.0f32..0.95, any::<u64>(), any::<u64>());
+    run("dropout", strat, |dev, (shape, p, seed, offset)| {
+        let g = Tensor::dropout_mask(&shape, p, seed, offset, dev).unwrap().to_vec().unwrap();
+        let c = Tensor::dropout_mask(&shape, p, seed, offset, &cpu()).unwrap().to_vec().unwrap();
+        let gb: Vec<u32> = g.iter().map(|v| v.to_bits()).collect();
+        let cb: Vec<u32> = c.iter().map(|v| v.to_bits()).collect();
+        prop_assert_eq!(gb, cb);
+        Ok(())
+    });
+}
+
+#[test]
+fn adam_update_matches() {
+    let strat = (shape(2, 30), any::<u64>(), 1i32..100, any::<bool>(), 0.0f32..0.1);
+    run("adam", strat, |dev, (shape, seed, t, decoupled, wd)| {
+        let hp = AdamStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: wd,
+            decoupled,
+            bias_correction1: 1.0 - 0.9f32.powi(t),
+            bias_correction2: 1.0 - 0.999f32.powi(t),
+        };
+        let all = |d: &Device| -> Vec<Tensor> {
+            let p = operand(d, &shape, View::Contiguous, seed, false, id);
+            let g = operand(d, &shape, View::Contiguous, seed ^ 1, false, id);
+            let m = operand(d, &shape, View::Contiguous, seed ^ 2, false, |x| x * 0.1);
+            let v = operand(d, &shape, View::Contiguous, seed ^ 3, false, |x| x * x * 0.01);
+            let (a, b, c) = Tensor::adam_update(&p, &g, &m, &v, &hp).unwrap();
+            vec![a, b, c]
+        };
+        for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(["param", "m", "v"]) {
+            close(g, &c, 1e-5, 1e-6, &format!("adam {name}"))?;
+        }
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------- transfers and errors
+
+#[test]
+fn transfers_between_devices() {
+    let strat = (shape(4, 6), view(), any::<u64>());
+    run("transfer", strat, |dev, (shape, v, seed)| {
+        let c = operand(&cpu(), &shape, v, seed, false, id);
+        let g = c.to_device(dev).unwrap();
+        prop_assert_eq!(g.to_vec().unwrap(), c.to_vec().unwrap());
+        let back = operand(dev, &shape, v, seed, false, id).to_device(&cpu()).unwrap();
+        prop_assert_eq!(back.to_vec().unwrap(), c.to_vec().unwrap());
+        Ok(())
+    });
+}
+
+#[test]
+fn oversized_allocations_are_errors_not_panics() {
+    let devs = match gpus() {
+        Ok(d) => d,
+        Err(reason) => {
+            eprintln!("SKIPPED: no wgpu adapter ({reason})");
+            return;
+        }
+    };
+    for dev in devs {
+        // 2^33 elements: past every adapter's u32 indexing and buffer limits.
+        let before = dev.memory_stats().live;
+        match Tensor::zeros(&[1 << 33], dev) {
+            Err(Error::Wgpu { device, msg }) => {
+                assert_eq!(device, dev.name());
+                eprintln!("{device}: {msg}");
+            }
+            other => panic!("expected Error::Wgpu, got {other:?}"),
+        }
+        assert_eq!(dev.memory_stats().live, before, "the failed allocation was released");
+        // the device still works
+        let x = Tensor::ones(&[3], dev).unwrap().add_scalar(1.0).unwrap();
+        assert_eq!(x.to_vec().unwrap(), vec![2.0; 3]);
+        dev.synchronize().unwrap();
+    }
+}
