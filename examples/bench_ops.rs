@@ -47,8 +47,17 @@ fn main() {
     let mut rows = Vec::new();
     for dev in &devices {
         let kind = match dev.adapter_info() {
-            Some(i) => format!("{} [{}{}]", dev.name(), i.backend, if i.is_software { ", software" } else { "" }),
-            None => format!("{} [{} threads]", dev.name(), std::thread::available_parallelism().map_or(1, |n| n.get())),
+            Some(i) => format!(
+                "{} [{}{}]",
+                dev.name(),
+                i.backend,
+                if i.is_software { ", software" } else { "" }
+            ),
+            None => format!(
+                "{} [{} threads]",
+                dev.name(),
+                std::thread::available_parallelism().map_or(1, |n| n.get())
+            ),
         };
         eprintln!("benchmarking {kind}");
 
@@ -83,7 +92,11 @@ fn main() {
                 queued: format!("{:.1} GFLOP/s", flops / queued / 1e9),
                 readback: format!("{:.1} GFLOP/s", flops / readback / 1e9),
             });
-            eprintln!("  matmul {n}: {:.1} / {:.1} GFLOP/s", flops / queued / 1e9, flops / readback / 1e9);
+            eprintln!(
+                "  matmul {n}: {:.1} / {:.1} GFLOP/s",
+                flops / queued / 1e9,
+                flops / readback / 1e9
+            );
         }
 
         let len = 16 << 20;

@@ -16,7 +16,8 @@ use crate::autograd::serialize::{load_checkpoint, save_checkpoint, OPTIM_PREFIX}
 use crate::autograd::{Module, Param};
 use crate::pipeline::trace::{chrome_trace_json, svg_timeline};
 use crate::pipeline::{
-    Balance, CheckpointMode, LinkSpec, Pipeline, PipelineError, ScheduleKind, SimCluster, StepReport,
+    Balance, CheckpointMode, LinkSpec, Pipeline, PipelineError, ScheduleKind, SimCluster,
+    StepReport,
 };
 use crate::tensor::{Device, Tensor};
 
@@ -220,7 +221,7 @@ pub struct PipelineArgs {
     #[arg(long, default_value_t = 4)]
     pub stages: usize,
     /// Micro-batches M per mini-batch.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 8)]
     pub micro_batches: usize,
     /// Re-materialization: always, except-last (the last micro-batch keeps its tape), never.
     #[arg(long, value_enum, default_value_t = CheckpointArg::ExceptLast)]
@@ -345,7 +346,9 @@ pub fn place(choice: DeviceChoice, k: usize, sim: SimSpec) -> AppResult<Placemen
     }
     match choice {
         DeviceChoice::Cpu => Ok(Placement {
-            devices: (0..k).map(|i| Device::new_cpu(&format!("cpu{i}"))).collect(),
+            devices: (0..k)
+                .map(|i| Device::new_cpu(&format!("cpu{i}")))
+                .collect(),
             sim: None,
             description: format!("{k} stages on {k} CPU devices (wall-clock times)"),
         }),
@@ -397,7 +400,11 @@ fn gpu_placement(k: usize, allow_software: bool) -> AppResult<Placement> {
     }
     // With several discrete GPUs use them all; else all stages share the best adapter.
     let discrete: Vec<_> = hw.iter().filter(|a| a.is_discrete).copied().collect();
-    let pool = if discrete.len() > 1 { discrete } else { vec![hw[0]] };
+    let pool = if discrete.len() > 1 {
+        discrete
+    } else {
+        vec![hw[0]]
+    };
     let mut devices = Vec::with_capacity(k);
     for i in 0..k {
         let a = pool[i % pool.len()];
@@ -551,7 +558,13 @@ impl Optimizer for StagedOptimizer<'_> {
     }
 }
 
-fn staged(pipe: &mut Pipeline) -> (Vec<(String, Param)>, Vec<(String, Param)>, HashMap<String, usize>) {
+fn staged(
+    pipe: &mut Pipeline,
+) -> (
+    Vec<(String, Param)>,
+    Vec<(String, Param)>,
+    HashMap<String, usize>,
+) {
     let mut owner = HashMap::new();
     for st in pipe.stages() {
         for (i, l) in st.layers.iter().enumerate() {
@@ -583,22 +596,72 @@ pub fn save_pipeline(
 }
 
 /// Loads a checkpoint written by [`save_pipeline`] into `pipe`; returns its step and metadata.
-pub fn load_pipeline(pipe: &mut Pipeline, path: &Path) -> AppResult<(u64, Vec<(String, String)>)> {
+/// `model` describes the model these flags build; when the checkpoint was saved with another
+/// `model` entry in its metadata, the error shows both.
+pub fn load_pipeline(
+    pipe: &mut Pipeline,
+    path: &Path,
+    model: &str,
+) -> AppResult<(u64, Vec<(String, String)>)> {
     if !path.exists() {
         bail!("--resume {}: file not found", path.display());
     }
+    let saved_model = crate::autograd::serialize::load_metadata(path)
+        .ok()
+        .and_then(|m| m.into_iter().find(|(k, _)| k == "model").map(|(_, v)| v));
     let (params, buffers, owner) = staged(pipe);
     let mut opt = StagedOptimizer {
         optimizers: pipe.optimizers_mut(),
         owner,
     };
     let info = load_checkpoint(path, &params, &buffers, &mut opt).map_err(|e| {
+        let models = match &saved_model {
+            Some(m) if m != model => {
+                format!("\n  the checkpoint holds: {m}\n  these flags build:    {model}")
+            }
+            _ => String::new(),
+        };
         AppError(format!(
-            "cannot resume from {} (was it saved from a different model or flags?): {e}",
-            path.display()
+            "cannot resume from {}: it does not match the model of these flags{models}\n  {}",
+            path.display(),
+            shorten(&e.to_string(), 600)
         ))
     })?;
     Ok((info.step, info.metadata))
+}
+
+/// At most about `max` characters of `msg`, cut after a whole "... in the model" item where
+/// there is one, saying how many items were left out.
+fn shorten(msg: &str, max: usize) -> String {
+    if msg.len() <= max {
+        return msg.to_string();
+    }
+    let item = " in the model, ";
+    match msg[..max].rfind(item) {
+        Some(i) => {
+            let cut = i + item.len() - 2;
+            let rest = msg[cut..].matches(" in the file").count();
+            format!("{}, ... ({rest} more)", &msg[..cut])
+        }
+        None => format!(
+            "{} ... (truncated)",
+            &msg[..msg.floor_char_boundary_compat(max)]
+        ),
+    }
+}
+
+trait FloorCharBoundary {
+    fn floor_char_boundary_compat(&self, i: usize) -> usize;
+}
+
+impl FloorCharBoundary for str {
+    fn floor_char_boundary_compat(&self, mut i: usize) -> usize {
+        i = i.min(self.len());
+        while !self.is_char_boundary(i) {
+            i -= 1;
+        }
+        i
+    }
 }
 
 /// True for state keys of the optimizer inside a checkpoint file.
@@ -785,7 +848,11 @@ pub fn train_loop(
             items as f64 / elapsed,
             cfg.unit,
             report.bubble_fraction() * 100.0,
-            if report.simulated.is_some() { " (simulated)" } else { " (measured)" }
+            if report.simulated.is_some() {
+                " (simulated)"
+            } else {
+                " (measured)"
+            }
         );
         pb.set_position(step + 1);
         pb.set_message(msg.clone());

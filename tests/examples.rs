@@ -114,7 +114,9 @@ fn cnn(args: &[String]) -> Result<train_cnn::CnnSummary, String> {
 fn check_pictures(dir: &Path, stages: usize) {
     let text = std::fs::read_to_string(dir.join("trace.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).expect("the trace is valid JSON");
-    let events = v["traceEvents"].as_array().expect("traceEvents is an array");
+    let events = v["traceEvents"]
+        .as_array()
+        .expect("traceEvents is an array");
     for stage in 0..stages {
         assert!(
             events.iter().any(|e| e["ph"] == "X" && e["tid"] == stage),
@@ -126,7 +128,10 @@ fn check_pictures(dir: &Path, stages: usize) {
     let svg = std::fs::read_to_string(dir.join("timeline.svg")).unwrap();
     assert!(svg.contains("<svg") && svg.trim_end().ends_with("</svg>"));
     for stage in 0..stages {
-        assert!(svg.contains(&format!(">stage {stage}<")), "no row for stage {stage}");
+        assert!(
+            svg.contains(&format!(">stage {stage}<")),
+            "no row for stage {stage}"
+        );
     }
     assert!(svg.contains("<rect"), "no boxes in the timeline");
 }
@@ -141,7 +146,10 @@ fn transformer_example_runs_end_to_end_and_writes_trace_and_svg() {
         assert!(r.losses.iter().all(|l| l.is_finite()));
         assert!(r.eval_loss.is_finite());
         assert!(!r.sample.is_empty());
-        assert_eq!(r.last_report.as_ref().unwrap().simulated.is_some(), device == "sim");
+        assert_eq!(
+            r.last_report.as_ref().unwrap().simulated.is_some(),
+            device == "sim"
+        );
         check_pictures(&dir, 2);
     }
 }
@@ -177,7 +185,11 @@ fn cnn_example_reads_cifar_and_mnist_files() {
     let cifar_px: Vec<u8> = (0..n * 3 * 32 * 32).map(|i| (i * 7 % 251) as u8).collect();
     let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
     write_cifar10_bin(dir.join("c.bin"), &labels, &cifar_px).unwrap();
-    let r = cnn(&tiny_cnn(&dir, &["--cifar", &s(&dir.join("c.bin")), "--steps", "2"])).unwrap();
+    let r = cnn(&tiny_cnn(
+        &dir,
+        &["--cifar", &s(&dir.join("c.bin")), "--steps", "2"],
+    ))
+    .unwrap();
     assert_eq!(r.losses.len(), 2);
     let mnist_px: Vec<u8> = (0..n * 28 * 28).map(|i| (i * 13 % 253) as u8).collect();
     write_idx_images(dir.join("i.idx"), n, 28, 28, &mnist_px).unwrap();
@@ -208,7 +220,10 @@ fn bench_example_measures_both_workloads() {
         assert!(r.plain > 0.0 && r.pipelined.unwrap() > 0.0 && r.loss.is_finite());
     }
     let t = bench_train::table(&rows);
-    assert!(t.contains("PyTorch CPU") && t.contains("| 33 |") && t.contains("| 2.1 |"), "{t}");
+    assert!(
+        t.contains("PyTorch CPU") && t.contains("| 33 |") && t.contains("| 2.1 |"),
+        "{t}"
+    );
 }
 
 #[test]
@@ -219,11 +234,20 @@ fn bad_flags_give_clear_errors() {
     let e = err(&["--stages", "6"]);
     assert!(e.contains("--stages 6") && e.contains("5 layers"), "{e}");
     let e = err(&["--micro-batches", "0"]);
-    assert!(e.contains("--micro-batches") && e.contains("at least 1"), "{e}");
+    assert!(
+        e.contains("--micro-batches") && e.contains("at least 1"),
+        "{e}"
+    );
     let e = err(&["--batch", "2", "--micro-batches", "3"]);
-    assert!(e.contains("--batch 2") && e.contains("--micro-batches 3"), "{e}");
+    assert!(
+        e.contains("--batch 2") && e.contains("--micro-batches 3"),
+        "{e}"
+    );
     let e = err(&["--data", "/definitely/not/here.txt"]);
-    assert!(e.contains("/definitely/not/here.txt") && e.contains("not found"), "{e}");
+    assert!(
+        e.contains("/definitely/not/here.txt") && e.contains("not found"),
+        "{e}"
+    );
     let e = err(&["--balance", "1,1"]);
     assert!(e.contains("--balance 1,1") && e.contains("5 layers"), "{e}");
     let e = err(&["--balance", "fast"]);
@@ -239,7 +263,14 @@ fn bad_flags_give_clear_errors() {
     let ckpt = dir.join("small.safetensors");
     lm(&tiny_lm(&dir, &["--save", &s(&ckpt)])).unwrap();
     let e = err(&["--resume", &s(&ckpt), "--d-model", "32"]);
-    assert!(e.contains("cannot resume") && e.contains("shape mismatch"), "{e}");
+    assert!(
+        e.contains("cannot resume") && e.contains("shape mismatch"),
+        "{e}"
+    );
+    assert!(
+        e.contains("d_model: 16") && e.contains("d_model: 32"),
+        "{e}"
+    );
     let e = err(&["--resume", &s(&ckpt), "--layers", "3", "--steps", "4"]);
     assert!(e.contains("cannot resume") && e.contains("missing"), "{e}");
 
@@ -256,9 +287,17 @@ fn save_and_resume_continue_bit_exactly() {
     let dir = tmp("resume");
     let (a, b) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
     let straight = lm(&tiny_lm(&dir, &["--steps", "6", "--save", &s(&a)])).unwrap();
-    let first = lm(&tiny_lm(&dir, &["--steps", "6", "--stop-at", "3", "--save", &s(&b)])).unwrap();
+    let first = lm(&tiny_lm(
+        &dir,
+        &["--steps", "6", "--stop-at", "3", "--save", &s(&b)],
+    ))
+    .unwrap();
     assert!(first.interrupted);
-    let second = lm(&tiny_lm(&dir, &["--steps", "6", "--resume", &s(&b), "--save", &s(&b)])).unwrap();
+    let second = lm(&tiny_lm(
+        &dir,
+        &["--steps", "6", "--resume", &s(&b), "--save", &s(&b)],
+    ))
+    .unwrap();
     assert_eq!(second.start_step, 3);
     let mut resumed = first.losses.clone();
     resumed.extend(&second.losses);
@@ -266,7 +305,10 @@ fn save_and_resume_continue_bit_exactly() {
     let ta = load_tensors(&a, &Device::cpu()).unwrap();
     let tb = load_tensors(&b, &Device::cpu()).unwrap();
     assert_eq!(ta.len(), tb.len());
-    assert!(ta.iter().any(|(n, _)| n.starts_with("optim.")), "no optimizer state saved");
+    assert!(
+        ta.iter().any(|(n, _)| n.starts_with("optim.")),
+        "no optimizer state saved"
+    );
     for ((na, xa), (nb, xb)) in ta.iter().zip(&tb) {
         assert_eq!(na, nb);
         assert_eq!(xa.to_vec().unwrap(), xb.to_vec().unwrap(), "{na} differs");
@@ -277,13 +319,17 @@ fn save_and_resume_continue_bit_exactly() {
 fn ctrl_c_stops_after_the_step_and_saves() {
     let dir = tmp("ctrl-c");
     let ckpt = dir.join("stopped.safetensors");
-    let a = TransformerArgs::parse_from_args(tiny_lm(&dir, &["--steps", "50", "--save", &s(&ckpt)]))
-        .unwrap();
+    let a =
+        TransformerArgs::parse_from_args(tiny_lm(&dir, &["--steps", "50", "--save", &s(&ckpt)]))
+            .unwrap();
     let r = train_transformer::run_with(a, &AtomicBool::new(true)).unwrap();
     assert!(r.interrupted);
     assert_eq!(r.losses.len(), 1);
     let meta = wgpipe::autograd::serialize::load_metadata(&ckpt).unwrap();
-    assert!(meta.iter().any(|(k, v)| k == "wgpipe.step" && v == "1"), "{meta:?}");
+    assert!(
+        meta.iter().any(|(k, v)| k == "wgpipe.step" && v == "1"),
+        "{meta:?}"
+    );
 }
 
 /// The uniform guess costs ln(28) = 3.33 nats/char, the unigram entropy of the corpus is 2.92
@@ -297,8 +343,20 @@ fn transformer_lm_learns_the_default_corpus() {
     let r = lm(&tiny_lm(
         &dir,
         &[
-            "--steps", "250", "--d-model", "32", "--heads", "4", "--seq-len", "32", "--batch",
-            "16", "--micro-batches", "4", "--lr", "1e-2",
+            "--steps",
+            "250",
+            "--d-model",
+            "32",
+            "--heads",
+            "4",
+            "--seq-len",
+            "32",
+            "--batch",
+            "16",
+            "--micro-batches",
+            "4",
+            "--lr",
+            "1e-2",
         ],
     ))
     .unwrap();
@@ -310,8 +368,16 @@ fn transformer_lm_learns_the_default_corpus() {
         r.uniform_loss,
         r.wall_secs
     );
-    assert!(r.losses[0] > 3.0, "starts near the uniform loss: {}", r.losses[0]);
-    assert!(r.eval_loss < 1.5, "held-out loss {:.3} is not below 1.5", r.eval_loss);
+    assert!(
+        r.losses[0] > 3.0,
+        "starts near the uniform loss: {}",
+        r.losses[0]
+    );
+    assert!(
+        r.eval_loss < 1.5,
+        "held-out loss {:.3} is not below 1.5",
+        r.eval_loss
+    );
 }
 
 #[test]
@@ -320,8 +386,18 @@ fn cnn_learns_synthetic_shapes() {
     let r = cnn(&tiny_cnn(
         &dir,
         &[
-            "--width", "8", "--image-size", "16", "--train-size", "1000", "--batch", "32",
-            "--steps", "120", "--micro-batches", "4",
+            "--width",
+            "8",
+            "--image-size",
+            "16",
+            "--train-size",
+            "1000",
+            "--batch",
+            "32",
+            "--steps",
+            "120",
+            "--micro-batches",
+            "4",
         ],
     ))
     .unwrap();
@@ -334,7 +410,9 @@ fn cnn_learns_synthetic_shapes() {
 }
 
 /// Pre-train on `Shapes` (10 classes), fine-tune on `Stripes` (10 orientations) from 5 images per
-/// class; the same budget from scratch. Measured margins: see the assertion.
+/// class, against the same budget (30 steps) from scratch. Measured on 500 test images over 5
+/// fine-tuning seeds and 2 pre-training seeds: scratch 27-30%, transfer 52-68% (the smallest gap
+/// 24 points), so the assertion asks for 10.
 #[test]
 fn transfer_learning_beats_training_from_scratch() {
     let dir = tmp("transfer");
@@ -346,7 +424,15 @@ fn transfer_learning_beats_training_from_scratch() {
     let p = cnn(&tiny_cnn(&dir, &args)).unwrap();
     eprintln!("pre-trained on shapes: {:.1}%", p.test_accuracy * 100.0);
     let mut few = common.to_vec();
-    few.extend(["--task", "stripes", "--per-class", "5", "--batch", "20", "--steps", "30"]);
+    few.extend([
+        "--task",
+        "stripes",
+        "--train-size",
+        "2000",
+        "--per-class",
+        "5",
+    ]);
+    few.extend(["--batch", "20", "--steps", "30"]);
     let mut scratch = Vec::new();
     let mut transfer = Vec::new();
     for seed in ["1", "2"] {
@@ -360,7 +446,10 @@ fn transfer_learning_beats_training_from_scratch() {
     }
     eprintln!("stripes, 5 per class: scratch {scratch:?}, transfer {transfer:?}");
     for (s, t) in scratch.iter().zip(&transfer) {
-        assert!(t - s > 0.1, "transfer {t:.3} does not beat scratch {s:.3} by 10 points");
+        assert!(
+            t - s > 0.1,
+            "transfer {t:.3} does not beat scratch {s:.3} by 10 points"
+        );
     }
 }
 
@@ -381,7 +470,9 @@ fn pipelined_and_plain_training_of_transformer_lm_agree() {
     let (b, t) = (8, 16);
     let batch = |step: u64| {
         let (x, y) = data.batch(b, t, 0, step);
-        let f = |v: Vec<u32>| Tensor::from_vec(v.iter().map(|&i| i as f32).collect(), &[b, t], &cpu).unwrap();
+        let f = |v: Vec<u32>| {
+            Tensor::from_vec(v.iter().map(|&i| i as f32).collect(), &[b, t], &cpu).unwrap()
+        };
         (f(x), f(y))
     };
     let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
@@ -395,7 +486,8 @@ fn pipelined_and_plain_training_of_transformer_lm_agree() {
     for step in 0..steps {
         let (x, y) = batch(step);
         let tape = Tape::new();
-        let out = forward_all(&plain, &tape.constant(x), &ForwardCtx::train(seed, step, 0)).unwrap();
+        let out =
+            forward_all(&plain, &tape.constant(x), &ForwardCtx::train(seed, step, 0)).unwrap();
         let loss = loss_fn(&out, &y).unwrap();
         plain_losses.push(loss.to_scalar().unwrap());
         tape.backward(&loss).unwrap();
@@ -431,10 +523,15 @@ fn pipelined_and_plain_training_of_transformer_lm_agree() {
             assert_eq!(na, &nb);
             let (a, b) = (pa.value().to_vec().unwrap(), pb.value().to_vec().unwrap());
             let scale = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
-            a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+            a.iter()
+                .zip(&b)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+                / scale
         })
         .fold(0f32, f32::max);
-    eprintln!("pipelined vs plain TransformerLm (dropout 0.1, K=3): worst relative error {worst:.2e}");
+    eprintln!(
+        "pipelined vs plain TransformerLm (dropout 0.1, K=3): worst relative error {worst:.2e}"
+    );
     assert!(worst <= 1e-5, "parameters differ: {worst:.2e}");
 }
 
@@ -454,14 +551,21 @@ fn pipelined_with_micro_batches_equals_plain_without_dropout() {
     let cpu = Device::cpu();
     let (b, t) = (8, 16);
     let (x, y) = data.batch(b, t, 0, 0);
-    let f = |v: Vec<u32>| Tensor::from_vec(v.iter().map(|&i| i as f32).collect(), &[b, t], &cpu).unwrap();
+    let f = |v: Vec<u32>| {
+        Tensor::from_vec(v.iter().map(|&i| i as f32).collect(), &[b, t], &cpu).unwrap()
+    };
     let (x, y) = (f(x), f(y));
     let loss_fn = |o: &Var, t: &Tensor| cross_entropy(o, t);
 
     let plain = cfg.build(2, &cpu).unwrap();
     let params = sequence_parameters(&plain);
     let tape = Tape::new();
-    let out = forward_all(&plain, &tape.constant(x.clone()), &ForwardCtx::train(0, 0, 0)).unwrap();
+    let out = forward_all(
+        &plain,
+        &tape.constant(x.clone()),
+        &ForwardCtx::train(0, 0, 0),
+    )
+    .unwrap();
     let loss = loss_fn(&out, &y).unwrap();
     tape.backward(&loss).unwrap();
 
@@ -477,9 +581,15 @@ fn pipelined_with_micro_batches_equals_plain_without_dropout() {
         assert!((r.loss - loss.to_scalar().unwrap()).abs() < 1e-5);
         for ((na, pa), (nb, pb)) in params.iter().zip(pipe.named_parameters()) {
             assert_eq!(na, &nb);
-            let (ga, gb) = (pa.grad().unwrap().to_vec().unwrap(), pb.grad().unwrap().to_vec().unwrap());
+            let (ga, gb) = (
+                pa.grad().unwrap().to_vec().unwrap(),
+                pb.grad().unwrap().to_vec().unwrap(),
+            );
             let scale = ga.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
-            let e = ga.iter().zip(&gb).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+            let e = ga
+                .iter()
+                .zip(&gb)
+                .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
             // Relative to the tensor's largest gradient, with an absolute floor for gradients
             // that are zero in exact arithmetic (the key bias: softmax ignores a constant shift).
             assert!(

@@ -202,7 +202,9 @@ impl Stage {
                         recompute: true,
                         ..ForwardCtx::train(io.seed, io.step, m as u64)
                     };
-                    let tape = Tape::new();
+                    // Both signals, as `autograd::checkpoint` gives: `ctx.recompute` and a
+                    // recompute tape, so a layer may check either to skip side effects.
+                    let tape = Tape::recompute();
                     let input = self.input_var(&tape, &x, links);
                     let mut output = self.run_layers(&input, ctx)?;
                     if last {

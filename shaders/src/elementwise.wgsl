@@ -1,14 +1,22 @@
-// Elementwise template: out[i] = EXPR over up to three strided inputs a, b, c.
+// Elementwise template: out[i] = op(a, b, c) over up to three inputs.
 //
-// Placeholders: <WG> workgroup size; <INPUTS> the input bindings (in0.. at 1..);
-// <OUT> the output binding number; <INDEX> computes the storage index ia/ib/ic of element i
-// of each input (contiguous inputs add i to their offset; strided ones walk the shape);
-// <LOADS> reads a, b, c; <EXPR> the op, over a, b, c and the scalars s0, s1.
+// Three layouts share it: strided inputs (each read through its shape, strides and offset, so
+// views need no copy), contiguous inputs (offset + i), and aligned contiguous inputs read and
+// written as vec4 (four elements per invocation).
 //
-// Params: [numel, rank, s0, s1, shape[rank], then per input: offset, strides[rank]].
+// Placeholders: <WG> workgroup size; <INPUTS> the input bindings (at 1..) and <OUT> the
+// output binding; <EXPR> the op over a, b, c and the scalars s0, s1; <BODY> the layout's
+// indexing, loads and store.
+//
+// Params: [count, rank, s0, s1, shape[rank], then per input: offset, strides[rank]] (count is
+// elements, or vec4s for the vec4 layout; rank 0 for the contiguous layouts).
 
 {{INPUTS}}
-@group(0) @binding({{OUT}}) var<storage, read_write> out: array<f32>;
+{{OUT}}
+
+fn op(a: f32, b: f32, c: f32, s0: f32, s1: f32) -> f32 {
+    return {{EXPR}};
+}
 
 // tanh that stays finite for large |x| on every backend (tanh(15) rounds to 1 in f32).
 fn tanh_c(x: f32) -> f32 {
@@ -65,7 +73,5 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let rank = params[1];
     let s0 = param_f32(2u);
     let s1 = param_f32(3u);
-{{INDEX}}
-{{LOADS}}
-    out[i] = {{EXPR}};
+{{BODY}}
 }

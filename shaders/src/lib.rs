@@ -53,6 +53,21 @@ pub enum Access {
     ReadWrite,
 }
 
+/// How the elementwise kernels read their inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EwLayout {
+    /// Each input at its offset + i.
+    Contiguous,
+    /// Each input through its shape, strides and offset.
+    Strided,
+    /// Contiguous inputs at offsets that are multiples of 4, four elements per invocation.
+    Vec4,
+}
+
+impl EwLayout {
+    pub const ALL: [EwLayout; 3] = [EwLayout::Contiguous, EwLayout::Strided, EwLayout::Vec4];
+}
+
 /// Elementwise unary ops; `s0`, `s1` are the scalars of the parameter block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Unary {
@@ -636,12 +651,12 @@ pub enum SpatialKernel {
 /// One compute kernel variant: what the runtime compiles and caches a pipeline for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
-    /// `out = op(a)` over a strided (or contiguous) input.
-    Unary { op: Unary, strided: bool },
-    /// `out = op(a, b)` over strided (or contiguous) inputs of one shape.
-    Binary { op: Binary, strided: bool },
+    /// `out = op(a)`.
+    Unary { op: Unary, layout: EwLayout },
+    /// `out = op(a, b)` over inputs of one shape.
+    Binary { op: Binary, layout: EwLayout },
     /// `out = a != 0 ? b : c`.
-    Where { strided: bool },
+    Where { layout: EwLayout },
     /// Strided-to-strided copy (concat).
     CopyStrided,
     /// `out = value`.
@@ -666,9 +681,9 @@ impl Kernel {
         let wg = ELEMENTWISE_WG.to_string();
         let row_wg = ROW_WG.to_string();
         let body = match *self {
-            Kernel::Unary { op, strided } => elementwise(1, strided, op.expr()),
-            Kernel::Binary { op, strided } => elementwise(2, strided, op.expr()),
-            Kernel::Where { strided } => elementwise(3, strided, "select(c, b, a != 0.0)"),
+            Kernel::Unary { op, layout } => elementwise(1, layout, op.expr()),
+            Kernel::Binary { op, layout } => elementwise(2, layout, op.expr()),
+            Kernel::Where { layout } => elementwise(3, layout, "select(c, b, a != 0.0)"),
             Kernel::CopyStrided => render(COPY_STRIDED, &[("WG", &wg)]),
             Kernel::Fill => render(FILL, &[("WG", &wg)]),
             Kernel::Reduce { op, mode } => {
@@ -797,10 +812,10 @@ impl Kernel {
     /// Every variant the runtime can ask for (what the validation test compiles).
     pub fn all() -> Vec<Kernel> {
         let mut v = Vec::new();
-        for strided in [false, true] {
-            v.extend(Unary::ALL.iter().map(|&op| Kernel::Unary { op, strided }));
-            v.extend(Binary::ALL.iter().map(|&op| Kernel::Binary { op, strided }));
-            v.push(Kernel::Where { strided });
+        for layout in EwLayout::ALL {
+            v.extend(Unary::ALL.iter().map(|&op| Kernel::Unary { op, layout }));
+            v.extend(Binary::ALL.iter().map(|&op| Kernel::Binary { op, layout }));
+            v.push(Kernel::Where { layout });
         }
         v.extend([Kernel::CopyStrided, Kernel::Fill, Kernel::LayerNorm]);
         for op in Reduce::ALL {
@@ -859,45 +874,87 @@ impl Kernel {
 }
 
 /// The elementwise template for `arity` inputs (named a, b, c in `expr`).
-fn elementwise(arity: usize, strided: bool, expr: &str) -> String {
+fn elementwise(arity: usize, layout: EwLayout, expr: &str) -> String {
     const NAMES: [&str; 3] = ["a", "b", "c"];
+    let vec = layout == EwLayout::Vec4;
+    let ty = if vec { "vec4<f32>" } else { "f32" };
     let mut inputs = String::new();
-    let mut index = String::new();
-    let mut loads = String::new();
-    // Input k's offset is at params[4 + rank + k * (rank + 1)], its strides follow.
+    let mut body = String::new();
     for (k, name) in NAMES.iter().enumerate().take(arity) {
         inputs += &format!(
-            "@group(0) @binding({}) var<storage, read> in_{name}: array<f32>;\n",
+            "@group(0) @binding({}) var<storage, read> in_{name}: array<{ty}>;\n",
             k + 1
         );
-        let base = format!("4u + rank + {k}u * (rank + 1u)");
-        if strided {
-            index += &format!("    var i{name} = params[{base}];\n");
-        } else {
-            index += &format!("    let i{name} = params[{base}] + i;\n");
-        }
-        loads += &format!("    let {name} = in_{name}[i{name}];\n");
     }
-    if strided {
-        index += "    var rem = i;\n    for (var d = rank; d > 0u; d = d - 1u) {\n";
-        index += "        let k = d - 1u;\n        let size = params[4u + k];\n";
-        index += "        let coord = rem % size;\n        rem = rem / size;\n";
-        for (k, name) in NAMES.iter().enumerate().take(arity) {
-            index += &format!(
-                "        i{name} = i{name} + coord * params[4u + rank + {k}u * (rank + 1u) + 1u + k];\n"
-            );
+    let out = format!(
+        "@group(0) @binding({}) var<storage, read_write> out: array<{ty}>;",
+        arity + 1
+    );
+    // Input k's offset is at params[4 + rank + k * (rank + 1)], its strides follow.
+    let offset = |k: usize| format!("params[4u + rank + {k}u * (rank + 1u)]");
+    match layout {
+        EwLayout::Contiguous => {
+            for (k, name) in NAMES.iter().enumerate().take(arity) {
+                body += &format!("    let {name} = in_{name}[{} + i];\n", offset(k));
+            }
         }
-        index += "    }\n";
+        EwLayout::Strided => {
+            for (k, name) in NAMES.iter().enumerate().take(arity) {
+                body += &format!("    var i{name} = {};\n", offset(k));
+            }
+            body += "    var rem = i;\n    for (var d = rank; d > 0u; d = d - 1u) {\n";
+            body += "        let k = d - 1u;\n        let size = params[4u + k];\n";
+            body += "        let coord = rem % size;\n        rem = rem / size;\n";
+            for (k, name) in NAMES.iter().enumerate().take(arity) {
+                body += &format!(
+                    "        i{name} = i{name} + coord * params[4u + rank + {k}u * (rank + 1u) + 1u + k];\n"
+                );
+            }
+            body += "    }\n";
+            for name in NAMES.iter().take(arity) {
+                body += &format!("    let {name} = in_{name}[i{name}];\n");
+            }
+        }
+        EwLayout::Vec4 => {
+            for (k, name) in NAMES.iter().enumerate().take(arity) {
+                body += &format!("    let v{name} = in_{name}[{} / 4u + i];\n", offset(k));
+            }
+        }
+    }
+    if vec {
+        let lane = |c: &str| -> String {
+            let args: Vec<String> = NAMES
+                .iter()
+                .enumerate()
+                .map(|(k, n)| {
+                    if k < arity {
+                        format!("v{n}.{c}")
+                    } else {
+                        "0.0".to_string()
+                    }
+                })
+                .collect();
+            format!("op({}, s0, s1)", args.join(", "))
+        };
+        body += &format!(
+            "    out[i] = vec4<f32>({}, {}, {}, {});\n",
+            lane("x"),
+            lane("y"),
+            lane("z"),
+            lane("w")
+        );
+    } else {
+        let args: Vec<&str> = (0..3).map(|k| if k < arity { NAMES[k] } else { "0.0" }).collect();
+        body += &format!("    out[i] = op({}, s0, s1);\n", args.join(", "));
     }
     render(
         ELEMENTWISE,
         &[
             ("WG", &ELEMENTWISE_WG.to_string()),
             ("INPUTS", &inputs),
-            ("OUT", &(arity + 1).to_string()),
-            ("INDEX", &index),
-            ("LOADS", &loads),
+            ("OUT", &out),
             ("EXPR", expr),
+            ("BODY", &body),
         ],
     )
 }

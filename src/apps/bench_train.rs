@@ -101,7 +101,10 @@ pub struct BenchRow {
 }
 
 /// The workload's layers, input and target on `dev` (deterministic).
-fn workload(w: Workload, dev: &Device) -> AppResult<(Vec<Box<dyn Module>>, Tensor, Tensor)> {
+/// A workload: its layers, input and target.
+type Work = (Vec<Box<dyn Module>>, Tensor, Tensor);
+
+fn workload(w: Workload, dev: &Device) -> AppResult<Work> {
     Ok(match w {
         Workload::Mlp => {
             let mut layers: Vec<Box<dyn Module>> = Vec::new();
@@ -183,10 +186,7 @@ fn devices(args: &BenchArgs) -> AppResult<Vec<(String, Result<Device, String>)>>
     match &args.devices {
         Some(list) => {
             for spec in list {
-                out.push((
-                    spec.clone(),
-                    Device::parse(spec).map_err(|e| e.to_string()),
-                ));
+                out.push((spec.clone(), Device::parse(spec).map_err(|e| e.to_string())));
             }
         }
         None => {
@@ -211,7 +211,7 @@ fn devices(args: &BenchArgs) -> AppResult<Vec<(String, Result<Device, String>)>>
 
 /// Runs every workload on every device; prints progress to stderr and returns the rows.
 pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
-    if !(args.seconds > 0.0) {
+    if args.seconds.is_nan() || args.seconds <= 0.0 {
         bail!("--seconds must be positive");
     }
     let workloads = args

@@ -13,8 +13,7 @@ use crate::bail;
 use std::sync::atomic::AtomicBool;
 
 use crate::cli::{
-    ctrl_c_flag,
-    build_pipeline, describe_stages, is_optimizer_key, load_pipeline, out_path, place,
+    build_pipeline, ctrl_c_flag, describe_stages, is_optimizer_key, load_pipeline, out_path, place,
     report_outputs, save_pipeline, train_loop, AppError, AppResult, Context, LoopConfig,
     PipelineArgs,
 };
@@ -90,7 +89,7 @@ pub struct CnnArgs {
     #[arg(long, default_value_t = 150)]
     pub steps: u64,
     /// Images per mini-batch (split into --micro-batches).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 64)]
     pub batch: usize,
     /// Peak learning rate of AdamW (warm-up, then cosine decay to a tenth).
     #[arg(long, default_value_t = 3e-3)]
@@ -161,7 +160,7 @@ fn load_images(args: &CnnArgs) -> AppResult<(ImageSet, ImageSet, String)> {
                 SyntheticTask::MAX_CLASSES
             );
         }
-        if args.image_size < 8 || args.image_size % 4 != 0 {
+        if args.image_size < 8 || !args.image_size.is_multiple_of(4) {
             bail!(
                 "--image-size {} must be at least 8 and a multiple of 4",
                 args.image_size
@@ -200,7 +199,10 @@ fn load_images(args: &CnnArgs) -> AppResult<(ImageSet, ImageSet, String)> {
     }
     let (mean, std) = train.normalize();
     test.normalize_with(&mean, &std);
-    let what = format!("{what}: {} training images, {} test images", train.n, test.n);
+    let what = format!(
+        "{what}: {} training images, {} test images",
+        train.n, test.n
+    );
     Ok((train, test, what))
 }
 
@@ -273,7 +275,7 @@ fn build_model(args: &CnnArgs, train: &ImageSet) -> AppResult<Vec<Box<dyn Module
     if args.width == 0 || args.depth == 0 {
         bail!("--width and --depth must be positive");
     }
-    if train.h % 4 != 0 || train.w % 4 != 0 {
+    if !train.h.is_multiple_of(4) || !train.w.is_multiple_of(4) {
         bail!(
             "images are {}x{}: the CNNs halve the resolution twice, so both sides must be multiples of 4",
             train.h,
@@ -370,7 +372,10 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     }
     let layers = build_model(&args, &train)?;
     let n_layers = layers.len();
-    p.validate(n_layers, &format!("{:?} with --depth {}", args.model, args.depth))?;
+    p.validate(
+        n_layers,
+        &format!("{:?} with --depth {}", args.model, args.depth),
+    )?;
     let n_params = parameter_count(&layers);
     let placement = place(p.device, p.stages, p.sim_spec())?;
     let mb = batch / p.micro_batches;
@@ -402,7 +407,11 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
             "--init {}: loaded {loaded} tensors; fresh head for {} classes; not loaded: {}",
             path.display(),
             train.num_classes,
-            if skipped.is_empty() { "none".to_string() } else { skipped.join(", ") }
+            if skipped.is_empty() {
+                "none".to_string()
+            } else {
+                skipped.join(", ")
+            }
         );
         if args.freeze_body {
             let head = n_layers - 1;
@@ -416,9 +425,13 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
             println!("--freeze-body: {frozen} parameters frozen, only the head trains");
         }
     }
+    let model_what = format!(
+        "{:?} width {} depth {}, {} classes, {}x{}x{} images",
+        args.model, args.width, args.depth, train.num_classes, train.c, train.h, train.w
+    );
     let mut start_step = 0;
     if let Some(path) = &p.resume {
-        start_step = load_pipeline(&mut pipe, path)?.0;
+        start_step = load_pipeline(&mut pipe, path, &model_what)?.0;
         println!("resumed from {} at step {start_step}", path.display());
     }
 
@@ -459,10 +472,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
             path,
             end_step,
             &[
-                (
-                    "model".into(),
-                    format!("{:?} width {} depth {}", args.model, args.width, args.depth),
-                ),
+                ("model".into(), model_what.clone()),
                 ("data".into(), data_what.clone()),
             ],
         )?;
@@ -504,4 +514,3 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         last_report: r.last_report,
     })
 }
-

@@ -13,8 +13,7 @@ use crate::bail;
 use std::sync::atomic::AtomicBool;
 
 use crate::cli::{
-    ctrl_c_flag,
-    build_pipeline, describe_stages, load_pipeline, out_path, place, report_outputs,
+    build_pipeline, ctrl_c_flag, describe_stages, load_pipeline, out_path, place, report_outputs,
     save_pipeline, train_loop, AppResult, Context, LoopConfig, PipelineArgs, SplitMix,
 };
 use crate::models::data::TextDataset;
@@ -47,10 +46,10 @@ pub struct TransformerArgs {
     #[arg(long, default_value_t = 64)]
     pub seq_len: usize,
     /// Total training steps (a resumed run continues up to this step).
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 400)]
     pub steps: u64,
     /// Sequences per mini-batch (split into --micro-batches).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 32)]
     pub batch: usize,
     /// Peak learning rate of AdamW (linear warm-up, then cosine decay to a tenth).
     #[arg(long, default_value_t = 3e-3)]
@@ -138,7 +137,9 @@ fn eval_loss(
     seq_len: usize,
     max_batches: usize,
 ) -> AppResult<f32> {
-    let rows = batch.min(val.len().saturating_sub(1) / seq_len).max(pipe.num_micro_batches());
+    let rows = batch
+        .min(val.len().saturating_sub(1) / seq_len)
+        .max(pipe.num_micro_batches());
     let batches = val.eval_batches(rows, seq_len);
     if batches.is_empty() {
         bail!(
@@ -225,7 +226,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     if args.batch == 0 || args.seq_len == 0 || args.d_model == 0 || args.heads == 0 {
         bail!("--batch, --seq-len, --d-model and --heads must be positive");
     }
-    if args.d_model % args.heads != 0 {
+    if !args.d_model.is_multiple_of(args.heads) {
         bail!(
             "--heads {} must divide --d-model {}",
             args.heads,
@@ -271,7 +272,9 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         seq_len: args.seq_len,
         dropout: args.dropout,
     };
-    let layers = cfg.build(p.seed, &Device::cpu()).context("building the model")?;
+    let layers = cfg
+        .build(p.seed, &Device::cpu())
+        .context("building the model")?;
     let n_params = parameter_count(&layers);
 
     let placement = place(p.device, p.stages, p.sim_spec())?;
@@ -297,7 +300,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     let lc_seed = p.seed;
     let mut start_step = 0;
     if let Some(path) = &p.resume {
-        let (step, _) = load_pipeline(&mut pipe, path)?;
+        let (step, _) = load_pipeline(&mut pipe, path, &format!("{cfg:?}"))?;
         start_step = step;
     }
 
@@ -366,7 +369,10 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
             &mut pipe,
             path,
             end_step,
-            &[("model".into(), format!("{cfg:?}")), ("data".into(), data_what.clone())],
+            &[
+                ("model".into(), format!("{cfg:?}")),
+                ("data".into(), data_what.clone()),
+            ],
         )?;
         println!("saved checkpoint at step {end_step} to {}", path.display());
     }
@@ -381,7 +387,10 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
             (vocab as f32).ln()
         );
     } else {
-        println!("\nheld-out loss {eval:.3} (uniform {:.3})", (vocab as f32).ln());
+        println!(
+            "\nheld-out loss {eval:.3} (uniform {:.3})",
+            (vocab as f32).ln()
+        );
     }
 
     let trace = out_path(&p.trace, "trace.json");

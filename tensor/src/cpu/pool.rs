@@ -23,33 +23,45 @@ pub(crate) fn max_pool2d(y: &mut [f32], argmax: &mut [f32], x: &[f32], g: &Pool2
     if ohw == 0 {
         return;
     }
-    let xw: Vec<(usize, usize)> = (0..g.w_out)
-        .map(|ox| window(ox, g.stride.1, g.padding.1, g.kw, g.w))
+    // Valid output columns of each kernel column: ix = ox * sw + kx - pw inside 0..w.
+    let cols: Vec<(usize, usize)> = (0..g.kw)
+        .map(|kx| {
+            let ok = |ox: usize| {
+                (ox * g.stride.1 + kx)
+                    .checked_sub(g.padding.1)
+                    .is_some_and(|i| i < g.w)
+            };
+            let lo = (0..g.w_out).find(|&o| ok(o)).unwrap_or(g.w_out);
+            let hi = (lo..g.w_out).rev().find(|&o| ok(o)).map_or(lo, |o| o + 1);
+            (lo, hi)
+        })
         .collect();
     let run = |p0: usize, y: &mut [f32], am: &mut [f32]| {
+        // Taps outermost, output columns innermost: independent updates the CPU overlaps,
+        // branch-free. Taps go in row-major window order, so ties keep the first position.
+        let mut at = vec![usize::MAX; g.w_out];
         for (i, (yp, ap)) in y.chunks_mut(ohw).zip(am.chunks_mut(ohw)).enumerate() {
             let xp = &x[(p0 + i) * hw..(p0 + i + 1) * hw];
             for oy in 0..g.h_out {
                 let (y0, y1) = window(oy, g.stride.0, g.padding.0, g.kh, g.h);
-                let yo = &mut yp[oy * g.w_out..(oy + 1) * g.w_out];
-                let ao = &mut ap[oy * g.w_out..(oy + 1) * g.w_out];
-                for ((yo, ao), &(x0, x1)) in yo.iter_mut().zip(ao.iter_mut()).zip(&xw) {
-                    // Branch-free scan (random data would mispredict every compare); an empty
-                    // window gives -inf at index 0.
-                    let mut best = f32::NEG_INFINITY;
-                    let mut at = usize::MAX;
-                    for iy in y0..y1 {
-                        let row = &xp[iy * g.w..(iy + 1) * g.w];
-                        for (ix, &v) in row[x0..x1].iter().enumerate() {
-                            let first = at == usize::MAX;
-                            let better = first | (v > best) | (v.is_nan() & !best.is_nan());
-                            best = if better { v } else { best };
-                            at = if better { iy * g.w + x0 + ix } else { at };
+                let best = &mut yp[oy * g.w_out..(oy + 1) * g.w_out];
+                best.fill(f32::NEG_INFINITY);
+                at.fill(usize::MAX);
+                for iy in y0..y1 {
+                    let row = &xp[iy * g.w..(iy + 1) * g.w];
+                    for (kx, &(lo, hi)) in cols.iter().enumerate() {
+                        for ox in lo..hi {
+                            let ix = ox * g.stride.1 + kx - g.padding.1;
+                            let v = row[ix];
+                            let (b, a) = (best[ox], at[ox]);
+                            let better = (a == usize::MAX) | (v > b) | (v.is_nan() & !b.is_nan());
+                            best[ox] = if better { v } else { b };
+                            at[ox] = if better { iy * g.w + ix } else { a };
                         }
                     }
-                    let at = if at == usize::MAX { 0 } else { at };
-                    *yo = best;
-                    *ao = at as f32;
+                }
+                for (o, &a) in ap[oy * g.w_out..(oy + 1) * g.w_out].iter_mut().zip(&at) {
+                    *o = if a == usize::MAX { 0.0 } else { a as f32 };
                 }
             }
         }

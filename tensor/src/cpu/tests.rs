@@ -959,6 +959,17 @@ fn bench_kernels() {
     });
     time("col2im", cb, &|| drop(K.col2im(&cols, &cg).unwrap()));
     let pg = pool_geometry(16, 64, 32, 32);
+    let imgv = rand(16 * 64 * 32 * 32, 6);
+    let (mut py, mut pa) = (
+        vec![0.0f32; 16 * 64 * 17 * 16],
+        vec![0.0f32; 16 * 64 * 17 * 16],
+    );
+    let pbuf = std::cell::RefCell::new((&mut py, &mut pa));
+    time("into buffers: max pool", 4 * img.numel(), &|| {
+        let mut b = pbuf.borrow_mut();
+        let (y, a) = &mut *b;
+        super::pool::max_pool2d(y, a, &imgv, &pg);
+    });
     time("max pool", 4 * img.numel(), &|| {
         drop(K.max_pool2d(&img, &pg).unwrap())
     });

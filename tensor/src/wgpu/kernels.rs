@@ -3,7 +3,7 @@
 //! records its dispatch(es).
 
 use wgpipe_shaders::{
-    Binary, IndexKernel, Kernel, MatmulConfig, OperandLoad, Reduce, ReduceMode, SpatialKernel,
+    Binary, EwLayout, IndexKernel, Kernel, MatmulConfig, OperandLoad, Reduce, ReduceMode, SpatialKernel,
     SubgroupMatmulConfig, Unary, ELEMENTWISE_WG, ROW_WG,
 };
 
@@ -168,10 +168,12 @@ impl WgpuContext {
         }
     }
 
-    /// The elementwise template over same-shaped strided `inputs`.
+    /// The elementwise template over same-shaped strided `inputs`: contiguous inputs at
+    /// offsets that are multiples of 4 go four elements per invocation, other contiguous inputs
+    /// one, and strided ones through their layouts.
     fn map(
         &self,
-        kernel: impl Fn(bool) -> Kernel,
+        kernel: impl Fn(EwLayout) -> Kernel,
         inputs: &[&Tensor],
         s0: f32,
         s1: f32,
@@ -185,14 +187,22 @@ impl WgpuContext {
         let strides: Vec<&[usize]> = inputs.iter().map(|t| t.strides()).collect();
         let (shape, cstrides) = collapse(x0.shape(), &strides);
         let contiguous = cstrides.iter().all(|s| s.is_empty() || s == &[1]);
-        let mut params = vec![u(n), 0, s0.to_bits(), s1.to_bits()];
-        if !contiguous {
+        let layout = if !contiguous {
+            EwLayout::Strided
+        } else if n % 4 == 0 && inputs.iter().all(|t| t.layout().offset % 4 == 0) {
+            EwLayout::Vec4
+        } else {
+            EwLayout::Contiguous
+        };
+        let count = if layout == EwLayout::Vec4 { n / 4 } else { n };
+        let mut params = vec![u(count), 0, s0.to_bits(), s1.to_bits()];
+        if layout == EwLayout::Strided {
             params[1] = u(shape.len());
             params.extend(shape.iter().map(|&d| u(d)));
         }
         for (t, s) in inputs.iter().zip(&cstrides) {
             params.push(u(t.layout().offset));
-            if !contiguous {
+            if layout == EwLayout::Strided {
                 params.extend(s.iter().map(|&v| u(v)));
             }
         }
@@ -203,7 +213,7 @@ impl WgpuContext {
         let o = gpu(&out)?;
         let mut args: Vec<Arg<'_>> = bufs.iter().map(|b| Arg::of(b)).collect();
         args.push(Arg::of(o));
-        self.dispatch(kernel(!contiguous), &params, &args, groups_for(n), 1)?;
+        self.dispatch(kernel(layout), &params, &args, groups_for(count), 1)?;
         self.check()?;
         Ok(out)
     }
@@ -662,9 +672,9 @@ impl Kernels for WgpuContext {
 
     fn contiguous(&self, x: &Tensor) -> Result<Tensor> {
         self.map(
-            |strided| Kernel::Unary {
+            |layout| Kernel::Unary {
                 op: Unary::Identity,
-                strided,
+                layout,
             },
             &[x],
             0.0,
@@ -674,16 +684,16 @@ impl Kernels for WgpuContext {
 
     fn unary(&self, op: UnaryOp, x: &Tensor) -> Result<Tensor> {
         let (op, s0, s1) = unary_kernel(op);
-        self.map(|strided| Kernel::Unary { op, strided }, &[x], s0, s1)
+        self.map(|layout| Kernel::Unary { op, layout }, &[x], s0, s1)
     }
 
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         let op = binary_kernel(op);
-        self.map(|strided| Kernel::Binary { op, strided }, &[a, b], 0.0, 0.0)
+        self.map(|layout| Kernel::Binary { op, layout }, &[a, b], 0.0, 0.0)
     }
 
     fn where_cond(&self, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-        self.map(|strided| Kernel::Where { strided }, &[cond, a, b], 0.0, 0.0)
+        self.map(|layout| Kernel::Where { layout }, &[cond, a, b], 0.0, 0.0)
     }
 
     fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {

@@ -133,10 +133,10 @@ fn sign(x: f32) -> f32 {
 fn every_unary_op() {
     let Some(d) = device() else { return };
     let mut data: Vec<f32> = vals(60, 2).iter().map(|v| v * 3.0).collect();
-    data.extend([0.0, 1.0, -2.0, 0.5, 30.0, -30.0]);
+    data.extend([0.0, 1.0, -2.0, 0.5, 30.0, -30.0, 0.25, -0.25, 2.0, -1.0, 1.5, 0.75]);
     let pos: Vec<f32> = data.iter().map(|v| v.abs() + 0.1).collect();
-    let x = t(&d, &data, &[6, 11]);
-    let xp = t(&d, &pos, &[6, 11]);
+    let x = t(&d, &data, &[6, 12]);
+    let xp = t(&d, &pos, &[6, 12]);
     let b = |v: bool| if v { 1.0 } else { 0.0 };
     #[allow(clippy::type_complexity)]
     let cases: Vec<(UnaryOp, bool, Box<dyn Fn(f32) -> f32>)> = vec![
@@ -197,10 +197,14 @@ fn every_unary_op() {
         let got = host(&d, &k(&d).unary(op, input).unwrap());
         let want: Vec<f32> = src.iter().map(|&v| f(v)).collect();
         close(&got, &want, 2e-5, &format!("{op:?}"));
+        // vec4 (above), strided (transposed) and contiguous-at-an-odd-offset layouts
         let tv = input.t().unwrap();
-        let got = host(&d, &k(&d).unary(op, &tv).unwrap());
-        let want: Vec<f32> = tv.layout().indices().map(|i| f(src[i])).collect();
-        close(&got, &want, 2e-5, &format!("{op:?} transposed"));
+        let odd = input.reshape(&[72]).unwrap().narrow(0, 1, 70).unwrap();
+        for (view, name) in [(tv, "transposed"), (odd, "offset 1")] {
+            let got = host(&d, &k(&d).unary(op, &view).unwrap());
+            let want: Vec<f32> = view.layout().indices().map(|i| f(src[i])).collect();
+            close(&got, &want, 2e-5, &format!("{op:?} {name}"));
+        }
     }
 }
 

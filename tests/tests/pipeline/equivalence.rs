@@ -231,3 +231,127 @@ fn batch_norm_running_statistics_do_not_depend_on_k_or_m() {
         }
     }
 }
+
+/// Every partitioning rule (and a stage without parameters) gives a valid pipeline that trains
+/// like plain training; invalid balances are clear errors.
+#[test]
+fn every_balance_rule_trains_like_plain() {
+    use wgpipe_pipeline::{Balance, Pipeline};
+    let (x, y) = mlp_data(8);
+    let reference = plain_train(&mlp(6, 12, 3, 11), &x, &y, &mse, STEPS);
+    let sample = x.narrow(0, 0, 2).unwrap();
+    let rules = [
+        Balance::ByParams,
+        Balance::ByFlops {
+            input_shape: vec![2, 6],
+        },
+        Balance::ByMemory {
+            input_shape: vec![2, 6],
+            optimizer_factor: 3.0,
+        },
+        Balance::ByTime { sample },
+        // Stage 1 is a lone ReLU: no parameters, no optimizer work.
+        Balance::Explicit(vec![1, 1, 5, 1]),
+    ];
+    for rule in rules {
+        for k in [2, 4] {
+            if matches!(&rule, Balance::Explicit(b) if b.len() != k) {
+                continue;
+            }
+            let cluster = wgpipe_pipeline::SimCluster::uniform(
+                &wgpipe_tensor::Device::cpu(),
+                k,
+                u64::MAX,
+                1e9,
+                wgpipe_pipeline::LinkSpec::FREE,
+            );
+            let mut pipe = Pipeline::builder(mlp(6, 12, 3, 11))
+                .sim(cluster)
+                .balance(rule.clone())
+                .micro_batches(4)
+                .checkpoint(CheckpointMode::ExceptLast)
+                .schedule(ScheduleKind::OneFOneB)
+                .seed(SEED)
+                .optimizer(sgd)
+                .build()
+                .unwrap();
+            let b = pipe.balance();
+            assert_eq!(b.len(), k);
+            assert!(
+                b.iter().all(|&n| n > 0) && b.iter().sum::<usize>() == 8,
+                "{b:?}"
+            );
+            let (got, _) = pipe_train(&mut pipe, &x, &y, &mse, STEPS);
+            assert_close(
+                &got,
+                &reference,
+                1e-5,
+                &format!("{rule:?} K={k} balance {b:?}"),
+            );
+        }
+    }
+    for (bad, what) in [
+        (vec![4, 0, 4], "0 layers"),
+        (vec![4, 3], "7"),
+        (vec![4, 5], "9"),
+    ] {
+        let k = bad.len();
+        let cfg = PipeCfg::new(k, 2, CheckpointMode::Never, ScheduleKind::GPipe).balance(bad);
+        let e = try_sim_pipeline(mlp(6, 12, 3, 11), &cfg)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains(what), "{e}");
+    }
+    let cfg = PipeCfg::new(9, 2, CheckpointMode::Never, ScheduleKind::GPipe);
+    let e = try_sim_pipeline(mlp(6, 12, 3, 11), &cfg).err();
+    assert!(e.is_some(), "9 stages for 8 layers must fail");
+}
+
+/// The evaluation forward (micro-batched, no tape, dropout off) equals the plain eval forward.
+#[test]
+fn eval_forward_equals_plain_eval() {
+    use wgpipe_autograd::{ForwardCtx, Tape};
+    let (x, _) = lm_data(8);
+    let plain = transformer(0.3, 3);
+    let want = wgpipe_models::forward_all(
+        &plain,
+        &Tape::no_grad().constant(x.clone()),
+        &ForwardCtx::eval(),
+    )
+    .unwrap()
+    .value()
+    .to_vec()
+    .unwrap();
+    for (k, m) in [(1, 1), (2, 4), (4, 3)] {
+        let cfg = PipeCfg::new(k, m, CheckpointMode::Always, ScheduleKind::GPipe);
+        let pipe = sim_pipeline(transformer(0.3, 3), &cfg);
+        let got = pipe.forward(&x).unwrap();
+        assert_eq!(got.shape(), &[8, 6, 16]);
+        let e = rel_err(&got.to_vec().unwrap(), &want);
+        assert!(e <= 1e-6, "K={k} M={m}: {e:.3e}");
+    }
+}
+
+/// With one micro-batch the pipeline's dropout masks are plain training's (both keyed by
+/// (seed, step, micro-batch 0, global layer index)), so even with dropout it equals plain.
+#[test]
+fn one_micro_batch_with_dropout_equals_plain() {
+    let (x, y) = lm_data(8);
+    let reference = plain_train(&transformer(0.2, 3), &x, &y, &cross_entropy, STEPS);
+    for k in [1, 2, 4] {
+        for schedule in ALL_SCHEDULES {
+            for mode in ALL_MODES {
+                let mut pipe =
+                    sim_pipeline(transformer(0.2, 3), &PipeCfg::new(k, 1, mode, schedule));
+                let (got, _) = pipe_train(&mut pipe, &x, &y, &cross_entropy, STEPS);
+                assert_close(
+                    &got,
+                    &reference,
+                    1e-5,
+                    &format!("dropout K={k} M=1 {mode} {schedule:?}"),
+                );
+            }
+        }
+    }
+}
