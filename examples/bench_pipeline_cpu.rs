@@ -9,7 +9,15 @@
 //!
 //! The model: an MLP of identical wide `Linear` + ReLU layers, cut in two equal halves; no
 //! re-materialization (`CheckpointMode::Never`); SGD. Reported: the median of several steps after
-//! warm-up, and the measured bubble (idle share of stage time on the wall clock).
+//! warm-up, and the measured bubble (idle share of stage time on the wall clock). Micro-batches
+//! are 1024 rows, so every op's work dwarfs thread and channel overhead. K = 1 runs both as one
+//! mini-batch (M = 1) and micro-batched (M = 8); the speed-up is over the faster of the two.
+//!
+//! Caveats. With a one-thread rayon pool, any kernel that calls rayon without first checking
+//! `rayon::current_num_threads() > 1` hands its work to that single pool thread, which would
+//! serialise the stages; the ops of this MLP (2-D matmul through gemm, bias, ReLU, MSE, SGD) all
+//! take their single-threaded paths. The figures need two idle cores: on a shared machine run it
+//! when nothing else is busy (or with a higher scheduling priority), else K = 2 cannot win.
 //!
 //! `cargo run --release --example bench_pipeline_cpu`
 
@@ -24,11 +32,11 @@ use wgpipe::tensor::{Device, Tensor};
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 const WIDTH: usize = 1024;
-const LAYERS: usize = 8;
-const BATCH: usize = 4096;
+const LAYERS: usize = 12;
+const BATCH: usize = 8192;
 const M: usize = 8;
 const WARMUP: usize = 1;
-const STEPS: usize = 5;
+const STEPS: usize = 4;
 const CHILD_FLAG: &str = "--child-k1-all-cores";
 
 fn mlp() -> Res<Vec<Box<dyn Module>>> {
@@ -181,7 +189,9 @@ fn main() -> Res<()> {
     );
 
     let ideal = (M as f64) / (M + 1) as f64 * 2.0;
-    println!("| config | stage devices | per-op threads | step ms (median) | GFLOP/s | speed-up vs K=1,M=1 | measured bubble | stage busy ms |");
+    // The reference: the faster of the two one-thread K=1 runs (the conservative choice).
+    let best1 = k1.step.min(k1m.step);
+    println!("| config | stage devices | per-op threads | step ms (median) | GFLOP/s | speed-up vs best K=1 | measured bubble | stage busy ms |");
     println!("|---|---|---|---|---|---|---|---|");
     let row = |name: &str, devs: &str, thr: String, r: &Measured| {
         let busy: Vec<String> = r.busy.iter().map(|b| format!("{:.0}", b * 1e3)).collect();
@@ -189,7 +199,7 @@ fn main() -> Res<()> {
             "| {name} | {devs} | {thr} | {:.1} | {:.1} | {:.2}x | {:.1}% | {} |",
             r.step * 1e3,
             flops / r.step / 1e9,
-            k1.step / r.step,
+            best1 / r.step,
             r.bubble * 100.0,
             busy.join(" / ")
         );
@@ -203,7 +213,7 @@ fn main() -> Res<()> {
             threads.unwrap_or(0),
             t * 1e3,
             flops / t / 1e9,
-            k1.step / t
+            best1 / t
         ),
         None => println!(
             "| K=1, M=1, rayon on all cores | child process failed: {} |",
@@ -211,8 +221,9 @@ fn main() -> Res<()> {
         ),
     }
     println!(
-        "\nK=2 speed-up over K=1 (M=1): {:.2}x; over K=1 with M=8: {:.2}x; ideal M/(M+K-1)*K = {ideal:.2}x; \
-         ideal bubble (K-1)/(M+K-1) = {:.1}%.",
+        "\nK=2 speed-up over the best one-thread K=1: {:.2}x (over K=1 M=1: {:.2}x; over K=1 M=8: {:.2}x); \
+         ideal M/(M+K-1)*K = {ideal:.2}x; ideal bubble (K-1)/(M+K-1) = {:.1}%.",
+        best1 / k2.step,
         k1.step / k2.step,
         k1m.step / k2.step,
         100.0 / (M + 1) as f64

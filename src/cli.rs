@@ -558,13 +558,14 @@ impl Optimizer for StagedOptimizer<'_> {
     }
 }
 
-fn staged(
-    pipe: &mut Pipeline,
-) -> (
+/// Parameters, buffers, and the stage that owns each parameter.
+type Staged = (
     Vec<(String, Param)>,
     Vec<(String, Param)>,
     HashMap<String, usize>,
-) {
+);
+
+fn staged(pipe: &Pipeline) -> Staged {
     let mut owner = HashMap::new();
     for st in pipe.stages() {
         for (i, l) in st.layers.iter().enumerate() {

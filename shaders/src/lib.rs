@@ -652,17 +652,30 @@ pub enum SpatialKernel {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
     /// `out = op(a)`.
-    Unary { op: Unary, layout: EwLayout },
+    Unary {
+        op: Unary,
+        layout: EwLayout,
+    },
     /// `out = op(a, b)` over inputs of one shape.
-    Binary { op: Binary, layout: EwLayout },
+    Binary {
+        op: Binary,
+        layout: EwLayout,
+    },
     /// `out = a != 0 ? b : c`.
-    Where { layout: EwLayout },
+    Where {
+        layout: EwLayout,
+    },
     /// Strided-to-strided copy (concat).
     CopyStrided,
     /// `out = value`.
     Fill,
-    Reduce { op: Reduce, mode: ReduceMode },
-    Softmax { log: bool },
+    Reduce {
+        op: Reduce,
+        mode: ReduceMode,
+    },
+    Softmax {
+        log: bool,
+    },
     LayerNorm,
     Matmul(MatmulConfig),
     /// Needs the `SUBGROUP` feature and a fixed subgroup size of `sg`.
@@ -819,9 +832,16 @@ impl Kernel {
         }
         v.extend([Kernel::CopyStrided, Kernel::Fill, Kernel::LayerNorm]);
         for op in Reduce::ALL {
-            v.extend(ReduceMode::ALL.iter().map(|&mode| Kernel::Reduce { op, mode }));
+            v.extend(
+                ReduceMode::ALL
+                    .iter()
+                    .map(|&mode| Kernel::Reduce { op, mode }),
+            );
         }
-        v.extend([Kernel::Softmax { log: false }, Kernel::Softmax { log: true }]);
+        v.extend([
+            Kernel::Softmax { log: false },
+            Kernel::Softmax { log: true },
+        ]);
         for (bm, bn, bk, tm, tn) in MatmulConfig::TILES {
             for a in OperandLoad::ALL {
                 for b in OperandLoad::ALL {
@@ -843,7 +863,12 @@ impl Kernel {
         for sg in [8, 16] {
             for (s, q) in SubgroupMatmulConfig::SHAPES {
                 for c_vec in [false, true] {
-                    v.push(Kernel::MatmulSubgroup(SubgroupMatmulConfig { sg, s, q, c_vec }));
+                    v.push(Kernel::MatmulSubgroup(SubgroupMatmulConfig {
+                        sg,
+                        s,
+                        q,
+                        c_vec,
+                    }));
                 }
             }
         }
@@ -944,7 +969,9 @@ fn elementwise(arity: usize, layout: EwLayout, expr: &str) -> String {
             lane("w")
         );
     } else {
-        let args: Vec<&str> = (0..3).map(|k| if k < arity { NAMES[k] } else { "0.0" }).collect();
+        let args: Vec<&str> = (0..3)
+            .map(|k| if k < arity { NAMES[k] } else { "0.0" })
+            .collect();
         body += &format!("    out[i] = op({}, s0, s1);\n", args.join(", "));
     }
     render(

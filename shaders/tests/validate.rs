@@ -38,7 +38,10 @@ fn entry_points_and_bindings_match_the_source() {
     for k in Kernel::all() {
         let module = validate(&k).unwrap();
         assert!(
-            module.entry_points.iter().any(|e| e.name == k.entry_point()),
+            module
+                .entry_points
+                .iter()
+                .any(|e| e.name == k.entry_point()),
             "{k:?}: no entry point {}",
             k.entry_point()
         );

@@ -122,14 +122,7 @@ fn permutation(rank: usize, seed: u64) -> Vec<usize> {
 
 /// An operand of logical `shape` laid out as `view`, holding values from `seed` (mapped by
 /// `f`); the same call on two devices gives the same logical values.
-fn operand(
-    dev: &Device,
-    shape: &[usize],
-    view: View,
-    seed: u64,
-    discrete: bool,
-    f: fn(f32) -> f32,
-) -> Tensor {
+fn operand(dev: &Device, shape: &[usize], view: View, seed: u64, discrete: bool, f: Map) -> Tensor {
     let gen = |n: usize| -> Vec<f32> { values(n, seed, discrete).into_iter().map(f).collect() };
     let n: usize = shape.iter().product();
     let rank = shape.len();
@@ -179,6 +172,9 @@ fn operand(
     }
 }
 
+/// A value map applied to generated data (keeps operands in an op's domain).
+type Map = fn(f32) -> f32;
+
 fn id(x: f32) -> f32 {
     x
 }
@@ -192,14 +188,28 @@ fn shape(max_rank: usize, max_dim: usize) -> impl Strategy<Value = Vec<usize>> {
 
 /// `got` (wgpu) against `want` (CPU): same shape, `|g - w| <= atol + rtol |w|` (NaN matches NaN,
 /// infinities must be equal).
-fn close(got: &Tensor, want: &Tensor, rtol: f32, atol: f32, what: &str) -> Result<(), TestCaseError> {
+fn close(
+    got: &Tensor,
+    want: &Tensor,
+    rtol: f32,
+    atol: f32,
+    what: &str,
+) -> Result<(), TestCaseError> {
     prop_assert_eq!(got.shape(), want.shape(), "{}: shapes", what);
     let (g, w) = (got.to_vec().unwrap(), want.to_vec().unwrap());
     for (i, (a, b)) in g.iter().zip(&w).enumerate() {
         let ok = (a.is_nan() && b.is_nan())
             || a == b
             || (a.is_finite() && b.is_finite() && (a - b).abs() <= atol + rtol * b.abs());
-        prop_assert!(ok, "{}: element {} of {:?}: wgpu {} vs cpu {}", what, i, got.shape(), a, b);
+        prop_assert!(
+            ok,
+            "{}: element {} of {:?}: wgpu {} vs cpu {}",
+            what,
+            i,
+            got.shape(),
+            a,
+            b
+        );
     }
     Ok(())
 }
@@ -227,7 +237,13 @@ const UNARY: [(UnaryOp, bool); 27] = [
     (UnaryOp::Cos, false),
     (UnaryOp::Square, false),
     (UnaryOp::Recip, true),
-    (UnaryOp::Affine { mul: -1.5, add: 0.25 }, false),
+    (
+        UnaryOp::Affine {
+            mul: -1.5,
+            add: 0.25,
+        },
+        false,
+    ),
     (UnaryOp::Powf(2.0), false),
     (UnaryOp::Powf(3.0), false),
     (UnaryOp::Powf(0.5), true),
@@ -242,12 +258,22 @@ const UNARY: [(UnaryOp, bool); 27] = [
 
 #[test]
 fn unary_ops_on_views() {
-    let strat = (shape(4, 5), view(), any::<u64>(), 0..UNARY.len(), any::<bool>());
+    let strat = (
+        shape(4, 5),
+        view(),
+        any::<u64>(),
+        0..UNARY.len(),
+        any::<bool>(),
+    );
     run("unary", strat, |dev, (shape, v, seed, op, discrete)| {
         let (op, pos) = UNARY[op];
         let f = if pos { positive } else { id };
-        let g = operand(dev, &shape, v, seed, discrete, f).unary(op).unwrap();
-        let c = operand(&cpu(), &shape, v, seed, discrete, f).unary(op).unwrap();
+        let g = operand(dev, &shape, v, seed, discrete, f)
+            .unary(op)
+            .unwrap();
+        let c = operand(&cpu(), &shape, v, seed, discrete, f)
+            .unary(op)
+            .unwrap();
         close(&g, &c, 1e-5, 1e-5, &format!("{op:?} {v:?}"))
     });
 }
@@ -289,7 +315,7 @@ fn binary_ops_with_broadcasting_and_views() {
         if drop & 0x80 != 0 && bs.len() > 1 {
             bs.remove(0);
         }
-        let (fa, fb): (fn(f32) -> f32, fn(f32) -> f32) = match op {
+        let (fa, fb): (Map, Map) = match op {
             BinaryOp::Pow => (positive, id),
             BinaryOp::Div => (id, positive),
             _ => (id, id),
@@ -305,98 +331,140 @@ fn binary_ops_with_broadcasting_and_views() {
 
 #[test]
 fn scalar_ops_where_and_masked_fill() {
-    let strat = (shape(3, 5), view(), view(), view(), any::<u64>(), -2.0f32..2.0);
-    run("scalar/where", strat, |dev, (shape, v1, v2, v3, seed, s)| {
-        let all = |d: &Device| -> Vec<Tensor> {
-            let x = operand(d, &shape, v1, seed, true, id);
-            let y = operand(d, &shape, v2, seed ^ 5, false, id);
-            let m = operand(d, &shape, v3, seed ^ 9, true, id).gt_scalar(0.0).unwrap();
-            vec![
-                x.add_scalar(s).unwrap(),
-                x.sub_scalar(s).unwrap(),
-                x.mul_scalar(s).unwrap(),
-                x.div_scalar(s.abs() + 0.5).unwrap(),
-                x.affine(s, -s).unwrap(),
-                x.maximum_scalar(s).unwrap(),
-                x.minimum_scalar(s).unwrap(),
-                x.rsub_scalar(s).unwrap(),
-                x.gt_scalar(s.round()).unwrap(),
-                x.eq_scalar(0.5).unwrap(),
-                Tensor::where_cond(&m, &x, &y).unwrap(),
-                x.masked_fill(&m, s).unwrap(),
-                x.contiguous().unwrap(),
-            ]
-        };
-        for (i, (g, c)) in all(dev).iter().zip(all(&cpu())).enumerate() {
-            close(g, &c, 1e-5, 1e-5, &format!("scalar op #{i}"))?;
-        }
-        Ok(())
-    });
+    let strat = (
+        shape(3, 5),
+        view(),
+        view(),
+        view(),
+        any::<u64>(),
+        -2.0f32..2.0,
+    );
+    run(
+        "scalar/where",
+        strat,
+        |dev, (shape, v1, v2, v3, seed, s)| {
+            let all = |d: &Device| -> Vec<Tensor> {
+                let x = operand(d, &shape, v1, seed, true, id);
+                let y = operand(d, &shape, v2, seed ^ 5, false, id);
+                let m = operand(d, &shape, v3, seed ^ 9, true, id)
+                    .gt_scalar(0.0)
+                    .unwrap();
+                vec![
+                    x.add_scalar(s).unwrap(),
+                    x.sub_scalar(s).unwrap(),
+                    x.mul_scalar(s).unwrap(),
+                    x.div_scalar(s.abs() + 0.5).unwrap(),
+                    x.affine(s, -s).unwrap(),
+                    x.maximum_scalar(s).unwrap(),
+                    x.minimum_scalar(s).unwrap(),
+                    x.rsub_scalar(s).unwrap(),
+                    x.gt_scalar(s.round()).unwrap(),
+                    x.eq_scalar(0.5).unwrap(),
+                    Tensor::where_cond(&m, &x, &y).unwrap(),
+                    x.masked_fill(&m, s).unwrap(),
+                    x.contiguous().unwrap(),
+                ]
+            };
+            for (i, (g, c)) in all(dev).iter().zip(all(&cpu())).enumerate() {
+                close(g, &c, 1e-5, 1e-5, &format!("scalar op #{i}"))?;
+            }
+            Ok(())
+        },
+    );
 }
 
 // ---------------------------------------------------------------- reductions, softmax, norm
 
 #[test]
 fn reductions_over_random_axes() {
-    let strat = (shape(4, 6), view(), any::<u64>(), any::<u8>(), any::<bool>(), any::<bool>());
-    run("reduce", strat, |dev, (shape, v, seed, axes_bits, keep, discrete)| {
-        let rank = shape.len();
-        let axes: Vec<isize> = (0..rank)
-            .filter(|i| axes_bits & (1 << i) != 0)
-            .map(|i| i as isize)
-            .collect();
-        let one = (axes_bits as usize % rank) as isize - rank as isize; // a negative axis
-        let all = |d: &Device| -> Vec<Tensor> {
-            let x = operand(d, &shape, v, seed, discrete, id);
-            vec![
-                x.sum(&axes, keep).unwrap(),
-                x.mean(&axes, keep).unwrap(),
-                x.max(&axes, keep).unwrap(),
-                x.min(&axes, keep).unwrap(),
-                x.var(&axes, keep).unwrap(),
-                x.argmax(one, keep).unwrap(),
-                x.argmin(one, keep).unwrap(),
-                x.sum_all().unwrap(),
-                x.mean_all().unwrap(),
-            ]
-        };
-        let names = ["sum", "mean", "max", "min", "var", "argmax", "argmin", "sum_all", "mean_all"];
-        for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(names) {
-            close(g, &c, 1e-4, 1e-4, &format!("{name} axes {axes:?} keep {keep}"))?;
-        }
-        Ok(())
-    });
+    let strat = (
+        shape(4, 6),
+        view(),
+        any::<u64>(),
+        any::<u8>(),
+        any::<bool>(),
+        any::<bool>(),
+    );
+    run(
+        "reduce",
+        strat,
+        |dev, (shape, v, seed, axes_bits, keep, discrete)| {
+            let rank = shape.len();
+            let axes: Vec<isize> = (0..rank)
+                .filter(|i| axes_bits & (1 << i) != 0)
+                .map(|i| i as isize)
+                .collect();
+            let one = (axes_bits as usize % rank) as isize - rank as isize; // a negative axis
+            let all = |d: &Device| -> Vec<Tensor> {
+                let x = operand(d, &shape, v, seed, discrete, id);
+                vec![
+                    x.sum(&axes, keep).unwrap(),
+                    x.mean(&axes, keep).unwrap(),
+                    x.max(&axes, keep).unwrap(),
+                    x.min(&axes, keep).unwrap(),
+                    x.var(&axes, keep).unwrap(),
+                    x.argmax(one, keep).unwrap(),
+                    x.argmin(one, keep).unwrap(),
+                    x.sum_all().unwrap(),
+                    x.mean_all().unwrap(),
+                ]
+            };
+            let names = [
+                "sum", "mean", "max", "min", "var", "argmax", "argmin", "sum_all", "mean_all",
+            ];
+            for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(names) {
+                close(
+                    g,
+                    &c,
+                    1e-4,
+                    1e-4,
+                    &format!("{name} axes {axes:?} keep {keep}"),
+                )?;
+            }
+            Ok(())
+        },
+    );
 }
 
 #[test]
 fn softmax_log_softmax_layer_norm() {
     let strat = (shape(3, 7), view(), view(), any::<u64>(), any::<u8>());
-    run("softmax/layer_norm", strat, |dev, (mut shape, v, vg, seed, axis)| {
-        if axis & 0x80 != 0 {
-            // now and then a row longer than one workgroup
-            *shape.last_mut().unwrap() = 300 + (seed % 300) as usize;
-        }
-        let axis = (axis as usize % shape.len()) as isize;
-        let d = *shape.last().unwrap();
-        let all = |dv: &Device| -> Vec<Tensor> {
-            let x = operand(dv, &shape, v, seed, false, |x| 3.0 * x);
-            // Rows broadcast from one value have zero variance: y would be rounding noise
-            // times 1/sqrt(eps), so layer norm gets a view whose rows vary.
-            let xl = match v {
-                View::Broadcast(_) => operand(dv, &shape, View::Offset, seed, false, id),
-                _ => x.clone(),
+    run(
+        "softmax/layer_norm",
+        strat,
+        |dev, (mut shape, v, vg, seed, axis)| {
+            if axis & 0x80 != 0 {
+                // now and then a row longer than one workgroup
+                *shape.last_mut().unwrap() = 300 + (seed % 300) as usize;
+            }
+            let axis = (axis as usize % shape.len()) as isize;
+            let d = *shape.last().unwrap();
+            let all = |dv: &Device| -> Vec<Tensor> {
+                let x = operand(dv, &shape, v, seed, false, |x| 3.0 * x);
+                // Rows broadcast from one value have zero variance: y would be rounding noise
+                // times 1/sqrt(eps), so layer norm gets a view whose rows vary.
+                let xl = match v {
+                    View::Broadcast(_) => operand(dv, &shape, View::Offset, seed, false, id),
+                    _ => x.clone(),
+                };
+                let gamma = operand(dv, &[d], vg, seed ^ 2, false, id);
+                let beta = operand(dv, &[d], View::Offset, seed ^ 3, false, id);
+                let (y, mean, rstd) = xl.layer_norm(&gamma, &beta, 1e-5).unwrap();
+                vec![
+                    x.softmax(axis).unwrap(),
+                    x.log_softmax(axis).unwrap(),
+                    y,
+                    mean,
+                    rstd,
+                ]
             };
-            let gamma = operand(dv, &[d], vg, seed ^ 2, false, id);
-            let beta = operand(dv, &[d], View::Offset, seed ^ 3, false, id);
-            let (y, mean, rstd) = xl.layer_norm(&gamma, &beta, 1e-5).unwrap();
-            vec![x.softmax(axis).unwrap(), x.log_softmax(axis).unwrap(), y, mean, rstd]
-        };
-        let names = ["softmax", "log_softmax", "layer_norm y", "mean", "rstd"];
-        for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(names) {
-            close(g, &c, 1e-4, 1e-5, &format!("{name} axis {axis}"))?;
-        }
-        Ok(())
-    });
+            let names = ["softmax", "log_softmax", "layer_norm y", "mean", "rstd"];
+            for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(names) {
+                close(g, &c, 1e-4, 1e-5, &format!("{name} axis {axis}"))?;
+            }
+            Ok(())
+        },
+    );
 }
 
 // ---------------------------------------------------------------- matmul
@@ -413,35 +481,45 @@ fn matmul_batched_broadcast_transposed() {
         0u8..3,
         any::<u64>(),
     );
-    run("matmul", strat, |dev, (batch, m, k, n, ta, tb, bmode, seed)| {
-        let make = |d: &Device| {
-            // a: [batch, m, k] (stored transposed when ta); b: [k, n], [1, k, n] or [batch, k, n]
-            let a = if ta {
-                operand(d, &[batch, k, m], View::Contiguous, seed, false, id)
-                    .transpose(-1, -2)
-                    .unwrap()
-            } else {
-                operand(d, &[batch, m, k], View::Offset, seed, false, id)
+    run(
+        "matmul",
+        strat,
+        |dev, (batch, m, k, n, ta, tb, bmode, seed)| {
+            let make = |d: &Device| {
+                // a: [batch, m, k] (stored transposed when ta); b: [k, n], [1, k, n] or [batch, k, n]
+                let a = if ta {
+                    operand(d, &[batch, k, m], View::Contiguous, seed, false, id)
+                        .transpose(-1, -2)
+                        .unwrap()
+                } else {
+                    operand(d, &[batch, m, k], View::Offset, seed, false, id)
+                };
+                let bshape: Vec<usize> = match bmode {
+                    0 => vec![k, n],
+                    1 => vec![1, k, n],
+                    _ => vec![batch, k, n],
+                };
+                let b = if tb {
+                    let mut st = bshape.clone();
+                    let r = st.len();
+                    st.swap(r - 1, r - 2);
+                    operand(d, &st, View::Contiguous, seed ^ 7, false, id)
+                        .transpose(-1, -2)
+                        .unwrap()
+                } else {
+                    operand(d, &bshape, View::Contiguous, seed ^ 7, false, id)
+                };
+                a.matmul(&b).unwrap()
             };
-            let bshape: Vec<usize> = match bmode {
-                0 => vec![k, n],
-                1 => vec![1, k, n],
-                _ => vec![batch, k, n],
-            };
-            let b = if tb {
-                let mut st = bshape.clone();
-                let r = st.len();
-                st.swap(r - 1, r - 2);
-                operand(d, &st, View::Contiguous, seed ^ 7, false, id)
-                    .transpose(-1, -2)
-                    .unwrap()
-            } else {
-                operand(d, &bshape, View::Contiguous, seed ^ 7, false, id)
-            };
-            a.matmul(&b).unwrap()
-        };
-        close(&make(dev), &make(&cpu()), 1e-4, 1e-4 * k as f32, &format!("{batch}x{m}x{k}x{n}"))
-    });
+            close(
+                &make(dev),
+                &make(&cpu()),
+                1e-4,
+                1e-4 * k as f32,
+                &format!("{batch}x{m}x{k}x{n}"),
+            )
+        },
+    );
 }
 
 // ---------------------------------------------------------------- index ops
@@ -480,7 +558,15 @@ fn index_gather_scatter_concat() {
                 Tensor::stack(&[&x, &y], ax).unwrap(),
             ]
         };
-        let names = ["index_select", "index_add", "gather", "scatter_add", "one_hot", "concat", "stack"];
+        let names = [
+            "index_select",
+            "index_add",
+            "gather",
+            "scatter_add",
+            "one_hot",
+            "concat",
+            "stack",
+        ];
         for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(names) {
             close(g, &c, 1e-5, 1e-5, &format!("{name} axis {axis}"))?;
         }
@@ -493,47 +579,67 @@ fn index_gather_scatter_concat() {
 #[test]
 fn conv2d_and_its_gradients() {
     let strat = (
-        1usize..3,    // n
-        1usize..3,    // channels per group in
-        1usize..3,    // channels per group out
-        1usize..3,    // groups
-        3usize..8,    // h
-        3usize..8,    // w
-        1usize..4,    // kernel
-        1usize..3,    // stride
-        0usize..2,    // padding
-        1usize..3,    // dilation
+        1usize..3, // n
+        1usize..3, // channels per group in
+        1usize..3, // channels per group out
+        1usize..3, // groups
+        3usize..8, // h
+        3usize..8, // w
+        1usize..4, // kernel
+        1usize..3, // stride
+        0usize..2, // padding
+        1usize..3, // dilation
         any::<u64>(),
     );
-    run("conv2d", strat, |dev, (n, cig, cog, groups, h, w, k, s, p, dil, seed)| {
-        let (c_in, c_out) = (cig * groups, cog * groups);
-        prop_assume!(h + 2 * p > dil * (k - 1) && w + 2 * p > dil * (k - 1));
-        let params = Conv2dParams {
-            stride: (s, s),
-            padding: (p, p),
-            dilation: (dil, dil),
-            groups,
-        };
-        let all = |d: &Device| -> Vec<Tensor> {
-            let x = operand(d, &[n, c_in, h, w], View::Contiguous, seed, false, id);
-            let wt = operand(d, &[c_out, cig, k, k], View::Contiguous, seed ^ 3, false, id);
-            let bias = operand(d, &[c_out], View::Contiguous, seed ^ 5, false, id);
-            let y = x.conv2d(&wt, Some(&bias), params).unwrap();
-            let dy = operand(d, y.shape(), View::Contiguous, seed ^ 7, false, id);
-            let dx = Tensor::conv2d_input_grad(&dy, &wt, x.shape(), params).unwrap();
-            let dw = Tensor::conv2d_weight_grad(&x, &dy, wt.shape(), params).unwrap();
-            vec![y, dx, dw]
-        };
-        for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(["y", "dx", "dw"]) {
-            close(g, &c, 1e-4, 1e-4, &format!("conv2d {name}"))?;
-        }
-        Ok(())
-    });
+    run(
+        "conv2d",
+        strat,
+        |dev, (n, cig, cog, groups, h, w, k, s, p, dil, seed)| {
+            let (c_in, c_out) = (cig * groups, cog * groups);
+            prop_assume!(h + 2 * p > dil * (k - 1) && w + 2 * p > dil * (k - 1));
+            let params = Conv2dParams {
+                stride: (s, s),
+                padding: (p, p),
+                dilation: (dil, dil),
+                groups,
+            };
+            let all = |d: &Device| -> Vec<Tensor> {
+                let x = operand(d, &[n, c_in, h, w], View::Contiguous, seed, false, id);
+                let wt = operand(
+                    d,
+                    &[c_out, cig, k, k],
+                    View::Contiguous,
+                    seed ^ 3,
+                    false,
+                    id,
+                );
+                let bias = operand(d, &[c_out], View::Contiguous, seed ^ 5, false, id);
+                let y = x.conv2d(&wt, Some(&bias), params).unwrap();
+                let dy = operand(d, y.shape(), View::Contiguous, seed ^ 7, false, id);
+                let dx = Tensor::conv2d_input_grad(&dy, &wt, x.shape(), params).unwrap();
+                let dw = Tensor::conv2d_weight_grad(&x, &dy, wt.shape(), params).unwrap();
+                vec![y, dx, dw]
+            };
+            for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(["y", "dx", "dw"]) {
+                close(g, &c, 1e-4, 1e-4, &format!("conv2d {name}"))?;
+            }
+            Ok(())
+        },
+    );
 }
 
 #[test]
 fn pooling_and_backward() {
-    let strat = (1usize..3, 1usize..4, 2usize..9, 2usize..9, 1usize..4, 1usize..3, 0usize..2, any::<u64>());
+    let strat = (
+        1usize..3,
+        1usize..4,
+        2usize..9,
+        2usize..9,
+        1usize..4,
+        1usize..3,
+        0usize..2,
+        any::<u64>(),
+    );
     run("pool", strat, |dev, (n, c, h, w, k, s, p, seed)| {
         prop_assume!(2 * p <= k && h + 2 * p >= k && w + 2 * p >= k);
         let params = Pool2dParams {
@@ -565,8 +671,14 @@ fn pooling_and_backward() {
 fn dropout_masks_are_bit_identical() {
     let strat = (shape(3, 40), 0.0f32..0.95, any::<u64>(), any::<u64>());
     run("dropout", strat, |dev, (shape, p, seed, offset)| {
-        let g = Tensor::dropout_mask(&shape, p, seed, offset, dev).unwrap().to_vec().unwrap();
-        let c = Tensor::dropout_mask(&shape, p, seed, offset, &cpu()).unwrap().to_vec().unwrap();
+        let g = Tensor::dropout_mask(&shape, p, seed, offset, dev)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        let c = Tensor::dropout_mask(&shape, p, seed, offset, &cpu())
+            .unwrap()
+            .to_vec()
+            .unwrap();
         let gb: Vec<u32> = g.iter().map(|v| v.to_bits()).collect();
         let cb: Vec<u32> = c.iter().map(|v| v.to_bits()).collect();
         prop_assert_eq!(gb, cb);
@@ -576,7 +688,13 @@ fn dropout_masks_are_bit_identical() {
 
 #[test]
 fn adam_update_matches() {
-    let strat = (shape(2, 30), any::<u64>(), 1i32..100, any::<bool>(), 0.0f32..0.1);
+    let strat = (
+        shape(2, 30),
+        any::<u64>(),
+        1i32..100,
+        any::<bool>(),
+        0.0f32..0.1,
+    );
     run("adam", strat, |dev, (shape, seed, t, decoupled, wd)| {
         let hp = AdamStep {
             lr: 1e-2,
@@ -592,7 +710,9 @@ fn adam_update_matches() {
             let p = operand(d, &shape, View::Contiguous, seed, false, id);
             let g = operand(d, &shape, View::Contiguous, seed ^ 1, false, id);
             let m = operand(d, &shape, View::Contiguous, seed ^ 2, false, |x| x * 0.1);
-            let v = operand(d, &shape, View::Contiguous, seed ^ 3, false, |x| x * x * 0.01);
+            let v = operand(d, &shape, View::Contiguous, seed ^ 3, false, |x| {
+                x * x * 0.01
+            });
             let (a, b, c) = Tensor::adam_update(&p, &g, &m, &v, &hp).unwrap();
             vec![a, b, c]
         };
@@ -612,7 +732,9 @@ fn transfers_between_devices() {
         let c = operand(&cpu(), &shape, v, seed, false, id);
         let g = c.to_device(dev).unwrap();
         prop_assert_eq!(g.to_vec().unwrap(), c.to_vec().unwrap());
-        let back = operand(dev, &shape, v, seed, false, id).to_device(&cpu()).unwrap();
+        let back = operand(dev, &shape, v, seed, false, id)
+            .to_device(&cpu())
+            .unwrap();
         prop_assert_eq!(back.to_vec().unwrap(), c.to_vec().unwrap());
         Ok(())
     });
@@ -637,7 +759,11 @@ fn oversized_allocations_are_errors_not_panics() {
             }
             other => panic!("expected Error::Wgpu, got {other:?}"),
         }
-        assert_eq!(dev.memory_stats().live, before, "the failed allocation was released");
+        assert_eq!(
+            dev.memory_stats().live,
+            before,
+            "the failed allocation was released"
+        );
         // the device still works
         let x = Tensor::ones(&[3], dev).unwrap().add_scalar(1.0).unwrap();
         assert_eq!(x.to_vec().unwrap(), vec![2.0; 3]);

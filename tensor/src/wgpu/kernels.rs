@@ -3,8 +3,8 @@
 //! records its dispatch(es).
 
 use wgpipe_shaders::{
-    Binary, EwLayout, IndexKernel, Kernel, MatmulConfig, OperandLoad, Reduce, ReduceMode, SpatialKernel,
-    SubgroupMatmulConfig, Unary, ELEMENTWISE_WG, ROW_WG,
+    Binary, EwLayout, IndexKernel, Kernel, MatmulConfig, OperandLoad, Reduce, ReduceMode,
+    SpatialKernel, SubgroupMatmulConfig, Unary, ELEMENTWISE_WG, ROW_WG,
 };
 
 use super::context::WgpuContext;
@@ -189,7 +189,8 @@ impl WgpuContext {
         let contiguous = cstrides.iter().all(|s| s.is_empty() || s == &[1]);
         let layout = if !contiguous {
             EwLayout::Strided
-        } else if n % 4 == 0 && inputs.iter().all(|t| t.layout().offset % 4 == 0) {
+        } else if n.is_multiple_of(4) && inputs.iter().all(|t| t.layout().offset.is_multiple_of(4))
+        {
             EwLayout::Vec4
         } else {
             EwLayout::Contiguous
@@ -225,7 +226,7 @@ impl WgpuContext {
         lb: &MatLayout,
         d: &MatDims,
     ) -> MatmulConfig {
-        let a4 = |v: usize| v % 4 == 0;
+        let a4 = |v: usize| v.is_multiple_of(4);
         let a = if la.col_stride == 1
             && a4(d.k)
             && a4(la.offset)
@@ -409,11 +410,11 @@ impl WgpuContext {
             sg,
             s,
             q: 1,
-            c_vec: d.n % 4 == 0,
+            c_vec: d.n.is_multiple_of(4),
         };
         let max = self.limits.max_compute_workgroups_per_dimension as usize;
-        let fits = d.m.div_ceil(cfg.rows() as usize) <= max
-            && d.n.div_ceil(cfg.cols() as usize) <= max;
+        let fits =
+            d.m.div_ceil(cfg.rows() as usize) <= max && d.n.div_ceil(cfg.cols() as usize) <= max;
         fits.then_some(cfg)
     }
 
@@ -859,11 +860,7 @@ impl Kernels for WgpuContext {
         dim: usize,
         inner: usize,
     ) -> Result<Tensor> {
-        let n = if outer * inner == 0 {
-            0
-        } else {
-            idx.numel() / (outer * inner)
-        };
+        let n = idx.numel().checked_div(outer * inner).unwrap_or(0);
         self.index_kernel(
             IndexKernel::Gather,
             x,
@@ -882,11 +879,7 @@ impl Kernels for WgpuContext {
         dim: usize,
         inner: usize,
     ) -> Result<Tensor> {
-        let n = if outer * inner == 0 {
-            0
-        } else {
-            idx.numel() / (outer * inner)
-        };
+        let n = idx.numel().checked_div(outer * inner).unwrap_or(0);
         self.index_kernel(
             IndexKernel::ScatterAdd,
             src,

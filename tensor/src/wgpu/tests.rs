@@ -133,7 +133,9 @@ fn sign(x: f32) -> f32 {
 fn every_unary_op() {
     let Some(d) = device() else { return };
     let mut data: Vec<f32> = vals(60, 2).iter().map(|v| v * 3.0).collect();
-    data.extend([0.0, 1.0, -2.0, 0.5, 30.0, -30.0, 0.25, -0.25, 2.0, -1.0, 1.5, 0.75]);
+    data.extend([
+        0.0, 1.0, -2.0, 0.5, 30.0, -30.0, 0.25, -0.25, 2.0, -1.0, 1.5, 0.75,
+    ]);
     let pos: Vec<f32> = data.iter().map(|v| v.abs() + 0.1).collect();
     let x = t(&d, &data, &[6, 12]);
     let xp = t(&d, &pos, &[6, 12]);
@@ -220,7 +222,8 @@ fn every_binary_op_with_broadcast() {
     let b = t(&d, &b_data, &[4]).broadcast_to(&[3, 4]).unwrap();
     let f = |x: bool| if x { 1.0 } else { 0.0 };
     let pow = |x: f32, y: f32| x.powf(y);
-    let ops: Vec<(BinaryOp, Box<dyn Fn(f32, f32) -> f32>)> = vec![
+    type BinRef = Box<dyn Fn(f32, f32) -> f32>;
+    let ops: Vec<(BinaryOp, BinRef)> = vec![
         (BinaryOp::Add, Box::new(|x, y| x + y)),
         (BinaryOp::Sub, Box::new(|x, y| x - y)),
         (BinaryOp::Mul, Box::new(|x, y| x * y)),
@@ -1005,7 +1008,12 @@ fn tune_matmul_tiles() {
     let auto = c.matmul_config(&l, &l, &dims);
     if let Some(sg) = c.subgroup_size {
         for (s, q) in [(4, 1), (2, 1), (2, 2), (4, 2), (8, 1), (3, 1)] {
-            let cfg = wgpipe_shaders::SubgroupMatmulConfig { sg, s, q, c_vec: true };
+            let cfg = wgpipe_shaders::SubgroupMatmulConfig {
+                sg,
+                s,
+                q,
+                c_vec: true,
+            };
             let _ = c.matmul_subgroup(&a, l, &b, l, dims, cfg).unwrap();
             d.synchronize().unwrap();
             let t0 = std::time::Instant::now();
@@ -1014,7 +1022,10 @@ fn tune_matmul_tiles() {
             }
             d.synchronize().unwrap();
             let secs = t0.elapsed().as_secs_f64() / 3.0;
-            eprintln!("subgroup s{s} q{q}: {:.1} GFLOP/s", 2.0 * (size as f64).powi(3) / secs / 1e9);
+            eprintln!(
+                "subgroup s{s} q{q}: {:.1} GFLOP/s",
+                2.0 * (size as f64).powi(3) / secs / 1e9
+            );
         }
     }
     if std::env::var("TUNE_TILED").is_err() {
