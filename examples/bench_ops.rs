@@ -7,21 +7,46 @@
 //!   enqueued then one `synchronize`, "read-back" = each product read back to the host;
 //! - elementwise add of two 16M-float tensors: GB/s counting 12 bytes per element (two reads,
 //!   one write);
-//! - softmax over the rows of a 4096 x 1024 matrix: rows per second.
+//! - softmax over the rows of a 4096 x 1024 matrix: rows per second;
+//! - cores busy: CPU time of this process over wall time during the queued runs (on a shared
+//!   machine, how much of it the CPU backend or a software adapter really got).
 
 use std::time::{Duration, Instant};
 
 use wgpipe::tensor::{Device, Tensor};
 
+/// CPU seconds this process has used (all threads), from /proc on Linux.
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0) // USER_HZ
+}
+
+thread_local! {
+    /// CPU cores this process kept busy during the last `time_per_call` (CPU time / wall time).
+    static CORES: std::cell::Cell<Option<f64>> = const { std::cell::Cell::new(None) };
+}
+
 /// Runs `f` until about `budget` has passed (at least once after a warm-up); seconds per call.
 fn time_per_call(budget: Duration, mut f: impl FnMut() -> usize) -> f64 {
     f(); // warm-up: pipelines compiled, buffers pooled
+    let cpu0 = cpu_seconds();
     let start = Instant::now();
     let mut calls = 0usize;
     while calls == 0 || start.elapsed() < budget {
         calls += f();
     }
-    start.elapsed().as_secs_f64() / calls as f64
+    let wall = start.elapsed().as_secs_f64();
+    let cores = cpu0.zip(cpu_seconds()).map(|(a, b)| (b - a) / wall);
+    CORES.with(|c| c.set(cores));
+    wall / calls as f64
+}
+
+fn cores() -> String {
+    CORES
+        .with(|c| c.get())
+        .map_or("?".into(), |c| format!("{c:.1}"))
 }
 
 struct Row {
@@ -29,6 +54,7 @@ struct Row {
     op: String,
     size: String,
     queued: String,
+    cores: String,
     readback: String,
 }
 
@@ -80,6 +106,7 @@ fn main() {
                 dev.synchronize().unwrap();
                 batch
             });
+            let busy = cores();
             let readback = time_per_call(budget, || {
                 let c = a.matmul(&b).unwrap();
                 std::hint::black_box(c.to_vec().unwrap());
@@ -90,6 +117,7 @@ fn main() {
                 op: "matmul f32".into(),
                 size: format!("{n}x{n}x{n}"),
                 queued: format!("{:.1} GFLOP/s", flops / queued / 1e9),
+                cores: busy,
                 readback: format!("{:.1} GFLOP/s", flops / readback / 1e9),
             });
             eprintln!(
@@ -110,6 +138,7 @@ fn main() {
             dev.synchronize().unwrap();
             4
         });
+        let busy = cores();
         let readback = time_per_call(budget, || {
             std::hint::black_box(x.add(&y).unwrap().to_vec().unwrap());
             1
@@ -119,6 +148,7 @@ fn main() {
             op: "add".into(),
             size: "16M f32".into(),
             queued: format!("{:.1} GB/s", bytes / queued / 1e9),
+            cores: busy,
             readback: format!("{:.1} GB/s", bytes / readback / 1e9),
         });
 
@@ -131,6 +161,7 @@ fn main() {
             dev.synchronize().unwrap();
             4
         });
+        let busy = cores();
         let readback = time_per_call(budget, || {
             std::hint::black_box(s.softmax(-1).unwrap().to_vec().unwrap());
             1
@@ -139,17 +170,20 @@ fn main() {
             device: kind.clone(),
             op: "softmax (last axis)".into(),
             size: format!("{r}x{c}"),
-            queued: format!("{:.2} M rows/s", r as f64 / queued / 1e6),
-            readback: format!("{:.2} M rows/s", r as f64 / readback / 1e6),
+            queued: format!("{:.3} M rows/s", r as f64 / queued / 1e6),
+            cores: busy,
+            readback: format!("{:.3} M rows/s", r as f64 / readback / 1e6),
         });
     }
 
-    println!("| device | op | size | queued (N ops, one sync) | with read-back |");
-    println!("|---|---|---|---|---|");
+    // "cores busy": CPU time of this process over wall time while the queued ops ran (for the
+    // CPU backend and software adapters, how much of the machine the run actually got).
+    println!("| device | op | size | queued (N ops, one sync) | cores busy | with read-back |");
+    println!("|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {} | {} | {} | {} | {} |",
-            r.device, r.op, r.size, r.queued, r.readback
+            "| {} | {} | {} | {} | {} | {} |",
+            r.device, r.op, r.size, r.queued, r.cores, r.readback
         );
     }
 }

@@ -315,12 +315,6 @@ pub struct Placement {
     pub description: String,
 }
 
-impl Placement {
-    pub fn is_simulated(&self) -> bool {
-        self.sim.is_some()
-    }
-}
-
 /// The virtual devices of `--device sim` (and of `auto` without a GPU).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SimSpec {
@@ -355,12 +349,39 @@ pub fn place(choice: DeviceChoice, k: usize, sim: SimSpec) -> AppResult<Placemen
         DeviceChoice::Sim => Ok(sim_placement(k, sim, "")),
         DeviceChoice::Gpu => gpu_placement(k, true),
         DeviceChoice::Auto => {
+            if let Ok(spec) = std::env::var(crate::tensor::DEVICE_ENV) {
+                return env_placement(k, sim, spec.trim());
+            }
             let has_gpu = Device::adapters().iter().any(|a| !a.is_software);
             if has_gpu {
                 gpu_placement(k, false)
             } else {
                 Ok(sim_placement(k, sim, "no GPU found: "))
             }
+        }
+    }
+}
+
+/// `--device auto` when `WGPIPE_DEVICE` is set: `cpu` means the simulated cluster, anything
+/// else opens K devices as [`Device::parse`] reads it.
+fn env_placement(k: usize, sim: SimSpec, spec: &str) -> AppResult<Placement> {
+    let env = crate::tensor::DEVICE_ENV;
+    match spec {
+        "cpu" => Ok(sim_placement(k, sim, &format!("{env}=cpu: "))),
+        "" | "auto" => {
+            gpu_placement(k, false).or_else(|_| Ok(sim_placement(k, sim, "no GPU found: ")))
+        }
+        _ => {
+            let devices = (0..k)
+                .map(|_| Device::parse(spec))
+                .collect::<Result<Vec<_>, _>>()
+                .context(format!("{env}={spec}"))?;
+            let description = format!("{k} stages on {} ({env}={spec})", devices[0].name());
+            Ok(Placement {
+                devices,
+                sim: None,
+                description,
+            })
         }
     }
 }
@@ -739,11 +760,6 @@ pub fn out_path(path: &Option<PathBuf>, default: &str) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("target/wgpipe").join(default))
 }
 
-/// Human bytes.
-pub fn mib(bytes: usize) -> String {
-    format!("{:.2} MiB", bytes as f64 / (1 << 20) as f64)
-}
-
 /// A small deterministic generator for sampling (splitmix64).
 #[derive(Clone, Debug)]
 pub struct SplitMix(pub u64);
@@ -855,8 +871,8 @@ pub fn train_loop(
                 " (measured)"
             }
         );
-        pb.set_position(step + 1);
         pb.set_message(msg.clone());
+        pb.set_position(step + 1);
         if cfg.quiet && ((step + 1) % log_every == 0 || step + 1 == cfg.steps) {
             println!("step {:>5}/{}  {msg}", step + 1, cfg.steps);
         }
