@@ -14,7 +14,6 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::autograd::optim::Optimizer;
 use crate::autograd::serialize::{load_checkpoint, save_checkpoint, OPTIM_PREFIX};
 use crate::autograd::{Module, Param};
-use crate::pipeline::trace::{chrome_trace_json, svg_timeline};
 use crate::pipeline::{
     Balance, CheckpointMode, LinkSpec, Pipeline, PipelineError, ScheduleKind, SimCluster,
     StepReport,
@@ -649,6 +648,8 @@ pub fn load_pipeline(
             shorten(&e.to_string(), 600)
         ))
     })?;
+    // The step keys the dropout RNG, so it must continue where the checkpoint left off.
+    pipe.set_step(info.step);
     Ok((info.step, info.metadata))
 }
 
@@ -716,14 +717,6 @@ pub fn progress_bar(start: u64, total: u64, quiet: bool) -> ProgressBar {
     pb
 }
 
-/// The timeline to draw for a step: simulated in simulated mode, else measured.
-pub fn step_timeline(report: &StepReport) -> &crate::pipeline::Timeline {
-    match &report.simulated {
-        Some(s) => &s.timeline,
-        None => &report.wall_timeline,
-    }
-}
-
 fn create_parent(path: &Path) -> AppResult<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).context(format!("creating {}", dir.display()))?;
@@ -738,18 +731,13 @@ pub fn write_pictures(
     trace: &Path,
     timeline: &Path,
 ) -> AppResult<()> {
-    let clock = if report.simulated.is_some() {
-        "simulated"
-    } else {
-        "wall clock"
-    };
-    let t = step_timeline(report);
-    let title = format!("{label} — step {} ({clock})", report.step);
+    // The report labels its own clock (simulated in simulated mode, else wall clock).
+    let title = format!("{label} — step {}", report.step);
     create_parent(trace)?;
-    std::fs::write(trace, chrome_trace_json(t, &title))
+    std::fs::write(trace, report.chrome_trace_json(&title))
         .context(format!("writing {}", trace.display()))?;
     create_parent(timeline)?;
-    std::fs::write(timeline, svg_timeline(t, &title))
+    std::fs::write(timeline, report.svg_timeline(&title))
         .context(format!("writing {}", timeline.display()))?;
     Ok(())
 }

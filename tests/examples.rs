@@ -284,18 +284,41 @@ fn bad_flags_give_clear_errors() {
 
 #[test]
 fn save_and_resume_continue_bit_exactly() {
+    // With dropout on: the resumed run must also continue the step-keyed RNG streams.
     let dir = tmp("resume");
     let (a, b) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
-    let straight = lm(&tiny_lm(&dir, &["--steps", "6", "--save", &s(&a)])).unwrap();
+    let straight = lm(&tiny_lm(
+        &dir,
+        &["--steps", "6", "--dropout", "0.1", "--save", &s(&a)],
+    ))
+    .unwrap();
     let first = lm(&tiny_lm(
         &dir,
-        &["--steps", "6", "--stop-at", "3", "--save", &s(&b)],
+        &[
+            "--steps",
+            "6",
+            "--dropout",
+            "0.1",
+            "--stop-at",
+            "3",
+            "--save",
+            &s(&b),
+        ],
     ))
     .unwrap();
     assert!(first.interrupted);
     let second = lm(&tiny_lm(
         &dir,
-        &["--steps", "6", "--resume", &s(&b), "--save", &s(&b)],
+        &[
+            "--steps",
+            "6",
+            "--dropout",
+            "0.1",
+            "--resume",
+            &s(&b),
+            "--save",
+            &s(&b),
+        ],
     ))
     .unwrap();
     assert_eq!(second.start_step, 3);

@@ -64,6 +64,11 @@ impl Pipeline {
     pub fn step_count(&self) -> u64 {
         self.step
     }
+    /// Sets the step counter (e.g. after loading a checkpoint), so that the RNG streams keyed
+    /// by step (dropout) continue exactly where the saved run left off.
+    pub fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
     pub fn sim_cluster(&self) -> Option<&SimCluster> {
         self.sim.as_ref()
     }

@@ -30,7 +30,7 @@ const ADAM: &str = include_str!("adam.wgsl");
 /// Invocations per workgroup of the one-invocation-per-element kernels.
 pub const ELEMENTWISE_WG: u32 = 256;
 /// Invocations per workgroup of the one-workgroup-per-row kernels (reduce, softmax, layer norm).
-pub const ROW_WG: u32 = 8;
+pub const ROW_WG: u32 = 256;
 
 /// Fills the `{{KEY}}` placeholders of `template`; panics if one is left (a bug caught by the
 /// validation test).

@@ -54,8 +54,8 @@ pub struct TransformerArgs {
     /// Peak learning rate of AdamW (linear warm-up, then cosine decay to a tenth).
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f32,
-    /// Dropout (0 keeps resumed runs bit-exact whatever the step; the pipeline keys dropout by
-    /// step).
+    /// Dropout probability (masks are keyed by seed, step, micro-batch and layer, so recompute
+    /// and --resume replay them exactly).
     #[arg(long, default_value_t = 0.0)]
     pub dropout: f32,
     /// A UTF-8 text file to train on, byte-level (default: the built-in synthetic corpus).
