@@ -260,7 +260,7 @@ impl Tape {
                 b: grad_output.device().name().to_string(),
             });
         }
-        let (nodes, leaves, params, tape_id) = {
+        let (nodes, leaves, mut params, tape_id) = {
             let mut i = self.inner.borrow_mut();
             i.done = true;
             (
@@ -274,15 +274,12 @@ impl Tape {
         if output.requires_grad {
             grads[output.id] = Some(grad_output.clone());
         }
-        run_nodes(nodes, &mut grads)?;
-
-        // Parameters, in reverse creation order (the order a checkpointed segment's recompute
-        // would accumulate them in, so both give bit-identical sums).
-        for (id, p) in params.iter().rev() {
-            if let Some(g) = grads.get_mut(*id).and_then(Option::take) {
-                p.accumulate_grad(&g)?;
-            }
-        }
+        // Parameter gradients go into their params during the walk, each as soon as it is final
+        // (so they are not all held at once), in reverse creation order (the order a
+        // checkpointed segment's recompute would accumulate them in, so both give bit-identical
+        // sums).
+        run_nodes(nodes, &mut grads, &mut params)?;
+        flush_params(&mut params, &mut grads, None)?;
         let mut map = HashMap::new();
         for id in leaves {
             if let Some(g) = grads.get_mut(id).and_then(Option::take) {
@@ -296,10 +293,37 @@ impl Tape {
     }
 }
 
+/// Accumulates into their params the gradients of the param vars (`params`, in increasing id
+/// order) whose id is above `below` (all when `None`), last first, and removes them from `params`.
+/// Nodes are recorded after their inputs, so once the walk reaches a node whose output id is
+/// below a param var's id, every consumer of that var has run and its gradient is final.
+fn flush_params(
+    params: &mut Vec<(usize, Param)>,
+    grads: &mut [Option<Tensor>],
+    below: Option<usize>,
+) -> Result<()> {
+    while let Some((id, p)) = params.last() {
+        if below.is_some_and(|b| *id < b) {
+            break;
+        }
+        if let Some(g) = grads.get_mut(*id).and_then(Option::take) {
+            p.accumulate_grad(&g)?;
+        }
+        params.pop();
+    }
+    Ok(())
+}
+
 /// Walks `nodes` in reverse, dropping each closure (and so its saved tensors) as soon as it ran,
-/// and each intermediate gradient as soon as its node consumed it.
-fn run_nodes(mut nodes: Vec<Node>, grads: &mut Vec<Option<Tensor>>) -> Result<()> {
+/// and each intermediate gradient as soon as its node consumed it; param gradients are handed to
+/// their params as soon as they are final (see [`flush_params`]).
+fn run_nodes(
+    mut nodes: Vec<Node>,
+    grads: &mut Vec<Option<Tensor>>,
+    params: &mut Vec<(usize, Param)>,
+) -> Result<()> {
     while let Some(node) = nodes.pop() {
+        flush_params(params, grads, Some(node.output))?;
         let Node {
             op,
             output,

@@ -29,8 +29,12 @@ const ADAM: &str = include_str!("adam.wgsl");
 
 /// Invocations per workgroup of the one-invocation-per-element kernels.
 pub const ELEMENTWISE_WG: u32 = 256;
-/// Invocations per workgroup of the one-workgroup-per-row kernels (reduce, softmax, layer norm).
+/// Invocations per workgroup of the one-workgroup-per-row kernels (reduce, softmax, layer norm)
+/// on GPUs. CPU-backed adapters take one subgroup per row instead (see `ROW_WG_CHOICES`).
 pub const ROW_WG: u32 = 256;
+
+/// The row-kernel workgroup sizes the runtime may ask for (powers of two).
+pub const ROW_WG_CHOICES: [u32; 5] = [8, 16, 32, 64, 256];
 
 /// Fills the `{{KEY}}` placeholders of `template`; panics if one is left (a bug caught by the
 /// validation test).
@@ -669,14 +673,19 @@ pub enum Kernel {
     CopyStrided,
     /// `out = value`.
     Fill,
+    /// Row reductions, `wg` invocations per row (a power of two).
     Reduce {
         op: Reduce,
         mode: ReduceMode,
+        wg: u32,
     },
     Softmax {
         log: bool,
+        wg: u32,
     },
-    LayerNorm,
+    LayerNorm {
+        wg: u32,
+    },
     Matmul(MatmulConfig),
     /// Needs the `SUBGROUP` feature and a fixed subgroup size of `sg`.
     MatmulSubgroup(SubgroupMatmulConfig),
@@ -692,14 +701,13 @@ impl Kernel {
     /// The complete WGSL of this variant.
     pub fn source(&self) -> String {
         let wg = ELEMENTWISE_WG.to_string();
-        let row_wg = ROW_WG.to_string();
         let body = match *self {
             Kernel::Unary { op, layout } => elementwise(1, layout, op.expr()),
             Kernel::Binary { op, layout } => elementwise(2, layout, op.expr()),
             Kernel::Where { layout } => elementwise(3, layout, "select(c, b, a != 0.0)"),
             Kernel::CopyStrided => render(COPY_STRIDED, &[("WG", &wg)]),
             Kernel::Fill => render(FILL, &[("WG", &wg)]),
-            Kernel::Reduce { op, mode } => {
+            Kernel::Reduce { op, mode, wg } => {
                 let (identity, combine, result) = op.parts();
                 let (bindings, load, store) = match mode {
                     ReduceMode::Direct => (
@@ -726,7 +734,7 @@ impl Kernel {
                 render(
                     REDUCE,
                     &[
-                        ("WG", &row_wg),
+                        ("WG", &wg.to_string()),
                         ("IDENTITY", identity),
                         ("COMBINE", combine),
                         ("BINDINGS", bindings),
@@ -735,11 +743,14 @@ impl Kernel {
                     ],
                 )
             }
-            Kernel::Softmax { log } => render(
+            Kernel::Softmax { log, wg } => render(
                 SOFTMAX,
-                &[("WG", &row_wg), ("LOG", if log { "true" } else { "false" })],
+                &[
+                    ("WG", &wg.to_string()),
+                    ("LOG", if log { "true" } else { "false" }),
+                ],
             ),
-            Kernel::LayerNorm => render(LAYER_NORM, &[("WG", &row_wg)]),
+            Kernel::LayerNorm { wg } => render(LAYER_NORM, &[("WG", &wg.to_string())]),
             Kernel::Matmul(cfg) => cfg.source(),
             Kernel::MatmulSubgroup(cfg) => cfg.source(),
             Kernel::Pack => render(PACK, &[("WG", &wg)]),
@@ -799,7 +810,7 @@ impl Kernel {
                 ReduceMode::Final => seq(2, 1),
             },
             Kernel::Softmax { .. } => seq(1, 1),
-            Kernel::LayerNorm => seq(3, 3),
+            Kernel::LayerNorm { .. } => seq(3, 3),
             Kernel::Matmul(_) | Kernel::MatmulSubgroup(_) => seq(2, 1),
             Kernel::Pack => seq(1, 1),
             Kernel::Index(_) => seq(2, 1),
@@ -815,7 +826,9 @@ impl Kernel {
     /// Invocations per workgroup (the host sizes dispatches with it).
     pub fn workgroup_size(&self) -> u32 {
         match self {
-            Kernel::Reduce { .. } | Kernel::Softmax { .. } | Kernel::LayerNorm => ROW_WG,
+            Kernel::Reduce { wg, .. } | Kernel::Softmax { wg, .. } | Kernel::LayerNorm { wg } => {
+                *wg
+            }
             Kernel::Matmul(cfg) => cfg.threads(),
             Kernel::MatmulSubgroup(cfg) => cfg.sg,
             _ => ELEMENTWISE_WG,
@@ -830,18 +843,21 @@ impl Kernel {
             v.extend(Binary::ALL.iter().map(|&op| Kernel::Binary { op, layout }));
             v.push(Kernel::Where { layout });
         }
-        v.extend([Kernel::CopyStrided, Kernel::Fill, Kernel::LayerNorm]);
-        for op in Reduce::ALL {
-            v.extend(
-                ReduceMode::ALL
-                    .iter()
-                    .map(|&mode| Kernel::Reduce { op, mode }),
-            );
+        v.extend([Kernel::CopyStrided, Kernel::Fill]);
+        for wg in ROW_WG_CHOICES {
+            for op in Reduce::ALL {
+                v.extend(
+                    ReduceMode::ALL
+                        .iter()
+                        .map(|&mode| Kernel::Reduce { op, mode, wg }),
+                );
+            }
+            v.extend([
+                Kernel::Softmax { log: false, wg },
+                Kernel::Softmax { log: true, wg },
+                Kernel::LayerNorm { wg },
+            ]);
         }
-        v.extend([
-            Kernel::Softmax { log: false },
-            Kernel::Softmax { log: true },
-        ]);
         for (bm, bn, bk, tm, tn) in MatmulConfig::TILES {
             for a in OperandLoad::ALL {
                 for b in OperandLoad::ALL {

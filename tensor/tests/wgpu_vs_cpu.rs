@@ -58,9 +58,11 @@ fn run<S: Strategy>(
             failure_persistence: None,
             ..Config::default()
         });
+        let start = std::time::Instant::now();
         if let Err(e) = runner.run(&strategy, |v| check(dev, v)) {
             panic!("{name} on {dev}: {e}");
         }
+        eprintln!("{name}: {CASES} cases on {dev} in {:.2?}", start.elapsed());
     }
 }
 

@@ -154,7 +154,7 @@ impl Optimizer for Sgd {
                     };
                     self.buffers.insert(it.name.to_string(), buf);
                 }
-                it.value.sub(&d_p.mul_scalar(lr)?)
+                Tensor::sgd_update(&it.value, &d_p, lr)
             })?;
             it.param.set_value(new_value);
         }

@@ -28,8 +28,13 @@ pub(crate) fn index_add(out: &mut [f32], src: &[f32], idx: &[f32], dim: usize, i
     if slab == 0 {
         return;
     }
-    if out.len() == slab && inner >= 128 && n * inner >= super::par::PAR_THRESHOLD {
-        // One outer slice (an embedding's gradient): split the columns instead.
+    if out.len() == slab
+        && inner >= 128
+        && n * inner >= super::par::PAR_THRESHOLD
+        && rayon::current_num_threads() > 1
+    {
+        // One outer slice (an embedding's gradient): split the columns instead (same sums, in
+        // the same order, as the loop below; one thread runs that loop instead).
         index_add_by_columns(out, src, idx, inner);
         return;
     }

@@ -64,11 +64,16 @@ pub(crate) fn matmul(
     let threads = rayon::current_num_threads();
     if macs >= GEMM_PAR_MACS && (batch < threads || macs >= 4 * GEMM_PAR_MACS) {
         // Big products: one after another, each spread over every core by gemm.
+        let par = if threads > 1 {
+            Parallelism::Rayon(0)
+        } else {
+            Parallelism::None
+        };
         for (bi, o) in out.chunks_mut(mn).enumerate() {
-            one(bi, o, Parallelism::Rayon(0));
+            one(bi, o, par);
         }
-    } else if batch > 1 && batch * macs >= 32 * 1024 {
-        // Many small products: one per task.
+    } else if threads > 1 && batch > 1 && batch * macs >= 32 * 1024 {
+        // Many small products: one per task (one thread runs them in the loop below).
         out.par_chunks_mut(mn)
             .enumerate()
             .for_each(|(bi, o)| one(bi, o, Parallelism::None));

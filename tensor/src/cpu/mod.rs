@@ -52,6 +52,21 @@ impl Out {
     }
 }
 
+/// The plain SGD step `param - lr * grad` in one pass (CPU tensors of one shape), with exactly the
+/// arithmetic of `param.sub(&grad.mul_scalar(lr)?)`: `p - (g * lr + 0.0)`.
+pub(crate) fn sgd_update(param: &Tensor, grad: &Tensor, lr: f32) -> Result<Tensor> {
+    let mut out = Out::zeros(param.device(), param.numel())?;
+    elementwise::map2(
+        &mut out.data,
+        data(param),
+        param.layout(),
+        data(grad),
+        grad.layout(),
+        move |p, g| p - (g * lr + 0.0),
+    );
+    Ok(out.into_tensor(param.shape(), param.device()))
+}
+
 /// The whole host storage behind `x`.
 fn data(x: &Tensor) -> &[f32] {
     x.storage()

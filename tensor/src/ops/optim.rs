@@ -45,4 +45,28 @@ impl Tensor {
         dev.add_flops(param.numel() as u64);
         Ok(out)
     }
+
+    /// The plain SGD step `param - lr * grad` (bit-identical to
+    /// `param.sub(&grad.mul_scalar(lr)?)`), one fused pass on the CPU. Both of one shape.
+    pub fn sgd_update(param: &Tensor, grad: &Tensor, lr: f32) -> Result<Tensor> {
+        const OP: &str = "sgd_update";
+        param.same_device(OP, grad)?;
+        if grad.shape() != param.shape() {
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "param {:?} and grad {:?} must have one shape",
+                    param.shape(),
+                    grad.shape()
+                ),
+            ));
+        }
+        let dev = param.device();
+        if !dev.is_cpu() || param.numel() == 0 {
+            return param.sub(&grad.mul_scalar(lr)?);
+        }
+        let out = crate::cpu::sgd_update(param, grad, lr)?;
+        dev.add_flops(2 * param.numel() as u64);
+        Ok(out)
+    }
 }

@@ -1,7 +1,7 @@
 //! `WgpuContext`: one wgpu `Device` + `Queue` opened on an adapter with the adapter's real
 //! limits, plus the runtime state (recorder, buffer pools, pipeline cache, error sink).
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::discovery::{discovery, AdapterInfo};
@@ -57,6 +57,9 @@ pub(crate) struct WgpuContext {
     pub(super) pipelines: PipelineCache,
     /// The adapter's subgroup size when it is fixed and the device has `SUBGROUP`.
     pub(super) subgroup_size: Option<u32>,
+    /// Invocations per row of the row kernels (reduce, softmax, layer norm): 256 on GPUs; one
+    /// subgroup on CPU-backed adapters, where workgroup barriers are expensive.
+    row_wg: AtomicU32,
 }
 
 impl WgpuContext {
@@ -135,6 +138,13 @@ impl WgpuContext {
             && ainfo.subgroup_min_size == ainfo.subgroup_max_size
             && ainfo.subgroup_min_size.is_power_of_two())
         .then_some(ainfo.subgroup_min_size);
+        let row_wg = if info.is_software {
+            subgroup_size
+                .filter(|s| wgpipe_shaders::ROW_WG_CHOICES[..4].contains(s))
+                .unwrap_or(8)
+        } else {
+            wgpipe_shaders::ROW_WG
+        };
         Ok(WgpuContext {
             info,
             name,
@@ -148,11 +158,24 @@ impl WgpuContext {
             recorder: Mutex::new(recorder),
             pipelines: PipelineCache::default(),
             subgroup_size,
+            row_wg: AtomicU32::new(row_wg),
         })
     }
 
     pub(crate) fn adapter_info(&self) -> &AdapterInfo {
         &self.info
+    }
+
+    /// Invocations per row of the row kernels.
+    pub(super) fn row_wg(&self) -> u32 {
+        self.row_wg.load(Ordering::Relaxed)
+    }
+
+    /// Switches the row kernels' workgroup size (tests run both the GPU and the CPU-adapter
+    /// variants on one adapter).
+    #[cfg(test)]
+    pub(super) fn set_row_wg(&self, wg: u32) {
+        self.row_wg.store(wg, Ordering::Relaxed);
     }
 
     /// An `Error::Wgpu` on this device.

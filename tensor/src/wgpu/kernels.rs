@@ -3,8 +3,7 @@
 //! records its dispatch(es).
 
 use wgpipe_shaders::{
-    Binary, EwLayout, IndexKernel, Kernel, MatmulConfig, OperandLoad, Reduce, ReduceMode,
-    SpatialKernel, SubgroupMatmulConfig, Unary, ELEMENTWISE_WG, ROW_WG,
+    Binary, EwLayout, IndexKernel, Kernel, Reduce, ReduceMode, SpatialKernel, Unary, ELEMENTWISE_WG,
 };
 
 use super::context::WgpuContext;
@@ -28,7 +27,7 @@ pub(super) fn gpu(x: &Tensor) -> Result<&GpuBuffer> {
     }
 }
 
-fn u(v: usize) -> u32 {
+pub(super) fn u(v: usize) -> u32 {
     v as u32
 }
 
@@ -121,13 +120,14 @@ fn reduce_kernel(op: ReduceOp) -> Reduce {
 
 /// Lavapipe (llvmpipe) ends an invocation after 65535 loop iterations summed over all its loops
 /// (`LP_MAX_TGSI_LOOP_ITERATIONS`); kernels keep each invocation well under this many.
-const LOOP_BUDGET: usize = 16384;
+pub(super) const LOOP_BUDGET: usize = 16384;
 
-/// Columns per workgroup in the first pass of a long-row reduction.
-const REDUCE_SEGMENT: usize = ROW_WG as usize * 64;
+/// Loop iterations per invocation in the first pass of a long-row reduction (its segments
+/// are this many times the row workgroup size).
+const REDUCE_SEGMENT_STEPS: usize = 64;
 
 /// Workgroups for `n` invocations of the one-invocation-per-element kernels.
-fn groups_for(n: usize) -> u64 {
+pub(super) fn groups_for(n: usize) -> u64 {
     (n as u64).div_ceil(u64::from(ELEMENTWISE_WG))
 }
 
@@ -219,299 +219,6 @@ impl WgpuContext {
         Ok(out)
     }
 
-    /// The matmul variant for these operands on this adapter.
-    pub(super) fn matmul_config(
-        &self,
-        la: &MatLayout,
-        lb: &MatLayout,
-        d: &MatDims,
-    ) -> MatmulConfig {
-        let a4 = |v: usize| v.is_multiple_of(4);
-        let a = if la.col_stride == 1
-            && a4(d.k)
-            && a4(la.offset)
-            && a4(la.row_stride)
-            && a4(la.batch_stride)
-        {
-            OperandLoad::VecK
-        } else if la.row_stride == 1
-            && a4(d.m)
-            && a4(la.offset)
-            && a4(la.col_stride)
-            && a4(la.batch_stride)
-        {
-            OperandLoad::VecMn
-        } else if la.col_stride <= la.row_stride {
-            OperandLoad::ScalarK
-        } else {
-            OperandLoad::ScalarMn
-        };
-        let b = if lb.col_stride == 1
-            && a4(d.n)
-            && a4(lb.offset)
-            && a4(lb.row_stride)
-            && a4(lb.batch_stride)
-        {
-            OperandLoad::VecMn
-        } else if lb.row_stride == 1
-            && a4(d.k)
-            && a4(lb.offset)
-            && a4(lb.col_stride)
-            && a4(lb.batch_stride)
-        {
-            OperandLoad::VecK
-        } else if lb.col_stride <= lb.row_stride {
-            OperandLoad::ScalarMn
-        } else {
-            OperandLoad::ScalarK
-        };
-        let (bm, bn, bk, tm, tn) = self.matmul_tile(d);
-        MatmulConfig {
-            bm,
-            bn,
-            bk,
-            tm,
-            tn,
-            a,
-            b,
-            c_vec: a4(d.n),
-        }
-    }
-
-    /// Tile shape per adapter and problem size: small problems get small tiles (more
-    /// workgroups); software adapters (one CPU thread per workgroup) prefer 64 x 64 tiles with
-    /// 8 x 8 outputs per invocation; GPUs take 128 x 128 tiles when the problem is large.
-    fn matmul_tile(&self, d: &MatDims) -> (u32, u32, u32, u32, u32) {
-        let limits = &self.limits;
-        let fits = |t: (u32, u32, u32, u32, u32)| {
-            let cfg = MatmulConfig {
-                bm: t.0,
-                bn: t.1,
-                bk: t.2,
-                tm: t.3,
-                tn: t.4,
-                a: OperandLoad::ScalarK,
-                b: OperandLoad::ScalarK,
-                c_vec: false,
-            };
-            cfg.threads() <= limits.max_compute_invocations_per_workgroup
-                && cfg.threads() <= limits.max_compute_workgroup_size_x
-                && cfg.shared_bytes() <= limits.max_compute_workgroup_storage_size
-        };
-        let [t64x4, t64x8, t32, t128] = MatmulConfig::TILES;
-        let work = d.batch * d.m.div_ceil(64) * d.n.div_ceil(64);
-        let pick = if d.m <= 32 || d.n <= 32 {
-            t32
-        } else if self.info.is_software {
-            t64x8
-        } else if work >= 256 && fits(t128) && d.m >= 512 && d.n >= 512 {
-            t128
-        } else {
-            t64x4
-        };
-        if fits(pick) {
-            pick
-        } else {
-            t32
-        }
-    }
-
-    /// Batched matmul with the variant chosen for the operands, or `forced` (tests).
-    pub(super) fn matmul_with(
-        &self,
-        a: &Tensor,
-        la: MatLayout,
-        b: &Tensor,
-        lb: MatLayout,
-        dims: MatDims,
-        forced: Option<MatmulConfig>,
-    ) -> Result<Tensor> {
-        let out = self.empty(a.device(), &[dims.batch, dims.m, dims.n])?;
-        if dims.batch == 0 || dims.m == 0 || dims.n == 0 {
-            return Ok(out);
-        }
-        if dims.k == 0 {
-            return self.fill(a.device(), &[dims.batch, dims.m, dims.n], 0.0);
-        }
-        // Strides of size-1 axes never matter; zero them so that they do not block vec4 loads.
-        let norm = |l: MatLayout, rows: usize, cols: usize| MatLayout {
-            offset: l.offset,
-            batch_stride: if dims.batch == 1 { 0 } else { l.batch_stride },
-            row_stride: if rows == 1 { 0 } else { l.row_stride },
-            col_stride: if cols == 1 { 0 } else { l.col_stride },
-        };
-        let la = norm(la, dims.m, dims.k);
-        let lb = norm(lb, dims.k, dims.n);
-        if forced.is_none() {
-            if let Some(cfg) = self.subgroup_matmul_config(&dims) {
-                return self.matmul_subgroup(a, la, b, lb, dims, cfg);
-            }
-        }
-        let cfg = forced.unwrap_or_else(|| self.matmul_config(&la, &lb, &dims));
-        let tiles_n = dims.n.div_ceil(cfg.bn as usize);
-        let tiles = dims.m.div_ceil(cfg.bm as usize) * tiles_n;
-        let max = self.limits.max_compute_workgroups_per_dimension as usize;
-        let (ba, bb, bo) = (gpu(a)?, gpu(b)?, gpu(&out)?);
-        // k in chunks small enough for lavapipe's loop limit (one chunk elsewhere); later chunks
-        // add to the output.
-        let per_slab = 1 + cfg.bk + (cfg.bm + cfg.bn) * cfg.bk / cfg.threads() + 1;
-        let k_chunk = if self.info.is_software {
-            (LOOP_BUDGET / per_slab as usize).max(1) * cfg.bk as usize
-        } else {
-            dims.k
-        };
-        let mut base = 0;
-        while base < dims.batch {
-            let z = (dims.batch - base).min(max);
-            let mut k0 = 0;
-            while k0 < dims.k {
-                let k1 = (k0 + k_chunk).min(dims.k);
-                let params = [
-                    u(dims.m),
-                    u(k1),
-                    u(dims.n),
-                    u(tiles_n),
-                    u(la.offset),
-                    u(la.batch_stride),
-                    u(la.row_stride),
-                    u(la.col_stride),
-                    u(lb.offset),
-                    u(lb.batch_stride),
-                    u(lb.row_stride),
-                    u(lb.col_stride),
-                    u(base),
-                    u(k0),
-                    u32::from(k0 > 0),
-                ];
-                self.dispatch(
-                    Kernel::Matmul(cfg),
-                    &params,
-                    &[Arg::of(ba), Arg::of(bb), Arg::of(bo)],
-                    tiles as u64,
-                    z as u32,
-                )?;
-                k0 = k1;
-            }
-            base += z;
-        }
-        self.check()?;
-        Ok(out)
-    }
-
-    /// The subgroup matmul for CPU-backed adapters (lavapipe), when it applies: a fixed
-    /// subgroup size and a problem big enough to repay packing the operands.
-    fn subgroup_matmul_config(&self, d: &MatDims) -> Option<SubgroupMatmulConfig> {
-        let sg = self.subgroup_size?;
-        if !self.info.is_software || !(4..=64).contains(&sg) || d.m * d.n * d.k < 16 * 16 * 16 {
-            return None;
-        }
-        let s = if d.m <= 2 * sg as usize { 2 } else { 4 };
-        let cfg = SubgroupMatmulConfig {
-            sg,
-            s,
-            q: 1,
-            c_vec: d.n.is_multiple_of(4),
-        };
-        let max = self.limits.max_compute_workgroups_per_dimension as usize;
-        let fits =
-            d.m.div_ceil(cfg.rows() as usize) <= max && d.n.div_ceil(cfg.cols() as usize) <= max;
-        fits.then_some(cfg)
-    }
-
-    /// Packs `x` (a strided batch of r x c matrices) into tiles of t0 x t1 (see `pack.wgsl`).
-    #[allow(clippy::too_many_arguments)]
-    fn pack(
-        &self,
-        x: &Tensor,
-        l: &MatLayout,
-        batch: usize,
-        (r, c): (usize, usize),
-        (t0, t1): (usize, usize),
-        (n0, n1): (usize, usize),
-        col_outer: bool,
-    ) -> Result<Tensor> {
-        let total = batch * n0 * n1 * t0 * t1;
-        let out = self.empty(x.device(), &[total])?;
-        let params = [
-            u(total),
-            u(r),
-            u(c),
-            u(t0),
-            u(t1),
-            u(n0),
-            u(n1),
-            u32::from(col_outer),
-            u(l.offset),
-            u(l.batch_stride),
-            u(l.row_stride),
-            u(l.col_stride),
-        ];
-        self.dispatch(
-            Kernel::Pack,
-            &params,
-            &[Arg::of(gpu(x)?), Arg::of(gpu(&out)?)],
-            groups_for(total),
-            1,
-        )?;
-        Ok(out)
-    }
-
-    /// Matmul through packed operands and the subgroup kernel.
-    pub(super) fn matmul_subgroup(
-        &self,
-        a: &Tensor,
-        la: MatLayout,
-        b: &Tensor,
-        lb: MatLayout,
-        dims: MatDims,
-        cfg: SubgroupMatmulConfig,
-    ) -> Result<Tensor> {
-        let MatDims { batch, m, k, n } = dims;
-        let out = self.empty(a.device(), &[batch, m, n])?;
-        if batch == 0 || m == 0 || n == 0 {
-            return Ok(out);
-        }
-        let (tm, cw) = (cfg.rows() as usize, cfg.cols() as usize);
-        let (mb, nb, k4) = (m.div_ceil(tm), n.div_ceil(cw), k.div_ceil(4));
-        let a_batch = if la.batch_stride == 0 { 1 } else { batch };
-        let b_batch = if lb.batch_stride == 0 { 1 } else { batch };
-        let ap = self.pack(a, &la, a_batch, (m, k), (tm, 4), (mb, k4), false)?;
-        let bp = self.pack(b, &lb, b_batch, (k, n), (1, cw), (k4 * 4, nb), true)?;
-        let a_bs = if a_batch == 1 { 0 } else { mb * k4 * tm };
-        let b_bs = if b_batch == 1 { 0 } else { nb * k4 * cw };
-        let max = self.limits.max_compute_workgroups_per_dimension as usize;
-        let (bap, bbp, bo) = (gpu(&ap)?, gpu(&bp)?, gpu(&out)?);
-        let mut base = 0;
-        while base < batch {
-            let z = (batch - base).min(max);
-            let mut k0 = 0;
-            while k0 < k4.max(1) {
-                let k1 = (k0 + LOOP_BUDGET).min(k4);
-                let params = [
-                    u(m),
-                    u(n),
-                    u(k0),
-                    u(k1),
-                    u32::from(k0 > 0),
-                    u(a_bs),
-                    u(b_bs),
-                    u(base),
-                    u(k4),
-                ];
-                self.dispatch_grid(
-                    Kernel::MatmulSubgroup(cfg),
-                    &params,
-                    &[Arg::of(bap), Arg::of(bbp), Arg::of(bo)],
-                    [u(nb), u(mb), u(z)],
-                )?;
-                k0 = k1.max(k0 + 1);
-            }
-            base += z;
-        }
-        self.check()?;
-        Ok(out)
-    }
-
     /// Records the strided copy of `src` into `dst` at (`out_offset`, `out_strides`).
     fn copy_into(
         &self,
@@ -583,7 +290,7 @@ impl WgpuContext {
     /// Rows longer than this many columns exceed lavapipe's loop limit in the one-workgroup-per-
     /// row kernels (softmax, layer norm: three passes over the row per invocation).
     fn check_row_len(&self, op: &'static str, cols: usize) -> Result<()> {
-        let max = 20_000 * ROW_WG as usize;
+        let max = 20_000 * self.row_wg() as usize;
         if self.info.is_software && cols > max {
             return Err(Error::invalid(
                 op,
@@ -702,11 +409,14 @@ impl Kernels for WgpuContext {
         let out = self.empty(x.device(), &[rows])?;
         let op = reduce_kernel(op);
         let off = u(x.layout().offset);
-        if cols <= 2 * REDUCE_SEGMENT {
+        let wg = self.row_wg();
+        let segment = wg as usize * REDUCE_SEGMENT_STEPS;
+        if cols <= 2 * segment {
             self.dispatch(
                 Kernel::Reduce {
                     op,
                     mode: ReduceMode::Direct,
+                    wg,
                 },
                 &[u(rows), u(cols), off, 1, u(cols.max(1))],
                 &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
@@ -714,17 +424,18 @@ impl Kernels for WgpuContext {
                 1,
             )?;
         } else {
-            // Long rows: segments of REDUCE_SEGMENT columns into (value, index) partials, then
-            // one workgroup per row over its partials.
-            let segs = cols.div_ceil(REDUCE_SEGMENT);
+            // Long rows: segments of `segment` columns into (value, index) partials, then one
+            // workgroup per row over its partials.
+            let segs = cols.div_ceil(segment);
             let pv = self.empty(x.device(), &[rows, segs])?;
             let pi = self.empty(x.device(), &[rows, segs])?;
             self.dispatch(
                 Kernel::Reduce {
                     op,
                     mode: ReduceMode::Partial,
+                    wg,
                 },
-                &[u(rows), u(cols), off, u(segs), u(REDUCE_SEGMENT)],
+                &[u(rows), u(cols), off, u(segs), u(segment)],
                 &[Arg::of(gpu(&x)?), Arg::of(gpu(&pv)?), Arg::of(gpu(&pi)?)],
                 (rows * segs) as u64,
                 1,
@@ -733,6 +444,7 @@ impl Kernels for WgpuContext {
                 Kernel::Reduce {
                     op,
                     mode: ReduceMode::Final,
+                    wg,
                 },
                 &[u(rows), u(segs), 0, 1, u(segs)],
                 &[Arg::of(gpu(&pv)?), Arg::of(gpu(&pi)?), Arg::of(gpu(&out)?)],
@@ -750,7 +462,10 @@ impl Kernels for WgpuContext {
         let out = self.empty(x.device(), x.shape())?;
         if cols > 0 {
             self.dispatch(
-                Kernel::Softmax { log },
+                Kernel::Softmax {
+                    log,
+                    wg: self.row_wg(),
+                },
                 &[u(rows), u(cols), u(x.layout().offset)],
                 &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
                 rows as u64,
@@ -790,7 +505,7 @@ impl Kernels for WgpuContext {
         let mean = self.empty(dev, &[rows])?;
         let rstd = self.empty(dev, &[rows])?;
         self.dispatch(
-            Kernel::LayerNorm,
+            Kernel::LayerNorm { wg: self.row_wg() },
             &[
                 u(rows),
                 u(cols),

@@ -8,10 +8,17 @@
 //! - `pipelines`: one compiled pipeline per kernel variant, cached.
 //! - `runtime`: batching of dispatches into one encoder, parameter blocks, submit, read-back.
 //! - `kernels`: `impl Kernels for WgpuContext`.
+//! - `matmul`: the matmul variants (tiled for GPUs, packed + subgroup for CPU adapters).
+//!
+//! Lavapipe (llvmpipe) ends any invocation after 65535 loop iterations in all, so kernels whose
+//! loops grow with the data (long rows, long k, long index lists) are split over several
+//! workgroups or dispatches; and on CPU adapters the row kernels use one subgroup per row
+//! (barriers there are coroutine switches).
 
 mod context;
 mod discovery;
 mod kernels;
+mod matmul;
 mod pipelines;
 mod pool;
 mod runtime;

@@ -271,6 +271,16 @@ fn every_binary_op_with_broadcast() {
 #[test]
 fn reductions_softmax_layer_norm() {
     let Some(d) = device() else { return };
+    // the GPU workgroup size and the adapter's own (one subgroup on lavapipe)
+    let own = ctx(&d).row_wg();
+    for wg in [wgpipe_shaders::ROW_WG, own] {
+        ctx(&d).set_row_wg(wg);
+        reductions_softmax_layer_norm_with(&d);
+    }
+}
+
+fn reductions_softmax_layer_norm_with(d: &Device) {
+    let d = d.clone();
     for (rows, cols) in [(3, 5), (2, 700), (1, 1), (5, 256)] {
         let mut data = vals(rows * cols, 5);
         // a tie for argmax/argmin: the first index must win
@@ -930,23 +940,27 @@ fn long_loops_are_split() {
     data[n - 5] = 2.0;
     data[7] = -1.0;
     let x = t(&d, &data, &[1, n]);
-    let sum = host(&d, &k(&d).reduce_rows(ReduceOp::Sum, &x, 1, n).unwrap())[0];
-    assert!((sum - n as f32).abs() / n as f32 <= 1e-6, "{sum}");
-    let am = host(&d, &k(&d).reduce_rows(ReduceOp::ArgMax, &x, 1, n).unwrap())[0];
-    assert_eq!(am, (n - 5) as f32);
-    let am = host(&d, &k(&d).reduce_rows(ReduceOp::ArgMin, &x, 1, n).unwrap())[0];
-    assert_eq!(am, 7.0);
-    // two rows of a long reduction with an offset view
-    let x2 = t(&d, &data, &[n])
-        .narrow(0, 1000, 2 * 600_000)
-        .unwrap()
-        .reshape(&[2, 600_000])
-        .unwrap();
-    let got = host(
-        &d,
-        &k(&d).reduce_rows(ReduceOp::Sum, &x2, 2, 600_000).unwrap(),
-    );
-    assert_eq!(got, vec![600_000.0, 600_000.0]);
+    let own = ctx(&d).row_wg();
+    for wg in [wgpipe_shaders::ROW_WG, own] {
+        ctx(&d).set_row_wg(wg);
+        let sum = host(&d, &k(&d).reduce_rows(ReduceOp::Sum, &x, 1, n).unwrap())[0];
+        assert!((sum - n as f32).abs() / n as f32 <= 1e-6, "{sum}");
+        let am = host(&d, &k(&d).reduce_rows(ReduceOp::ArgMax, &x, 1, n).unwrap())[0];
+        assert_eq!(am, (n - 5) as f32);
+        let am = host(&d, &k(&d).reduce_rows(ReduceOp::ArgMin, &x, 1, n).unwrap())[0];
+        assert_eq!(am, 7.0);
+        // two rows of a long reduction with an offset view
+        let x2 = t(&d, &data, &[n])
+            .narrow(0, 1000, 2 * 600_000)
+            .unwrap()
+            .reshape(&[2, 600_000])
+            .unwrap();
+        let got = host(
+            &d,
+            &k(&d).reduce_rows(ReduceOp::Sum, &x2, 2, 600_000).unwrap(),
+        );
+        assert_eq!(got, vec![600_000.0, 600_000.0]);
+    }
 
     // matmul with a long k
     let (m, kk, nn) = (5, 70_001, 6);
