@@ -6,9 +6,13 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use crate::backend::{MatDims, MatLayout};
+use crate::layout::Layout;
 
 /// Products with at least this many multiply-adds use gemm's own rayon parallelism.
 const GEMM_PAR_MACS: usize = 96 * 96 * 96;
+/// Single products with at least this many multiply-adds get a column-major right operand copied
+/// to row-major first (see `matmul`).
+const B_COPY_MACS: usize = 128 * 256 * 256;
 
 /// `out[b] = a[b] @ b[b]` into contiguous `out` (`batch * m * n` elements).
 pub(crate) fn matmul(
@@ -31,6 +35,36 @@ pub(crate) fn matmul(
     let macs = m * n * k;
     check_bounds(a, la, batch, m, k);
     check_bounds(b, lb, batch, k, n);
+    // gemm packs a column-major right operand (e.g. the `w.t()` of a Linear layer) element by
+    // element: measured on AVX-512 with 256 x 1024 x 1024, about 117 GFLOP/s against 218 with a
+    // row-major one. A transposing copy of that operand (k * n values, ~0.5 ms for 1M) costs
+    // less than it saves on big single products. Scratch memory, like gemm's packing buffers.
+    let b_rows;
+    let (b, lb) = if batch == 1
+        && macs >= B_COPY_MACS
+        && lb.row_stride == 1
+        && lb.col_stride >= k
+        && k > 1
+        && n > 1
+    {
+        let mut t = vec![0.0; k * n];
+        let l = Layout {
+            shape: vec![k, n],
+            strides: vec![1, lb.col_stride],
+            offset: lb.offset,
+        };
+        super::elementwise::copy(&mut t, b, &l);
+        b_rows = t;
+        let row_major = MatLayout {
+            offset: 0,
+            batch_stride: 0,
+            row_stride: n,
+            col_stride: 1,
+        };
+        (&b_rows[..], row_major)
+    } else {
+        (b, lb)
+    };
     let one = |bi: usize, o: &mut [f32], par: Parallelism| {
         let pa = &a[la.offset + bi * la.batch_stride..];
         let pb = &b[lb.offset + bi * lb.batch_stride..];

@@ -67,6 +67,13 @@ pub(crate) fn sgd_update(param: &Tensor, grad: &Tensor, lr: f32) -> Result<Tenso
     Ok(out.into_tensor(param.shape(), param.device()))
 }
 
+/// Sums contiguous CPU tensor `x`, seen as `[x.numel() / width, width]`, over its rows: `[width]`.
+pub(crate) fn sum_columns(x: &Tensor, width: usize) -> Result<Tensor> {
+    let mut out = Out::zeros(x.device(), width)?;
+    reduce::sum_columns(&mut out.data, &contig(x));
+    Ok(out.into_tensor(&[width], x.device()))
+}
+
 /// The whole host storage behind `x`.
 fn data(x: &Tensor) -> &[f32] {
     x.storage()

@@ -32,6 +32,27 @@ pub(crate) fn sum(xs: &[f32]) -> f32 {
     total as f32
 }
 
+/// `out[j] = sum_i x[i * out.len() + j]`: the sums of the columns of contiguous
+/// `[x.len() / out.len(), out.len()]` data (a bias gradient), row after row into f64 running sums
+/// (vectorised across the columns; no transposing copy; at least as accurate as [`sum`]).
+pub(crate) fn sum_columns(out: &mut [f32], x: &[f32]) {
+    let mut acc = vec![0f64; out.len()];
+    for row in x.chunks_exact(out.len()) {
+        add_row_f64(&mut acc, row);
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        *o = a as f32;
+    }
+}
+
+multiversion! {
+fn add_row_f64(acc: &mut [f64], row: &[f32]) {
+    for (a, &v) in acc.iter_mut().zip(row) {
+        *a += v as f64;
+    }
+}
+}
+
 /// `true` when `v` should replace the running maximum `best` (NaN wins and sticks, as PyTorch).
 #[inline]
 fn beats_max(v: f32, best: f32) -> bool {

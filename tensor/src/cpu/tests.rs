@@ -400,6 +400,8 @@ fn matmul_transposed_and_broadcast_operands() {
         (3, 130, 70, 150),
         (64, 8, 9, 10),
         (1, 200, 200, 200),
+        // Big enough for a transposed right operand to be copied to row-major first.
+        (1, 130, 256, 260),
         (2, 0, 3, 4),
         (2, 3, 0, 4),
     ];
@@ -981,4 +983,28 @@ fn bench_kernels() {
     time("index_add 4096 rows", 8 * n, &|| {
         drop(K.index_add(&x, &idx, 1, 1000, 1024).unwrap())
     });
+}
+
+#[test]
+fn sums_over_leading_axes_are_column_sums() {
+    let dv = dev();
+    let (a, b, c) = (37, 5, 70);
+    let v = rand(a * b * c, 77);
+    let x = t(v.clone(), &[a, b, c], &dv);
+    let s01 = x.sum(&[0, 1], false).unwrap();
+    assert_eq!(s01.shape(), &[c]);
+    let want: Vec<f32> = (0..c)
+        .map(|j| (0..a * b).map(|i| v[i * c + j] as f64).sum::<f64>() as f32)
+        .collect();
+    close(&s01.to_vec().unwrap(), &want, 1e-6);
+    let s0 = x.sum(&[0], true).unwrap();
+    assert_eq!(s0.shape(), &[1, b, c]);
+    let want: Vec<f32> = (0..b * c)
+        .map(|j| (0..a).map(|i| v[i * b * c + j] as f64).sum::<f64>() as f32)
+        .collect();
+    close(&s0.to_vec().unwrap(), &want, 1e-6);
+    // A non-contiguous input takes the general path and agrees.
+    let xt = x.permute(&[0, 2, 1]).unwrap();
+    let st = xt.sum(&[0], false).unwrap().t().unwrap();
+    close(&st.to_vec().unwrap(), &want, 1e-5);
 }

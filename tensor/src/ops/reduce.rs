@@ -46,6 +46,18 @@ impl Tensor {
         if rows == 0 {
             return Tensor::zeros(&out_shape, dev);
         }
+        let leading = axes.iter().enumerate().all(|(i, &a)| a == i);
+        if op == ReduceOp::Sum
+            && leading
+            && !kept.is_empty()
+            && dev.is_cpu()
+            && self.is_contiguous()
+        {
+            // Sums over the leading axes (a bias gradient): column sums, no transposing copy.
+            let out = crate::cpu::sum_columns(self, rows)?;
+            dev.add_flops(self.numel() as u64);
+            return out.reshape(&out_shape);
+        }
         let perm: Vec<usize> = kept.iter().chain(axes).copied().collect();
         let x = self.permute(&perm)?.contiguous()?;
         let out = dev.kernels().reduce_rows(op, &x, rows, cols)?;
