@@ -317,6 +317,9 @@ pub enum FaultKind {
     BackwardError,
     /// Panics in its backward.
     BackwardPanic,
+    /// Asks its device for a tensor larger than any it can hold (2^40 elements: on wgpu past
+    /// u32 indexing and every adapter's `max_buffer_size`), so the device reports the error.
+    DeviceError,
 }
 
 /// The trigger of a [`Fault`] layer, shared with the test.
@@ -372,6 +375,12 @@ impl Module for Fault {
                     op: "Fault",
                     msg: format!("injected error at micro-batch {m}"),
                 })
+            }
+            FaultKind::DeviceError if !ctx.recompute => {
+                fire(&self.state);
+                // 2^40 floats = 4 TiB: past every adapter's largest buffer.
+                let huge = Tensor::zeros(&[1 << 40], x.value().device())?;
+                Ok(x.add(&x.tape().constant(huge.narrow(0, 0, 1)?))?)
             }
             FaultKind::BackwardError | FaultKind::BackwardPanic => {
                 let state = self.state.clone();

@@ -159,3 +159,42 @@ fn lavapipe_backed_sim_cluster_trains_and_fails_cleanly() {
     assert!(reports[0].simulated.is_some());
     assert_close(&got, &reference, TOL, "lavapipe-backed sim cluster");
 }
+
+/// An error raised by the wgpu device inside a stage (a buffer past the adapter's limit) stops
+/// every stage and comes back as one `Err` naming the stage and micro-batch; parameters are
+/// untouched and the next step trains.
+#[test]
+fn wgpu_device_error_in_a_stage_is_an_err_and_the_next_step_runs() {
+    let Some(devices) = devices_or_skip("wgpu_device_error_in_a_stage", false) else {
+        return;
+    };
+    let (fault, state) = Fault::new();
+    let mut layers = mlp(6, 12, 3, 11);
+    let n = layers.len();
+    layers.push(Box::new(fault));
+    let mut pipe = Pipeline::builder(layers)
+        .devices(devices)
+        .balance(Balance::Explicit(vec![n / 2, n - n / 2 + 1]))
+        .micro_batches(4)
+        .seed(SEED)
+        .optimizer(sgd)
+        .build()
+        .unwrap();
+    let x = normal_data(&[8, 6], 1);
+    let y = normal_data(&[8, 3], 2);
+    let params = snapshot(&pipe.named_parameters());
+    state.lock().unwrap().armed = Some((FaultKind::DeviceError, 2));
+    let err = pipe.train_step(&x, &y, &mse).unwrap_err();
+    let msg = err.to_string();
+    assert_eq!(err.stage(), Some(1), "{msg}");
+    assert_eq!(err.micro_batch(), Some(2), "{msg}");
+    assert!(
+        msg.contains("wgpu error") && msg.contains("1099511627776"),
+        "{msg}"
+    );
+    assert_eq!(snapshot(&pipe.named_parameters()), params);
+    state.lock().unwrap().armed = None;
+    let report = pipe.train_step(&x, &y, &mse).unwrap();
+    assert!(report.loss.is_finite());
+    pipe.optimizer_step().unwrap();
+}
