@@ -247,6 +247,38 @@ impl WgpuContext {
         )
     }
 
+    /// Runs a spatial kernel (conv columns, pools) with one invocation per output element:
+    /// dense copies of `inputs` are bound first, then `O` fresh outputs of `out_shape`.
+    fn spatial<const I: usize, const O: usize>(
+        &self,
+        kernel: SpatialKernel,
+        params: &[u32],
+        inputs: [&Tensor; I],
+        out_shape: &[usize],
+    ) -> Result<[Tensor; O]> {
+        let dev = inputs[0].device();
+        let inputs = inputs.map(|x| self.dense(x));
+        let inputs = inputs.into_iter().collect::<Result<Vec<_>>>()?;
+        let outs = [(); O].map(|_| self.empty(dev, out_shape));
+        let outs = outs.into_iter().collect::<Result<Vec<_>>>()?;
+        let args = inputs
+            .iter()
+            .chain(&outs)
+            .map(|t| gpu(t).map(Arg::of))
+            .collect::<Result<Vec<_>>>()?;
+        self.dispatch(
+            Kernel::Spatial(kernel),
+            params,
+            &args,
+            groups_for(numel(out_shape)),
+            1,
+        )?;
+        self.check()?;
+        Ok(outs
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("exactly O outputs were made")))
+    }
+
     fn spatial_params(g: &Pool2dGeometry) -> Vec<u32> {
         vec![
             u(g.n),
@@ -623,48 +655,25 @@ impl Kernels for WgpuContext {
     }
 
     fn im2col(&self, x: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
-        let x = self.dense(x)?;
         let shape = [g.n, g.groups, g.col_rows(), g.col_cols()];
-        let out = self.empty(x.device(), &shape)?;
-        self.dispatch(
-            Kernel::Spatial(SpatialKernel::Im2col),
-            &Self::conv_params(g),
-            &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
-            groups_for(numel(&shape)),
-            1,
-        )?;
-        self.check()?;
+        let [out] = self.spatial(SpatialKernel::Im2col, &Self::conv_params(g), [x], &shape)?;
         Ok(out)
     }
 
     fn col2im(&self, cols: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
-        let cols = self.dense(cols)?;
         let shape = [g.n, g.c_in, g.h, g.w];
-        let out = self.empty(cols.device(), &shape)?;
-        self.dispatch(
-            Kernel::Spatial(SpatialKernel::Col2im),
-            &Self::conv_params(g),
-            &[Arg::of(gpu(&cols)?), Arg::of(gpu(&out)?)],
-            groups_for(numel(&shape)),
-            1,
-        )?;
-        self.check()?;
+        let [out] = self.spatial(SpatialKernel::Col2im, &Self::conv_params(g), [cols], &shape)?;
         Ok(out)
     }
 
     fn max_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<(Tensor, Tensor)> {
-        let x = self.dense(x)?;
         let shape = [g.n, g.c, g.h_out, g.w_out];
-        let y = self.empty(x.device(), &shape)?;
-        let arg = self.empty(x.device(), &shape)?;
-        self.dispatch(
-            Kernel::Spatial(SpatialKernel::MaxPool2d),
+        let [y, arg] = self.spatial(
+            SpatialKernel::MaxPool2d,
             &Self::spatial_params(g),
-            &[Arg::of(gpu(&x)?), Arg::of(gpu(&y)?), Arg::of(gpu(&arg)?)],
-            groups_for(numel(&shape)),
-            1,
+            [x],
+            &shape,
         )?;
-        self.check()?;
         Ok((y, arg))
     }
 
@@ -674,52 +683,32 @@ impl Kernels for WgpuContext {
         argmax: &Tensor,
         g: &Pool2dGeometry,
     ) -> Result<Tensor> {
-        let dy = self.dense(dy)?;
-        let argmax = self.dense(argmax)?;
         let shape = [g.n, g.c, g.h, g.w];
-        let dx = self.empty(dy.device(), &shape)?;
-        self.dispatch(
-            Kernel::Spatial(SpatialKernel::MaxPool2dBackward),
-            &Self::spatial_params(g),
-            &[
-                Arg::of(gpu(&dy)?),
-                Arg::of(gpu(&argmax)?),
-                Arg::of(gpu(&dx)?),
-            ],
-            groups_for(numel(&shape)),
-            1,
+        let params = Self::spatial_params(g);
+        let [dx] = self.spatial(
+            SpatialKernel::MaxPool2dBackward,
+            &params,
+            [dy, argmax],
+            &shape,
         )?;
-        self.check()?;
         Ok(dx)
     }
 
     fn avg_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
-        let x = self.dense(x)?;
         let shape = [g.n, g.c, g.h_out, g.w_out];
-        let y = self.empty(x.device(), &shape)?;
-        self.dispatch(
-            Kernel::Spatial(SpatialKernel::AvgPool2d),
+        let [y] = self.spatial(
+            SpatialKernel::AvgPool2d,
             &Self::spatial_params(g),
-            &[Arg::of(gpu(&x)?), Arg::of(gpu(&y)?)],
-            groups_for(numel(&shape)),
-            1,
+            [x],
+            &shape,
         )?;
-        self.check()?;
         Ok(y)
     }
 
     fn avg_pool2d_backward(&self, dy: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
-        let dy = self.dense(dy)?;
         let shape = [g.n, g.c, g.h, g.w];
-        let dx = self.empty(dy.device(), &shape)?;
-        self.dispatch(
-            Kernel::Spatial(SpatialKernel::AvgPool2dBackward),
-            &Self::spatial_params(g),
-            &[Arg::of(gpu(&dy)?), Arg::of(gpu(&dx)?)],
-            groups_for(numel(&shape)),
-            1,
-        )?;
-        self.check()?;
+        let params = Self::spatial_params(g);
+        let [dx] = self.spatial(SpatialKernel::AvgPool2dBackward, &params, [dy], &shape)?;
         Ok(dx)
     }
 
