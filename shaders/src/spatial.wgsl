@@ -118,18 +118,61 @@ fn col2im(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups
     out0[e] = acc;
 }
 
+// Where output element `e` of a pool sits: its window's column and row, and the start of its
+// (n, c) input plane.
+struct OutWindow {
+    ox: i32,
+    oy: i32,
+    plane: u32,
+}
+
+fn out_window(e: u32, g: Geo) -> OutWindow {
+    let ohw = u32(g.h_out * g.w_out);
+    return OutWindow(
+        i32(e % u32(g.w_out)),
+        i32((e / u32(g.w_out)) % u32(g.h_out)),
+        (e / ohw) * u32(g.h * g.w),
+    );
+}
+
+// The output windows covering input pixel `e` of a pool (for the adjoints): its flat position
+// in its plane, the start of its (n, c) output plane, and the window rows/columns to visit.
+struct Covering {
+    pos: i32,
+    oplane: u32,
+    oy_first: i32,
+    oy_end: i32,
+    ox_first: i32,
+    ox_end: i32,
+}
+
+fn covering_windows(e: u32, g: Geo) -> Covering {
+    let hw = u32(g.h * g.w);
+    let pos = i32(e % hw);
+    let x = pos % g.w;
+    let y = pos / g.w;
+    return Covering(
+        pos,
+        (e / hw) * u32(g.h_out * g.w_out),
+        first_window(y, g.ph, g.kh, g.sh),
+        min((y + g.ph) / g.sh, g.h_out - 1),
+        first_window(x, g.pw, g.kw, g.sw),
+        min((x + g.pw) / g.sw, g.w_out - 1),
+    );
+}
+
 // y, argmax [n, c, h_out, w_out] from x [n, c, h, w]; padding never wins; ties keep the first.
 @compute @workgroup_size(WG)
 fn max_pool2d(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, WG);
     let g = geo();
-    let ohw = u32(g.h_out * g.w_out);
-    if (e >= g.n * g.c * ohw) {
+    if (e >= g.n * g.c * u32(g.h_out * g.w_out)) {
         return;
     }
-    let ox = i32(e % u32(g.w_out));
-    let oy = i32((e / u32(g.w_out)) % u32(g.h_out));
-    let plane = (e / ohw) * u32(g.h * g.w);
+    let o = out_window(e, g);
+    let ox = o.ox;
+    let oy = o.oy;
+    let plane = o.plane;
     var best = neg_inf();
     var arg = -1;
     for (var ky = 0; ky < g.kh; ky = ky + 1) {
@@ -158,19 +201,15 @@ fn max_pool2d(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgr
 fn max_pool2d_backward(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, WG);
     let g = geo();
-    let hw = u32(g.h * g.w);
-    if (e >= g.n * g.c * hw) {
+    if (e >= g.n * g.c * u32(g.h * g.w)) {
         return;
     }
-    let pos = i32(e % hw);
-    let x = pos % g.w;
-    let y = pos / g.w;
-    let oplane = (e / hw) * u32(g.h_out * g.w_out);
-    let oy_end = min((y + g.ph) / g.sh, g.h_out - 1);
-    let ox_end = min((x + g.pw) / g.sw, g.w_out - 1);
+    let c = covering_windows(e, g);
+    let pos = c.pos;
+    let oplane = c.oplane;
     var acc = 0.0;
-    for (var oy = first_window(y, g.ph, g.kh, g.sh); oy <= oy_end; oy = oy + 1) {
-        for (var ox = first_window(x, g.pw, g.kw, g.sw); ox <= ox_end; ox = ox + 1) {
+    for (var oy = c.oy_first; oy <= c.oy_end; oy = oy + 1) {
+        for (var ox = c.ox_first; ox <= c.ox_end; ox = ox + 1) {
             let o = oplane + u32(oy * g.w_out + ox);
             if (i32(in1[o]) == pos) {
                 acc = acc + in0[o];
@@ -185,13 +224,13 @@ fn max_pool2d_backward(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(n
 fn avg_pool2d(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, WG);
     let g = geo();
-    let ohw = u32(g.h_out * g.w_out);
-    if (e >= g.n * g.c * ohw) {
+    if (e >= g.n * g.c * u32(g.h_out * g.w_out)) {
         return;
     }
-    let ox = i32(e % u32(g.w_out));
-    let oy = i32((e / u32(g.w_out)) % u32(g.h_out));
-    let plane = (e / ohw) * u32(g.h * g.w);
+    let o = out_window(e, g);
+    let ox = o.ox;
+    let oy = o.oy;
+    let plane = o.plane;
     var acc = 0.0;
     for (var ky = 0; ky < g.kh; ky = ky + 1) {
         let iy = oy * g.sh - g.ph + ky;
@@ -214,20 +253,15 @@ fn avg_pool2d(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgr
 fn avg_pool2d_backward(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, WG);
     let g = geo();
-    let hw = u32(g.h * g.w);
-    if (e >= g.n * g.c * hw) {
+    if (e >= g.n * g.c * u32(g.h * g.w)) {
         return;
     }
-    let pos = i32(e % hw);
-    let x = pos % g.w;
-    let y = pos / g.w;
-    let oplane = (e / hw) * u32(g.h_out * g.w_out);
-    let oy_end = min((y + g.ph) / g.sh, g.h_out - 1);
-    let ox_end = min((x + g.pw) / g.sw, g.w_out - 1);
+    let c = covering_windows(e, g);
+    let oplane = c.oplane;
     let inv = 1.0 / f32(g.kh * g.kw);
     var acc = 0.0;
-    for (var oy = first_window(y, g.ph, g.kh, g.sh); oy <= oy_end; oy = oy + 1) {
-        for (var ox = first_window(x, g.pw, g.kw, g.sw); ox <= ox_end; ox = ox + 1) {
+    for (var oy = c.oy_first; oy <= c.oy_end; oy = oy + 1) {
+        for (var ox = c.ox_first; ox <= c.ox_end; ox = ox + 1) {
             acc = acc + in0[oplane + u32(oy * g.w_out + ox)] * inv;
         }
     }
