@@ -29,34 +29,9 @@ fn s(p: &Path) -> String {
     p.to_str().unwrap().to_string()
 }
 
-/// Flags of a tiny transformer run writing its pictures into `dir`.
-fn tiny_lm(dir: &Path, extra: &[&str]) -> Vec<String> {
-    let mut v: Vec<String> = [
-        "--quiet",
-        "--device",
-        "sim",
-        "--stages",
-        "2",
-        "--micro-batches",
-        "2",
-        "--layers",
-        "2",
-        "--d-model",
-        "16",
-        "--heads",
-        "2",
-        "--seq-len",
-        "16",
-        "--batch",
-        "4",
-        "--sample-len",
-        "8",
-        "--steps",
-        "3",
-    ]
-    .iter()
-    .map(|x| x.to_string())
-    .collect();
+/// `base` flags, then the trace and timeline paths in `dir`, then `extra` (later flags win).
+fn run_flags(base: &[&str], dir: &Path, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = base.iter().map(|x| x.to_string()).collect();
     v.extend([
         "--trace".into(),
         s(&dir.join("trace.json")),
@@ -65,6 +40,37 @@ fn tiny_lm(dir: &Path, extra: &[&str]) -> Vec<String> {
     ]);
     v.extend(extra.iter().map(|x| x.to_string()));
     v
+}
+
+/// Flags of a tiny transformer run writing its pictures into `dir`.
+fn tiny_lm(dir: &Path, extra: &[&str]) -> Vec<String> {
+    run_flags(
+        &[
+            "--quiet",
+            "--device",
+            "sim",
+            "--stages",
+            "2",
+            "--micro-batches",
+            "2",
+            "--layers",
+            "2",
+            "--d-model",
+            "16",
+            "--heads",
+            "2",
+            "--seq-len",
+            "16",
+            "--batch",
+            "4",
+            "--sample-len",
+            "8",
+            "--steps",
+            "3",
+        ],
+        dir,
+        extra,
+    )
 }
 
 fn lm(args: &[String]) -> Result<train_transformer::TrainSummary, String> {
@@ -73,36 +79,29 @@ fn lm(args: &[String]) -> Result<train_transformer::TrainSummary, String> {
 }
 
 fn tiny_cnn(dir: &Path, extra: &[&str]) -> Vec<String> {
-    let mut v: Vec<String> = [
-        "--quiet",
-        "--device",
-        "sim",
-        "--stages",
-        "2",
-        "--micro-batches",
-        "2",
-        "--width",
-        "4",
-        "--image-size",
-        "8",
-        "--train-size",
-        "64",
-        "--batch",
-        "8",
-        "--steps",
-        "3",
-    ]
-    .iter()
-    .map(|x| x.to_string())
-    .collect();
-    v.extend([
-        "--trace".into(),
-        s(&dir.join("trace.json")),
-        "--timeline".into(),
-        s(&dir.join("timeline.svg")),
-    ]);
-    v.extend(extra.iter().map(|x| x.to_string()));
-    v
+    run_flags(
+        &[
+            "--quiet",
+            "--device",
+            "sim",
+            "--stages",
+            "2",
+            "--micro-batches",
+            "2",
+            "--width",
+            "4",
+            "--image-size",
+            "8",
+            "--train-size",
+            "64",
+            "--batch",
+            "8",
+            "--steps",
+            "3",
+        ],
+        dir,
+        extra,
+    )
 }
 
 fn cnn(args: &[String]) -> Result<train_cnn::CnnSummary, String> {
