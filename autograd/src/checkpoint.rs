@@ -30,7 +30,7 @@ pub fn checkpoint(x: &Var, f: impl Fn(&Var) -> Result<Var> + 'static) -> Result<
     let y_shape = y.shape().to_vec();
     let backward: BackwardFn = Box::new(move |g, wants| {
         let re = Tape::recompute();
-        let xl = re.leaf(x_value);
+        let xl = re.leaf(x_value.clone());
         let out = f(&xl)?;
         if out.shape() != y_shape.as_slice() {
             return Err(crate::tape::invalid(

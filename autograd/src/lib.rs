@@ -14,6 +14,6 @@ pub use checkpoint::checkpoint;
 pub use module::{CostHint, ForwardCtx, Module};
 pub use optim::{Adam, AdamW, LrSchedule, Optimizer, Sgd};
 pub use param::Param;
-pub use tape::{BackwardFn, Grads, Tape};
+pub use tape::{BackwardFn, Grads, Tape, WeightGrads};
 pub use var::Var;
 pub use wgpipe_tensor as tensor;

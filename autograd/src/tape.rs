@@ -19,8 +19,10 @@ use crate::var::Var;
 
 /// The backward of one node: given the gradient of its output and which inputs want a gradient,
 /// the gradient of each input (`None` where none is wanted or it is zero). Gradients must have the
-/// shapes of the inputs.
-pub type BackwardFn = Box<dyn FnOnce(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>>>;
+/// shapes of the inputs. A split backward ([`Tape::backward_split`]) calls it twice, once for the
+/// inputs that carry data and once for those computed from parameters alone, so it is `FnMut`;
+/// each input's gradient must not depend on which other inputs were asked for.
+pub type BackwardFn = Box<dyn FnMut(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>>>;
 
 static NEXT_TAPE: AtomicU64 = AtomicU64::new(1);
 
@@ -33,9 +35,17 @@ pub struct Tape {
 struct Node {
     op: &'static str,
     output: usize,
-    /// For each input: its var id and shape when it wants a gradient, else `None`.
-    inputs: Vec<Option<(usize, Vec<usize>)>>,
+    /// Whether the output depends on data (see [`Var::is_data`]).
+    data_output: bool,
+    /// For each input that wants a gradient: its var id, shape and whether it depends on data.
+    inputs: Vec<Option<NodeInput>>,
     backward: BackwardFn,
+}
+
+struct NodeInput {
+    id: usize,
+    shape: Vec<usize>,
+    data: bool,
 }
 
 struct TapeInner {
@@ -118,7 +128,7 @@ impl Tape {
         self.inner.borrow().id
     }
 
-    fn new_var(&self, value: Tensor, requires_grad: bool) -> Var {
+    fn new_var(&self, value: Tensor, requires_grad: bool, data: bool) -> Var {
         let id = {
             let mut i = self.inner.borrow_mut();
             i.next_var += 1;
@@ -129,18 +139,19 @@ impl Tape {
             value,
             tape: self.clone(),
             requires_grad,
+            data,
         }
     }
 
     /// A value that gets no gradient.
     pub fn constant(&self, value: Tensor) -> Var {
-        self.new_var(value, false)
+        self.new_var(value, false, true)
     }
 
     /// An input whose gradient is wanted: `Grads::get` gives it after backward.
     pub fn leaf(&self, value: Tensor) -> Var {
         let rec = self.is_recording();
-        let v = self.new_var(value, rec);
+        let v = self.new_var(value, rec, true);
         if rec {
             self.inner.borrow_mut().leaves.push(v.id);
         }
@@ -151,7 +162,7 @@ impl Tape {
     /// its gradient to the param (`Param::accumulate_grad`).
     pub fn param(&self, param: &Param) -> Var {
         let rec = self.is_recording() && param.is_trainable();
-        let v = self.new_var(param.value(), rec);
+        let v = self.new_var(param.value(), rec, false);
         if rec {
             self.inner.borrow_mut().params.push((v.id, param.clone()));
         }
@@ -182,16 +193,24 @@ impl Tape {
             ));
         }
         let wants = inputs.iter().any(|v| v.requires_grad);
+        let data = inputs.iter().any(|v| v.data);
         if !self.is_recording() || !(wants || force) {
-            return Ok(self.new_var(value, false));
+            return Ok(self.new_var(value, false, data));
         }
-        let out = self.new_var(value, true);
+        let out = self.new_var(value, true, data);
         let node = Node {
             op,
             output: out.id,
+            data_output: data,
             inputs: inputs
                 .iter()
-                .map(|v| v.requires_grad.then(|| (v.id, v.shape().to_vec())))
+                .map(|v| {
+                    v.requires_grad.then(|| NodeInput {
+                        id: v.id,
+                        shape: v.shape().to_vec(),
+                        data: v.data,
+                    })
+                })
                 .collect(),
             backward,
         };
@@ -220,6 +239,55 @@ impl Tape {
     /// into the params; the gradients of leaves come back in `Grads`. Each node's saved tensors
     /// are freed as soon as its backward ran. A tape runs backward once.
     pub fn backward_with(&self, output: &Var, grad_output: &Tensor) -> Result<Grads> {
+        let Taken {
+            nodes,
+            leaves,
+            mut params,
+            tape_id,
+            mut grads,
+        } = self.take_for_backward(output, grad_output)?;
+        // Parameter gradients go into their params during the walk, each as soon as it is final
+        // (so they are not all held at once), in reverse creation order (the order a
+        // checkpointed segment's recompute would accumulate them in, so both give bit-identical
+        // sums).
+        run_nodes(nodes, &mut grads, &mut params, Part::Full, &mut Vec::new())?;
+        flush_params(&mut params, &mut grads, None)?;
+        leaf_grads(tape_id, leaves, &mut grads)
+    }
+
+    /// The input part of a split backward (zero-bubble pipelines' "B" or "I"): back-propagates
+    /// from `output` through every var that depends on data and returns the leaves' gradients,
+    /// as [`Tape::backward_with`] does, without computing any parameter gradient. What the weight
+    /// part needs (the nodes that have parameter-side inputs, with their output gradients) is
+    /// kept in the returned [`WeightGrads`]; everything else is freed now. Running it later
+    /// accumulates exactly the parameter gradients the full backward would have, bit for bit
+    /// (each var's gradient is summed over the same nodes in the same order).
+    pub fn backward_split(
+        &self,
+        output: &Var,
+        grad_output: &Tensor,
+    ) -> Result<(Grads, WeightGrads)> {
+        let Taken {
+            nodes,
+            leaves,
+            params,
+            tape_id,
+            mut grads,
+        } = self.take_for_backward(output, grad_output)?;
+        let mut deferred = Vec::new();
+        run_nodes(
+            nodes,
+            &mut grads,
+            &mut Vec::new(),
+            Part::Input,
+            &mut deferred,
+        )?;
+        let grads = leaf_grads(tape_id, leaves, &mut grads)?;
+        Ok((grads, WeightGrads { deferred, params }))
+    }
+
+    /// Checks a backward call and takes the recorded nodes out (the tape is done afterwards).
+    fn take_for_backward(&self, output: &Var, grad_output: &Tensor) -> Result<Taken> {
         if !output.tape.same(self) {
             return Err(invalid(
                 "backward",
@@ -260,37 +328,88 @@ impl Tape {
                 b: grad_output.device().name().to_string(),
             });
         }
-        let (nodes, leaves, mut params, tape_id) = {
-            let mut i = self.inner.borrow_mut();
-            i.done = true;
-            (
-                std::mem::take(&mut i.nodes),
-                std::mem::take(&mut i.leaves),
-                std::mem::take(&mut i.params),
-                i.id,
-            )
-        };
+        let mut i = self.inner.borrow_mut();
+        i.done = true;
         let mut grads: Vec<Option<Tensor>> = vec![None; output.id + 1];
         if output.requires_grad {
             grads[output.id] = Some(grad_output.clone());
         }
-        // Parameter gradients go into their params during the walk, each as soon as it is final
-        // (so they are not all held at once), in reverse creation order (the order a
-        // checkpointed segment's recompute would accumulate them in, so both give bit-identical
-        // sums).
-        run_nodes(nodes, &mut grads, &mut params)?;
-        flush_params(&mut params, &mut grads, None)?;
-        let mut map = HashMap::new();
-        for id in leaves {
-            if let Some(g) = grads.get_mut(id).and_then(Option::take) {
-                map.insert(id, g.contiguous()?);
-            }
-        }
-        Ok(Grads {
-            tape: tape_id,
-            grads: map,
+        Ok(Taken {
+            nodes: std::mem::take(&mut i.nodes),
+            leaves: std::mem::take(&mut i.leaves),
+            params: std::mem::take(&mut i.params),
+            tape_id: i.id,
+            grads,
         })
     }
+}
+
+/// What a backward takes out of the tape.
+struct Taken {
+    nodes: Vec<Node>,
+    leaves: Vec<usize>,
+    params: Vec<(usize, Param)>,
+    tape_id: u64,
+    grads: Vec<Option<Tensor>>,
+}
+
+/// The weight part of a split backward (zero-bubble pipelines' "W"): the nodes with
+/// parameter-side inputs, each with its output gradient when that was computed by the input part.
+pub struct WeightGrads {
+    /// In reverse recording order (the order the walk visits them).
+    deferred: Vec<(Node, Option<Tensor>)>,
+    params: Vec<(usize, Param)>,
+}
+
+impl WeightGrads {
+    /// Computes the parameter gradients and accumulates them into the params, as the full
+    /// backward would have.
+    pub fn run(self) -> Result<()> {
+        let WeightGrads {
+            deferred,
+            mut params,
+        } = self;
+        let top = deferred.first().map_or(0, |(n, _)| n.output);
+        let top = params.last().map_or(top, |(id, _)| top.max(*id));
+        let mut grads: Vec<Option<Tensor>> = vec![None; top + 1];
+        let mut nodes = Vec::with_capacity(deferred.len());
+        // `run_nodes` pops from the back: give it recording order, with the output gradients
+        // the input part computed placed in the slots of their vars.
+        for (node, g) in deferred.into_iter().rev() {
+            if let Some(g) = g {
+                grads[node.output] = Some(g);
+            }
+            nodes.push(node);
+        }
+        run_nodes(
+            nodes,
+            &mut grads,
+            &mut params,
+            Part::Weight,
+            &mut Vec::new(),
+        )?;
+        flush_params(&mut params, &mut grads, None)
+    }
+
+    /// Number of nodes waiting for the weight part.
+    pub fn len(&self) -> usize {
+        self.deferred.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.deferred.is_empty()
+    }
+}
+
+/// The leaves' gradients (contiguous) after a walk.
+fn leaf_grads(tape: u64, leaves: Vec<usize>, grads: &mut [Option<Tensor>]) -> Result<Grads> {
+    let mut map = HashMap::new();
+    for id in leaves {
+        if let Some(g) = grads.get_mut(id).and_then(Option::take) {
+            map.insert(id, g.contiguous()?);
+        }
+    }
+    Ok(Grads { tape, grads: map })
 }
 
 /// Accumulates into their params the gradients of the param vars (`params`, in increasing id
@@ -314,59 +433,94 @@ fn flush_params(
     Ok(())
 }
 
+/// Which inputs a walk computes gradients for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Part {
+    /// All of them (plain backward).
+    Full,
+    /// Only inputs that depend on data; nodes with parameter-side inputs go to `deferred`.
+    Input,
+    /// Only parameter-side inputs (the deferred nodes of an input part).
+    Weight,
+}
+
+impl Part {
+    fn wants(self, input: &NodeInput) -> bool {
+        match self {
+            Part::Full => true,
+            Part::Input => input.data,
+            Part::Weight => !input.data,
+        }
+    }
+}
+
 /// Walks `nodes` in reverse, dropping each closure (and so its saved tensors) as soon as it ran,
 /// and each intermediate gradient as soon as its node consumed it; param gradients are handed to
-/// their params as soon as they are final (see [`flush_params`]).
+/// their params as soon as they are final (see [`flush_params`]). In the input part, a node whose
+/// output is parameter-only is not run (its gradient comes in the weight part), and a node with
+/// parameter-side inputs is kept in `deferred` with its output gradient.
 fn run_nodes(
     mut nodes: Vec<Node>,
     grads: &mut Vec<Option<Tensor>>,
     params: &mut Vec<(usize, Param)>,
+    part: Part,
+    deferred: &mut Vec<(Node, Option<Tensor>)>,
 ) -> Result<()> {
-    while let Some(node) = nodes.pop() {
+    while let Some(mut node) = nodes.pop() {
         flush_params(params, grads, Some(node.output))?;
-        let Node {
-            op,
-            output,
-            inputs,
-            backward,
-        } = node;
-        let g = match grads.get_mut(output).and_then(Option::take) {
+        let has_weight_side = node.inputs.iter().flatten().any(|i| !i.data);
+        if part == Part::Input && !node.data_output {
+            deferred.push((node, None));
+            continue;
+        }
+        let g = match grads.get_mut(node.output).and_then(Option::take) {
             Some(g) => g,
             None => continue, // no gradient reaches this node: drop it unrun
         };
-        let wants: Vec<bool> = inputs.iter().map(Option::is_some).collect();
-        let input_grads = backward(&g, &wants)?;
-        drop(g);
-        if input_grads.len() != inputs.len() {
+        let wants: Vec<bool> = node
+            .inputs
+            .iter()
+            .map(|i| i.as_ref().is_some_and(|i| part.wants(i)))
+            .collect();
+        let input_grads = if wants.iter().any(|w| *w) {
+            (node.backward)(&g, &wants)?
+        } else {
+            vec![None; wants.len()]
+        };
+        if input_grads.len() != node.inputs.len() {
             return Err(invalid(
-                op,
+                node.op,
                 format!(
                     "backward gave {} gradients for {} inputs",
                     input_grads.len(),
-                    inputs.len()
+                    node.inputs.len()
                 ),
             ));
         }
-        for (slot, gi) in inputs.into_iter().zip(input_grads) {
-            let (Some((id, shape)), Some(gi)) = (slot, gi) else {
+        for ((slot, gi), want) in node.inputs.iter().zip(input_grads).zip(&wants) {
+            let (Some(input), Some(gi), true) = (slot, gi, *want) else {
                 continue;
             };
-            if gi.shape() != shape.as_slice() {
+            if gi.shape() != input.shape.as_slice() {
                 return Err(Error::Shape {
-                    op,
+                    op: node.op,
                     msg: format!(
-                        "backward gave a gradient of shape {:?} for an input of shape {shape:?}",
-                        gi.shape()
+                        "backward gave a gradient of shape {:?} for an input of shape {:?}",
+                        gi.shape(),
+                        input.shape
                     ),
                 });
             }
-            if grads.len() <= id {
-                grads.resize(id + 1, None);
+            if grads.len() <= input.id {
+                grads.resize(input.id + 1, None);
             }
-            grads[id] = Some(match grads[id].take() {
+            grads[input.id] = Some(match grads[input.id].take() {
                 Some(acc) => acc.add(&gi)?,
                 None => gi,
             });
+        }
+        if part == Part::Input && has_weight_side {
+            deferred.push((node, Some(g)));
         }
     }
     Ok(())

@@ -14,6 +14,10 @@ pub struct Var {
     /// True when a gradient flows to this var in backward (leaf, trainable param, or the result
     /// of an op on such a var, on a recording tape).
     pub(crate) requires_grad: bool,
+    /// True when the value depends on data (a leaf, a constant, or an op on one), false when it
+    /// is computed from parameters alone. A split backward computes the gradients of data vars
+    /// in its input part and those of parameter-only vars in its weight part.
+    pub(crate) data: bool,
 }
 
 impl Var {
@@ -58,7 +62,7 @@ impl Var {
         op: &'static str,
         inputs: &[&Var],
         value: Tensor,
-        backward: impl FnOnce(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + 'static,
+        backward: impl FnMut(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + 'static,
     ) -> Result<Var> {
         let tape = inputs.first().map(|v| v.tape.clone()).ok_or_else(|| {
             crate::tape::invalid(op, "an op needs at least one input var".to_string())

@@ -21,9 +21,10 @@ fn binary(
     a: &Var,
     b: &Var,
     y: Tensor,
-    bwd: impl FnOnce(&Tensor, &[bool]) -> Result<(Option<Tensor>, Option<Tensor>)> + 'static,
+    bwd: impl FnMut(&Tensor, &[bool]) -> Result<(Option<Tensor>, Option<Tensor>)> + 'static,
 ) -> Result<Var> {
     let (sa, sb) = (a.shape().to_vec(), b.shape().to_vec());
+    let mut bwd = bwd;
     Var::from_op(op, &[a, b], y, move |g, w| {
         let (ga, gb) = bwd(g, w)?;
         Ok(vec![
@@ -38,8 +39,9 @@ fn unary(
     op: &'static str,
     x: &Var,
     y: Tensor,
-    bwd: impl FnOnce(&Tensor) -> Result<Tensor> + 'static,
+    bwd: impl FnMut(&Tensor) -> Result<Tensor> + 'static,
 ) -> Result<Var> {
+    let mut bwd = bwd;
     Var::from_op(op, &[x], y, move |g, _| Ok(vec![Some(bwd(g)?)]))
 }
 

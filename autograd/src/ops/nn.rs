@@ -73,7 +73,7 @@ impl Var {
                 Tensor::conv2d_weight_grad(x.as_ref().unwrap(), g, &sw, p)
             })?;
             let mut out = vec![gx, gw];
-            if let Some(sb) = sb {
+            if let Some(sb) = &sb {
                 out.push(when(w[2], || g.sum(&[0, 2, 3], false)?.reshape(&sb))?);
             }
             Ok(out)

@@ -11,8 +11,9 @@ fn view(
     op: &'static str,
     x: &Var,
     y: Tensor,
-    bwd: impl FnOnce(&Tensor) -> Result<Tensor> + 'static,
+    bwd: impl FnMut(&Tensor) -> Result<Tensor> + 'static,
 ) -> Result<Var> {
+    let mut bwd = bwd;
     Var::from_op(op, &[x], y, move |g, _| Ok(vec![Some(bwd(g)?)]))
 }
 
