@@ -10,7 +10,7 @@ use wgpipe_tensor::{Device, Tensor};
 use crate::error::{PipelineError, Result};
 use crate::partition::{balance_by_cost, stage_ranges, validate_balance};
 use crate::pipeline::Pipeline;
-use crate::schedule::{gpipe, one_f_one_b, CheckpointMode};
+use crate::schedule::{CheckpointMode, Schedule};
 use crate::sim::SimCluster;
 use crate::worker::Stage;
 
@@ -33,13 +33,117 @@ pub enum Balance {
     },
 }
 
-/// Which schedule to run.
+/// Which generated schedule to run (see [`crate::schedule::generators`] for each one's bubble,
+/// memory and source).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScheduleKind {
     /// Fill-drain: all forwards, then all backwards (micro-batch i on stage j at clock i + j).
     GPipe,
     /// PipeDream-Flush: at most K micro-batches of activations alive per stage.
     OneFOneB,
+    /// Megatron's interleaved 1F1B over `chunks` virtual stages per device (looped placement).
+    Interleaved1F1B,
+    /// Breadth-first over `chunks` virtual stages per device (looped placement).
+    LoopedBfs,
+    /// Zero bubble H1: split backward, 1F1B memory, a third of 1F1B's bubble.
+    ZbH1,
+    /// Zero bubble H2: split backward, about twice 1F1B's memory, no bubble in the steady state.
+    ZbH2,
+    /// Zero bubble V: two chunks per device in a V, 1F1B memory, no bubble in the steady state.
+    ZbV,
+    /// DualPipeV: two chunks per device in a V, split backward (DeepSeek's DualPipe cut in half).
+    DualPipeV,
+}
+
+impl ScheduleKind {
+    pub const ALL: [ScheduleKind; 8] = [
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved1F1B,
+        ScheduleKind::LoopedBfs,
+        ScheduleKind::ZbH1,
+        ScheduleKind::ZbH2,
+        ScheduleKind::ZbV,
+        ScheduleKind::DualPipeV,
+    ];
+
+    /// Chunks per device this schedule uses when the builder is not told (`chunks(v)`).
+    pub fn default_chunks(self) -> usize {
+        match self {
+            ScheduleKind::Interleaved1F1B
+            | ScheduleKind::LoopedBfs
+            | ScheduleKind::ZbV
+            | ScheduleKind::DualPipeV => 2,
+            _ => 1,
+        }
+    }
+
+    /// Generates the schedule for `k` devices, `chunks` per device and `m` micro-batches.
+    pub fn generate(
+        self,
+        k: usize,
+        chunks: usize,
+        m: usize,
+        mode: CheckpointMode,
+    ) -> Result<Schedule> {
+        use crate::schedule as g;
+        let fixed = |want: usize, name: &str| -> Result<()> {
+            if chunks != want {
+                return Err(PipelineError::Config(format!(
+                    "the {name} schedule places exactly {want} chunk(s) per device; {chunks} were asked for"
+                )));
+            }
+            Ok(())
+        };
+        Ok(match self {
+            ScheduleKind::GPipe => {
+                fixed(1, "gpipe")?;
+                g::gpipe(k, m, mode)?
+            }
+            ScheduleKind::OneFOneB => {
+                fixed(1, "1f1b")?;
+                g::one_f_one_b(k, m, mode)?
+            }
+            ScheduleKind::Interleaved1F1B => g::interleaved_one_f_one_b(k, chunks, m, mode)?,
+            ScheduleKind::LoopedBfs => g::looped_bfs(k, chunks, m, mode)?,
+            ScheduleKind::ZbH1 => {
+                fixed(1, "zb-h1")?;
+                g::zb_h1(k, m, mode)?
+            }
+            ScheduleKind::ZbH2 => {
+                fixed(1, "zb-h2")?;
+                g::zb_h2(k, m, mode)?
+            }
+            ScheduleKind::ZbV => {
+                fixed(2, "zb-v")?;
+                g::zb_v(k, m, mode)?
+            }
+            ScheduleKind::DualPipeV => {
+                fixed(2, "dualpipe-v")?;
+                g::dual_pipe_v(k, m, mode)?
+            }
+        })
+    }
+}
+
+/// A schedule to run: generated from a kind, or given whole (built by the user, parsed from
+/// text, or made by a planner).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ScheduleSpec {
+    Kind(ScheduleKind),
+    Custom(Schedule),
+}
+
+impl From<ScheduleKind> for ScheduleSpec {
+    fn from(k: ScheduleKind) -> Self {
+        ScheduleSpec::Kind(k)
+    }
+}
+
+impl From<Schedule> for ScheduleSpec {
+    fn from(s: Schedule) -> Self {
+        ScheduleSpec::Custom(s)
+    }
 }
 
 pub struct PipelineBuilder {
@@ -47,9 +151,10 @@ pub struct PipelineBuilder {
     devices: Vec<Device>,
     sim: Option<SimCluster>,
     balance: Balance,
-    micro_batches: usize,
+    micro_batches: Option<usize>,
+    chunks: Option<usize>,
     checkpoint: CheckpointMode,
-    schedule: ScheduleKind,
+    schedule: ScheduleSpec,
     seed: u64,
     optimizer: Option<Box<dyn Fn() -> Box<dyn Optimizer>>>,
 }
@@ -61,9 +166,10 @@ impl PipelineBuilder {
             devices: Vec::new(),
             sim: None,
             balance: Balance::ByParams,
-            micro_batches: 1,
+            micro_batches: None,
+            chunks: None,
             checkpoint: CheckpointMode::ExceptLast,
-            schedule: ScheduleKind::GPipe,
+            schedule: ScheduleSpec::Kind(ScheduleKind::GPipe),
             seed: 0,
             optimizer: None,
         }
@@ -86,16 +192,25 @@ impl PipelineBuilder {
         self.balance = balance;
         self
     }
+    /// M, the number of micro-batches (default 1; a custom schedule brings its own).
     pub fn micro_batches(mut self, m: usize) -> Self {
-        self.micro_batches = m;
+        self.micro_batches = Some(m);
+        self
+    }
+    /// Virtual stages per device for the looped schedules (default 2 for interleaved 1F1B and
+    /// looped BFS; ZB-V and DualPipeV always use 2, the others 1).
+    pub fn chunks(mut self, v: usize) -> Self {
+        self.chunks = Some(v);
         self
     }
     pub fn checkpoint(mut self, mode: CheckpointMode) -> Self {
         self.checkpoint = mode;
         self
     }
-    pub fn schedule(mut self, kind: ScheduleKind) -> Self {
-        self.schedule = kind;
+    /// The schedule: a [`ScheduleKind`] to generate, or any [`Schedule`] (validated at build;
+    /// its device count must match the devices given).
+    pub fn schedule(mut self, schedule: impl Into<ScheduleSpec>) -> Self {
+        self.schedule = schedule.into();
         self
     }
     /// Seed of the counter-based RNG (dropout), keyed further by step, micro-batch and layer.
@@ -117,34 +232,60 @@ impl PipelineBuilder {
                 "no devices: give one per stage with .devices(..) or .sim(..)".into(),
             ));
         }
-        if self.micro_batches == 0 {
-            return Err(PipelineError::Config(
-                "the number of micro-batches must be at least 1".into(),
-            ));
-        }
+        let schedule = match &self.schedule {
+            ScheduleSpec::Kind(kind) => {
+                let m = self.micro_batches.unwrap_or(1);
+                if m == 0 {
+                    return Err(PipelineError::Config(
+                        "the number of micro-batches must be at least 1".into(),
+                    ));
+                }
+                let chunks = self.chunks.unwrap_or_else(|| kind.default_chunks());
+                if chunks == 0 {
+                    return Err(PipelineError::Config(
+                        "the number of chunks per device must be at least 1".into(),
+                    ));
+                }
+                kind.generate(k, chunks, m, self.checkpoint)?
+            }
+            ScheduleSpec::Custom(schedule) => {
+                schedule.validate()?;
+                if schedule.num_devices() != k {
+                    return Err(PipelineError::Config(format!(
+                        "schedule '{}' is for {} devices but {k} were given",
+                        schedule.name,
+                        schedule.num_devices()
+                    )));
+                }
+                if let Some(m) = self.micro_batches.filter(|&m| m != schedule.num_micro_batches) {
+                    return Err(PipelineError::Config(format!(
+                        "micro_batches({m}) differs from schedule '{}', which has {} micro-batches",
+                        schedule.name, schedule.num_micro_batches
+                    )));
+                }
+                schedule.clone()
+            }
+        };
+        let s_total = schedule.num_stages();
         let balance = match &self.balance {
             Balance::Explicit(b) => {
-                if b.len() != k {
+                if b.len() != s_total {
                     return Err(PipelineError::Config(format!(
-                        "balance {b:?} has {} stages but {k} devices were given",
-                        b.len()
+                        "balance {b:?} has {} stages but the schedule has {s_total} ({k} devices x {} chunks)",
+                        b.len(),
+                        s_total / k
                     )));
                 }
                 validate_balance(b, self.layers.len())?;
                 b.clone()
             }
-            other => balance_by_cost(&layer_costs(&self.layers, other)?, k)?,
+            other => balance_by_cost(&layer_costs(&self.layers, other)?, s_total)?,
         };
-        let schedule = match self.schedule {
-            ScheduleKind::GPipe => gpipe(k, self.micro_batches, self.checkpoint)?,
-            ScheduleKind::OneFOneB => one_f_one_b(k, self.micro_batches, self.checkpoint)?,
-        };
-        schedule.validate()?;
 
         let mut layers = self.layers.into_iter();
-        let mut stages = Vec::with_capacity(k);
+        let mut stages = Vec::with_capacity(s_total);
         for (index, range) in stage_ranges(&balance).into_iter().enumerate() {
-            let device = self.devices[index].clone();
+            let device = self.devices[schedule.placement[index]].clone();
             let mut stage_layers: Vec<Box<dyn Module>> =
                 layers.by_ref().take(range.len()).collect();
             for l in &mut stage_layers {

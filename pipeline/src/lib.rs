@@ -25,11 +25,11 @@ pub mod timeline;
 pub mod trace;
 pub mod worker;
 
-pub use builder::{Balance, PipelineBuilder, ScheduleKind};
+pub use builder::{Balance, PipelineBuilder, ScheduleKind, ScheduleSpec};
 pub use error::{PipelineError, Result, StageCause};
 pub use pipeline::Pipeline;
 pub use report::{SimReport, StageReport, StepReport};
-pub use schedule::{CheckpointMode, Schedule};
+pub use schedule::{Action, ActionKind, CheckpointMode, Link, Schedule, ScheduleError};
 pub use sim::SimCluster;
 pub use timeline::{DeviceSpec, LinkSpec, Timeline};
 pub use worker::{LossFn, Stage};

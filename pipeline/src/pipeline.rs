@@ -21,7 +21,7 @@ use crate::report::{wall_timeline, SimReport, StageReport, StepReport};
 use crate::schedule::{Action, Schedule};
 use crate::sim::SimCluster;
 use crate::timeline::{simulate, ActionCost};
-use crate::worker::{ActionRecord, LossFn, Position, Stage, StageLinks, StageOutcome, StepInputs};
+use crate::worker::{run_device, ActionRecord, DeviceLinks, LossFn, Position, Stage, StageOutcome, StepInputs};
 
 /// Makes one optimizer per stage (each runs on its stage's device over its stage's params).
 pub type OptimizerFactory = Box<dyn Fn() -> Box<dyn Optimizer> + Send>;
@@ -41,8 +41,13 @@ impl Pipeline {
         PipelineBuilder::new(layers)
     }
 
+    /// S: the number of (virtual) stages the model is cut into.
     pub fn num_stages(&self) -> usize {
         self.stages.len()
+    }
+    /// K: the number of devices the stages are placed on (S / chunks per device).
+    pub fn num_devices(&self) -> usize {
+        self.schedule.num_devices()
     }
     pub fn num_micro_batches(&self) -> usize {
         self.schedule.num_micro_batches
@@ -53,10 +58,11 @@ impl Pipeline {
     pub fn stages(&self) -> &[Stage] {
         &self.stages
     }
-    /// Layers per stage.
+    /// Layers per (virtual) stage, in model order.
     pub fn balance(&self) -> Vec<usize> {
         self.stages.iter().map(|s| s.layers.len()).collect()
     }
+    /// The device of each (virtual) stage, in model order.
     pub fn devices(&self) -> Vec<Device> {
         self.stages.iter().map(|s| s.device.clone()).collect()
     }
@@ -142,7 +148,7 @@ impl Pipeline {
         let results = self.run_workers(&xs, &ys, &scales, loss_fn, clock);
         let wall = clock.elapsed().as_secs_f64();
 
-        let outcomes = match first_error(&self.stages, results) {
+        let outcomes = match first_error(&self.device_stages(), results) {
             Ok(o) => o,
             Err(e) => {
                 for ((_, p), g) in params.iter().zip(saved_grads) {
@@ -169,7 +175,7 @@ impl Pipeline {
             }
         }
         let mut loss = 0.0f32;
-        for t in &outcomes[self.stages.len() - 1].losses {
+        for t in outcomes.iter().flat_map(|o| &o.losses) {
             loss += t.to_scalar()?;
         }
         let report = self.report(outcomes, wall, loss)?;
@@ -177,7 +183,8 @@ impl Pipeline {
         Ok(report)
     }
 
-    /// Spawns one scoped thread per stage and collects each one's outcome.
+    /// Spawns one scoped thread per device, wires the links the schedule names, and collects
+    /// each device's outcome.
     fn run_workers(
         &mut self,
         xs: &[Tensor],
@@ -186,30 +193,31 @@ impl Pipeline {
         loss_fn: &LossFn,
         clock: Instant,
     ) -> Vec<(Position, std::result::Result<StageOutcome, StageCause>)> {
-        let k = self.stages.len();
-        let mut links: Vec<StageLinks> = (0..k).map(|_| StageLinks::default()).collect();
-        for j in 0..k.saturating_sub(1) {
-            let (atx, arx) = channel();
-            let (gtx, grx) = channel();
-            links[j].act_out = Some(atx);
-            links[j + 1].act_in = Some(arx);
-            links[j + 1].grad_out = Some(gtx);
-            links[j].grad_in = Some(grx);
+        let schedule = &self.schedule;
+        let k = schedule.num_devices();
+        let mut links: Vec<DeviceLinks> = (0..k).map(|_| DeviceLinks::default()).collect();
+        for link in schedule.links() {
+            let (tx, rx) = channel();
+            links[schedule.placement[link.from]].tx.insert(link, tx);
+            links[schedule.placement[link.to]].rx.insert(link, rx);
+        }
+        let mut by_device: Vec<Vec<&mut Stage>> = (0..k).map(|_| Vec::new()).collect();
+        for stage in self.stages.iter_mut() {
+            by_device[schedule.placement[stage.index]].push(stage);
         }
         let abort = AtomicBool::new(false);
-        let schedule = &self.schedule;
         let (seed, step) = (self.seed, self.step);
+        let num_stages = schedule.num_stages();
         std::thread::scope(|scope| {
-            let handles: Vec<_> = self
-                .stages
-                .iter_mut()
+            let handles: Vec<_> = by_device
+                .into_iter()
                 .zip(links)
-                .map(|(stage, links)| {
+                .enumerate()
+                .map(|(device, (stages, links))| {
                     let abort = &abort;
                     let io = StepInputs {
-                        actions: &schedule.stages[stage.index],
-                        num_micro_batches: schedule.num_micro_batches,
-                        checkpoint: schedule.checkpoint,
+                        actions: &schedule.devices[device],
+                        num_stages,
                         seed,
                         step,
                         inputs: xs,
@@ -219,11 +227,13 @@ impl Pipeline {
                         abort,
                         clock,
                     };
-                    // `&mut Stage` is Send (layers are Send, not Sync): each thread owns its stage.
+                    // `&mut Stage` is Send (layers are Send, not Sync): each thread owns its
+                    // device's stages.
                     scope.spawn(move || {
+                        let stages: Vec<&Stage> = stages.into_iter().map(|s| &*s).collect();
                         let mut pos = Position::default();
                         let r = catch_unwind(AssertUnwindSafe(|| {
-                            stage.run_step(&links, &io, &mut pos)
+                            run_device(&stages, &links, &io, &mut pos)
                         }));
                         let r = match r {
                             Ok(r) => r,
@@ -232,7 +242,7 @@ impl Pipeline {
                         if r.is_err() {
                             abort.store(true, Ordering::SeqCst);
                         }
-                        // Dropping `links` here closes this stage's channels, which also
+                        // Dropping `links` here closes this device's channels, which also
                         // wakes any neighbour blocked on them.
                         drop(links);
                         (pos, r)
@@ -253,28 +263,53 @@ impl Pipeline {
         })
     }
 
+    /// The first stage of each device (whose device handle and memory counters stand for it).
+    fn device_stages(&self) -> Vec<&Stage> {
+        (0..self.schedule.num_devices())
+            .map(|d| {
+                let first = self.schedule.stages_of(d)[0];
+                &self.stages[first]
+            })
+            .collect()
+    }
+
     fn report(&self, outcomes: Vec<StageOutcome>, wall: f64, loss: f32) -> Result<StepReport> {
         let records: Vec<Vec<ActionRecord>> = outcomes.into_iter().map(|o| o.records).collect();
-        let timeline = wall_timeline(&records, wall);
+        let timeline = wall_timeline(&self.schedule, &records, wall);
         let stages = self
-            .stages
-            .iter()
+            .device_stages()
+            .into_iter()
             .zip(&records)
-            .map(|(s, recs)| StageReport {
-                stage: s.index,
-                device: s.device.name().to_string(),
-                layers: s.first_layer..s.first_layer + s.layers.len(),
-                num_params: stage_params(s).iter().map(|(_, p)| p.value().numel()).sum(),
-                busy_secs: timeline.busy[s.index],
-                flops: recs.iter().map(|r| r.flops).sum(),
-                bytes_sent: recs.iter().map(|r| r.bytes).sum(),
-                memory: s.device.memory_stats(),
+            .enumerate()
+            .map(|(d, (first, recs))| {
+                let chunks = self.schedule.stages_of(d);
+                StageReport {
+                    stage: d,
+                    device: first.device.name().to_string(),
+                    layers: chunks
+                        .iter()
+                        .map(|&c| {
+                            let s = &self.stages[c];
+                            s.first_layer..s.first_layer + s.layers.len()
+                        })
+                        .collect(),
+                    num_params: chunks
+                        .iter()
+                        .flat_map(|&c| stage_params(&self.stages[c]))
+                        .map(|(_, p)| p.value().numel())
+                        .sum(),
+                    chunks,
+                    busy_secs: timeline.busy[d],
+                    flops: recs.iter().map(|r| r.flops).sum(),
+                    bytes_sent: recs.iter().map(|r| r.bytes).sum(),
+                    memory: first.device.memory_stats(),
+                }
             })
             .collect();
         let simulated = match &self.sim {
             Some(cluster) => {
-                let cost = |stage: usize, action: Action| {
-                    records[stage]
+                let cost = |device: usize, action: Action| {
+                    records[device]
                         .iter()
                         .find(|r| r.action == action)
                         .map(|r| ActionCost {
@@ -287,6 +322,7 @@ impl Pipeline {
                 Some(SimReport {
                     makespan_secs: t.makespan,
                     bubble_fraction: t.bubble_fraction(),
+                    steady_bubble_fraction: t.steady_bubble_fraction(),
                     timeline: t,
                 })
             }
@@ -438,20 +474,30 @@ fn stage_error(s: &Stage, micro_batch: usize, action: &str, cause: StageCause) -
     }
 }
 
-/// The root cause among the stages' results: a stage's own failure wins over the
-/// "stopped because another stage failed" of the others.
+/// The root cause among the devices' results (`devices[d]` is device d's first stage): a
+/// device's own failure wins over the "stopped because another stage failed" of the others. The
+/// error names the virtual stage of the failing action (the device's first stage before any).
 fn first_error(
-    stages: &[Stage],
+    devices: &[&Stage],
     results: Vec<(Position, std::result::Result<StageOutcome, StageCause>)>,
 ) -> Result<Vec<StageOutcome>> {
     let mut errors = Vec::new();
     let mut ok = Vec::new();
-    for (s, (pos, r)) in stages.iter().zip(results) {
+    for (first, (pos, r)) in devices.iter().zip(results) {
         match r {
             Ok(o) => ok.push(o),
             Err(cause) => {
-                let action = pos.action.map_or("start".to_string(), |a| format!("{a:?}"));
-                errors.push(stage_error(s, pos.micro_batch, &action, cause));
+                let (stage, action) = match pos.action {
+                    Some(a) => (a.stage, describe(a)),
+                    None => (first.index, "start".to_string()),
+                };
+                errors.push(PipelineError::Stage {
+                    stage,
+                    device: first.device.name().to_string(),
+                    micro_batch: pos.micro_batch,
+                    action,
+                    cause: Box::new(cause),
+                });
             }
         }
     }
@@ -463,6 +509,11 @@ fn first_error(
         Some(e) => Err(e),
         None => Ok(ok),
     }
+}
+
+/// An action as error messages name it: `Forward (2F3)`.
+fn describe(a: Action) -> String {
+    format!("{:?} ({a})", a.kind)
 }
 
 fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {

@@ -5,18 +5,22 @@ use std::ops::Range;
 
 use wgpipe_tensor::{MemoryStats, Tag};
 
-use crate::schedule::Action;
+use crate::schedule::{ActionKind, Schedule};
 use crate::timeline::{Event, EventKind, Timeline};
 use crate::trace::{chrome_trace_json_on, svg_timeline_on, Clock};
 use crate::worker::ActionRecord;
 
-/// One stage's share of a step.
+/// One device's share of a step (a pipeline stage, or several virtual stages when the schedule
+/// places more than one chunk on a device).
 #[derive(Debug, Clone)]
 pub struct StageReport {
+    /// The device index in the pipeline (its row in the timeline).
     pub stage: usize,
     pub device: String,
-    /// Global indices of the stage's layers.
-    pub layers: Range<usize>,
+    /// The virtual stages (chunks) the device holds, in model order.
+    pub chunks: Vec<usize>,
+    /// Global indices of the layers of each chunk.
+    pub layers: Vec<Range<usize>>,
     pub num_params: usize,
     /// Wall seconds spent in forward, backward and recompute.
     pub busy_secs: f64,
@@ -44,7 +48,10 @@ impl StageReport {
 #[derive(Debug, Clone)]
 pub struct SimReport {
     pub makespan_secs: f64,
+    /// Idle share of the step: 1 − Σ busy / (K × makespan).
     pub bubble_fraction: f64,
+    /// Idle share inside each device's own span (see [`Timeline::steady_bubble_fraction`]).
+    pub steady_bubble_fraction: f64,
     pub timeline: Timeline,
 }
 
@@ -114,11 +121,14 @@ impl StepReport {
             };
             let _ = writeln!(
                 s,
-                "| {} | {} | {}..{} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                "| {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
                 st.stage,
                 st.device,
-                st.layers.start,
-                st.layers.end,
+                st.layers
+                    .iter()
+                    .map(|r| format!("{}..{}", r.start, r.end))
+                    .collect::<Vec<_>>()
+                    .join(" + "),
                 st.num_params,
                 busy,
                 mib(Tag::Parameters),
@@ -131,9 +141,10 @@ impl StepReport {
         if let Some(simr) = &self.simulated {
             let _ = writeln!(
                 s,
-                "\nsimulated step time {:.3} ms, simulated bubble {:.1}%",
+                "\nsimulated step time {:.3} ms, simulated bubble {:.1}% (steady {:.1}%)",
                 simr.makespan_secs * 1e3,
-                simr.bubble_fraction * 100.0
+                simr.bubble_fraction * 100.0,
+                simr.steady_bubble_fraction * 100.0
             );
         } else if !sim {
             let _ = writeln!(
@@ -147,35 +158,49 @@ impl StepReport {
     }
 }
 
-/// Builds the wall-clock timeline from the workers' records: compute actions as compute events,
-/// and each receive as a transfer from its sender (the hand-off copy runs on the receiver).
-pub(crate) fn wall_timeline(records: &[Vec<ActionRecord>], wall: f64) -> Timeline {
+/// Builds the wall-clock timeline from the workers' records (one list per device): compute
+/// actions as compute events, and each receive from another device as a transfer from its sender
+/// (the hand-off copy runs on the receiver).
+pub(crate) fn wall_timeline(schedule: &Schedule, records: &[Vec<ActionRecord>], wall: f64) -> Timeline {
     let mut events = Vec::new();
     let mut busy = vec![0.0; records.len()];
-    for (stage, recs) in records.iter().enumerate() {
+    for (device, recs) in records.iter().enumerate() {
         for r in recs {
-            let (kind, from, to) = match r.action {
-                Action::Forward(_) => (EventKind::Forward, stage, None),
-                Action::Backward(_) => (EventKind::Backward, stage, None),
-                Action::Recompute(_) => (EventKind::Recompute, stage, None),
-                Action::RecvActivation(_) => (EventKind::Transfer, stage - 1, Some(stage)),
-                Action::RecvGrad(_) => (EventKind::Transfer, stage + 1, Some(stage)),
-                _ => continue,
+            let a = r.action;
+            let (kind, from, to) = match EventKind::of(a.kind) {
+                Some(kind) => (kind, device, None),
+                None => match a.kind {
+                    ActionKind::RecvActivation | ActionKind::RecvGrad => {
+                        let Some(link) = a.link(schedule.num_stages()) else {
+                            continue;
+                        };
+                        let from = schedule.placement[link.from];
+                        if from == device {
+                            continue; // a hand-over between chunks of one device
+                        }
+                        (EventKind::Transfer, from, Some(device))
+                    }
+                    _ => continue,
+                },
             };
             if kind != EventKind::Transfer {
-                busy[stage] += r.end - r.start;
+                busy[device] += r.end - r.start;
             }
+            let stage = a.link(schedule.num_stages()).map_or(a.stage, |l| l.from);
             events.push(Event {
-                stage: from,
+                device: from,
+                stage,
+                chunk: schedule.chunk_of(stage),
                 kind,
-                micro_batch: r.action.micro_batch(),
+                micro_batch: a.micro_batch,
                 start: r.start,
                 end: r.end,
                 peer: to,
+                grad: a.kind == ActionKind::RecvGrad,
             });
         }
     }
-    events.sort_by(|a, b| a.start.total_cmp(&b.start).then(a.stage.cmp(&b.stage)));
+    events.sort_by(|a, b| a.start.total_cmp(&b.start).then(a.device.cmp(&b.device)));
     Timeline {
         events,
         makespan: wall,

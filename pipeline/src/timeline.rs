@@ -7,9 +7,9 @@
 //! list of timed events, the makespan, and the bubble: the share of device time spent idle.
 //! All times are simulated seconds.
 
-use std::fmt;
+use std::collections::HashMap;
 
-use crate::schedule::{Action, Schedule, ScheduleError};
+use crate::schedule::{Action, ActionKind, Schedule, ScheduleError};
 
 /// One simulated accelerator.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -54,47 +54,82 @@ pub struct ActionCost {
 pub enum EventKind {
     Forward,
     Backward,
+    /// The input part of a split backward.
+    BackwardInput,
+    /// The weight part of a split backward.
+    BackwardWeight,
     Recompute,
-    /// A message on a link: an activation if `peer > stage`, a gradient if `peer < stage`.
+    /// A message on a link between two devices.
     Transfer,
 }
 
 impl EventKind {
+    pub const ALL: [EventKind; 6] = [
+        EventKind::Forward,
+        EventKind::Backward,
+        EventKind::BackwardInput,
+        EventKind::BackwardWeight,
+        EventKind::Recompute,
+        EventKind::Transfer,
+    ];
+
     /// Lower-case name, used as a trace category.
     pub fn name(self) -> &'static str {
         match self {
             EventKind::Forward => "forward",
             EventKind::Backward => "backward",
+            EventKind::BackwardInput => "backward-input",
+            EventKind::BackwardWeight => "backward-weight",
             EventKind::Recompute => "recompute",
             EventKind::Transfer => "transfer",
         }
     }
 
-    /// One-letter tag (`F`, `B`, `R`, `T`) as in the schedule grid.
+    /// One-letter tag (`F`, `B`, `I`, `W`, `R`, `T`) as in the schedule grid.
     pub fn letter(self) -> char {
         match self {
             EventKind::Forward => 'F',
             EventKind::Backward => 'B',
+            EventKind::BackwardInput => 'I',
+            EventKind::BackwardWeight => 'W',
             EventKind::Recompute => 'R',
             EventKind::Transfer => 'T',
         }
     }
+
+    /// The event kind of a compute action; `None` for transfers.
+    pub fn of(kind: ActionKind) -> Option<EventKind> {
+        Some(match kind {
+            ActionKind::Forward => EventKind::Forward,
+            ActionKind::Backward => EventKind::Backward,
+            ActionKind::BackwardInput => EventKind::BackwardInput,
+            ActionKind::BackwardWeight => EventKind::BackwardWeight,
+            ActionKind::Recompute => EventKind::Recompute,
+            _ => return None,
+        })
+    }
 }
 
-/// One timed interval. For transfers `stage` is the sender and `peer` the receiver; `start` is
-/// when the message got the link and `end` when it arrived.
+/// One timed interval on one device. For transfers `device` is the sender and `peer` the
+/// receiving device, `start` is when the message got the link and `end` when it arrived.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Event {
+    pub device: usize,
+    /// The virtual stage the work belongs to (the sending stage of a transfer).
     pub stage: usize,
+    /// The stage's chunk index on its device (0 when devices hold one stage each).
+    pub chunk: usize,
     pub kind: EventKind,
     pub micro_batch: usize,
     pub start: f64,
     pub end: f64,
-    /// The receiving stage of a transfer; `None` for compute events.
+    /// The receiving device of a transfer; `None` for compute events.
     pub peer: Option<usize>,
+    /// For transfers: whether the message is a gradient (backward) rather than an activation.
+    pub grad: bool,
 }
 
-/// The simulated run: events sorted by start time (then stage), the makespan, and per-stage
+/// The simulated run: events sorted by start time (then device), the makespan, and per-device
 /// compute-busy seconds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Timeline {
@@ -115,76 +150,65 @@ impl Timeline {
         (total - busy) / total
     }
 
-    /// Number of stages.
-    pub fn num_stages(&self) -> usize {
+    /// The idle share inside each device's own span, from the start of its first compute event
+    /// to the end of its last: Σ (span − busy) / Σ span. This is the zero-bubble papers'
+    /// measure: the ramps at the two ends of a step are filled by the previous and the next
+    /// step when steps run back to back, the gaps inside a span are not.
+    pub fn steady_bubble_fraction(&self) -> f64 {
+        let mut span = 0.0;
+        let mut idle = 0.0;
+        for (device, &busy) in self.busy.iter().enumerate() {
+            let mut compute = self
+                .events
+                .iter()
+                .filter(|e| e.device == device && e.kind != EventKind::Transfer);
+            let Some(first) = compute.next() else {
+                continue;
+            };
+            let (start, end) = compute.fold((first.start, first.end), |(s, e), ev| {
+                (s.min(ev.start), e.max(ev.end))
+            });
+            span += end - start;
+            idle += (end - start) - busy;
+        }
+        if span <= 0.0 {
+            0.0
+        } else {
+            idle / span
+        }
+    }
+
+    /// Number of devices (rows).
+    pub fn num_devices(&self) -> usize {
         self.busy.len()
     }
 }
 
 /// Why a simulation could not run.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum TimelineError {
     /// The schedule failed [`Schedule::validate`].
-    Schedule(ScheduleError),
-    /// One device spec per stage is needed.
-    DeviceCount { stages: usize, devices: usize },
+    #[error("invalid schedule: {0}")]
+    Schedule(#[from] ScheduleError),
+    /// One device spec per device is needed.
+    #[error("schedule has {schedule} devices but {given} device specs were given")]
+    DeviceCount { schedule: usize, given: usize },
     /// A device's rate is zero, negative or NaN.
-    InvalidDevice { stage: usize, flops_per_sec: f64 },
+    #[error("device {device} has rate {flops_per_sec} FLOP/s; it must be positive")]
+    InvalidDevice { device: usize, flops_per_sec: f64 },
     /// Bandwidth must be positive (infinity allowed); latency finite and non-negative.
+    #[error(
+        "link bandwidth {bandwidth} B/s must be positive and latency {latency} s finite and \
+         non-negative"
+    )]
     InvalidLink { bandwidth: f64, latency: f64 },
     /// The cost of a compute action is negative, NaN or infinite.
+    #[error("device {device}: {action} costs {flops} FLOPs; it must be finite and non-negative")]
     InvalidCost {
-        stage: usize,
+        device: usize,
         action: Action,
         flops: f64,
     },
-}
-
-impl fmt::Display for TimelineError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            TimelineError::Schedule(e) => write!(f, "invalid schedule: {e}"),
-            TimelineError::DeviceCount { stages, devices } => write!(
-                f,
-                "schedule has {stages} stages but {devices} device specs were given"
-            ),
-            TimelineError::InvalidDevice {
-                stage,
-                flops_per_sec,
-            } => write!(
-                f,
-                "device of stage {stage} has rate {flops_per_sec} FLOP/s; it must be positive"
-            ),
-            TimelineError::InvalidLink { bandwidth, latency } => write!(
-                f,
-                "link bandwidth {bandwidth} B/s must be positive and latency {latency} s \
-                 finite and non-negative"
-            ),
-            TimelineError::InvalidCost {
-                stage,
-                action,
-                flops,
-            } => write!(
-                f,
-                "stage {stage}: {action:?} costs {flops} FLOPs; it must be finite and non-negative"
-            ),
-        }
-    }
-}
-
-impl std::error::Error for TimelineError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            TimelineError::Schedule(e) => Some(e),
-            _ => None,
-        }
-    }
-}
-
-impl From<ScheduleError> for TimelineError {
-    fn from(e: ScheduleError) -> Self {
-        TimelineError::Schedule(e)
-    }
 }
 
 fn check_inputs(
@@ -193,19 +217,19 @@ fn check_inputs(
     link: &LinkSpec,
 ) -> Result<(), TimelineError> {
     schedule.validate()?;
-    if devices.len() != schedule.num_stages {
+    if devices.len() != schedule.num_devices() {
         return Err(TimelineError::DeviceCount {
-            stages: schedule.num_stages,
-            devices: devices.len(),
+            schedule: schedule.num_devices(),
+            given: devices.len(),
         });
     }
-    if let Some((stage, d)) = devices
+    if let Some((device, d)) = devices
         .iter()
         .enumerate()
         .find(|(_, d)| d.flops_per_sec.is_nan() || d.flops_per_sec <= 0.0)
     {
         return Err(TimelineError::InvalidDevice {
-            stage,
+            device,
             flops_per_sec: d.flops_per_sec,
         });
     }
@@ -222,88 +246,95 @@ fn check_inputs(
 
 /// The mutable state of one simulation, advanced action by action.
 struct Sim<'a> {
+    schedule: &'a Schedule,
     devices: &'a [DeviceSpec],
     link: LinkSpec,
     clock: Vec<f64>,
-    /// When each directed link is next free: index 2·i for i → i+1, 2·i+1 for i+1 → i.
-    link_free: Vec<f64>,
+    /// When each directed device-to-device link is next free.
+    link_free: HashMap<(usize, usize), f64>,
     busy: Vec<f64>,
     events: Vec<Event>,
     error: Option<TimelineError>,
 }
 
 impl Sim<'_> {
-    /// Runs one action on `stage` and returns the stage's clock, or the arrival time for a send.
-    fn step(
-        &mut self,
-        stage: usize,
-        action: Action,
-        cost: ActionCost,
-        arrival: Option<f64>,
-    ) -> f64 {
-        let m = action.micro_batch();
-        match action {
-            Action::Forward(_) => self.compute(stage, action, EventKind::Forward, cost.flops),
-            Action::Backward(_) => self.compute(stage, action, EventKind::Backward, cost.flops),
-            Action::Recompute(_) => self.compute(stage, action, EventKind::Recompute, cost.flops),
-            Action::SendActivation(_) => self.send(stage, stage + 1, 2 * stage, m, cost.bytes),
-            Action::SendGrad(_) => self.send(stage, stage - 1, 2 * (stage - 1) + 1, m, cost.bytes),
-            Action::RecvActivation(_) | Action::RecvGrad(_) => {
+    /// Runs one action on `device` and returns the device's clock, or the arrival time for a
+    /// send.
+    fn step(&mut self, device: usize, action: Action, cost: ActionCost, arrival: Option<f64>) -> f64 {
+        if let Some(kind) = EventKind::of(action.kind) {
+            return self.compute(device, action, kind, cost.flops);
+        }
+        match action.kind {
+            ActionKind::SendActivation | ActionKind::SendGrad => {
+                let to_stage = action.link(self.schedule.num_stages()).map_or(action.stage, |l| l.to);
+                let to = self.schedule.placement[to_stage];
+                self.send(device, to, action, cost.bytes)
+            }
+            _ => {
                 let t = arrival.unwrap_or(0.0);
-                self.clock[stage] = self.clock[stage].max(t);
-                self.clock[stage]
+                self.clock[device] = self.clock[device].max(t);
+                self.clock[device]
             }
         }
     }
 
-    fn compute(&mut self, stage: usize, action: Action, kind: EventKind, flops: f64) -> f64 {
+    fn compute(&mut self, device: usize, action: Action, kind: EventKind, flops: f64) -> f64 {
         if !flops.is_finite() || flops < 0.0 {
             self.error.get_or_insert(TimelineError::InvalidCost {
-                stage,
+                device,
                 action,
                 flops,
             });
         }
-        let start = self.clock[stage];
-        let end = start + flops / self.devices[stage].flops_per_sec;
-        self.push(stage, kind, action.micro_batch(), start, end, None);
-        self.busy[stage] += end - start;
-        self.clock[stage] = end;
+        let start = self.clock[device];
+        let end = start + flops / self.devices[device].flops_per_sec;
+        self.push(device, action, kind, start, end, None);
+        self.busy[device] += end - start;
+        self.clock[device] = end;
         end
     }
 
-    /// Queues a message on the directed link `channel`; the sender does not wait.
-    fn send(&mut self, from: usize, to: usize, channel: usize, m: usize, bytes: u64) -> f64 {
-        let start = self.clock[from].max(self.link_free[channel]);
-        self.link_free[channel] = start + self.link.occupancy(bytes);
-        let arrival = self.link_free[channel] + self.link.latency_sec;
-        self.push(from, EventKind::Transfer, m, start, arrival, Some(to));
+    /// Queues a message on the directed link `from -> to`; the sender does not wait. A message
+    /// to a stage on the same device is a hand-over in memory and costs nothing.
+    fn send(&mut self, from: usize, to: usize, action: Action, bytes: u64) -> f64 {
+        if from == to {
+            return self.clock[from];
+        }
+        let free = self.link_free.entry((from, to)).or_insert(0.0);
+        let start = self.clock[from].max(*free);
+        *free = start + self.link.occupancy(bytes);
+        let arrival = *free + self.link.latency_sec;
+        self.push(from, action, EventKind::Transfer, start, arrival, Some(to));
         arrival
     }
 
     fn push(
         &mut self,
-        stage: usize,
+        device: usize,
+        action: Action,
         kind: EventKind,
-        m: usize,
         start: f64,
         end: f64,
         peer: Option<usize>,
     ) {
         self.events.push(Event {
-            stage,
+            device,
+            stage: action.stage,
+            chunk: self.schedule.chunk_of(action.stage),
             kind,
-            micro_batch: m,
+            micro_batch: action.micro_batch,
             start,
             end,
             peer,
+            grad: action.kind == ActionKind::SendGrad,
         });
     }
 }
 
-/// Simulates `schedule` on one device per stage joined by identical `link`s, with `cost(stage,
-/// action)` giving the FLOPs of compute actions and the bytes of sends (it is not asked about
-/// receives). Deterministic: the same inputs give the same timeline.
+/// Simulates `schedule` on one device spec per device joined by identical `link`s (between every
+/// pair of devices, one per direction; stages on the same device hand over for free), with
+/// `cost(device, action)` giving the FLOPs of compute actions and the bytes of sends (it is not
+/// asked about receives). Deterministic: the same inputs give the same timeline.
 pub fn simulate<F>(
     schedule: &Schedule,
     devices: &[DeviceSpec],
@@ -314,22 +345,23 @@ where
     F: FnMut(usize, Action) -> ActionCost,
 {
     check_inputs(schedule, devices, link)?;
-    let k = schedule.num_stages;
+    let k = schedule.num_devices();
     let mut sim = Sim {
+        schedule,
         devices,
         link: *link,
         clock: vec![0.0; k],
-        link_free: vec![0.0; 2 * k.saturating_sub(1)],
+        link_free: HashMap::new(),
         busy: vec![0.0; k],
         events: Vec::new(),
         error: None,
     };
-    schedule.drive(|stage, action, arrival: Option<f64>| {
-        let c = match action {
-            Action::RecvActivation(_) | Action::RecvGrad(_) => ActionCost::default(),
-            _ => cost(stage, action),
+    schedule.drive(|device, action, arrival: Option<f64>| {
+        let c = match action.kind {
+            ActionKind::RecvActivation | ActionKind::RecvGrad => ActionCost::default(),
+            _ => cost(device, action),
         };
-        sim.step(stage, action, c, arrival)
+        sim.step(device, action, c, arrival)
     })?;
     if let Some(e) = sim.error {
         return Err(e);
@@ -341,7 +373,7 @@ where
         .chain(sim.clock.iter().copied())
         .fold(0.0, f64::max);
     let mut events = sim.events;
-    events.sort_by(|a, b| a.start.total_cmp(&b.start).then(a.stage.cmp(&b.stage)));
+    events.sort_by(|a, b| a.start.total_cmp(&b.start).then(a.device.cmp(&b.device)));
     Ok(Timeline {
         events,
         makespan,
@@ -352,7 +384,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schedule::{gpipe, one_f_one_b, Cell, CheckpointMode};
+    use crate::schedule::{gpipe, one_f_one_b, CheckpointMode};
 
     fn unit_devices(k: usize) -> Vec<DeviceSpec> {
         vec![
@@ -370,13 +402,13 @@ mod tests {
     }
 
     fn unit_run(s: &Schedule, link: &LinkSpec, bytes: u64) -> Timeline {
-        simulate(s, &unit_devices(s.num_stages), link, unit_cost(bytes)).unwrap()
+        simulate(s, &unit_devices(s.num_devices()), link, unit_cost(bytes)).unwrap()
     }
 
     fn compute_events(t: &Timeline, stage: usize) -> Vec<(EventKind, usize, f64, f64)> {
         t.events
             .iter()
-            .filter(|e| e.stage == stage && e.kind != EventKind::Transfer)
+            .filter(|e| e.device == stage && e.kind != EventKind::Transfer)
             .map(|e| (e.kind, e.micro_batch, e.start, e.end))
             .collect()
     }
@@ -414,21 +446,18 @@ mod tests {
                     for s in [gpipe(k, m, mode).unwrap(), one_f_one_b(k, m, mode).unwrap()] {
                         let t = unit_run(&s, &LinkSpec::FREE, 1);
                         for (j, row) in s.clock_grid().iter().enumerate() {
-                            let from_grid: Vec<(Cell, f64)> = row
+                            let from_grid: Vec<(EventKind, usize, f64)> = row
                                 .iter()
                                 .enumerate()
-                                .filter_map(|(tick, c)| c.map(|c| (c, tick as f64)))
-                                .collect();
-                            let from_timeline: Vec<(Cell, f64)> = compute_events(&t, j)
-                                .into_iter()
-                                .map(|(kind, mb, start, _)| {
-                                    let cell = match kind {
-                                        EventKind::Forward => Cell::Forward(mb),
-                                        EventKind::Backward => Cell::Backward(mb),
-                                        _ => Cell::Recompute(mb),
-                                    };
-                                    (cell, start)
+                                .filter_map(|(tick, c)| {
+                                    c.map(|a| {
+                                        (EventKind::of(a.kind).unwrap(), a.micro_batch, tick as f64)
+                                    })
                                 })
+                                .collect();
+                            let from_timeline: Vec<(EventKind, usize, f64)> = compute_events(&t, j)
+                                .into_iter()
+                                .map(|(kind, mb, start, _)| (kind, mb, start))
                                 .collect();
                             assert_eq!(from_grid, from_timeline);
                         }
@@ -462,7 +491,7 @@ mod tests {
             .events
             .iter()
             .filter(|e| e.kind == EventKind::Transfer)
-            .map(|e| (e.stage, e.peer, e.start, e.end))
+            .map(|e| (e.device, e.peer, e.start, e.end))
             .collect();
         assert_eq!(
             transfers,
@@ -529,17 +558,18 @@ mod tests {
         let mut asked = Vec::new();
         let t = simulate(&s, &unit_devices(2), &LinkSpec::FREE, |stage, action| {
             asked.push((stage, action));
-            let flops = match action {
-                Action::Backward(_) => 2.0,
+            let flops = match action.kind {
+                ActionKind::Backward => 2.0,
                 _ => 1.0,
             };
             ActionCost { flops, bytes: 0 }
         })
         .unwrap();
-        assert!(asked.contains(&(1, Action::Backward(1))));
-        assert!(asked
-            .iter()
-            .all(|(_, a)| !matches!(a, Action::RecvActivation(_) | Action::RecvGrad(_))));
+        assert!(asked.contains(&(1, Action::new(ActionKind::Backward, 1, 1))));
+        assert!(asked.iter().all(|(_, a)| !matches!(
+            a.kind,
+            ActionKind::RecvActivation | ActionKind::RecvGrad
+        )));
         // Backward costs 2. Stage 1: F0 [1,2] F1 [2,3] B1 [3,5] B0 [5,7];
         // stage 0: F0 [0,1] F1 [1,2] B1 [5,7] B0 [7,9].
         assert_eq!(t.makespan, 9.0);
@@ -553,8 +583,8 @@ mod tests {
             latency_sec: 0.25,
         };
         let cost = |stage: usize, action: Action| ActionCost {
-            flops: 1.0 + stage as f64 * 0.3 + action.micro_batch() as f64 * 0.1,
-            bytes: 2 + action.micro_batch() as u64,
+            flops: 1.0 + stage as f64 * 0.3 + action.micro_batch as f64 * 0.1,
+            bytes: 2 + action.micro_batch as u64,
         };
         let a = simulate(&s, &unit_devices(4), &link, cost).unwrap();
         let b = simulate(&s, &unit_devices(4), &link, cost).unwrap();
@@ -569,16 +599,16 @@ mod tests {
         assert_eq!(
             e,
             TimelineError::DeviceCount {
-                stages: 2,
-                devices: 3
+                schedule: 2,
+                given: 3
             }
         );
-        assert!(e.to_string().contains("2 stages but 3 device specs"));
+        assert!(e.to_string().contains("2 devices but 3 device specs"));
 
         let mut devices = unit_devices(2);
         devices[1].flops_per_sec = 0.0;
         let e = simulate(&s, &devices, &LinkSpec::FREE, unit_cost(0)).unwrap_err();
-        assert!(matches!(e, TimelineError::InvalidDevice { stage: 1, .. }));
+        assert!(matches!(e, TimelineError::InvalidDevice { device: 1, .. }));
 
         let bad_link = LinkSpec {
             bandwidth_bytes_per_sec: 0.0,
@@ -593,16 +623,16 @@ mod tests {
         };
         let e = simulate(&s, &unit_devices(2), &LinkSpec::FREE, nan_cost).unwrap_err();
         assert!(
-            matches!(e, TimelineError::InvalidCost { stage: 0, .. }),
+            matches!(e, TimelineError::InvalidCost { device: 0, .. }),
             "{e}"
         );
 
         let mut broken = s.clone();
-        broken.stages[1].retain(|a| *a != Action::SendGrad(0));
+        broken.devices[1].retain(|a| *a != Action::new(ActionKind::SendGrad, 1, 0));
         let e = simulate(&broken, &unit_devices(2), &LinkSpec::FREE, unit_cost(0)).unwrap_err();
         assert!(matches!(e, TimelineError::Schedule(_)));
         assert!(
-            e.to_string().starts_with("invalid schedule: stage 1"),
+            e.to_string().starts_with("invalid schedule: device 1"),
             "{e}"
         );
     }

@@ -28,25 +28,44 @@ impl Clock {
     }
 }
 
-/// Short event name: `F3`, `B3`, `R3` for compute, `A3` / `G3` for activation / gradient
-/// transfers of micro-batch 3.
-fn event_name(e: &Event) -> String {
-    let letter = match (e.kind, e.peer) {
-        (EventKind::Transfer, Some(peer)) if peer < e.stage => 'G',
-        (EventKind::Transfer, _) => 'A',
-        (kind, _) => kind.letter(),
+/// Short event name: `F3`, `B3`, `I3`, `W3`, `R3` for compute, `A3` / `G3` for activation /
+/// gradient transfers of micro-batch 3; `c1` is added for a stage's chunk when devices hold
+/// several stages.
+fn event_name(e: &Event, chunked: bool) -> String {
+    let letter = match e.kind {
+        EventKind::Transfer if e.grad => 'G',
+        EventKind::Transfer => 'A',
+        kind => kind.letter(),
     };
-    format!("{letter}{}", e.micro_batch)
+    if chunked {
+        format!("{letter}{}c{}", e.micro_batch, e.chunk)
+    } else {
+        format!("{letter}{}", e.micro_batch)
+    }
 }
 
-/// Trace thread of an event. Stages are threads 0..K. Each directed link gets its own thread
-/// after them (K + 2i for activations i → i+1, K + 2i + 1 for gradients i+1 → i), because a
-/// transfer overlaps the sender's compute and overlapping "X" events on one thread render badly.
-fn thread_of(e: &Event, num_stages: usize) -> usize {
-    match (e.kind, e.peer) {
-        (EventKind::Transfer, Some(peer)) if peer < e.stage => num_stages + 2 * peer + 1,
-        (EventKind::Transfer, _) => num_stages + 2 * e.stage,
-        _ => e.stage,
+fn is_chunked(timeline: &Timeline) -> bool {
+    timeline.events.iter().any(|e| e.chunk > 0)
+}
+
+/// The directed device links that carry transfers in `timeline`, sorted. In the trace each gets
+/// its own thread after the K device threads, because a transfer overlaps the sender's compute
+/// and overlapping "X" events on one thread render badly.
+fn links_of(timeline: &Timeline) -> Vec<(usize, usize)> {
+    let mut links: Vec<(usize, usize)> = timeline
+        .events
+        .iter()
+        .filter_map(|e| e.peer.map(|p| (e.device, p)))
+        .collect();
+    links.sort();
+    links.dedup();
+    links
+}
+
+fn thread_of(e: &Event, num_devices: usize, links: &[(usize, usize)]) -> usize {
+    match e.peer {
+        Some(peer) => num_devices + links.binary_search(&(e.device, peer)).unwrap_or(0),
+        None => e.device,
     }
 }
 
@@ -54,37 +73,37 @@ fn thread_name_event(tid: usize, name: String) -> Value {
     json!({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}})
 }
 
-/// Metadata naming the process, each stage thread and each link thread.
-fn metadata_events(num_stages: usize, label: &str, clock: Clock) -> Vec<Value> {
+/// Metadata naming the process, each device thread and each link thread.
+fn metadata_events(num_devices: usize, links: &[(usize, usize)], label: &str, clock: Clock) -> Vec<Value> {
     let mut events = vec![json!({
         "name": "process_name", "ph": "M", "pid": 0, "tid": 0,
         "args": {"name": format!("{label} ({})", clock.name())}
     })];
-    for stage in 0..num_stages {
-        events.push(thread_name_event(stage, format!("stage {stage}")));
+    for device in 0..num_devices {
+        events.push(thread_name_event(device, format!("device {device}")));
     }
-    for i in 0..num_stages.saturating_sub(1) {
-        let activations = format!("link {i}->{} activations", i + 1);
-        let gradients = format!("link {}->{i} gradients", i + 1);
-        events.push(thread_name_event(num_stages + 2 * i, activations));
-        events.push(thread_name_event(num_stages + 2 * i + 1, gradients));
+    for (i, (from, to)) in links.iter().enumerate() {
+        events.push(thread_name_event(num_devices + i, format!("link {from}->{to}")));
     }
     events
 }
 
-fn complete_event(e: &Event, num_stages: usize) -> Value {
-    let mut args = json!({"stage": e.stage, "micro_batch": e.micro_batch});
+fn complete_event(e: &Event, num_devices: usize, links: &[(usize, usize)], chunked: bool) -> Value {
+    let mut args = json!({
+        "device": e.device, "stage": e.stage, "chunk": e.chunk, "micro_batch": e.micro_batch
+    });
     if let Some(peer) = e.peer {
-        args["to_stage"] = json!(peer);
+        args["to_device"] = json!(peer);
+        args["message"] = json!(if e.grad { "gradient" } else { "activation" });
     }
     json!({
-        "name": event_name(e),
+        "name": event_name(e, chunked),
         "cat": e.kind.name(),
         "ph": "X",
         "ts": e.start * 1e6,
         "dur": (e.end - e.start) * 1e6,
         "pid": 0,
-        "tid": thread_of(e, num_stages),
+        "tid": thread_of(e, num_devices, links),
         "args": args,
     })
 }
@@ -97,9 +116,16 @@ pub fn chrome_trace_json(timeline: &Timeline, label: &str) -> String {
 
 /// [`chrome_trace_json`] for a timeline on `clock` (labelled accordingly).
 pub fn chrome_trace_json_on(timeline: &Timeline, label: &str, clock: Clock) -> String {
-    let k = timeline.num_stages();
-    let mut events = metadata_events(k, label, clock);
-    events.extend(timeline.events.iter().map(|e| complete_event(e, k)));
+    let k = timeline.num_devices();
+    let links = links_of(timeline);
+    let chunked = is_chunked(timeline);
+    let mut events = metadata_events(k, &links, label, clock);
+    events.extend(
+        timeline
+            .events
+            .iter()
+            .map(|e| complete_event(e, k, &links, chunked)),
+    );
     json!({
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -128,6 +154,8 @@ fn colour(kind: EventKind) -> &'static str {
     match kind {
         EventKind::Forward => "#4e79a7",
         EventKind::Backward => "#f28e2b",
+        EventKind::BackwardInput => "#e15759",
+        EventKind::BackwardWeight => "#b07aa1",
         EventKind::Recompute => "#59a14f",
         EventKind::Transfer => "#9c755f",
     }
@@ -159,7 +187,8 @@ fn tick_step(span: f64) -> f64 {
 
 /// Geometry shared by the drawing helpers.
 struct Layout {
-    num_stages: usize,
+    num_devices: usize,
+    chunked: bool,
     /// Pixels per second of simulated time.
     scale: f64,
 }
@@ -174,34 +203,31 @@ const LANE: f64 = 12.0;
 const CHAR_WIDTH: f64 = 7.0;
 
 impl Layout {
-    fn row_y(&self, stage: usize) -> f64 {
-        TOP + stage as f64 * (ROW + LANE)
+    fn row_y(&self, device: usize) -> f64 {
+        TOP + device as f64 * (ROW + LANE)
     }
 
     fn plot_bottom(&self) -> f64 {
-        self.row_y(self.num_stages) - LANE
+        self.row_y(self.num_devices) - LANE
     }
 
     fn x(&self, t: f64) -> f64 {
         LEFT + t * self.scale
     }
 
-    /// The box of an event: compute fills its stage row; a transfer takes the upper (activation)
-    /// or lower (gradient) half of the lane between the two stages it connects.
+    /// The box of an event: compute fills its device row; a transfer takes the upper
+    /// (activation) or lower (gradient) half of the lane below the lower-numbered of the two
+    /// devices it connects.
     fn event_box(&self, e: &Event) -> (f64, f64, f64, f64) {
         let x = self.x(e.start);
         let w = (e.end - e.start) * self.scale;
-        match (e.kind, e.peer) {
-            (EventKind::Transfer, Some(peer)) => {
-                let lane_y = self.row_y(peer.min(e.stage)) + ROW;
-                let y = if peer > e.stage {
-                    lane_y
-                } else {
-                    lane_y + LANE / 2.0
-                };
+        match e.peer {
+            Some(peer) => {
+                let lane_y = self.row_y(peer.min(e.device)) + ROW;
+                let y = if e.grad { lane_y + LANE / 2.0 } else { lane_y };
                 (x, y, w, LANE / 2.0)
             }
-            _ => (x, self.row_y(e.stage), w, ROW),
+            None => (x, self.row_y(e.device), w, ROW),
         }
     }
 }
@@ -209,10 +235,12 @@ impl Layout {
 fn draw_event(svg: &mut String, layout: &Layout, e: &Event) {
     let (x, y, w, h) = layout.event_box(e);
     let tooltip = format!(
-        "{} stage {}{}: {:.6}-{:.6} s",
-        event_name(e),
-        e.stage,
+        "{} device {}{} stage {} chunk {}: {:.6}-{:.6} s",
+        event_name(e, layout.chunked),
+        e.device,
         e.peer.map_or(String::new(), |p| format!("->{p}")),
+        e.stage,
+        e.chunk,
         e.start,
         e.end
     );
@@ -224,7 +252,11 @@ fn draw_event(svg: &mut String, layout: &Layout, e: &Event) {
         escape_xml(&tooltip)
     );
     svg.push('\n');
-    let label = e.micro_batch.to_string();
+    let label = if layout.chunked && e.peer.is_none() {
+        format!("{}c{}", e.micro_batch, e.chunk)
+    } else {
+        e.micro_batch.to_string()
+    };
     let fits = w >= CHAR_WIDTH * label.len() as f64 + 4.0 && h >= ROW;
     if fits {
         let _ = writeln!(
@@ -236,12 +268,12 @@ fn draw_event(svg: &mut String, layout: &Layout, e: &Event) {
     }
 }
 
-fn draw_stage_labels(svg: &mut String, layout: &Layout) {
-    for stage in 0..layout.num_stages {
-        let y = layout.row_y(stage) + ROW / 2.0 + 4.0;
+fn draw_device_labels(svg: &mut String, layout: &Layout) {
+    for device in 0..layout.num_devices {
+        let y = layout.row_y(device) + ROW / 2.0 + 4.0;
         let _ = writeln!(
             svg,
-            r#"<text x="{:.2}" y="{y:.2}" text-anchor="end">stage {stage}</text>"#,
+            r#"<text x="{:.2}" y="{y:.2}" text-anchor="end">device {device}</text>"#,
             LEFT - 8.0
         );
     }
@@ -283,14 +315,8 @@ fn draw_axis(svg: &mut String, layout: &Layout, makespan: f64, clock: Clock) {
 }
 
 fn draw_legend(svg: &mut String, y: f64) {
-    let kinds = [
-        EventKind::Forward,
-        EventKind::Backward,
-        EventKind::Recompute,
-        EventKind::Transfer,
-    ];
-    for (i, kind) in kinds.into_iter().enumerate() {
-        let x = LEFT + i as f64 * 120.0;
+    for (i, kind) in EventKind::ALL.into_iter().enumerate() {
+        let x = LEFT + i as f64 * 140.0;
         let _ = writeln!(
             svg,
             r#"<rect class="legend" x="{x:.2}" y="{y:.2}" width="14" height="14" fill="{}"/><text x="{:.2}" y="{:.2}">{}</text>"#,
@@ -302,7 +328,7 @@ fn draw_legend(svg: &mut String, y: f64) {
     }
 }
 
-/// The timeline as an SVG document: one row per stage, transfers in the lanes between rows,
+/// The timeline as an SVG document: one row per device, transfers in the lanes between rows,
 /// micro-batch numbers in boxes wide enough to hold them, a time axis (simulated time, unit
 /// chosen from the makespan), a legend and the title.
 pub fn svg_timeline(timeline: &Timeline, title: &str) -> String {
@@ -311,13 +337,17 @@ pub fn svg_timeline(timeline: &Timeline, title: &str) -> String {
 
 /// [`svg_timeline`] for a timeline on `clock` (the time axis says which).
 pub fn svg_timeline_on(timeline: &Timeline, title: &str, clock: Clock) -> String {
-    let num_stages = timeline.num_stages();
+    let num_devices = timeline.num_devices();
     let scale = if timeline.makespan > 0.0 {
         PLOT_WIDTH / timeline.makespan
     } else {
         0.0
     };
-    let layout = Layout { num_stages, scale };
+    let layout = Layout {
+        num_devices,
+        chunked: is_chunked(timeline),
+        scale,
+    };
     let legend_y = layout.plot_bottom() + 56.0;
     let width = LEFT + PLOT_WIDTH + RIGHT;
     let height = legend_y + 30.0;
@@ -332,7 +362,7 @@ pub fn svg_timeline_on(timeline: &Timeline, title: &str, clock: Clock) -> String
         r#"<text x="{LEFT}" y="22" font-size="15" font-weight="bold">{}</text>"#,
         escape_xml(title)
     );
-    draw_stage_labels(&mut svg, &layout);
+    draw_device_labels(&mut svg, &layout);
     for e in &timeline.events {
         draw_event(&mut svg, &layout, e);
     }
@@ -403,11 +433,17 @@ mod tests {
                 continue;
             }
             let tid = e["tid"].as_u64().unwrap();
-            let stage = e["args"]["stage"].as_u64().unwrap();
-            match e["args"]["to_stage"].as_u64() {
-                Some(to) if to > stage => assert_eq!(tid, 3 + 2 * stage),
-                Some(to) => assert_eq!(tid, 3 + 2 * to + 1),
-                None => assert_eq!(tid, stage),
+            let device = e["args"]["device"].as_u64().unwrap();
+            // Links of a 3-device chain, sorted: 0->1, 1->0, 1->2, 2->1.
+            match e["args"]["to_device"].as_u64() {
+                Some(to) => {
+                    let links = [(0, 1), (1, 0), (1, 2), (2, 1)];
+                    let i = links.iter().position(|&l| l == (device, to)).unwrap() as u64;
+                    assert_eq!(tid, 3 + i);
+                    let grad = e["args"]["message"] == "gradient";
+                    assert_eq!(grad, to < device);
+                }
+                None => assert_eq!(tid, device),
             }
         }
     }
@@ -467,10 +503,10 @@ mod tests {
         let svg = svg_timeline(&t, title);
         assert_well_formed(&svg);
         assert_eq!(svg.matches("<rect class=\"event ").count(), t.events.len());
-        assert_eq!(svg.matches("<rect class=\"legend\"").count(), 4);
+        assert_eq!(svg.matches("<rect class=\"legend\"").count(), EventKind::ALL.len());
         assert!(svg.contains("GPipe &lt;K=4&gt; &amp; &quot;M=6&quot; &apos;sim&apos;"));
         assert!(svg.contains("time (ms, simulated)"));
-        for kind in ["forward", "backward", "recompute", "transfer"] {
+        for kind in EventKind::ALL.map(EventKind::name) {
             assert!(
                 svg.contains(&format!(">{kind}</text>")),
                 "legend lacks {kind}"
