@@ -257,7 +257,10 @@ impl PipelineBuilder {
                         schedule.num_devices()
                     )));
                 }
-                if let Some(m) = self.micro_batches.filter(|&m| m != schedule.num_micro_batches) {
+                if let Some(m) = self
+                    .micro_batches
+                    .filter(|&m| m != schedule.num_micro_batches)
+                {
                     return Err(PipelineError::Config(format!(
                         "micro_batches({m}) differs from schedule '{}', which has {} micro-batches",
                         schedule.name, schedule.num_micro_batches

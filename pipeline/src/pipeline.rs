@@ -21,7 +21,9 @@ use crate::report::{wall_timeline, SimReport, StageReport, StepReport};
 use crate::schedule::{Action, Schedule};
 use crate::sim::SimCluster;
 use crate::timeline::{simulate, ActionCost};
-use crate::worker::{run_device, ActionRecord, DeviceLinks, LossFn, Position, Stage, StageOutcome, StepInputs};
+use crate::worker::{
+    run_device, ActionRecord, DeviceLinks, LossFn, Position, Stage, StageOutcome, StepInputs,
+};
 
 /// Makes one optimizer per stage (each runs on its stage's device over its stage's params).
 pub type OptimizerFactory = Box<dyn Fn() -> Box<dyn Optimizer> + Send>;

@@ -161,7 +161,11 @@ impl StepReport {
 /// Builds the wall-clock timeline from the workers' records (one list per device): compute
 /// actions as compute events, and each receive from another device as a transfer from its sender
 /// (the hand-off copy runs on the receiver).
-pub(crate) fn wall_timeline(schedule: &Schedule, records: &[Vec<ActionRecord>], wall: f64) -> Timeline {
+pub(crate) fn wall_timeline(
+    schedule: &Schedule,
+    records: &[Vec<ActionRecord>],
+    wall: f64,
+) -> Timeline {
     let mut events = Vec::new();
     let mut busy = vec![0.0; records.len()];
     for (device, recs) in records.iter().enumerate() {

@@ -260,13 +260,21 @@ struct Sim<'a> {
 impl Sim<'_> {
     /// Runs one action on `device` and returns the device's clock, or the arrival time for a
     /// send.
-    fn step(&mut self, device: usize, action: Action, cost: ActionCost, arrival: Option<f64>) -> f64 {
+    fn step(
+        &mut self,
+        device: usize,
+        action: Action,
+        cost: ActionCost,
+        arrival: Option<f64>,
+    ) -> f64 {
         if let Some(kind) = EventKind::of(action.kind) {
             return self.compute(device, action, kind, cost.flops);
         }
         match action.kind {
             ActionKind::SendActivation | ActionKind::SendGrad => {
-                let to_stage = action.link(self.schedule.num_stages()).map_or(action.stage, |l| l.to);
+                let to_stage = action
+                    .link(self.schedule.num_stages())
+                    .map_or(action.stage, |l| l.to);
                 let to = self.schedule.placement[to_stage];
                 self.send(device, to, action, cost.bytes)
             }
@@ -566,10 +574,9 @@ mod tests {
         })
         .unwrap();
         assert!(asked.contains(&(1, Action::new(ActionKind::Backward, 1, 1))));
-        assert!(asked.iter().all(|(_, a)| !matches!(
-            a.kind,
-            ActionKind::RecvActivation | ActionKind::RecvGrad
-        )));
+        assert!(asked
+            .iter()
+            .all(|(_, a)| !matches!(a.kind, ActionKind::RecvActivation | ActionKind::RecvGrad)));
         // Backward costs 2. Stage 1: F0 [1,2] F1 [2,3] B1 [3,5] B0 [5,7];
         // stage 0: F0 [0,1] F1 [1,2] B1 [5,7] B0 [7,9].
         assert_eq!(t.makespan, 9.0);

@@ -74,7 +74,12 @@ fn thread_name_event(tid: usize, name: String) -> Value {
 }
 
 /// Metadata naming the process, each device thread and each link thread.
-fn metadata_events(num_devices: usize, links: &[(usize, usize)], label: &str, clock: Clock) -> Vec<Value> {
+fn metadata_events(
+    num_devices: usize,
+    links: &[(usize, usize)],
+    label: &str,
+    clock: Clock,
+) -> Vec<Value> {
     let mut events = vec![json!({
         "name": "process_name", "ph": "M", "pid": 0, "tid": 0,
         "args": {"name": format!("{label} ({})", clock.name())}
@@ -83,7 +88,10 @@ fn metadata_events(num_devices: usize, links: &[(usize, usize)], label: &str, cl
         events.push(thread_name_event(device, format!("device {device}")));
     }
     for (i, (from, to)) in links.iter().enumerate() {
-        events.push(thread_name_event(num_devices + i, format!("link {from}->{to}")));
+        events.push(thread_name_event(
+            num_devices + i,
+            format!("link {from}->{to}"),
+        ));
     }
     events
 }
@@ -503,7 +511,10 @@ mod tests {
         let svg = svg_timeline(&t, title);
         assert_well_formed(&svg);
         assert_eq!(svg.matches("<rect class=\"event ").count(), t.events.len());
-        assert_eq!(svg.matches("<rect class=\"legend\"").count(), EventKind::ALL.len());
+        assert_eq!(
+            svg.matches("<rect class=\"legend\"").count(),
+            EventKind::ALL.len()
+        );
         assert!(svg.contains("GPipe &lt;K=4&gt; &amp; &quot;M=6&quot; &apos;sim&apos;"));
         assert!(svg.contains("time (ms, simulated)"));
         for kind in EventKind::ALL.map(EventKind::name) {

@@ -204,8 +204,8 @@ impl<'a> Worker<'a> {
             ActionKind::RecvActivation | ActionKind::RecvGrad => {
                 let t = self.recv(action)?;
                 start = io.clock.elapsed().as_secs_f64(); // time the copy, not the wait
-                // The hand-off copy (host staging between different devices) runs here, on the
-                // receiver, so the sender's compute does not wait for it.
+                                                          // The hand-off copy (host staging between different devices) runs here, on the
+                                                          // receiver, so the sender's compute does not wait for it.
                 let t = t.to_device(self.device)?;
                 if action.kind == ActionKind::RecvActivation {
                     self.received.insert((s, m), t);
@@ -365,9 +365,10 @@ impl<'a> Worker<'a> {
             tape.backward_with(&output, &seed)?
         };
         if s > 0 {
-            let g = grads.get(&input).cloned().ok_or_else(|| {
-                internal(format!("no gradient reached the input of stage {s}"))
-            })?;
+            let g = grads
+                .get(&input)
+                .cloned()
+                .ok_or_else(|| internal(format!("no gradient reached the input of stage {s}")))?;
             self.to_send.insert((s, m, true), g);
         }
         Ok(())

@@ -28,7 +28,9 @@ impl Placement {
     pub fn devices(self, k: usize) -> Vec<usize> {
         match self {
             Placement::Looped { chunks } => (0..chunks * k).map(|s| s % k).collect(),
-            Placement::V => (0..2 * k).map(|s| if s < k { s } else { 2 * k - 1 - s }).collect(),
+            Placement::V => (0..2 * k)
+                .map(|s| if s < k { s } else { 2 * k - 1 - s })
+                .collect(),
         }
     }
 }
@@ -92,7 +94,14 @@ pub fn gpipe(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, Sched
             list
         })
         .collect();
-    finish("gpipe", m, (0..k).collect(), compute, mode, Some(vec![m; k]))
+    finish(
+        "gpipe",
+        m,
+        (0..k).collect(),
+        compute,
+        mode,
+        Some(vec![m; k]),
+    )
 }
 
 /// 1F1B (PipeDream-Flush, Narayanan et al. 2021): device j runs a warm-up of min(K−j−1, M)
@@ -165,7 +174,10 @@ pub fn interleaved_one_f_one_b(
         .map(|d| {
             let stage = |c: usize| c * k + d;
             let warmup = (2 * (k - d - 1) + (v - 1) * round).min(total);
-            let mut list: Vec<Action> = fwd[..warmup].iter().map(|&(c, mb)| f(stage(c), mb)).collect();
+            let mut list: Vec<Action> = fwd[..warmup]
+                .iter()
+                .map(|&(c, mb)| f(stage(c), mb))
+                .collect();
             for i in 0..total - warmup {
                 let (c, mb) = fwd[warmup + i];
                 list.push(f(stage(c), mb));
@@ -207,7 +219,14 @@ pub fn looped_bfs(
         })
         .collect();
     let placement = Placement::Looped { chunks: v }.devices(k);
-    finish("looped-bfs", m, placement, compute, mode, Some(vec![v * m; k]))
+    finish(
+        "looped-bfs",
+        m,
+        placement,
+        compute,
+        mode,
+        Some(vec![v * m; k]),
+    )
 }
 
 /// ZB-H1 (Qi et al., ICLR'24, "Zero Bubble Pipeline Parallelism", §2.1): 1F1B with the backward
@@ -237,17 +256,72 @@ pub fn zb_h2(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, Sched
     finish("zb-h2", m, placement, compute, mode, Some(limit))
 }
 
-/// ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"; torch's
-/// ScheduleZBVZeroBubble): two chunks per device in a V, split backward, at most 2K chunk
-/// micro-batches in flight on each device (each chunk holds half a 1F1B stage's layers: 1F1B's
-/// activation memory). Steady bubble 0 with equal costs once M ≥ 2K; the ramps are half as long
-/// as 1F1B's since chunks are half as long.
+/// ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory" §6; torch's
+/// ScheduleZBVZeroBubble): two chunks per device in a V, split backward. Device d warms up with
+/// 2(K−d)−1 chunk-0 forwards, d pairs (chunk-1 forward, chunk-0 forward) and K−d rounds of
+/// (chunk-1 forward, input, weight); the steady phase repeats (F, I, W) on chunk 0 then chunk 1;
+/// the cool-down runs the remaining input parts and the deferred W passes. Zero bubble with
+/// equal costs (F = B = W) once M ≥ 2K−1 in the steady measure, at 1F1B's activation memory:
+/// at most 2K chunk micro-batches (K of a 1F1B stage, each chunk holding half its layers).
 pub fn zb_v(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, ScheduleError> {
     check_sizes(k, m)?;
     let placement = Placement::V.devices(k);
-    let limit = vec![(2 * k).min(2 * m); k];
-    let compute = list_schedule(k, m, &placement, &limit)?;
-    finish("zb-v", m, placement, compute, mode, Some(limit))
+    let compute = (0..k).map(|d| zb_v_device(k, m, d)).collect();
+    finish("zb-v", m, placement, compute, mode, Some(vec![2 * k; k]))
+}
+
+/// One device's list of ZB-V (see [`zb_v`]); the construction assumes at least 2K−1
+/// micro-batches, so it runs with that many and drops the actions of the ones beyond M.
+fn zb_v_device(k: usize, m: usize, d: usize) -> Vec<Action> {
+    let n = m.max(2 * k - 1);
+    let (s0, s1) = (d, 2 * k - 1 - d);
+    let (mut f0, mut f1, mut b0, mut b1) = (0, 0, 0, 0);
+    let input = |s, mb| Action::new(ActionKind::BackwardInput, s, mb);
+    let weight = |s, mb| Action::new(ActionKind::BackwardWeight, s, mb);
+    let mut list = Vec::with_capacity(6 * n);
+    for _ in 0..2 * (k - d) - 1 {
+        list.push(f(s0, f0));
+        f0 += 1;
+    }
+    for _ in 0..d {
+        list.push(f(s1, f1));
+        f1 += 1;
+        list.push(f(s0, f0));
+        f0 += 1;
+    }
+    for _ in 0..k - d {
+        list.push(f(s1, f1));
+        f1 += 1;
+        list.extend([input(s1, b1), weight(s1, b1)]);
+        b1 += 1;
+    }
+    while f1 < f0 || f0 < n {
+        if f0 < n {
+            list.push(f(s0, f0));
+            f0 += 1;
+        }
+        list.extend([input(s0, b0), weight(s0, b0)]);
+        b0 += 1;
+        list.push(f(s1, f1));
+        f1 += 1;
+        list.extend([input(s1, b1), weight(s1, b1)]);
+        b1 += 1;
+    }
+    let (mut w0, w1) = (b0, b1);
+    for _ in 0..d {
+        list.extend([input(s0, b0), input(s1, b1)]);
+        b0 += 1;
+        b1 += 1;
+    }
+    for _ in 0..k - d {
+        list.extend([input(s0, b0), weight(s0, w0)]);
+        b0 += 1;
+        w0 += 1;
+    }
+    list.extend((w1..b1).map(|mb| weight(s1, mb)));
+    list.extend((w0..b0).map(|mb| weight(s0, mb)));
+    list.retain(|a| a.micro_batch < m);
+    list
 }
 
 /// DualPipeV (DeepSeek-V3's DualPipe cut in half: deepseek-ai/DualPipe `dualpipev.py`, torch's
@@ -272,7 +346,14 @@ pub fn dual_pipe_v(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule,
     }
     let placement = Placement::V.devices(k);
     let compute = (0..k).map(|d| dual_pipe_v_device(k, m, d)).collect();
-    finish("dualpipe-v", m, placement, compute, mode, Some(vec![2 * k + 2; k]))
+    finish(
+        "dualpipe-v",
+        m,
+        placement,
+        compute,
+        mode,
+        Some(vec![2 * k + 2; k]),
+    )
 }
 
 /// One device's list of DualPipeV (see [`dual_pipe_v`]): chunk 0 is stage d, chunk 1 stage
@@ -298,8 +379,10 @@ fn dual_pipe_v_device(k: usize, m: usize, d: usize) -> Vec<Action> {
             self.next_b[c] += 1;
             let s = self.stages[c];
             if zb {
-                self.list.push(Action::new(ActionKind::BackwardInput, s, mb));
-                self.weights.push_back(Action::new(ActionKind::BackwardWeight, s, mb));
+                self.list
+                    .push(Action::new(ActionKind::BackwardInput, s, mb));
+                self.weights
+                    .push_back(Action::new(ActionKind::BackwardWeight, s, mb));
             } else {
                 self.list.push(b(s, mb));
             }
@@ -449,7 +532,10 @@ fn fill_weights(
                     in_flight[d] += 1;
                 } else {
                     done_i[a.stage][a.micro_batch] = t + 1;
-                    pending_w[d].push((t + 1, Action::new(ActionKind::BackwardWeight, a.stage, a.micro_batch)));
+                    pending_w[d].push((
+                        t + 1,
+                        Action::new(ActionKind::BackwardWeight, a.stage, a.micro_batch),
+                    ));
                 }
                 (a, false)
             } else if let Some(i) = pending_w[d].iter().position(|(at, _)| *at <= t) {
@@ -464,106 +550,12 @@ fn fill_weights(
         if !progressed && running.iter().all(Option::is_none) {
             let device = (0..k).find(|&d| next[d] < skeleton[d].len()).unwrap_or(0);
             return Err(ScheduleError::Deadlock {
-                stuck: vec![(device, skeleton[device][next[device].min(skeleton[device].len() - 1)])],
+                stuck: vec![(
+                    device,
+                    skeleton[device][next[device].min(skeleton[device].len() - 1)],
+                )],
             });
         }
         t += 1;
     }
-}
-
-/// A list scheduler over unit costs (F = B = W = 1, the backward split): time advances in ticks;
-/// at each tick every idle device starts the first ready action by priority: an input part
-/// (oldest micro-batch first, then the earlier stage), else a forward if fewer than
-/// `limit[device]` micro-batches are in flight (the later stage first, so a V turns early, then
-/// the oldest micro-batch), else a weight part (oldest first), which fills what would be
-/// idle time. Each stage takes its micro-batches in order. The lists it returns are an actual
-/// execution, so they cannot deadlock.
-fn list_schedule(
-    k: usize,
-    m: usize,
-    placement: &[usize],
-    limit: &[usize],
-) -> Result<Vec<Vec<Action>>, ScheduleError> {
-    let s_total = placement.len();
-    let last = s_total - 1;
-    const NOT_YET: usize = usize::MAX;
-    let mut done_f = vec![vec![NOT_YET; m]; s_total];
-    let mut done_i = vec![vec![NOT_YET; m]; s_total];
-    let (mut next_f, mut next_i, mut next_w) = (vec![0; s_total], vec![0; s_total], vec![0; s_total]);
-    let mut busy_until = vec![0usize; k];
-    let mut released: Vec<Vec<usize>> = vec![Vec::new(); k]; // end times of W passes
-    let mut started_f = vec![0usize; k];
-    let mut lists: Vec<Vec<Action>> = vec![Vec::new(); k];
-    let stages_of: Vec<Vec<usize>> = (0..k)
-        .map(|d| (0..s_total).filter(|&s| placement[s] == d).collect())
-        .collect();
-    let total = 3 * s_total * m;
-    let mut scheduled = 0;
-    let mut t = 0usize;
-    while scheduled < total {
-        let mut started = false;
-        for d in 0..k {
-            if busy_until[d] > t {
-                continue;
-            }
-            let ready = |at: usize| at != NOT_YET && at <= t;
-            let in_flight = started_f[d] - released[d].iter().filter(|&&e| e <= t).count();
-            let input = stages_of[d]
-                .iter()
-                .filter(|&&s| {
-                    let mb = next_i[s];
-                    mb < m && ready(done_f[s][mb]) && (s == last || ready(done_i[s + 1][mb]))
-                })
-                .min_by_key(|&&s| (next_i[s], s));
-            let forward = || {
-                stages_of[d]
-                    .iter()
-                    .filter(|&&s| {
-                        let mb = next_f[s];
-                        mb < m && (s == 0 || ready(done_f[s - 1][mb]))
-                    })
-                    .min_by_key(|&&s| (std::cmp::Reverse(s), next_f[s]))
-            };
-            let weight = || {
-                stages_of[d]
-                    .iter()
-                    .filter(|&&s| next_w[s] < next_i[s] && ready(done_i[s][next_w[s]]))
-                    .min_by_key(|&&s| (next_w[s], s))
-            };
-            let action = if let Some(&s) = input {
-                let mb = next_i[s];
-                next_i[s] += 1;
-                done_i[s][mb] = t + 1;
-                Action::new(ActionKind::BackwardInput, s, mb)
-            } else if let Some(&s) = forward().filter(|_| in_flight < limit[d]) {
-                let mb = next_f[s];
-                next_f[s] += 1;
-                done_f[s][mb] = t + 1;
-                started_f[d] += 1;
-                f(s, mb)
-            } else if let Some(&s) = weight() {
-                let mb = next_w[s];
-                next_w[s] += 1;
-                released[d].push(t + 1);
-                Action::new(ActionKind::BackwardWeight, s, mb)
-            } else {
-                continue;
-            };
-            lists[d].push(action);
-            busy_until[d] = t + 1;
-            scheduled += 1;
-            started = true;
-        }
-        if !started && busy_until.iter().all(|&u| u <= t) && scheduled < total {
-            // Nothing runs and nothing can start: only a limit below one micro-batch does this.
-            let device = (0..k).find(|&d| limit[d] == 0).unwrap_or(0);
-            return Err(ScheduleError::InFlight {
-                device,
-                found: 1,
-                limit: limit[device],
-            });
-        }
-        t += 1;
-    }
-    Ok(lists)
 }

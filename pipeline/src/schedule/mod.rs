@@ -215,7 +215,11 @@ impl Link {
 
 impl fmt::Display for Link {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let what = if self.grad { "gradients" } else { "activations" };
+        let what = if self.grad {
+            "gradients"
+        } else {
+            "activations"
+        };
         write!(f, "stage {}->{} {what}", self.from, self.to)
     }
 }
@@ -345,8 +349,7 @@ impl Schedule {
     /// Whether device `device` re-materializes `(stage, micro_batch)`: its list holds a
     /// `Recompute` for it (so the forward keeps only the input).
     pub fn recomputes(&self, device: usize, stage: usize, micro_batch: usize) -> bool {
-        self.devices[device]
-            .contains(&Action::new(ActionKind::Recompute, stage, micro_batch))
+        self.devices[device].contains(&Action::new(ActionKind::Recompute, stage, micro_batch))
     }
 
     /// Per device, the largest number of (stage, micro-batch) pairs whose forward has run and
@@ -411,7 +414,12 @@ impl Schedule {
     /// a device holds several stages.
     pub fn cell_label(&self, a: Action) -> String {
         if self.max_chunks() > 1 {
-            format!("{}{}c{}", a.kind.token(), a.micro_batch, self.chunk_of(a.stage))
+            format!(
+                "{}{}c{}",
+                a.kind.token(),
+                a.micro_batch,
+                self.chunk_of(a.stage)
+            )
         } else {
             format!("{}{}", a.kind.token(), a.micro_batch)
         }

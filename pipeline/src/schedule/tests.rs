@@ -62,7 +62,11 @@ fn unit_timeline(s: &Schedule) -> Timeline {
         s.num_devices()
     ];
     simulate(s, &devices, &LinkSpec::FREE, |_, a| ActionCost {
-        flops: if a.kind == ActionKind::Backward { 2.0 } else { 1.0 },
+        flops: if a.kind == ActionKind::Backward {
+            2.0
+        } else {
+            1.0
+        },
         bytes: 0,
     })
     .unwrap()
@@ -84,7 +88,10 @@ fn generated_schedules_validate_and_hold_their_declared_memory() {
         s.validate().unwrap_or_else(|e| panic!("{name}: {e}"));
         if let Some(limit) = &s.in_flight_limit {
             let found = s.max_in_flight();
-            assert!(found.iter().zip(limit).all(|(f, l)| f <= l), "{name}: {found:?} > {limit:?}");
+            assert!(
+                found.iter().zip(limit).all(|(f, l)| f <= l),
+                "{name}: {found:?} > {limit:?}"
+            );
         }
         count += 1;
     });
@@ -94,17 +101,33 @@ fn generated_schedules_validate_and_hold_their_declared_memory() {
 #[test]
 fn dual_pipe_v_names_its_condition() {
     let e = dual_pipe_v(4, 7, CheckpointMode::Never).unwrap_err();
-    assert!(e.to_string().contains("at least 8 micro-batches, got 7"), "{e}");
+    assert!(
+        e.to_string().contains("at least 8 micro-batches, got 7"),
+        "{e}"
+    );
 }
 
 #[test]
 fn gpipe_two_stages_exact_lists() {
     let s = gpipe(2, 2, CheckpointMode::ExceptLast).unwrap();
-    let text: Vec<String> = s.devices.iter().map(|l| {
-        l.iter().map(Action::to_string).collect::<Vec<_>>().join(",")
-    }).collect();
-    assert_eq!(text[0], "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B1,0B1,0R0,0RECV_B0,0B0");
-    assert_eq!(text[1], "1RECV_F0,1F0,1RECV_F1,1F1,1B1,1SEND_B1,1R0,1B0,1SEND_B0");
+    let text: Vec<String> = s
+        .devices
+        .iter()
+        .map(|l| {
+            l.iter()
+                .map(Action::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .collect();
+    assert_eq!(
+        text[0],
+        "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B1,0B1,0R0,0RECV_B0,0B0"
+    );
+    assert_eq!(
+        text[1],
+        "1RECV_F0,1F0,1RECV_F1,1F1,1B1,1SEND_B1,1R0,1B0,1SEND_B0"
+    );
 }
 
 fn computes(s: &Schedule, d: usize) -> String {
@@ -145,12 +168,19 @@ fn zb_h1_alternates_forward_and_input_and_fills_with_weights() {
 #[test]
 fn placements() {
     assert_eq!(Placement::V.devices(3), vec![0, 1, 2, 2, 1, 0]);
-    assert_eq!(Placement::Looped { chunks: 2 }.devices(3), vec![0, 1, 2, 0, 1, 2]);
+    assert_eq!(
+        Placement::Looped { chunks: 2 }.devices(3),
+        vec![0, 1, 2, 0, 1, 2]
+    );
     let s = zb_v(3, 6, CheckpointMode::Never).unwrap();
     assert_eq!(s.stages_of(0), vec![0, 5]);
     assert_eq!(s.chunk_of(5), 1);
     // The V's turn is a hand-over inside device 2: its link has both ends there.
-    let turn = Link { from: 2, to: 3, grad: false };
+    let turn = Link {
+        from: 2,
+        to: 3,
+        grad: false,
+    };
     assert!(s.links().contains(&turn));
     assert_eq!((s.placement[turn.from], s.placement[turn.to]), (2, 2));
 }
@@ -161,7 +191,10 @@ fn placements() {
 fn bubbles_match_their_closed_forms() {
     let never = CheckpointMode::Never;
     let close = |got: f64, want: f64, what: &str| {
-        assert!((got - want).abs() <= 0.01, "{what}: bubble {got:.4}, closed form {want:.4}")
+        assert!(
+            (got - want).abs() <= 0.01,
+            "{what}: bubble {got:.4}, closed form {want:.4}"
+        )
     };
     for k in 1..=8usize {
         for m in 1..=16usize {
@@ -169,30 +202,59 @@ fn bubbles_match_their_closed_forms() {
             let mf = m as f64;
             let fill_drain = (kf - 1.0) / (mf + kf - 1.0);
             let what = |name: &str| format!("{name} K={k} M={m}");
-            close(unit_timeline(&gpipe(k, m, never).unwrap()).bubble_fraction(), fill_drain, &what("gpipe"));
-            close(unit_timeline(&one_f_one_b(k, m, never).unwrap()).bubble_fraction(), fill_drain, &what("1f1b"));
+            close(
+                unit_timeline(&gpipe(k, m, never).unwrap()).bubble_fraction(),
+                fill_drain,
+                &what("gpipe"),
+            );
+            close(
+                unit_timeline(&one_f_one_b(k, m, never).unwrap()).bubble_fraction(),
+                fill_drain,
+                &what("1f1b"),
+            );
             // ZB-H1: (K-1)(F+B-W) idle per device: (K-1) / (3M + K - 1).
             let h1 = (kf - 1.0) / (3.0 * mf + kf - 1.0);
             if m >= k {
-                close(unit_timeline(&zb_h1(k, m, never).unwrap()).bubble_fraction(), h1, &what("zb-h1"));
+                close(
+                    unit_timeline(&zb_h1(k, m, never).unwrap()).bubble_fraction(),
+                    h1,
+                    &what("zb-h1"),
+                );
             }
             for v in 2..=3usize {
                 let vf = v as f64;
                 let looped = (kf - 1.0) / (vf * mf + kf - 1.0);
                 if m % k == 0 {
                     let s = interleaved_one_f_one_b(k, v, m, never).unwrap();
-                    close(unit_timeline(&s).bubble_fraction(), looped, &what("interleaved"));
+                    close(
+                        unit_timeline(&s).bubble_fraction(),
+                        looped,
+                        &what("interleaved"),
+                    );
                 }
                 if m >= k {
                     let s = looped_bfs(k, v, m, never).unwrap();
-                    close(unit_timeline(&s).bubble_fraction(), looped, &what("looped bfs"));
+                    close(
+                        unit_timeline(&s).bubble_fraction(),
+                        looped,
+                        &what("looped bfs"),
+                    );
                 }
             }
-            // ZB-H2: no gap inside any device's span once M >= 2K - 1.
+            // ZB-H2 and ZB-V: no gap inside any device's span once M >= 2K - 1; what is left
+            // are the ramps, K-1 units of F+B+W = 3 (ZB-H2) or of chunk work 6 (ZB-V) per
+            // micro-batch.
             if m + 1 >= 2 * k {
                 let t = unit_timeline(&zb_h2(k, m, never).unwrap());
                 close(t.steady_bubble_fraction(), 0.0, &what("zb-h2 steady"));
                 close(t.bubble_fraction(), h1, &what("zb-h2"));
+                let t = unit_timeline(&zb_v(k, m, never).unwrap());
+                close(t.steady_bubble_fraction(), 0.0, &what("zb-v steady"));
+                close(
+                    t.bubble_fraction(),
+                    (kf - 1.0) / (6.0 * mf + kf - 1.0),
+                    &what("zb-v"),
+                );
             }
         }
     }
@@ -211,16 +273,21 @@ fn zero_bubble_schedules_beat_one_f_one_b() {
             ("dualpipe-v", dual_pipe_v(k, m, never).unwrap()),
         ] {
             let t = unit_timeline(&s);
-            assert!(t.bubble_fraction() < base / 2.0, "{name} K={k}: {:.4} vs 1f1b {base:.4}", t.bubble_fraction());
-            // The V holds the ramps to half a 1F1B stage; the last micro-batch's way through
-            // all 2K stages leaves 2-3% in ZB-V at M = 2K (2.04% at K = 4, 2.91% at K = 5), a little
-            // more in DualPipeV, whose F&B pairs keep full backwards in the middle ...
-            let bound = if name == "zb-v" { 0.03 } else { 0.04 };
-            assert!(t.steady_bubble_fraction() <= bound, "{name} K={k} M=2K steady {:.4}", t.steady_bubble_fraction());
+            assert!(
+                t.bubble_fraction() < base / 2.0,
+                "{name} K={k}: {:.4} vs 1f1b {base:.4}",
+                t.bubble_fraction()
+            );
+            // ZB-V has none inside the spans; DualPipeV keeps full backwards in its F&B pairs
+            // (overlapped with communication in DualPipe, one after the other here), which
+            // leaves a few percent (3.0% at K = 4).
+            let bound = if name == "zb-v" { 0.0 } else { 0.04 };
+            assert!(
+                t.steady_bubble_fraction() <= bound,
+                "{name} K={k} M=2K steady {:.4}",
+                t.steady_bubble_fraction()
+            );
         }
-        // ... and half that at M = 4K.
-        let t = unit_timeline(&zb_v(k, 4 * k, never).unwrap());
-        assert!(t.steady_bubble_fraction() <= 0.015, "zb-v K={k} M=4K steady {:.4}", t.steady_bubble_fraction());
     }
 }
 
@@ -231,10 +298,25 @@ fn in_flight_counts() {
         for m in 1..=9usize {
             assert_eq!(gpipe(k, m, never).unwrap().max_in_flight(), vec![m; k]);
             let o: Vec<usize> = (0..k).map(|j| (k - j).min(m)).collect();
-            assert_eq!(one_f_one_b(k, m, never).unwrap().max_in_flight(), o, "K={k} M={m}");
-            assert!(zb_h1(k, m, never).unwrap().max_in_flight().iter().all(|&x| x <= k.min(m)));
-            assert_eq!(looped_bfs(k, 2, m, never).unwrap().max_in_flight(), vec![2 * m; k]);
-            assert!(zb_v(k, m, never).unwrap().max_in_flight().iter().all(|&x| x <= 2 * k));
+            assert_eq!(
+                one_f_one_b(k, m, never).unwrap().max_in_flight(),
+                o,
+                "K={k} M={m}"
+            );
+            assert!(zb_h1(k, m, never)
+                .unwrap()
+                .max_in_flight()
+                .iter()
+                .all(|&x| x <= k.min(m)));
+            assert_eq!(
+                looped_bfs(k, 2, m, never).unwrap().max_in_flight(),
+                vec![2 * m; k]
+            );
+            assert!(zb_v(k, m, never)
+                .unwrap()
+                .max_in_flight()
+                .iter()
+                .all(|&x| x <= 2 * k));
         }
     }
     // ZB-H1 keeps 1F1B's first-device peak on every device; ZB-H2 about twice it.
@@ -247,7 +329,11 @@ fn grid_holds_every_compute_action_once() {
     each_schedule(|_, s| {
         for (d, row) in s.clock_grid().iter().enumerate() {
             let placed: Vec<Action> = row.iter().flatten().copied().collect();
-            let listed: Vec<Action> = s.devices[d].iter().copied().filter(|a| a.is_compute()).collect();
+            let listed: Vec<Action> = s.devices[d]
+                .iter()
+                .copied()
+                .filter(|a| a.is_compute())
+                .collect();
             assert_eq!(placed, listed);
         }
     });
@@ -286,7 +372,10 @@ fn text_round_trips_and_compute_only_listings_get_transfers() {
 #[test]
 fn parse_errors_name_the_line_and_token() {
     let e = Schedule::parse("0F0,0X1\n").unwrap_err();
-    assert!(e.to_string().contains("line 1: '0X1': unknown action 'X'"), "{e}");
+    assert!(
+        e.to_string().contains("line 1: '0X1': unknown action 'X'"),
+        "{e}"
+    );
     let e = Schedule::parse("# placement: 0,a\n0F0,0B0\n").unwrap_err();
     assert!(e.to_string().contains("line 1: placement entry 'a'"), "{e}");
     let e = Schedule::parse("F0\n").unwrap_err();
@@ -305,18 +394,30 @@ fn act(kind: ActionKind, stage: usize, m: usize) -> Action {
 fn rejects_bad_shapes_and_placements() {
     let mut s = two_stage();
     s.placement = vec![0, 2];
-    assert!(s.validate().unwrap_err().to_string().contains("stage 1 is placed on device 2"));
+    assert!(s
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("stage 1 is placed on device 2"));
     let mut s = two_stage();
     s.placement = vec![0, 0];
     assert_eq!(s.validate(), Err(ScheduleError::IdleDevice { device: 1 }));
     let mut s = two_stage();
     s.devices[0].push(act(ActionKind::Forward, 0, 7));
     let e = s.validate().unwrap_err();
-    assert!(e.to_string().contains("device 0: 0F7 names a stage or micro-batch outside"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("device 0: 0F7 names a stage or micro-batch outside"),
+        "{e}"
+    );
     let mut s = two_stage();
     s.devices[0].insert(0, act(ActionKind::Forward, 1, 0));
     let e = s.validate().unwrap_err();
-    assert!(e.to_string().contains("1F0 belongs to stage 1, which is placed on device 1"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("1F0 belongs to stage 1, which is placed on device 1"),
+        "{e}"
+    );
     let mut s = two_stage();
     s.devices[0].insert(0, act(ActionKind::RecvActivation, 0, 0));
     let e = s.validate().unwrap_err();
@@ -329,34 +430,73 @@ fn rejects_missing_duplicate_and_mixed_actions() {
     s.devices[1].retain(|a| *a != act(ActionKind::Backward, 1, 0));
     assert_eq!(
         s.validate(),
-        Err(ScheduleError::ActionCount { device: 1, action: act(ActionKind::Backward, 1, 0), found: 0, expected: 1 })
+        Err(ScheduleError::ActionCount {
+            device: 1,
+            action: act(ActionKind::Backward, 1, 0),
+            found: 0,
+            expected: 1
+        })
     );
     let mut s = two_stage();
     s.devices[0].insert(0, act(ActionKind::Forward, 0, 1));
-    assert!(s.validate().unwrap_err().to_string().contains("0F1 occurs 2 times, expected 1"));
+    assert!(s
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("0F1 occurs 2 times, expected 1"));
     let mut s = two_stage();
     s.devices[0].push(act(ActionKind::BackwardWeight, 0, 0));
-    assert!(matches!(s.validate(), Err(ScheduleError::MixedBackward { device: 0, stage: 0, micro_batch: 0 })));
+    assert!(matches!(
+        s.validate(),
+        Err(ScheduleError::MixedBackward {
+            device: 0,
+            stage: 0,
+            micro_batch: 0
+        })
+    ));
 }
 
 #[test]
 fn rejects_wrong_orders() {
     let mut s = gpipe(1, 1, CheckpointMode::Never).unwrap();
     s.devices[0].reverse();
-    assert_eq!(s.validate().unwrap_err().to_string(), "device 0: 0F0 must come before 0B0");
+    assert_eq!(
+        s.validate().unwrap_err().to_string(),
+        "device 0: 0F0 must come before 0B0"
+    );
     let mut s = zb_h1(1, 1, CheckpointMode::Never).unwrap();
-    s.devices[0] = vec![act(ActionKind::Forward, 0, 0), act(ActionKind::BackwardWeight, 0, 0), act(ActionKind::BackwardInput, 0, 0)];
-    assert_eq!(s.validate().unwrap_err().to_string(), "device 0: 0I0 must come before 0W0");
+    s.devices[0] = vec![
+        act(ActionKind::Forward, 0, 0),
+        act(ActionKind::BackwardWeight, 0, 0),
+        act(ActionKind::BackwardInput, 0, 0),
+    ];
+    assert_eq!(
+        s.validate().unwrap_err().to_string(),
+        "device 0: 0I0 must come before 0W0"
+    );
     let mut s = gpipe(1, 1, CheckpointMode::Always).unwrap();
-    s.devices[0] = vec![act(ActionKind::Forward, 0, 0), act(ActionKind::Backward, 0, 0), act(ActionKind::Recompute, 0, 0)];
-    assert!(matches!(s.validate(), Err(ScheduleError::Order { earlier, .. }) if earlier.kind == ActionKind::Recompute));
+    s.devices[0] = vec![
+        act(ActionKind::Forward, 0, 0),
+        act(ActionKind::Backward, 0, 0),
+        act(ActionKind::Recompute, 0, 0),
+    ];
+    assert!(
+        matches!(s.validate(), Err(ScheduleError::Order { earlier, .. }) if earlier.kind == ActionKind::Recompute)
+    );
 }
 
 #[test]
 fn rejects_exceeding_the_declared_memory() {
     let mut s = gpipe(2, 4, CheckpointMode::Never).unwrap();
     s.in_flight_limit = Some(vec![2, 4]);
-    assert_eq!(s.validate(), Err(ScheduleError::InFlight { device: 0, found: 4, limit: 2 }));
+    assert_eq!(
+        s.validate(),
+        Err(ScheduleError::InFlight {
+            device: 0,
+            found: 4,
+            limit: 2
+        })
+    );
 }
 
 #[test]
@@ -369,7 +509,12 @@ fn detects_deadlock_and_names_stuck_devices() {
          1RECV_F0,1F0,1RECV_F1,1F1,1B0,1SEND_B0,1B1,1SEND_B1\n",
     );
     let e = s.unwrap_err();
-    assert_eq!(e, ScheduleError::Deadlock { stuck: vec![(0, act(RecvGrad, 0, 0)), (1, act(RecvActivation, 1, 1))] });
+    assert_eq!(
+        e,
+        ScheduleError::Deadlock {
+            stuck: vec![(0, act(RecvGrad, 0, 0)), (1, act(RecvActivation, 1, 1))]
+        }
+    );
     let msg = e.to_string();
     assert!(msg.contains("device 0 waits at 0RECV_B0"), "{msg}");
     assert!(msg.contains("device 1 waits at 1RECV_F1"), "{msg}");
@@ -410,14 +555,20 @@ impl Rng {
 pub(crate) fn random_schedule(rng: &mut Rng) -> Schedule {
     let k = 1 + rng.below(4);
     let s_total = k * (1 + rng.below(3));
-    let mut placement: Vec<usize> = (0..s_total).map(|s| if s < k { s } else { rng.below(k) }).collect();
+    let mut placement: Vec<usize> = (0..s_total)
+        .map(|s| if s < k { s } else { rng.below(k) })
+        .collect();
     for i in (1..s_total).rev() {
         let j = rng.below(i + 1);
         placement.swap(i, j);
     }
     let m = 1 + rng.below(5);
-    let split: Vec<Vec<bool>> = (0..s_total).map(|_| (0..m).map(|_| rng.below(2) == 0).collect()).collect();
-    let recompute: Vec<Vec<bool>> = (0..s_total).map(|_| (0..m).map(|_| rng.below(3) == 0).collect()).collect();
+    let split: Vec<Vec<bool>> = (0..s_total)
+        .map(|_| (0..m).map(|_| rng.below(2) == 0).collect())
+        .collect();
+    let recompute: Vec<Vec<bool>> = (0..s_total)
+        .map(|_| (0..m).map(|_| rng.below(3) == 0).collect())
+        .collect();
     // Per (stage, micro-batch): 0 nothing yet, 1 forward done, 2 recomputed (if asked),
     // 3 backward / input done, 4 weight done.
     let mut state = vec![vec![0u8; m]; s_total];
@@ -486,14 +637,22 @@ fn break_schedule(s: &mut Schedule, rng: &mut Rng) -> &'static str {
         _ => {
             // Waiting for a gradient (or an activation of a later stage on this device) before
             // anything else: the wait depends on this device's own later work.
-            let pos = s.devices.iter().flatten().position(|a| a.kind == ActionKind::RecvGrad);
+            let pos = s
+                .devices
+                .iter()
+                .flatten()
+                .position(|a| a.kind == ActionKind::RecvGrad);
             match pos {
                 Some(_) => {
                     let (d, i) = s
                         .devices
                         .iter()
                         .enumerate()
-                        .find_map(|(d, l)| l.iter().position(|a| a.kind == ActionKind::RecvGrad).map(|i| (d, i)))
+                        .find_map(|(d, l)| {
+                            l.iter()
+                                .position(|a| a.kind == ActionKind::RecvGrad)
+                                .map(|i| (d, i))
+                        })
                         .unwrap();
                     let a = s.devices[d].remove(i);
                     s.devices[d].insert(0, a);
@@ -514,11 +673,16 @@ fn fuzz_random_valid_schedules_validate_and_broken_ones_are_rejected() {
     let mut split = 0;
     for n in 0..3000 {
         let s = random_schedule(&mut rng);
-        s.validate().unwrap_or_else(|e| panic!("random schedule {n} rejected: {e}\n{}", s.to_text()));
+        s.validate()
+            .unwrap_or_else(|e| panic!("random schedule {n} rejected: {e}\n{}", s.to_text()));
         split += usize::from(s.splits_backward());
         let mut broken = s.clone();
         let how = break_schedule(&mut broken, &mut rng);
-        assert!(broken.validate().is_err(), "{how} was not caught:\n{}", broken.to_text());
+        assert!(
+            broken.validate().is_err(),
+            "{how} was not caught:\n{}",
+            broken.to_text()
+        );
         // The simulator and the grid also terminate on broken schedules.
         let _ = broken.clock_grid();
     }

@@ -45,7 +45,11 @@ fn parse_action(token: &str, line: usize) -> Result<Action, ScheduleError> {
         s.parse::<usize>()
             .map_err(|_| parse_error(line, format!("'{token}': missing or bad {what}")))
     };
-    Ok(Action::new(kind, number(&token[..n], "stage")?, number(mb, "micro-batch")?))
+    Ok(Action::new(
+        kind,
+        number(&token[..n], "stage")?,
+        number(mb, "micro-batch")?,
+    ))
 }
 
 impl Schedule {
@@ -82,7 +86,10 @@ impl Schedule {
                                 .split(',')
                                 .map(|d| {
                                     d.trim().parse::<usize>().map_err(|_| {
-                                        parse_error(line, format!("placement entry '{d}' is not a device number"))
+                                        parse_error(
+                                            line,
+                                            format!("placement entry '{d}' is not a device number"),
+                                        )
                                     })
                                 })
                                 .collect::<Result<_, _>>()?,
@@ -102,7 +109,11 @@ impl Schedule {
         }
         let placement = placement.unwrap_or_else(|| (0..rows.len()).collect());
         let m = micro_batches.unwrap_or_else(|| {
-            rows.iter().flatten().map(|a| a.micro_batch + 1).max().unwrap_or(0)
+            rows.iter()
+                .flatten()
+                .map(|a| a.micro_batch + 1)
+                .max()
+                .unwrap_or(0)
         });
         let compute_only = rows.iter().flatten().all(|a| a.is_compute());
         let schedule = if compute_only {

@@ -2,8 +2,8 @@
 //! (the deadlock check, the clock grid and the simulated timeline all use the same driver, so
 //! they agree on what can run when).
 
-use std::collections::HashMap;
 use super::{Action, ActionKind, Link, Schedule};
+use std::collections::HashMap;
 
 /// Why a schedule was rejected. Every variant names the device and action concerned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -14,7 +14,9 @@ pub enum ScheduleError {
     NoMicroBatches,
     #[error("a schedule needs at least one stage (empty placement)")]
     NoStages,
-    #[error("stage {stage} is placed on device {device}, but there are only {num_devices} devices")]
+    #[error(
+        "stage {stage} is placed on device {device}, but there are only {num_devices} devices"
+    )]
     PlacementOutOfRange {
         stage: usize,
         device: usize,
