@@ -152,6 +152,24 @@ pub enum ScheduleArg {
     /// One forward, one backward (PipeDream-Flush): fewer activations alive.
     #[value(name = "1f1b")]
     OneFOneB,
+    /// Megatron's interleaved 1F1B over --chunks virtual stages per device.
+    #[value(name = "interleaved-1f1b")]
+    Interleaved1F1B,
+    /// Breadth-first over --chunks virtual stages per device.
+    #[value(name = "looped-bfs")]
+    LoopedBfs,
+    /// Zero bubble H1: split backward, 1F1B memory.
+    #[value(name = "zb-h1")]
+    ZbH1,
+    /// Zero bubble H2: split backward, about twice 1F1B's memory.
+    #[value(name = "zb-h2")]
+    ZbH2,
+    /// Zero bubble V: two chunks per device in a V, 1F1B memory.
+    #[value(name = "zb-v")]
+    ZbV,
+    /// DualPipeV: two chunks per device in a V (needs M >= 2K).
+    #[value(name = "dualpipe-v")]
+    DualPipeV,
 }
 
 impl From<ScheduleArg> for ScheduleKind {
@@ -159,6 +177,12 @@ impl From<ScheduleArg> for ScheduleKind {
         match s {
             ScheduleArg::Gpipe => ScheduleKind::GPipe,
             ScheduleArg::OneFOneB => ScheduleKind::OneFOneB,
+            ScheduleArg::Interleaved1F1B => ScheduleKind::Interleaved1F1B,
+            ScheduleArg::LoopedBfs => ScheduleKind::LoopedBfs,
+            ScheduleArg::ZbH1 => ScheduleKind::ZbH1,
+            ScheduleArg::ZbH2 => ScheduleKind::ZbH2,
+            ScheduleArg::ZbV => ScheduleKind::ZbV,
+            ScheduleArg::DualPipeV => ScheduleKind::DualPipeV,
         }
     }
 }
@@ -228,6 +252,10 @@ pub struct PipelineArgs {
     /// Pipeline schedule.
     #[arg(long, value_enum, default_value_t = ScheduleArg::Gpipe)]
     pub schedule: ScheduleArg,
+    /// Virtual stages per device for interleaved-1f1b and looped-bfs (default 2; zb-v and
+    /// dualpipe-v always use 2, the others 1). The model is cut into stages x chunks pieces.
+    #[arg(long)]
+    pub chunks: Option<usize>,
     /// Layers per stage (e.g. 3,3,2,2) or a balancing rule: time, params, flops, memory.
     #[arg(long, default_value = "flops")]
     pub balance: BalanceArg,
@@ -268,6 +296,12 @@ pub struct PipelineArgs {
 
 impl PipelineArgs {
     /// Checks what the pipeline builder would reject, with messages that name the flags.
+    /// Virtual stages per device: `--chunks`, or the schedule's own count.
+    pub fn chunks(&self) -> usize {
+        self.chunks
+            .unwrap_or_else(|| ScheduleKind::from(self.schedule).default_chunks())
+    }
+
     pub fn validate(&self, num_layers: usize, what: &str) -> AppResult<()> {
         if self.stages == 0 {
             bail!("--stages must be at least 1");
@@ -275,19 +309,23 @@ impl PipelineArgs {
         if self.micro_batches == 0 {
             bail!("--micro-batches must be at least 1 (M = 0 micro-batches cannot carry a mini-batch)");
         }
-        if self.stages > num_layers {
+        if self.chunks == Some(0) {
+            bail!("--chunks must be at least 1");
+        }
+        let pieces = self.stages * self.chunks();
+        if pieces > num_layers {
             bail!(
-                "--stages {} is more than the {num_layers} layers of the model ({what}): every stage needs at least one layer; use fewer stages or more layers",
-                self.stages
+                "--stages {} x {} chunks = {pieces} pieces is more than the {num_layers} layers of the model ({what}): every piece needs at least one layer; use fewer stages or chunks, or more layers",
+                self.stages,
+                self.chunks()
             );
         }
         if let BalanceArg::Explicit(b) = &self.balance {
-            if b.len() != self.stages {
+            if b.len() != pieces {
                 bail!(
-                    "--balance {} has {} stages but --stages is {}",
+                    "--balance {} has {} entries but --stages x chunks is {pieces}",
                     self.balance,
                     b.len(),
-                    self.stages
                 );
             }
             let sum: usize = b.iter().sum();
@@ -476,7 +514,8 @@ pub fn build_pipeline(
         .balance(balance)
         .micro_batches(args.micro_batches)
         .checkpoint(args.checkpoint.into())
-        .schedule(args.schedule.into())
+        .schedule(ScheduleKind::from(args.schedule))
+        .chunks(args.chunks())
         .seed(args.seed)
         .optimizer(optimizer);
     b = match &placement.sim {

@@ -282,8 +282,23 @@ impl Tape {
             Part::Input,
             &mut deferred,
         )?;
-        let grads = leaf_grads(tape_id, leaves, &mut grads)?;
-        Ok((grads, WeightGrads { deferred, params }))
+        let leaves = leaf_grads(tape_id, leaves, &mut grads)?;
+        // What is left are gradients of parameter-only vars the input part could not pass on:
+        // the seed itself when the output depends on parameters alone (a stage whose input
+        // enters only as an index, such as an embedding lookup).
+        let carried: Vec<(usize, Tensor)> = grads
+            .into_iter()
+            .enumerate()
+            .filter_map(|(id, g)| g.map(|g| (id, g)))
+            .collect();
+        Ok((
+            leaves,
+            WeightGrads {
+                deferred,
+                carried,
+                params,
+            },
+        ))
     }
 
     /// Checks a backward call and takes the recorded nodes out (the tape is done afterwards).
@@ -358,6 +373,8 @@ struct Taken {
 pub struct WeightGrads {
     /// In reverse recording order (the order the walk visits them).
     deferred: Vec<(Node, Option<Tensor>)>,
+    /// Gradients of parameter-only vars left by the input part (by var id).
+    carried: Vec<(usize, Tensor)>,
     params: Vec<(usize, Param)>,
 }
 
@@ -367,11 +384,16 @@ impl WeightGrads {
     pub fn run(self) -> Result<()> {
         let WeightGrads {
             deferred,
+            carried,
             mut params,
         } = self;
         let top = deferred.first().map_or(0, |(n, _)| n.output);
         let top = params.last().map_or(top, |(id, _)| top.max(*id));
+        let top = carried.iter().map(|(id, _)| *id).fold(top, usize::max);
         let mut grads: Vec<Option<Tensor>> = vec![None; top + 1];
+        for (id, g) in carried {
+            grads[id] = Some(g);
+        }
         let mut nodes = Vec::with_capacity(deferred.len());
         // `run_nodes` pops from the back: give it recording order, with the output gradients
         // the input part computed placed in the slots of their vars.

@@ -18,7 +18,7 @@ use crate::cli::{
 };
 use crate::models::data::TextDataset;
 use crate::models::{cross_entropy, parameter_count, TransformerLm};
-use crate::pipeline::{Pipeline, StepReport};
+use crate::pipeline::{CheckpointMode, Pipeline, StepReport};
 use crate::tensor::{Device, Tensor};
 
 /// Characters of the built-in synthetic corpus (see `wgpipe_models::data::text`).
@@ -312,11 +312,12 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     println!("devices: {}", placement.description);
     print!("{}", describe_stages(&pipe));
     println!(
-        "mini-batch {} sequences = {} micro-batches; schedule {:?}, checkpoint {}, balance {}",
+        "mini-batch {} sequences = {} micro-batches; schedule {} ({} chunk(s) per device), checkpoint {}, balance {}",
         args.batch,
         p.micro_batches,
-        p.schedule,
-        pipe.schedule().checkpoint,
+        pipe.schedule().name,
+        p.chunks(),
+        CheckpointMode::from(p.checkpoint),
         p.balance
     );
     println!(

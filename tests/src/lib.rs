@@ -28,7 +28,16 @@ pub const ALL_MODES: [CheckpointMode; 3] = [
     CheckpointMode::ExceptLast,
     CheckpointMode::Never,
 ];
-pub const ALL_SCHEDULES: [ScheduleKind; 2] = [ScheduleKind::GPipe, ScheduleKind::OneFOneB];
+/// Every generated schedule.
+pub const ALL_SCHEDULES: [ScheduleKind; 8] = ScheduleKind::ALL;
+/// The single-chunk schedules without split backward (tests about their specific memory shape).
+pub const CLASSIC_SCHEDULES: [ScheduleKind; 2] = [ScheduleKind::GPipe, ScheduleKind::OneFOneB];
+
+/// Whether `schedule` can run K devices and M micro-batches over `layers` layers: each of its
+/// K x chunks stages needs a layer, and DualPipeV needs M >= 2K (the builder says so otherwise).
+pub fn runs(schedule: ScheduleKind, k: usize, m: usize, layers: usize) -> bool {
+    k * schedule.default_chunks() <= layers && (schedule != ScheduleKind::DualPipeV || m >= 2 * k)
+}
 
 /// SGD with momentum (so per-stage optimizer state matters too).
 pub fn sgd() -> Box<dyn Optimizer> {
@@ -60,6 +69,16 @@ pub fn mlp(input: usize, width: usize, out: usize, seed: u64) -> Vec<Box<dyn Mod
         Box::new(Relu),
         Box::new(Linear::new(width, out, seed + 3, &d).unwrap()),
     ]
+}
+
+/// A deeper Transformer LM (6 blocks: 9 layers), enough for 4 devices x 2 chunks.
+pub fn deep_transformer(dropout: f32, seed: u64) -> Vec<Box<dyn Module>> {
+    TransformerLm {
+        layers: 6,
+        ..transformer_cfg(dropout)
+    }
+    .build(seed, &Device::cpu())
+    .unwrap()
 }
 
 /// The Transformer LM of the tests: vocab 16, d 16, 2 heads, 2 blocks, sequences of 6:
@@ -216,11 +235,9 @@ pub fn try_sim_pipeline(
     let cluster = SimCluster::new(&Device::cpu(), &specs, cfg.link);
     Pipeline::builder(layers)
         .sim(cluster)
-        .balance(Balance::Explicit(
-            cfg.balance
-                .clone()
-                .unwrap_or_else(|| even_balance(n, cfg.k)),
-        ))
+        .balance(Balance::Explicit(cfg.balance.clone().unwrap_or_else(
+            || even_balance(n, cfg.k * cfg.schedule.default_chunks()),
+        )))
         .micro_batches(cfg.m)
         .checkpoint(cfg.mode)
         .schedule(cfg.schedule)
@@ -317,6 +334,9 @@ pub enum FaultKind {
     BackwardError,
     /// Panics in its backward.
     BackwardPanic,
+    /// Returns an error from the parameter part of its backward only (the W of a split
+    /// backward; part of the full backward otherwise).
+    WeightBackwardError,
     /// Asks its device for a tensor larger than any it can hold (2^40 elements: on wgpu past
     /// u32 indexing and every adapter's `max_buffer_size`), so the device reports the error.
     DeviceError,
@@ -331,17 +351,21 @@ pub struct FaultState {
     pub fired_at: Option<Instant>,
 }
 
-/// An identity layer that fails on demand at a given micro-batch (of the stage it lands on).
+/// A layer `y = x * gate` (a trainable scalar, initially 1) that fails on demand at a given
+/// micro-batch (of the stage it lands on).
 pub struct Fault {
     pub state: Arc<Mutex<FaultState>>,
+    pub gate: Param,
 }
 
 impl Fault {
     pub fn new() -> (Fault, Arc<Mutex<FaultState>>) {
         let state = Arc::new(Mutex::new(FaultState::default()));
+        let gate = Param::new("gate", Tensor::ones(&[1], &Device::cpu()).unwrap());
         (
             Fault {
                 state: state.clone(),
+                gate,
             },
             state,
         )
@@ -358,11 +382,12 @@ impl Module for Fault {
     }
     fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
         let armed = self.state.lock().unwrap_or_else(|p| p.into_inner()).armed;
+        let gated = || x.mul(&x.tape().param(&self.gate));
         let Some((kind, m)) = armed else {
-            return Ok(x.clone());
+            return gated();
         };
         if !ctx.train || ctx.micro_batch != m {
-            return Ok(x.clone());
+            return gated();
         }
         match kind {
             FaultKind::Panic if !ctx.recompute => {
@@ -396,11 +421,27 @@ impl Module for Fault {
                     })
                 })
             }
-            _ => Ok(x.clone()),
+            FaultKind::WeightBackwardError => {
+                let state = self.state.clone();
+                let gate = x.tape().param(&self.gate);
+                let (xv, gv) = (x.value().clone(), gate.value().clone());
+                let y = xv.mul(&gv)?;
+                Var::from_op("fault", &[x, &gate], y, move |g, wants| {
+                    if wants[1] {
+                        fire(&state);
+                        return Err(Error::Invalid {
+                            op: "Fault",
+                            msg: format!("injected weight-gradient error at micro-batch {m}"),
+                        });
+                    }
+                    Ok(vec![Some(g.mul(&gv)?), None])
+                })
+            }
+            _ => gated(),
         }
     }
     fn parameters(&self) -> Vec<(String, Param)> {
-        Vec::new()
+        vec![("gate".into(), self.gate.clone())]
     }
     fn cost(&self, input_shape: &[usize]) -> CostHint {
         CostHint {

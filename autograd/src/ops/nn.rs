@@ -74,7 +74,7 @@ impl Var {
             })?;
             let mut out = vec![gx, gw];
             if let Some(sb) = &sb {
-                out.push(when(w[2], || g.sum(&[0, 2, 3], false)?.reshape(&sb))?);
+                out.push(when(w[2], || g.sum(&[0, 2, 3], false)?.reshape(sb))?);
             }
             Ok(out)
         })

@@ -430,13 +430,14 @@ fn dual_pipe_v_device(k: usize, m: usize, d: usize) -> Vec<Action> {
     }
     // Phase 6: nB1B0, the second half deferring W.
     let mut zb = false;
-    let half = (d + 1) / 2;
-    for i in 0..d + 1 {
-        if i == half && d % 2 == 1 {
+    let steps = d + 1;
+    let half = steps / 2;
+    for i in 0..steps {
+        if i == half && !d.is_multiple_of(2) {
             zb = true;
         }
         dev.backward(1, zb);
-        if i == half && d % 2 == 0 {
+        if i == half && d.is_multiple_of(2) {
             zb = true;
         }
         dev.backward(0, zb);

@@ -17,6 +17,7 @@
 //! text listing ([`Schedule::parse`]).
 
 mod generators;
+pub mod random;
 mod text;
 mod validate;
 

@@ -21,7 +21,7 @@ fn lm_data(n: usize) -> (Tensor, Tensor) {
     (token_ids(n, t, 16, 0), token_ids(n, t, 16, 5))
 }
 
-/// Runs the full grid K in 1..=4, M in 1..=8, every mode and schedule against `reference`;
+/// Runs the grid K in 1..=4, M in 1..=5 and 8, every mode and schedule against `reference`;
 /// within one (K, M, schedule) every checkpoint mode must give bit-identical results (a
 /// recompute replays the forward exactly). A few configurations run twice: bit-identical.
 fn grid(
@@ -33,9 +33,15 @@ fn grid(
     reference: &RunResult,
 ) {
     let mut worst = (0.0f64, String::new());
+    let mut ran = 0;
+    let layers = make().len();
     for k in 1..=4 {
-        for m in 1..=8 {
+        for m in [1, 2, 3, 4, 5, 8] {
             for schedule in ALL_SCHEDULES {
+                if !runs(schedule, k, m, layers) {
+                    continue;
+                }
+                ran += 1;
                 let mut first: Option<RunResult> = None;
                 for mode in ALL_MODES {
                     let cfg = PipeCfg::new(k, m, mode, schedule);
@@ -69,8 +75,13 @@ fn grid(
         }
     }
     eprintln!(
-        "{name}: worst relative error vs plain {:.3e} ({})",
+        "{name}: {ran} (K, M, schedule) x 3 modes; worst relative error vs plain {:.3e} ({})",
         worst.0, worst.1
+    );
+    // Every schedule ran at every K (DualPipeV where M >= 2K).
+    assert!(
+        ran >= 4 * 6 * 8 - 12,
+        "{name}: only {ran} configurations ran"
     );
 }
 
@@ -85,7 +96,7 @@ fn mlp_pipelined_equals_plain_for_every_k_m_mode_schedule() {
 #[test]
 fn transformer_pipelined_equals_plain_for_every_k_m_mode_schedule() {
     let (x, y) = lm_data(8);
-    let make = || transformer(0.0, 3);
+    let make = || deep_transformer(0.0, 3);
     let reference = plain_train(&make(), &x, &y, &cross_entropy, STEPS);
     grid("Transformer", &make, &x, &y, &cross_entropy, &reference);
 }
@@ -99,6 +110,9 @@ fn uneven_micro_batches_equal_plain() {
     let lm_reference = plain_train(&transformer(0.0, 3), &tx, &ty, &cross_entropy, STEPS);
     for k in [1, 2, 3] {
         for schedule in ALL_SCHEDULES {
+            if !runs(schedule, k, 4, 5) {
+                continue;
+            }
             for mode in ALL_MODES {
                 let cfg = PipeCfg::new(k, 4, mode, schedule);
                 let mut pipe = sim_pipeline(mlp(6, 12, 3, 11), &cfg);
@@ -150,7 +164,7 @@ fn dropout_replays_identically_across_modes_runs_and_stages() {
     let (x, y) = lm_data(8);
     let no_dropout = {
         let cfg = PipeCfg::new(2, 4, CheckpointMode::Never, ScheduleKind::GPipe);
-        let mut pipe = sim_pipeline(transformer(0.0, 3), &cfg);
+        let mut pipe = sim_pipeline(deep_transformer(0.0, 3), &cfg);
         pipe_train(&mut pipe, &x, &y, &cross_entropy, STEPS).0
     };
     for schedule in ALL_SCHEDULES {
@@ -158,13 +172,16 @@ fn dropout_replays_identically_across_modes_runs_and_stages() {
             let mut by_k: Vec<RunResult> = Vec::new();
             for k in [1, 2, 4] {
                 let mut first: Option<RunResult> = None;
+                if !runs(schedule, k, m, 9) {
+                    continue;
+                }
                 for mode in ALL_MODES {
                     let cfg = PipeCfg::new(k, m, mode, schedule);
-                    let mut pipe = sim_pipeline(transformer(0.2, 3), &cfg);
+                    let mut pipe = sim_pipeline(deep_transformer(0.2, 3), &cfg);
                     let (got, _) = pipe_train(&mut pipe, &x, &y, &cross_entropy, STEPS);
                     match &first {
                         None => {
-                            let mut again = sim_pipeline(transformer(0.2, 3), &cfg);
+                            let mut again = sim_pipeline(deep_transformer(0.2, 3), &cfg);
                             let (got2, _) = pipe_train(&mut again, &x, &y, &cross_entropy, STEPS);
                             assert!(got == got2, "{cfg:?}: not deterministic with dropout");
                             first = Some(got);
@@ -176,7 +193,10 @@ fn dropout_replays_identically_across_modes_runs_and_stages() {
                         ),
                     }
                 }
-                by_k.push(first.unwrap());
+                by_k.extend(first);
+            }
+            if by_k.is_empty() {
+                continue;
             }
             for r in &by_k[1..] {
                 assert_close(
@@ -214,6 +234,9 @@ fn batch_norm_running_statistics_do_not_depend_on_k_or_m() {
     for k in [1, 2] {
         for m in [1, 2, 4, 8] {
             for schedule in ALL_SCHEDULES {
+                if !runs(schedule, k, m, 4) {
+                    continue;
+                }
                 for mode in ALL_MODES {
                     let mut pipe = sim_pipeline(make(), &PipeCfg::new(k, m, mode, schedule));
                     pipe_train(&mut pipe, &x, &y, &mse, 1);
@@ -341,6 +364,9 @@ fn one_micro_batch_with_dropout_equals_plain() {
     let reference = plain_train(&transformer(0.2, 3), &x, &y, &cross_entropy, STEPS);
     for k in [1, 2, 4] {
         for schedule in ALL_SCHEDULES {
+            if !runs(schedule, k, 1, 5) {
+                continue;
+            }
             for mode in ALL_MODES {
                 let mut pipe =
                     sim_pipeline(transformer(0.2, 3), &PipeCfg::new(k, 1, mode, schedule));

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use wgpipe_autograd::Module;
 use wgpipe_models::{Linear, Relu};
-use wgpipe_pipeline::{CheckpointMode, Pipeline, PipelineError, StageCause};
+use wgpipe_pipeline::{CheckpointMode, Pipeline, PipelineError, ScheduleKind, StageCause};
 use wgpipe_tensor::{Device, Tensor};
 use wgpipe_tests::*;
 
@@ -19,14 +19,23 @@ const WIDTH: usize = 8;
 /// Layers, their balance, and the trigger of their `Fault` layer.
 type FaultyModel = (Vec<Box<dyn Module>>, Vec<usize>, Arc<Mutex<FaultState>>);
 
-/// K stages of [Linear, ReLU], with a `Fault` layer appended to stage `fault_stage`.
-fn faulty_model(fault_stage: usize) -> FaultyModel {
+/// Schedules the fault tests run: the classic ones, one with split backward (a fault can hit an
+/// I or a W action) and one with two chunks per device.
+const FAULT_SCHEDULES: [ScheduleKind; 4] = [
+    ScheduleKind::GPipe,
+    ScheduleKind::OneFOneB,
+    ScheduleKind::ZbH1,
+    ScheduleKind::ZbV,
+];
+
+/// K x chunks stages of [Linear, ReLU], with a `Fault` layer appended to stage `fault_stage`.
+fn faulty_model(fault_stage: usize, schedule: ScheduleKind) -> FaultyModel {
     let d = Device::cpu();
     let (fault, state) = Fault::new();
     let mut fault = Some(fault);
     let mut layers: Vec<Box<dyn Module>> = Vec::new();
     let mut balance = Vec::new();
-    for s in 0..K {
+    for s in 0..K * schedule.default_chunks() {
         layers.push(Box::new(
             Linear::new(WIDTH, WIDTH, 100 + s as u64, &d).unwrap(),
         ));
@@ -54,7 +63,7 @@ fn check_fault(
     arm: &dyn Fn(),
     disarm: &dyn Fn(&mut Pipeline),
     fired_at: &dyn Fn() -> Option<Instant>,
-    stage: usize,
+    stages: &[usize],
     micro_batch: Option<usize>,
     cause: &dyn Fn(&StageCause) -> bool,
     what: &str,
@@ -85,7 +94,7 @@ fn check_fault(
             cause: c,
             ..
         } => {
-            assert_eq!(*s, stage, "{what}: wrong stage in {err}");
+            assert!(stages.contains(s), "{what}: wrong stage in {err}");
             if let Some(mb) = micro_batch {
                 assert_eq!(*m, mb, "{what}: wrong micro-batch in {err}");
             }
@@ -94,7 +103,10 @@ fn check_fault(
         other => panic!("{what}: not a stage error: {other:?}"),
     }
     let msg = err.to_string();
-    assert!(msg.contains(&format!("stage {stage}")), "{msg}");
+    assert!(
+        msg.contains(&format!("stage {}", err.stage().unwrap())),
+        "{msg}"
+    );
     if let Some(mb) = micro_batch {
         assert!(msg.contains(&format!("micro-batch {mb}")), "{msg}");
     }
@@ -144,28 +156,34 @@ fn layer_panics_and_errors_stop_every_stage_and_leave_the_model_as_it_was() {
         (FaultKind::Error, "error"),
         (FaultKind::BackwardError, "backward error"),
         (FaultKind::BackwardPanic, "backward panic"),
+        (FaultKind::WeightBackwardError, "weight-gradient error"),
     ];
     for (kind, label) in kinds {
-        for schedule in ALL_SCHEDULES {
+        for schedule in FAULT_SCHEDULES {
             for mode in [CheckpointMode::Always, CheckpointMode::Never] {
-                for (stage, mb) in [(0, 0), (1, 2), (2, 3)] {
-                    let (layers, balance, state) = faulty_model(stage);
+                // With two chunks per device, stage 4 is device 1's second chunk.
+                let last = K * schedule.default_chunks() - 1;
+                for (stage, mb) in [(0, 0), (1, 2), (2, 3), (last, 1)] {
+                    let (layers, balance, state) = faulty_model(stage, schedule);
                     let cfg = PipeCfg::new(K, 4, mode, schedule).balance(balance.clone());
                     let mut pipe = sim_pipeline(layers, &cfg);
                     let st0 = state.clone();
                     let st = state.clone();
                     let st2 = state.clone();
                     let reference = || {
-                        let (layers, _, _) = faulty_model(stage);
+                        let (layers, _, _) = faulty_model(stage, schedule);
                         sim_pipeline(layers, &cfg)
                     };
                     let is_cause = |c: &StageCause| match (kind, c) {
                         (FaultKind::Panic | FaultKind::BackwardPanic, StageCause::Panic(m)) => {
                             m.contains("injected") && m.contains(&format!("micro-batch {mb}"))
                         }
-                        (FaultKind::Error | FaultKind::BackwardError, StageCause::Tensor(e)) => {
-                            e.to_string().contains("injected")
-                        }
+                        (
+                            FaultKind::Error
+                            | FaultKind::BackwardError
+                            | FaultKind::WeightBackwardError,
+                            StageCause::Tensor(e),
+                        ) => e.to_string().contains("injected"),
                         _ => false,
                     };
                     check_fault(
@@ -173,7 +191,7 @@ fn layer_panics_and_errors_stop_every_stage_and_leave_the_model_as_it_was() {
                         &move || st0.lock().unwrap().armed = Some((kind, mb as u64)),
                         &move |_| st.lock().unwrap().armed = None,
                         &move || st2.lock().unwrap().fired_at,
-                        stage,
+                        &[stage],
                         Some(mb),
                         &is_cause,
                         &format!("{label} at stage {stage} micro-batch {mb} {mode} {schedule:?}"),
@@ -187,12 +205,12 @@ fn layer_panics_and_errors_stop_every_stage_and_leave_the_model_as_it_was() {
 
 #[test]
 fn a_stage_out_of_memory_is_a_clean_error() {
-    for schedule in ALL_SCHEDULES {
-        for stage in 0..K {
+    for schedule in FAULT_SCHEDULES {
+        for device in 0..K {
             let make = |cap: u64| {
-                let (layers, balance, _) = faulty_model(K); // no fault layer
+                let (layers, balance, _) = faulty_model(usize::MAX, schedule); // no fault layer
                 let mut cfg = PipeCfg::new(K, 4, CheckpointMode::Never, schedule).balance(balance);
-                cfg.memory[stage] = cap;
+                cfg.memory[device] = cap;
                 sim_pipeline(layers, &cfg)
             };
             // Armed after a good step: room for what lives (parameters, gradients) plus 192
@@ -204,17 +222,18 @@ fn a_stage_out_of_memory_is_a_clean_error() {
                     StageCause::Tensor(wgpipe_tensor::Error::OutOfMemory { .. })
                 )
             };
-            let dev = pipe.devices()[stage].clone();
+            let stages = pipe.schedule().stages_of(device);
+            let dev = pipe.devices()[stages[0]].clone();
             let (d1, d2) = (dev.clone(), dev.clone());
             check_fault(
                 &mut pipe,
                 &move || d1.memory().set_capacity(Some(d1.memory_stats().live + 192)),
                 &move |_| d2.memory().set_capacity(None),
                 &|| None,
-                stage,
+                &stages,
                 None,
                 &is_oom,
-                &format!("out of memory on stage {stage} {schedule:?}"),
+                &format!("out of memory on device {device} {schedule:?}"),
                 &|| make(u64::MAX),
             );
         }
@@ -239,7 +258,7 @@ fn a_failed_step_leaves_no_deferred_batch_norm_statistics() {
         (layers, state)
     };
     let (x, y) = data();
-    for schedule in ALL_SCHEDULES {
+    for schedule in CLASSIC_SCHEDULES.into_iter().chain([ScheduleKind::ZbH1]) {
         for mode in ALL_MODES {
             let cfg = PipeCfg::new(2, 4, mode, schedule).balance(vec![3, 2]);
             let (layers, state) = make();

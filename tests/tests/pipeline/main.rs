@@ -5,5 +5,6 @@ mod equivalence;
 mod faults;
 mod memory;
 mod reports;
+mod schedules;
 mod sim_time;
 mod wgpu;
