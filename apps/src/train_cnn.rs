@@ -370,7 +370,10 @@ fn check_flags(args: &CnnArgs) -> AppResult<()> {
         MemoryPart {
             what: "the images (3 channels, f32)",
             bytes: n * 3.0 * side * side * 4.0 * if synthetic { 2.0 } else { 1.0 },
-            flags: vec![("image-size", side, 16.0), ("train-size", n, 4000.0)],
+            flags: vec![
+                ("image-size", side, 16.0),
+                ("train-size", args.train_size as f64, 4000.0),
+            ],
         },
         MemoryPart {
             what: "the model (parameters, gradients and optimizer state)",
