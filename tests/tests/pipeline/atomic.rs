@@ -316,3 +316,36 @@ fn a_split_error_carries_one_prefix() {
         "{msg}"
     );
 }
+
+/// The price of all-or-nothing: the peak memory of one AdamW step per stage, against the live
+/// bytes before it. `cargo test -p wgpipe-tests --test pipeline -- --ignored --nocapture
+/// optimizer_step_peak_memory`.
+#[test]
+#[ignore = "a measurement: prints figures"]
+fn optimizer_step_peak_memory() {
+    let (x, y) = data();
+    let mut pipe = pipeline(|| Box::new(AdamW::new(0.01)), &Arc::new(Mutex::new(None)));
+    for _ in 0..2 {
+        pipe.train_step(&x, &y, &mse).unwrap();
+        pipe.optimizer_step().unwrap();
+    }
+    pipe.train_step(&x, &y, &mse).unwrap();
+    let devices = pipe.devices();
+    let live: Vec<usize> = devices.iter().map(|d| d.memory_stats().live).collect();
+    for d in &devices {
+        d.memory().reset_peak();
+    }
+    let t0 = std::time::Instant::now();
+    pipe.optimizer_step().unwrap();
+    let dt = t0.elapsed();
+    for (i, d) in devices.iter().enumerate() {
+        let s = d.memory_stats();
+        eprintln!(
+            "stage {i}: live before {} B, peak during the step {} B (+{:.0}%)",
+            live[i],
+            s.peak,
+            (s.peak as f64 / live[i] as f64 - 1.0) * 100.0
+        );
+    }
+    eprintln!("optimizer_step: {dt:?}");
+}
