@@ -2,9 +2,9 @@
 //! found, plain and through a 1-stage pipeline, with PyTorch and Burn reference columns.
 //! Run in release: `cargo run --release --example bench_train`.
 
-use clap::Parser;
-use wgpipe::apps::bench_train::{run, BenchArgs};
-use wgpipe::cli::exit_on_error;
+use wgpipe_apps::bench_train::{run, BenchArgs};
+use wgpipe_apps::exit_on_error;
+use wgpipe_apps::Parser;
 
 fn main() {
     exit_on_error(run(BenchArgs::parse()));

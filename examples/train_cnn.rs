@@ -2,9 +2,9 @@
 //! (or `--cifar` / `--mnist` files), with transfer learning (`--init`, `--freeze-body`).
 //! `--help` lists the flags.
 
-use clap::Parser;
-use wgpipe::apps::train_cnn::{run, CnnArgs};
-use wgpipe::cli::{exit_on_error, install_ctrl_c};
+use wgpipe_apps::train_cnn::{run, CnnArgs};
+use wgpipe_apps::Parser;
+use wgpipe_apps::{exit_on_error, install_ctrl_c};
 
 fn main() {
     install_ctrl_c();

@@ -1,6 +1,6 @@
-//! wgpipe: GPipe in Rust. This facade re-exports the workspace crates, and holds the code of
-//! the examples ([`apps`]) with the flags and helpers they share ([`cli`]), so that tests can
-//! run each example in-process through its `run` function.
+//! wgpipe: GPipe in Rust. This facade re-exports the workspace crates. The code of the examples
+//! (flags, checkpoint files, the training loop, progress) lives in the `wgpipe-apps` crate
+//! (folder `apps/`), which the facade does not depend on.
 //!
 //! The README follows (its Rust block is compiled as a doc test, so it stays true).
 #![doc = include_str!("../README.md")]
@@ -9,6 +9,3 @@ pub use wgpipe_models as models;
 pub use wgpipe_pipeline as pipeline;
 pub use wgpipe_shaders as shaders;
 pub use wgpipe_tensor as tensor;
-
-pub mod apps;
-pub mod cli;

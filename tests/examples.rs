@@ -6,9 +6,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 
-use wgpipe::apps::bench_train::{self, BenchArgs};
-use wgpipe::apps::train_cnn::{self, CnnArgs};
-use wgpipe::apps::train_transformer::{self, TransformerArgs};
 use wgpipe::autograd::optim::{zero_grad, Optimizer};
 use wgpipe::autograd::serialize::load_tensors;
 use wgpipe::autograd::{AdamW, ForwardCtx, Tape, Var};
@@ -16,6 +13,9 @@ use wgpipe::models::data::TextDataset;
 use wgpipe::models::{cross_entropy, forward_all, sequence_parameters, TransformerLm};
 use wgpipe::pipeline::{Balance, CheckpointMode, LinkSpec, Pipeline, SimCluster};
 use wgpipe::tensor::{Device, Tensor};
+use wgpipe_apps::bench_train::{self, BenchArgs};
+use wgpipe_apps::train_cnn::{self, CnnArgs};
+use wgpipe_apps::train_transformer::{self, TransformerArgs};
 
 /// A fresh folder for one test's files.
 fn tmp(name: &str) -> PathBuf {
@@ -128,8 +128,8 @@ fn check_pictures(dir: &Path, stages: usize) {
     assert!(svg.contains("<svg") && svg.trim_end().ends_with("</svg>"));
     for stage in 0..stages {
         assert!(
-            svg.contains(&format!(">stage {stage}<")),
-            "no row for stage {stage}"
+            svg.contains(&format!(">device {stage}<")),
+            "no row for device {stage}"
         );
     }
     assert!(svg.contains("<rect"), "no boxes in the timeline");
@@ -620,4 +620,107 @@ fn pipelined_with_micro_batches_equals_plain_without_dropout() {
             );
         }
     }
+}
+
+#[test]
+fn huge_and_non_finite_flags_are_refused_up_front_naming_the_flag() {
+    let dir = tmp("limits");
+    let t0 = std::time::Instant::now();
+    let err = |extra: &[&str]| lm(&tiny_lm(&dir, extra)).unwrap_err();
+    for (flags, flag) in [
+        (&["--batch", "1000000000"][..], "--batch 1000000000"),
+        (&["--d-model", "65536"][..], "--d-model 65536"),
+        (&["--layers", "1000000"][..], "--layers 1000000"),
+        (&["--seq-len", "0"][..], "--seq-len 0"),
+        (&["--lr", "nan"][..], "--lr NaN"),
+        (&["--lr", "inf"][..], "--lr inf"),
+        (&["--dropout", "1.5"][..], "--dropout 1.5"),
+        (&["--sim-memory-gib", "0"][..], "--sim-memory-gib 0"),
+        (&["--stages", "100000"][..], "--stages 100000"),
+    ] {
+        let e = err(flags);
+        assert!(e.starts_with(flag), "{flags:?}: {e}");
+        assert!(!e.contains('\n'), "{flags:?}: one line: {e}");
+    }
+    // Within every range but too big together: the memory estimate names a flag and the limit.
+    let e = err(&["--d-model", "16384", "--layers", "1024", "--heads", "16"]);
+    assert!(
+        (e.starts_with("--d-model 16384") || e.starts_with("--layers 1024"))
+            && e.contains("GiB")
+            && e.contains("the limit is"),
+        "{e}"
+    );
+    for (flags, flag) in [
+        (&["--image-size", "65536"][..], "--image-size 65536"),
+        (&["--batch", "1000000000"][..], "--batch 1000000000"),
+        (&["--width", "0"][..], "--width 0"),
+        (&["--lr", "nan"][..], "--lr NaN"),
+    ] {
+        let e = cnn(&tiny_cnn(&dir, flags)).unwrap_err();
+        assert!(e.starts_with(flag), "{flags:?}: {e}");
+    }
+    let e = cnn(&tiny_cnn(
+        &dir,
+        &["--image-size", "4096", "--train-size", "1000000"],
+    ))
+    .unwrap_err();
+    assert!(e.contains("the limit is") && e.contains("GiB"), "{e}");
+    // Nothing was built or trained: all of the above took well under a second each.
+    assert!(t0.elapsed().as_secs_f64() < 10.0, "{:?}", t0.elapsed());
+}
+
+#[test]
+fn output_paths_are_checked_before_training() {
+    let dir = tmp("paths");
+    let blocker = dir.join("a-file");
+    std::fs::write(&blocker, b"x").unwrap();
+    let bad = s(&blocker.join("ckpt.safetensors"));
+    for flag in ["--save", "--trace", "--timeline"] {
+        let t0 = std::time::Instant::now();
+        let e = lm(&tiny_lm(&dir, &[flag, &bad, "--steps", "1000"])).unwrap_err();
+        assert!(e.starts_with(&format!("{flag} {bad}")), "{e}");
+        // 1000 steps would take many seconds: the path was refused before training.
+        assert!(
+            t0.elapsed().as_secs_f64() < 2.0,
+            "{flag}: {:?}",
+            t0.elapsed()
+        );
+    }
+    let e = lm(&tiny_lm(&dir, &["--save", &s(&dir)])).unwrap_err();
+    assert!(e.contains("a folder, not a file"), "{e}");
+}
+
+#[test]
+fn resume_tells_a_broken_file_from_another_model() {
+    let dir = tmp("resume-kinds");
+    let ckpt = dir.join("good.safetensors");
+    lm(&tiny_lm(&dir, &["--save", &s(&ckpt)])).unwrap();
+    let bytes = std::fs::read(&ckpt).unwrap();
+    let truncated = dir.join("truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() - 100]).unwrap();
+    let garbage = dir.join("garbage.safetensors");
+    std::fs::write(&garbage, b"\x00\x01 definitely not safetensors").unwrap();
+    for p in [&truncated, &garbage] {
+        let e = lm(&tiny_lm(&dir, &["--resume", &s(p)])).unwrap_err();
+        assert!(
+            e.starts_with(&format!("--resume {}", s(p)))
+                && e.contains("not a usable checkpoint")
+                && e.contains("the flags are not at fault")
+                && !e.contains("does not match"),
+            "{e}"
+        );
+    }
+    let e = lm(&tiny_lm(
+        &dir,
+        &["--resume", &s(&ckpt), "--d-model", "32", "--heads", "2"],
+    ))
+    .unwrap_err();
+    assert!(
+        e.contains("does not match the model of these flags")
+            && e.contains("tensor '0.")
+            && e.contains("shape mismatch")
+            && !e.contains("not a usable checkpoint"),
+        "{e}"
+    );
+    assert_eq!(e.matches("cannot resume").count(), 1, "one prefix: {e}");
 }

@@ -11,7 +11,7 @@ pub mod tape;
 pub mod var;
 
 pub use checkpoint::checkpoint;
-pub use module::{CostHint, ForwardCtx, Module};
+pub use module::{layer_param_name, CostHint, ForwardCtx, Module};
 pub use optim::{Adam, AdamW, LrSchedule, Optimizer, Sgd};
 pub use param::Param;
 pub use tape::{BackwardFn, Grads, Tape, WeightGrads};

@@ -76,6 +76,14 @@ pub struct CostHint {
     pub output_shape: Vec<usize>,
 }
 
+/// The name of parameter (or buffer) `name` of layer `layer` in a layer sequence:
+/// `"{layer}.{name}"` (e.g. `3.attn.q.weight`). Checkpoint files key tensors by it, so every
+/// place that names a sequence's parameters (plain sequences, pipeline stages, checkpoints)
+/// calls this one function.
+pub fn layer_param_name(layer: usize, name: &str) -> String {
+    format!("{layer}.{name}")
+}
+
 /// A layer, or a sequence of layers. `Send` so a pipeline stage can own it on its own thread.
 pub trait Module: Send {
     /// A short name for reports, e.g. `"Linear(512->512)"`.

@@ -2,8 +2,11 @@
 //! [safetensors](https://github.com/huggingface/safetensors) format, with hierarchical names
 //! (`blocks.3.attn.q.weight`), so weights move to and from PyTorch and Hugging Face tools.
 //!
-//! - Saving is atomic: the file is written to `<path>.tmp` in the same folder, synced to disk,
-//!   then renamed over `path`. A crash leaves the old file or the new one, never half of one.
+//! - Saving is atomic: the file is written to a temporary file of a unique name in the same
+//!   folder (`.<name>.<pid>-<n>.wgpipe-tmp`, created exclusively), synced to disk, then renamed
+//!   over `path`. A crash leaves the old file or the new one, never half of one; concurrent
+//!   saves to one path each publish a whole file; temporaries left by a process that died are
+//!   removed by the next save to that path.
 //! - Tensors are saved as little-endian F32. Loading accepts F32, F16 and BF16 (widened to f32).
 //! - Loading into a model ([`load_into`]) checks every name, shape and dtype first and reports
 //!   every mismatch at once; on error no parameter has changed.
@@ -68,11 +71,23 @@ impl View for &F32Bytes {
 }
 
 /// Writes `tensors` (read back from their devices) and string `metadata` to `path` as
-/// safetensors, atomically (`<path>.tmp`, fsync, rename). Names must be unique.
+/// safetensors, atomically (a unique temporary file, fsync, rename). Names must be unique.
 pub fn save_tensors(
     path: impl AsRef<Path>,
     tensors: &[(String, Tensor)],
     metadata: &[(String, String)],
+) -> Result<()> {
+    save_tensors_checked(path, tensors, metadata, false)
+}
+
+/// [`save_tensors`]; with `require_finite`, a tensor holding NaN or infinity is refused (naming
+/// it) and nothing is written. The check runs on the values read back for writing (no second
+/// read-back).
+pub fn save_tensors_checked(
+    path: impl AsRef<Path>,
+    tensors: &[(String, Tensor)],
+    metadata: &[(String, String)],
+    require_finite: bool,
 ) -> Result<()> {
     let path = path.as_ref();
     let op = "save_tensors";
@@ -95,6 +110,15 @@ pub fn save_tensors(
     let mut data = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
         let values = t.to_vec()?;
+        if require_finite {
+            if let Some(v) = values.iter().find(|v| !v.is_finite()) {
+                return Err(err(
+                    op,
+                    path,
+                    format!("not saved: tensor '{name}' holds {v} (a non-finite value)"),
+                ));
+            }
+        }
         let mut bytes = Vec::with_capacity(values.len() * 4);
         for v in values {
             bytes.extend_from_slice(&v.to_le_bytes());
@@ -109,7 +133,8 @@ pub fn save_tensors(
     }
     let meta = (!meta.is_empty()).then_some(meta);
 
-    let tmp = tmp_path(path).ok_or_else(|| err(op, path, "not a file path"))?;
+    clean_stale_temporaries(path);
+    let tmp = create_temporary(path).map_err(|e| err(op, path, e))?;
     let written = write_synced(&tmp, data.iter().map(|(n, d)| (*n, d)), meta);
     if let Err(e) = written {
         let _ = fs::remove_file(&tmp);
@@ -131,10 +156,84 @@ pub fn save_tensors(
     Ok(())
 }
 
-fn tmp_path(path: &Path) -> Option<PathBuf> {
-    let mut name = path.file_name()?.to_os_string();
-    name.push(".tmp");
-    Some(path.with_file_name(name))
+/// Suffix of the temporary files of a save.
+const TMP_SUFFIX: &str = ".wgpipe-tmp";
+
+/// `.<file name>.` — what the temporaries of saves to `path` start with.
+fn tmp_prefix(path: &Path) -> Option<String> {
+    Some(format!(".{}.", path.file_name()?.to_str()?))
+}
+
+/// Creates (exclusively: never an existing file) an empty temporary file of a name no other
+/// save uses, `.<name>.<pid>-<n>.wgpipe-tmp`, beside `path`.
+fn create_temporary(path: &Path) -> std::result::Result<PathBuf, String> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let prefix = tmp_prefix(path).ok_or("not a file path (it has no UTF-8 file name)")?;
+    let pid = std::process::id();
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let tmp = path.with_file_name(format!("{prefix}{pid}-{n}{TMP_SUFFIX}"));
+        match fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+        {
+            Ok(_) => return Ok(tmp),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(format!("cannot write {}: {e}", tmp.display())),
+        }
+    }
+}
+
+/// Removes the temporaries of saves to `path` whose process is gone (best effort). Those of
+/// this process are another thread's save in flight and are kept; so are those of a live
+/// process. Where liveness cannot be checked (no `/proc`), a temporary older than a day counts
+/// as stale.
+fn clean_stale_temporaries(path: &Path) {
+    let Some(prefix) = tmp_prefix(path) else {
+        return;
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    let me = std::process::id();
+    let proc_fs = Path::new("/proc/self").exists();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(rest) = name
+            .strip_prefix(prefix.as_str())
+            .and_then(|r| r.strip_suffix(TMP_SUFFIX))
+        else {
+            continue;
+        };
+        let Some(pid) = rest
+            .split_once('-')
+            .and_then(|(pid, n)| n.parse::<u64>().ok().and(pid.parse::<u32>().ok()))
+        else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let stale = if proc_fs {
+            !Path::new("/proc").join(pid.to_string()).exists()
+        } else {
+            e.metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age.as_secs() > 24 * 3600)
+        };
+        if stale {
+            let _ = fs::remove_file(e.path());
+        }
+    }
 }
 
 fn write_synced<'a>(
@@ -253,6 +352,46 @@ pub struct Loaded {
     pub tensors: Vec<(String, Tensor)>,
     /// Sorted by key.
     pub metadata: Vec<(String, String)>,
+}
+
+/// A parsed safetensors file whose tensors are read one by one, for callers that check a
+/// whole file against a model before loading anything (a pipeline's checkpoint loader).
+pub struct TensorFile(Parsed);
+
+impl TensorFile {
+    /// Reads and parses the file. An error here means the file cannot be used at all (missing,
+    /// unreadable, truncated, not safetensors), whatever model it is meant for.
+    pub fn open(path: impl AsRef<Path>) -> Result<TensorFile> {
+        Ok(TensorFile(parse("open", path.as_ref())?))
+    }
+    /// Tensor names in file order.
+    pub fn names(&self) -> Vec<String> {
+        self.0.names()
+    }
+    /// The shape of tensor `name`, if the file has it.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.0.meta.info(name).map(|i| i.shape.as_slice())
+    }
+    /// The dtype of tensor `name` in the file (e.g. `F32`), if the file has it.
+    pub fn dtype(&self, name: &str) -> Option<String> {
+        self.0.meta.info(name).map(|i| format!("{:?}", i.dtype))
+    }
+    /// True when tensor `name` has a dtype that loads (F32, F16, BF16).
+    pub fn is_loadable(&self, name: &str) -> bool {
+        self.0.meta.info(name).is_some_and(|i| loadable(i.dtype))
+    }
+    /// The values of tensor `name`, widened to f32 (an error for a name the file lacks or an
+    /// unloadable dtype).
+    pub fn values(&self, name: &str) -> Result<Vec<f32>> {
+        if self.0.meta.info(name).is_none() {
+            return Err(err("values", &self.0.path, format!("no tensor '{name}'")));
+        }
+        self.0.values("values", name)
+    }
+    /// The string metadata, sorted by key.
+    pub fn metadata(&self) -> Vec<(String, String)> {
+        self.0.metadata()
+    }
 }
 
 /// Reads every tensor of a safetensors file onto `device` (F32; F16 and BF16 widened to f32).

@@ -504,7 +504,10 @@ fn run_nodes(
             .iter()
             .map(|i| i.as_ref().is_some_and(|i| part.wants(i)))
             .collect();
-        let input_grads = if wants.iter().any(|w| *w) {
+        // The weight part skips nodes it has nothing to ask of; the other walks always call
+        // the backward, which may have effects of its own (`checkpoint` accumulates the
+        // gradients of its segment's parameters, even when its input wants none).
+        let input_grads = if part != Part::Weight || wants.iter().any(|w| *w) {
             (node.backward)(&g, &wants)?
         } else {
             vec![None; wants.len()]

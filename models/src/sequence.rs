@@ -1,6 +1,6 @@
 //! Helpers for a model as a layer sequence (`[Box<dyn Module>]`), run plainly (no pipeline).
 
-use wgpipe_autograd::{ForwardCtx, Module, Param, Var};
+use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, Var};
 use wgpipe_tensor::Result;
 
 /// Runs every layer in order; layer `i` sees `ctx.at_layer(i)` (its index in the whole
@@ -38,7 +38,7 @@ fn prefixed(
         .flat_map(|(i, l)| {
             f(l.as_ref())
                 .into_iter()
-                .map(move |(n, p)| (format!("{i}.{n}"), p))
+                .map(move |(n, p)| (layer_param_name(i, &n), p))
         })
         .collect()
 }

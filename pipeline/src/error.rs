@@ -5,24 +5,17 @@ use crate::schedule::ScheduleError;
 use crate::timeline::TimelineError;
 
 /// Why a stage failed.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum StageCause {
     /// An op returned an error (shape, out of memory, wgpu...).
+    #[error("{0}")]
     Tensor(wgpipe_tensor::Error),
     /// A layer panicked; the payload's message.
+    #[error("panic: {0}")]
     Panic(String),
     /// A neighbouring stage disappeared (it failed first, or its channel closed).
+    #[error("{0}")]
     Disconnected(String),
-}
-
-impl std::fmt::Display for StageCause {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            StageCause::Tensor(e) => write!(f, "{e}"),
-            StageCause::Panic(m) => write!(f, "panic: {m}"),
-            StageCause::Disconnected(m) => write!(f, "{m}"),
-        }
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

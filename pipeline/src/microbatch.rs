@@ -9,17 +9,30 @@ use wgpipe_tensor::Tensor;
 
 use crate::error::{PipelineError, Result};
 
-/// Sizes of the M micro-batches of N samples.
-pub fn micro_batch_sizes(n: usize, m: usize) -> Result<Vec<usize>> {
+/// Why a mini-batch cannot be split: typed, so that a front-end can name its own flag
+/// (`--micro-batches`, `--batch`) instead of checking the rule again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum MicroBatchError {
+    #[error("the number of micro-batches must be at least 1")]
+    NoMicroBatches,
+    #[error("a mini-batch of {samples} samples cannot be split into {micro_batches} micro-batches (each needs at least one sample)")]
+    TooFewSamples {
+        samples: usize,
+        micro_batches: usize,
+    },
+}
+
+/// Sizes of the M micro-batches of N samples (the one place the rules M >= 1 and N >= M are
+/// checked).
+pub fn micro_batch_sizes(n: usize, m: usize) -> std::result::Result<Vec<usize>, MicroBatchError> {
     if m == 0 {
-        return Err(PipelineError::Config(
-            "the number of micro-batches must be at least 1".into(),
-        ));
+        return Err(MicroBatchError::NoMicroBatches);
     }
     if n < m {
-        return Err(PipelineError::Config(format!(
-            "a mini-batch of {n} samples cannot be split into {m} micro-batches (each needs at least one sample)"
-        )));
+        return Err(MicroBatchError::TooFewSamples {
+            samples: n,
+            micro_batches: m,
+        });
     }
     Ok((0..m).map(|i| n / m + usize::from(i < n % m)).collect())
 }
@@ -31,6 +44,7 @@ pub fn split_batch(what: &str, t: &Tensor, m: usize) -> Result<Vec<Tensor>> {
             "{what} must have a batch axis (axis 0); got a scalar"
         )));
     }
+    // One prefix: the typed cause has none of its own.
     let sizes = micro_batch_sizes(t.shape()[0], m)
         .map_err(|e| PipelineError::Config(format!("{what} of shape {:?}: {e}", t.shape())))?;
     let mut start = 0;

@@ -4,55 +4,32 @@
 //! runs at the pace of its slowest stage, so [`balance_by_cost`] minimises the cost of the most
 //! expensive stage exactly, rather than GPipe's variance heuristic.
 
-use std::fmt;
 use std::ops::Range;
 
 /// Why a balance or a cost list was rejected.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PartitionError {
     /// A balance with no stages, or a request for zero stages.
+    #[error("a partition needs at least one stage")]
     NoStages,
     /// More stages than layers: some stage would be empty.
+    #[error(
+        "cannot split {layers} layers into {stages} non-empty stages (more stages than layers)"
+    )]
     TooManyStages { stages: usize, layers: usize },
     /// Stage `stage` of the balance has zero layers.
+    #[error("stage {stage} of the balance has 0 layers")]
     EmptyStage { stage: usize },
     /// The balance does not add up to the model's layer count.
+    #[error("balance covers {balance_sum} layers but the model has {num_layers}")]
     LayerCountMismatch {
         balance_sum: usize,
         num_layers: usize,
     },
     /// A layer cost is negative, NaN or infinite.
+    #[error("layer {layer} has cost {cost}; costs must be finite and non-negative")]
     InvalidCost { layer: usize, cost: f64 },
 }
-
-impl fmt::Display for PartitionError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PartitionError::NoStages => write!(f, "a partition needs at least one stage"),
-            PartitionError::TooManyStages { stages, layers } => write!(
-                f,
-                "cannot split {layers} layers into {stages} non-empty stages \
-                 (more stages than layers)"
-            ),
-            PartitionError::EmptyStage { stage } => {
-                write!(f, "stage {stage} of the balance has 0 layers")
-            }
-            PartitionError::LayerCountMismatch {
-                balance_sum,
-                num_layers,
-            } => write!(
-                f,
-                "balance covers {balance_sum} layers but the model has {num_layers}"
-            ),
-            PartitionError::InvalidCost { layer, cost } => write!(
-                f,
-                "layer {layer} has cost {cost}; costs must be finite and non-negative"
-            ),
-        }
-    }
-}
-
-impl std::error::Error for PartitionError {}
 
 /// Checks that `balance` splits `num_layers` layers into non-empty stages.
 ///

@@ -11,7 +11,7 @@ use std::sync::mpsc::channel;
 use std::time::Instant;
 
 use wgpipe_autograd::optim::Optimizer;
-use wgpipe_autograd::{ForwardCtx, Module, Param, Tape};
+use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, Tape};
 use wgpipe_tensor::{Device, Tensor};
 
 use crate::builder::PipelineBuilder;
@@ -20,13 +20,11 @@ use crate::microbatch::split_batch;
 use crate::report::{wall_timeline, SimReport, StageReport, StepReport};
 use crate::schedule::{Action, Schedule};
 use crate::sim::SimCluster;
+use crate::threads::{self, spawn_stage};
 use crate::timeline::{simulate, ActionCost};
 use crate::worker::{
     run_device, ActionRecord, DeviceLinks, LossFn, Position, Stage, StageOutcome, StepInputs,
 };
-
-/// Makes one optimizer per stage (each runs on its stage's device over its stage's params).
-pub type OptimizerFactory = Box<dyn Fn() -> Box<dyn Optimizer> + Send>;
 
 pub struct Pipeline {
     pub(crate) stages: Vec<Stage>,
@@ -94,7 +92,7 @@ impl Pipeline {
                 s.layers.iter().enumerate().flat_map(move |(i, l)| {
                     l.buffers()
                         .into_iter()
-                        .map(move |(n, p)| (format!("{}.{n}", s.first_layer + i), p))
+                        .map(move |(n, p)| (layer_param_name(s.first_layer + i, &n), p))
                 })
             })
             .collect()
@@ -230,8 +228,9 @@ impl Pipeline {
                         clock,
                     };
                     // `&mut Stage` is Send (layers are Send, not Sync): each thread owns its
-                    // device's stages.
-                    scope.spawn(move || {
+                    // device's stages. Threads are named `wgpipe-stage-<device>`; their panics
+                    // are caught here and come back in the error, not on stderr.
+                    spawn_stage(scope, device, move || {
                         let stages: Vec<&Stage> = stages.into_iter().map(|s| &*s).collect();
                         let mut pos = Position::default();
                         let r = catch_unwind(AssertUnwindSafe(|| {
@@ -239,7 +238,7 @@ impl Pipeline {
                         }));
                         let r = match r {
                             Ok(r) => r,
-                            Err(payload) => Err(StageCause::Panic(panic_message(payload))),
+                            Err(payload) => Err(StageCause::Panic(threads::panic_message(payload))),
                         };
                         if r.is_err() {
                             abort.store(true, Ordering::SeqCst);
@@ -251,15 +250,25 @@ impl Pipeline {
                     })
                 })
                 .collect();
+            if handles.iter().any(|h| h.is_err()) {
+                // A device without its thread would leave its peers waiting: stop them all.
+                abort.store(true, Ordering::SeqCst);
+            }
             handles
                 .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|p| {
+                .map(|h| match h {
+                    Ok(h) => h.join().unwrap_or_else(|p| {
                         (
                             Position::default(),
-                            Err(StageCause::Panic(panic_message(p))),
+                            Err(StageCause::Panic(threads::panic_message(p))),
                         )
-                    })
+                    }),
+                    Err(e) => (
+                        Position::default(),
+                        Err(StageCause::Disconnected(format!(
+                            "could not start the device's thread: {e}"
+                        ))),
+                    ),
                 })
                 .collect()
         })
@@ -365,7 +374,7 @@ impl Pipeline {
                             s,
                             mb,
                             "Forward (eval)",
-                            StageCause::Panic(panic_message(p)),
+                            StageCause::Panic(threads::panic_message(p)),
                         ))
                     }
                 };
@@ -381,9 +390,14 @@ impl Pipeline {
         self.optimizers = self.stages.iter().map(|_| factory()).collect();
     }
 
-    /// The per-stage optimizers (e.g. to save or load their state).
+    /// The per-stage optimizers (e.g. to set a learning rate, or to save or load their state).
     pub fn optimizers_mut(&mut self) -> &mut [Box<dyn Optimizer>] {
         &mut self.optimizers
+    }
+
+    /// The per-stage optimizers.
+    pub fn optimizers(&self) -> &[Box<dyn Optimizer>] {
+        &self.optimizers
     }
 
     pub fn set_lr(&mut self, lr: f32) {
@@ -393,56 +407,122 @@ impl Pipeline {
     }
 
     /// Scales all gradients so that their global L2 norm (over every stage) is at most
-    /// `max_norm`; returns the norm before clipping.
+    /// `max_norm`; returns the norm before clipping. All or nothing: every stage's scaled
+    /// gradients are computed before any is stored. A non-finite norm (a NaN or infinite
+    /// gradient) is an `Err` naming the first stage whose gradients hold one; nothing changes.
     pub fn clip_grad_norm(&self, max_norm: f32) -> Result<f32> {
+        if max_norm.is_nan() || max_norm < 0.0 {
+            return Err(PipelineError::Config(format!(
+                "clip_grad_norm: max_norm must be >= 0, got {max_norm}"
+            )));
+        }
         let mut sq = 0.0f64;
         for s in &self.stages {
-            sq += wgpipe_autograd::optim::grad_norm_sq(&stage_params(s))?;
+            let part = wgpipe_autograd::optim::grad_norm_sq(&stage_params(s))
+                .map_err(|e| stage_error(s, 0, "clip_grad_norm", StageCause::Tensor(e)))?;
+            if !part.is_finite() {
+                return Err(stage_error(
+                    s,
+                    0,
+                    "clip_grad_norm",
+                    StageCause::Tensor(wgpipe_tensor::Error::Invalid {
+                        op: "clip_grad_norm",
+                        msg: format!(
+                            "the squared norm of this stage's gradients is {part}: a gradient holds NaN or infinity (no gradient was clipped)"
+                        ),
+                    }),
+                ));
+            }
+            sq += part;
         }
         let norm = sq.sqrt() as f32;
-        if norm > max_norm && norm > 0.0 {
-            let f = max_norm / (norm + 1e-6);
+        let factor = wgpipe_autograd::optim::clip_factor(norm, max_norm);
+        if factor != 1.0 {
+            let mut scaled = Vec::new();
             for s in &self.stages {
-                wgpipe_autograd::optim::scale_grads(&stage_params(s), f)?;
+                scaled.push(
+                    wgpipe_autograd::optim::scaled_grads(&stage_params(s), factor)
+                        .map_err(|e| stage_error(s, 0, "clip_grad_norm", StageCause::Tensor(e)))?,
+                );
+            }
+            for (p, g) in scaled.into_iter().flatten() {
+                p.set_grad(Some(g));
             }
         }
         Ok(norm)
     }
 
-    /// Applies each stage's optimizer to its parameters on its own device (stages in parallel),
-    /// then clears the gradients.
+    /// Applies each stage's optimizer to its parameters on its own device (stages in parallel,
+    /// on threads named `wgpipe-stage-N`), then clears the gradients.
+    ///
+    /// All or nothing across stages: before the step every stage's parameter values, gradients
+    /// and optimizer state ([`Optimizer::state`]) are kept; when any stage fails (an error, out
+    /// of memory, or a panic of its optimizer) every stage is rolled back (values set back,
+    /// `load_state` of the kept state), so parameters, optimizer state and step counters are as
+    /// before and the gradients are kept: a retry applies the step once. The `Err` names the
+    /// failing stage (the lowest one when several fail). The cost: the old values and state stay
+    /// alive until every stage has finished (about one extra copy of parameters and optimizer
+    /// state at the peak of the step).
     pub fn optimizer_step(&mut self) -> Result<()> {
         if self.optimizers.len() != self.stages.len() {
             return Err(PipelineError::Config(
                 "no optimizer set: call set_optimizer (or the builder's optimizer) first".into(),
             ));
         }
+        let kept: Vec<StageKeep> = self
+            .stages
+            .iter()
+            .zip(&self.optimizers)
+            .map(|(s, o)| StageKeep::take(s, o.as_ref()))
+            .collect();
         let results: Vec<Result<()>> = std::thread::scope(|scope| {
-            let hs: Vec<_> = self
+            let spawned: Vec<_> = self
                 .stages
-                .iter_mut()
+                .iter()
                 .zip(self.optimizers.iter_mut())
                 .map(|(s, o)| {
-                    scope.spawn(move || {
-                        let s: &Stage = s;
-                        let params = stage_params(s);
-                        o.step(&params)
-                            .map_err(|e| stage_error(s, 0, "optimizer step", StageCause::Tensor(e)))
-                    })
+                    let params = stage_params(s);
+                    let h = spawn_stage(scope, s.index, move || {
+                        match catch_unwind(AssertUnwindSafe(|| o.step(&params))) {
+                            Ok(r) => r.map_err(StageCause::Tensor),
+                            Err(p) => Err(StageCause::Panic(threads::panic_message(p))),
+                        }
+                    });
+                    (s, h)
                 })
                 .collect();
-            hs.into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|p| {
-                        Err(PipelineError::Config(format!(
-                            "optimizer panicked: {}",
-                            panic_message(p)
-                        )))
-                    })
+            spawned
+                .into_iter()
+                .map(|(s, h)| {
+                    let r = match h {
+                        Ok(h) => h
+                            .join()
+                            .unwrap_or_else(|p| Err(StageCause::Panic(threads::panic_message(p)))),
+                        Err(e) => Err(StageCause::Tensor(wgpipe_tensor::Error::Invalid {
+                            op: "optimizer_step",
+                            msg: format!("cannot start the stage's thread: {e}"),
+                        })),
+                    };
+                    r.map_err(|c| stage_error(s, 0, "optimizer step", c))
                 })
                 .collect()
         });
-        results.into_iter().collect::<Result<Vec<()>>>()?;
+        if let Some(e) = results.into_iter().find_map(|r| r.err()) {
+            let mut rollback_errors = Vec::new();
+            for ((s, o), keep) in self.stages.iter().zip(&mut self.optimizers).zip(kept) {
+                if let Err(re) = keep.restore(o.as_mut()) {
+                    rollback_errors.push(format!("stage {}: {re}", s.index));
+                }
+            }
+            if !rollback_errors.is_empty() {
+                return Err(PipelineError::Config(format!(
+                    "{e}; and rolling the other stages back failed: {} (the optimizer's load_state does not take back its own state())",
+                    rollback_errors.join("; ")
+                )));
+            }
+            return Err(e);
+        }
+        drop(kept);
         self.zero_grad();
         Ok(())
     }
@@ -461,9 +541,39 @@ fn stage_params(s: &Stage) -> Vec<(String, Param)> {
         .flat_map(|(i, l)| {
             l.parameters()
                 .into_iter()
-                .map(move |(n, p)| (format!("{}.{n}", s.first_layer + i), p))
+                .map(move |(n, p)| (layer_param_name(s.first_layer + i, &n), p))
         })
         .collect()
+}
+
+/// What a stage needs to undo an optimizer step: parameter values, gradients and the
+/// optimizer's state, as they were before it.
+struct StageKeep {
+    params: Vec<(Param, Tensor, Option<Tensor>)>,
+    optimizer: Vec<(String, Tensor)>,
+}
+
+impl StageKeep {
+    fn take(s: &Stage, o: &dyn Optimizer) -> StageKeep {
+        StageKeep {
+            params: stage_params(s)
+                .into_iter()
+                .map(|(_, p)| {
+                    let (v, g) = (p.value(), p.grad());
+                    (p, v, g)
+                })
+                .collect(),
+            optimizer: o.state(),
+        }
+    }
+
+    fn restore(self, o: &mut dyn Optimizer) -> wgpipe_tensor::Result<()> {
+        for (p, v, g) in self.params {
+            p.set_value(v);
+            p.set_grad(g);
+        }
+        o.load_state(self.optimizer)
+    }
 }
 
 fn stage_error(s: &Stage, micro_batch: usize, action: &str, cause: StageCause) -> PipelineError {
@@ -516,14 +626,4 @@ fn first_error(
 /// An action as error messages name it: `Forward (2F3)`.
 fn describe(a: Action) -> String {
     format!("{:?} ({a})", a.kind)
-}
-
-fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "non-string panic payload".into()
-    }
 }

@@ -92,7 +92,10 @@ impl AdamCore {
             }
         }
         let c = self.cfg;
-        for it in items {
+        // Every update is computed before any is applied: a failure (e.g. out of memory for
+        // the moments of the third parameter) leaves parameters and state as they were.
+        let mut updates = Vec::with_capacity(items.len());
+        for it in &items {
             let dev = it.value.device().clone();
             let (step, m, v) = match self.state.get(it.name) {
                 Some(s) => (
@@ -121,15 +124,18 @@ impl AdamCore {
             })?;
             m.retag(Tag::OptimizerState);
             v.retag(Tag::OptimizerState);
-            it.param.set_value(p);
-            self.state.insert(
-                it.name.to_string(),
+            updates.push((
+                p,
                 Moments {
                     step: t,
                     exp_avg: m,
                     exp_avg_sq: v,
                 },
-            );
+            ));
+        }
+        for (it, (p, moments)) in items.iter().zip(updates) {
+            it.param.set_value(p);
+            self.state.insert(it.name.to_string(), moments);
         }
         self.steps += 1;
         Ok(())

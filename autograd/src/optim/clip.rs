@@ -29,17 +29,22 @@ pub fn grad_norm_sq(params: &[(String, Param)]) -> Result<f64> {
 }
 
 /// Multiplies every gradient (trainable parameters with a gradient, each once) by `factor`.
+/// Every scaled gradient is computed before any is replaced: a failure changes nothing.
 pub fn scale_grads(params: &[(String, Param)], factor: f32) -> Result<()> {
-    let items = updatable("scale_grads", params)?;
-    // Compute every scaled gradient before replacing any: a failure changes nothing.
-    let scaled = items
-        .iter()
-        .map(|it| it.grad.mul_scalar(factor))
-        .collect::<Result<Vec<_>>>()?;
-    for (it, g) in items.iter().zip(scaled) {
-        it.param.set_grad(Some(g));
+    for (p, g) in scaled_grads(params, factor)? {
+        p.set_grad(Some(g));
     }
     Ok(())
+}
+
+/// The gradients of [`scale_grads`] times `factor`, not yet stored: a caller that scales several
+/// groups (the stages of a pipeline) computes every group's first and then stores them all, so
+/// a failure in one group changes no group.
+pub fn scaled_grads(params: &[(String, Param)], factor: f32) -> Result<Vec<(Param, Tensor)>> {
+    updatable("scale_grads", params)?
+        .into_iter()
+        .map(|it| Ok((it.param.clone(), it.grad.mul_scalar(factor)?)))
+        .collect()
 }
 
 /// The factor gradients with global norm `total_norm` are scaled by to clip them to
@@ -55,7 +60,8 @@ pub fn clip_factor(total_norm: f32, max_norm: f32) -> f32 {
 
 /// Clips the gradients to a global L2 norm of at most `max_norm` and returns the norm before
 /// clipping, as `torch.nn.utils.clip_grad_norm_`. A non-finite norm (an overflowing or NaN
-/// gradient) is returned as is: check it to skip the step.
+/// gradient) is an error, and no gradient changes (PyTorch's `error_if_nonfinite=True`): it
+/// cannot be clipped, and stepping on it would make every parameter it reaches NaN.
 pub fn clip_grad_norm(params: &[(String, Param)], max_norm: f32) -> Result<f32> {
     if max_norm.is_nan() || max_norm < 0.0 {
         return Err(invalid(
@@ -64,6 +70,12 @@ pub fn clip_grad_norm(params: &[(String, Param)], max_norm: f32) -> Result<f32> 
         ));
     }
     let total = grad_norm_sq(params)?.sqrt() as f32;
+    if !total.is_finite() {
+        return Err(invalid(
+            "clip_grad_norm",
+            format!("the gradient norm is {total}: some gradient holds NaN or infinity"),
+        ));
+    }
     let factor = clip_factor(total, max_norm);
     if factor != 1.0 {
         scale_grads(params, factor)?;

@@ -44,7 +44,7 @@ mod sgd;
 use std::collections::HashMap;
 
 pub use adam::{Adam, AdamConfig, AdamW};
-pub use clip::{clip_factor, clip_grad_norm, grad_norm_sq, scale_grads};
+pub use clip::{clip_factor, clip_grad_norm, grad_norm_sq, scale_grads, scaled_grads};
 pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};
 
@@ -65,7 +65,9 @@ pub trait Optimizer: Send {
     /// `exp_avg`, `exp_avg_sq`, `step`) and `@steps`, `@lr` for the optimizer's own.
     fn state(&self) -> Vec<(String, Tensor)>;
     /// Replaces the whole state with one from [`Optimizer::state`] (possibly saved and loaded).
-    /// Checks every entry first: on error nothing changes.
+    /// Checks every entry first: on error nothing changes. `load_state(state())` must restore
+    /// the optimizer exactly (moments, counters, learning rate): a pipeline relies on it to roll
+    /// every stage back when one stage's step or load fails.
     fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()>;
     /// How many times `step` ran (restored by `load_state`).
     fn steps(&self) -> u64;

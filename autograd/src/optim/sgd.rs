@@ -124,39 +124,52 @@ impl Optimizer for Sgd {
                 }
             }
         }
-        for it in items {
+        // Every update (and momentum buffer) is computed before any is applied: a failure
+        // leaves parameters and buffers as they were.
+        let mut updates = Vec::with_capacity(items.len());
+        for it in &items {
             let dev = it.value.device().clone();
             // Temporaries and new buffers count as optimizer state; the new value is retagged
             // as a parameter by `set_value`.
-            let new_value = with_tag(Tag::OptimizerState, || -> Result<Tensor> {
-                let mut d_p = it.grad.clone();
-                if weight_decay != 0.0 {
-                    d_p = d_p.add(&it.value.mul_scalar(weight_decay)?)?;
-                }
-                if momentum != 0.0 {
-                    let buf = match self.buffers.get(it.name) {
-                        // A copy (the gradient itself is dropped by zero_grad).
-                        None => d_p.mul_scalar(1.0)?,
-                        Some(old) => {
-                            let g = if dampening != 0.0 {
-                                d_p.mul_scalar(1.0 - dampening)?
-                            } else {
-                                d_p.clone()
-                            };
-                            on_device(old, &dev)?.mul_scalar(momentum)?.add(&g)?
-                        }
-                    };
-                    buf.retag(Tag::OptimizerState);
-                    d_p = if nesterov {
-                        d_p.add(&buf.mul_scalar(momentum)?)?
-                    } else {
-                        buf.clone()
-                    };
-                    self.buffers.insert(it.name.to_string(), buf);
-                }
-                Tensor::sgd_update(&it.value, &d_p, lr)
-            })?;
-            it.param.set_value(new_value);
+            let update = with_tag(
+                Tag::OptimizerState,
+                || -> Result<(Tensor, Option<Tensor>)> {
+                    let mut d_p = it.grad.clone();
+                    if weight_decay != 0.0 {
+                        d_p = d_p.add(&it.value.mul_scalar(weight_decay)?)?;
+                    }
+                    let mut new_buf = None;
+                    if momentum != 0.0 {
+                        let buf = match self.buffers.get(it.name) {
+                            // A copy (the gradient itself is dropped by zero_grad).
+                            None => d_p.mul_scalar(1.0)?,
+                            Some(old) => {
+                                let g = if dampening != 0.0 {
+                                    d_p.mul_scalar(1.0 - dampening)?
+                                } else {
+                                    d_p.clone()
+                                };
+                                on_device(old, &dev)?.mul_scalar(momentum)?.add(&g)?
+                            }
+                        };
+                        buf.retag(Tag::OptimizerState);
+                        d_p = if nesterov {
+                            d_p.add(&buf.mul_scalar(momentum)?)?
+                        } else {
+                            buf.clone()
+                        };
+                        new_buf = Some(buf);
+                    }
+                    Ok((Tensor::sgd_update(&it.value, &d_p, lr)?, new_buf))
+                },
+            )?;
+            updates.push(update);
+        }
+        for (it, (value, buf)) in items.iter().zip(updates) {
+            it.param.set_value(value);
+            if let Some(buf) = buf {
+                self.buffers.insert(it.name.to_string(), buf);
+            }
         }
         self.steps += 1;
         Ok(())

@@ -1,9 +1,11 @@
 //! Cross-crate tests of the pipeline, all on simulated CPU-backed devices unless named wgpu.
 //! One test binary (one link) with a module per theme.
 
+mod atomic;
 mod equivalence;
 mod faults;
 mod memory;
+mod persist;
 mod reports;
 mod schedules;
 mod sim_time;

@@ -12,14 +12,17 @@ use crate::autograd::{AdamW, Tape, Var};
 use crate::bail;
 use std::sync::atomic::AtomicBool;
 
-use crate::cli::{
-    build_pipeline, ctrl_c_flag, describe_stages, load_pipeline, out_path, place, report_outputs,
-    save_pipeline, train_loop, AppResult, Context, LoopConfig, PipelineArgs, SplitMix,
-};
+use crate::args::{build_pipeline, describe_stages, PipelineArgs};
+use crate::error::{AppError, AppResult, Context};
+use crate::files::{load_pipeline, save_pipeline};
+use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
 use crate::models::data::TextDataset;
 use crate::models::{cross_entropy, parameter_count, TransformerLm};
+use crate::output::{out_path, report_outputs};
 use crate::pipeline::{CheckpointMode, Pipeline, StepReport};
+use crate::placement::place;
 use crate::tensor::{Device, Tensor};
+use crate::train::{ctrl_c_flag, train_loop, LoopConfig};
 
 /// Characters of the built-in synthetic corpus (see `wgpipe_models::data::text`).
 pub const SYNTHETIC_CHARS: usize = 300_000;
@@ -33,25 +36,26 @@ pub const SYNTHETIC_CHARS: usize = 300_000;
 pub struct TransformerArgs {
     #[command(flatten)]
     pub pipe: PipelineArgs,
-    /// Transformer blocks (the model has layers + 3 elements: embedding, blocks, norm, head).
+    /// Transformer blocks (the model has layers + 3 elements: embedding, blocks, norm, head;
+    /// 1..=1024).
     #[arg(long, default_value_t = 4)]
     pub layers: usize,
-    /// Model width.
+    /// Model width (1..=16384).
     #[arg(long, default_value_t = 64)]
     pub d_model: usize,
-    /// Attention heads (must divide --d-model).
+    /// Attention heads (must divide --d-model; 1..=1024).
     #[arg(long, default_value_t = 4)]
     pub heads: usize,
-    /// Context length in tokens.
+    /// Context length in tokens (1..=65536).
     #[arg(long, default_value_t = 64)]
     pub seq_len: usize,
     /// Total training steps (a resumed run continues up to this step).
     #[arg(long, default_value_t = 400)]
     pub steps: u64,
-    /// Sequences per mini-batch (split into --micro-batches).
+    /// Sequences per mini-batch (split into --micro-batches; 1..=1048576).
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
-    /// Peak learning rate of AdamW (linear warm-up, then cosine decay to a tenth).
+    /// Peak learning rate of AdamW (linear warm-up, then cosine decay to a tenth; 0..=10).
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f32,
     /// Dropout probability (masks are keyed by seed, step, micro-batch and layer, so recompute
@@ -61,10 +65,10 @@ pub struct TransformerArgs {
     /// A UTF-8 text file to train on, byte-level (default: the built-in synthetic corpus).
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Characters of text to sample from the trained model.
+    /// Characters of text to sample from the trained model (0..=100000).
     #[arg(long, default_value_t = 160)]
     pub sample_len: usize,
-    /// Sampling temperature (0 = greedy).
+    /// Sampling temperature (0 = greedy; 0..=100).
     #[arg(long, default_value_t = 0.7)]
     pub temperature: f32,
 }
@@ -78,7 +82,7 @@ impl TransformerArgs {
     {
         let argv = std::iter::once(std::ffi::OsString::from("train_transformer"))
             .chain(args.into_iter().map(Into::into));
-        TransformerArgs::try_parse_from(argv).map_err(|e| crate::cli::AppError(e.to_string()))
+        TransformerArgs::try_parse_from(argv).map_err(|e| AppError(e.to_string()))
     }
 }
 
@@ -214,6 +218,103 @@ fn pick(logits: &[f32], temperature: f32, rng: &mut SplitMix) -> u32 {
     argmax as u32
 }
 
+/// The flags' ranges and the rules between them, checked before anything is allocated.
+fn check_flags(args: &TransformerArgs) -> AppResult<()> {
+    check_range("layers", args.layers, 1, 1024)?;
+    check_range("d-model", args.d_model, 1, 16384)?;
+    check_range("heads", args.heads, 1, 1024)?;
+    check_range("seq-len", args.seq_len, 1, 65536)?;
+    check_range("batch", args.batch, 1, 1 << 20)?;
+    check_range("steps", args.steps, 0, 1 << 40)?;
+    check_range("sample-len", args.sample_len, 0, 100_000)?;
+    check_real("lr", args.lr as f64, 0.0, 10.0)?;
+    check_real("dropout", args.dropout as f64, 0.0, 0.99)?;
+    check_real("temperature", args.temperature as f64, 0.0, 100.0)?;
+    if !args.d_model.is_multiple_of(args.heads) {
+        return Err(AppError(format!(
+            "--heads {} must divide --d-model {}",
+            args.heads, args.d_model
+        )));
+    }
+    args.pipe.validate(
+        args.layers + 3,
+        &format!(
+            "embedding + {} blocks + final norm + head; raise --layers",
+            args.layers
+        ),
+        args.batch,
+        "sequences",
+    )
+}
+
+/// Refuses flags whose model, optimizer state or activations would not fit in memory.
+fn check_transformer_memory(args: &TransformerArgs, vocab: usize) -> AppResult<()> {
+    let (d, l, t, b) = (
+        args.d_model as f64,
+        args.layers as f64,
+        args.seq_len as f64,
+        args.batch as f64,
+    );
+    let v = vocab as f64;
+    // Embeddings and head, then per block: attention 4 d^2, MLP 8 d^2, norms and biases.
+    let params = v * d + t * d + l * (12.0 * d * d + 13.0 * d) + 2.0 * d + d * v + v;
+    // Parameters, gradients, two AdamW moments, and the copy an atomic step keeps.
+    let model = params * 4.0 * 5.0;
+    // Kept for backward per block: about 16 d per token plus the attention matrix; logits.
+    let acts = b * t * (l * (16.0 * d + 2.0 * t * args.heads as f64) + 3.0 * v) * 4.0;
+    let p = &args.pipe;
+    let parts = [
+        MemoryPart {
+            what: "the model (parameters, gradients and optimizer state)",
+            bytes: model,
+            flags: vec![
+                ("d-model", d, 64.0),
+                ("layers", l, 4.0),
+                ("seq-len", t, 64.0),
+            ],
+        },
+        MemoryPart {
+            what: "the activations of one mini-batch",
+            bytes: acts,
+            flags: vec![
+                ("batch", b, 32.0),
+                ("seq-len", t, 64.0),
+                ("d-model", d, 64.0),
+                ("layers", l, 4.0),
+            ],
+        },
+    ];
+    let host = memory_limit_bytes();
+    check_memory(&parts, host, "the memory available on this machine")?;
+    if p.device == crate::placement::DeviceChoice::Sim {
+        let sim = p.sim_spec().memory_bytes() as f64 * p.stages as f64;
+        check_memory(
+            &parts,
+            sim,
+            "--sim-memory-gib times --stages, the memory of the simulated cluster",
+        )?;
+    }
+    Ok(())
+}
+
+/// A small deterministic generator for sampling (splitmix64).
+#[derive(Clone, Debug)]
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `[0, 1)`.
+    fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
 /// The whole program: trains, reports, samples, writes the pictures.
 pub fn run(args: TransformerArgs) -> AppResult<TrainSummary> {
     run_with(args, ctrl_c_flag())
@@ -223,35 +324,9 @@ pub fn run(args: TransformerArgs) -> AppResult<TrainSummary> {
 /// became true (then saves with `--save`).
 pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSummary> {
     let p = &args.pipe;
-    if args.batch == 0 || args.seq_len == 0 || args.d_model == 0 || args.heads == 0 {
-        bail!("--batch, --seq-len, --d-model and --heads must be positive");
-    }
-    if !args.d_model.is_multiple_of(args.heads) {
-        bail!(
-            "--heads {} must divide --d-model {}",
-            args.heads,
-            args.d_model
-        );
-    }
-    if !(0.0..1.0).contains(&args.dropout) {
-        bail!("--dropout must be in [0, 1), got {}", args.dropout);
-    }
-    let num_layers = args.layers + 3;
-    p.validate(
-        num_layers,
-        &format!(
-            "embedding + {} blocks + final norm + head; raise --layers",
-            args.layers
-        ),
-    )?;
-    if args.batch < p.micro_batches {
-        bail!(
-            "--batch {} cannot be split into --micro-batches {}: every micro-batch needs at least one sequence",
-            args.batch,
-            p.micro_batches
-        );
-    }
+    check_flags(&args)?;
     let (data, data_what) = load_data(&args)?;
+    check_transformer_memory(&args, data.vocab_size())?;
     // Hold out 5% of the text, and at least one evaluation batch of M sequences.
     let held = (p.micro_batches * args.seq_len + 1).max(data.len() / 20);
     if data.len() < held + args.seq_len + 1 {
@@ -367,9 +442,8 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     let losses = r.losses.clone();
     if let Some(path) = &p.save {
         save_pipeline(
-            &mut pipe,
+            &pipe,
             path,
-            end_step,
             &[
                 ("model".into(), format!("{cfg:?}")),
                 ("data".into(), data_what.clone()),

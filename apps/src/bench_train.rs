@@ -19,7 +19,7 @@ use clap::{Parser, ValueEnum};
 use crate::autograd::optim::{zero_grad, Optimizer};
 use crate::autograd::{ForwardCtx, Module, Sgd, Tape, Var};
 use crate::bail;
-use crate::cli::{AppError, AppResult, Context};
+use crate::error::{AppError, AppResult, Context};
 use crate::models::{
     finish_step_all, forward_all, mse, sequence_parameters, Linear, Relu, TransformerBlock,
 };
@@ -211,9 +211,9 @@ fn devices(args: &BenchArgs) -> AppResult<Vec<(String, Result<Device, String>)>>
 
 /// Runs every workload on every device; prints progress to stderr and returns the rows.
 pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
-    if args.seconds.is_nan() || args.seconds <= 0.0 {
-        bail!("--seconds must be positive");
-    }
+    crate::limits::check_positive("seconds", args.seconds, 3600.0)?;
+    crate::limits::check_range("max-steps", args.max_steps, 1, 1_000_000)?;
+    crate::limits::check_range("warmup", args.warmup, 0, 10_000)?;
     let workloads = args
         .workloads
         .clone()

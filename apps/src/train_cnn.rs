@@ -12,15 +12,17 @@ use crate::autograd::{AdamW, Module, Var};
 use crate::bail;
 use std::sync::atomic::AtomicBool;
 
-use crate::cli::{
-    build_pipeline, ctrl_c_flag, describe_stages, is_optimizer_key, load_pipeline, out_path, place,
-    report_outputs, save_pipeline, train_loop, AppError, AppResult, Context, LoopConfig,
-    PipelineArgs,
-};
+use crate::args::{build_pipeline, describe_stages, PipelineArgs};
+use crate::error::{AppError, AppResult, Context};
+use crate::files::{check_readable, is_optimizer_key, load_pipeline, save_pipeline};
+use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
 use crate::models::data::{read_cifar10_bins, read_mnist, ImageSet, SyntheticTask};
 use crate::models::{cross_entropy, parameter_count, AmoebaNet, ResNet};
+use crate::output::{out_path, report_outputs};
 use crate::pipeline::{Pipeline, StepReport};
+use crate::placement::place;
 use crate::tensor::{Device, Tensor};
+use crate::train::{ctrl_c_flag, train_loop, LoopConfig};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum CnnModel {
@@ -70,7 +72,7 @@ pub struct CnnArgs {
     /// Classes of the synthetic task (2..=10).
     #[arg(long, default_value_t = 10)]
     pub classes: usize,
-    /// Side of the synthetic images in pixels (at least 8, a multiple of 4).
+    /// Side of the synthetic images in pixels (a multiple of 4 in 8..=4096).
     #[arg(long, default_value_t = 16)]
     pub image_size: usize,
     /// Synthetic training images (another quarter as many are held out for testing).
@@ -306,9 +308,7 @@ fn build_model(args: &CnnArgs, train: &ImageSet) -> AppResult<Vec<Box<dyn Module
 /// Loads every tensor of `path` whose name and shape match a parameter or buffer of the body
 /// (the head, the last layer, keeps its fresh initialisation). Returns (loaded, skipped names).
 fn init_from(pipe: &Pipeline, path: &Path) -> AppResult<(usize, Vec<String>)> {
-    if !path.exists() {
-        bail!("--init {}: file not found", path.display());
-    }
+    check_readable("init", path)?;
     let file = load_tensors(path, &Device::cpu()).context(format!("--init {}", path.display()))?;
     let head = pipe.balance().iter().sum::<usize>() - 1;
     let is_head = |n: &str| n.split('.').next() == Some(head.to_string().as_str());
@@ -339,6 +339,65 @@ fn init_from(pipe: &Pipeline, path: &Path) -> AppResult<(usize, Vec<String>)> {
     Ok((loaded, skipped))
 }
 
+/// The flags' ranges, and the memory the images and the model would take, checked before
+/// anything is allocated.
+fn check_flags(args: &CnnArgs) -> AppResult<()> {
+    check_range("width", args.width, 1, 4096)?;
+    check_range("depth", args.depth, 1, 256)?;
+    check_range("image-size", args.image_size, 8, 4096)?;
+    check_range("train-size", args.train_size, 1, 10_000_000)?;
+    check_range("batch", args.batch, 1, 1 << 20)?;
+    check_range("steps", args.steps, 0, 1 << 40)?;
+    if let Some(k) = args.per_class {
+        check_range("per-class", k, 1, 10_000_000)?;
+    }
+    check_real("lr", args.lr as f64, 0.0, 10.0)?;
+    if let Some(p) = &args.init {
+        check_readable("init", p)?;
+    }
+    let synthetic = args.cifar.is_none() && args.mnist.is_none();
+    let (side, n) = if synthetic {
+        let n = args.train_size + (args.train_size / 4).max(args.classes * 10);
+        (args.image_size as f64, n as f64)
+    } else {
+        (32.0, 60_000.0)
+    };
+    let (w, depth, b) = (args.width as f64, args.depth as f64, args.batch as f64);
+    // Three resolutions (full, 1/2, 1/4) of width w, 2w, 4w channels; 3x3 convolutions.
+    let params = 3.0 * depth * 2.0 * 9.0 * (w * w + 4.0 * w * w + 16.0 * w * w);
+    let acts_per_image = depth * 2.0 * 4.0 * side * side * (w + 2.0 * w / 4.0 + 4.0 * w / 16.0);
+    let parts = [
+        MemoryPart {
+            what: "the images (3 channels, f32)",
+            bytes: n * 3.0 * side * side * 4.0 * if synthetic { 2.0 } else { 1.0 },
+            flags: vec![
+                ("image-size", side, 16.0),
+                ("train-size", args.train_size as f64, 4000.0),
+            ],
+        },
+        MemoryPart {
+            what: "the model (parameters, gradients and optimizer state)",
+            bytes: params * 4.0 * 5.0,
+            flags: vec![("width", w, 16.0), ("depth", depth, 1.0)],
+        },
+        MemoryPart {
+            what: "the activations of one mini-batch",
+            bytes: b * acts_per_image * 4.0,
+            flags: vec![
+                ("batch", b, 64.0),
+                ("image-size", side, 16.0),
+                ("width", w, 16.0),
+                ("depth", depth, 1.0),
+            ],
+        },
+    ];
+    check_memory(
+        &parts,
+        memory_limit_bytes(),
+        "the memory available on this machine",
+    )
+}
+
 /// The whole program.
 pub fn run(args: CnnArgs) -> AppResult<CnnSummary> {
     run_with(args, ctrl_c_flag())
@@ -348,19 +407,7 @@ pub fn run(args: CnnArgs) -> AppResult<CnnSummary> {
 /// became true (then saves with `--save`).
 pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     let p = &args.pipe;
-    if args.batch == 0 {
-        bail!("--batch must be positive");
-    }
-    if args.batch < p.micro_batches {
-        bail!(
-            "--batch {} cannot be split into --micro-batches {}: every micro-batch needs at least one image",
-            args.batch,
-            p.micro_batches
-        );
-    }
-    if p.micro_batches == 0 {
-        bail!("--micro-batches must be at least 1");
-    }
+    check_flags(&args)?;
     let (train, test, data_what) = load_images(&args)?;
     let batch = args.batch.min(train.n);
     if batch < p.micro_batches {
@@ -375,6 +422,8 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     p.validate(
         n_layers,
         &format!("{:?} with --depth {}", args.model, args.depth),
+        batch,
+        "images",
     )?;
     let n_params = parameter_count(&layers);
     let placement = place(p.device, p.stages, p.sim_spec())?;
@@ -468,9 +517,8 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     let end_step = r.end_step(start_step);
     if let Some(path) = &p.save {
         save_pipeline(
-            &mut pipe,
+            &pipe,
             path,
-            end_step,
             &[
                 ("model".into(), model_what.clone()),
                 ("data".into(), data_what.clone()),

@@ -1,0 +1,358 @@
+//! The flags every training example shares (devices, pipeline, checkpoint files, outputs), and
+//! building the pipeline from them. Rules the library checks (M >= 1, a mini-batch splits into
+//! M, a balance fits the model) are not checked again here: the library's typed errors are
+//! mapped to the flags that caused them.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use clap::{Args, ValueEnum};
+
+use crate::autograd::optim::Optimizer;
+use crate::autograd::Module;
+use crate::error::{AppError, AppResult};
+use crate::limits::{check_positive, check_range};
+use crate::pipeline::microbatch::{micro_batch_sizes, MicroBatchError};
+use crate::pipeline::partition::{balance_by_cost, validate_balance, PartitionError};
+use crate::pipeline::{Balance, CheckpointMode, Pipeline, PipelineError, ScheduleKind};
+use crate::placement::{DeviceChoice, Placement, SimSpec};
+use crate::tensor::Tensor;
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CheckpointArg {
+    Always,
+    ExceptLast,
+    Never,
+}
+
+impl From<CheckpointArg> for CheckpointMode {
+    fn from(c: CheckpointArg) -> CheckpointMode {
+        match c {
+            CheckpointArg::Always => CheckpointMode::Always,
+            CheckpointArg::ExceptLast => CheckpointMode::ExceptLast,
+            CheckpointArg::Never => CheckpointMode::Never,
+        }
+    }
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ScheduleArg {
+    /// Fill-drain: all forwards, then all backwards.
+    Gpipe,
+    /// One forward, one backward (PipeDream-Flush): fewer activations alive.
+    #[value(name = "1f1b")]
+    OneFOneB,
+    /// Megatron's interleaved 1F1B over --chunks virtual stages per device.
+    #[value(name = "interleaved-1f1b")]
+    Interleaved1F1B,
+    /// Breadth-first over --chunks virtual stages per device.
+    #[value(name = "looped-bfs")]
+    LoopedBfs,
+    /// Zero bubble H1: split backward, 1F1B memory.
+    #[value(name = "zb-h1")]
+    ZbH1,
+    /// Zero bubble H2: split backward, about twice 1F1B's memory.
+    #[value(name = "zb-h2")]
+    ZbH2,
+    /// Zero bubble V: two chunks per device in a V, 1F1B memory.
+    #[value(name = "zb-v")]
+    ZbV,
+    /// DualPipeV: two chunks per device in a V (needs M >= 2K).
+    #[value(name = "dualpipe-v")]
+    DualPipeV,
+}
+
+impl From<ScheduleArg> for ScheduleKind {
+    fn from(s: ScheduleArg) -> ScheduleKind {
+        match s {
+            ScheduleArg::Gpipe => ScheduleKind::GPipe,
+            ScheduleArg::OneFOneB => ScheduleKind::OneFOneB,
+            ScheduleArg::Interleaved1F1B => ScheduleKind::Interleaved1F1B,
+            ScheduleArg::LoopedBfs => ScheduleKind::LoopedBfs,
+            ScheduleArg::ZbH1 => ScheduleKind::ZbH1,
+            ScheduleArg::ZbH2 => ScheduleKind::ZbH2,
+            ScheduleArg::ZbV => ScheduleKind::ZbV,
+            ScheduleArg::DualPipeV => ScheduleKind::DualPipeV,
+        }
+    }
+}
+
+/// `--balance`: layers per stage (`3,3,2,2`) or a rule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BalanceArg {
+    Explicit(Vec<usize>),
+    Time,
+    Params,
+    Flops,
+    Memory,
+}
+
+impl FromStr for BalanceArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "time" => Ok(BalanceArg::Time),
+            "params" => Ok(BalanceArg::Params),
+            "flops" => Ok(BalanceArg::Flops),
+            "memory" => Ok(BalanceArg::Memory),
+            list => list
+                .split(',')
+                .map(|x| x.trim().parse::<usize>())
+                .collect::<Result<Vec<_>, _>>()
+                .map(BalanceArg::Explicit)
+                .map_err(|_| {
+                    format!(
+                        "'{list}' is neither a list of layers per stage (e.g. 3,3,2,2) nor one of time, params, flops, memory"
+                    )
+                }),
+        }
+    }
+}
+
+impl fmt::Display for BalanceArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BalanceArg::Explicit(v) => {
+                let s: Vec<String> = v.iter().map(|x| x.to_string()).collect();
+                f.write_str(&s.join(","))
+            }
+            BalanceArg::Time => f.write_str("time"),
+            BalanceArg::Params => f.write_str("params"),
+            BalanceArg::Flops => f.write_str("flops"),
+            BalanceArg::Memory => f.write_str("memory"),
+        }
+    }
+}
+
+/// Most stages the examples accept.
+pub const MAX_STAGES: usize = 256;
+
+/// The flags every training example has: devices, pipeline, checkpoint files and outputs.
+#[derive(Args, Clone, Debug)]
+pub struct PipelineArgs {
+    /// Where the stages run: auto (GPU if any, else a simulated cluster on the CPU), cpu, gpu, sim.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+    /// Number of pipeline stages K (one device each; 1..=256).
+    #[arg(long, default_value_t = 4)]
+    pub stages: usize,
+    /// Micro-batches M per mini-batch (1..=the mini-batch size).
+    #[arg(long, default_value_t = 8)]
+    pub micro_batches: usize,
+    /// Re-materialization: always, except-last (the last micro-batch keeps its tape), never.
+    #[arg(long, value_enum, default_value_t = CheckpointArg::ExceptLast)]
+    pub checkpoint: CheckpointArg,
+    /// Pipeline schedule.
+    #[arg(long, value_enum, default_value_t = ScheduleArg::Gpipe)]
+    pub schedule: ScheduleArg,
+    /// Virtual stages per device for interleaved-1f1b and looped-bfs (default 2; zb-v and
+    /// dualpipe-v always use 2, the others 1; 1..=64). The model is cut into stages x chunks
+    /// pieces.
+    #[arg(long)]
+    pub chunks: Option<usize>,
+    /// Layers per stage (e.g. 3,3,2,2) or a balancing rule: time, params, flops, memory.
+    #[arg(long, default_value = "flops")]
+    pub balance: BalanceArg,
+    /// Seed of the initialisation, the data order and dropout.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Save a checkpoint (parameters, buffers, every stage's optimizer state, step) here at the
+    /// end, and on Ctrl-C.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Resume from a checkpoint written by --save (bit-exact continuation; --steps is the total).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Stop at this step as Ctrl-C would (then save with --save); the learning-rate schedule
+    /// still spans --steps, so a later --resume with the same flags continues bit-exactly.
+    #[arg(long)]
+    pub stop_at: Option<u64>,
+    /// Chrome trace of the last step (open in Perfetto or chrome://tracing).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// SVG timeline of the last step (stages as rows).
+    #[arg(long)]
+    pub timeline: Option<PathBuf>,
+    /// No progress bar (plain log lines instead).
+    #[arg(long)]
+    pub quiet: bool,
+    /// --device sim: compute rate of each virtual device, in GFLOP/s (up to 1e9).
+    #[arg(long, default_value_t = 100.0)]
+    pub sim_gflops: f64,
+    /// --device sim: memory of each virtual device, in GiB (up to 1048576; an allocation past
+    /// it is an out-of-memory error of that stage).
+    #[arg(long, default_value_t = 16.0)]
+    pub sim_memory_gib: f64,
+    /// --device sim: link bandwidth between neighbouring devices, in GB/s (up to 1e6; latency
+    /// 10 µs).
+    #[arg(long, default_value_t = 10.0)]
+    pub sim_link_gbs: f64,
+}
+
+impl PipelineArgs {
+    pub fn sim_spec(&self) -> SimSpec {
+        SimSpec {
+            gflops: self.sim_gflops,
+            memory_gib: self.sim_memory_gib,
+            link_gbs: self.sim_link_gbs,
+        }
+    }
+
+    /// Checks the flags against their ranges, and against the model (`num_layers` layers,
+    /// described by `what`) and the mini-batch (`batch` `items`, e.g. "sequences") through the
+    /// library's own rules, naming the flags. Output paths are checked too, so that a bad
+    /// `--save` is found before training rather than after.
+    /// Virtual stages per device: `--chunks`, or the schedule's own count.
+    pub fn chunks(&self) -> usize {
+        self.chunks
+            .unwrap_or_else(|| ScheduleKind::from(self.schedule).default_chunks())
+    }
+
+    /// K x chunks: the pieces the model is cut into.
+    pub fn pieces(&self) -> usize {
+        self.stages * self.chunks()
+    }
+
+    pub fn validate(
+        &self,
+        num_layers: usize,
+        what: &str,
+        batch: usize,
+        items: &str,
+    ) -> AppResult<()> {
+        check_range("stages", self.stages, 1, MAX_STAGES)?;
+        if let Some(v) = self.chunks {
+            check_range("chunks", v, 1, 64)?;
+        }
+        check_positive("sim-gflops", self.sim_gflops, 1e9)?;
+        check_positive("sim-memory-gib", self.sim_memory_gib, 1048576.0)?;
+        check_positive("sim-link-gbs", self.sim_link_gbs, 1e6)?;
+        if let Some(s) = self.stop_at {
+            check_range("stop-at", s, 1, u64::MAX)?;
+        }
+        match micro_batch_sizes(batch, self.micro_batches) {
+            Ok(_) => {}
+            Err(MicroBatchError::NoMicroBatches) => {
+                return Err(AppError(format!(
+                    "--micro-batches 0: {}",
+                    MicroBatchError::NoMicroBatches
+                )))
+            }
+            Err(MicroBatchError::TooFewSamples { .. }) => {
+                return Err(AppError(format!(
+                    "--batch {batch} cannot be split into --micro-batches {}: every micro-batch needs at least one of the {items}",
+                    self.micro_batches
+                )))
+            }
+        }
+        let check = match &self.balance {
+            BalanceArg::Explicit(b) => {
+                if b.len() != self.pieces() {
+                    return Err(AppError(format!(
+                        "--balance {} has {} entries but --stages x chunks is {} ({} x {})",
+                        self.balance,
+                        b.len(),
+                        self.pieces(),
+                        self.stages,
+                        self.chunks()
+                    )));
+                }
+                validate_balance(b, num_layers)
+            }
+            // The library's own rule for balancing by cost (what the builder runs).
+            _ => balance_by_cost(&vec![1.0; num_layers], self.pieces()).map(|_| ()),
+        };
+        if let Err(e) = check {
+            return Err(self.partition_error(&e, num_layers, what));
+        }
+        for (flag, path) in [
+            ("save", &self.save),
+            ("trace", &self.trace),
+            ("timeline", &self.timeline),
+        ] {
+            if let Some(p) = path {
+                crate::output::check_writable(flag, p)?;
+            }
+        }
+        if let Some(p) = &self.resume {
+            crate::files::check_readable("resume", p)?;
+        }
+        Ok(())
+    }
+
+    /// A partition error of the library, said with the flags.
+    fn partition_error(&self, e: &PartitionError, num_layers: usize, what: &str) -> AppError {
+        match (e, &self.balance) {
+            (_, BalanceArg::Explicit(_)) => AppError(format!(
+                "--balance {} must give every stage at least one layer and sum to the {num_layers} layers of the model ({what}): {e}",
+                self.balance
+            )),
+            (PartitionError::TooManyStages { .. }, _) => AppError(format!(
+                "--stages {} x {} chunk(s) = {} pieces is more than the {num_layers} layers of the model ({what}): every piece needs at least one layer; use fewer stages or chunks, or more layers",
+                self.stages,
+                self.chunks(),
+                self.pieces()
+            )),
+            _ => AppError(format!("--stages {}: {e}", self.stages)),
+        }
+    }
+}
+
+/// Builds the pipeline from the flags. `sample` is one micro-batch of inputs (for
+/// `--balance time`), `input_shape` its shape (for `flops` and `memory`).
+pub fn build_pipeline(
+    layers: Vec<Box<dyn Module>>,
+    args: &PipelineArgs,
+    placement: &Placement,
+    sample: &Tensor,
+    optimizer: impl Fn() -> Box<dyn Optimizer> + 'static,
+) -> AppResult<Pipeline> {
+    let input_shape = sample.shape().to_vec();
+    let num_layers = layers.len();
+    let balance = match &args.balance {
+        BalanceArg::Explicit(b) => Balance::Explicit(b.clone()),
+        BalanceArg::Params => Balance::ByParams,
+        BalanceArg::Flops => Balance::ByFlops { input_shape },
+        BalanceArg::Memory => Balance::ByMemory {
+            input_shape,
+            optimizer_factor: 4.0,
+        },
+        BalanceArg::Time => Balance::ByTime {
+            sample: sample.clone(),
+        },
+    };
+    let mut b = Pipeline::builder(layers)
+        .balance(balance)
+        .micro_batches(args.micro_batches)
+        .checkpoint(args.checkpoint.into())
+        .schedule(ScheduleKind::from(args.schedule))
+        .chunks(args.chunks())
+        .seed(args.seed)
+        .optimizer(optimizer);
+    b = match &placement.sim {
+        Some(c) => b.sim(c.clone()),
+        None => b.devices(placement.devices.clone()),
+    };
+    b.build().map_err(|e| match &e {
+        PipelineError::Partition(p) => args.partition_error(p, num_layers, "as built"),
+        _ => AppError(format!("building the pipeline: {e}")),
+    })
+}
+
+/// The layers of each stage, e.g. `stage 0: 0..2 TokenPositionEmbedding(..), TransformerBlock(..)`.
+pub fn describe_stages(pipe: &Pipeline) -> String {
+    let mut s = String::new();
+    for st in pipe.stages() {
+        let names: Vec<String> = st.layers.iter().map(|l| l.name()).collect();
+        s.push_str(&format!(
+            "  stage {} on {}: layers {}..{}  {}\n",
+            st.index,
+            st.device.name(),
+            st.first_layer,
+            st.first_layer + st.layers.len(),
+            names.join(", ")
+        ));
+    }
+    s
+}

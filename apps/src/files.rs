@@ -1,0 +1,93 @@
+//! `--save` and `--resume`: whole-pipeline checkpoint files through the pipeline crate's
+//! [`persist`](crate::pipeline::persist) module, with messages that tell a damaged or foreign
+//! file (nothing to do with the flags) from a checkpoint of another model (the flags differ:
+//! which tensor, and which model each side describes).
+
+use std::path::Path;
+
+use crate::autograd::serialize::{load_metadata, OPTIM_PREFIX};
+use crate::bail;
+use crate::error::{AppError, AppResult};
+use crate::pipeline::{LoadOptions, PersistError, Pipeline, SaveOptions};
+
+/// `Err` naming `--flag` unless `path` is a readable file.
+pub fn check_readable(flag: &str, path: &Path) -> AppResult<()> {
+    if !path.exists() {
+        bail!("--{flag} {}: file not found", path.display());
+    }
+    if let Err(e) = std::fs::File::open(path) {
+        bail!("--{flag} {}: cannot open it: {e}", path.display());
+    }
+    if path.is_dir() {
+        bail!("--{flag} {}: a folder, not a file", path.display());
+    }
+    Ok(())
+}
+
+/// Saves parameters, buffers, every stage's optimizer state and the step (atomically; refuses
+/// to write a checkpoint holding NaN or infinity).
+pub fn save_pipeline(pipe: &Pipeline, path: &Path, metadata: &[(String, String)]) -> AppResult<()> {
+    let opts = SaveOptions {
+        metadata: metadata.to_vec(),
+        require_finite: true,
+    };
+    pipe.save(path, &opts).map_err(|e| match e {
+        PersistError::NonFinite { tensor, value, .. } => AppError(format!(
+            "--save {}: not saved: tensor '{tensor}' holds {value} (training diverged)",
+            path.display()
+        )),
+        PersistError::Io { why, .. }
+        | PersistError::Unreadable { why, .. }
+        | PersistError::Mismatch { why, .. } => {
+            AppError(format!("--save {}: {why}", path.display()))
+        }
+    })
+}
+
+/// Loads a checkpoint written by [`save_pipeline`] into `pipe` (refusing non-finite values);
+/// returns its step and metadata. `model` describes the model these flags build; when the file
+/// holds another model (its `model` metadata), the error shows both.
+pub fn load_pipeline(
+    pipe: &mut Pipeline,
+    path: &Path,
+    model: &str,
+) -> AppResult<(u64, Vec<(String, String)>)> {
+    check_readable("resume", path)?;
+    let opts = LoadOptions {
+        require_finite: true,
+    };
+    match pipe.load(path, &opts) {
+        Ok(r) => Ok((r.step, r.metadata)),
+        Err(PersistError::Unreadable { why, .. }) => Err(AppError(format!(
+            "--resume {}: the file is not a usable checkpoint (damaged, truncated or of another kind; the flags are not at fault): {why}",
+            path.display()
+        ))),
+        Err(PersistError::Mismatch { tensor, why, .. }) => {
+            let saved = load_metadata(path)
+                .ok()
+                .and_then(|m| m.into_iter().find(|(k, _)| k == "model").map(|(_, v)| v));
+            let models = match saved {
+                Some(m) if m != model => {
+                    format!("\n  the checkpoint holds: {m}\n  these flags build:    {model}")
+                }
+                _ => String::new(),
+            };
+            Err(AppError(format!(
+                "cannot resume from {}: it does not match the model of these flags: tensor '{tensor}': {why}{models}",
+                path.display()
+            )))
+        }
+        Err(PersistError::NonFinite { tensor, value, .. }) => Err(AppError(format!(
+            "--resume {}: tensor '{tensor}' holds {value}: the checkpoint comes from a diverged run; resume from an earlier one",
+            path.display()
+        ))),
+        Err(PersistError::Io { why, .. }) => {
+            Err(AppError(format!("--resume {}: {why}", path.display())))
+        }
+    }
+}
+
+/// True for state keys of the optimizer inside a checkpoint file.
+pub fn is_optimizer_key(name: &str) -> bool {
+    name.starts_with(OPTIM_PREFIX)
+}

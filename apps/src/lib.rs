@@ -1,0 +1,35 @@
+//! wgpipe-apps: the code of wgpipe's example programs, as a library so that tests run each
+//! example in-process through its `run` function. The library crates (and the `wgpipe`
+//! facade) do not depend on it, nor on its command-line and terminal dependencies (clap,
+//! indicatif, ctrlc).
+//!
+//! - [`error`]: one error type whose messages name the flag to change;
+//! - [`limits`]: the checked range of every flag, and memory estimates made from the flags
+//!   before anything is allocated;
+//! - [`placement`]: the stage devices of `--device`;
+//! - [`args`]: the pipeline flags every training example shares, and building the pipeline;
+//! - [`files`]: `--save` / `--resume` checkpoint files (through `wgpipe_pipeline::persist`);
+//! - [`train`]: the training loop and Ctrl-C;
+//! - [`output`]: the progress bar, the per-stage table, the trace and the SVG timeline;
+//! - the programs: [`train_transformer`], [`train_cnn`], [`bench_train`].
+
+pub use clap::Parser;
+pub use wgpipe_autograd as autograd;
+pub use wgpipe_models as models;
+pub use wgpipe_pipeline as pipeline;
+pub use wgpipe_tensor as tensor;
+
+pub mod args;
+pub mod error;
+pub mod files;
+pub mod limits;
+pub mod output;
+pub mod placement;
+pub mod train;
+
+pub mod bench_train;
+pub mod train_cnn;
+pub mod train_transformer;
+
+pub use error::{exit_on_error, AppError, AppResult, Context};
+pub use train::{ctrl_c_flag, install_ctrl_c};

@@ -1,0 +1,146 @@
+//! The training loop of the examples, and Ctrl-C.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::error::{AppResult, Context};
+use crate::output::progress_bar;
+use crate::pipeline::{LossFn, Pipeline, StepReport};
+use crate::tensor::Tensor;
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+/// Installs a Ctrl-C (SIGINT/SIGTERM) handler that asks the training loop to stop after the
+/// current step (it then saves when `--save` is set). A second Ctrl-C exits at once.
+pub fn install_ctrl_c() {
+    let _ = ctrlc::set_handler(|| {
+        if STOP.swap(true, Ordering::SeqCst) {
+            eprintln!("\ninterrupted again: exiting without saving");
+            std::process::exit(130);
+        }
+        eprintln!("\ninterrupted: stopping after this step (Ctrl-C again to exit at once)");
+    });
+}
+
+/// The flag Ctrl-C sets: the examples' `run` functions stop after the step during which it
+/// was set (their `run_with` variants take another flag, e.g. in tests).
+pub fn ctrl_c_flag() -> &'static AtomicBool {
+    &STOP
+}
+
+/// How [`train_loop`] runs.
+pub struct LoopConfig<'a> {
+    /// First step (non-zero when resumed) and total steps.
+    pub start: u64,
+    pub steps: u64,
+    pub base_lr: f32,
+    pub schedule: crate::autograd::LrSchedule,
+    /// Global gradient-norm clip.
+    pub clip: Option<f32>,
+    pub quiet: bool,
+    /// Items (tokens, images) per step, and their name for the rate ("tok", "img").
+    pub items_per_step: usize,
+    pub unit: &'static str,
+    /// Stop after the step during which this became true (Ctrl-C).
+    pub stop: &'a AtomicBool,
+    /// Stop when this step is reached (`--stop-at`).
+    pub stop_at: Option<u64>,
+}
+
+/// What [`train_loop`] did.
+pub struct LoopResult {
+    pub losses: Vec<f32>,
+    pub last_report: Option<StepReport>,
+    pub wall_secs: f64,
+    pub items_per_sec: f64,
+    /// Stopped by Ctrl-C.
+    pub interrupted: bool,
+}
+
+impl LoopResult {
+    /// The step after the last one run.
+    pub fn end_step(&self, start: u64) -> u64 {
+        start + self.losses.len() as u64
+    }
+    /// Mean of the last `k` losses.
+    pub fn tail_loss(&self, k: usize) -> f32 {
+        let k = k.min(self.losses.len()).max(1);
+        self.losses.iter().rev().take(k).sum::<f32>() / k as f32
+    }
+}
+
+/// Steps `cfg.start..cfg.steps`: learning rate from the schedule, `train_step` on
+/// `batch(step)`, clip, optimizer step; a progress bar (or, with `quiet`, ten log lines) with
+/// loss, throughput and bubble. Stops early after the step during which Ctrl-C was pressed.
+pub fn train_loop(
+    pipe: &mut Pipeline,
+    cfg: &LoopConfig<'_>,
+    mut batch: impl FnMut(u64) -> AppResult<(Tensor, Tensor)>,
+    loss_fn: &LossFn,
+) -> AppResult<LoopResult> {
+    let pb = progress_bar(cfg.start, cfg.steps, cfg.quiet);
+    let clock = std::time::Instant::now();
+    let mut r = LoopResult {
+        losses: Vec::new(),
+        last_report: None,
+        wall_secs: 0.0,
+        items_per_sec: 0.0,
+        interrupted: false,
+    };
+    let log_every = (cfg.steps / 10).max(1);
+    let mut items = 0usize;
+    for step in cfg.start..cfg.steps {
+        let (x, y) = batch(step)?;
+        for o in pipe.optimizers_mut() {
+            cfg.schedule.apply(o.as_mut(), cfg.base_lr);
+        }
+        let report = pipe
+            .train_step(&x, &y, loss_fn)
+            .context(format!("training step {step}"))?;
+        if let Some(c) = cfg.clip {
+            pipe.clip_grad_norm(c)
+                .context(format!("clipping the gradients of step {step}"))?;
+        }
+        pipe.optimizer_step()
+            .context(format!("optimizer step {step}"))?;
+        items += cfg.items_per_step;
+        r.losses.push(report.loss);
+        let elapsed = clock.elapsed().as_secs_f64();
+        let msg = format!(
+            "loss {:.3}  {:.0} {}/s  bubble {:.0}%{}",
+            report.loss,
+            items as f64 / elapsed,
+            cfg.unit,
+            report.bubble_fraction() * 100.0,
+            if report.simulated.is_some() {
+                " (simulated)"
+            } else {
+                " (measured)"
+            }
+        );
+        pb.set_message(msg.clone());
+        pb.set_position(step + 1);
+        if cfg.quiet && ((step + 1) % log_every == 0 || step + 1 == cfg.steps) {
+            println!("step {:>5}/{}  {msg}", step + 1, cfg.steps);
+        }
+        r.last_report = Some(report);
+        let why = if cfg.stop.load(Ordering::SeqCst) {
+            Some("Ctrl-C")
+        } else if cfg.stop_at == Some(step + 1) && step + 1 < cfg.steps {
+            Some("--stop-at")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            r.interrupted = true;
+            pb.abandon();
+            eprintln!("stopped by {why} after step {}", step + 1);
+            break;
+        }
+    }
+    pb.finish();
+    r.wall_secs = clock.elapsed().as_secs_f64();
+    if r.wall_secs > 0.0 {
+        r.items_per_sec = items as f64 / r.wall_secs;
+    }
+    Ok(r)
+}

@@ -1,0 +1,430 @@
+//! Saving a whole pipeline to disk and loading it back: every stage's parameters and buffers,
+//! every stage's optimizer state and the step, in one safetensors file. (Not to be confused
+//! with re-materialization, which the schedules call `checkpoint`.)
+//!
+//! The file: parameters and buffers under their global names ([`layer_param_name`]:
+//! `"{layer}.{name}"`), the optimizers' state under `optim.` (per-parameter entries are keyed by
+//! the global parameter name, so they are disjoint across stages; the shared counters `@steps`
+//! and `@lr` are equal on every stage and stored once), and the step in the metadata. A file
+//! written by a pipeline of any K loads into a pipeline of any other K over the same layers.
+//!
+//! - [`Pipeline::save`] writes atomically (a unique temporary file created exclusively, fsync,
+//!   rename; see [`wgpipe_autograd::serialize`]): concurrent saves to one path each publish a
+//!   whole file, and temporaries left by a dead process are cleaned up.
+//! - [`Pipeline::load`] checks every tensor of every stage (names, shapes, dtypes, and with
+//!   [`LoadOptions::require_finite`] finiteness), builds every new value on its device, and only
+//!   then changes anything; an optimizer that refuses its state rolls back the stages already
+//!   loaded. On any error the pipeline is as before.
+//! - Optimizer state is persisted through [`Optimizer::state`] / [`Optimizer::load_state`] only:
+//!   the persistence code splits and merges the stages' states itself, so no optimizer has to
+//!   pretend to be something it is not.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use wgpipe_autograd::layer_param_name;
+use wgpipe_autograd::optim::Optimizer;
+use wgpipe_autograd::serialize::{
+    save_tensors_checked, TensorFile, FORMAT_KEY, OPTIM_PREFIX, STEP_KEY,
+};
+use wgpipe_autograd::Param;
+use wgpipe_tensor::memory::with_tag;
+use wgpipe_tensor::{Device, Tag, Tensor};
+
+use crate::pipeline::Pipeline;
+
+/// The format written in the metadata under [`FORMAT_KEY`].
+pub const FORMAT: &str = "checkpoint/1";
+/// Per-parameter optimizer slots that are counters (shape `[2]`), not parameter-shaped.
+const COUNTER_SLOTS: [&str; 1] = ["step"];
+
+/// How [`Pipeline::save`] writes.
+#[derive(Debug, Clone, Default)]
+pub struct SaveOptions {
+    /// Extra string metadata (keys must not start with `wgpipe.`), e.g. the model's description.
+    pub metadata: Vec<(String, String)>,
+    /// Refuse to write a checkpoint any of whose tensors holds NaN or infinity.
+    pub require_finite: bool,
+}
+
+/// How [`Pipeline::load`] checks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LoadOptions {
+    /// Refuse a checkpoint any of whose tensors holds NaN or infinity.
+    pub require_finite: bool,
+}
+
+/// What [`Pipeline::load`] found besides the tensors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Restored {
+    /// The step saved (now the pipeline's step).
+    pub step: u64,
+    /// The extra metadata given at save time, sorted by key.
+    pub metadata: Vec<(String, String)>,
+}
+
+/// Why a save or a load failed. A load error leaves the pipeline as it was.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PersistError {
+    /// The file cannot be used at all: missing, unreadable, truncated, not safetensors, or not
+    /// a wgpipe checkpoint. Nothing about the pipeline is wrong.
+    #[error("{}: cannot be read as a checkpoint: {why}", path.display())]
+    Unreadable { path: PathBuf, why: String },
+    /// A whole checkpoint, but not of this pipeline: `tensor` is the first tensor that differs
+    /// (in file order or the pipeline's order), `why` says how (and how many others differ).
+    #[error("{}: does not match this pipeline: {tensor}: {why}", path.display())]
+    Mismatch {
+        path: PathBuf,
+        tensor: String,
+        why: String,
+    },
+    /// With `require_finite`: tensor `tensor` holds `value`.
+    #[error("{}: tensor '{tensor}' holds {value}, not a finite number", path.display())]
+    NonFinite {
+        path: PathBuf,
+        tensor: String,
+        value: f32,
+    },
+    /// Writing failed (nothing was published), or the values could not be read back or placed
+    /// on their devices (e.g. out of memory).
+    #[error("{}: {why}", path.display())]
+    Io { path: PathBuf, why: String },
+}
+
+impl PersistError {
+    /// The file the error is about.
+    pub fn path(&self) -> &Path {
+        match self {
+            PersistError::Unreadable { path, .. }
+            | PersistError::Mismatch { path, .. }
+            | PersistError::NonFinite { path, .. }
+            | PersistError::Io { path, .. } => path,
+        }
+    }
+}
+
+type PResult<T> = std::result::Result<T, PersistError>;
+
+/// The optimizers' state of all stages as one list keyed like a checkpoint file (without the
+/// `optim.` prefix): per-parameter entries from every stage, the shared `@` counters once.
+pub fn merged_optimizer_state(optimizers: &[Box<dyn Optimizer>]) -> Vec<(String, Tensor)> {
+    let mut all = Vec::new();
+    for (i, o) in optimizers.iter().enumerate() {
+        for (k, t) in o.state() {
+            if !k.starts_with('@') || i == 0 {
+                all.push((k, t));
+            }
+        }
+    }
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    all
+}
+
+/// The inverse of [`merged_optimizer_state`]: each stage's share of a merged state, given the
+/// stage that owns each parameter. Shared `@` entries go to every stage. `Err` names the first
+/// entry that belongs to no parameter.
+pub fn split_optimizer_state(
+    state: Vec<(String, Tensor)>,
+    owner: &HashMap<String, usize>,
+    num_stages: usize,
+) -> std::result::Result<Vec<Vec<(String, Tensor)>>, String> {
+    let mut per: Vec<Vec<(String, Tensor)>> = vec![Vec::new(); num_stages];
+    for (k, t) in state {
+        if k.starts_with('@') {
+            for p in per.iter_mut() {
+                p.push((k.clone(), t.clone()));
+            }
+            continue;
+        }
+        let pname = k.rsplit_once('.').map_or(k.as_str(), |(p, _)| p);
+        match owner.get(pname) {
+            Some(&s) => per[s].push((k, t)),
+            None => return Err(k),
+        }
+    }
+    Ok(per)
+}
+
+/// One tensor of the model side of a checkpoint.
+struct Entry {
+    name: String,
+    param: Param,
+    stage: usize,
+}
+
+impl Pipeline {
+    /// Parameters and buffers (each once, tied ones by their first name) and the stage of each.
+    fn persist_entries(&self) -> Vec<Entry> {
+        let mut out: Vec<Entry> = Vec::new();
+        for st in self.stages() {
+            for (i, l) in st.layers.iter().enumerate() {
+                for (n, p) in l.parameters().into_iter().chain(l.buffers()) {
+                    if out.iter().any(|e| e.param.same(&p)) {
+                        continue;
+                    }
+                    out.push(Entry {
+                        name: layer_param_name(st.first_layer + i, &n),
+                        param: p,
+                        stage: st.index,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Saves parameters, buffers, every stage's optimizer state and the pipeline's step to
+    /// `path`, atomically (see the [module](crate::persist) doc). Creates missing folders.
+    pub fn save(&self, path: impl AsRef<Path>, opts: &SaveOptions) -> PResult<()> {
+        let path = path.as_ref();
+        let io = |why: String| PersistError::Io {
+            path: path.to_path_buf(),
+            why,
+        };
+        let mut meta = vec![
+            (FORMAT_KEY.to_string(), FORMAT.to_string()),
+            (STEP_KEY.to_string(), self.step_count().to_string()),
+        ];
+        for (k, v) in &opts.metadata {
+            if k.starts_with("wgpipe.") {
+                return Err(io(format!(
+                    "the metadata key '{k}' is reserved (keys starting with 'wgpipe.')"
+                )));
+            }
+            meta.push((k.clone(), v.clone()));
+        }
+        let mut tensors: Vec<(String, Tensor)> = self
+            .persist_entries()
+            .into_iter()
+            .map(|e| (e.name, e.param.value()))
+            .collect();
+        for (k, t) in merged_optimizer_state(&self.optimizers) {
+            tensors.push((format!("{OPTIM_PREFIX}{k}"), t));
+        }
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| io(format!("cannot create the folder {}: {e}", dir.display())))?;
+        }
+        save_tensors_checked(path, &tensors, &meta, opts.require_finite).map_err(|e| {
+            let msg = e.to_string();
+            match msg.split_once("not saved: tensor '") {
+                Some((_, rest)) if opts.require_finite => {
+                    let tensor = rest.split('\'').next().unwrap_or_default().to_string();
+                    let value = rest
+                        .split("holds ")
+                        .nth(1)
+                        .and_then(|v| v.split(' ').next())
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(f32::NAN);
+                    PersistError::NonFinite {
+                        path: path.to_path_buf(),
+                        tensor,
+                        value,
+                    }
+                }
+                _ => io(strip_path(&msg, path)),
+            }
+        })
+    }
+
+    /// Loads a checkpoint written by [`Pipeline::save`] (by a pipeline of any K over the same
+    /// layers): parameters, buffers, every stage's optimizer state (when optimizers are set)
+    /// and the step (which keys the dropout RNG, so training continues bit-exactly). Every
+    /// tensor is checked and every new value built before anything changes; on error the
+    /// pipeline is as before. Gradients are cleared (they belonged to the old weights).
+    pub fn load(&mut self, path: impl AsRef<Path>, opts: &LoadOptions) -> PResult<Restored> {
+        let path = path.as_ref();
+        let unreadable = |why: String| PersistError::Unreadable {
+            path: path.to_path_buf(),
+            why,
+        };
+        let f = TensorFile::open(path).map_err(|e| unreadable(strip_path(&e.to_string(), path)))?;
+        let mut metadata = f.metadata();
+        let step = match metadata.iter().find(|(k, _)| k == STEP_KEY) {
+            None => {
+                return Err(unreadable(format!(
+                "a safetensors file, but not a wgpipe checkpoint (no '{STEP_KEY}' in its metadata)"
+            )))
+            }
+            Some((_, v)) => v
+                .parse::<u64>()
+                .map_err(|_| unreadable(format!("'{STEP_KEY}' is '{v}', not a step number")))?,
+        };
+        metadata.retain(|(k, _)| !k.starts_with("wgpipe."));
+
+        // 1. Names, shapes and dtypes of every tensor, model side and optimizer side.
+        let entries = self.persist_entries();
+        let by_name: HashMap<&str, &Entry> = entries.iter().map(|e| (e.name.as_str(), e)).collect();
+        let mut problems: Vec<(String, String)> = Vec::new();
+        let shape_of = |name: &str| f.shape(name).map(<[usize]>::to_vec);
+        for e in &entries {
+            let want = e.param.shape();
+            match shape_of(&e.name) {
+                None => problems.push((
+                    e.name.clone(),
+                    "missing: in the pipeline, not in the file".into(),
+                )),
+                Some(got) if got != want => problems.push((
+                    e.name.clone(),
+                    format!("shape mismatch: {got:?} in the file vs {want:?} in the pipeline"),
+                )),
+                Some(_) if !f.is_loadable(&e.name) => problems.push((
+                    e.name.clone(),
+                    format!(
+                        "dtype {} in the file (only F32, F16 and BF16 load)",
+                        f.dtype(&e.name).unwrap_or_default()
+                    ),
+                )),
+                Some(_) => {}
+            }
+        }
+        let names = f.names();
+        let mut optim_names = Vec::new();
+        for n in &names {
+            if let Some(key) = n.strip_prefix(OPTIM_PREFIX) {
+                optim_names.push((n.clone(), key.to_string()));
+            } else if !by_name.contains_key(n.as_str()) {
+                problems.push((
+                    n.clone(),
+                    "unexpected: in the file, not in the pipeline".into(),
+                ));
+            }
+        }
+        // Device of each optimizer tensor: its parameter's (the `@` counters: the CPU).
+        let mut optim_devices = Vec::with_capacity(optim_names.len());
+        for (full, key) in &optim_names {
+            if key.starts_with('@') {
+                optim_devices.push(Device::cpu());
+                continue;
+            }
+            let (pname, slot) = key.rsplit_once('.').unwrap_or((key.as_str(), ""));
+            let Some(e) = by_name.get(pname) else {
+                problems.push((
+                    full.clone(),
+                    format!(
+                        "optimizer state of parameter '{pname}', which the pipeline does not have"
+                    ),
+                ));
+                optim_devices.push(Device::cpu());
+                continue;
+            };
+            let got = shape_of(full).unwrap_or_default();
+            let want = e.param.shape();
+            if !COUNTER_SLOTS.contains(&slot) && got != want {
+                problems.push((
+                    full.clone(),
+                    format!("shape mismatch: {got:?} in the file vs {want:?} for parameter '{pname}' in the pipeline"),
+                ));
+            } else if !f.is_loadable(full) {
+                problems.push((
+                    full.clone(),
+                    format!("dtype {} in the file", f.dtype(full).unwrap_or_default()),
+                ));
+            }
+            optim_devices.push(e.param.device());
+        }
+        if let Some((tensor, why)) = problems.first().cloned() {
+            let more = problems.len() - 1;
+            let why = if more == 0 {
+                why
+            } else {
+                let others: Vec<String> = problems[1..]
+                    .iter()
+                    .take(5)
+                    .map(|(n, w)| format!("{n} ({})", w.split(':').next().unwrap_or(w)))
+                    .collect();
+                format!(
+                    "{why}; and {more} more tensor(s) differ: {}{}",
+                    others.join(", "),
+                    if more > 5 { ", ..." } else { "" }
+                )
+            };
+            return Err(PersistError::Mismatch {
+                path: path.to_path_buf(),
+                tensor,
+                why,
+            });
+        }
+
+        // 2. Every value read (and checked) and built on its device before anything changes.
+        let read = |name: &str| -> PResult<Vec<f32>> {
+            let v = f
+                .values(name)
+                .map_err(|e| unreadable(strip_path(&e.to_string(), path)))?;
+            if opts.require_finite {
+                if let Some(x) = v.iter().find(|x| !x.is_finite()) {
+                    return Err(PersistError::NonFinite {
+                        path: path.to_path_buf(),
+                        tensor: name.to_string(),
+                        value: *x,
+                    });
+                }
+            }
+            Ok(v)
+        };
+        let place = |name: &str, device: &Device, tag: Tag| -> PResult<Tensor> {
+            let v = read(name)?;
+            let shape = f.shape(name).unwrap_or_default().to_vec();
+            with_tag(tag, || Tensor::from_vec(v, &shape, device)).map_err(|e| PersistError::Io {
+                path: path.to_path_buf(),
+                why: format!("placing '{name}' on {}: {e}", device.name()),
+            })
+        };
+        let mut values = Vec::with_capacity(entries.len());
+        for e in &entries {
+            values.push(place(&e.name, &e.param.device(), Tag::Parameters)?);
+        }
+        let mut state = Vec::with_capacity(optim_names.len());
+        for ((full, key), dev) in optim_names.iter().zip(&optim_devices) {
+            state.push((key.clone(), place(full, dev, Tag::OptimizerState)?));
+        }
+
+        // 3. The optimizers take their state (each checks its own), rolled back together.
+        if self.optimizers.len() == self.stages.len() && !self.optimizers.is_empty() {
+            let owner: HashMap<String, usize> =
+                entries.iter().map(|e| (e.name.clone(), e.stage)).collect();
+            let per = split_optimizer_state(state, &owner, self.stages.len()).map_err(|k| {
+                PersistError::Mismatch {
+                    path: path.to_path_buf(),
+                    tensor: format!("{OPTIM_PREFIX}{k}"),
+                    why: "optimizer state of no parameter of the pipeline".into(),
+                }
+            })?;
+            let mut kept: BTreeMap<usize, Vec<(String, Tensor)>> = BTreeMap::new();
+            for (i, s) in per.into_iter().enumerate() {
+                let before = self.optimizers[i].state();
+                if let Err(e) = self.optimizers[i].load_state(s) {
+                    for (j, st) in kept {
+                        let _ = self.optimizers[j].load_state(st);
+                    }
+                    return Err(PersistError::Mismatch {
+                        path: path.to_path_buf(),
+                        tensor: format!("{OPTIM_PREFIX}* of stage {i}"),
+                        why: format!("the optimizer refuses its state: {e}"),
+                    });
+                }
+                kept.insert(i, before);
+            }
+        }
+
+        // 4. Commit.
+        for (e, v) in entries.iter().zip(values) {
+            e.param.set_value(v);
+        }
+        for (_, p) in self.named_parameters() {
+            p.zero_grad();
+        }
+        self.set_step(step);
+        Ok(Restored { step, metadata })
+    }
+}
+
+/// An error message of the serializer without its leading `op: path: ` (the persist error
+/// shows the path once).
+fn strip_path(msg: &str, path: &Path) -> String {
+    let p = format!("{}: ", path.display());
+    match msg.find(&p) {
+        Some(i) => msg[i + p.len()..].to_string(),
+        None => msg.to_string(),
+    }
+}

@@ -1,0 +1,79 @@
+//! wgpipe's own threads: one per stage, named `wgpipe-stage-N`, whose panics are caught and
+//! returned as errors that name the stage. A caught panic must not also print Rust's default
+//! "thread '...' panicked at ..." message: [`spawn_stage`] installs (once per process) a panic
+//! hook that stays quiet for these threads, keeps the panic's location for the error, and hands
+//! every other thread's panic to the hook that was there before.
+
+use std::cell::RefCell;
+use std::sync::Once;
+use std::thread::{Scope, ScopedJoinHandle};
+
+/// What the name of every stage thread starts with.
+pub const STAGE_THREAD_PREFIX: &str = "wgpipe-stage-";
+
+/// `wgpipe-stage-N`.
+pub fn stage_thread_name(stage: usize) -> String {
+    format!("{STAGE_THREAD_PREFIX}{stage}")
+}
+
+thread_local! {
+    /// Where the last panic of this (stage) thread happened, for [`panic_message`].
+    static LAST_PANIC_AT: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// Installs, once per process, a panic hook that is silent for threads named
+/// `wgpipe-stage-*` (their panics are caught and come back as errors) and calls the previous
+/// hook for every other thread. [`spawn_stage`] calls it; call it yourself before running
+/// stage work on threads you name with [`stage_thread_name`].
+pub fn install_quiet_panic_hook() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let ours = std::thread::current()
+                .name()
+                .is_some_and(|n| n.starts_with(STAGE_THREAD_PREFIX));
+            if ours {
+                let at = info
+                    .location()
+                    .map(|l| format!("{}:{}", l.file(), l.line()));
+                LAST_PANIC_AT.with(|c| *c.borrow_mut() = at);
+            } else {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// Spawns `f` on a scoped thread named `wgpipe-stage-{stage}`, with the quiet panic hook
+/// installed. Catch the thread's panics inside `f` (or at `join`) and turn them into errors.
+pub fn spawn_stage<'scope, 'env, T, F>(
+    scope: &'scope Scope<'scope, 'env>,
+    stage: usize,
+    f: F,
+) -> std::io::Result<ScopedJoinHandle<'scope, T>>
+where
+    F: FnOnce() -> T + Send + 'scope,
+    T: Send + 'scope,
+{
+    install_quiet_panic_hook();
+    std::thread::Builder::new()
+        .name(stage_thread_name(stage))
+        .spawn_scoped(scope, f)
+}
+
+/// The message of a caught panic, with its location when the panic happened on this thread
+/// under the quiet hook (`"index out of bounds (at layer.rs:12)"`).
+pub fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    let msg = if let Some(s) = payload.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".into()
+    };
+    match LAST_PANIC_AT.with(|c| c.borrow_mut().take()) {
+        Some(at) => format!("{msg} (at {at})"),
+        None => msg,
+    }
+}
