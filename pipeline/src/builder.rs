@@ -7,7 +7,7 @@ use wgpipe_autograd::{ForwardCtx, Module, Tape};
 use wgpipe_tensor::memory::{with_tag, Tag};
 use wgpipe_tensor::{Device, Tensor};
 
-use crate::error::{PipelineError, Result};
+use crate::error::{NonFinite, PipelineError, Result};
 use crate::partition::{balance_by_cost, stage_ranges, validate_balance};
 use crate::pipeline::Pipeline;
 use crate::schedule::{CheckpointMode, Schedule};
@@ -155,6 +155,7 @@ pub struct PipelineBuilder {
     chunks: Option<usize>,
     checkpoint: CheckpointMode,
     schedule: ScheduleSpec,
+    non_finite: NonFinite,
     seed: u64,
     optimizer: Option<Box<dyn Fn() -> Box<dyn Optimizer>>>,
 }
@@ -170,6 +171,7 @@ impl PipelineBuilder {
             chunks: None,
             checkpoint: CheckpointMode::ExceptLast,
             schedule: ScheduleSpec::Kind(ScheduleKind::GPipe),
+            non_finite: NonFinite::default(),
             seed: 0,
             optimizer: None,
         }
@@ -211,6 +213,12 @@ impl PipelineBuilder {
     /// its device count must match the devices given).
     pub fn schedule(mut self, schedule: impl Into<ScheduleSpec>) -> Self {
         self.schedule = schedule.into();
+        self
+    }
+    /// What a step does with NaN or infinite values: an error naming where they first appeared
+    /// (the default), skip the step, or no checks.
+    pub fn on_non_finite(mut self, policy: NonFinite) -> Self {
+        self.non_finite = policy;
         self
     }
     /// Seed of the counter-based RNG (dropout), keyed further by step, micro-batch and layer.
@@ -317,6 +325,7 @@ impl PipelineBuilder {
             step: 0,
             sim: self.sim,
             optimizers,
+            non_finite: self.non_finite,
         })
     }
 }

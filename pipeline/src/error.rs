@@ -16,6 +16,30 @@ pub enum StageCause {
     /// A neighbouring stage disappeared (it failed first, or its channel closed).
     #[error("{0}")]
     Disconnected(String),
+    /// A loss, activation or gradient holds NaN or infinity, first here (its inputs were
+    /// finite); see [`NonFinite`].
+    #[error("non-finite values: {0}")]
+    NonFinite(String),
+}
+
+/// What a training step does when a loss, an activation or a gradient is NaN or infinite.
+/// Each stage checks what it makes (its output or loss in forward, the input gradient it sends
+/// back, its parameter gradients at the end of the step) on its own device, and the messages it
+/// sends carry the verdict, so the stage where the values first turned non-finite is known
+/// without a second pass or an extra message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NonFinite {
+    /// `train_step` returns an error naming the stage and micro-batch where non-finite values
+    /// first appeared; nothing changes (the default).
+    #[default]
+    Error,
+    /// The step runs to its end, then its gradients are dropped (the parameters' gradients are
+    /// put back as before the step) and the report's `skipped` names where non-finite values
+    /// first appeared: what dynamic loss scaling needs. Call `optimizer_step` only when
+    /// `skipped` is `None`.
+    SkipStep,
+    /// No checks (no cost).
+    Ignore,
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

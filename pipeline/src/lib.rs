@@ -28,11 +28,11 @@ pub mod trace;
 pub mod worker;
 
 pub use builder::{Balance, PipelineBuilder, ScheduleKind, ScheduleSpec};
-pub use error::{PipelineError, Result, StageCause};
+pub use error::{NonFinite, PipelineError, Result, StageCause};
 pub use persist::{LoadOptions, PersistError, Restored, SaveOptions};
 pub use pipeline::Pipeline;
 pub use report::{SimReport, StageReport, StepReport};
 pub use schedule::{Action, ActionKind, CheckpointMode, Link, Schedule, ScheduleError};
 pub use sim::SimCluster;
 pub use timeline::{DeviceSpec, LinkSpec, Timeline};
-pub use worker::{LossFn, Stage};
+pub use worker::{LossFn, NonFiniteAt, Stage};

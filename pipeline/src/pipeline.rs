@@ -15,7 +15,7 @@ use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, Tape};
 use wgpipe_tensor::{Device, Tensor};
 
 use crate::builder::PipelineBuilder;
-use crate::error::{PipelineError, Result, StageCause};
+use crate::error::{NonFinite, PipelineError, Result, StageCause};
 use crate::microbatch::split_batch;
 use crate::report::{wall_timeline, SimReport, StageReport, StepReport};
 use crate::schedule::{Action, Schedule};
@@ -33,6 +33,7 @@ pub struct Pipeline {
     pub(crate) step: u64,
     pub(crate) sim: Option<SimCluster>,
     pub(crate) optimizers: Vec<Box<dyn Optimizer>>,
+    pub(crate) non_finite: NonFinite,
 }
 
 impl Pipeline {
@@ -148,39 +149,58 @@ impl Pipeline {
         let results = self.run_workers(&xs, &ys, &scales, loss_fn, clock);
         let wall = clock.elapsed().as_secs_f64();
 
+        // Puts the gradients back as before the step, and drops what the micro-batches that
+        // ran recorded for later (batch-norm statistics): the Module trait has no "discard"
+        // hook, so apply them (finish_step consumes them) and put every buffer back. Errors
+        // here are secondary to the step's own.
+        let undo = |stages: &[Stage]| {
+            for ((_, p), g) in params.iter().zip(saved_grads) {
+                p.set_grad(g);
+            }
+            for s in stages {
+                for l in &s.layers {
+                    let _ = catch_unwind(AssertUnwindSafe(|| l.finish_step()));
+                }
+            }
+            for ((_, b), v) in buffers.iter().zip(saved_buffers) {
+                b.set_value(v);
+            }
+        };
         let outcomes = match first_error(&self.device_stages(), results) {
             Ok(o) => o,
             Err(e) => {
-                for ((_, p), g) in params.iter().zip(saved_grads) {
-                    p.set_grad(g);
-                }
-                // Deferred updates recorded by the micro-batches that did run (batch-norm
-                // statistics) must not leak into the next step. The Module trait has no
-                // "discard" hook, so apply them (finish_step consumes them) and put every
-                // buffer back as it was. Errors here are secondary to `e`.
-                for s in &self.stages {
-                    for l in &s.layers {
-                        let _ = catch_unwind(AssertUnwindSafe(|| l.finish_step()));
-                    }
-                }
-                for ((_, b), v) in buffers.iter().zip(saved_buffers) {
-                    b.set_value(v);
-                }
+                undo(&self.stages);
                 return Err(e);
             }
         };
-        for s in &self.stages {
-            for l in &s.layers {
-                l.finish_step()?;
+        // Under `NonFinite::SkipStep`: the earliest micro-batch (then stage) where non-finite
+        // values appeared.
+        let skipped = outcomes
+            .iter()
+            .filter_map(|o| o.non_finite.clone())
+            .min_by_key(|at| (at.micro_batch, at.stage));
+        if skipped.is_some() {
+            undo(&self.stages);
+        } else {
+            for s in &self.stages {
+                for l in &s.layers {
+                    l.finish_step()?;
+                }
             }
         }
         let mut loss = 0.0f32;
         for t in outcomes.iter().flat_map(|o| &o.losses) {
             loss += t.to_scalar()?;
         }
-        let report = self.report(outcomes, wall, loss)?;
+        let mut report = self.report(outcomes, wall, loss)?;
+        report.skipped = skipped;
         self.step += 1;
         Ok(report)
+    }
+
+    /// What a step does with NaN or infinite values (see [`NonFinite`]).
+    pub fn set_non_finite(&mut self, policy: NonFinite) {
+        self.non_finite = policy;
     }
 
     /// Spawns one scoped thread per device, wires the links the schedule names, and collects
@@ -206,7 +226,7 @@ impl Pipeline {
             by_device[schedule.placement[stage.index]].push(stage);
         }
         let abort = AtomicBool::new(false);
-        let (seed, step) = (self.seed, self.step);
+        let (seed, step, non_finite) = (self.seed, self.step, self.non_finite);
         let num_stages = schedule.num_stages();
         std::thread::scope(|scope| {
             let handles: Vec<_> = by_device
@@ -226,6 +246,7 @@ impl Pipeline {
                         loss_fn,
                         abort,
                         clock,
+                        non_finite,
                     };
                     // `&mut Stage` is Send (layers are Send, not Sync): each thread owns its
                     // device's stages. Threads are named `wgpipe-stage-<device>`; their panics
@@ -348,6 +369,7 @@ impl Pipeline {
             wall_timeline: timeline,
             stages,
             simulated,
+            skipped: None,
         })
     }
 
@@ -362,7 +384,9 @@ impl Pipeline {
                 let run = || -> wgpipe_tensor::Result<Tensor> {
                     let tape = Tape::no_grad();
                     let v = tape.constant(h.to_device(&s.device)?);
-                    Ok(s.run_layers(&v, ForwardCtx::eval())?.value().clone())
+                    Ok(s.run_layers(&v, ForwardCtx::eval(), &mut None)?
+                        .value()
+                        .clone())
                 };
                 h = match catch_unwind(AssertUnwindSafe(run)) {
                     Ok(Ok(t)) => t,
@@ -599,10 +623,13 @@ fn first_error(
         match r {
             Ok(o) => ok.push(o),
             Err(cause) => {
-                let (stage, action) = match pos.action {
+                let (stage, mut action) = match pos.action {
                     Some(a) => (a.stage, describe(a)),
                     None => (first.index, "start".to_string()),
                 };
+                if let Some(layer) = pos.layer {
+                    action = format!("{action} in {layer}");
+                }
                 errors.push(PipelineError::Stage {
                     stage,
                     device: first.device.name().to_string(),

@@ -8,7 +8,7 @@ use wgpipe_tensor::{MemoryStats, Tag};
 use crate::schedule::{ActionKind, Schedule};
 use crate::timeline::{Event, EventKind, Timeline};
 use crate::trace::{chrome_trace_json_on, svg_timeline_on, Clock};
-use crate::worker::ActionRecord;
+use crate::worker::{ActionRecord, NonFiniteAt};
 
 /// One device's share of a step (a pipeline stage, or several virtual stages when the schedule
 /// places more than one chunk on a device).
@@ -69,6 +69,9 @@ pub struct StepReport {
     pub wall_timeline: Timeline,
     pub stages: Vec<StageReport>,
     pub simulated: Option<SimReport>,
+    /// Under [`crate::NonFinite::SkipStep`]: where NaN or infinity first appeared, when it did;
+    /// the step's gradients were then dropped and the optimizer step must be skipped.
+    pub skipped: Option<NonFiniteAt>,
 }
 
 impl StepReport {

@@ -14,16 +14,18 @@ use wgpipe_autograd::{ForwardCtx, Module, Tape, Var, WeightGrads};
 use wgpipe_tensor::memory::{Tag, TagGuard};
 use wgpipe_tensor::{Device, Tensor};
 
-use crate::error::StageCause;
+use crate::error::{NonFinite, StageCause};
 use crate::schedule::{Action, ActionKind, Link};
 
 /// The loss of one micro-batch: `(output of the last stage, targets) -> scalar mean loss`.
 pub type LossFn = dyn Fn(&Var, &Tensor) -> wgpipe_tensor::Result<Var> + Sync;
 
-/// A tensor in flight between two stages.
+/// A tensor in flight between two stages, with whether it (and everything it came from) is
+/// finite, so the receiver knows a non-finite input is not its own doing.
 pub(crate) struct Msg {
     pub micro_batch: usize,
     pub tensor: Tensor,
+    pub finite: bool,
 }
 
 /// The ends of the links a device's actions use: senders of the links it sends on, receivers of
@@ -68,6 +70,7 @@ pub(crate) struct StepInputs<'a> {
     pub loss_fn: &'a LossFn,
     pub abort: &'a AtomicBool,
     pub clock: Instant,
+    pub non_finite: NonFinite,
 }
 
 /// What a (stage, micro-batch) keeps between its forward and the end of its backward.
@@ -81,36 +84,59 @@ enum Stash {
     Weights(WeightGrads),
 }
 
-/// The worker's result: records of every action and the (scaled) loss of each micro-batch that
-/// went through the last stage on this device.
+/// The worker's result: records of every action, the (scaled) loss of each micro-batch that
+/// went through the last stage on this device, and where non-finite values first appeared on
+/// this device (under [`NonFinite::SkipStep`]).
 #[derive(Default)]
 pub(crate) struct StageOutcome {
     pub records: Vec<ActionRecord>,
     pub losses: Vec<Tensor>,
+    pub non_finite: Option<NonFiniteAt>,
 }
 
-/// Where the worker is, readable after a panic.
-#[derive(Debug, Clone, Copy, Default)]
+/// Where non-finite values first appeared.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NonFiniteAt {
+    pub stage: usize,
+    pub micro_batch: usize,
+    /// What was non-finite ("the loss", "the output of layer 3 (Linear(8, 8))", ...).
+    pub what: String,
+}
+
+/// Where the worker is, readable after a panic: the action, and the layer when the action was
+/// running a layer's forward.
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Position {
     pub micro_batch: usize,
     pub action: Option<Action>,
+    pub layer: Option<String>,
 }
 
 const POLL: Duration = Duration::from_millis(5);
 
 impl Stage {
-    /// Runs the stage's layers on `x`, each with its global layer index in the context.
-    pub(crate) fn run_layers(&self, x: &Var, ctx: ForwardCtx) -> wgpipe_tensor::Result<Var> {
+    /// Runs the stage's layers on `x`, each with its global layer index in the context; `at`
+    /// names the layer running (so an error or a panic can say which), and is cleared after.
+    pub(crate) fn run_layers(
+        &self,
+        x: &Var,
+        ctx: ForwardCtx,
+        at: &mut Option<String>,
+    ) -> wgpipe_tensor::Result<Var> {
         let mut h = x.clone();
         for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(&h, &ctx.at_layer((self.first_layer + i) as u64))?;
+            let index = self.first_layer + i;
+            *at = Some(format!("layer {index} ({})", layer.name()));
+            h = layer.forward(&h, &ctx.at_layer(index as u64))?;
         }
+        *at = None;
         Ok(h)
     }
 }
 
 /// One device's state during a step.
-struct Worker<'a> {
+struct Worker<'a, 'p> {
+    pos: &'p mut Position,
     /// The device's stages by virtual index.
     stages: HashMap<usize, &'a Stage>,
     device: &'a Device,
@@ -124,7 +150,17 @@ struct Worker<'a> {
     to_send: HashMap<(usize, usize, bool), Tensor>,
     stash: HashMap<(usize, usize), Stash>,
     /// Messages that arrived before the receive that wants them, by (link, micro-batch).
-    early: HashMap<(Link, usize), Tensor>,
+    early: HashMap<(Link, usize), Msg>,
+    /// Whether what each (stage, micro-batch, is gradient) received was finite.
+    finite_in: HashMap<(usize, usize, bool), bool>,
+    /// Whether each outgoing tensor (same key as `to_send`) is finite.
+    finite_out: HashMap<(usize, usize, bool), bool>,
+    /// A message of this step arrived non-finite: the parameter gradients here may be so
+    /// without this device being where it began.
+    tainted: bool,
+    /// FLOPs of the non-finite checks during the current action: bookkeeping, not the
+    /// action's work, so they stay out of its record (and of the simulated cost model).
+    check_flops: u64,
     out: StageOutcome,
 }
 
@@ -147,6 +183,7 @@ pub(crate) fn run_device(
         .map(|a| (a.stage, a.micro_batch))
         .collect();
     let mut w = Worker {
+        pos,
         stages: stages.iter().map(|s| (s.index, *s)).collect(),
         device,
         links,
@@ -157,6 +194,10 @@ pub(crate) fn run_device(
         to_send: HashMap::new(),
         stash: HashMap::new(),
         early: HashMap::new(),
+        finite_in: HashMap::new(),
+        finite_out: HashMap::new(),
+        tainted: false,
+        check_flops: 0,
         out: StageOutcome::default(),
     };
     for &action in io.actions {
@@ -165,16 +206,24 @@ pub(crate) fn run_device(
                 "stopped because another stage failed".into(),
             ));
         }
-        *pos = Position {
+        *w.pos = Position {
             micro_batch: action.micro_batch,
             action: Some(action),
+            layer: None,
         };
         w.run(action)?;
     }
+    w.check_param_grads(stages)?;
     Ok(w.out)
 }
 
-impl<'a> Worker<'a> {
+/// Whether every value of `t` is finite: one reduction on its device (x·0 is 0 for finite x and
+/// NaN for NaN and ±inf, and the sum of zeros cannot overflow).
+fn all_finite(t: &Tensor) -> wgpipe_tensor::Result<bool> {
+    Ok(t.mul_scalar(0.0)?.sum_all()?.to_scalar()?.is_finite())
+}
+
+impl<'a> Worker<'a, '_> {
     fn stage(&self, s: usize) -> Result<&'a Stage, StageCause> {
         self.stages
             .get(&s)
@@ -198,19 +247,24 @@ impl<'a> Worker<'a> {
         let io = self.io;
         let mut start = io.clock.elapsed().as_secs_f64();
         let flops0 = self.device.flops();
+        self.check_flops = 0;
         let mut bytes = 0u64;
         let (s, m) = (action.stage, action.micro_batch);
         match action.kind {
             ActionKind::RecvActivation | ActionKind::RecvGrad => {
-                let t = self.recv(action)?;
-                start = io.clock.elapsed().as_secs_f64(); // time the copy, not the wait
-                                                          // The hand-off copy (host staging between different devices) runs here, on the
-                                                          // receiver, so the sender's compute does not wait for it.
-                let t = t.to_device(self.device)?;
-                if action.kind == ActionKind::RecvActivation {
-                    self.received.insert((s, m), t);
-                } else {
+                let msg = self.recv(action)?;
+                // Time the copy, not the wait. The hand-off copy (host staging between
+                // different devices) runs here, on the receiver, so the sender's compute does
+                // not wait for it.
+                start = io.clock.elapsed().as_secs_f64();
+                let t = msg.tensor.to_device(self.device)?;
+                let grad = action.kind == ActionKind::RecvGrad;
+                self.finite_in.insert((s, m, grad), msg.finite);
+                self.tainted |= !msg.finite;
+                if grad {
                     self.grads_in.insert((s, m), t);
+                } else {
+                    self.received.insert((s, m), t);
                 }
             }
             ActionKind::Forward => self.forward(s, m)?,
@@ -233,6 +287,7 @@ impl<'a> Worker<'a> {
                     .remove(&(s, m, grad))
                     .ok_or_else(|| internal(format!("no outgoing tensor for {action}")))?;
                 bytes = (t.numel() * std::mem::size_of::<f32>()) as u64;
+                let finite = self.finite_out.remove(&(s, m, grad)).unwrap_or(true);
                 let link = self.link(action)?;
                 let tx = self
                     .links
@@ -242,6 +297,7 @@ impl<'a> Worker<'a> {
                 tx.send(Msg {
                     micro_batch: m,
                     tensor: t,
+                    finite,
                 })
                 .map_err(|_| StageCause::Disconnected("the receiving neighbour stopped".into()))?;
             }
@@ -254,7 +310,7 @@ impl<'a> Worker<'a> {
             action,
             start,
             end: io.clock.elapsed().as_secs_f64(),
-            flops: (self.device.flops() - flops0) as f64,
+            flops: (self.device.flops() - flops0 - self.check_flops) as f64,
             bytes,
         });
         Ok(())
@@ -282,12 +338,35 @@ impl<'a> Worker<'a> {
         } else {
             Tape::new()
         };
+        let input_finite = if s == 0 {
+            self.check(&x, s, m, || format!("the input of micro-batch {m}"))?
+        } else {
+            self.finite_in.remove(&(s, m, false)).unwrap_or(true)
+        };
         let input = input_var(&tape, &x, s);
-        let mut output = stage.run_layers(&input, ForwardCtx::train(io.seed, io.step, m as u64))?;
+        let ctx = ForwardCtx::train(io.seed, io.step, m as u64);
+        let mut output = stage.run_layers(&input, ctx, &mut self.pos.layer)?;
+        let last_layer = stage.layers.len().checked_sub(1).map(|i| {
+            format!(
+                "the output of layer {} ({}) for micro-batch {m}",
+                stage.first_layer + i,
+                stage.layers[i].name()
+            )
+        });
         if self.is_last(s) {
             output = self.scaled_loss(&output, m)?;
+            if input_finite {
+                self.check(output.value(), s, m, || {
+                    format!("the loss of micro-batch {m}")
+                })?;
+            }
             self.out.losses.push(output.value().clone());
         } else {
+            let finite = input_finite
+                && self.check(output.value(), s, m, || {
+                    last_layer.unwrap_or_else(|| "the stage output".into())
+                })?;
+            self.finite_out.insert((s, m, false), finite);
             self.to_send.insert((s, m, false), output.value().clone());
         }
         let kept = if checkpointed {
@@ -321,7 +400,9 @@ impl<'a> Worker<'a> {
         // so a layer may check either to skip side effects.
         let tape = Tape::recompute();
         let input = input_var(&tape, &x, s);
-        let mut output = self.stage(s)?.run_layers(&input, ctx)?;
+        let mut output = self
+            .stage(s)?
+            .run_layers(&input, ctx, &mut self.pos.layer)?;
         if self.is_last(s) {
             output = self.scaled_loss(&output, m)?;
         }
@@ -350,12 +431,14 @@ impl<'a> Worker<'a> {
                 )))
             }
         };
-        let seed = if self.is_last(s) {
-            Tensor::ones(output.shape(), output.value().device())?
+        let (seed, seed_finite) = if self.is_last(s) {
+            (Tensor::ones(output.shape(), output.value().device())?, true)
         } else {
-            self.grads_in
+            let g = self
+                .grads_in
                 .remove(&(s, m))
-                .ok_or_else(|| internal(format!("no gradient for stage {s} micro-batch {m}")))?
+                .ok_or_else(|| internal(format!("no gradient for stage {s} micro-batch {m}")))?;
+            (g, self.finite_in.remove(&(s, m, true)).unwrap_or(true))
         };
         let grads = if split {
             let (grads, weights) = tape.backward_split(&output, &seed)?;
@@ -369,18 +452,87 @@ impl<'a> Worker<'a> {
                 .get(&input)
                 .cloned()
                 .ok_or_else(|| internal(format!("no gradient reached the input of stage {s}")))?;
+            let finite = seed_finite
+                && self.check(&g, s, m, || {
+                    format!("the gradient of the input of stage {s} for micro-batch {m}")
+                })?;
+            self.finite_out.insert((s, m, true), finite);
             self.to_send.insert((s, m, true), g);
+        }
+        Ok(())
+    }
+
+    /// Checks `t` under the step's [`NonFinite`] policy: `Ok(false)` when it is not finite and
+    /// the step goes on (recording the first place on this device), an error naming `what`
+    /// under [`NonFinite::Error`]. Callers check only values whose inputs were finite, so what
+    /// is found is where non-finite values first appeared.
+    fn check(
+        &mut self,
+        t: &Tensor,
+        s: usize,
+        m: usize,
+        what: impl FnOnce() -> String,
+    ) -> Result<bool, StageCause> {
+        if self.io.non_finite == NonFinite::Ignore {
+            return Ok(true);
+        }
+        let before = self.device.flops();
+        let finite = all_finite(t)?;
+        self.check_flops += self.device.flops() - before;
+        if finite {
+            return Ok(true);
+        }
+        let what = what();
+        if self.io.non_finite == NonFinite::Error {
+            return Err(StageCause::NonFinite(format!(
+                "{what} holds NaN or infinity"
+            )));
+        }
+        self.out.non_finite.get_or_insert(NonFiniteAt {
+            stage: s,
+            micro_batch: m,
+            what,
+        });
+        Ok(false)
+    }
+
+    /// At the end of the step: the accumulated parameter gradients of the device's stages must
+    /// be finite (one check per parameter, on the device). Skipped when this device already
+    /// found non-finite values or received some (under [`NonFinite::SkipStep`] the earlier
+    /// finding stands, here or upstream).
+    fn check_param_grads(&mut self, stages: &[&Stage]) -> Result<(), StageCause> {
+        if self.io.non_finite == NonFinite::Ignore || self.out.non_finite.is_some() || self.tainted
+        {
+            return Ok(());
+        }
+        let m = self.pos.micro_batch;
+        for stage in stages {
+            for (i, layer) in stage.layers.iter().enumerate() {
+                for (name, p) in layer.parameters() {
+                    let Some(g) = p.grad() else { continue };
+                    let what = || {
+                        format!(
+                            "the gradient of {name} in layer {} ({}), summed over the micro-batches,",
+                            stage.first_layer + i,
+                            layer.name()
+                        )
+                    };
+                    if !self.check(&g, stage.index, m, what)? {
+                        return Ok(());
+                    }
+                }
+            }
         }
         Ok(())
     }
 
     /// The message `action` waits for: taken from the early arrivals, or read from its link
     /// (keeping messages for other micro-batches), polling the abort flag.
-    fn recv(&mut self, action: Action) -> Result<Tensor, StageCause> {
+    fn recv(&mut self, action: Action) -> Result<Msg, StageCause> {
         let link = self.link(action)?;
         let m = action.micro_batch;
-        if let Some(t) = self.early.remove(&(link, m)) {
-            return Ok(t);
+        if let Some(msg) = self.early.remove(&(link, m)) {
+            return Ok(msg);
         }
         let rx = self
             .links
@@ -389,9 +541,9 @@ impl<'a> Worker<'a> {
             .ok_or_else(|| internal(format!("no receiver for {link}")))?;
         loop {
             match rx.recv_timeout(POLL) {
-                Ok(msg) if msg.micro_batch == m => return Ok(msg.tensor),
+                Ok(msg) if msg.micro_batch == m => return Ok(msg),
                 Ok(msg) => {
-                    self.early.insert((link, msg.micro_batch), msg.tensor);
+                    self.early.insert((link, msg.micro_batch), msg);
                 }
                 Err(RecvTimeoutError::Timeout) => {
                     if self.io.abort.load(Ordering::SeqCst) {

@@ -291,3 +291,95 @@ fn a_failed_step_leaves_no_deferred_batch_norm_statistics() {
         }
     }
 }
+
+/// A NaN in a target or an input, or an infinity made inside a stage, is an error naming the
+/// stage and micro-batch where it first appeared (default policy), with nothing changed; under
+/// `NonFinite::SkipStep` the step runs, its gradients are dropped and the report says where.
+#[test]
+fn non_finite_values_are_caught_where_they_first_appear() {
+    use wgpipe_pipeline::NonFinite;
+    let (x, y) = data();
+    let with_nan = |t: &Tensor, row: usize| {
+        let mut v = t.to_vec().unwrap();
+        v[row * WIDTH + 1] = f32::NAN;
+        Tensor::from_vec(v, t.shape(), &Device::cpu()).unwrap()
+    };
+    for schedule in FAULT_SCHEDULES {
+        let last = K * schedule.default_chunks() - 1;
+        let make = |policy| {
+            let (layers, balance, _) = faulty_model(usize::MAX, schedule);
+            let mut pipe = sim_pipeline(
+                layers,
+                &PipeCfg::new(K, 4, CheckpointMode::ExceptLast, schedule).balance(balance),
+            );
+            pipe.set_non_finite(policy);
+            pipe
+        };
+        let mut pipe = make(NonFinite::Error);
+        pipe.train_step(&x, &y, &mse).unwrap();
+        let grads = grad_snapshot(&pipe.named_parameters());
+        // Row 5 is in micro-batch 2 (4 micro-batches of 2 rows).
+        let e = pipe.train_step(&x, &with_nan(&y, 5), &mse).unwrap_err();
+        assert_eq!(
+            (e.stage(), e.micro_batch()),
+            (Some(last), Some(2)),
+            "{schedule:?}: {e}"
+        );
+        assert!(
+            e.to_string()
+                .contains("the loss of micro-batch 2 holds NaN or infinity"),
+            "{e}"
+        );
+        let e = pipe.train_step(&with_nan(&x, 0), &y, &mse).unwrap_err();
+        assert_eq!(
+            (e.stage(), e.micro_batch()),
+            (Some(0), Some(0)),
+            "{schedule:?}: {e}"
+        );
+        assert!(
+            e.to_string()
+                .contains("the input of micro-batch 0 holds NaN"),
+            "{e}"
+        );
+        assert_eq!(
+            grad_snapshot(&pipe.named_parameters()),
+            grads,
+            "{schedule:?}: gradients changed"
+        );
+
+        // Skip: the step runs to its end, names the origin, and leaves the gradients as they were.
+        let mut pipe = make(NonFinite::SkipStep);
+        pipe.train_step(&x, &y, &mse).unwrap();
+        let grads = grad_snapshot(&pipe.named_parameters());
+        let r = pipe.train_step(&x, &with_nan(&y, 7), &mse).unwrap();
+        let at = r.skipped.expect("the step is skipped");
+        assert_eq!(
+            (at.stage, at.micro_batch),
+            (last, 3),
+            "{schedule:?}: {at:?}"
+        );
+        assert_eq!(grad_snapshot(&pipe.named_parameters()), grads);
+        let r = pipe.train_step(&x, &y, &mse).unwrap();
+        assert!(r.skipped.is_none());
+    }
+}
+
+/// A shape error inside a stage names the layer, by global index and name.
+#[test]
+fn a_shape_error_names_the_layer() {
+    let d = Device::cpu();
+    let layers: Vec<Box<dyn Module>> = vec![
+        Box::new(Linear::new(WIDTH, WIDTH, 1, &d).unwrap()),
+        Box::new(Relu),
+        Box::new(Linear::new(WIDTH + 1, WIDTH, 2, &d).unwrap()),
+    ];
+    let mut pipe = sim_pipeline(
+        layers,
+        &PipeCfg::new(2, 2, CheckpointMode::Never, ScheduleKind::GPipe).balance(vec![2, 1]),
+    );
+    let (x, y) = data();
+    let e = pipe.train_step(&x, &y, &mse).unwrap_err();
+    let msg = e.to_string();
+    assert_eq!(e.stage(), Some(1), "{msg}");
+    assert!(msg.contains("in layer 2 (Linear("), "{msg}");
+}
