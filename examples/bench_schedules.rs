@@ -1,18 +1,19 @@
-//! Every schedule side by side, in one markdown table per part:
+//! Every schedule side by side in one markdown table, one row per schedule x (K, M):
 //!
-//! 1. Simulated with equal costs (F = B = W = 1 per stage or chunk, full backward 2, free links):
-//!    the bubble of the step, the steady bubble (inside each device's span), the closed form the
-//!    generator's doc states, and the most micro-batches in flight on a device (for chunked
-//!    schedules also in units of a 1F1B stage: chunks hold 1/v of a device's layers).
-//! 2. Measured on a simulated CPU cluster: the peak activation memory per device of a small MLP.
-//! 3. Real threads on this machine: K = 2 devices, one CPU thread each (rayon's pool has one
-//!    thread, so every op runs on its stage's thread), M = 8, an MLP of equal Linear + ReLU
-//!    blocks; the median step time of each schedule, its ratio to 1F1B, and the ratio the
-//!    schedules' simulated bubbles allow, (1 − bubble) / (1 − bubble of 1F1B). The runs of all
-//!    schedules are interleaved step by step so load changes hit all alike.
+//! - bubbles simulated with equal costs (F = B = W = 1 per stage or chunk, full backward 2, free
+//!   links): of the step and steady (inside each device's span), beside the closed form each
+//!   generator's doc states;
+//! - the most micro-batches in flight on a device (for chunked schedules also in 1F1B-stage
+//!   units: a chunk holds 1/v of a device's layers), and the peak activation memory per device
+//!   measured by the memory accounting of a simulated CPU cluster (a small MLP);
+//! - in the rows K = 2, M = 8, real threads on this machine: two CPU devices with one thread each
+//!   (rayon's pool has one thread, so every op runs on its stage's thread), an MLP of equal
+//!   Linear + ReLU blocks, the median step time, the measured bubble, the speed-up over 1F1B and
+//!   the one the simulated bubbles allow, (1 - bubble) / (1 - bubble of 1F1B). The steps of all
+//!   schedules are interleaved so load changes hit all alike; run it on an idle machine.
 //!
 //! `cargo run --release --example bench_schedules` (about a minute on 2 cores);
-//! `-- --quick` skips part 3.
+//! `-- --quick` skips the real-thread runs.
 
 use std::time::Instant;
 
@@ -57,36 +58,6 @@ fn unit_timeline(s: &Schedule) -> Res<wgpipe::pipeline::Timeline> {
     })?)
 }
 
-fn simulated_table() -> Res<()> {
-    println!("## 1. Simulated, equal costs\n");
-    println!("| schedule | K | M | chunks | bubble | steady bubble | closed form | max in flight (chunk / 1F1B-stage units) |");
-    println!("|---|---|---|---|---|---|---|---|");
-    for (k, m) in [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16), (8, 32)] {
-        for kind in ScheduleKind::ALL {
-            let v = kind.default_chunks();
-            let s = match kind.generate(k, v, m, CheckpointMode::Never) {
-                Ok(s) => s,
-                Err(e) => {
-                    println!("| {kind:?} | {k} | {m} | {v} | - | - | - | {e} |");
-                    continue;
-                }
-            };
-            let t = unit_timeline(&s)?;
-            let (cf, measure) = closed_form(kind, k, m, v);
-            let in_flight = s.max_in_flight().into_iter().max().unwrap_or(0);
-            println!(
-                "| {} | {k} | {m} | {v} | {:.1}% | {:.1}% | {:.1}% ({measure}) | {in_flight} / {:.1} |",
-                s.name,
-                t.bubble_fraction() * 100.0,
-                t.steady_bubble_fraction() * 100.0,
-                cf * 100.0,
-                in_flight as f64 / v as f64
-            );
-        }
-    }
-    Ok(())
-}
-
 /// `blocks` x [Linear(width), ReLU].
 fn mlp(blocks: usize, width: usize) -> Res<Vec<Box<dyn Module>>> {
     let mut v: Vec<Box<dyn Module>> = Vec::new();
@@ -120,42 +91,19 @@ fn pipeline(
         .build()?)
 }
 
-fn memory_table() -> Res<()> {
-    let (k, m, width, batch) = (4, 8, 64, 64);
-    println!("\n## 2. Peak activations per device, measured (simulated cluster of {k} CPU devices, MLP 8 x Linear({width}) + ReLU, batch {batch}, M = {m}, no re-materialization)\n");
-    println!("| schedule | peak activations KiB per device | max in flight |");
-    println!("|---|---|---|");
+/// Peak activation KiB per device, measured by the memory accounting of a simulated cluster of
+/// `k` CPU devices (MLP 8 x Linear(64) + ReLU, batch 64, no re-materialization).
+fn measured_peaks(kind: ScheduleKind, k: usize, m: usize) -> Res<Vec<f64>> {
+    let (width, batch) = (64, 64);
     let x = Tensor::rand_normal(&[batch, width], 0.0, 1.0, 1, &Device::cpu())?;
     let y = Tensor::rand_normal(&[batch, width], 0.0, 1.0, 2, &Device::cpu())?;
-    for kind in ScheduleKind::ALL {
-        if kind == ScheduleKind::DualPipeV && m < 2 * k {
-            continue;
-        }
-        let cluster = SimCluster::uniform(&Device::cpu(), k, u64::MAX, 1e12, LinkSpec::FREE);
-        let n = 16;
-        let pieces = k * kind.default_chunks();
-        let mut pipe = Pipeline::builder(mlp(8, width)?)
-            .sim(cluster)
-            .balance(Balance::Explicit(vec![n / pieces; pieces]))
-            .micro_batches(m)
-            .checkpoint(CheckpointMode::Never)
-            .schedule(kind)
-            .optimizer(|| Box::new(Sgd::new(1e-3)))
-            .build()?;
-        let r = pipe.train_step(&x, &y, &mse)?;
-        let peaks: Vec<String> = r
-            .stages
-            .iter()
-            .map(|s| format!("{:.1}", s.memory.peak_of(Tag::Activations) as f64 / 1024.0))
-            .collect();
-        println!(
-            "| {} | {} | {:?} |",
-            pipe.schedule().name,
-            peaks.join(" / "),
-            pipe.schedule().max_in_flight()
-        );
-    }
-    Ok(())
+    let cluster = SimCluster::uniform(&Device::cpu(), k, u64::MAX, 1e12, LinkSpec::FREE);
+    let mut pipe = pipeline(kind, cluster.devices().to_vec(), mlp(8, width)?, m)?;
+    let r = pipe.train_step(&x, &y, &mse)?;
+    Ok(r.stages
+        .iter()
+        .map(|s| s.memory.peak_of(Tag::Activations) as f64 / 1024.0)
+        .collect())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -163,30 +111,28 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn threads_table() -> Res<()> {
+const THREADS_M: usize = 8;
+
+/// Real threads: median step ms of each schedule on K = 2 CPU devices, one thread each.
+fn thread_times() -> Res<Vec<(ScheduleKind, f64, f64)>> {
     const BLOCKS: usize = 8;
     const WIDTH: usize = 1024;
     const BATCH: usize = 2048;
-    const M: usize = 8;
     const STEPS: usize = 3;
-    println!(
-        "\n## 3. Real threads: K = 2 CPU devices, one thread each, MLP {BLOCKS} x Linear({WIDTH}) + ReLU, batch {BATCH}, M = {M}, median of {STEPS} steps after a warm-up\n"
-    );
     let x = Tensor::rand_normal(&[BATCH, WIDTH], 0.0, 1.0, 1, &Device::cpu())?;
     let y = Tensor::rand_normal(&[BATCH, WIDTH], 0.0, 1.0, 2, &Device::cpu())?;
-    let kinds: Vec<ScheduleKind> = ScheduleKind::ALL
-        .into_iter()
-        .filter(|&k| k != ScheduleKind::DualPipeV || M >= 4)
-        .collect();
     let mut pipes = Vec::new();
-    for &kind in &kinds {
+    for kind in ScheduleKind::ALL {
         let devices = vec![Device::new_cpu("cpu0"), Device::new_cpu("cpu1")];
-        pipes.push(pipeline(kind, devices, mlp(BLOCKS, WIDTH)?, M)?);
+        pipes.push((
+            kind,
+            pipeline(kind, devices, mlp(BLOCKS, WIDTH)?, THREADS_M)?,
+        ));
     }
-    let mut times: Vec<Vec<f64>> = vec![Vec::new(); kinds.len()];
-    let mut bubbles: Vec<Vec<f64>> = vec![Vec::new(); kinds.len()];
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); pipes.len()];
+    let mut bubbles: Vec<Vec<f64>> = vec![Vec::new(); pipes.len()];
     for round in 0..=STEPS {
-        for (i, pipe) in pipes.iter_mut().enumerate() {
+        for (i, (_, pipe)) in pipes.iter_mut().enumerate() {
             let t0 = Instant::now();
             let r = pipe.train_step(&x, &y, &mse)?;
             pipe.optimizer_step()?;
@@ -196,31 +142,11 @@ fn threads_table() -> Res<()> {
             }
         }
     }
-    let base = kinds
+    Ok(pipes
         .iter()
-        .position(|&k| k == ScheduleKind::OneFOneB)
-        .unwrap_or(0);
-    let base_time = median(times[base].clone());
-    let sim_bubble = |kind: ScheduleKind| -> Res<f64> {
-        let s = kind.generate(2, kind.default_chunks(), M, CheckpointMode::Never)?;
-        Ok(unit_timeline(&s)?.bubble_fraction())
-    };
-    let base_bubble = sim_bubble(ScheduleKind::OneFOneB)?;
-    println!("| schedule | step ms | measured bubble | speed-up vs 1F1B | allowed by the simulated bubbles |");
-    println!("|---|---|---|---|---|");
-    for (i, &kind) in kinds.iter().enumerate() {
-        let t = median(times[i].clone());
-        let allowed = (1.0 - sim_bubble(kind)?) / (1.0 - base_bubble);
-        println!(
-            "| {} | {:.0} | {:.1}% | {:.2}x | {:.2}x |",
-            pipes[i].schedule().name,
-            t * 1e3,
-            median(bubbles[i].clone()) * 100.0,
-            base_time / t,
-            allowed
-        );
-    }
-    Ok(())
+        .enumerate()
+        .map(|(i, (kind, _))| (*kind, median(times[i].clone()), median(bubbles[i].clone())))
+        .collect())
 }
 
 fn main() -> Res<()> {
@@ -229,11 +155,68 @@ fn main() -> Res<()> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build_global()?;
+    let threads = if std::env::args().any(|a| a == "--quick") {
+        Vec::new()
+    } else {
+        thread_times()?
+    };
+    let base = threads
+        .iter()
+        .find(|(k, _, _)| *k == ScheduleKind::OneFOneB)
+        .map(|(_, t, _)| *t);
+    let base_bubble =
+        unit_timeline(&ScheduleKind::OneFOneB.generate(2, 1, THREADS_M, CheckpointMode::Never)?)?
+            .bubble_fraction();
     println!("# Schedules\n");
-    simulated_table()?;
-    memory_table()?;
-    if !std::env::args().any(|a| a == "--quick") {
-        threads_table()?;
+    println!(
+        "Bubbles simulated with equal costs (F = B = W = 1 per stage or chunk, full backward 2, free \
+         links): of the step, and steady (inside each device's span); the closed form is for the \
+         measure named. In flight: the most (stage, micro-batch) pairs a device holds, in chunks and \
+         in 1F1B-stage units. Peak activations: measured per device on a simulated CPU cluster (MLP \
+         8 x Linear(64) + ReLU, batch 64, no re-materialization). Real threads (rows K=2, M={THREADS_M}): \
+         two CPU devices with one thread each (rayon pool of 1), MLP 8 x Linear(1024) + ReLU, batch \
+         2048, median of 3 steps after a warm-up, interleaved across schedules; the speed-up over \
+         1F1B beside what the simulated bubbles allow, (1 - bubble) / (1 - bubble of 1F1B).\n"
+    );
+    println!("| schedule | K | M | chunks | bubble | steady bubble | closed form | in flight (chunks / 1F1B units) | peak activations KiB per device | real threads: step ms, bubble, vs 1F1B (allowed) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for (k, m) in [(2, 4), (2, THREADS_M), (4, 8), (4, 16), (8, 16), (8, 32)] {
+        for kind in ScheduleKind::ALL {
+            let v = kind.default_chunks();
+            let s = match kind.generate(k, v, m, CheckpointMode::Never) {
+                Ok(s) => s,
+                Err(e) => {
+                    println!("| {kind:?} | {k} | {m} | {v} | - | - | - | - | - | {e} |");
+                    continue;
+                }
+            };
+            let t = unit_timeline(&s)?;
+            let (cf, measure) = closed_form(kind, k, m, v);
+            let in_flight = s.max_in_flight().into_iter().max().unwrap_or(0);
+            let peaks: Vec<String> = measured_peaks(kind, k, m)?
+                .iter()
+                .map(|p| format!("{p:.0}"))
+                .collect();
+            let real = match (threads.iter().find(|(x, _, _)| *x == kind), base) {
+                (Some((_, ms, bubble)), Some(b)) if (k, m) == (2, THREADS_M) => format!(
+                    "{:.0} ms, {:.1}%, {:.2}x ({:.2}x)",
+                    ms * 1e3,
+                    bubble * 100.0,
+                    b / ms,
+                    (1.0 - t.bubble_fraction()) / (1.0 - base_bubble)
+                ),
+                _ => "-".into(),
+            };
+            println!(
+                "| {} | {k} | {m} | {v} | {:.1}% | {:.1}% | {:.1}% ({measure}) | {in_flight} / {:.1} | {} | {real} |",
+                s.name,
+                t.bubble_fraction() * 100.0,
+                t.steady_bubble_fraction() * 100.0,
+                cf * 100.0,
+                in_flight as f64 / v as f64,
+                peaks.join(" / ")
+            );
+        }
     }
     println!("\nwall time {:.1} s", t0.elapsed().as_secs_f64());
     Ok(())
