@@ -2,7 +2,22 @@
 // g' = g + wd * p unless decoupled; m' = b1 m + (1 - b1) g'; v' = b2 v + (1 - b2) g'^2;
 // p' = p - lr (m' / bc1) / (sqrt(v' / bc2) + eps) - (decoupled ? lr wd p : 0).
 //
-// Params: [numel, lr, beta1, beta2, eps, weight_decay, decoupled, bc1, bc2].
+
+struct AdamParams {
+    numel: u32,
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    // Non-zero for AdamW.
+    decoupled: u32,
+    // 1 - beta1^t, 1 - beta2^t.
+    bc1: f32,
+    bc2: f32,
+}
+
+@group(0) @binding(0) var<storage, read> params: AdamParams;
 
 @group(0) @binding(1) var<storage, read> param: array<f32>;
 @group(0) @binding(2) var<storage, read> grad: array<f32>;
@@ -15,17 +30,17 @@
 @compute @workgroup_size({{WG}})
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let i = linear_index(gid, nwg, {{WG}}u);
-    if (i >= params[0]) {
+    if (i >= params.numel) {
         return;
     }
-    let lr = param_f32(1u);
-    let beta1 = param_f32(2u);
-    let beta2 = param_f32(3u);
-    let eps = param_f32(4u);
-    let wd = param_f32(5u);
-    let decoupled = params[6] != 0u;
-    let bc1 = param_f32(7u);
-    let bc2 = param_f32(8u);
+    let lr = params.lr;
+    let beta1 = params.beta1;
+    let beta2 = params.beta2;
+    let eps = params.eps;
+    let wd = params.weight_decay;
+    let decoupled = params.decoupled != 0u;
+    let bc1 = params.bc1;
+    let bc2 = params.bc2;
     let p = param[i];
     var g = grad[i];
     if (!decoupled) {

@@ -8,7 +8,18 @@
 // deterministic. The host splits long j ranges over several dispatches (lavapipe stops an
 // invocation after 65535 loop iterations).
 //
-// Params: [outer, dim, inner, n, j_begin, j_end].
+
+struct IndexParams {
+    outer: u32,
+    dim: u32,
+    inner: u32,
+    n: u32,
+    // The j range of this dispatch (index_add, scatter_add).
+    j_begin: u32,
+    j_end: u32,
+}
+
+@group(0) @binding(0) var<storage, read> params: IndexParams;
 
 @group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read> idx: array<f32>;
@@ -20,10 +31,10 @@ const WG: u32 = {{WG}}u;
 @compute @workgroup_size(WG)
 fn index_select(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, WG);
-    let outer = params[0];
-    let dim = params[1];
-    let inner = params[2];
-    let n = params[3];
+    let outer = params.outer;
+    let dim = params.dim;
+    let inner = params.inner;
+    let n = params.n;
     if (e >= outer * n * inner) {
         return;
     }
@@ -38,10 +49,10 @@ fn index_select(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_work
 @compute @workgroup_size(WG)
 fn gather(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, WG);
-    let outer = params[0];
-    let dim = params[1];
-    let inner = params[2];
-    let n = params[3];
+    let outer = params.outer;
+    let dim = params.dim;
+    let inner = params.inner;
+    let n = params.n;
     if (e >= outer * n * inner) {
         return;
     }
@@ -55,16 +66,16 @@ fn gather(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups
 @compute @workgroup_size(WG)
 fn index_add(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let col = linear_index(gid, nwg, WG);
-    let outer = params[0];
-    let dim = params[1];
-    let inner = params[2];
-    let n = params[3];
+    let outer = params.outer;
+    let dim = params.dim;
+    let inner = params.inner;
+    let n = params.n;
     if (col >= outer * inner) {
         return;
     }
     let i = col % inner;
     let o = col / inner;
-    for (var j = params[4]; j < params[5]; j = j + 1u) {
+    for (var j = params.j_begin; j < params.j_end; j = j + 1u) {
         let d = u32(idx[j]);
         let t = (o * dim + d) * inner + i;
         out[t] = out[t] + src[(o * n + j) * inner + i];
@@ -75,16 +86,16 @@ fn index_add(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgro
 @compute @workgroup_size(WG)
 fn scatter_add(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let col = linear_index(gid, nwg, WG);
-    let outer = params[0];
-    let dim = params[1];
-    let inner = params[2];
-    let n = params[3];
+    let outer = params.outer;
+    let dim = params.dim;
+    let inner = params.inner;
+    let n = params.n;
     if (col >= outer * inner) {
         return;
     }
     let i = col % inner;
     let o = col / inner;
-    for (var j = params[4]; j < params[5]; j = j + 1u) {
+    for (var j = params.j_begin; j < params.j_end; j = j + 1u) {
         let s = (o * n + j) * inner + i;
         let d = u32(idx[s]);
         let t = (o * dim + d) * inner + i;

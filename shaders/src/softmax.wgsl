@@ -2,7 +2,15 @@
 // workgroup per row: a tree max, a tree sum of exp(x - max), then the write.
 //
 // Placeholders: <WG> workgroup size (a power of two); <LOG> true for log-softmax.
-// Params: [rows, cols, x_offset]; the output is contiguous from 0.
+// The output is contiguous from 0.
+
+struct SoftmaxParams {
+    rows: u32,
+    cols: u32,
+    x_offset: u32,
+}
+
+@group(0) @binding(0) var<storage, read> params: SoftmaxParams;
 
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
@@ -18,13 +26,13 @@ fn main(
     @builtin(local_invocation_index) lid: u32,
 ) {
     let row = linear_group(wid, nwg);
-    let rows = params[0];
-    let cols = params[1];
+    let rows = params.rows;
+    let cols = params.cols;
     if (row >= rows) {
         return;
     }
     let base = row * cols;
-    let xb = params[2] + base;
+    let xb = params.x_offset + base;
 
     var m = neg_inf();
     for (var j = lid; j < cols; j = j + {{WG}}u) {

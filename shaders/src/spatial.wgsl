@@ -4,8 +4,27 @@
 //
 // Bindings: 1 = in0, 2 = in1 (read); 3 = out0, 4 = out1 (read-write); each entry point uses
 // the ones it names.
-// Params: [n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, groups, h_out, w_out]
-// (pooling passes dilation 1 and one group).
+// Pooling passes dilation 1 and one group.
+
+struct SpatialParams {
+    n: u32,
+    c: u32,
+    h: u32,
+    w: u32,
+    kh: u32,
+    kw: u32,
+    sh: u32,
+    sw: u32,
+    ph: u32,
+    pw: u32,
+    dh: u32,
+    dw: u32,
+    groups: u32,
+    h_out: u32,
+    w_out: u32,
+}
+
+@group(0) @binding(0) var<storage, read> params: SpatialParams;
 
 @group(0) @binding(1) var<storage, read> in0: array<f32>;
 @group(0) @binding(2) var<storage, read> in1: array<f32>;
@@ -34,9 +53,9 @@ struct Geo {
 
 fn geo() -> Geo {
     return Geo(
-        params[0], params[1], i32(params[2]), i32(params[3]), i32(params[4]), i32(params[5]),
-        i32(params[6]), i32(params[7]), i32(params[8]), i32(params[9]), i32(params[10]),
-        i32(params[11]), params[12], i32(params[13]), i32(params[14]),
+        params.n, params.c, i32(params.h), i32(params.w), i32(params.kh), i32(params.kw),
+        i32(params.sh), i32(params.sw), i32(params.ph), i32(params.pw), i32(params.dh),
+        i32(params.dw), params.groups, i32(params.h_out), i32(params.w_out),
     );
 }
 

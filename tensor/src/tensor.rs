@@ -56,11 +56,7 @@ impl Tensor {
                 ),
             ));
         }
-        if device.is_cpu() {
-            let a = Storage::reserve(device, data.len())?;
-            return Ok(Tensor::from_storage(Storage::cpu(data, a), shape, device));
-        }
-        device.kernels().from_host(device, &data, shape)
+        device.kernels().from_vec(device, data, shape)
     }
 
     pub fn from_slice(data: &[f32], shape: &[usize], device: &Device) -> Result<Tensor> {

@@ -3,6 +3,7 @@
 //! where the layout allows; CPU-backed adapters (lavapipe) pack both operands and run the
 //! subgroup kernel (`matmul_subgroup.wgsl`), which suits how llvmpipe executes shaders.
 
+use wgpipe_shaders::params::{MatmulParams, PackParams, ParamBlock, SubgroupMatmulParams};
 use wgpipe_shaders::{Kernel, MatmulConfig, OperandLoad, SubgroupMatmulConfig};
 
 use super::context::WgpuContext;
@@ -160,26 +161,26 @@ impl WgpuContext {
             let mut k0 = 0;
             while k0 < dims.k {
                 let k1 = (k0 + k_chunk).min(dims.k);
-                let params = [
-                    u(dims.m),
-                    u(k1),
-                    u(dims.n),
-                    u(tiles_n),
-                    u(la.offset),
-                    u(la.batch_stride),
-                    u(la.row_stride),
-                    u(la.col_stride),
-                    u(lb.offset),
-                    u(lb.batch_stride),
-                    u(lb.row_stride),
-                    u(lb.col_stride),
-                    u(base),
-                    u(k0),
-                    u32::from(k0 > 0),
-                ];
+                let params = MatmulParams {
+                    m: u(dims.m),
+                    k_end: u(k1),
+                    n: u(dims.n),
+                    tiles_n: u(tiles_n),
+                    a_off: u(la.offset),
+                    a_bs: u(la.batch_stride),
+                    a_rs: u(la.row_stride),
+                    a_cs: u(la.col_stride),
+                    b_off: u(lb.offset),
+                    b_bs: u(lb.batch_stride),
+                    b_rs: u(lb.row_stride),
+                    b_cs: u(lb.col_stride),
+                    batch_base: u(base),
+                    k_begin: u(k0),
+                    accumulate: u32::from(k0 > 0),
+                };
                 self.dispatch(
                     Kernel::Matmul(cfg),
-                    &params,
+                    &params.words(&[]),
                     &[Arg::of(ba), Arg::of(bb), Arg::of(bo)],
                     tiles as u64,
                     z as u32,
@@ -226,23 +227,23 @@ impl WgpuContext {
     ) -> Result<Tensor> {
         let total = batch * n0 * n1 * t0 * t1;
         let out = self.empty(x.device(), &[total])?;
-        let params = [
-            u(total),
-            u(r),
-            u(c),
-            u(t0),
-            u(t1),
-            u(n0),
-            u(n1),
-            u32::from(col_outer),
-            u(l.offset),
-            u(l.batch_stride),
-            u(l.row_stride),
-            u(l.col_stride),
-        ];
+        let params = PackParams {
+            total: u(total),
+            rows: u(r),
+            cols: u(c),
+            t0: u(t0),
+            t1: u(t1),
+            n_t0: u(n0),
+            n_t1: u(n1),
+            col_outer: u32::from(col_outer),
+            off: u(l.offset),
+            bs: u(l.batch_stride),
+            rs: u(l.row_stride),
+            cs: u(l.col_stride),
+        };
         self.dispatch(
             Kernel::Pack,
-            &params,
+            &params.words(&[]),
             &[Arg::of(gpu(x)?), Arg::of(gpu(&out)?)],
             groups_for(total),
             1,
@@ -281,20 +282,20 @@ impl WgpuContext {
             let mut k0 = 0;
             while k0 < k4.max(1) {
                 let k1 = (k0 + LOOP_BUDGET).min(k4);
-                let params = [
-                    u(m),
-                    u(n),
-                    u(k0),
-                    u(k1),
-                    u32::from(k0 > 0),
-                    u(a_bs),
-                    u(b_bs),
-                    u(base),
-                    u(k4),
-                ];
+                let params = SubgroupMatmulParams {
+                    m: u(m),
+                    n: u(n),
+                    k4_begin: u(k0),
+                    k4_end: u(k1),
+                    accumulate: u32::from(k0 > 0),
+                    a_bs: u(a_bs),
+                    b_bs: u(b_bs),
+                    batch_base: u(base),
+                    k4: u(k4),
+                };
                 self.dispatch_grid(
                     Kernel::MatmulSubgroup(cfg),
-                    &params,
+                    &params.words(&[]),
                     &[Arg::of(bap), Arg::of(bbp), Arg::of(bo)],
                     [u(nb), u(mb), u(z)],
                 )?;
