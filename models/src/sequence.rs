@@ -38,7 +38,7 @@ fn prefixed(
         .flat_map(|(i, l)| {
             f(l.as_ref())
                 .into_iter()
-                .map(move |(n, p)| (format!("{i}.{n}"), p))
+                .map(move |(n, p)| (wgpipe_autograd::module::param_path(&i.to_string(), &n), p))
         })
         .collect()
 }

@@ -71,15 +71,3 @@ impl SimCluster {
         self.devices.is_empty()
     }
 }
-
-/// A rough V100-like accelerator for planning tables: 15 TFLOP/s, 16 GB.
-pub const V100_LIKE: DeviceSpec = DeviceSpec {
-    flops_per_sec: 15e12,
-    memory_bytes: 16 << 30,
-};
-
-/// PCIe-3-like link without NVLink: 10 GB/s, 10 µs latency.
-pub const PCIE_LINK: LinkSpec = LinkSpec {
-    bandwidth_bytes_per_sec: 10e9,
-    latency_sec: 10e-6,
-};

@@ -19,7 +19,7 @@ mod math;
 mod matmul;
 mod norm;
 mod optim;
-mod par;
+pub(crate) mod par;
 mod pool;
 mod random;
 mod reduce;
