@@ -419,6 +419,12 @@ fn grad_unary_from_descriptors() {
 }
 
 #[test]
+fn grad_silu() {
+    let x = [uniform(&[4, 3], -4.0, 4.0, 25)];
+    gradcheck("silu", &x, |v| v[0].t()?.silu());
+}
+
+#[test]
 fn grad_unary_kinked() {
     let x = spaced(&[&[4, 3]], 21);
     gradcheck_tol("relu", &x, KINKED, |v| v[0].t()?.relu());

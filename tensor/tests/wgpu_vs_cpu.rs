@@ -297,6 +297,25 @@ fn unary_grads_on_views() {
     });
 }
 
+/// silu and its backward kernel on views (values in [-2, 2)).
+#[test]
+fn silu_and_its_grad_on_views() {
+    run(
+        "silu",
+        (shape(4, 5), view(), any::<u64>()),
+        |dev, (shape, v, seed)| {
+            let on = |d: &Device| {
+                let x = operand(d, &shape, v, seed, false, id);
+                let g = operand(d, &shape, v, seed ^ 0x5EED, false, id);
+                (x.silu().unwrap(), x.unary_grad(UnaryOp::Silu, &g).unwrap())
+            };
+            let ((y, dx), (cy, cdx)) = (on(dev), on(&cpu()));
+            close(&y, &cy, 1e-5, 1e-5, &format!("silu {v:?}"))?;
+            close(&dx, &cdx, 1e-4, 1e-4, &format!("silu' {v:?}"))
+        },
+    );
+}
+
 const BINARY: [BinaryOp; 13] = [
     BinaryOp::Add,
     BinaryOp::Sub,

@@ -135,6 +135,11 @@ impl Var {
         unary(op.name(), self, y, move |g| x.unary_grad(op, g))
     }
 
+    /// SiLU (swish), `x * sigmoid(x)`; its gradient from the descriptor.
+    pub fn silu(&self) -> Result<Var> {
+        self.unary(UnaryOp::Silu)
+    }
+
     pub fn add_scalar(&self, s: f32) -> Result<Var> {
         let y = self.value.add_scalar(s)?;
         unary("add_scalar", self, y, |g| Ok(g.clone()))

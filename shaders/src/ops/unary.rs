@@ -96,6 +96,11 @@ pub mod desc {
     unary_op!(Square, "square", |x, _| x * x, "a * a", d: 2.0 * x, "2.0 * a");
     unary_op!(Recip, "recip", |x, _| 1.0 / x, "1.0 / a", d: -1.0 / (x * x), "-1.0 / (a * a)");
     unary_op!(
+        /// SiLU (swish): `x * sigmoid(x)`.
+        Silu, "silu", |x, _| x * sigmoid(x), "a * sigmoid(a)",
+        d: { let s = sigmoid(x); s * (1.0 + x * (1.0 - s)) },
+        "sigmoid(a) * (1.0 + a * (1.0 - sigmoid(a)))");
+    unary_op!(
         /// `x * mul + add`.
         Affine, "affine", |x, [mul, add]| x * mul + add, "a * s0 + s1", d: mul, "s0");
     unary_op!(
@@ -142,6 +147,8 @@ pub enum UnaryOp {
     Cos,
     Square,
     Recip,
+    /// SiLU (swish): `x * sigmoid(x)`.
+    Silu,
     /// `x * mul + add` (covers add/sub/mul/div by a scalar).
     Affine {
         mul: f32,
@@ -163,7 +170,7 @@ pub enum UnaryOp {
 
 impl UnaryOp {
     /// Every op, scalars zero: one per compiled kernel.
-    pub const ALL: [UnaryOp; 24] = [
+    pub const ALL: [UnaryOp; 25] = [
         UnaryOp::Neg,
         UnaryOp::Exp,
         UnaryOp::Log,
@@ -180,6 +187,7 @@ impl UnaryOp {
         UnaryOp::Cos,
         UnaryOp::Square,
         UnaryOp::Recip,
+        UnaryOp::Silu,
         UnaryOp::Affine { mul: 0.0, add: 0.0 },
         UnaryOp::Powf(0.0),
         UnaryOp::RDiv(0.0),
@@ -211,6 +219,7 @@ impl UnaryOp {
             UnaryOp::Cos => v.visit::<Cos>(Z),
             UnaryOp::Square => v.visit::<Square>(Z),
             UnaryOp::Recip => v.visit::<Recip>(Z),
+            UnaryOp::Silu => v.visit::<Silu>(Z),
             UnaryOp::Affine { mul, add } => v.visit::<Affine>([mul, add]),
             UnaryOp::Powf(p) => v.visit::<Powf>([p, 0.0]),
             UnaryOp::RDiv(s) => v.visit::<RDiv>([s, 0.0]),

@@ -160,6 +160,8 @@ unary_methods! {
     square => Square;
     /// `1 / x`.
     recip => Recip;
+    /// SiLU (swish), `x * sigmoid(x)`.
+    silu => Silu;
 }
 
 impl Tensor {
