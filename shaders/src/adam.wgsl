@@ -4,17 +4,12 @@
 //
 
 struct AdamParams {
-    numel: u32,
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    eps: f32,
+    numel: u32, lr: f32, beta1: f32, beta2: f32, eps: f32,
     weight_decay: f32,
     // Non-zero for AdamW.
     decoupled: u32,
     // 1 - beta1^t, 1 - beta2^t.
-    bc1: f32,
-    bc2: f32,
+    bc1: f32, bc2: f32,
 }
 
 @group(0) @binding(0) var<storage, read> params: AdamParams;
@@ -30,25 +25,18 @@ struct AdamParams {
 @compute @workgroup_size({{WG}})
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let i = linear_index(gid, nwg, {{WG}}u);
-    if (i >= params.numel) {
-        return;
-    }
+    if (i >= params.numel) { return; }
     let lr = params.lr;
-    let beta1 = params.beta1;
-    let beta2 = params.beta2;
-    let eps = params.eps;
     let wd = params.weight_decay;
     let decoupled = params.decoupled != 0u;
-    let bc1 = params.bc1;
-    let bc2 = params.bc2;
     let p = param[i];
     var g = grad[i];
     if (!decoupled) {
         g = g + wd * p;
     }
-    let m = beta1 * m_in[i] + (1.0 - beta1) * g;
-    let v = beta2 * v_in[i] + (1.0 - beta2) * g * g;
-    var np = p - lr * (m / bc1) / (sqrt(v / bc2) + eps);
+    let m = params.beta1 * m_in[i] + (1.0 - params.beta1) * g;
+    let v = params.beta2 * v_in[i] + (1.0 - params.beta2) * g * g;
+    var np = p - lr * (m / params.bc1) / (sqrt(v / params.bc2) + params.eps);
     if (decoupled) {
         np = np - lr * wd * p;
     }

@@ -3,8 +3,7 @@
 //
 
 struct CopyParams {
-    numel: u32,
-    rank: u32,
+    numel: u32, rank: u32,
     // shape[rank], in_offset, in_strides[rank], out_offset, out_strides[rank].
     dims: array<u32>,
 }
@@ -17,9 +16,7 @@ struct CopyParams {
 @compute @workgroup_size({{WG}})
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let i = linear_index(gid, nwg, {{WG}}u);
-    if (i >= params.numel) {
-        return;
-    }
+    if (i >= params.numel) { return; }
     let rank = params.rank;
     let in_base = rank;
     let out_base = in_base + 1u + rank;

@@ -5,13 +5,8 @@
 //
 
 struct DropoutParams {
-    numel: u32,
-    seed_lo: u32,
-    seed_hi: u32,
-    offset_lo: u32,
-    offset_hi: u32,
-    p: f32,
-    scale: f32,
+    numel: u32, seed_lo: u32, seed_hi: u32, offset_lo: u32, offset_hi: u32,
+    p: f32, scale: f32,
 }
 
 @group(0) @binding(0) var<storage, read> params: DropoutParams;
@@ -23,9 +18,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let block = linear_index(gid, nwg, {{WG}}u);
     let n = params.numel;
     let i0 = block * 4u;
-    if (i0 >= n) {
-        return;
-    }
+    if (i0 >= n) { return; }
     let r = philox4x32(
         vec4<u32>(block, 0u, params.offset_lo, params.offset_hi),
         vec2<u32>(params.seed_lo, params.seed_hi),

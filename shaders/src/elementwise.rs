@@ -3,7 +3,7 @@
 
 use crate::{render, ELEMENTWISE_WG};
 
-const ELEMENTWISE: &str = include_str!("elementwise.wgsl");
+use crate::wgsl::ELEMENTWISE;
 
 /// How the elementwise kernels read their inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -13,9 +13,7 @@ struct EwParams {
     // Elements, or vec4s for the vec4 layout.
     count: u32,
     // 0 for the contiguous layouts.
-    rank: u32,
-    s0: f32,
-    s1: f32,
+    rank: u32, s0: f32, s1: f32,
     // shape[rank], then per input: offset, strides[rank].
     dims: array<u32>,
 }
@@ -106,9 +104,7 @@ fn flag(b: bool) -> f32 {
 @compute @workgroup_size({{WG}})
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let i = linear_index(gid, nwg, {{WG}}u);
-    if (i >= params.count) {
-        return;
-    }
+    if (i >= params.count) { return; }
     let s0 = params.s0;
     let s1 = params.s1;
 {{LOADS}}

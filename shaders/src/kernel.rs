@@ -9,15 +9,7 @@ use crate::params;
 use crate::rows::{self, ReduceMode};
 use crate::{render, Access, ELEMENTWISE_WG, ROW_WG_CHOICES};
 
-const COMMON: &str = include_str!("common.wgsl");
-const COPY_STRIDED: &str = include_str!("copy_strided.wgsl");
-const FILL: &str = include_str!("fill.wgsl");
-const PACK: &str = include_str!("pack.wgsl");
-const INDEX: &str = include_str!("index.wgsl");
-const SPATIAL: &str = include_str!("spatial.wgsl");
-const PHILOX: &str = include_str!("philox.wgsl");
-const DROPOUT: &str = include_str!("dropout.wgsl");
-const ADAM: &str = include_str!("adam.wgsl");
+use crate::wgsl::{ADAM, COMMON, COPY_STRIDED, DROPOUT, FILL, INDEX, PACK, PHILOX, SPATIAL};
 
 /// Entry points of `index.wgsl`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -20,6 +20,7 @@ mod matmul;
 pub mod ops;
 pub mod params;
 mod rows;
+mod wgsl;
 
 pub use elementwise::EwLayout;
 pub use kernel::{IndexKernel, Kernel, SpatialKernel};

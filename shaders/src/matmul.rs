@@ -7,13 +7,11 @@
 
 use crate::render;
 
-const MATMUL: &str = include_str!("matmul.wgsl");
-const MATMUL_SUBGROUP: &str = include_str!("matmul_subgroup.wgsl");
-const LOAD_SCALAR: &str = include_str!("matmul_load_scalar.wgsl");
-const LOAD_VEC_K: &str = include_str!("matmul_load_vec_k.wgsl");
-const LOAD_VEC_MN: &str = include_str!("matmul_load_vec_mn.wgsl");
-const STORE_SCALAR: &str = include_str!("matmul_store_scalar.wgsl");
-const STORE_VEC: &str = include_str!("matmul_store_vec.wgsl");
+use crate::wgsl::{
+    MATMUL, MATMUL_LOAD_SCALAR as LOAD_SCALAR, MATMUL_LOAD_VEC_K as LOAD_VEC_K,
+    MATMUL_LOAD_VEC_MN as LOAD_VEC_MN, MATMUL_STORE_SCALAR as STORE_SCALAR,
+    MATMUL_STORE_VEC as STORE_VEC, MATMUL_SUBGROUP,
+};
 
 /// How a matmul operand is staged: scalar loads with `k` (or the other axis) fastest, or aligned
 /// vec4 loads along the axis with stride 1.

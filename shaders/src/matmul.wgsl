@@ -19,21 +19,10 @@
 // in all).
 
 struct MatmulParams {
-    m: u32,
-    k_end: u32,
-    n: u32,
-    tiles_n: u32,
-    a_off: u32,
-    a_bs: u32,
-    a_rs: u32,
-    a_cs: u32,
-    b_off: u32,
-    b_bs: u32,
-    b_rs: u32,
-    b_cs: u32,
-    batch_base: u32,
-    k_begin: u32,
-    accumulate: u32,
+    m: u32, k_end: u32, n: u32, tiles_n: u32,
+    a_off: u32, a_bs: u32, a_rs: u32, a_cs: u32,
+    b_off: u32, b_bs: u32, b_rs: u32, b_cs: u32,
+    batch_base: u32, k_begin: u32, accumulate: u32,
 }
 
 @group(0) @binding(0) var<storage, read> params: MatmulParams;
@@ -61,11 +50,7 @@ var<workgroup> Bs: array<vec4<f32>, BK * BN4>;
 {{STORE}}
 
 @compute @workgroup_size({{NT}})
-fn main(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let M = params.m;
     let K = params.k_end;
     let N = params.n;
@@ -73,9 +58,7 @@ fn main(
     let tile = linear_group(wid, nwg);
     let row0 = (tile / params.tiles_n) * BM;
     let col0 = (tile % params.tiles_n) * BN;
-    if (row0 >= M) {
-        return;
-    }
+    if (row0 >= M) { return; }
     let a_base = params.a_off + batch * params.a_bs;
     let b_base = params.b_off + batch * params.b_bs;
     let c_base = batch * M * N;

@@ -17,15 +17,8 @@
 
 // Batch strides in vec4s of the packed arrays (0 for an operand shared by the batch).
 struct SubgroupMatmulParams {
-    m: u32,
-    n: u32,
-    k4_begin: u32,
-    k4_end: u32,
-    accumulate: u32,
-    a_bs: u32,
-    b_bs: u32,
-    batch_base: u32,
-    k4: u32,
+    m: u32, n: u32, k4_begin: u32, k4_end: u32, accumulate: u32,
+    a_bs: u32, b_bs: u32, batch_base: u32, k4: u32,
 }
 
 @group(0) @binding(0) var<storage, read> params: SubgroupMatmulParams;

@@ -7,18 +7,9 @@
 // Source element (b, r, c) is at off + b * bs + r * rs + c * cs.
 
 struct PackParams {
-    total: u32,
-    rows: u32,
-    cols: u32,
-    t0: u32,
-    t1: u32,
-    n_t0: u32,
-    n_t1: u32,
-    col_outer: u32,
-    off: u32,
-    bs: u32,
-    rs: u32,
-    cs: u32,
+    total: u32, rows: u32, cols: u32,
+    t0: u32, t1: u32, n_t0: u32, n_t1: u32, col_outer: u32,
+    off: u32, bs: u32, rs: u32, cs: u32,
 }
 
 @group(0) @binding(0) var<storage, read> params: PackParams;
@@ -29,9 +20,7 @@ struct PackParams {
 @compute @workgroup_size({{WG}})
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, {{WG}}u);
-    if (e >= params.total) {
-        return;
-    }
+    if (e >= params.total) { return; }
     let R = params.rows;
     let C = params.cols;
     let T0 = params.t0;

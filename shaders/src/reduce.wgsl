@@ -16,11 +16,7 @@
 // The workgroup g handles row g / segments, columns [(g % segments) * seg_len,
 // min(that + seg_len, cols)).
 struct ReduceParams {
-    rows: u32,
-    cols: u32,
-    x_offset: u32,
-    segments: u32,
-    seg_len: u32,
+    rows: u32, cols: u32, x_offset: u32, segments: u32, seg_len: u32,
 }
 
 @group(0) @binding(0) var<storage, read> params: ReduceParams;
@@ -44,19 +40,13 @@ fn combine(a: Acc, b: Acc) -> Acc {
 }
 
 @compute @workgroup_size({{WG}})
-fn main(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let g = linear_group(wid, nwg);
     let rows = params.rows;
     let cols = params.cols;
     let segments = params.segments;
     let seg_len = params.seg_len;
-    if (g >= rows * segments) {
-        return;
-    }
+    if (g >= rows * segments) { return; }
     let row = g / segments;
     let begin = (g % segments) * seg_len;
     let end = min(begin + seg_len, cols);

@@ -4,12 +4,9 @@
 use crate::ops::ReduceOp;
 use crate::render;
 
-const REDUCE: &str = include_str!("reduce.wgsl");
-const REDUCE_DIRECT: &str = include_str!("reduce_direct.wgsl");
-const REDUCE_PARTIAL: &str = include_str!("reduce_partial.wgsl");
-const REDUCE_FINAL: &str = include_str!("reduce_final.wgsl");
-const SOFTMAX: &str = include_str!("softmax.wgsl");
-const LAYER_NORM: &str = include_str!("layer_norm.wgsl");
+use crate::wgsl::{
+    LAYER_NORM, REDUCE, REDUCE_DIRECT, REDUCE_FINAL, REDUCE_PARTIAL, ROW_TREE, SOFTMAX,
+};
 
 /// Which pass of a row reduction a variant is (see `reduce.wgsl`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -46,15 +43,20 @@ pub(crate) fn reduce(op: ReduceOp, mode: ReduceMode, wg: u32) -> String {
 }
 
 pub(crate) fn softmax(log: bool, wg: u32) -> String {
-    render(
-        SOFTMAX,
-        &[
-            ("WG", &wg.to_string()),
-            ("LOG", if log { "true" } else { "false" }),
-        ],
-    )
+    let vars = [
+        ("WG", wg.to_string()),
+        ("LOG", if log { "true" } else { "false" }.to_string()),
+    ];
+    with_tree(SOFTMAX, &vars)
 }
 
 pub(crate) fn layer_norm(wg: u32) -> String {
-    render(LAYER_NORM, &[("WG", &wg.to_string())])
+    with_tree(LAYER_NORM, &[("WG", wg.to_string())])
+}
+
+/// `template` after the workgroup tree reductions (`row_tree.wgsl`), both rendered with `vars`.
+fn with_tree(template: &str, vars: &[(&str, String)]) -> String {
+    let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let wg = [vars[0]];
+    format!("{}\n{}", render(ROW_TREE, &wg), render(template, &vars))
 }

@@ -51,62 +51,33 @@ pub mod desc {
     binary_op!(Ge, "ge", |a, b| flag(a >= b), "flag(a >= b)");
 }
 
-/// Elementwise binary ops on two operands of the same (broadcast) shape.
-/// Comparisons give 1.0 for true and 0.0 for false.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum BinaryOp {
-    Add,
-    Sub,
-    Mul,
-    Div,
-    Maximum,
-    Minimum,
-    Pow,
-    Eq,
-    Ne,
-    Lt,
-    Le,
-    Gt,
-    Ge,
+/// Defines [`BinaryOp`] with one variant per descriptor, its `ALL` and its `visit`.
+macro_rules! binary_ops {
+    ($($op:ident),* $(,)?) => {
+        /// Elementwise binary ops on two operands of the same (broadcast) shape.
+        /// Comparisons give 1.0 for true and 0.0 for false. Each variant is described by the
+        /// descriptor of the same name in [`desc`].
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum BinaryOp {
+            $($op,)*
+        }
+
+        impl BinaryOp {
+            pub const ALL: [BinaryOp; [$(stringify!($op)),*].len()] = [$(BinaryOp::$op),*];
+
+            /// Calls `v.visit::<Descriptor>()` for this op.
+            pub fn visit<V: BinaryVisitor>(self, v: V) -> V::Out {
+                match self {
+                    $(BinaryOp::$op => v.visit::<desc::$op>(),)*
+                }
+            }
+        }
+    };
 }
 
+binary_ops! { Add, Sub, Mul, Div, Maximum, Minimum, Pow, Eq, Ne, Lt, Le, Gt, Ge }
+
 impl BinaryOp {
-    pub const ALL: [BinaryOp; 13] = [
-        BinaryOp::Add,
-        BinaryOp::Sub,
-        BinaryOp::Mul,
-        BinaryOp::Div,
-        BinaryOp::Maximum,
-        BinaryOp::Minimum,
-        BinaryOp::Pow,
-        BinaryOp::Eq,
-        BinaryOp::Ne,
-        BinaryOp::Lt,
-        BinaryOp::Le,
-        BinaryOp::Gt,
-        BinaryOp::Ge,
-    ];
-
-    /// Calls `v.visit::<Descriptor>()` for this op.
-    pub fn visit<V: BinaryVisitor>(self, v: V) -> V::Out {
-        use desc::*;
-        match self {
-            BinaryOp::Add => v.visit::<Add>(),
-            BinaryOp::Sub => v.visit::<Sub>(),
-            BinaryOp::Mul => v.visit::<Mul>(),
-            BinaryOp::Div => v.visit::<Div>(),
-            BinaryOp::Maximum => v.visit::<Maximum>(),
-            BinaryOp::Minimum => v.visit::<Minimum>(),
-            BinaryOp::Pow => v.visit::<Pow>(),
-            BinaryOp::Eq => v.visit::<Eq>(),
-            BinaryOp::Ne => v.visit::<Ne>(),
-            BinaryOp::Lt => v.visit::<Lt>(),
-            BinaryOp::Le => v.visit::<Le>(),
-            BinaryOp::Gt => v.visit::<Gt>(),
-            BinaryOp::Ge => v.visit::<Ge>(),
-        }
-    }
-
     fn strings(self) -> (&'static str, &'static str) {
         struct V;
         impl BinaryVisitor for V {

@@ -8,8 +8,8 @@
 //! dispatch to the descriptors with a visitor ([`UnaryVisitor`], [`BinaryVisitor`]), so a backend
 //! writes one generic loop instead of one match arm per op.
 //!
-//! Adding a unary op = a variant, a `visit` arm, a descriptor and an `ALL` entry, all in
-//! `unary.rs`; the tensor method and the autograd method are one line each.
+//! Adding a unary op = its descriptor (one `unary_op!` line) and its name in the `unary_ops!`
+//! list, both in `unary.rs`; the tensor method and the autograd method are one line each.
 
 mod binary;
 pub mod math;

@@ -125,112 +125,47 @@ pub mod desc {
         EqScalar, "eq_scalar", |x, [s, _]| flag(x == s), "flag(a == s0)", d: 0.0, "0.0");
 }
 
-/// Elementwise unary ops. The scalar-carrying variants implement `x op s` without a second tensor.
-/// Equality and hashing compare the op and the bits of its scalars.
-#[derive(Debug, Clone, Copy)]
-pub enum UnaryOp {
-    Neg,
-    Exp,
-    Log,
-    Sqrt,
-    Rsqrt,
-    Abs,
-    Sign,
-    Tanh,
-    Sigmoid,
-    Relu,
-    /// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
-    Gelu,
-    /// d/dx of the tanh-form GELU (for its backward).
-    GeluGrad,
-    Sin,
-    Cos,
-    Square,
-    Recip,
-    /// SiLU (swish): `x * sigmoid(x)`.
-    Silu,
-    /// `x * mul + add` (covers add/sub/mul/div by a scalar).
-    Affine {
-        mul: f32,
-        add: f32,
-    },
-    /// `x ^ p`.
-    Powf(f32),
-    /// `s / x`.
-    RDiv(f32),
-    /// `s - x`.
-    RSub(f32),
-    MaxScalar(f32),
-    MinScalar(f32),
-    /// 1.0 where `x > s`, else 0.0 (masks for relu/max backward, causal masks).
-    GtScalar(f32),
-    /// 1.0 where `x == s`, else 0.0.
-    EqScalar(f32),
+/// Defines [`UnaryOp`] with one variant per descriptor (plain ops, then ops with one scalar,
+/// then `Affine`), its `ALL` and its `visit`.
+macro_rules! unary_ops {
+    (plain: $($op:ident),* ; scalar: $($sop:ident),* $(;)?) => {
+        /// Elementwise unary ops; each variant is described by the descriptor of the same name
+        /// in [`desc`] (e.g. [`desc::Gelu`]). The scalar-carrying variants implement `x op s`
+        /// without a second tensor: `Affine { mul, add }` is `x * mul + add`, `Powf(p)` is
+        /// `x ^ p`, `RDiv(s)` is `s / x`, `RSub(s)` is `s - x`, `GtScalar(s)` / `EqScalar(s)`
+        /// give 1.0 where `x > s` / `x == s`. Equality and hashing compare the op and the bits
+        /// of its scalars.
+        #[derive(Debug, Clone, Copy)]
+        pub enum UnaryOp {
+            $($op,)*
+            $($sop(f32),)*
+            Affine { mul: f32, add: f32 },
+        }
+
+        impl UnaryOp {
+            /// Every op, scalars zero: one per compiled kernel.
+            pub const ALL: [UnaryOp; [$(stringify!($op)),*, $(stringify!($sop)),*, "Affine"].len()] =
+                [$(UnaryOp::$op,)* $(UnaryOp::$sop(0.0),)* UnaryOp::Affine { mul: 0.0, add: 0.0 }];
+
+            /// Calls `v.visit::<Descriptor>(scalars)` for this op.
+            pub fn visit<V: UnaryVisitor>(self, v: V) -> V::Out {
+                match self {
+                    $(UnaryOp::$op => v.visit::<desc::$op>([0.0; 2]),)*
+                    $(UnaryOp::$sop(s) => v.visit::<desc::$sop>([s, 0.0]),)*
+                    UnaryOp::Affine { mul, add } => v.visit::<desc::Affine>([mul, add]),
+                }
+            }
+        }
+    };
+}
+
+unary_ops! {
+    plain: Neg, Exp, Log, Sqrt, Rsqrt, Abs, Sign, Tanh, Sigmoid, Relu, Gelu, GeluGrad, Sin, Cos,
+        Square, Recip, Silu;
+    scalar: Powf, RDiv, RSub, MaxScalar, MinScalar, GtScalar, EqScalar;
 }
 
 impl UnaryOp {
-    /// Every op, scalars zero: one per compiled kernel.
-    pub const ALL: [UnaryOp; 25] = [
-        UnaryOp::Neg,
-        UnaryOp::Exp,
-        UnaryOp::Log,
-        UnaryOp::Sqrt,
-        UnaryOp::Rsqrt,
-        UnaryOp::Abs,
-        UnaryOp::Sign,
-        UnaryOp::Tanh,
-        UnaryOp::Sigmoid,
-        UnaryOp::Relu,
-        UnaryOp::Gelu,
-        UnaryOp::GeluGrad,
-        UnaryOp::Sin,
-        UnaryOp::Cos,
-        UnaryOp::Square,
-        UnaryOp::Recip,
-        UnaryOp::Silu,
-        UnaryOp::Affine { mul: 0.0, add: 0.0 },
-        UnaryOp::Powf(0.0),
-        UnaryOp::RDiv(0.0),
-        UnaryOp::RSub(0.0),
-        UnaryOp::MaxScalar(0.0),
-        UnaryOp::MinScalar(0.0),
-        UnaryOp::GtScalar(0.0),
-        UnaryOp::EqScalar(0.0),
-    ];
-
-    /// Calls `v.visit::<Descriptor>(scalars)` for this op.
-    pub fn visit<V: UnaryVisitor>(self, v: V) -> V::Out {
-        use desc::*;
-        const Z: [f32; 2] = [0.0; 2];
-        match self {
-            UnaryOp::Neg => v.visit::<Neg>(Z),
-            UnaryOp::Exp => v.visit::<Exp>(Z),
-            UnaryOp::Log => v.visit::<Log>(Z),
-            UnaryOp::Sqrt => v.visit::<Sqrt>(Z),
-            UnaryOp::Rsqrt => v.visit::<Rsqrt>(Z),
-            UnaryOp::Abs => v.visit::<Abs>(Z),
-            UnaryOp::Sign => v.visit::<Sign>(Z),
-            UnaryOp::Tanh => v.visit::<Tanh>(Z),
-            UnaryOp::Sigmoid => v.visit::<Sigmoid>(Z),
-            UnaryOp::Relu => v.visit::<Relu>(Z),
-            UnaryOp::Gelu => v.visit::<Gelu>(Z),
-            UnaryOp::GeluGrad => v.visit::<GeluGrad>(Z),
-            UnaryOp::Sin => v.visit::<Sin>(Z),
-            UnaryOp::Cos => v.visit::<Cos>(Z),
-            UnaryOp::Square => v.visit::<Square>(Z),
-            UnaryOp::Recip => v.visit::<Recip>(Z),
-            UnaryOp::Silu => v.visit::<Silu>(Z),
-            UnaryOp::Affine { mul, add } => v.visit::<Affine>([mul, add]),
-            UnaryOp::Powf(p) => v.visit::<Powf>([p, 0.0]),
-            UnaryOp::RDiv(s) => v.visit::<RDiv>([s, 0.0]),
-            UnaryOp::RSub(s) => v.visit::<RSub>([s, 0.0]),
-            UnaryOp::MaxScalar(s) => v.visit::<MaxScalar>([s, 0.0]),
-            UnaryOp::MinScalar(s) => v.visit::<MinScalar>([s, 0.0]),
-            UnaryOp::GtScalar(s) => v.visit::<GtScalar>([s, 0.0]),
-            UnaryOp::EqScalar(s) => v.visit::<EqScalar>([s, 0.0]),
-        }
-    }
-
     /// The scalars the kernels receive as `s0`, `s1`.
     pub fn scalars(self) -> [f32; 2] {
         struct V;
@@ -280,26 +215,28 @@ impl UnaryOp {
 
     /// `y = f(x)` on the CPU (one call; the CPU backend monomorphises through [`Self::visit`]).
     pub fn eval(self, x: f32) -> f32 {
-        struct V(f32);
-        impl UnaryVisitor for V {
-            type Out = f32;
-            fn visit<T: UnaryOpT>(self, s: [f32; 2]) -> f32 {
-                T::f(self.0, s)
-            }
-        }
-        self.visit(V(x))
+        self.at(x, false)
     }
 
     /// `dy/dx` on the CPU.
     pub fn grad(self, x: f32) -> f32 {
-        struct V(f32);
+        self.at(x, true)
+    }
+
+    /// `f(x)`, or `f'(x)` when `derivative`.
+    fn at(self, x: f32, derivative: bool) -> f32 {
+        struct V(f32, bool);
         impl UnaryVisitor for V {
             type Out = f32;
             fn visit<T: UnaryOpT>(self, s: [f32; 2]) -> f32 {
-                T::df(self.0, s)
+                if self.1 {
+                    T::df(self.0, s)
+                } else {
+                    T::f(self.0, s)
+                }
             }
         }
-        self.visit(V(x))
+        self.visit(V(x, derivative))
     }
 
     fn key(self) -> (&'static str, [u32; 2]) {

@@ -206,16 +206,27 @@ pub(crate) fn unary_grad(
     g: &[f32],
     lg: &Layout,
 ) {
-    struct Run<'a>(&'a mut [f32], &'a [f32], &'a Layout, &'a [f32], &'a Layout);
-    impl UnaryVisitor for Run<'_> {
-        type Out = ();
-        fn visit<T: UnaryOpT>(self, s: [f32; 2]) {
-            map2(self.0, self.1, self.2, self.3, self.4, move |v, g| {
-                g * T::df(v, s)
-            })
-        }
+    op.visit(Map2(out, x, lx, g, lg))
+}
+
+/// The arguments of [`map2`], waiting for a descriptor: `g * op'(x)` for a unary op (the
+/// second view is the gradient), `op(a, b)` for a binary one.
+struct Map2<'a>(&'a mut [f32], &'a [f32], &'a Layout, &'a [f32], &'a Layout);
+
+impl UnaryVisitor for Map2<'_> {
+    type Out = ();
+    fn visit<T: UnaryOpT>(self, s: [f32; 2]) {
+        map2(self.0, self.1, self.2, self.3, self.4, move |v, g| {
+            g * T::df(v, s)
+        })
     }
-    op.visit(Run(out, x, lx, g, lg))
+}
+
+impl BinaryVisitor for Map2<'_> {
+    type Out = ();
+    fn visit<T: BinaryOpT>(self) {
+        map2(self.0, self.1, self.2, self.3, self.4, T::f)
+    }
 }
 
 /// The scalar function of a binary op (test reference).
@@ -233,14 +244,7 @@ pub(crate) fn binary(
     b: &[f32],
     lb: &Layout,
 ) {
-    struct Run<'a>(&'a mut [f32], &'a [f32], &'a Layout, &'a [f32], &'a Layout);
-    impl BinaryVisitor for Run<'_> {
-        type Out = ();
-        fn visit<T: BinaryOpT>(self) {
-            map2(self.0, self.1, self.2, self.3, self.4, T::f)
-        }
-    }
-    op.visit(Run(out, a, la, b, lb))
+    op.visit(Map2(out, a, la, b, lb))
 }
 
 /// `out = cond != 0 ? a : b` on three views of the same shape.

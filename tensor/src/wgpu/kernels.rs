@@ -288,27 +288,33 @@ impl WgpuContext {
         Ok(())
     }
 
-    /// One index kernel: `src` and `idx` dense, output of `out_shape`, `items` invocations.
-    /// The accumulating kernels (index_add, scatter_add) start from zeros and walk j in chunks
-    /// of at most `LOOP_BUDGET` per dispatch.
+    /// One index kernel over `dims = [outer, dim, inner, n]`, `src` and `idx` made dense. The
+    /// selecting kernels (index_select, gather) write `[outer, n, inner]`, one invocation per
+    /// element; the accumulating ones (index_add, scatter_add) start `[outer, dim, inner]` from
+    /// zeros, one invocation per (outer, inner) column, and walk j in chunks of at most
+    /// `LOOP_BUDGET` per dispatch.
     fn index_kernel(
         &self,
         k: IndexKernel,
         src: &Tensor,
         idx: &Tensor,
         dims: [usize; 4],
-        out_shape: &[usize],
-        items: usize,
     ) -> Result<Tensor> {
+        let [outer, dim, inner, n] = dims;
         let src = self.dense(src)?;
         let idx = self.dense(idx)?;
         let accumulates = matches!(k, IndexKernel::IndexAdd | IndexKernel::ScatterAdd);
-        let out = if accumulates {
-            self.fill(src.device(), out_shape, 0.0)?
+        let (out, items) = if accumulates {
+            (
+                self.fill(src.device(), &[outer, dim, inner], 0.0)?,
+                outer * inner,
+            )
         } else {
-            self.empty(src.device(), out_shape)?
+            (
+                self.empty(src.device(), &[outer, n, inner])?,
+                outer * n * inner,
+            )
         };
-        let n = dims[3];
         let step = if accumulates { LOOP_BUDGET } else { n.max(1) };
         let mut j0 = 0;
         loop {
@@ -545,76 +551,39 @@ impl Kernels for WgpuContext {
         &self,
         x: &Tensor,
         idx: &Tensor,
-        outer: usize,
-        dim: usize,
-        inner: usize,
+        o: usize,
+        d: usize,
+        i: usize,
     ) -> Result<Tensor> {
-        let n = idx.numel();
-        self.index_kernel(
-            IndexKernel::IndexSelect,
-            x,
-            idx,
-            [outer, dim, inner, n],
-            &[outer, n, inner],
-            outer * n * inner,
-        )
+        self.index_kernel(IndexKernel::IndexSelect, x, idx, [o, d, i, idx.numel()])
     }
 
     fn index_add(
         &self,
         src: &Tensor,
         idx: &Tensor,
-        outer: usize,
-        dim: usize,
-        inner: usize,
+        o: usize,
+        d: usize,
+        i: usize,
     ) -> Result<Tensor> {
-        let n = idx.numel();
-        self.index_kernel(
-            IndexKernel::IndexAdd,
-            src,
-            idx,
-            [outer, dim, inner, n],
-            &[outer, dim, inner],
-            outer * inner,
-        )
+        self.index_kernel(IndexKernel::IndexAdd, src, idx, [o, d, i, idx.numel()])
     }
 
-    fn gather(
-        &self,
-        x: &Tensor,
-        idx: &Tensor,
-        outer: usize,
-        dim: usize,
-        inner: usize,
-    ) -> Result<Tensor> {
-        let n = idx.numel().checked_div(outer * inner).unwrap_or(0);
-        self.index_kernel(
-            IndexKernel::Gather,
-            x,
-            idx,
-            [outer, dim, inner, n],
-            &[outer, n, inner],
-            outer * n * inner,
-        )
+    fn gather(&self, x: &Tensor, idx: &Tensor, o: usize, d: usize, i: usize) -> Result<Tensor> {
+        let n = idx.numel().checked_div(o * i).unwrap_or(0);
+        self.index_kernel(IndexKernel::Gather, x, idx, [o, d, i, n])
     }
 
     fn scatter_add(
         &self,
         src: &Tensor,
         idx: &Tensor,
-        outer: usize,
-        dim: usize,
-        inner: usize,
+        o: usize,
+        d: usize,
+        i: usize,
     ) -> Result<Tensor> {
-        let n = idx.numel().checked_div(outer * inner).unwrap_or(0);
-        self.index_kernel(
-            IndexKernel::ScatterAdd,
-            src,
-            idx,
-            [outer, dim, inner, n],
-            &[outer, dim, inner],
-            outer * inner,
-        )
+        let n = idx.numel().checked_div(o * i).unwrap_or(0);
+        self.index_kernel(IndexKernel::ScatterAdd, src, idx, [o, d, i, n])
     }
 
     fn concat(&self, xs: &[&Tensor], axis: usize, out_shape: &[usize]) -> Result<Tensor> {

@@ -13,6 +13,30 @@ use crate::backend::{Kernels, MatDims, MatLayout};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
+/// How to stage one operand (see `OperandLoad`): vec4 loads along the axis of stride 1 when
+/// offsets, strides and that extent allow, else scalar loads walking the smaller stride.
+/// `ks`, `os` are its strides along k and along its other axis, `k`, `o` those extents.
+fn operand_load(
+    ks: usize,
+    os: usize,
+    k: usize,
+    o: usize,
+    l: &MatLayout,
+    prefer_mn: bool,
+) -> OperandLoad {
+    let a4 = |v: usize| v.is_multiple_of(4);
+    let aligned = a4(l.offset) && a4(l.batch_stride);
+    let vec_k = ks == 1 && a4(k) && a4(os) && aligned;
+    let vec_mn = os == 1 && a4(o) && a4(ks) && aligned;
+    match (prefer_mn, vec_k, vec_mn) {
+        (false, true, _) | (true, true, false) => OperandLoad::VecK,
+        (_, _, true) => OperandLoad::VecMn,
+        (false, ..) if ks <= os => OperandLoad::ScalarK,
+        (true, ..) if os > ks => OperandLoad::ScalarK,
+        _ => OperandLoad::ScalarMn,
+    }
+}
+
 impl WgpuContext {
     /// The matmul variant for these operands on this adapter.
     pub(super) fn matmul_config(
@@ -21,45 +45,9 @@ impl WgpuContext {
         lb: &MatLayout,
         d: &MatDims,
     ) -> MatmulConfig {
-        let a4 = |v: usize| v.is_multiple_of(4);
-        let a = if la.col_stride == 1
-            && a4(d.k)
-            && a4(la.offset)
-            && a4(la.row_stride)
-            && a4(la.batch_stride)
-        {
-            OperandLoad::VecK
-        } else if la.row_stride == 1
-            && a4(d.m)
-            && a4(la.offset)
-            && a4(la.col_stride)
-            && a4(la.batch_stride)
-        {
-            OperandLoad::VecMn
-        } else if la.col_stride <= la.row_stride {
-            OperandLoad::ScalarK
-        } else {
-            OperandLoad::ScalarMn
-        };
-        let b = if lb.col_stride == 1
-            && a4(d.n)
-            && a4(lb.offset)
-            && a4(lb.row_stride)
-            && a4(lb.batch_stride)
-        {
-            OperandLoad::VecMn
-        } else if lb.row_stride == 1
-            && a4(d.k)
-            && a4(lb.offset)
-            && a4(lb.col_stride)
-            && a4(lb.batch_stride)
-        {
-            OperandLoad::VecK
-        } else if lb.col_stride <= lb.row_stride {
-            OperandLoad::ScalarMn
-        } else {
-            OperandLoad::ScalarK
-        };
+        // A's k axis is its columns, B's its rows; A prefers k-major staging, B n-major.
+        let a = operand_load(la.col_stride, la.row_stride, d.k, d.m, la, false);
+        let b = operand_load(lb.row_stride, lb.col_stride, d.k, d.n, lb, true);
         let (bm, bn, bk, tm, tn) = self.matmul_tile(d);
         MatmulConfig {
             bm,
@@ -69,7 +57,7 @@ impl WgpuContext {
             tn,
             a,
             b,
-            c_vec: a4(d.n),
+            c_vec: d.n.is_multiple_of(4),
         }
     }
 
