@@ -21,6 +21,7 @@ use crate::models::{cross_entropy, parameter_count, TransformerLm};
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::{CheckpointMode, Pipeline, StepReport};
 use crate::placement::place;
+use crate::tensor::rng::SplitMix64;
 use crate::tensor::{Device, Tensor};
 use crate::train::{ctrl_c_flag, train_loop, LoopConfig};
 
@@ -175,7 +176,7 @@ fn sample_text(
 ) -> AppResult<String> {
     let rows = pipe.num_micro_batches();
     let mut seqs: Vec<Vec<u32>> = vec![prompt.to_vec(); rows];
-    let mut rng = SplitMix(seed ^ 0x5EED);
+    let mut rng = SplitMix64::new(seed ^ 0x5EED);
     let v = data.vocab_size();
     for _ in 0..len {
         let t = seqs[0].len().min(seq_len);
@@ -194,7 +195,7 @@ fn sample_text(
 }
 
 /// Greedy (temperature 0) or softmax(logits / temperature) sampling.
-fn pick(logits: &[f32], temperature: f32, rng: &mut SplitMix) -> u32 {
+fn pick(logits: &[f32], temperature: f32, rng: &mut SplitMix64) -> u32 {
     let argmax = logits
         .iter()
         .enumerate()
@@ -295,24 +296,6 @@ fn check_transformer_memory(args: &TransformerArgs, vocab: usize) -> AppResult<(
         )?;
     }
     Ok(())
-}
-
-/// A small deterministic generator for sampling (splitmix64).
-#[derive(Clone, Debug)]
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `[0, 1)`.
-    fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 /// The whole program: trains, reports, samples, writes the pictures.

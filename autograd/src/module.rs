@@ -1,5 +1,6 @@
 //! The `Module` trait: what a layer must say so that it can run plain or inside a pipeline stage.
 
+use wgpipe_tensor::rng::{splitmix64, GOLDEN_GAMMA};
 use wgpipe_tensor::{Device, Result};
 
 use crate::param::Param;
@@ -21,8 +22,17 @@ pub struct ForwardCtx {
     pub recompute: bool,
 }
 
+/// The default context is [`ForwardCtx::eval`]: what deterministic layers (and inference) need.
+impl Default for ForwardCtx {
+    fn default() -> Self {
+        ForwardCtx::eval()
+    }
+}
+
 impl ForwardCtx {
-    /// Context for evaluation (no dropout, no statistics updates).
+    /// Context for evaluation (no dropout, no statistics updates); also `ForwardCtx::default()`.
+    /// Layers without randomness or running statistics (linear, attention, norms, activations)
+    /// compute the same with any context, so this is all they need; see [`Module::apply`].
     pub fn eval() -> Self {
         ForwardCtx {
             seed: 0,
@@ -50,7 +60,7 @@ impl ForwardCtx {
     /// The RNG stream of random op number `site` inside this layer: `(seed, offset)` for
     /// `Tensor::dropout_mask`. Distinct for every (step, micro-batch, layer, site).
     pub fn rng_stream(&self, site: u64) -> (u64, u64) {
-        let mut h = self.seed ^ 0x9E37_79B9_7F4A_7C15;
+        let mut h = self.seed ^ GOLDEN_GAMMA;
         for v in [self.step, self.micro_batch, self.layer, site] {
             h = splitmix64(h ^ v);
         }
@@ -58,11 +68,69 @@ impl ForwardCtx {
     }
 }
 
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+/// The naming rule of nested parameters and buffers, `"{prefix}.{name}"` (what checkpoint
+/// files key on): a child `attn` of a block `3` names its `q.weight` `3.attn.q.weight`.
+pub fn param_path(prefix: &str, name: &str) -> String {
+    format!("{prefix}.{name}")
+}
+
+/// Gathers a module's parameters (or buffers) from its fields, naming them, so a custom module
+/// does not write prefixes by hand:
+///
+/// ```
+/// # use wgpipe_autograd::{module::ParamList, Param, Module};
+/// # fn demo(scale: &Param, fc: &dyn Module, bias: Option<&Param>) -> Vec<(String, Param)> {
+/// ParamList::new()
+///     .param("scale", scale)   // "scale"
+///     .child("fc", fc)         // "fc.weight", "fc.bias"
+///     .opt("bias", bias)       // "bias" when present
+///     .into()
+/// # }
+/// ```
+#[derive(Default, Clone)]
+pub struct ParamList(Vec<(String, Param)>);
+
+impl ParamList {
+    pub fn new() -> Self {
+        ParamList::default()
+    }
+
+    /// One parameter of this module, named `name`.
+    pub fn param(mut self, name: &str, p: &Param) -> Self {
+        self.0.push((name.to_string(), p.clone()));
+        self
+    }
+
+    /// An optional parameter (e.g. a bias), skipped when absent.
+    pub fn opt(self, name: &str, p: Option<&Param>) -> Self {
+        match p {
+            Some(p) => self.param(name, p),
+            None => self,
+        }
+    }
+
+    /// Every parameter of child module `m`, named `"{name}.{its name}"`.
+    pub fn child(self, name: &str, m: &dyn Module) -> Self {
+        self.prefixed(name, m.parameters())
+    }
+
+    /// Every buffer of child module `m`, named `"{name}.{its name}"`.
+    pub fn child_buffers(self, name: &str, m: &dyn Module) -> Self {
+        self.prefixed(name, m.buffers())
+    }
+
+    /// Already named parameters, each prefixed with `prefix`.
+    pub fn prefixed(mut self, prefix: &str, params: Vec<(String, Param)>) -> Self {
+        self.0
+            .extend(params.into_iter().map(|(n, p)| (param_path(prefix, &n), p)));
+        self
+    }
+}
+
+impl From<ParamList> for Vec<(String, Param)> {
+    fn from(l: ParamList) -> Self {
+        l.0
+    }
 }
 
 /// What a layer costs for a given input shape; the pipeline balances stages with these.
@@ -79,9 +147,9 @@ pub struct CostHint {
 /// The name of parameter (or buffer) `name` of layer `layer` in a layer sequence:
 /// `"{layer}.{name}"` (e.g. `3.attn.q.weight`). Checkpoint files key tensors by it, so every
 /// place that names a sequence's parameters (plain sequences, pipeline stages, checkpoints)
-/// calls this one function.
+/// calls this one function (the [`param_path`] rule with the layer index as prefix).
 pub fn layer_param_name(layer: usize, name: &str) -> String {
-    format!("{layer}.{name}")
+    param_path(&layer.to_string(), name)
 }
 
 /// A layer, or a sequence of layers. `Send` so a pipeline stage can own it on its own thread.
@@ -90,6 +158,12 @@ pub trait Module: Send {
     fn name(&self) -> String;
     /// Runs the layer on `x`, recording on `x`'s tape (or not, if the tape does not record).
     fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var>;
+    /// [`Module::forward`] with the default context ([`ForwardCtx::eval`]): no dropout, no
+    /// statistics updates. The short path for deterministic layers and for inference; gradients
+    /// are recorded as usual when `x`'s tape records.
+    fn apply(&self, x: &Var) -> Result<Var> {
+        self.forward(x, &ForwardCtx::eval())
+    }
     /// Trainable parameters with hierarchical names relative to this module (e.g. `attn.q.weight`).
     fn parameters(&self) -> Vec<(String, Param)>;
     /// Non-trainable state saved with the model (e.g. batch-norm running statistics).

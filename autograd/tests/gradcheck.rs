@@ -382,6 +382,48 @@ fn grad_unary_smooth() {
     }
 }
 
+/// `Var::unary` takes its gradient from the op's descriptor (one fused kernel).
+#[test]
+fn grad_unary_from_descriptors() {
+    use wgpipe_autograd::tensor::UnaryOp;
+    let x = [randn(&[4, 3], 23)];
+    for op in [
+        UnaryOp::Neg,
+        UnaryOp::Exp,
+        UnaryOp::Tanh,
+        UnaryOp::Sigmoid,
+        UnaryOp::Gelu,
+        UnaryOp::GeluGrad,
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+        UnaryOp::Square,
+        UnaryOp::Affine {
+            mul: 1.5,
+            add: -0.5,
+        },
+        UnaryOp::RSub(1.0),
+    ] {
+        gradcheck(op.name(), &x, |v| v[0].t()?.unary(op));
+    }
+    let p = [uniform(&[4, 3], 0.5, 2.0, 24)];
+    for op in [
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Recip,
+        UnaryOp::Powf(2.5),
+        UnaryOp::RDiv(2.0),
+    ] {
+        gradcheck(op.name(), &p, |v| v[0].t()?.unary(op));
+    }
+}
+
+#[test]
+fn grad_silu() {
+    let x = [uniform(&[4, 3], -4.0, 4.0, 25)];
+    gradcheck("silu", &x, |v| v[0].t()?.silu());
+}
+
 #[test]
 fn grad_unary_kinked() {
     let x = spaced(&[&[4, 3]], 21);

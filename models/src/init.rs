@@ -5,14 +5,8 @@
 //! `Tensor::rand_normal` are counter-based and backend-independent, so the same seed gives the
 //! same weights on the CPU and on every wgpu device.
 
+use wgpipe_tensor::rng::splitmix64;
 use wgpipe_tensor::{Device, Result, Tensor};
-
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 /// The seed of child number `k` of something seeded with `seed` (distinct, well mixed).
 pub fn sub_seed(seed: u64, k: u64) -> u64 {

@@ -1,12 +1,9 @@
 // Prepended to every kernel.
 //
-// Binding 0 of every kernel is its parameter block: u32 words (f32 values stored as their bits),
-// one block per dispatch, carved out of one buffer per submission.
-@group(0) @binding(0) var<storage, read> params: array<u32>;
-
-fn param_f32(i: u32) -> f32 {
-    return bitcast<f32>(params[i]);
-}
+// Binding 0 of every kernel is its parameter block `params`: a struct declared in the kernel's
+// file, mirrored by the #[repr(C)] struct of the same name in `params.rs` (a test checks that
+// the two layouts agree). The host carves one block per dispatch out of one buffer per
+// submission.
 
 // Linear invocation index on a 2-D grid of 1-D workgroups of `wg` invocations: the host splits
 // dispatches wider than 65535 workgroups into rows of `num_workgroups.x` workgroups.

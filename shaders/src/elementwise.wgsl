@@ -4,15 +4,44 @@
 // views need no copy), contiguous inputs (offset + i), and aligned contiguous inputs read and
 // written as vec4 (four elements per invocation).
 //
-// Placeholders: <WG> workgroup size; <INPUTS> the input bindings (at 1..) and <OUT> the
-// output binding; <EXPR> the op over a, b, c and the scalars s0, s1; <BODY> the layout's
-// indexing, loads and store.
-//
-// Params: [count, rank, s0, s1, shape[rank], then per input: offset, strides[rank]] (count is
-// elements, or vec4s for the vec4 layout; rank 0 for the contiguous layouts).
+// Placeholders: <WG> workgroup size; <TY> f32 or vec4<f32> (the vec4 layout); <INPUTS> the
+// input bindings in_a, in_b, in_c (at 1..) and <OUT> the output binding's number; <EXPR> the op
+// over a, b, c and the scalars s0, s1; <LOADS> the layout's loads of a, b, c (through
+// `input_offset` or `strided_index`); <STORE> the write of out[i].
 
+struct EwParams {
+    // Elements, or vec4s for the vec4 layout.
+    count: u32,
+    // 0 for the contiguous layouts.
+    rank: u32, s0: f32, s1: f32,
+    // shape[rank], then per input: offset, strides[rank].
+    dims: array<u32>,
+}
+
+@group(0) @binding(0) var<storage, read> params: EwParams;
 {{INPUTS}}
-{{OUT}}
+@group(0) @binding({{OUT}}) var<storage, read_write> out: array<{{TY}}>;
+
+// Where input k starts.
+fn input_offset(k: u32) -> u32 {
+    return params.dims[params.rank + k * (params.rank + 1u)];
+}
+
+// Where element i (row-major over the shape) of strided input k is.
+fn strided_index(i: u32, k: u32) -> u32 {
+    let rank = params.rank;
+    let base = rank + k * (rank + 1u);
+    var idx = params.dims[base];
+    var rem = i;
+    for (var d = rank; d > 0u; d = d - 1u) {
+        let j = d - 1u;
+        let size = params.dims[j];
+        let coord = rem % size;
+        rem = rem / size;
+        idx = idx + coord * params.dims[base + 1u + j];
+    }
+    return idx;
+}
 
 fn op(a: f32, b: f32, c: f32, s0: f32, s1: f32) -> f32 {
     return {{EXPR}};
@@ -55,6 +84,15 @@ fn gelu_grad(x: f32) -> f32 {
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * x * x);
 }
 
+// d/dx of gelu_grad: with q = s (1 - s) = (1 - t^2) / 4, 1 - 2 s = -t, u' = k (1 + 3 c x^2):
+// q (4 u' - 4 x u'^2 t + 12 k c x^2).
+fn gelu_grad2(x: f32) -> f32 {
+    let t = tanh_c(GELU_K * (x + GELU_C * x * x * x));
+    let q = 0.25 * (1.0 - t * t);
+    let u1 = GELU_K * (1.0 + 3.0 * GELU_C * x * x);
+    return q * (4.0 * u1 - 4.0 * x * u1 * u1 * t + 12.0 * GELU_K * GELU_C * x * x);
+}
+
 fn sigmoid(x: f32) -> f32 {
     return 1.0 / (1.0 + exp(-x));
 }
@@ -66,12 +104,9 @@ fn flag(b: bool) -> f32 {
 @compute @workgroup_size({{WG}})
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let i = linear_index(gid, nwg, {{WG}}u);
-    let n = params[0];
-    if (i >= n) {
-        return;
-    }
-    let rank = params[1];
-    let s0 = param_f32(2u);
-    let s1 = param_f32(3u);
-{{BODY}}
+    if (i >= params.count) { return; }
+    let s0 = params.s0;
+    let s1 = params.s1;
+{{LOADS}}
+{{STORE}}
 }

@@ -8,7 +8,14 @@
 // deterministic. The host splits long j ranges over several dispatches (lavapipe stops an
 // invocation after 65535 loop iterations).
 //
-// Params: [outer, dim, inner, n, j_begin, j_end].
+
+struct IndexParams {
+    outer: u32, dim: u32, inner: u32, n: u32,
+    // The j range of this dispatch (index_add, scatter_add).
+    j_begin: u32, j_end: u32,
+}
+
+@group(0) @binding(0) var<storage, read> params: IndexParams;
 
 @group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read> idx: array<f32>;
@@ -16,78 +23,56 @@
 
 const WG: u32 = {{WG}}u;
 
+// src[o, idx[k], i] for element e = (o, j, i) of the [outer, n, inner] output, where k is the
+// slot of idx that element reads.
+fn pick(e: u32, k: u32) -> f32 {
+    let p = params;
+    let i = e % p.inner;
+    let o = e / (p.inner * p.n);
+    return src[(o * p.dim + u32(idx[k])) * p.inner + i];
+}
+
 // out [outer, n, inner] = x[:, idx[j], :]
 @compute @workgroup_size(WG)
 fn index_select(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, WG);
-    let outer = params[0];
-    let dim = params[1];
-    let inner = params[2];
-    let n = params[3];
-    if (e >= outer * n * inner) {
-        return;
-    }
-    let i = e % inner;
-    let j = (e / inner) % n;
-    let o = e / (inner * n);
-    let d = u32(idx[j]);
-    out[e] = src[(o * dim + d) * inner + i];
+    let p = params;
+    if (e >= p.outer * p.n * p.inner) { return; }
+    out[e] = pick(e, (e / p.inner) % p.n);
 }
 
 // out [outer, n, inner] = x[o, idx[o, j, i], i]
 @compute @workgroup_size(WG)
 fn gather(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, WG);
-    let outer = params[0];
-    let dim = params[1];
-    let inner = params[2];
-    let n = params[3];
-    if (e >= outer * n * inner) {
-        return;
+    let p = params;
+    if (e >= p.outer * p.n * p.inner) { return; }
+    out[e] = pick(e, e);
+}
+
+// For column col = (o, i): out[o, d, i] += src[o, j, i] for j in this dispatch's range, with
+// d = idx[j] (index_add) or idx[o, j, i] (scatter_add, `per_element`).
+fn add_column(col: u32, per_element: bool) {
+    let p = params;
+    if (col >= p.outer * p.inner) { return; }
+    let i = col % p.inner;
+    let o = col / p.inner;
+    for (var j = p.j_begin; j < p.j_end; j = j + 1u) {
+        let s = (o * p.n + j) * p.inner + i;
+        let d = u32(idx[select(j, s, per_element)]);
+        let t = (o * p.dim + d) * p.inner + i;
+        out[t] = out[t] + src[s];
     }
-    let i = e % inner;
-    let o = e / (inner * n);
-    let d = u32(idx[e]);
-    out[e] = src[(o * dim + d) * inner + i];
 }
 
 // out[o, idx[j], i] += src[o, j, i]
 @compute @workgroup_size(WG)
 fn index_add(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let col = linear_index(gid, nwg, WG);
-    let outer = params[0];
-    let dim = params[1];
-    let inner = params[2];
-    let n = params[3];
-    if (col >= outer * inner) {
-        return;
-    }
-    let i = col % inner;
-    let o = col / inner;
-    for (var j = params[4]; j < params[5]; j = j + 1u) {
-        let d = u32(idx[j]);
-        let t = (o * dim + d) * inner + i;
-        out[t] = out[t] + src[(o * n + j) * inner + i];
-    }
+    add_column(linear_index(gid, nwg, WG), false);
 }
 
 // out[o, idx[o, j, i], i] += src[o, j, i]
 @compute @workgroup_size(WG)
 fn scatter_add(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let col = linear_index(gid, nwg, WG);
-    let outer = params[0];
-    let dim = params[1];
-    let inner = params[2];
-    let n = params[3];
-    if (col >= outer * inner) {
-        return;
-    }
-    let i = col % inner;
-    let o = col / inner;
-    for (var j = params[4]; j < params[5]; j = j + 1u) {
-        let s = (o * n + j) * inner + i;
-        let d = u32(idx[s]);
-        let t = (o * dim + d) * inner + i;
-        out[t] = out[t] + src[s];
-    }
+    add_column(linear_index(gid, nwg, WG), true);
 }

@@ -2,8 +2,15 @@
 // y = (x - mean) * rstd * gamma + beta, rstd = 1 / sqrt(var + eps) with the biased variance
 // (two passes: the mean, then the mean of squared deviations).
 //
-// Placeholders: <WG> workgroup size (a power of two). Params: [rows, cols, eps, x_offset, gamma_offset, beta_offset];
-// the outputs are contiguous from 0.
+// Placeholders: <WG> workgroup size (a power of two). The outputs are contiguous from 0.
+// Needs row_tree.wgsl.
+
+struct LayerNormParams {
+    rows: u32, cols: u32, eps: f32, x_offset: u32, gamma_offset: u32,
+    beta_offset: u32,
+}
+
+@group(0) @binding(0) var<storage, read> params: LayerNormParams;
 
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> gamma: array<f32>;
@@ -12,39 +19,17 @@
 @group(0) @binding(5) var<storage, read_write> mean_out: array<f32>;
 @group(0) @binding(6) var<storage, read_write> rstd_out: array<f32>;
 
-var<workgroup> red: array<f32, {{WG}}>;
-
-fn tree_sum(lid: u32, v: f32) -> f32 {
-    red[lid] = v;
-    workgroupBarrier();
-    for (var s = {{WG}}u / 2u; s > 0u; s = s >> 1u) {
-        if (lid < s) {
-            red[lid] = red[lid] + red[lid + s];
-        }
-        workgroupBarrier();
-    }
-    let total = red[0];
-    workgroupBarrier();
-    return total;
-}
-
 @compute @workgroup_size({{WG}})
-fn main(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let row = linear_group(wid, nwg);
-    let rows = params[0];
-    let cols = params[1];
-    let eps = param_f32(2u);
-    if (row >= rows) {
-        return;
-    }
+    let rows = params.rows;
+    let cols = params.cols;
+    let eps = params.eps;
+    if (row >= rows) { return; }
     let base = row * cols;
-    let xb = params[3] + base;
-    let go = params[4];
-    let bo = params[5];
+    let xb = params.x_offset + base;
+    let go = params.gamma_offset;
+    let bo = params.beta_offset;
     let inv_n = 1.0 / f32(cols);
 
     var s = 0.0;

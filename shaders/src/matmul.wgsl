@@ -8,14 +8,24 @@
 //
 // Placeholders: <BM> <BN> <BK> <TM> <TN> tile sizes; <A_TYPE> / <B_TYPE> / <C_TYPE>
 // f32 or vec4<f32> (vec4 where the layout allows aligned vector loads or stores); <LOAD_A> /
-// <LOAD_B> stage one slab; <ACC> declares the accumulators; <INNER> one k step of the
-// register tile; <STORE> writes the block (bounds-checked).
+// <LOAD_B> the file that defines `load_a` / `load_b`, which stage one slab
+// (matmul_load_{a,b}_{scalar,vec_k,vec_mn}.wgsl); <STORE> the file that defines `store4`
+// (matmul_store_{scalar,vec}.wgsl); <ACC> declares the TM x TN/4 vec4 accumulators acc_r_q;
+// <INNER> one k step of the register tile; <STORE_ALL> calls `store4` for each accumulator.
 //
-// Params: [m, k_end, n, tiles_n, a_off, a_bs, a_rs, a_cs, b_off, b_bs, b_rs, b_cs, batch_base,
-// k_begin, accumulate] (element (b, i, j) of an operand is at off + b * bs + i * rs + j * cs).
-// One dispatch covers k in [k_begin, k_end); with `accumulate` it adds to c instead of storing,
-// so the host can split a long k into several dispatches (lavapipe stops any invocation after
-// 65535 loop iterations in all).
+// Element (b, i, j) of an operand is at off + b * bs + i * rs + j * cs. One dispatch covers k
+// in [k_begin, k_end); with `accumulate` it adds to c instead of storing, so the host can split
+// a long k into several dispatches (lavapipe stops any invocation after 65535 loop iterations
+// in all).
+
+struct MatmulParams {
+    m: u32, k_end: u32, n: u32, tiles_n: u32,
+    a_off: u32, a_bs: u32, a_rs: u32, a_cs: u32,
+    b_off: u32, b_bs: u32, b_rs: u32, b_cs: u32,
+    batch_base: u32, k_begin: u32, accumulate: u32,
+}
+
+@group(0) @binding(0) var<storage, read> params: MatmulParams;
 
 const BM: u32 = {{BM}}u;
 const BN: u32 = {{BN}}u;
@@ -35,44 +45,35 @@ const NT: u32 = NTX * NTY;
 var<workgroup> As: array<vec4<f32>, BK * BM4>;
 var<workgroup> Bs: array<vec4<f32>, BK * BN4>;
 
+{{LOAD_A}}
+{{LOAD_B}}
+{{STORE}}
+
 @compute @workgroup_size({{NT}})
-fn main(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let M = params[0];
-    let K = params[1];
-    let k_begin = params[13];
-    let accumulate = params[14] != 0u;
-    let N = params[2];
-    let tiles_n = params[3];
-    let batch = params[12] + wid.z;
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let M = params.m;
+    let K = params.k_end;
+    let N = params.n;
+    let batch = params.batch_base + wid.z;
     let tile = linear_group(wid, nwg);
-    let row0 = (tile / tiles_n) * BM;
-    let col0 = (tile % tiles_n) * BN;
-    if (row0 >= M) {
-        return;
-    }
-    let a_base = params[4] + batch * params[5];
-    let a_rs = params[6];
-    let a_cs = params[7];
-    let b_base = params[8] + batch * params[9];
-    let b_rs = params[10];
-    let b_cs = params[11];
+    let row0 = (tile / params.tiles_n) * BM;
+    let col0 = (tile % params.tiles_n) * BN;
+    if (row0 >= M) { return; }
+    let a_base = params.a_off + batch * params.a_bs;
+    let b_base = params.b_off + batch * params.b_bs;
     let c_base = batch * M * N;
     let tx = lid % NTX;
     let ty = lid / NTX;
 
 {{ACC}}
-    for (var k0 = k_begin; k0 < K; k0 = k0 + BK) {
-{{LOAD_A}}
-{{LOAD_B}}
+    for (var k0 = params.k_begin; k0 < K; k0 = k0 + BK) {
+        load_a(lid, k0, row0, a_base);
+        load_b(lid, k0, col0, b_base);
         workgroupBarrier();
         for (var kk = 0u; kk < BK; kk = kk + 1u) {
 {{INNER}}
         }
         workgroupBarrier();
     }
-{{STORE}}
+{{STORE_ALL}}
 }

@@ -10,13 +10,24 @@
 // Packed A: [batch, Mb, K4, TM] vec4 (k in groups of four); packed B: [batch, Nb, 4 * K4, SG * Q]
 // vec4 (a panel of 4 * SG * Q columns, row by row). Both zero-padded.
 //
-// Placeholders: <SG> <S> <Q> <TM> <W> (= SG * Q), <C_TYPE>, <ACC>, <LOADS>, <INNER>, <STORE>.
-// Params: [M, N, k4_begin, k4_end, accumulate, a_bs, b_bs, batch_base, K4] (batch strides in
-// vec4s of the packed arrays; 0 for an operand shared by the batch).
+// Placeholders: <SG> <TM> <W> (= SG * Q), <C_TYPE>; <STORE> the file that defines `store4`
+// (matmul_store_{scalar,vec}.wgsl); <ACC> declares the TM x Q vec4 accumulators acc_r_q;
+// <LOADS> one k4 step's loads; <INNER> its broadcasts and FMAs; <STORE_ALL> calls `store4`
+// for each accumulator.
+
+// Batch strides in vec4s of the packed arrays (0 for an operand shared by the batch).
+struct SubgroupMatmulParams {
+    m: u32, n: u32, k4_begin: u32, k4_end: u32, accumulate: u32,
+    a_bs: u32, b_bs: u32, batch_base: u32, k4: u32,
+}
+
+@group(0) @binding(0) var<storage, read> params: SubgroupMatmulParams;
 
 @group(0) @binding(1) var<storage, read> a: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> b: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> c: array<{{C_TYPE}}>;
+
+{{STORE}}
 
 @compute @workgroup_size({{SG}})
 fn main(
@@ -24,16 +35,15 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
-    let M = params[0];
-    let N = params[1];
-    let k4_begin = params[2];
-    let k4_end = params[3];
-    let accumulate = params[4] != 0u;
-    let batch = params[7] + wid.z;
-    let K4 = params[8];
+    let M = params.m;
+    let N = params.n;
+    let k4_begin = params.k4_begin;
+    let k4_end = params.k4_end;
+    let batch = params.batch_base + wid.z;
+    let K4 = params.k4;
     let row0 = wid.y * {{TM}}u;
-    var ai = batch * params[5] + (wid.y * K4 + k4_begin) * {{TM}}u + lane;
-    var bi = batch * params[6] + (wid.x * K4 * 4u + k4_begin * 4u) * {{W}}u + lane;
+    var ai = batch * params.a_bs + (wid.y * K4 + k4_begin) * {{TM}}u + lane;
+    var bi = batch * params.b_bs + (wid.x * K4 * 4u + k4_begin * 4u) * {{W}}u + lane;
 {{ACC}}
     for (var k4 = k4_begin; k4 < k4_end; k4 = k4 + 1u) {
 {{LOADS}}
@@ -42,5 +52,5 @@ fn main(
 {{INNER}}
     }
     let c_base = batch * M * N;
-{{STORE}}
+{{STORE_ALL}}
 }

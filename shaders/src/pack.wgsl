@@ -4,7 +4,15 @@
 // first (t1, t0), else row-tile first (t0, t1). One invocation per destination element; source
 // elements outside R x C read as 0.
 //
-// Params: [total, R, C, T0, T1, nT0, nT1, col_outer, off, bs, rs, cs].
+// Source element (b, r, c) is at off + b * bs + r * rs + c * cs.
+
+struct PackParams {
+    total: u32, rows: u32, cols: u32,
+    t0: u32, t1: u32, n_t0: u32, n_t1: u32, col_outer: u32,
+    off: u32, bs: u32, rs: u32, cs: u32,
+}
+
+@group(0) @binding(0) var<storage, read> params: PackParams;
 
 @group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
@@ -12,21 +20,19 @@
 @compute @workgroup_size({{WG}})
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, {{WG}}u);
-    if (e >= params[0]) {
-        return;
-    }
-    let R = params[1];
-    let C = params[2];
-    let T0 = params[3];
-    let T1 = params[4];
-    let nT0 = params[5];
-    let nT1 = params[6];
+    if (e >= params.total) { return; }
+    let R = params.rows;
+    let C = params.cols;
+    let T0 = params.t0;
+    let T1 = params.t1;
+    let nT0 = params.n_t0;
+    let nT1 = params.n_t1;
     let e1 = e % T1;
     let e0 = (e / T1) % T0;
     let rest = e / (T0 * T1);
     var t0 = 0u;
     var t1 = 0u;
-    if (params[7] != 0u) {
+    if (params.col_outer != 0u) {
         t0 = rest % nT0;
         t1 = (rest / nT0) % nT1;
     } else {
@@ -38,7 +44,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let c = t1 * T1 + e1;
     var v = 0.0;
     if (r < R && c < C) {
-        v = src[params[8] + b * params[9] + r * params[10] + c * params[11]];
+        v = src[params.off + b * params.bs + r * params.rs + c * params.cs];
     }
     dst[e] = v;
 }

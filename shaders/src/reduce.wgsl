@@ -9,18 +9,28 @@
 // stops an invocation after 65535 loop iterations) and spreads a long row over many workgroups.
 //
 // Placeholders: <WG> workgroup size (a power of two); <IDENTITY> the neutral value;
-// <COMBINE> the body of `combine(a, b) -> Acc`; <BINDINGS> the mode's buffers; <LOAD> the
-// pair of column j; <STORE> what is written from `best`.
-//
-// Params: [rows, cols, x_offset, segments, seg_len]: the workgroup g handles row
-// g / segments, columns [(g % segments) * seg_len, min(that + seg_len, cols)).
+// <COMBINE> the body of `combine(a, b) -> Acc`; <RESULT> the value of the reduction from
+// `best`; <MODE> the mode's file (reduce_direct.wgsl, reduce_partial.wgsl,
+// reduce_final.wgsl): its buffers, `load` (the pair of column j) and `store`.
+
+// The workgroup g handles row g / segments, columns [(g % segments) * seg_len,
+// min(that + seg_len, cols)).
+struct ReduceParams {
+    rows: u32, cols: u32, x_offset: u32, segments: u32, seg_len: u32,
+}
+
+@group(0) @binding(0) var<storage, read> params: ReduceParams;
 
 struct Acc {
     v: f32,
     i: u32,
 }
 
-{{BINDINGS}}
+fn result(best: Acc) -> f32 {
+    return {{RESULT}};
+}
+
+{{MODE}}
 
 var<workgroup> sv: array<f32, {{WG}}>;
 var<workgroup> si: array<u32, {{WG}}>;
@@ -30,26 +40,20 @@ fn combine(a: Acc, b: Acc) -> Acc {
 }
 
 @compute @workgroup_size({{WG}})
-fn main(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let g = linear_group(wid, nwg);
-    let rows = params[0];
-    let cols = params[1];
-    let segments = params[3];
-    let seg_len = params[4];
-    if (g >= rows * segments) {
-        return;
-    }
+    let rows = params.rows;
+    let cols = params.cols;
+    let segments = params.segments;
+    let seg_len = params.seg_len;
+    if (g >= rows * segments) { return; }
     let row = g / segments;
     let begin = (g % segments) * seg_len;
     let end = min(begin + seg_len, cols);
-    let base = params[2] + row * cols;
+    let base = params.x_offset + row * cols;
     var acc = Acc({{IDENTITY}}, 0xffffffffu);
     for (var j = begin + lid; j < end; j = j + {{WG}}u) {
-        acc = combine(acc, {{LOAD}});
+        acc = combine(acc, load(base, j));
     }
     sv[lid] = acc.v;
     si[lid] = acc.i;
@@ -63,7 +67,6 @@ fn main(
         workgroupBarrier();
     }
     if (lid == 0u) {
-        let best = Acc(sv[0], si[0]);
-        {{STORE}}
+        store(g, Acc(sv[0], si[0]));
     }
 }

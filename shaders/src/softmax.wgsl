@@ -2,58 +2,39 @@
 // workgroup per row: a tree max, a tree sum of exp(x - max), then the write.
 //
 // Placeholders: <WG> workgroup size (a power of two); <LOG> true for log-softmax.
-// Params: [rows, cols, x_offset]; the output is contiguous from 0.
+// The output is contiguous from 0. Needs row_tree.wgsl.
+
+struct SoftmaxParams {
+    rows: u32, cols: u32, x_offset: u32,
+}
+
+@group(0) @binding(0) var<storage, read> params: SoftmaxParams;
 
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 
-var<workgroup> red: array<f32, {{WG}}>;
-
 const LOG: bool = {{LOG}};
 
 @compute @workgroup_size({{WG}})
-fn main(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let row = linear_group(wid, nwg);
-    let rows = params[0];
-    let cols = params[1];
-    if (row >= rows) {
-        return;
-    }
+    let rows = params.rows;
+    let cols = params.cols;
+    if (row >= rows) { return; }
     let base = row * cols;
-    let xb = params[2] + base;
+    let xb = params.x_offset + base;
 
     var m = neg_inf();
     for (var j = lid; j < cols; j = j + {{WG}}u) {
         m = max(m, x[xb + j]);
     }
-    red[lid] = m;
-    workgroupBarrier();
-    for (var s = {{WG}}u / 2u; s > 0u; s = s >> 1u) {
-        if (lid < s) {
-            red[lid] = max(red[lid], red[lid + s]);
-        }
-        workgroupBarrier();
-    }
-    let mx = red[0];
-    workgroupBarrier();
+    let mx = tree_max(lid, m);
 
     var sum = 0.0;
     for (var j = lid; j < cols; j = j + {{WG}}u) {
         sum = sum + exp(x[xb + j] - mx);
     }
-    red[lid] = sum;
-    workgroupBarrier();
-    for (var s = {{WG}}u / 2u; s > 0u; s = s >> 1u) {
-        if (lid < s) {
-            red[lid] = red[lid] + red[lid + s];
-        }
-        workgroupBarrier();
-    }
-    let total = red[0];
+    let total = tree_sum(lid, sum);
 
     if (LOG) {
         let lt = log(total);

@@ -4,8 +4,16 @@
 //
 // Bindings: 1 = in0, 2 = in1 (read); 3 = out0, 4 = out1 (read-write); each entry point uses
 // the ones it names.
-// Params: [n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, groups, h_out, w_out]
-// (pooling passes dilation 1 and one group).
+// Pooling passes dilation 1 and one group.
+
+struct SpatialParams {
+    n: u32, c: u32, h: u32, w: u32,
+    // kernel, stride, padding, dilation
+    kh: u32, kw: u32, sh: u32, sw: u32, ph: u32, pw: u32, dh: u32, dw: u32,
+    groups: u32, h_out: u32, w_out: u32,
+}
+
+@group(0) @binding(0) var<storage, read> params: SpatialParams;
 
 @group(0) @binding(1) var<storage, read> in0: array<f32>;
 @group(0) @binding(2) var<storage, read> in1: array<f32>;
@@ -34,9 +42,9 @@ struct Geo {
 
 fn geo() -> Geo {
     return Geo(
-        params[0], params[1], i32(params[2]), i32(params[3]), i32(params[4]), i32(params[5]),
-        i32(params[6]), i32(params[7]), i32(params[8]), i32(params[9]), i32(params[10]),
-        i32(params[11]), params[12], i32(params[13]), i32(params[14]),
+        params.n, params.c, i32(params.h), i32(params.w), i32(params.kh), i32(params.kw),
+        i32(params.sh), i32(params.sw), i32(params.ph), i32(params.pw), i32(params.dh),
+        i32(params.dw), params.groups, i32(params.h_out), i32(params.w_out),
     );
 }
 
@@ -58,9 +66,7 @@ fn im2col(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups
     let cg = g.c / g.groups;
     let cr = cg * u32(g.kh * g.kw);
     let cc = u32(g.h_out * g.w_out);
-    if (e >= g.n * g.groups * cr * cc) {
-        return;
-    }
+    if (e >= g.n * g.groups * cr * cc) { return; }
     let col = e % cc;
     let r = (e / cc) % cr;
     let grp = (e / (cc * cr)) % g.groups;
@@ -85,9 +91,7 @@ fn col2im(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups
     let e = linear_index(gid, nwg, WG);
     let g = geo();
     let hw = u32(g.h * g.w);
-    if (e >= g.n * g.c * hw) {
-        return;
-    }
+    if (e >= g.n * g.c * hw) { return; }
     let x = i32(e % u32(g.w));
     let y = i32((e / u32(g.w)) % u32(g.h));
     let ch = (e / hw) % g.c;
@@ -166,9 +170,7 @@ fn covering_windows(e: u32, g: Geo) -> Covering {
 fn max_pool2d(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, WG);
     let g = geo();
-    if (e >= g.n * g.c * u32(g.h_out * g.w_out)) {
-        return;
-    }
+    if (e >= g.n * g.c * u32(g.h_out * g.w_out)) { return; }
     let o = out_window(e, g);
     let ox = o.ox;
     let oy = o.oy;
@@ -201,9 +203,7 @@ fn max_pool2d(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgr
 fn max_pool2d_backward(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, WG);
     let g = geo();
-    if (e >= g.n * g.c * u32(g.h * g.w)) {
-        return;
-    }
+    if (e >= g.n * g.c * u32(g.h * g.w)) { return; }
     let c = covering_windows(e, g);
     let pos = c.pos;
     let oplane = c.oplane;
@@ -224,9 +224,7 @@ fn max_pool2d_backward(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(n
 fn avg_pool2d(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, WG);
     let g = geo();
-    if (e >= g.n * g.c * u32(g.h_out * g.w_out)) {
-        return;
-    }
+    if (e >= g.n * g.c * u32(g.h_out * g.w_out)) { return; }
     let o = out_window(e, g);
     let ox = o.ox;
     let oy = o.oy;
@@ -253,9 +251,7 @@ fn avg_pool2d(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgr
 fn avg_pool2d_backward(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let e = linear_index(gid, nwg, WG);
     let g = geo();
-    if (e >= g.n * g.c * u32(g.h * g.w)) {
-        return;
-    }
+    if (e >= g.n * g.c * u32(g.h * g.w)) { return; }
     let c = covering_windows(e, g);
     let oplane = c.oplane;
     let inv = 1.0 / f32(g.kh * g.kw);

@@ -9,74 +9,9 @@ use crate::device::Device;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
-/// Elementwise unary ops. The scalar-carrying variants implement `x op s` without a second tensor.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum UnaryOp {
-    Neg,
-    Exp,
-    Log,
-    Sqrt,
-    Rsqrt,
-    Abs,
-    Sign,
-    Tanh,
-    Sigmoid,
-    Relu,
-    /// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
-    Gelu,
-    /// d/dx of the tanh-form GELU (for its backward).
-    GeluGrad,
-    Sin,
-    Cos,
-    Square,
-    Recip,
-    /// `x * mul + add` (covers add/sub/mul/div by a scalar).
-    Affine {
-        mul: f32,
-        add: f32,
-    },
-    /// `x ^ p`.
-    Powf(f32),
-    /// `s / x`.
-    RDiv(f32),
-    /// `s - x`.
-    RSub(f32),
-    MaxScalar(f32),
-    MinScalar(f32),
-    /// 1.0 where `x > s`, else 0.0 (masks for relu/max backward, causal masks).
-    GtScalar(f32),
-    /// 1.0 where `x == s`, else 0.0.
-    EqScalar(f32),
-}
-
-/// Elementwise binary ops on two operands of the same (broadcast) shape.
-/// Comparisons give 1.0 for true and 0.0 for false.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum BinaryOp {
-    Add,
-    Sub,
-    Mul,
-    Div,
-    Maximum,
-    Minimum,
-    Pow,
-    Eq,
-    Ne,
-    Lt,
-    Le,
-    Gt,
-    Ge,
-}
-
-/// Row reductions. `ArgMax`/`ArgMin` give the first index of the extreme value, as f32.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
-    Sum,
-    Max,
-    Min,
-    ArgMax,
-    ArgMin,
-}
+/// The op enums are shared with the shaders crate, where each op's descriptor (CPU function,
+/// WGSL expression, derivative) lives: see [`wgpipe_shaders::ops`].
+pub use wgpipe_shaders::ops::{BinaryOp, ReduceOp, UnaryOp};
 
 /// How one matmul operand sits in its storage: element (b, i, j) is at
 /// `offset + b * batch_stride + i * row_stride + j * col_stride` (so a transposed operand is just
@@ -166,6 +101,11 @@ pub(crate) trait Kernels: Send + Sync {
     /// A contiguous tensor of `shape` holding `data` (row-major).
     #[allow(clippy::wrong_self_convention)] // `self` is the backend, not the source
     fn from_host(&self, dev: &Device, data: &[f32], shape: &[usize]) -> Result<Tensor>;
+    /// [`Kernels::from_host`] taking ownership (the CPU backend keeps the vector, no copy).
+    #[allow(clippy::wrong_self_convention)]
+    fn from_vec(&self, dev: &Device, data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
+        self.from_host(dev, &data, shape)
+    }
     /// The elements of `x` in row-major logical order.
     fn to_host(&self, x: &Tensor) -> Result<Vec<f32>>;
     /// A contiguous tensor of `shape` filled with `value`.
@@ -173,10 +113,24 @@ pub(crate) trait Kernels: Send + Sync {
     /// Materialises any view as a contiguous tensor.
     fn contiguous(&self, x: &Tensor) -> Result<Tensor>;
     fn unary(&self, op: UnaryOp, x: &Tensor) -> Result<Tensor>;
+    /// `g * op'(x)`: the backward of a unary op, `x` its input and `g` the output gradient (views
+    /// of one shape).
+    fn unary_grad(&self, op: UnaryOp, x: &Tensor, g: &Tensor) -> Result<Tensor>;
     /// `a` and `b` are views of the same shape (broadcast already applied as zero strides).
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor>;
     /// `cond != 0 ? a : b`, all three views of the same shape.
     fn where_cond(&self, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor>;
+    /// A fused sum of contiguous `x`, seen as `[x.numel() / width, width]`, over its rows,
+    /// giving `[width]` (a bias gradient) without the transposing copy of the general path;
+    /// `None` when the backend has none (the front-end then permutes and reduces rows).
+    fn sum_leading(&self, _x: &Tensor, _width: usize) -> Option<Result<Tensor>> {
+        None
+    }
+    /// A fused `param - lr * grad` (bit-identical to the two-op form), or `None` when the
+    /// backend has none.
+    fn sgd_update(&self, _param: &Tensor, _grad: &Tensor, _lr: f32) -> Option<Result<Tensor>> {
+        None
+    }
     /// `x` contiguous, seen as `[rows, cols]`; reduces each row, giving `[rows]`.
     fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor>;
     /// `x` contiguous `[rows, cols]`; numerically stable (log-)softmax of each row.

@@ -17,6 +17,7 @@ pub mod tensor;
 mod wgpu;
 
 pub use backend::{BinaryOp, ReduceOp, UnaryOp};
+pub use cpu::par::{cpu_threads, set_cpu_threads};
 pub use device::{AdapterInfo, Device, DEVICE_ENV};
 pub use error::{Error, Result};
 pub use layout::Layout;

@@ -71,6 +71,83 @@ pub fn dropout_value(seed: u64, offset: u64, i: u64, p: f32) -> f32 {
     }
 }
 
+/// splitmix64's increment (the golden ratio in 64 bits).
+pub const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// splitmix64's output function: a bijective, well-mixing 64-bit hash.
+#[inline]
+pub fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// One splitmix64 step as a hash: `mix64(z + GOLDEN_GAMMA)` (seed derivation).
+#[inline]
+pub fn splitmix64(z: u64) -> u64 {
+    mix64(z.wrapping_add(GOLDEN_GAMMA))
+}
+
+/// SplitMix64: a tiny, fast, seedable sequential generator for host-side randomness (data
+/// generation, shuffling, sampling, seed derivation); not cryptographic. Tensor randomness uses
+/// the counter-based Philox streams above instead.
+#[derive(Clone, Debug)]
+pub struct SplitMix64 {
+    pub state: u64,
+}
+
+impl SplitMix64 {
+    pub fn new(seed: u64) -> Self {
+        SplitMix64 { state: seed }
+    }
+
+    /// A generator seeded from several values (e.g. seed, step, row), so that different
+    /// tuples give independent-looking streams.
+    pub fn from_parts(parts: &[u64]) -> Self {
+        let mut h = 0x243F_6A88_85A3_08D3u64;
+        for &p in parts {
+            h = mix64(h ^ mix64(p.wrapping_add(GOLDEN_GAMMA)));
+        }
+        SplitMix64::new(h)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(GOLDEN_GAMMA);
+        mix64(self.state)
+    }
+
+    /// Uniform in `0..n` (`n > 0`), via 128-bit multiply (negligible bias).
+    pub fn below(&mut self, n: u64) -> u64 {
+        debug_assert!(n > 0);
+        ((self.next_u64() as u128 * n as u128) >> 64) as u64
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Uniform in `[lo, hi)`.
+    pub fn range(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.unit()
+    }
+
+    /// Standard normal (Box–Muller).
+    pub fn normal(&mut self) -> f64 {
+        let u1 = 1.0 - self.unit(); // (0, 1]
+        let u2 = self.unit();
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+
+    /// Fisher–Yates shuffle.
+    pub fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = self.below(i as u64 + 1) as usize;
+            v.swap(i, j);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

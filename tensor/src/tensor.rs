@@ -56,11 +56,17 @@ impl Tensor {
                 ),
             ));
         }
-        if device.is_cpu() {
-            let a = Storage::reserve(device, data.len())?;
-            return Ok(Tensor::from_storage(Storage::cpu(data, a), shape, device));
-        }
-        device.kernels().from_host(device, &data, shape)
+        device.kernels().from_vec(device, data, shape)
+    }
+
+    /// A mask tensor from booleans: 1.0 for true, 0.0 for false. Tensors are f32 only, and
+    /// every op that takes a mask (`masked_fill`, `where_cond`) reads "non-zero" as true.
+    pub fn from_bools(data: &[bool], shape: &[usize], device: &Device) -> Result<Tensor> {
+        Tensor::from_vec(
+            data.iter().map(|&b| f32::from(u8::from(b))).collect(),
+            shape,
+            device,
+        )
     }
 
     pub fn from_slice(data: &[f32], shape: &[usize], device: &Device) -> Result<Tensor> {

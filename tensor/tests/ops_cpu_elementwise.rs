@@ -242,6 +242,17 @@ fn scalar_ops() {
     );
 }
 
+#[test]
+fn silu_values() {
+    let d = Device::cpu();
+    let x = Tensor::from_vec(vec![-2.0, 0.0, 1.0, 3.0], &[4], &d).unwrap();
+    let y = x.silu().unwrap().to_vec().unwrap();
+    let want = [-0.238_405_84, 0.0, 0.731_058_6, 2.857_722_7];
+    for (a, b) in y.iter().zip(want) {
+        assert!((a - b).abs() < 1e-6, "{y:?}");
+    }
+}
+
 fn binary_ref(op: BinaryOp, a: f32, b: f32) -> f32 {
     let f = |c: bool| c as u8 as f32;
     match op {

@@ -280,6 +280,42 @@ fn unary_ops_on_views() {
     });
 }
 
+/// The backward kernel of every unary op (`g * op'(x)`, from the op's descriptor), `x` and
+/// `g` both laid out as the same kind of view.
+#[test]
+fn unary_grads_on_views() {
+    let strat = (shape(4, 5), view(), any::<u64>(), 0..UNARY.len());
+    run("unary_grad", strat, |dev, (shape, v, seed, op)| {
+        let (op, pos) = UNARY[op];
+        let f = if pos { positive } else { id };
+        let on = |d: &Device| {
+            let x = operand(d, &shape, v, seed, false, f);
+            let g = operand(d, &shape, v, seed ^ 0x5EED, false, id);
+            x.unary_grad(op, &g).unwrap()
+        };
+        close(&on(dev), &on(&cpu()), 1e-4, 1e-4, &format!("{op:?}' {v:?}"))
+    });
+}
+
+/// silu and its backward kernel on views (values in [-2, 2)).
+#[test]
+fn silu_and_its_grad_on_views() {
+    run(
+        "silu",
+        (shape(4, 5), view(), any::<u64>()),
+        |dev, (shape, v, seed)| {
+            let on = |d: &Device| {
+                let x = operand(d, &shape, v, seed, false, id);
+                let g = operand(d, &shape, v, seed ^ 0x5EED, false, id);
+                (x.silu().unwrap(), x.unary_grad(UnaryOp::Silu, &g).unwrap())
+            };
+            let ((y, dx), (cy, cdx)) = (on(dev), on(&cpu()));
+            close(&y, &cy, 1e-5, 1e-5, &format!("silu {v:?}"))?;
+            close(&dx, &cdx, 1e-4, 1e-4, &format!("silu' {v:?}"))
+        },
+    );
+}
+
 const BINARY: [BinaryOp; 13] = [
     BinaryOp::Add,
     BinaryOp::Sub,

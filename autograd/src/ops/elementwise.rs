@@ -1,7 +1,7 @@
 //! Elementwise ops: binary with numpy broadcasting (gradients summed back to each input's shape),
 //! scalar, unary, `where_cond` and `masked_fill`.
 
-use wgpipe_tensor::{Result, Tensor};
+use wgpipe_tensor::{Result, Tensor, UnaryOp};
 
 use super::{same_tape, when, zero_scalar};
 use crate::var::Var;
@@ -127,6 +127,19 @@ impl Var {
                 when(w[1], || g.mul(&yy)?.mul(&a.log()?))?,
             ))
         })
+    }
+
+    /// Any unary op; its gradient `g * op'(x)` comes from the op's descriptor (one fused
+    /// kernel). The named methods below keep their own hand-written backward formulas.
+    pub fn unary(&self, op: UnaryOp) -> Result<Var> {
+        let y = self.value.unary(op)?;
+        let x = self.value.clone();
+        unary(op.name(), self, y, move |g| x.unary_grad(op, g))
+    }
+
+    /// SiLU (swish), `x * sigmoid(x)`; its gradient from the descriptor.
+    pub fn silu(&self) -> Result<Var> {
+        self.unary(UnaryOp::Silu)
     }
 
     pub fn add_scalar(&self, s: f32) -> Result<Var> {

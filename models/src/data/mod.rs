@@ -25,15 +25,15 @@ pub use images::{ImageSet, SyntheticTask};
 pub use text::{empirical_bigram_entropy, empirical_unigram_entropy};
 pub use text::{ByteTokenizer, CharVocab, TextDataset};
 
-use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
 
 /// Errors from reading, writing or building datasets. Every variant that concerns a file
 /// names that file.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum DataError {
     /// The file could not be opened, read or written (missing, permissions, ...).
+    #[error("cannot {action} '{}': {}", .path.display(), io_detail(.source))]
     Io {
         /// The file concerned.
         path: PathBuf,
@@ -44,6 +44,7 @@ pub enum DataError {
     },
     /// The file was read but its contents are not valid for the expected format
     /// (bad magic number, wrong length, truncated record, too short, ...).
+    #[error("invalid data in '{}': {problem}", .path.display())]
     Format {
         /// The file concerned.
         path: PathBuf,
@@ -52,6 +53,7 @@ pub enum DataError {
     },
     /// Arguments or in-memory data are inconsistent (no file involved), e.g. a label
     /// count that does not match the image count, or a character outside a vocabulary.
+    #[error("invalid dataset: {problem}")]
     Invalid {
         /// What is wrong.
         problem: String,
@@ -89,38 +91,12 @@ impl DataError {
     }
 }
 
-impl fmt::Display for DataError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            DataError::Io {
-                path,
-                action,
-                source,
-            } => {
-                if source.kind() == io::ErrorKind::NotFound {
-                    write!(
-                        f,
-                        "cannot {action} '{}': file not found ({source})",
-                        path.display()
-                    )
-                } else {
-                    write!(f, "cannot {action} '{}': {source}", path.display())
-                }
-            }
-            DataError::Format { path, problem } => {
-                write!(f, "invalid data in '{}': {problem}", path.display())
-            }
-            DataError::Invalid { problem } => write!(f, "invalid dataset: {problem}"),
-        }
-    }
-}
-
-impl std::error::Error for DataError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            DataError::Io { source, .. } => Some(source),
-            _ => None,
-        }
+/// The detail of an I/O error: "file not found (...)" when that is what it is.
+fn io_detail(source: &io::Error) -> String {
+    if source.kind() == io::ErrorKind::NotFound {
+        format!("file not found ({source})")
+    } else {
+        source.to_string()
     }
 }
 
@@ -146,70 +122,8 @@ pub(crate) fn reject_gzip(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
     Ok(())
 }
 
-/// splitmix64: a tiny, fast, seedable generator. Good enough for data generation and
-/// shuffling; not cryptographic.
-#[derive(Clone, Debug)]
-pub(crate) struct Rng {
-    state: u64,
-}
-
-impl Rng {
-    pub(crate) fn new(seed: u64) -> Self {
-        Rng { state: seed }
-    }
-
-    /// A generator seeded from several values (e.g. seed, step, row), so that different
-    /// tuples give independent-looking streams.
-    pub(crate) fn from_parts(parts: &[u64]) -> Self {
-        let mut h = 0x243F_6A88_85A3_08D3u64;
-        for &p in parts {
-            h = mix64(h ^ mix64(p.wrapping_add(0x9E37_79B9_7F4A_7C15)));
-        }
-        Rng::new(h)
-    }
-
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        mix64(self.state)
-    }
-
-    /// Uniform in `0..n` (`n > 0`), via 128-bit multiply (negligible bias).
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
-        debug_assert!(n > 0);
-        ((self.next_u64() as u128 * n as u128) >> 64) as u64
-    }
-
-    /// Uniform in `[0, 1)`.
-    pub(crate) fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-
-    /// Uniform in `[lo, hi)`.
-    pub(crate) fn range(&mut self, lo: f64, hi: f64) -> f64 {
-        lo + (hi - lo) * self.unit()
-    }
-
-    /// Standard normal (Box–Muller).
-    pub(crate) fn normal(&mut self) -> f64 {
-        let u1 = 1.0 - self.unit(); // (0, 1]
-        let u2 = self.unit();
-        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
-    }
-
-    /// Fisher–Yates shuffle.
-    pub(crate) fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            let j = self.below(i as u64 + 1) as usize;
-            v.swap(i, j);
-        }
-    }
-}
-
-fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+/// The data generators' RNG: the workspace's one splitmix64 generator.
+pub(crate) use wgpipe_tensor::rng::SplitMix64 as Rng;
 
 /// A unique path under the system temp directory for test files.
 #[cfg(test)]

@@ -46,6 +46,6 @@ pub(crate) fn shape_error(op: &'static str, msg: impl Into<String>) -> Error {
 pub fn prefix(prefix: &str, params: Vec<(String, Param)>) -> Vec<(String, Param)> {
     params
         .into_iter()
-        .map(|(n, p)| (format!("{prefix}.{n}"), p))
+        .map(|(n, p)| (wgpipe_autograd::module::param_path(prefix, &n), p))
         .collect()
 }

@@ -1,20 +1,18 @@
 //! Random valid schedules.
 
+use wgpipe_tensor::rng::SplitMix64;
+
 use super::{Action, ActionKind, Schedule};
 
-/// A small deterministic generator (splitmix64).
-pub(crate) struct Rng(pub u64);
+/// The test generator: splitmix64 with `below` as an index.
+pub(crate) struct Rng(pub SplitMix64);
 
 impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+    pub fn new(seed: u64) -> Rng {
+        Rng(SplitMix64::new(seed))
     }
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        self.0.below(n as u64) as usize
     }
 }
 
@@ -24,7 +22,7 @@ impl Rng {
 /// order consistent with the dependencies (each step, a random device runs a random ready
 /// action), so it is deadlock-free by construction; transfers are inserted after.
 pub fn random_schedule(seed: u64) -> Schedule {
-    let rng = &mut Rng(seed);
+    let rng = &mut Rng::new(seed);
     let k = 1 + rng.below(4);
     let s_total = k * (1 + rng.below(3));
     let mut placement: Vec<usize> = (0..s_total)

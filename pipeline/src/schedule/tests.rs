@@ -593,7 +593,7 @@ fn break_schedule(s: &mut Schedule, rng: &mut Rng) -> &'static str {
 
 #[test]
 fn fuzz_random_valid_schedules_validate_and_broken_ones_are_rejected() {
-    let mut rng = Rng(2024);
+    let mut rng = Rng::new(2024);
     let mut split = 0;
     for n in 0..3000 {
         let s = random_schedule(n as u64);

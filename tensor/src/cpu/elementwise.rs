@@ -2,10 +2,11 @@
 //! (materialising a view, concatenation). Contiguous inputs take a plain slice loop; other views
 //! are walked run by run (see [`Walk`]), with unit and zero inner strides special-cased.
 
+use wgpipe_shaders::ops::{BinaryOpT, BinaryVisitor, UnaryOpT, UnaryVisitor};
+
 use crate::backend::{BinaryOp, UnaryOp};
 use crate::layout::Layout;
 
-use super::math::{exp, gelu, gelu_grad, sigmoid};
 use super::par::for_rows;
 use super::simd;
 use super::strided::Walk;
@@ -177,116 +178,61 @@ fn copy_transposed(out: &mut [f32], x: &[f32], w: &Walk<1>) {
     });
 }
 
-#[inline]
-fn sign(x: f32) -> f32 {
-    if x > 0.0 {
-        1.0
-    } else if x < 0.0 {
-        -1.0
-    } else {
-        x // keeps 0, -0 and NaN
-    }
-}
-
-#[inline]
-fn flag(b: bool) -> f32 {
-    if b {
-        1.0
-    } else {
-        0.0
-    }
-}
-
 /// The scalar function of a unary op (the reference the vector loops are checked against).
 #[cfg(test)]
 pub(crate) fn unary_scalar(op: UnaryOp, x: f32) -> f32 {
-    match op {
-        UnaryOp::Neg => -x,
-        UnaryOp::Exp => exp(x),
-        UnaryOp::Log => x.ln(),
-        UnaryOp::Sqrt => x.sqrt(),
-        UnaryOp::Rsqrt => 1.0 / x.sqrt(),
-        UnaryOp::Abs => x.abs(),
-        UnaryOp::Sign => sign(x),
-        UnaryOp::Tanh => x.tanh(),
-        UnaryOp::Sigmoid => sigmoid(x),
-        UnaryOp::Relu => {
-            if x < 0.0 {
-                0.0
-            } else {
-                x
-            }
+    op.eval(x)
+}
+
+/// `out = op(x)`. Each op gets its own monomorphised loop: the descriptor's function is a type
+/// parameter of the loop, chosen once outside it.
+pub(crate) fn unary(op: UnaryOp, out: &mut [f32], x: &[f32], lx: &Layout) {
+    struct Run<'a>(&'a mut [f32], &'a [f32], &'a Layout);
+    impl UnaryVisitor for Run<'_> {
+        type Out = ();
+        fn visit<T: UnaryOpT>(self, s: [f32; 2]) {
+            map1(self.0, self.1, self.2, move |v| T::f(v, s))
         }
-        UnaryOp::Gelu => gelu(x),
-        UnaryOp::GeluGrad => gelu_grad(x),
-        UnaryOp::Sin => x.sin(),
-        UnaryOp::Cos => x.cos(),
-        UnaryOp::Square => x * x,
-        UnaryOp::Recip => 1.0 / x,
-        UnaryOp::Affine { mul, add } => x * mul + add,
-        UnaryOp::Powf(p) => x.powf(p),
-        UnaryOp::RDiv(s) => s / x,
-        UnaryOp::RSub(s) => s - x,
-        UnaryOp::MaxScalar(s) => x.max(s),
-        UnaryOp::MinScalar(s) => x.min(s),
-        UnaryOp::GtScalar(s) => flag(x > s),
-        UnaryOp::EqScalar(s) => flag(x == s),
+    }
+    op.visit(Run(out, x, lx))
+}
+
+/// `out = g * op'(x)` (the backward of a unary op) on two views of one shape.
+pub(crate) fn unary_grad(
+    op: UnaryOp,
+    out: &mut [f32],
+    x: &[f32],
+    lx: &Layout,
+    g: &[f32],
+    lg: &Layout,
+) {
+    op.visit(Map2(out, x, lx, g, lg))
+}
+
+/// The arguments of [`map2`], waiting for a descriptor: `g * op'(x)` for a unary op (the
+/// second view is the gradient), `op(a, b)` for a binary one.
+struct Map2<'a>(&'a mut [f32], &'a [f32], &'a Layout, &'a [f32], &'a Layout);
+
+impl UnaryVisitor for Map2<'_> {
+    type Out = ();
+    fn visit<T: UnaryOpT>(self, s: [f32; 2]) {
+        map2(self.0, self.1, self.2, self.3, self.4, move |v, g| {
+            g * T::df(v, s)
+        })
     }
 }
 
-/// `out = op(x)`. Each op gets its own monomorphised loop (the match is outside the loop).
-pub(crate) fn unary(op: UnaryOp, out: &mut [f32], x: &[f32], lx: &Layout) {
-    macro_rules! go {
-        ($f:expr) => {
-            map1(out, x, lx, $f)
-        };
-    }
-    match op {
-        UnaryOp::Neg => go!(|v| -v),
-        UnaryOp::Exp => go!(exp),
-        UnaryOp::Log => go!(f32::ln),
-        UnaryOp::Sqrt => go!(f32::sqrt),
-        UnaryOp::Rsqrt => go!(|v: f32| 1.0 / v.sqrt()),
-        UnaryOp::Abs => go!(f32::abs),
-        UnaryOp::Sign => go!(sign),
-        UnaryOp::Tanh => go!(f32::tanh),
-        UnaryOp::Sigmoid => go!(sigmoid),
-        UnaryOp::Relu => go!(|v| if v < 0.0 { 0.0 } else { v }),
-        UnaryOp::Gelu => go!(gelu),
-        UnaryOp::GeluGrad => go!(gelu_grad),
-        UnaryOp::Sin => go!(f32::sin),
-        UnaryOp::Cos => go!(f32::cos),
-        UnaryOp::Square => go!(|v| v * v),
-        UnaryOp::Recip => go!(|v| 1.0 / v),
-        UnaryOp::Affine { mul, add } => go!(move |v| v * mul + add),
-        UnaryOp::Powf(p) => go!(move |v: f32| v.powf(p)),
-        UnaryOp::RDiv(s) => go!(move |v| s / v),
-        UnaryOp::RSub(s) => go!(move |v| s - v),
-        UnaryOp::MaxScalar(s) => go!(move |v: f32| v.max(s)),
-        UnaryOp::MinScalar(s) => go!(move |v: f32| v.min(s)),
-        UnaryOp::GtScalar(s) => go!(move |v| flag(v > s)),
-        UnaryOp::EqScalar(s) => go!(move |v| flag(v == s)),
+impl BinaryVisitor for Map2<'_> {
+    type Out = ();
+    fn visit<T: BinaryOpT>(self) {
+        map2(self.0, self.1, self.2, self.3, self.4, T::f)
     }
 }
 
 /// The scalar function of a binary op (test reference).
 #[cfg(test)]
 pub(crate) fn binary_scalar(op: BinaryOp, a: f32, b: f32) -> f32 {
-    match op {
-        BinaryOp::Add => a + b,
-        BinaryOp::Sub => a - b,
-        BinaryOp::Mul => a * b,
-        BinaryOp::Div => a / b,
-        BinaryOp::Maximum => a.max(b),
-        BinaryOp::Minimum => a.min(b),
-        BinaryOp::Pow => a.powf(b),
-        BinaryOp::Eq => flag(a == b),
-        BinaryOp::Ne => flag(a != b),
-        BinaryOp::Lt => flag(a < b),
-        BinaryOp::Le => flag(a <= b),
-        BinaryOp::Gt => flag(a > b),
-        BinaryOp::Ge => flag(a >= b),
-    }
+    op.eval(a, b)
 }
 
 /// `out = a op b` on two views of the same shape.
@@ -298,26 +244,7 @@ pub(crate) fn binary(
     b: &[f32],
     lb: &Layout,
 ) {
-    macro_rules! go {
-        ($f:expr) => {
-            map2(out, a, la, b, lb, $f)
-        };
-    }
-    match op {
-        BinaryOp::Add => go!(|x, y| x + y),
-        BinaryOp::Sub => go!(|x, y| x - y),
-        BinaryOp::Mul => go!(|x, y| x * y),
-        BinaryOp::Div => go!(|x, y| x / y),
-        BinaryOp::Maximum => go!(f32::max),
-        BinaryOp::Minimum => go!(f32::min),
-        BinaryOp::Pow => go!(f32::powf),
-        BinaryOp::Eq => go!(|x, y| flag(x == y)),
-        BinaryOp::Ne => go!(|x, y| flag(x != y)),
-        BinaryOp::Lt => go!(|x, y| flag(x < y)),
-        BinaryOp::Le => go!(|x, y| flag(x <= y)),
-        BinaryOp::Gt => go!(|x, y| flag(x > y)),
-        BinaryOp::Ge => go!(|x, y| flag(x >= y)),
-    }
+    op.visit(Map2(out, a, la, b, lb))
 }
 
 /// `out = cond != 0 ? a : b` on three views of the same shape.

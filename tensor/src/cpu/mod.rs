@@ -19,7 +19,7 @@ mod math;
 mod matmul;
 mod norm;
 mod optim;
-mod par;
+pub(crate) mod par;
 mod pool;
 mod random;
 mod reduce;
@@ -54,7 +54,7 @@ impl Out {
 
 /// The plain SGD step `param - lr * grad` in one pass (CPU tensors of one shape), with exactly the
 /// arithmetic of `param.sub(&grad.mul_scalar(lr)?)`: `p - (g * lr + 0.0)`.
-pub(crate) fn sgd_update(param: &Tensor, grad: &Tensor, lr: f32) -> Result<Tensor> {
+fn sgd_update(param: &Tensor, grad: &Tensor, lr: f32) -> Result<Tensor> {
     let mut out = Out::zeros(param.device(), param.numel())?;
     elementwise::map2(
         &mut out.data,
@@ -68,7 +68,7 @@ pub(crate) fn sgd_update(param: &Tensor, grad: &Tensor, lr: f32) -> Result<Tenso
 }
 
 /// Sums contiguous CPU tensor `x`, seen as `[x.numel() / width, width]`, over its rows: `[width]`.
-pub(crate) fn sum_columns(x: &Tensor, width: usize) -> Result<Tensor> {
+fn sum_columns(x: &Tensor, width: usize) -> Result<Tensor> {
     let mut out = Out::zeros(x.device(), width)?;
     reduce::sum_columns(&mut out.data, &contig(x));
     Ok(out.into_tensor(&[width], x.device()))
@@ -97,12 +97,12 @@ fn contig(x: &Tensor) -> Cow<'_, [f32]> {
 
 impl Kernels for CpuKernels {
     fn from_host(&self, dev: &Device, src: &[f32], shape: &[usize]) -> Result<Tensor> {
-        let alloc = Storage::reserve(dev, src.len())?;
-        Ok(Tensor::from_storage(
-            Storage::cpu(src.to_vec(), alloc),
-            shape,
-            dev,
-        ))
+        self.from_vec(dev, src.to_vec(), shape)
+    }
+
+    fn from_vec(&self, dev: &Device, data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
+        let alloc = Storage::reserve(dev, data.len())?;
+        Ok(Tensor::from_storage(Storage::cpu(data, alloc), shape, dev))
     }
 
     fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
@@ -129,6 +129,20 @@ impl Kernels for CpuKernels {
         let mut out = Out::zeros(x.device(), x.numel())?;
         elementwise::unary(op, &mut out.data, data(x), x.layout());
         Ok(out.into_tensor(x.shape(), x.device()))
+    }
+
+    fn unary_grad(&self, op: UnaryOp, x: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let mut out = Out::zeros(x.device(), x.numel())?;
+        elementwise::unary_grad(op, &mut out.data, data(x), x.layout(), data(g), g.layout());
+        Ok(out.into_tensor(x.shape(), x.device()))
+    }
+
+    fn sum_leading(&self, x: &Tensor, width: usize) -> Option<Result<Tensor>> {
+        Some(sum_columns(x, width))
+    }
+
+    fn sgd_update(&self, param: &Tensor, grad: &Tensor, lr: f32) -> Option<Result<Tensor>> {
+        Some(sgd_update(param, grad, lr))
     }
 
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {

@@ -3,6 +3,33 @@
 
 use rayon::prelude::*;
 
+use crate::error::{Error, Result};
+
+/// Sets the number of threads of the CPU backend (the process-wide rayon pool) to `n`; 0 means
+/// one per core. Call it once at start-up, before the first CPU op: the pool is built on first
+/// use (from `RAYON_NUM_THREADS` when set, else one thread per core) and cannot be resized
+/// afterwards, which is an error here.
+pub fn set_cpu_threads(n: usize) -> Result<()> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .map_err(|e| {
+            Error::invalid(
+                "set_cpu_threads",
+                format!(
+                    "cannot set {n} threads: {e} (the CPU pool already runs {} threads; call \
+                     set_cpu_threads before the first CPU op)",
+                    rayon::current_num_threads()
+                ),
+            )
+        })
+}
+
+/// The number of threads the CPU backend runs on.
+pub fn cpu_threads() -> usize {
+    rayon::current_num_threads()
+}
+
 /// Below this many output elements a kernel runs single-threaded.
 pub(crate) const PAR_THRESHOLD: usize = 32 * 1024;
 /// The smallest chunk handed to one rayon task.

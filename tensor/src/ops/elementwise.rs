@@ -7,25 +7,6 @@ use crate::error::Result;
 use crate::layout::broadcast_shapes;
 use crate::tensor::Tensor;
 
-/// The user-facing name of a binary op, for error messages.
-fn binary_name(op: BinaryOp) -> &'static str {
-    match op {
-        BinaryOp::Add => "add",
-        BinaryOp::Sub => "sub",
-        BinaryOp::Mul => "mul",
-        BinaryOp::Div => "div",
-        BinaryOp::Maximum => "maximum",
-        BinaryOp::Minimum => "minimum",
-        BinaryOp::Pow => "pow",
-        BinaryOp::Eq => "eq",
-        BinaryOp::Ne => "ne",
-        BinaryOp::Lt => "lt",
-        BinaryOp::Le => "le",
-        BinaryOp::Gt => "gt",
-        BinaryOp::Ge => "ge",
-    }
-}
-
 impl Tensor {
     /// Any unary op (including the scalar-carrying ones), elementwise.
     pub fn unary(&self, op: UnaryOp) -> Result<Tensor> {
@@ -37,9 +18,31 @@ impl Tensor {
         Ok(out)
     }
 
+    /// `grad * op'(self)`: the backward of [`Tensor::unary`] (`self` its input, `grad` the
+    /// output gradient, of one shape), from the op's descriptor in one fused kernel.
+    pub fn unary_grad(&self, op: UnaryOp, grad: &Tensor) -> Result<Tensor> {
+        self.same_device(op.name(), grad)?;
+        if grad.shape() != self.shape() {
+            return Err(crate::error::Error::shape(
+                op.name(),
+                format!(
+                    "gradient {:?} does not match the input {:?}",
+                    grad.shape(),
+                    self.shape()
+                ),
+            ));
+        }
+        if self.numel() == 0 {
+            return Tensor::zeros(self.shape(), self.device());
+        }
+        let out = self.device().kernels().unary_grad(op, self, grad)?;
+        self.device().add_flops(2 * self.numel() as u64);
+        Ok(out)
+    }
+
     /// Any binary op, with numpy broadcasting of the two shapes.
     pub fn binary(&self, op: BinaryOp, other: &Tensor) -> Result<Tensor> {
-        let name = binary_name(op);
+        let name = op.name();
         self.same_device(name, other)?;
         let shape = broadcast_shapes(name, self.shape(), other.shape())?;
         let dev = self.device();
@@ -157,6 +160,8 @@ unary_methods! {
     square => Square;
     /// `1 / x`.
     recip => Recip;
+    /// SiLU (swish), `x * sigmoid(x)`.
+    silu => Silu;
 }
 
 impl Tensor {

@@ -74,22 +74,7 @@ impl Tensor {
                 ),
             ));
         }
-        check_indices(OP, idx, dim_size)?;
-        let shape = with_axis(src.shape(), a, dim_size);
-        let dev = src.device();
-        if src.numel() == 0 {
-            return Tensor::zeros(&shape, dev);
-        }
-        let (outer, _, inner) = split_at_axis(src.shape(), a);
-        let out = dev.kernels().index_add(
-            &src.contiguous()?,
-            &idx.contiguous()?,
-            outer,
-            dim_size,
-            inner,
-        )?;
-        dev.add_flops(src.numel() as u64);
-        out.reshape(&shape)
+        add_along(OP, src, idx, a, dim_size, false)
     }
 
     /// Torch-style gather: `out[.., j, ..] = x[.., idx[.., j, ..], ..]` along `axis`. `idx` has
@@ -144,22 +129,7 @@ impl Tensor {
                 ),
             ));
         }
-        check_indices(OP, idx, dim_size)?;
-        let shape = with_axis(src.shape(), a, dim_size);
-        let dev = src.device();
-        if src.numel() == 0 {
-            return Tensor::zeros(&shape, dev);
-        }
-        let (outer, _, inner) = split_at_axis(src.shape(), a);
-        let out = dev.kernels().scatter_add(
-            &src.contiguous()?,
-            &idx.contiguous()?,
-            outer,
-            dim_size,
-            inner,
-        )?;
-        dev.add_flops(src.numel() as u64);
-        out.reshape(&shape)
+        add_along(OP, src, idx, a, dim_size, true)
     }
 
     /// One-hot encoding of an index tensor: a new last axis of size `classes`, 1.0 at the index.
@@ -231,4 +201,33 @@ fn join(op: &'static str, xs: &[&Tensor], axis: isize, new_axis: bool) -> Result
 
 fn mismatch(op: &'static str, shapes: &[&[usize]], why: &str) -> Error {
     Error::shape(op, format!("{why}, got shapes {shapes:?}"))
+}
+
+/// The shared tail of `index_add` and `scatter_add` (shapes already checked): zeros of `src`'s
+/// shape with axis `a` resized to `dim_size`, `src` added in at the indexed rows (`scatter`:
+/// one index per element, else one per row along `a`).
+fn add_along(
+    op: &'static str,
+    src: &Tensor,
+    idx: &Tensor,
+    a: usize,
+    dim_size: usize,
+    scatter: bool,
+) -> Result<Tensor> {
+    check_indices(op, idx, dim_size)?;
+    let shape = with_axis(src.shape(), a, dim_size);
+    let dev = src.device();
+    if src.numel() == 0 {
+        return Tensor::zeros(&shape, dev);
+    }
+    let (outer, _, inner) = split_at_axis(src.shape(), a);
+    let (src, idx) = (src.contiguous()?, idx.contiguous()?);
+    let k = dev.kernels();
+    let out = if scatter {
+        k.scatter_add(&src, &idx, outer, dim_size, inner)?
+    } else {
+        k.index_add(&src, &idx, outer, dim_size, inner)?
+    };
+    dev.add_flops(src.numel() as u64);
+    out.reshape(&shape)
 }

@@ -62,11 +62,12 @@ impl Tensor {
             ));
         }
         let dev = param.device();
-        if !dev.is_cpu() || param.numel() == 0 {
-            return param.sub(&grad.mul_scalar(lr)?);
+        if param.numel() > 0 {
+            if let Some(out) = dev.kernels().sgd_update(param, grad, lr) {
+                dev.add_flops(2 * param.numel() as u64);
+                return out;
+            }
         }
-        let out = crate::cpu::sgd_update(param, grad, lr)?;
-        dev.add_flops(2 * param.numel() as u64);
-        Ok(out)
+        param.sub(&grad.mul_scalar(lr)?)
     }
 }

@@ -47,16 +47,13 @@ impl Tensor {
             return Tensor::zeros(&out_shape, dev);
         }
         let leading = axes.iter().enumerate().all(|(i, &a)| a == i);
-        if op == ReduceOp::Sum
-            && leading
-            && !kept.is_empty()
-            && dev.is_cpu()
-            && self.is_contiguous()
-        {
-            // Sums over the leading axes (a bias gradient): column sums, no transposing copy.
-            let out = crate::cpu::sum_columns(self, rows)?;
-            dev.add_flops(self.numel() as u64);
-            return out.reshape(&out_shape);
+        if op == ReduceOp::Sum && leading && !kept.is_empty() && self.is_contiguous() {
+            // Sums over the leading axes (a bias gradient): column sums, no transposing copy,
+            // where the backend has such a kernel.
+            if let Some(out) = dev.kernels().sum_leading(self, rows) {
+                dev.add_flops(self.numel() as u64);
+                return out?.reshape(&out_shape);
+            }
         }
         let perm: Vec<usize> = kept.iter().chain(axes).copied().collect();
         let x = self.permute(&perm)?.contiguous()?;

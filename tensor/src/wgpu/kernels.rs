@@ -2,9 +2,8 @@
 //! out the parameter block, allocates outputs (memory tracker first, then the buffer pool) and
 //! records its dispatch(es).
 
-use wgpipe_shaders::{
-    Binary, EwLayout, IndexKernel, Kernel, Reduce, ReduceMode, SpatialKernel, Unary, ELEMENTWISE_WG,
-};
+use wgpipe_shaders::params::*;
+use wgpipe_shaders::{EwLayout, IndexKernel, Kernel, ReduceMode, SpatialKernel, ELEMENTWISE_WG};
 
 use super::context::WgpuContext;
 use super::pool::GpuBuffer;
@@ -59,63 +58,6 @@ pub(super) fn collapse(shape: &[usize], strides: &[&[usize]]) -> (Vec<usize>, Ve
         }
     }
     (out_shape, out_strides)
-}
-
-fn unary_kernel(op: UnaryOp) -> (Unary, f32, f32) {
-    match op {
-        UnaryOp::Neg => (Unary::Neg, 0.0, 0.0),
-        UnaryOp::Exp => (Unary::Exp, 0.0, 0.0),
-        UnaryOp::Log => (Unary::Log, 0.0, 0.0),
-        UnaryOp::Sqrt => (Unary::Sqrt, 0.0, 0.0),
-        UnaryOp::Rsqrt => (Unary::Rsqrt, 0.0, 0.0),
-        UnaryOp::Abs => (Unary::Abs, 0.0, 0.0),
-        UnaryOp::Sign => (Unary::Sign, 0.0, 0.0),
-        UnaryOp::Tanh => (Unary::Tanh, 0.0, 0.0),
-        UnaryOp::Sigmoid => (Unary::Sigmoid, 0.0, 0.0),
-        UnaryOp::Relu => (Unary::Relu, 0.0, 0.0),
-        UnaryOp::Gelu => (Unary::Gelu, 0.0, 0.0),
-        UnaryOp::GeluGrad => (Unary::GeluGrad, 0.0, 0.0),
-        UnaryOp::Sin => (Unary::Sin, 0.0, 0.0),
-        UnaryOp::Cos => (Unary::Cos, 0.0, 0.0),
-        UnaryOp::Square => (Unary::Square, 0.0, 0.0),
-        UnaryOp::Recip => (Unary::Recip, 0.0, 0.0),
-        UnaryOp::Affine { mul, add } => (Unary::Affine, mul, add),
-        UnaryOp::Powf(p) => (Unary::Powf, p, 0.0),
-        UnaryOp::RDiv(s) => (Unary::RDiv, s, 0.0),
-        UnaryOp::RSub(s) => (Unary::RSub, s, 0.0),
-        UnaryOp::MaxScalar(s) => (Unary::MaxScalar, s, 0.0),
-        UnaryOp::MinScalar(s) => (Unary::MinScalar, s, 0.0),
-        UnaryOp::GtScalar(s) => (Unary::GtScalar, s, 0.0),
-        UnaryOp::EqScalar(s) => (Unary::EqScalar, s, 0.0),
-    }
-}
-
-fn binary_kernel(op: BinaryOp) -> Binary {
-    match op {
-        BinaryOp::Add => Binary::Add,
-        BinaryOp::Sub => Binary::Sub,
-        BinaryOp::Mul => Binary::Mul,
-        BinaryOp::Div => Binary::Div,
-        BinaryOp::Maximum => Binary::Maximum,
-        BinaryOp::Minimum => Binary::Minimum,
-        BinaryOp::Pow => Binary::Pow,
-        BinaryOp::Eq => Binary::Eq,
-        BinaryOp::Ne => Binary::Ne,
-        BinaryOp::Lt => Binary::Lt,
-        BinaryOp::Le => Binary::Le,
-        BinaryOp::Gt => Binary::Gt,
-        BinaryOp::Ge => Binary::Ge,
-    }
-}
-
-fn reduce_kernel(op: ReduceOp) -> Reduce {
-    match op {
-        ReduceOp::Sum => Reduce::Sum,
-        ReduceOp::Max => Reduce::Max,
-        ReduceOp::Min => Reduce::Min,
-        ReduceOp::ArgMax => Reduce::ArgMax,
-        ReduceOp::ArgMin => Reduce::ArgMin,
-    }
 }
 
 /// Lavapipe (llvmpipe) ends an invocation after 65535 loop iterations summed over all its loops
@@ -195,18 +137,25 @@ impl WgpuContext {
         } else {
             EwLayout::Contiguous
         };
-        let count = if layout == EwLayout::Vec4 { n / 4 } else { n };
-        let mut params = vec![u(count), 0, s0.to_bits(), s1.to_bits()];
-        if layout == EwLayout::Strided {
-            params[1] = u(shape.len());
-            params.extend(shape.iter().map(|&d| u(d)));
+        let strided = layout == EwLayout::Strided;
+        let block = EwParams {
+            count: u(if layout == EwLayout::Vec4 { n / 4 } else { n }),
+            rank: if strided { u(shape.len()) } else { 0 },
+            s0,
+            s1,
+        };
+        let mut dims: Vec<u32> = Vec::new();
+        if strided {
+            dims.extend(shape.iter().map(|&d| u(d)));
         }
         for (t, s) in inputs.iter().zip(&cstrides) {
-            params.push(u(t.layout().offset));
-            if layout == EwLayout::Strided {
-                params.extend(s.iter().map(|&v| u(v)));
+            dims.push(u(t.layout().offset));
+            if strided {
+                dims.extend(s.iter().map(|&v| u(v)));
             }
         }
+        let params = block.words(&dims);
+        let count = block.count as usize;
         let mut bufs = Vec::with_capacity(inputs.len() + 1);
         for t in inputs {
             bufs.push(gpu(t)?);
@@ -232,12 +181,16 @@ impl WgpuContext {
             return Ok(());
         }
         let (shape, s) = collapse(src.shape(), &[src.strides(), out_strides]);
-        let mut params = vec![u(n), u(shape.len())];
-        params.extend(shape.iter().map(|&d| u(d)));
-        params.push(u(src.layout().offset));
-        params.extend(s[0].iter().map(|&v| u(v)));
-        params.push(u(out_offset));
-        params.extend(s[1].iter().map(|&v| u(v)));
+        let mut dims: Vec<u32> = shape.iter().map(|&d| u(d)).collect();
+        dims.push(u(src.layout().offset));
+        dims.extend(s[0].iter().map(|&v| u(v)));
+        dims.push(u(out_offset));
+        dims.extend(s[1].iter().map(|&v| u(v)));
+        let params = CopyParams {
+            numel: u(n),
+            rank: u(shape.len()),
+        }
+        .words(&dims);
         self.dispatch(
             Kernel::CopyStrided,
             &params,
@@ -252,7 +205,7 @@ impl WgpuContext {
     fn spatial<const I: usize, const O: usize>(
         &self,
         kernel: SpatialKernel,
-        params: &[u32],
+        params: &SpatialParams,
         inputs: [&Tensor; I],
         out_shape: &[usize],
     ) -> Result<[Tensor; O]> {
@@ -268,7 +221,7 @@ impl WgpuContext {
             .collect::<Result<Vec<_>>>()?;
         self.dispatch(
             Kernel::Spatial(kernel),
-            params,
+            &params.words(&[]),
             &args,
             groups_for(numel(out_shape)),
             1,
@@ -279,44 +232,43 @@ impl WgpuContext {
             .unwrap_or_else(|_| unreachable!("exactly O outputs were made")))
     }
 
-    fn spatial_params(g: &Pool2dGeometry) -> Vec<u32> {
-        vec![
-            u(g.n),
-            u(g.c),
-            u(g.h),
-            u(g.w),
-            u(g.kh),
-            u(g.kw),
-            u(g.stride.0),
-            u(g.stride.1),
-            u(g.padding.0),
-            u(g.padding.1),
-            1,
-            1,
-            1,
-            u(g.h_out),
-            u(g.w_out),
-        ]
+    /// A pool's geometry as a spatial parameter block: dilation 1, one group.
+    fn spatial_params(g: &Pool2dGeometry) -> SpatialParams {
+        Self::conv_params(&Conv2dGeometry {
+            n: g.n,
+            c_in: g.c,
+            h: g.h,
+            w: g.w,
+            c_out: g.c,
+            kh: g.kh,
+            kw: g.kw,
+            stride: g.stride,
+            padding: g.padding,
+            dilation: (1, 1),
+            groups: 1,
+            h_out: g.h_out,
+            w_out: g.w_out,
+        })
     }
 
-    fn conv_params(g: &Conv2dGeometry) -> Vec<u32> {
-        vec![
-            u(g.n),
-            u(g.c_in),
-            u(g.h),
-            u(g.w),
-            u(g.kh),
-            u(g.kw),
-            u(g.stride.0),
-            u(g.stride.1),
-            u(g.padding.0),
-            u(g.padding.1),
-            u(g.dilation.0),
-            u(g.dilation.1),
-            u(g.groups),
-            u(g.h_out),
-            u(g.w_out),
-        ]
+    fn conv_params(g: &Conv2dGeometry) -> SpatialParams {
+        SpatialParams {
+            n: u(g.n),
+            c: u(g.c_in),
+            h: u(g.h),
+            w: u(g.w),
+            kh: u(g.kh),
+            kw: u(g.kw),
+            sh: u(g.stride.0),
+            sw: u(g.stride.1),
+            ph: u(g.padding.0),
+            pw: u(g.padding.1),
+            dh: u(g.dilation.0),
+            dw: u(g.dilation.1),
+            groups: u(g.groups),
+            h_out: u(g.h_out),
+            w_out: u(g.w_out),
+        }
     }
 
     /// Rows longer than this many columns exceed lavapipe's loop limit in the one-workgroup-per-
@@ -336,36 +288,48 @@ impl WgpuContext {
         Ok(())
     }
 
-    /// One index kernel: `src` and `idx` dense, output of `out_shape`, `items` invocations.
-    /// The accumulating kernels (index_add, scatter_add) start from zeros and walk j in chunks
-    /// of at most `LOOP_BUDGET` per dispatch.
+    /// One index kernel over `dims = [outer, dim, inner, n]`, `src` and `idx` made dense. The
+    /// selecting kernels (index_select, gather) write `[outer, n, inner]`, one invocation per
+    /// element; the accumulating ones (index_add, scatter_add) start `[outer, dim, inner]` from
+    /// zeros, one invocation per (outer, inner) column, and walk j in chunks of at most
+    /// `LOOP_BUDGET` per dispatch.
     fn index_kernel(
         &self,
         k: IndexKernel,
         src: &Tensor,
         idx: &Tensor,
         dims: [usize; 4],
-        out_shape: &[usize],
-        items: usize,
     ) -> Result<Tensor> {
+        let [outer, dim, inner, n] = dims;
         let src = self.dense(src)?;
         let idx = self.dense(idx)?;
         let accumulates = matches!(k, IndexKernel::IndexAdd | IndexKernel::ScatterAdd);
-        let out = if accumulates {
-            self.fill(src.device(), out_shape, 0.0)?
+        let (out, items) = if accumulates {
+            (
+                self.fill(src.device(), &[outer, dim, inner], 0.0)?,
+                outer * inner,
+            )
         } else {
-            self.empty(src.device(), out_shape)?
+            (
+                self.empty(src.device(), &[outer, n, inner])?,
+                outer * n * inner,
+            )
         };
-        let n = dims[3];
         let step = if accumulates { LOOP_BUDGET } else { n.max(1) };
         let mut j0 = 0;
         loop {
             let j1 = (j0 + step).min(n);
-            let mut params: Vec<u32> = dims.iter().map(|&d| u(d)).collect();
-            params.extend([u(j0), u(j1)]);
+            let params = IndexParams {
+                outer: u(dims[0]),
+                dim: u(dims[1]),
+                inner: u(dims[2]),
+                n: u(dims[3]),
+                j_begin: u(j0),
+                j_end: u(j1),
+            };
             self.dispatch(
                 Kernel::Index(k),
-                &params,
+                &params.words(&[]),
                 &[
                     Arg::of(gpu(&src)?),
                     Arg::of(gpu(&idx)?),
@@ -401,7 +365,7 @@ impl Kernels for WgpuContext {
         let n = out.numel();
         self.dispatch(
             Kernel::Fill,
-            &[u(n), value.to_bits()],
+            &FillParams { numel: u(n), value }.words(&[]),
             &[Arg::of(gpu(&out)?)],
             groups_for(n),
             1,
@@ -411,24 +375,20 @@ impl Kernels for WgpuContext {
     }
 
     fn contiguous(&self, x: &Tensor) -> Result<Tensor> {
-        self.map(
-            |layout| Kernel::Unary {
-                op: Unary::Identity,
-                layout,
-            },
-            &[x],
-            0.0,
-            0.0,
-        )
+        self.map(|layout| Kernel::Copy { layout }, &[x], 0.0, 0.0)
     }
 
     fn unary(&self, op: UnaryOp, x: &Tensor) -> Result<Tensor> {
-        let (op, s0, s1) = unary_kernel(op);
-        self.map(|layout| Kernel::Unary { op, layout }, &[x], s0, s1)
+        let [s0, s1] = op.scalars();
+        self.map(|layout| Kernel::unary(op, layout), &[x], s0, s1)
+    }
+
+    fn unary_grad(&self, op: UnaryOp, x: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let [s0, s1] = op.scalars();
+        self.map(|layout| Kernel::unary_grad(op, layout), &[x, g], s0, s1)
     }
 
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-        let op = binary_kernel(op);
         self.map(|layout| Kernel::Binary { op, layout }, &[a, b], 0.0, 0.0)
     }
 
@@ -439,7 +399,6 @@ impl Kernels for WgpuContext {
     fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
         let x = self.packed(x)?;
         let out = self.empty(x.device(), &[rows])?;
-        let op = reduce_kernel(op);
         let off = u(x.layout().offset);
         let wg = self.row_wg();
         let segment = wg as usize * REDUCE_SEGMENT_STEPS;
@@ -450,7 +409,14 @@ impl Kernels for WgpuContext {
                     mode: ReduceMode::Direct,
                     wg,
                 },
-                &[u(rows), u(cols), off, 1, u(cols.max(1))],
+                &ReduceParams {
+                    rows: u(rows),
+                    cols: u(cols),
+                    x_offset: off,
+                    segments: 1,
+                    seg_len: u(cols.max(1)),
+                }
+                .words(&[]),
                 &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
                 rows as u64,
                 1,
@@ -467,7 +433,14 @@ impl Kernels for WgpuContext {
                     mode: ReduceMode::Partial,
                     wg,
                 },
-                &[u(rows), u(cols), off, u(segs), u(segment)],
+                &ReduceParams {
+                    rows: u(rows),
+                    cols: u(cols),
+                    x_offset: off,
+                    segments: u(segs),
+                    seg_len: u(segment),
+                }
+                .words(&[]),
                 &[Arg::of(gpu(&x)?), Arg::of(gpu(&pv)?), Arg::of(gpu(&pi)?)],
                 (rows * segs) as u64,
                 1,
@@ -478,7 +451,14 @@ impl Kernels for WgpuContext {
                     mode: ReduceMode::Final,
                     wg,
                 },
-                &[u(rows), u(segs), 0, 1, u(segs)],
+                &ReduceParams {
+                    rows: u(rows),
+                    cols: u(segs),
+                    x_offset: 0,
+                    segments: 1,
+                    seg_len: u(segs),
+                }
+                .words(&[]),
                 &[Arg::of(gpu(&pv)?), Arg::of(gpu(&pi)?), Arg::of(gpu(&out)?)],
                 rows as u64,
                 1,
@@ -498,7 +478,12 @@ impl Kernels for WgpuContext {
                     log,
                     wg: self.row_wg(),
                 },
-                &[u(rows), u(cols), u(x.layout().offset)],
+                &SoftmaxParams {
+                    rows: u(rows),
+                    cols: u(cols),
+                    x_offset: u(x.layout().offset),
+                }
+                .words(&[]),
                 &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
                 rows as u64,
                 1,
@@ -538,14 +523,15 @@ impl Kernels for WgpuContext {
         let rstd = self.empty(dev, &[rows])?;
         self.dispatch(
             Kernel::LayerNorm { wg: self.row_wg() },
-            &[
-                u(rows),
-                u(cols),
-                eps.to_bits(),
-                u(x.layout().offset),
-                u(gamma.layout().offset),
-                u(beta.layout().offset),
-            ],
+            &LayerNormParams {
+                rows: u(rows),
+                cols: u(cols),
+                eps,
+                x_offset: u(x.layout().offset),
+                gamma_offset: u(gamma.layout().offset),
+                beta_offset: u(beta.layout().offset),
+            }
+            .words(&[]),
             &[
                 Arg::of(gpu(&x)?),
                 Arg::of(gpu(&gamma)?),
@@ -565,76 +551,39 @@ impl Kernels for WgpuContext {
         &self,
         x: &Tensor,
         idx: &Tensor,
-        outer: usize,
-        dim: usize,
-        inner: usize,
+        o: usize,
+        d: usize,
+        i: usize,
     ) -> Result<Tensor> {
-        let n = idx.numel();
-        self.index_kernel(
-            IndexKernel::IndexSelect,
-            x,
-            idx,
-            [outer, dim, inner, n],
-            &[outer, n, inner],
-            outer * n * inner,
-        )
+        self.index_kernel(IndexKernel::IndexSelect, x, idx, [o, d, i, idx.numel()])
     }
 
     fn index_add(
         &self,
         src: &Tensor,
         idx: &Tensor,
-        outer: usize,
-        dim: usize,
-        inner: usize,
+        o: usize,
+        d: usize,
+        i: usize,
     ) -> Result<Tensor> {
-        let n = idx.numel();
-        self.index_kernel(
-            IndexKernel::IndexAdd,
-            src,
-            idx,
-            [outer, dim, inner, n],
-            &[outer, dim, inner],
-            outer * inner,
-        )
+        self.index_kernel(IndexKernel::IndexAdd, src, idx, [o, d, i, idx.numel()])
     }
 
-    fn gather(
-        &self,
-        x: &Tensor,
-        idx: &Tensor,
-        outer: usize,
-        dim: usize,
-        inner: usize,
-    ) -> Result<Tensor> {
-        let n = idx.numel().checked_div(outer * inner).unwrap_or(0);
-        self.index_kernel(
-            IndexKernel::Gather,
-            x,
-            idx,
-            [outer, dim, inner, n],
-            &[outer, n, inner],
-            outer * n * inner,
-        )
+    fn gather(&self, x: &Tensor, idx: &Tensor, o: usize, d: usize, i: usize) -> Result<Tensor> {
+        let n = idx.numel().checked_div(o * i).unwrap_or(0);
+        self.index_kernel(IndexKernel::Gather, x, idx, [o, d, i, n])
     }
 
     fn scatter_add(
         &self,
         src: &Tensor,
         idx: &Tensor,
-        outer: usize,
-        dim: usize,
-        inner: usize,
+        o: usize,
+        d: usize,
+        i: usize,
     ) -> Result<Tensor> {
-        let n = idx.numel().checked_div(outer * inner).unwrap_or(0);
-        self.index_kernel(
-            IndexKernel::ScatterAdd,
-            src,
-            idx,
-            [outer, dim, inner, n],
-            &[outer, dim, inner],
-            outer * inner,
-        )
+        let n = idx.numel().checked_div(o * i).unwrap_or(0);
+        self.index_kernel(IndexKernel::ScatterAdd, src, idx, [o, d, i, n])
     }
 
     fn concat(&self, xs: &[&Tensor], axis: usize, out_shape: &[usize]) -> Result<Tensor> {
@@ -724,18 +673,18 @@ impl Kernels for WgpuContext {
         let n = out.numel();
         // The same f32 arithmetic as `rng::dropout_value`, so the multipliers match bit for bit.
         let scale = 1.0 / (1.0 - p);
-        let params = [
-            u(n),
-            seed as u32,
-            (seed >> 32) as u32,
-            offset as u32,
-            (offset >> 32) as u32,
-            p.to_bits(),
-            scale.to_bits(),
-        ];
+        let params = DropoutParams {
+            numel: u(n),
+            seed_lo: seed as u32,
+            seed_hi: (seed >> 32) as u32,
+            offset_lo: offset as u32,
+            offset_hi: (offset >> 32) as u32,
+            p,
+            scale,
+        };
         self.dispatch(
             Kernel::Dropout,
-            &params,
+            &params.words(&[]),
             &[Arg::of(gpu(&out)?)],
             groups_for(n.div_ceil(4)),
             1,
@@ -766,20 +715,20 @@ impl Kernels for WgpuContext {
             self.empty(dev, shape)?,
         );
         let n = po.numel();
-        let params = [
-            u(n),
-            hp.lr.to_bits(),
-            hp.beta1.to_bits(),
-            hp.beta2.to_bits(),
-            hp.eps.to_bits(),
-            hp.weight_decay.to_bits(),
-            u32::from(hp.decoupled),
-            hp.bias_correction1.to_bits(),
-            hp.bias_correction2.to_bits(),
-        ];
+        let params = AdamParams {
+            numel: u(n),
+            lr: hp.lr,
+            beta1: hp.beta1,
+            beta2: hp.beta2,
+            eps: hp.eps,
+            weight_decay: hp.weight_decay,
+            decoupled: u32::from(hp.decoupled),
+            bc1: hp.bias_correction1,
+            bc2: hp.bias_correction2,
+        };
         self.dispatch(
             Kernel::Adam,
-            &params,
+            &params.words(&[]),
             &[
                 Arg::of(gpu(&p)?),
                 Arg::of(gpu(&g)?),

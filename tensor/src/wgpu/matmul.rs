@@ -3,6 +3,7 @@
 //! where the layout allows; CPU-backed adapters (lavapipe) pack both operands and run the
 //! subgroup kernel (`matmul_subgroup.wgsl`), which suits how llvmpipe executes shaders.
 
+use wgpipe_shaders::params::{MatmulParams, PackParams, ParamBlock, SubgroupMatmulParams};
 use wgpipe_shaders::{Kernel, MatmulConfig, OperandLoad, SubgroupMatmulConfig};
 
 use super::context::WgpuContext;
@@ -12,6 +13,30 @@ use crate::backend::{Kernels, MatDims, MatLayout};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
+/// How to stage one operand (see `OperandLoad`): vec4 loads along the axis of stride 1 when
+/// offsets, strides and that extent allow, else scalar loads walking the smaller stride.
+/// `ks`, `os` are its strides along k and along its other axis, `k`, `o` those extents.
+fn operand_load(
+    ks: usize,
+    os: usize,
+    k: usize,
+    o: usize,
+    l: &MatLayout,
+    prefer_mn: bool,
+) -> OperandLoad {
+    let a4 = |v: usize| v.is_multiple_of(4);
+    let aligned = a4(l.offset) && a4(l.batch_stride);
+    let vec_k = ks == 1 && a4(k) && a4(os) && aligned;
+    let vec_mn = os == 1 && a4(o) && a4(ks) && aligned;
+    match (prefer_mn, vec_k, vec_mn) {
+        (false, true, _) | (true, true, false) => OperandLoad::VecK,
+        (_, _, true) => OperandLoad::VecMn,
+        (false, ..) if ks <= os => OperandLoad::ScalarK,
+        (true, ..) if os > ks => OperandLoad::ScalarK,
+        _ => OperandLoad::ScalarMn,
+    }
+}
+
 impl WgpuContext {
     /// The matmul variant for these operands on this adapter.
     pub(super) fn matmul_config(
@@ -20,45 +45,9 @@ impl WgpuContext {
         lb: &MatLayout,
         d: &MatDims,
     ) -> MatmulConfig {
-        let a4 = |v: usize| v.is_multiple_of(4);
-        let a = if la.col_stride == 1
-            && a4(d.k)
-            && a4(la.offset)
-            && a4(la.row_stride)
-            && a4(la.batch_stride)
-        {
-            OperandLoad::VecK
-        } else if la.row_stride == 1
-            && a4(d.m)
-            && a4(la.offset)
-            && a4(la.col_stride)
-            && a4(la.batch_stride)
-        {
-            OperandLoad::VecMn
-        } else if la.col_stride <= la.row_stride {
-            OperandLoad::ScalarK
-        } else {
-            OperandLoad::ScalarMn
-        };
-        let b = if lb.col_stride == 1
-            && a4(d.n)
-            && a4(lb.offset)
-            && a4(lb.row_stride)
-            && a4(lb.batch_stride)
-        {
-            OperandLoad::VecMn
-        } else if lb.row_stride == 1
-            && a4(d.k)
-            && a4(lb.offset)
-            && a4(lb.col_stride)
-            && a4(lb.batch_stride)
-        {
-            OperandLoad::VecK
-        } else if lb.col_stride <= lb.row_stride {
-            OperandLoad::ScalarMn
-        } else {
-            OperandLoad::ScalarK
-        };
+        // A's k axis is its columns, B's its rows; A prefers k-major staging, B n-major.
+        let a = operand_load(la.col_stride, la.row_stride, d.k, d.m, la, false);
+        let b = operand_load(lb.row_stride, lb.col_stride, d.k, d.n, lb, true);
         let (bm, bn, bk, tm, tn) = self.matmul_tile(d);
         MatmulConfig {
             bm,
@@ -68,7 +57,7 @@ impl WgpuContext {
             tn,
             a,
             b,
-            c_vec: a4(d.n),
+            c_vec: d.n.is_multiple_of(4),
         }
     }
 
@@ -160,26 +149,26 @@ impl WgpuContext {
             let mut k0 = 0;
             while k0 < dims.k {
                 let k1 = (k0 + k_chunk).min(dims.k);
-                let params = [
-                    u(dims.m),
-                    u(k1),
-                    u(dims.n),
-                    u(tiles_n),
-                    u(la.offset),
-                    u(la.batch_stride),
-                    u(la.row_stride),
-                    u(la.col_stride),
-                    u(lb.offset),
-                    u(lb.batch_stride),
-                    u(lb.row_stride),
-                    u(lb.col_stride),
-                    u(base),
-                    u(k0),
-                    u32::from(k0 > 0),
-                ];
+                let params = MatmulParams {
+                    m: u(dims.m),
+                    k_end: u(k1),
+                    n: u(dims.n),
+                    tiles_n: u(tiles_n),
+                    a_off: u(la.offset),
+                    a_bs: u(la.batch_stride),
+                    a_rs: u(la.row_stride),
+                    a_cs: u(la.col_stride),
+                    b_off: u(lb.offset),
+                    b_bs: u(lb.batch_stride),
+                    b_rs: u(lb.row_stride),
+                    b_cs: u(lb.col_stride),
+                    batch_base: u(base),
+                    k_begin: u(k0),
+                    accumulate: u32::from(k0 > 0),
+                };
                 self.dispatch(
                     Kernel::Matmul(cfg),
-                    &params,
+                    &params.words(&[]),
                     &[Arg::of(ba), Arg::of(bb), Arg::of(bo)],
                     tiles as u64,
                     z as u32,
@@ -226,23 +215,23 @@ impl WgpuContext {
     ) -> Result<Tensor> {
         let total = batch * n0 * n1 * t0 * t1;
         let out = self.empty(x.device(), &[total])?;
-        let params = [
-            u(total),
-            u(r),
-            u(c),
-            u(t0),
-            u(t1),
-            u(n0),
-            u(n1),
-            u32::from(col_outer),
-            u(l.offset),
-            u(l.batch_stride),
-            u(l.row_stride),
-            u(l.col_stride),
-        ];
+        let params = PackParams {
+            total: u(total),
+            rows: u(r),
+            cols: u(c),
+            t0: u(t0),
+            t1: u(t1),
+            n_t0: u(n0),
+            n_t1: u(n1),
+            col_outer: u32::from(col_outer),
+            off: u(l.offset),
+            bs: u(l.batch_stride),
+            rs: u(l.row_stride),
+            cs: u(l.col_stride),
+        };
         self.dispatch(
             Kernel::Pack,
-            &params,
+            &params.words(&[]),
             &[Arg::of(gpu(x)?), Arg::of(gpu(&out)?)],
             groups_for(total),
             1,
@@ -281,20 +270,20 @@ impl WgpuContext {
             let mut k0 = 0;
             while k0 < k4.max(1) {
                 let k1 = (k0 + LOOP_BUDGET).min(k4);
-                let params = [
-                    u(m),
-                    u(n),
-                    u(k0),
-                    u(k1),
-                    u32::from(k0 > 0),
-                    u(a_bs),
-                    u(b_bs),
-                    u(base),
-                    u(k4),
-                ];
+                let params = SubgroupMatmulParams {
+                    m: u(m),
+                    n: u(n),
+                    k4_begin: u(k0),
+                    k4_end: u(k1),
+                    accumulate: u32::from(k0 > 0),
+                    a_bs: u(a_bs),
+                    b_bs: u(b_bs),
+                    batch_base: u(base),
+                    k4: u(k4),
+                };
                 self.dispatch_grid(
                     Kernel::MatmulSubgroup(cfg),
-                    &params,
+                    &params.words(&[]),
                     &[Arg::of(bap), Arg::of(bbp), Arg::of(bo)],
                     [u(nb), u(mb), u(z)],
                 )?;

@@ -1,0 +1,317 @@
+//! The registry: [`Kernel`] names one compiled variant and says what its source, entry point,
+//! bindings, workgroup size and parameter block are. The sources come from the families
+//! (`elementwise.rs`, `rows.rs`, `matmul.rs`) and the plain `.wgsl` files below.
+
+use crate::elementwise::{self, EwLayout};
+use crate::matmul::{MatmulConfig, OperandLoad, SubgroupMatmulConfig};
+use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
+use crate::params;
+use crate::rows::{self, ReduceMode};
+use crate::{render, Access, ELEMENTWISE_WG, ROW_WG_CHOICES};
+
+use crate::wgsl::{ADAM, COMMON, COPY_STRIDED, DROPOUT, FILL, INDEX, PACK, PHILOX, SPATIAL};
+
+/// Entry points of `index.wgsl`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IndexKernel {
+    IndexSelect,
+    Gather,
+    IndexAdd,
+    ScatterAdd,
+}
+
+impl IndexKernel {
+    pub const ALL: [IndexKernel; 4] = [
+        IndexKernel::IndexSelect,
+        IndexKernel::Gather,
+        IndexKernel::IndexAdd,
+        IndexKernel::ScatterAdd,
+    ];
+
+    fn entry_point(self) -> &'static str {
+        match self {
+            IndexKernel::IndexSelect => "index_select",
+            IndexKernel::Gather => "gather",
+            IndexKernel::IndexAdd => "index_add",
+            IndexKernel::ScatterAdd => "scatter_add",
+        }
+    }
+}
+
+/// Entry points of `spatial.wgsl`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SpatialKernel {
+    Im2col,
+    Col2im,
+    MaxPool2d,
+    MaxPool2dBackward,
+    AvgPool2d,
+    AvgPool2dBackward,
+}
+
+impl SpatialKernel {
+    pub const ALL: [SpatialKernel; 6] = [
+        SpatialKernel::Im2col,
+        SpatialKernel::Col2im,
+        SpatialKernel::MaxPool2d,
+        SpatialKernel::MaxPool2dBackward,
+        SpatialKernel::AvgPool2d,
+        SpatialKernel::AvgPool2dBackward,
+    ];
+
+    fn entry_point(self) -> &'static str {
+        match self {
+            SpatialKernel::Im2col => "im2col",
+            SpatialKernel::Col2im => "col2im",
+            SpatialKernel::MaxPool2d => "max_pool2d",
+            SpatialKernel::MaxPool2dBackward => "max_pool2d_backward",
+            SpatialKernel::AvgPool2d => "avg_pool2d",
+            SpatialKernel::AvgPool2dBackward => "avg_pool2d_backward",
+        }
+    }
+}
+
+/// One compute kernel variant: what the runtime compiles and caches a pipeline for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// `out = a` (materialises a view).
+    Copy {
+        layout: EwLayout,
+    },
+    /// `out = op(a)`; `op`'s scalars are zero here (they travel in the parameter block), see
+    /// [`Kernel::unary`].
+    Unary {
+        op: UnaryOp,
+        layout: EwLayout,
+    },
+    /// `out = b * op'(a)`: the backward of a unary op (`a` its input, `b` the output gradient).
+    UnaryGrad {
+        op: UnaryOp,
+        layout: EwLayout,
+    },
+    /// `out = op(a, b)` over inputs of one shape.
+    Binary {
+        op: BinaryOp,
+        layout: EwLayout,
+    },
+    /// `out = a != 0 ? b : c`.
+    Where {
+        layout: EwLayout,
+    },
+    /// Strided-to-strided copy (concat).
+    CopyStrided,
+    /// `out = value`.
+    Fill,
+    /// Row reductions, `wg` invocations per row (a power of two).
+    Reduce {
+        op: ReduceOp,
+        mode: ReduceMode,
+        wg: u32,
+    },
+    Softmax {
+        log: bool,
+        wg: u32,
+    },
+    LayerNorm {
+        wg: u32,
+    },
+    Matmul(MatmulConfig),
+    /// Needs the `SUBGROUP` feature and a fixed subgroup size of `sg`.
+    MatmulSubgroup(SubgroupMatmulConfig),
+    /// Strided matrices to the tiled, padded operand layout of `MatmulSubgroup`.
+    Pack,
+    Index(IndexKernel),
+    Spatial(SpatialKernel),
+    Dropout,
+    Adam,
+}
+
+impl Kernel {
+    /// The kernel of `op` (one per op, whatever its scalars).
+    pub fn unary(op: UnaryOp, layout: EwLayout) -> Kernel {
+        Kernel::Unary {
+            op: op.kernel_key(),
+            layout,
+        }
+    }
+
+    /// The backward kernel of `op` (one per op, whatever its scalars).
+    pub fn unary_grad(op: UnaryOp, layout: EwLayout) -> Kernel {
+        Kernel::UnaryGrad {
+            op: op.kernel_key(),
+            layout,
+        }
+    }
+
+    /// The complete WGSL of this variant.
+    pub fn source(&self) -> String {
+        let wg = ELEMENTWISE_WG.to_string();
+        let plain = |src: &str| render(src, &[("WG", &wg)]);
+        let body = match *self {
+            Kernel::Copy { layout } => elementwise::source(1, layout, "a"),
+            Kernel::Unary { op, layout } => elementwise::source(1, layout, op.wgsl()),
+            Kernel::UnaryGrad { op, layout } => {
+                elementwise::source(2, layout, &format!("b * ({})", op.wgsl_grad()))
+            }
+            Kernel::Binary { op, layout } => elementwise::source(2, layout, op.wgsl()),
+            Kernel::Where { layout } => elementwise::source(3, layout, "select(c, b, a != 0.0)"),
+            Kernel::CopyStrided => plain(COPY_STRIDED),
+            Kernel::Fill => plain(FILL),
+            Kernel::Reduce { op, mode, wg } => rows::reduce(op, mode, wg),
+            Kernel::Softmax { log, wg } => rows::softmax(log, wg),
+            Kernel::LayerNorm { wg } => rows::layer_norm(wg),
+            Kernel::Matmul(cfg) => cfg.source(),
+            Kernel::MatmulSubgroup(cfg) => cfg.source(),
+            Kernel::Pack => plain(PACK),
+            Kernel::Index(_) => plain(INDEX),
+            Kernel::Spatial(_) => plain(SPATIAL),
+            Kernel::Dropout => format!("{PHILOX}\n{}", plain(DROPOUT)),
+            Kernel::Adam => plain(ADAM),
+        };
+        format!("{COMMON}\n{body}")
+    }
+
+    /// The name of the parameter block (binding 0): a struct of [`params`] and of the source.
+    pub fn params(&self) -> &'static str {
+        use params::*;
+        match self {
+            Kernel::Copy { .. }
+            | Kernel::Unary { .. }
+            | Kernel::UnaryGrad { .. }
+            | Kernel::Binary { .. }
+            | Kernel::Where { .. } => EwParams::NAME,
+            Kernel::CopyStrided => CopyParams::NAME,
+            Kernel::Fill => FillParams::NAME,
+            Kernel::Reduce { .. } => ReduceParams::NAME,
+            Kernel::Softmax { .. } => SoftmaxParams::NAME,
+            Kernel::LayerNorm { .. } => LayerNormParams::NAME,
+            Kernel::Matmul(_) => MatmulParams::NAME,
+            Kernel::MatmulSubgroup(_) => SubgroupMatmulParams::NAME,
+            Kernel::Pack => PackParams::NAME,
+            Kernel::Index(_) => IndexParams::NAME,
+            Kernel::Spatial(_) => SpatialParams::NAME,
+            Kernel::Dropout => DropoutParams::NAME,
+            Kernel::Adam => AdamParams::NAME,
+        }
+    }
+
+    /// Whether the variant needs the `SUBGROUP` device feature (and naga capability).
+    pub fn needs_subgroups(&self) -> bool {
+        matches!(self, Kernel::MatmulSubgroup(_))
+    }
+
+    /// The entry point to compile.
+    pub fn entry_point(&self) -> &'static str {
+        match self {
+            Kernel::Index(k) => k.entry_point(),
+            Kernel::Spatial(k) => k.entry_point(),
+            _ => "main",
+        }
+    }
+
+    /// The bindings after the parameter block (binding 0), as `(binding, access)` in the order
+    /// the runtime passes buffers: inputs first, then outputs.
+    pub fn bindings(&self) -> Vec<(u32, Access)> {
+        use Access::{Read as R, ReadWrite as W};
+        let seq = |reads: u32, writes: u32| -> Vec<(u32, Access)> {
+            (1..=reads)
+                .map(|b| (b, R))
+                .chain((reads + 1..=reads + writes).map(|b| (b, W)))
+                .collect()
+        };
+        match self {
+            Kernel::Copy { .. } | Kernel::Unary { .. } => seq(1, 1),
+            Kernel::UnaryGrad { .. } | Kernel::Binary { .. } => seq(2, 1),
+            Kernel::Where { .. } => seq(3, 1),
+            Kernel::CopyStrided => seq(1, 1),
+            Kernel::Fill | Kernel::Dropout => seq(0, 1),
+            Kernel::Reduce { mode, .. } => match mode {
+                ReduceMode::Direct => seq(1, 1),
+                ReduceMode::Partial => seq(1, 2),
+                ReduceMode::Final => seq(2, 1),
+            },
+            Kernel::Softmax { .. } => seq(1, 1),
+            Kernel::LayerNorm { .. } => seq(3, 3),
+            Kernel::Matmul(_) | Kernel::MatmulSubgroup(_) => seq(2, 1),
+            Kernel::Pack => seq(1, 1),
+            Kernel::Index(_) => seq(2, 1),
+            Kernel::Spatial(k) => match k {
+                SpatialKernel::MaxPool2d => vec![(1, R), (3, W), (4, W)],
+                SpatialKernel::MaxPool2dBackward => vec![(1, R), (2, R), (3, W)],
+                _ => vec![(1, R), (3, W)],
+            },
+            Kernel::Adam => seq(4, 3),
+        }
+    }
+
+    /// Invocations per workgroup (the host sizes dispatches with it).
+    pub fn workgroup_size(&self) -> u32 {
+        match self {
+            Kernel::Reduce { wg, .. } | Kernel::Softmax { wg, .. } | Kernel::LayerNorm { wg } => {
+                *wg
+            }
+            Kernel::Matmul(cfg) => cfg.threads(),
+            Kernel::MatmulSubgroup(cfg) => cfg.sg,
+            _ => ELEMENTWISE_WG,
+        }
+    }
+
+    /// Every variant the runtime can ask for (what the validation test compiles).
+    pub fn all() -> Vec<Kernel> {
+        let mut v = Vec::new();
+        for layout in EwLayout::ALL {
+            v.push(Kernel::Copy { layout });
+            for op in UnaryOp::ALL {
+                v.extend([Kernel::unary(op, layout), Kernel::unary_grad(op, layout)]);
+            }
+            v.extend(BinaryOp::ALL.map(|op| Kernel::Binary { op, layout }));
+            v.push(Kernel::Where { layout });
+        }
+        v.extend([Kernel::CopyStrided, Kernel::Fill]);
+        for wg in ROW_WG_CHOICES {
+            for op in ReduceOp::ALL {
+                v.extend(ReduceMode::ALL.map(|mode| Kernel::Reduce { op, mode, wg }));
+            }
+            v.extend([
+                Kernel::Softmax { log: false, wg },
+                Kernel::Softmax { log: true, wg },
+                Kernel::LayerNorm { wg },
+            ]);
+        }
+        for (bm, bn, bk, tm, tn) in MatmulConfig::TILES {
+            for a in OperandLoad::ALL {
+                for b in OperandLoad::ALL {
+                    for c_vec in [false, true] {
+                        v.push(Kernel::Matmul(MatmulConfig {
+                            bm,
+                            bn,
+                            bk,
+                            tm,
+                            tn,
+                            a,
+                            b,
+                            c_vec,
+                        }));
+                    }
+                }
+            }
+        }
+        for sg in [8, 16] {
+            for (s, q) in SubgroupMatmulConfig::SHAPES {
+                for c_vec in [false, true] {
+                    v.push(Kernel::MatmulSubgroup(SubgroupMatmulConfig {
+                        sg,
+                        s,
+                        q,
+                        c_vec,
+                    }));
+                }
+            }
+        }
+        v.push(Kernel::Pack);
+        v.extend(IndexKernel::ALL.map(Kernel::Index));
+        v.extend(SpatialKernel::ALL.map(Kernel::Spatial));
+        v.extend([Kernel::Dropout, Kernel::Adam]);
+        v
+    }
+}

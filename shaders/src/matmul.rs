@@ -1,0 +1,278 @@
+//! The matmul family: the tiled matmul of GPUs (`matmul.wgsl` with its operand-load and store
+//! files) and the subgroup matmul of CPU-backed adapters (`matmul_subgroup.wgsl`).
+//!
+//! What is generated here is only the register tile, which WGSL cannot unroll by itself: one
+//! accumulator declaration, one FMA line and one `store4` call per (row, vec4 column) of the
+//! tile. Everything else is in the `.wgsl` files.
+
+use crate::render;
+
+use crate::wgsl::{
+    MATMUL, MATMUL_LOAD_SCALAR as LOAD_SCALAR, MATMUL_LOAD_VEC_K as LOAD_VEC_K,
+    MATMUL_LOAD_VEC_MN as LOAD_VEC_MN, MATMUL_STORE_SCALAR as STORE_SCALAR,
+    MATMUL_STORE_VEC as STORE_VEC, MATMUL_SUBGROUP,
+};
+
+/// How a matmul operand is staged: scalar loads with `k` (or the other axis) fastest, or aligned
+/// vec4 loads along the axis with stride 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OperandLoad {
+    /// Scalar loads, consecutive invocations walk `k`.
+    ScalarK,
+    /// Scalar loads, consecutive invocations walk the non-`k` axis (m for A, n for B).
+    ScalarMn,
+    /// vec4 loads along `k` (stride 1 along k; offsets, strides and k multiples of 4).
+    VecK,
+    /// vec4 loads along m for A or n for B (stride 1 there; offsets, strides, extent multiples of 4).
+    VecMn,
+}
+
+impl OperandLoad {
+    pub const ALL: [OperandLoad; 4] = [
+        OperandLoad::ScalarK,
+        OperandLoad::ScalarMn,
+        OperandLoad::VecK,
+        OperandLoad::VecMn,
+    ];
+    fn is_vec(self) -> bool {
+        matches!(self, OperandLoad::VecK | OperandLoad::VecMn)
+    }
+}
+
+/// One matmul variant: tile shape and operand staging.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MatmulConfig {
+    /// Rows of c per workgroup.
+    pub bm: u32,
+    /// Columns of c per workgroup.
+    pub bn: u32,
+    /// Depth of one staged slab.
+    pub bk: u32,
+    /// Rows per invocation (a multiple of 4).
+    pub tm: u32,
+    /// Columns per invocation (a multiple of 4).
+    pub tn: u32,
+    pub a: OperandLoad,
+    pub b: OperandLoad,
+    /// vec4 stores of c (n a multiple of 4).
+    pub c_vec: bool,
+}
+
+impl MatmulConfig {
+    /// Invocations per workgroup.
+    pub fn threads(&self) -> u32 {
+        (self.bm / self.tm) * (self.bn / self.tn)
+    }
+
+    /// Workgroup memory in bytes.
+    pub fn shared_bytes(&self) -> u32 {
+        4 * self.bk * (self.bm + self.bn)
+    }
+
+    /// Whether the tile shape is one the template can build.
+    pub fn is_valid(&self) -> bool {
+        let p2 = |x: u32| x.is_power_of_two();
+        p2(self.bm)
+            && p2(self.bn)
+            && p2(self.bk)
+            && p2(self.tm)
+            && p2(self.tn)
+            && self.tm >= 4
+            && self.tn >= 4
+            && self.bk >= 4
+            && self.bm >= self.tm
+            && self.bn >= self.tn
+            && (self.bm * self.bk / 4) >= 1
+    }
+
+    /// The tile shapes the runtime picks from (see the tensor crate's matmul dispatch).
+    pub const TILES: [(u32, u32, u32, u32, u32); 4] = [
+        (64, 64, 16, 4, 4),
+        (64, 64, 8, 8, 8),
+        (32, 32, 16, 4, 4),
+        (128, 128, 8, 8, 8),
+    ];
+
+    pub(crate) fn source(&self) -> String {
+        assert!(self.is_valid(), "invalid matmul tile {self:?}");
+        let ty = |v: bool| if v { "vec4<f32>" } else { "f32" };
+        let (tm, tn4) = (self.tm, self.tn / 4);
+        let comp = ["x", "y", "z", "w"];
+        let (mut acc, mut inner, mut store) = (String::new(), String::new(), String::new());
+        // The invocation's rows are vec4 groups interleaved across ty, its vec4 columns are
+        // interleaved across tx; one k step is TM x TN/4 vec4 FMAs.
+        for r4 in 0..tm / 4 {
+            inner += &format!("            let av{r4} = As[kk * BM4 + {r4}u * NTY + ty];\n");
+        }
+        for q in 0..tn4 {
+            inner += &format!("            let bv{q} = Bs[kk * BN4 + {q}u * NTX + tx];\n");
+        }
+        for r in 0..tm {
+            let (r4, lane) = (r / 4, r % 4);
+            for q in 0..tn4 {
+                acc += &format!("    var acc_{r}_{q} = vec4<f32>(0.0);\n");
+                inner += &format!(
+                    "            acc_{r}_{q} = fma(vec4<f32>(av{r4}.{}), bv{q}, acc_{r}_{q});\n",
+                    comp[lane as usize]
+                );
+                store += &format!(
+                    "    store4(c_base, row0 + ({r4}u * NTY + ty) * 4u + {lane}u, \
+                     col0 + ({q}u * NTX + tx) * 4u, acc_{r}_{q});\n"
+                );
+            }
+        }
+        render(
+            MATMUL,
+            &[
+                ("BM", &self.bm.to_string()),
+                ("BN", &self.bn.to_string()),
+                ("BK", &self.bk.to_string()),
+                ("TM", &self.tm.to_string()),
+                ("TN", &self.tn.to_string()),
+                ("NT", &self.threads().to_string()),
+                ("A_TYPE", ty(self.a.is_vec())),
+                ("B_TYPE", ty(self.b.is_vec())),
+                ("C_TYPE", ty(self.c_vec)),
+                ("LOAD_A", &self.a.load(Operand::A)),
+                ("LOAD_B", &self.b.load(Operand::B)),
+                ("STORE", store_fn(self.c_vec)),
+                ("ACC", acc.trim_end()),
+                ("INNER", inner.trim_end()),
+                ("STORE_ALL", store.trim_end()),
+            ],
+        )
+    }
+}
+
+/// The operands of c = A B, as the load files see them: `o` is the axis that is not k.
+#[derive(Clone, Copy, PartialEq)]
+enum Operand {
+    A,
+    B,
+}
+
+impl OperandLoad {
+    /// The `load_a` / `load_b` function of this staging for `x`.
+    fn load(self, x: Operand) -> String {
+        // (name, slab, extent, limit, stride along o, stride along k)
+        let (name, slab, ext, limit, o_stride, k_stride) = match x {
+            Operand::A => ("a", "As", "BM", "params.m", "params.a_rs", "params.a_cs"),
+            Operand::B => ("b", "Bs", "BN", "params.n", "params.b_cs", "params.b_rs"),
+        };
+        let mut vars = vec![
+            ("X", name),
+            ("SLAB", slab),
+            ("EXT", ext),
+            ("LIMIT", limit),
+            ("O_STRIDE", o_stride),
+            ("K_STRIDE", k_stride),
+        ];
+        // The scalar loads' step order: k fastest, or o fastest.
+        let (o_o, k_o) = (format!("l % {ext}"), format!("l / {ext}"));
+        let template = match self {
+            OperandLoad::ScalarK => {
+                vars.extend([("O", "l / BK"), ("KK", "l % BK")]);
+                LOAD_SCALAR
+            }
+            OperandLoad::ScalarMn => {
+                vars.extend([("O", o_o.as_str()), ("KK", k_o.as_str())]);
+                LOAD_SCALAR
+            }
+            OperandLoad::VecK => LOAD_VEC_K,
+            OperandLoad::VecMn => LOAD_VEC_MN,
+        };
+        // Each file uses only some of the names.
+        let used: Vec<(&str, &str)> = vars
+            .into_iter()
+            .filter(|(k, _)| template.contains(&format!("{{{{{k}}}}}")))
+            .collect();
+        render(template, &used)
+    }
+}
+
+/// The `store4` of c's layout.
+fn store_fn(c_vec: bool) -> &'static str {
+    if c_vec {
+        STORE_VEC
+    } else {
+        STORE_SCALAR
+    }
+}
+
+/// The subgroup matmul of CPU-backed adapters (`matmul_subgroup.wgsl`): `sg` lanes per
+/// workgroup, `s * sg` rows and `4 * sg * q` columns of c per workgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SubgroupMatmulConfig {
+    pub sg: u32,
+    pub s: u32,
+    pub q: u32,
+    /// vec4 stores of c (n a multiple of 4).
+    pub c_vec: bool,
+}
+
+impl SubgroupMatmulConfig {
+    /// The (s, q) shapes the runtime picks from.
+    pub const SHAPES: [(u32, u32); 2] = [(4, 1), (2, 1)];
+
+    /// Rows of c per workgroup.
+    pub fn rows(&self) -> u32 {
+        self.s * self.sg
+    }
+    /// Columns of c per workgroup.
+    pub fn cols(&self) -> u32 {
+        4 * self.sg * self.q
+    }
+
+    pub(crate) fn source(&self) -> String {
+        let (sg, s, q) = (self.sg, self.s, self.q);
+        assert!(sg.is_power_of_two() && s >= 1 && q >= 1, "invalid {self:?}");
+        let tm = s * sg;
+        let w = sg * q;
+        let comp = ["x", "y", "z", "w"];
+        let (mut acc, mut loads, mut inner, mut store) =
+            (String::new(), String::new(), String::new(), String::new());
+        for e in 0..4 {
+            for qq in 0..q {
+                loads += &format!("        let b{e}_{qq} = b[bi + {}u];\n", e * w + qq * sg);
+            }
+        }
+        for ss in 0..s {
+            loads += &format!("        let av{ss} = a[ai + {}u];\n", ss * sg);
+        }
+        for r in 0..tm {
+            inner += &format!(
+                "        let a{r} = subgroupBroadcast(av{}, {}u);\n",
+                r / sg,
+                r % sg
+            );
+            for (e, cmp) in comp.iter().enumerate() {
+                for qq in 0..q {
+                    inner += &format!(
+                        "        acc_{r}_{qq} = fma(vec4<f32>(a{r}.{cmp}), b{e}_{qq}, acc_{r}_{qq});\n"
+                    );
+                }
+            }
+            for qq in 0..q {
+                acc += &format!("    var acc_{r}_{qq} = vec4<f32>(0.0);\n");
+                store += &format!(
+                    "    store4(c_base, row0 + {r}u, (wid.x * {w}u + {}u + lane) * 4u, acc_{r}_{qq});\n",
+                    qq * sg
+                );
+            }
+        }
+        render(
+            MATMUL_SUBGROUP,
+            &[
+                ("SG", &sg.to_string()),
+                ("TM", &tm.to_string()),
+                ("W", &w.to_string()),
+                ("C_TYPE", if self.c_vec { "vec4<f32>" } else { "f32" }),
+                ("STORE", store_fn(self.c_vec)),
+                ("ACC", acc.trim_end()),
+                ("LOADS", loads.trim_end()),
+                ("INNER", inner.trim_end()),
+                ("STORE_ALL", store.trim_end()),
+            ],
+        )
+    }
+}

@@ -1,0 +1,123 @@
+//! Branch-free scalar math that LLVM vectorises (std's `expf` is a libm call per element):
+//! `exp` (Cephes-style, within 2 ulp of the true value), and sigmoid and GELU built on it.
+
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// `1.5 * 2^23`: adding it rounds to an integer held in the low mantissa bits.
+const MAGIC: f32 = 12_582_912.0;
+/// Past these, `exp` is `inf` / 0 (below: would be subnormal; flushed to 0).
+const HI: f32 = 88.722_83;
+const LO: f32 = -87.336_55;
+
+/// `e^x`: 2^n * e^r with n = round(x / ln 2), r in [-ln2/2, ln2/2], e^r by a degree-6
+/// polynomial. Exact at the edges that matter: `exp(-inf) = 0`, `exp(inf) = inf`, NaN stays NaN.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    let xc = x.clamp(LO, HI); // NaN stays NaN
+    let t = xc * LOG2E + MAGIC;
+    let n = t - MAGIC;
+    let r = xc - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4_f32;
+    p = p * r + 1.398_2e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let er = p * r * r + r + 1.0;
+    // 2^n from the integer in t's mantissa, as 2^h * 2^(n - h) with h = n / 2, so that both
+    // factors are normal floats for every n in -126..=128.
+    let n_i = t.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
+    let h = n_i >> 1;
+    let s1 = f32::from_bits(((h + 127) as u32) << 23);
+    let s2 = f32::from_bits(((n_i - h + 127) as u32) << 23);
+    let scaled = er * s1 * s2;
+    if x > HI {
+        f32::INFINITY
+    } else if x < LO {
+        0.0
+    } else {
+        scaled
+    }
+}
+
+/// `1 / (1 + e^-x)`.
+#[inline(always)]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + exp(-x))
+}
+
+/// `sqrt(2 / pi)`, the GELU tanh-form constant.
+const GELU_C: f32 = 0.797_884_6;
+const GELU_A: f32 = 0.044_715;
+
+/// Tanh-form GELU, `0.5 x (1 + tanh(u))` with `u = c (x + a x^3)`, computed as
+/// `x * sigmoid(2u)` (the same value; accurate on both tails).
+#[inline(always)]
+pub fn gelu(x: f32) -> f32 {
+    x * sigmoid(2.0 * GELU_C * (x + GELU_A * x * x * x))
+}
+
+/// d/dx of [`gelu`]: `0.5 (1 + t) + 0.5 x (1 - t^2) u'`, with `0.5 (1 + t) = s = sigmoid(2u)`
+/// and `1 - t^2 = 4 s (1 - s)`.
+#[inline(always)]
+pub fn gelu_grad(x: f32) -> f32 {
+    let s = sigmoid(2.0 * GELU_C * (x + GELU_A * x * x * x));
+    s + 2.0 * x * s * (1.0 - s) * GELU_C * (1.0 + 3.0 * GELU_A * x * x)
+}
+
+/// d/dx of [`gelu_grad`]: with `q = s (1 - s)`, `u' = c (1 + 3 a x^2)`:
+/// `q (4 u' + 4 x u'^2 (1 - 2 s) + 12 c a x^2)`.
+#[inline(always)]
+pub fn gelu_grad2(x: f32) -> f32 {
+    let s = sigmoid(2.0 * GELU_C * (x + GELU_A * x * x * x));
+    let q = s * (1.0 - s);
+    let u1 = GELU_C * (1.0 + 3.0 * GELU_A * x * x);
+    q * (4.0 * u1 + 4.0 * x * u1 * u1 * (1.0 - 2.0 * s) + 12.0 * GELU_C * GELU_A * x * x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ulps(a: f32, b: f32) -> u32 {
+        (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
+    }
+
+    #[test]
+    fn exp_is_within_two_ulp_and_exact_at_the_edges() {
+        let mut worst = 0;
+        let mut x = -87.0f32;
+        while x < 88.5 {
+            let want = (x as f64).exp() as f32;
+            worst = worst.max(ulps(exp(x), want));
+            x += 0.001_3;
+        }
+        assert!(worst <= 2, "worst error {worst} ulp");
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp(-1000.0), 0.0);
+        assert_eq!(exp(f32::INFINITY), f32::INFINITY);
+        assert_eq!(exp(89.0), f32::INFINITY);
+        assert!(exp(f32::NAN).is_nan());
+        assert!((exp(HI) / (HI as f64).exp() as f32 - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn gelu_matches_the_tanh_form() {
+        for i in -400..400 {
+            let x = i as f32 * 0.025;
+            let u = 0.797_884_560_802_865_4 * (x as f64 + 0.044715 * (x as f64).powi(3));
+            let want = 0.5 * x as f64 * (1.0 + u.tanh());
+            assert!(
+                (gelu(x) as f64 - want).abs() < 1e-6 * (1.0 + want.abs()),
+                "{x}"
+            );
+            let h = 1e-3;
+            let num = (gelu(x + h) as f64 - gelu(x - h) as f64) / (2.0 * h as f64);
+            assert!((gelu_grad(x) as f64 - num).abs() < 2e-3, "{x}");
+            let sg = 1.0 / (1.0 + (-(x as f64)).exp());
+            assert!((sigmoid(x) as f64 - sg).abs() < 1e-6, "{x}");
+        }
+    }
+}

@@ -1,0 +1,305 @@
+//! Elementwise unary ops. Each op is one descriptor below (name, CPU function, WGSL expression,
+//! derivative); [`UnaryOp`] names them for the public API and dispatches to them.
+//!
+//! The WGSL expressions are over `a` (the input) and `s0`, `s1` (the op's scalars); the helpers
+//! they call (`tanh_c`, `sigmoid`, `gelu`, `gelu_grad`, `spow`, `flag`) are in `elementwise.wgsl`.
+
+use std::hash::{Hash, Hasher};
+
+/// One unary op: `y = f(x)` with up to two scalars `s` (e.g. `Affine`: `x * s[0] + s[1]`).
+pub trait UnaryOpT: 'static {
+    /// The user-facing name (method name, error messages).
+    const NAME: &'static str;
+    /// `y` as a WGSL expression over `a`, `s0`, `s1`.
+    const WGSL: &'static str;
+    /// `dy/dx` as a WGSL expression over `a`, `s0`, `s1`.
+    const WGSL_GRAD: &'static str;
+    /// `y` on the CPU.
+    fn f(x: f32, s: [f32; 2]) -> f32;
+    /// `dy/dx` on the CPU.
+    fn df(x: f32, s: [f32; 2]) -> f32;
+}
+
+/// Generic code over one op: [`UnaryOp::visit`] calls `visit::<Descriptor>(scalars)`.
+pub trait UnaryVisitor {
+    type Out;
+    fn visit<T: UnaryOpT>(self, s: [f32; 2]) -> Self::Out;
+}
+
+/// Defines one descriptor: `Type, "name", |x, s| f, "wgsl", d: df, "wgsl_grad"`.
+macro_rules! unary_op {
+    ($(#[$m:meta])* $ty:ident, $name:literal, |$x:ident, $s:pat_param| $f:expr, $wgsl:literal,
+     d: $df:expr, $wgsl_grad:literal) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy)]
+        pub struct $ty;
+        impl UnaryOpT for $ty {
+            const NAME: &'static str = $name;
+            const WGSL: &'static str = $wgsl;
+            const WGSL_GRAD: &'static str = $wgsl_grad;
+            #[inline(always)]
+            #[allow(unused_variables)]
+            fn f($x: f32, $s: [f32; 2]) -> f32 {
+                $f
+            }
+            #[inline(always)]
+            #[allow(unused_variables)]
+            fn df($x: f32, $s: [f32; 2]) -> f32 {
+                $df
+            }
+        }
+    };
+}
+
+/// The descriptors.
+pub mod desc {
+    use super::super::flag;
+    use super::super::math::{exp, gelu, gelu_grad, gelu_grad2, sigmoid};
+    use super::UnaryOpT;
+
+    #[inline(always)]
+    fn sign(x: f32) -> f32 {
+        if x > 0.0 {
+            1.0
+        } else if x < 0.0 {
+            -1.0
+        } else {
+            x // keeps 0, -0 and NaN
+        }
+    }
+
+    unary_op!(Neg, "neg", |x, _| -x, "-a", d: -1.0, "-1.0");
+    unary_op!(Exp, "exp", |x, _| exp(x), "exp(a)", d: exp(x), "exp(a)");
+    unary_op!(Log, "log", |x, _| x.ln(), "log(a)", d: 1.0 / x, "1.0 / a");
+    unary_op!(Sqrt, "sqrt", |x, _| x.sqrt(), "sqrt(a)", d: 0.5 / x.sqrt(), "0.5 / sqrt(a)");
+    unary_op!(Rsqrt, "rsqrt", |x, _| 1.0 / x.sqrt(), "inverseSqrt(a)",
+        d: -0.5 / (x * x.sqrt()), "-0.5 / (a * sqrt(a))");
+    unary_op!(Abs, "abs", |x, _| x.abs(), "abs(a)", d: sign(x), "sign(a)");
+    unary_op!(
+        /// -1, 0 or 1 (0, -0 and NaN stay as they are).
+        Sign, "sign", |x, _| sign(x), "sign(a)", d: 0.0, "0.0");
+    unary_op!(Tanh, "tanh", |x, _| x.tanh(), "tanh_c(a)",
+        d: { let t = x.tanh(); 1.0 - t * t }, "1.0 - tanh_c(a) * tanh_c(a)");
+    unary_op!(Sigmoid, "sigmoid", |x, _| sigmoid(x), "sigmoid(a)",
+        d: { let s = sigmoid(x); s * (1.0 - s) }, "sigmoid(a) * (1.0 - sigmoid(a))");
+    unary_op!(Relu, "relu", |x, _| if x < 0.0 { 0.0 } else { x }, "max(a, 0.0)",
+        d: flag(x > 0.0), "flag(a > 0.0)");
+    unary_op!(
+        /// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+        Gelu, "gelu", |x, _| gelu(x), "gelu(a)", d: gelu_grad(x), "gelu_grad(a)");
+    unary_op!(
+        /// d/dx of the tanh-form GELU (for its backward).
+        GeluGrad, "gelu_grad", |x, _| gelu_grad(x), "gelu_grad(a)",
+        d: gelu_grad2(x), "gelu_grad2(a)");
+    unary_op!(Sin, "sin", |x, _| x.sin(), "sin(a)", d: x.cos(), "cos(a)");
+    unary_op!(Cos, "cos", |x, _| x.cos(), "cos(a)", d: -x.sin(), "-sin(a)");
+    unary_op!(Square, "square", |x, _| x * x, "a * a", d: 2.0 * x, "2.0 * a");
+    unary_op!(Recip, "recip", |x, _| 1.0 / x, "1.0 / a", d: -1.0 / (x * x), "-1.0 / (a * a)");
+    unary_op!(
+        /// SiLU (swish): `x * sigmoid(x)`.
+        Silu, "silu", |x, _| x * sigmoid(x), "a * sigmoid(a)",
+        d: { let s = sigmoid(x); s * (1.0 + x * (1.0 - s)) },
+        "sigmoid(a) * (1.0 + a * (1.0 - sigmoid(a)))");
+    unary_op!(
+        /// `x * mul + add`.
+        Affine, "affine", |x, [mul, add]| x * mul + add, "a * s0 + s1", d: mul, "s0");
+    unary_op!(
+        /// `x ^ p`.
+        Powf, "powf", |x, [p, _]| x.powf(p), "spow(a, s0)",
+        d: p * x.powf(p - 1.0), "s0 * spow(a, s0 - 1.0)");
+    unary_op!(
+        /// `s / x`.
+        RDiv, "rdiv_scalar", |x, [s, _]| s / x, "s0 / a", d: -s / (x * x), "-s0 / (a * a)");
+    unary_op!(
+        /// `s - x`.
+        RSub, "rsub_scalar", |x, [s, _]| s - x, "s0 - a", d: -1.0, "-1.0");
+    unary_op!(MaxScalar, "maximum_scalar", |x, [s, _]| x.max(s), "max(a, s0)",
+        d: flag(x > s), "flag(a > s0)");
+    unary_op!(MinScalar, "minimum_scalar", |x, [s, _]| x.min(s), "min(a, s0)",
+        d: flag(x < s), "flag(a < s0)");
+    unary_op!(
+        /// 1.0 where `x > s`, else 0.0.
+        GtScalar, "gt_scalar", |x, [s, _]| flag(x > s), "flag(a > s0)", d: 0.0, "0.0");
+    unary_op!(
+        /// 1.0 where `x == s`, else 0.0.
+        EqScalar, "eq_scalar", |x, [s, _]| flag(x == s), "flag(a == s0)", d: 0.0, "0.0");
+}
+
+/// Defines [`UnaryOp`] with one variant per descriptor (plain ops, then ops with one scalar,
+/// then `Affine`), its `ALL` and its `visit`.
+macro_rules! unary_ops {
+    (plain: $($op:ident),* ; scalar: $($sop:ident),* $(;)?) => {
+        /// Elementwise unary ops; each variant is described by the descriptor of the same name
+        /// in [`desc`] (e.g. [`desc::Gelu`]). The scalar-carrying variants implement `x op s`
+        /// without a second tensor: `Affine { mul, add }` is `x * mul + add`, `Powf(p)` is
+        /// `x ^ p`, `RDiv(s)` is `s / x`, `RSub(s)` is `s - x`, `GtScalar(s)` / `EqScalar(s)`
+        /// give 1.0 where `x > s` / `x == s`. Equality and hashing compare the op and the bits
+        /// of its scalars.
+        #[derive(Debug, Clone, Copy)]
+        pub enum UnaryOp {
+            $($op,)*
+            $($sop(f32),)*
+            Affine { mul: f32, add: f32 },
+        }
+
+        impl UnaryOp {
+            /// Every op, scalars zero: one per compiled kernel.
+            pub const ALL: [UnaryOp; [$(stringify!($op)),*, $(stringify!($sop)),*, "Affine"].len()] =
+                [$(UnaryOp::$op,)* $(UnaryOp::$sop(0.0),)* UnaryOp::Affine { mul: 0.0, add: 0.0 }];
+
+            /// Calls `v.visit::<Descriptor>(scalars)` for this op.
+            pub fn visit<V: UnaryVisitor>(self, v: V) -> V::Out {
+                match self {
+                    $(UnaryOp::$op => v.visit::<desc::$op>([0.0; 2]),)*
+                    $(UnaryOp::$sop(s) => v.visit::<desc::$sop>([s, 0.0]),)*
+                    UnaryOp::Affine { mul, add } => v.visit::<desc::Affine>([mul, add]),
+                }
+            }
+        }
+    };
+}
+
+unary_ops! {
+    plain: Neg, Exp, Log, Sqrt, Rsqrt, Abs, Sign, Tanh, Sigmoid, Relu, Gelu, GeluGrad, Sin, Cos,
+        Square, Recip, Silu;
+    scalar: Powf, RDiv, RSub, MaxScalar, MinScalar, GtScalar, EqScalar;
+}
+
+impl UnaryOp {
+    /// The scalars the kernels receive as `s0`, `s1`.
+    pub fn scalars(self) -> [f32; 2] {
+        struct V;
+        impl UnaryVisitor for V {
+            type Out = [f32; 2];
+            fn visit<T: UnaryOpT>(self, s: [f32; 2]) -> [f32; 2] {
+                s
+            }
+        }
+        self.visit(V)
+    }
+
+    /// The op with its scalars zeroed: the key of its compiled kernel (the scalars travel in
+    /// the parameter block).
+    pub fn kernel_key(self) -> UnaryOp {
+        *UnaryOp::ALL
+            .iter()
+            .find(|k| k.name() == self.name())
+            .expect("every op is in ALL")
+    }
+
+    /// `(name, WGSL, WGSL derivative)`.
+    fn strings(self) -> (&'static str, &'static str, &'static str) {
+        struct V;
+        impl UnaryVisitor for V {
+            type Out = (&'static str, &'static str, &'static str);
+            fn visit<T: UnaryOpT>(self, _: [f32; 2]) -> Self::Out {
+                (T::NAME, T::WGSL, T::WGSL_GRAD)
+            }
+        }
+        self.visit(V)
+    }
+
+    pub fn name(self) -> &'static str {
+        self.strings().0
+    }
+
+    /// `y` as a WGSL expression over `a`, `s0`, `s1`.
+    pub fn wgsl(self) -> &'static str {
+        self.strings().1
+    }
+
+    /// `dy/dx` as a WGSL expression over `a`, `s0`, `s1`.
+    pub fn wgsl_grad(self) -> &'static str {
+        self.strings().2
+    }
+
+    /// `y = f(x)` on the CPU (one call; the CPU backend monomorphises through [`Self::visit`]).
+    pub fn eval(self, x: f32) -> f32 {
+        self.at(x, false)
+    }
+
+    /// `dy/dx` on the CPU.
+    pub fn grad(self, x: f32) -> f32 {
+        self.at(x, true)
+    }
+
+    /// `f(x)`, or `f'(x)` when `derivative`.
+    fn at(self, x: f32, derivative: bool) -> f32 {
+        struct V(f32, bool);
+        impl UnaryVisitor for V {
+            type Out = f32;
+            fn visit<T: UnaryOpT>(self, s: [f32; 2]) -> f32 {
+                if self.1 {
+                    T::df(self.0, s)
+                } else {
+                    T::f(self.0, s)
+                }
+            }
+        }
+        self.visit(V(x, derivative))
+    }
+
+    fn key(self) -> (&'static str, [u32; 2]) {
+        (self.name(), self.scalars().map(f32::to_bits))
+    }
+}
+
+impl PartialEq for UnaryOp {
+    fn eq(&self, other: &Self) -> bool {
+        self.key() == other.key()
+    }
+}
+
+impl Eq for UnaryOp {}
+
+impl Hash for UnaryOp {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.key().hash(state);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_keys_drop_scalars() {
+        let mut names: Vec<&str> = UnaryOp::ALL.iter().map(|o| o.name()).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), UnaryOp::ALL.len());
+        assert_eq!(UnaryOp::Powf(3.0).kernel_key(), UnaryOp::Powf(0.0));
+        assert_ne!(UnaryOp::Powf(3.0), UnaryOp::Powf(2.0));
+    }
+
+    /// Each CPU derivative matches a central difference of the CPU function (away from kinks).
+    #[test]
+    fn derivatives_match_finite_differences() {
+        let ops = UnaryOp::ALL.map(|o| match o {
+            UnaryOp::Affine { .. } => UnaryOp::Affine {
+                mul: 1.5,
+                add: -0.5,
+            },
+            UnaryOp::Powf(_) => UnaryOp::Powf(2.5),
+            UnaryOp::RDiv(_) => UnaryOp::RDiv(2.0),
+            UnaryOp::RSub(_) => UnaryOp::RSub(1.0),
+            UnaryOp::MaxScalar(_) => UnaryOp::MaxScalar(0.05),
+            UnaryOp::MinScalar(_) => UnaryOp::MinScalar(0.05),
+            UnaryOp::GtScalar(_) => UnaryOp::GtScalar(0.05),
+            UnaryOp::EqScalar(_) => UnaryOp::EqScalar(0.05),
+            o => o,
+        });
+        for op in ops {
+            for x in [0.3f64, 0.7, 1.3, 2.1] {
+                let h = 1e-3;
+                let f = |v: f64| op.eval(v as f32) as f64;
+                let num = (f(x + h) - f(x - h)) / (2.0 * h);
+                let got = op.grad(x as f32) as f64;
+                assert!(
+                    (num - got).abs() < 2e-2 * (1.0 + num.abs()),
+                    "{op:?} at {x}: numeric {num}, descriptor {got}"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,62 @@
+//! The row family: one workgroup per row of a contiguous matrix (`reduce.wgsl` and its mode
+//! files, `softmax.wgsl`, `layer_norm.wgsl`).
+
+use crate::ops::ReduceOp;
+use crate::render;
+
+use crate::wgsl::{
+    LAYER_NORM, REDUCE, REDUCE_DIRECT, REDUCE_FINAL, REDUCE_PARTIAL, ROW_TREE, SOFTMAX,
+};
+
+/// Which pass of a row reduction a variant is (see `reduce.wgsl`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceMode {
+    /// Whole rows: x -> out.
+    Direct,
+    /// Segments of rows: x -> (values, indices) partials.
+    Partial,
+    /// The partials of each row: (values, indices) -> out.
+    Final,
+}
+
+impl ReduceMode {
+    pub const ALL: [ReduceMode; 3] = [ReduceMode::Direct, ReduceMode::Partial, ReduceMode::Final];
+}
+
+pub(crate) fn reduce(op: ReduceOp, mode: ReduceMode, wg: u32) -> String {
+    let (identity, combine, result) = op.wgsl();
+    let mode = match mode {
+        ReduceMode::Direct => REDUCE_DIRECT,
+        ReduceMode::Partial => REDUCE_PARTIAL,
+        ReduceMode::Final => REDUCE_FINAL,
+    };
+    render(
+        REDUCE,
+        &[
+            ("WG", &wg.to_string()),
+            ("IDENTITY", identity),
+            ("COMBINE", combine),
+            ("RESULT", result),
+            ("MODE", mode),
+        ],
+    )
+}
+
+pub(crate) fn softmax(log: bool, wg: u32) -> String {
+    let vars = [
+        ("WG", wg.to_string()),
+        ("LOG", if log { "true" } else { "false" }.to_string()),
+    ];
+    with_tree(SOFTMAX, &vars)
+}
+
+pub(crate) fn layer_norm(wg: u32) -> String {
+    with_tree(LAYER_NORM, &[("WG", wg.to_string())])
+}
+
+/// `template` after the workgroup tree reductions (`row_tree.wgsl`), both rendered with `vars`.
+fn with_tree(template: &str, vars: &[(&str, String)]) -> String {
+    let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let wg = [vars[0]];
+    format!("{}\n{}", render(ROW_TREE, &wg), render(template, &vars))
+}
