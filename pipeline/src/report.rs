@@ -6,7 +6,7 @@ use std::ops::Range;
 use wgpipe_tensor::{MemoryStats, Tag};
 
 use crate::schedule::{ActionKind, Schedule};
-use crate::timeline::{Event, EventKind, Timeline};
+use crate::timeline::{Event, Timeline};
 use crate::trace::{chrome_trace_json_on, svg_timeline_on, Clock};
 use crate::worker::{ActionRecord, NonFiniteAt};
 
@@ -174,23 +174,21 @@ pub(crate) fn wall_timeline(
     for (device, recs) in records.iter().enumerate() {
         for r in recs {
             let a = r.action;
-            let (kind, from, to) = match EventKind::of(a.kind) {
-                Some(kind) => (kind, device, None),
-                None => match a.kind {
-                    ActionKind::RecvActivation | ActionKind::RecvGrad => {
-                        let Some(link) = a.link(schedule.num_stages()) else {
-                            continue;
-                        };
-                        let from = schedule.placement[link.from];
-                        if from == device {
-                            continue; // a hand-over between chunks of one device
-                        }
-                        (EventKind::Transfer, from, Some(device))
+            let (from, to) = match a.kind {
+                _ if a.is_compute() => (device, None),
+                ActionKind::RecvActivation | ActionKind::RecvGrad => {
+                    let Some(link) = a.link(schedule.num_stages()) else {
+                        continue;
+                    };
+                    let from = schedule.placement[link.from];
+                    if from == device {
+                        continue; // a hand-over between chunks of one device
                     }
-                    _ => continue,
-                },
+                    (from, Some(device))
+                }
+                _ => continue,
             };
-            if kind != EventKind::Transfer {
+            if a.is_compute() {
                 busy[device] += r.end - r.start;
             }
             let stage = a.link(schedule.num_stages()).map_or(a.stage, |l| l.from);
@@ -198,12 +196,11 @@ pub(crate) fn wall_timeline(
                 device: from,
                 stage,
                 chunk: schedule.chunk_of(stage),
-                kind,
+                kind: a.kind.as_send(),
                 micro_batch: a.micro_batch,
                 start: r.start,
                 end: r.end,
                 peer: to,
-                grad: a.kind == ActionKind::RecvGrad,
             });
         }
     }

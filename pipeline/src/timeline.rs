@@ -49,69 +49,9 @@ pub struct ActionCost {
     pub bytes: u64,
 }
 
-/// What a timeline event represents.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum EventKind {
-    Forward,
-    Backward,
-    /// The input part of a split backward.
-    BackwardInput,
-    /// The weight part of a split backward.
-    BackwardWeight,
-    Recompute,
-    /// A message on a link between two devices.
-    Transfer,
-}
-
-impl EventKind {
-    pub const ALL: [EventKind; 6] = [
-        EventKind::Forward,
-        EventKind::Backward,
-        EventKind::BackwardInput,
-        EventKind::BackwardWeight,
-        EventKind::Recompute,
-        EventKind::Transfer,
-    ];
-
-    /// Lower-case name, used as a trace category.
-    pub fn name(self) -> &'static str {
-        match self {
-            EventKind::Forward => "forward",
-            EventKind::Backward => "backward",
-            EventKind::BackwardInput => "backward-input",
-            EventKind::BackwardWeight => "backward-weight",
-            EventKind::Recompute => "recompute",
-            EventKind::Transfer => "transfer",
-        }
-    }
-
-    /// One-letter tag (`F`, `B`, `I`, `W`, `R`, `T`) as in the schedule grid.
-    pub fn letter(self) -> char {
-        match self {
-            EventKind::Forward => 'F',
-            EventKind::Backward => 'B',
-            EventKind::BackwardInput => 'I',
-            EventKind::BackwardWeight => 'W',
-            EventKind::Recompute => 'R',
-            EventKind::Transfer => 'T',
-        }
-    }
-
-    /// The event kind of a compute action; `None` for transfers.
-    pub fn of(kind: ActionKind) -> Option<EventKind> {
-        Some(match kind {
-            ActionKind::Forward => EventKind::Forward,
-            ActionKind::Backward => EventKind::Backward,
-            ActionKind::BackwardInput => EventKind::BackwardInput,
-            ActionKind::BackwardWeight => EventKind::BackwardWeight,
-            ActionKind::Recompute => EventKind::Recompute,
-            _ => return None,
-        })
-    }
-}
-
-/// One timed interval on one device. For transfers `device` is the sender and `peer` the
-/// receiving device, `start` is when the message got the link and `end` when it arrived.
+/// One timed interval on one device: a compute action, or a message (`kind` is then the send,
+/// `SendActivation` or `SendGrad`; `device` is the sender and `peer` the receiving device,
+/// `start` is when the message got the link and `end` when it arrived).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Event {
     pub device: usize,
@@ -119,14 +59,12 @@ pub struct Event {
     pub stage: usize,
     /// The stage's chunk index on its device (0 when devices hold one stage each).
     pub chunk: usize,
-    pub kind: EventKind,
+    pub kind: ActionKind,
     pub micro_batch: usize,
     pub start: f64,
     pub end: f64,
     /// The receiving device of a transfer; `None` for compute events.
     pub peer: Option<usize>,
-    /// For transfers: whether the message is a gradient (backward) rather than an activation.
-    pub grad: bool,
 }
 
 /// The simulated run: events sorted by start time (then device), the makespan, and per-device
@@ -161,7 +99,7 @@ impl Timeline {
             let mut compute = self
                 .events
                 .iter()
-                .filter(|e| e.device == device && e.kind != EventKind::Transfer);
+                .filter(|e| e.device == device && e.kind.is_compute());
             let Some(first) = compute.next() else {
                 continue;
             };
@@ -267,8 +205,8 @@ impl Sim<'_> {
         cost: ActionCost,
         arrival: Option<f64>,
     ) -> f64 {
-        if let Some(kind) = EventKind::of(action.kind) {
-            return self.compute(device, action, kind, cost.flops);
+        if action.is_compute() {
+            return self.compute(device, action, cost.flops);
         }
         match action.kind {
             ActionKind::SendActivation | ActionKind::SendGrad => {
@@ -286,7 +224,7 @@ impl Sim<'_> {
         }
     }
 
-    fn compute(&mut self, device: usize, action: Action, kind: EventKind, flops: f64) -> f64 {
+    fn compute(&mut self, device: usize, action: Action, flops: f64) -> f64 {
         if !flops.is_finite() || flops < 0.0 {
             self.error.get_or_insert(TimelineError::InvalidCost {
                 device,
@@ -296,7 +234,7 @@ impl Sim<'_> {
         }
         let start = self.clock[device];
         let end = start + flops / self.devices[device].flops_per_sec;
-        self.push(device, action, kind, start, end, None);
+        self.push(device, action, start, end, None);
         self.busy[device] += end - start;
         self.clock[device] = end;
         end
@@ -312,29 +250,20 @@ impl Sim<'_> {
         let start = self.clock[from].max(*free);
         *free = start + self.link.occupancy(bytes);
         let arrival = *free + self.link.latency_sec;
-        self.push(from, action, EventKind::Transfer, start, arrival, Some(to));
+        self.push(from, action, start, arrival, Some(to));
         arrival
     }
 
-    fn push(
-        &mut self,
-        device: usize,
-        action: Action,
-        kind: EventKind,
-        start: f64,
-        end: f64,
-        peer: Option<usize>,
-    ) {
+    fn push(&mut self, device: usize, action: Action, start: f64, end: f64, peer: Option<usize>) {
         self.events.push(Event {
             device,
             stage: action.stage,
             chunk: self.schedule.chunk_of(action.stage),
-            kind,
+            kind: action.kind,
             micro_batch: action.micro_batch,
             start,
             end,
             peer,
-            grad: action.kind == ActionKind::SendGrad,
         });
     }
 }
@@ -413,10 +342,10 @@ mod tests {
         simulate(s, &unit_devices(s.num_devices()), link, unit_cost(bytes)).unwrap()
     }
 
-    fn compute_events(t: &Timeline, stage: usize) -> Vec<(EventKind, usize, f64, f64)> {
+    fn compute_events(t: &Timeline, stage: usize) -> Vec<(ActionKind, usize, f64, f64)> {
         t.events
             .iter()
-            .filter(|e| e.device == stage && e.kind != EventKind::Transfer)
+            .filter(|e| e.device == stage && e.kind.is_compute())
             .map(|e| (e.kind, e.micro_batch, e.start, e.end))
             .collect()
     }
@@ -454,19 +383,18 @@ mod tests {
                     for s in [gpipe(k, m, mode).unwrap(), one_f_one_b(k, m, mode).unwrap()] {
                         let t = unit_run(&s, &LinkSpec::FREE, 1);
                         for (j, row) in s.clock_grid().iter().enumerate() {
-                            let from_grid: Vec<(EventKind, usize, f64)> = row
+                            let from_grid: Vec<(ActionKind, usize, f64)> = row
                                 .iter()
                                 .enumerate()
                                 .filter_map(|(tick, c)| {
-                                    c.map(|a| {
-                                        (EventKind::of(a.kind).unwrap(), a.micro_batch, tick as f64)
-                                    })
+                                    c.map(|a| (a.kind, a.micro_batch, tick as f64))
                                 })
                                 .collect();
-                            let from_timeline: Vec<(EventKind, usize, f64)> = compute_events(&t, j)
-                                .into_iter()
-                                .map(|(kind, mb, start, _)| (kind, mb, start))
-                                .collect();
+                            let from_timeline: Vec<(ActionKind, usize, f64)> =
+                                compute_events(&t, j)
+                                    .into_iter()
+                                    .map(|(kind, mb, start, _)| (kind, mb, start))
+                                    .collect();
                             assert_eq!(from_grid, from_timeline);
                         }
                     }
@@ -491,14 +419,14 @@ mod tests {
         assert_eq!(
             compute_events(&t, 0),
             vec![
-                (EventKind::Forward, 0, 0.0, 1.0),
-                (EventKind::Backward, 0, 6.0, 7.0)
+                (ActionKind::Forward, 0, 0.0, 1.0),
+                (ActionKind::Backward, 0, 6.0, 7.0)
             ]
         );
         let transfers: Vec<(usize, Option<usize>, f64, f64)> = t
             .events
             .iter()
-            .filter(|e| e.kind == EventKind::Transfer)
+            .filter(|e| !e.kind.is_compute())
             .map(|e| (e.device, e.peer, e.start, e.end))
             .collect();
         assert_eq!(
@@ -522,8 +450,8 @@ mod tests {
         assert_eq!(
             compute_events(&t, 1)[..2],
             [
-                (EventKind::Forward, 0, 4.0, 5.0),
-                (EventKind::Forward, 1, 7.0, 8.0)
+                (ActionKind::Forward, 0, 4.0, 5.0),
+                (ActionKind::Forward, 1, 7.0, 8.0)
             ]
         );
     }
@@ -542,9 +470,9 @@ mod tests {
         assert_eq!(
             compute_events(&t, 0),
             vec![
-                (EventKind::Forward, 0, 0.0, 1.0),
-                (EventKind::Recompute, 0, 1.0, 2.0),
-                (EventKind::Backward, 0, 14.0, 15.0)
+                (ActionKind::Forward, 0, 0.0, 1.0),
+                (ActionKind::Recompute, 0, 1.0, 2.0),
+                (ActionKind::Backward, 0, 14.0, 15.0)
             ]
         );
         assert_eq!(t.busy, vec![3.0, 3.0]);

@@ -136,6 +136,41 @@ impl ActionKind {
         )
     }
 
+    /// The category of the action in traces and timelines: the compute kinds by name
+    /// (`forward`, `recompute`, `backward`, `backward-input`, `backward-weight`), every send
+    /// and receive `transfer`.
+    pub fn category(self) -> &'static str {
+        match self {
+            ActionKind::Forward => "forward",
+            ActionKind::Recompute => "recompute",
+            ActionKind::Backward => "backward",
+            ActionKind::BackwardInput => "backward-input",
+            ActionKind::BackwardWeight => "backward-weight",
+            _ => "transfer",
+        }
+    }
+
+    /// One letter as in the grid: `F`, `R`, `B`, `I`, `W`, and `T` for transfers.
+    pub fn letter(self) -> char {
+        match self {
+            ActionKind::Forward => 'F',
+            ActionKind::Recompute => 'R',
+            ActionKind::Backward => 'B',
+            ActionKind::BackwardInput => 'I',
+            ActionKind::BackwardWeight => 'W',
+            _ => 'T',
+        }
+    }
+
+    /// The send that carries what this receive waits for (a send itself for sends).
+    pub fn as_send(self) -> ActionKind {
+        match self {
+            ActionKind::RecvActivation => ActionKind::SendActivation,
+            ActionKind::RecvGrad => ActionKind::SendGrad,
+            other => other,
+        }
+    }
+
     /// Whether the action belongs to the backward pass (for memory tags and colours).
     pub fn is_backward(self) -> bool {
         matches!(

@@ -54,7 +54,7 @@ fn bytes_sent_are_the_boundary_activations_and_gradients() {
                         .timeline
                         .events
                         .iter()
-                        .filter(|e| e.kind == wgpipe_pipeline::timeline::EventKind::Transfer)
+                        .filter(|e| !e.kind.is_compute())
                         .count();
                     assert_eq!(transfers, 2 * (k - 1) * m);
                 }
@@ -165,7 +165,7 @@ fn svg_timeline_draws_every_event() {
         .timeline
         .events
         .iter()
-        .filter(|e| e.kind == wgpipe_pipeline::timeline::EventKind::Recompute)
+        .filter(|e| e.kind == wgpipe_pipeline::ActionKind::Recompute)
         .count();
     assert_eq!(recomputes, k * (m - 1));
     for kind in ["forward", "backward", "recompute", "transfer"] {
