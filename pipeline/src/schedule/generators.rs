@@ -45,6 +45,15 @@ fn check_sizes(k: usize, m: usize) -> Result<(), ScheduleError> {
     Ok(())
 }
 
+/// [`check_sizes`], and at least one chunk per device.
+fn check_looped(k: usize, v: usize, m: usize) -> Result<(), ScheduleError> {
+    check_sizes(k, m)?;
+    if v == 0 {
+        return Err(ScheduleError::NoStages);
+    }
+    Ok(())
+}
+
 /// Adds the recomputes `mode` asks for (right before each backward or input part), inserts the
 /// transfers, declares the in-flight limit and validates.
 fn finish(
@@ -162,10 +171,7 @@ pub fn interleaved_one_f_one_b(
     m: usize,
     mode: CheckpointMode,
 ) -> Result<Schedule, ScheduleError> {
-    check_sizes(k, m)?;
-    if v == 0 {
-        return Err(ScheduleError::NoStages);
-    }
+    check_looped(k, v, m)?;
     let total = v * m;
     let round = rounds(k, m)[0];
     let fwd = interleaved_order(k, v, m, false);
@@ -202,10 +208,7 @@ pub fn looped_bfs(
     m: usize,
     mode: CheckpointMode,
 ) -> Result<Schedule, ScheduleError> {
-    check_sizes(k, m)?;
-    if v == 0 {
-        return Err(ScheduleError::NoStages);
-    }
+    check_looped(k, v, m)?;
     let compute = (0..k)
         .map(|d| {
             let mut list = Vec::with_capacity(2 * v * m);
