@@ -242,12 +242,8 @@ impl PipelineBuilder {
         }
         let schedule = match &self.schedule {
             ScheduleSpec::Kind(kind) => {
+                // M >= 1 is the schedule's rule (ScheduleError::NoMicroBatches), checked there.
                 let m = self.micro_batches.unwrap_or(1);
-                if m == 0 {
-                    return Err(PipelineError::Config(
-                        "the number of micro-batches must be at least 1".into(),
-                    ));
-                }
                 let chunks = self.chunks.unwrap_or_else(|| kind.default_chunks());
                 if chunks == 0 {
                     return Err(PipelineError::Config(
