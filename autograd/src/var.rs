@@ -50,6 +50,21 @@ impl Var {
     pub fn detach(&self) -> Var {
         self.tape.constant(self.value.clone())
     }
+    /// True when the value depends on data (a leaf, a constant, or an op on one), false when it
+    /// is computed from parameters alone.
+    pub fn is_data(&self) -> bool {
+        self.data
+    }
+
+    /// The same var, counted as depending on data from here on: for ops whose data enters as a
+    /// plain tensor rather than a var (an embedding's ids), so that a split backward
+    /// ([`crate::Tape::backward_split`]) runs the ops after it in its input part. Gradients are
+    /// the same either way; only the split between the two parts changes.
+    pub fn depending_on_data(mut self) -> Var {
+        self.data = true;
+        self
+    }
+
     /// The single value of a one-element var (e.g. a loss).
     pub fn to_scalar(&self) -> Result<f32> {
         self.value.to_scalar()

@@ -208,3 +208,38 @@ fn output_computed_from_parameters_alone() {
     };
     assert_eq!(run(false), run(true));
 }
+
+#[test]
+fn a_lookup_marked_as_data_moves_the_work_after_it_to_the_input_part() {
+    // As an embedding layer does: the rows looked up by data ids count as data, so the ops
+    // after the lookup run in the input part and only the table's gradient is deferred.
+    let run = |split: bool| -> Vec<u32> {
+        let table = Param::new("table", values(&[6, 3], 1));
+        let w = Param::new("w", values(&[3, 3], 2));
+        let tape = Tape::new();
+        let ids = Tensor::from_vec(vec![0.0, 4.0, 4.0], &[3], &Device::cpu()).unwrap();
+        let rows = tape
+            .param(&table)
+            .index_select(0, &ids)
+            .unwrap()
+            .depending_on_data();
+        assert!(rows.is_data());
+        let out = rows.matmul(&tape.param(&w)).unwrap().tanh().unwrap();
+        let seed = values(out.shape(), 3);
+        if split {
+            let (_, weights) = tape.backward_split(&out, &seed).unwrap();
+            assert_eq!(
+                weights.len(),
+                2,
+                "the matmul and the lookup wait for the weight part"
+            );
+            weights.run().unwrap();
+        } else {
+            tape.backward_with(&out, &seed).unwrap();
+        }
+        let mut b = bits(&table.grad().unwrap());
+        b.extend(bits(&w.grad().unwrap()));
+        b
+    };
+    assert_eq!(run(false), run(true));
+}

@@ -49,7 +49,14 @@ impl Embedding {
         let rows = w.index_select(0, &flat)?;
         let mut out = ids.shape().to_vec();
         out.push(self.dim);
-        rows.reshape(&out)
+        let y = rows.reshape(&out)?;
+        // The ids are data: what follows the lookup is activation work (a split backward runs
+        // it in its input part, and only the table's gradient in its weight part).
+        Ok(if tape_of.is_data() {
+            y.depending_on_data()
+        } else {
+            y
+        })
     }
 }
 
