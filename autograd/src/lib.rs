@@ -1,7 +1,9 @@
 //! wgpipe-autograd: a tape-based reverse mode over `wgpipe-tensor`, parameters and the `Module`
-//! trait, re-materialization (`checkpoint`), optimizers and safetensors save/load.
+//! trait, re-materialization (`checkpoint`), optimizers, safetensors save/load, and a
+//! finite-difference gradient checker (`gradcheck`).
 
 pub mod checkpoint;
+pub mod gradcheck;
 pub mod module;
 mod ops;
 pub mod optim;

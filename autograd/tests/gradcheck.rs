@@ -1,14 +1,16 @@
 //! Finite-difference gradient checks of every `Var` op (CPU), and CPU-vs-wgpu agreement of the
 //! gradients for a representative subset (skipped, saying why, without a software adapter).
 //!
-//! The scalar checked is `sum(f(inputs) * W)` for fixed random weights `W`; numeric gradients
-//! are central differences with the loss accumulated in f64 over the f32 outputs.
+//! The checker is `wgpipe_autograd::gradcheck` on every element: the scalar checked is
+//! `sum(f(inputs) * W)` for fixed random weights `W`; numeric gradients are central differences
+//! with the loss accumulated in f64 over the f32 outputs.
 
 use std::sync::OnceLock;
 
+use wgpipe_autograd::gradcheck::GradCheck;
 use wgpipe_autograd::tensor::ops::{Conv2dParams, Pool2dParams};
 use wgpipe_autograd::tensor::{Device, Result, Tensor};
-use wgpipe_autograd::{ForwardCtx, Tape, Var};
+use wgpipe_autograd::{ForwardCtx, Var};
 
 // ---------------------------------------------------------------------------------------------
 // inputs
@@ -87,114 +89,28 @@ fn indices(shape: &[usize], bound: usize, seed: u64) -> Tensor {
 // ---------------------------------------------------------------------------------------------
 // the check
 
-#[derive(Clone, Copy)]
-struct Tol {
-    eps: f32,
-    rtol: f64,
-    atol: f64,
-}
-
-const SMOOTH: Tol = Tol {
+/// For smooth ops: every element of every input, weights from this file's generator.
+const SMOOTH: GradCheck = GradCheck {
     eps: 1e-2,
     rtol: 1e-2,
     atol: 1e-4,
+    sample: None,
+    weights: weights_for,
 };
 /// For piecewise-linear ops on `spaced` inputs.
-const KINKED: Tol = Tol {
+const KINKED: GradCheck = GradCheck {
     eps: 1e-3,
-    rtol: 1e-2,
-    atol: 1e-4,
+    ..SMOOTH
 };
 
-fn weights_for(shape: &[usize]) -> Tensor {
-    uniform(shape, -1.0, 1.0, 0xC0FFEE ^ numel(shape) as u64)
-}
-
-/// `sum(out * w)` in f64.
-fn weighted(out: &Tensor, w: &[f32]) -> f64 {
-    out.to_vec()
-        .unwrap()
-        .iter()
-        .zip(w)
-        .map(|(&a, &b)| a as f64 * b as f64)
-        .sum()
-}
-
-/// The analytic gradients of `sum(f(inputs) * W)` with respect to every input, on `dev`.
-fn analytic(
-    inputs: &[Tensor],
-    dev: &Device,
-    f: &dyn Fn(&[Var]) -> Result<Var>,
-) -> (Tensor, Vec<Tensor>) {
-    let tape = Tape::new();
-    let leaves: Vec<Var> = inputs
-        .iter()
-        .map(|t| tape.leaf(t.to_device(dev).unwrap()))
-        .collect();
-    let out = f(&leaves).expect("forward");
-    let w = tape.constant(weights_for(out.shape()).to_device(dev).unwrap());
-    let loss = out.mul(&w).unwrap().sum_all().unwrap();
-    let grads = tape.backward(&loss).expect("backward");
-    let gs = leaves
-        .iter()
-        .map(|l| match grads.get(l) {
-            Some(g) => g.clone(),
-            None => Tensor::zeros(l.shape(), dev).unwrap(),
-        })
-        .collect();
-    (out.value().clone(), gs)
+fn weights_for(shape: &[usize], dev: &Device) -> Result<Tensor> {
+    uniform(shape, -1.0, 1.0, 0xC0FFEE ^ numel(shape) as u64).to_device(dev)
 }
 
 /// Checks the gradient of `f` with respect to every input against central differences.
-fn gradcheck_tol(name: &str, inputs: &[Tensor], tol: Tol, f: impl Fn(&[Var]) -> Result<Var>) {
-    let (out, grads) = analytic(inputs, &cpu(), &f);
-    let w = weights_for(out.shape()).to_vec().unwrap();
-    let eval = |xs: &[Tensor]| -> f64 {
-        let tape = Tape::no_grad();
-        let vs: Vec<Var> = xs.iter().map(|t| tape.constant(t.clone())).collect();
-        weighted(f(&vs).expect("forward").value(), &w)
-    };
-    let mut bad = Vec::new();
-    for (i, x) in inputs.iter().enumerate() {
-        assert_eq!(
-            grads[i].shape(),
-            x.shape(),
-            "{name}: gradient shape of input {i}"
-        );
-        let base = x.to_vec().unwrap();
-        let ga = grads[i].to_vec().unwrap();
-        for j in 0..base.len() {
-            let at = |d: f32| {
-                let mut v = base.clone();
-                v[j] += d;
-                let mut xs = inputs.to_vec();
-                xs[i] = Tensor::from_vec(v, x.shape(), &cpu()).unwrap();
-                eval(&xs)
-            };
-            let (hi, lo) = (at(tol.eps), at(-tol.eps));
-            // the perturbation actually applied, after f32 rounding
-            let h = ((base[j] + tol.eps) as f64) - ((base[j] - tol.eps) as f64);
-            let num = (hi - lo) / h;
-            let ana = ga[j] as f64;
-            let err = (num - ana).abs();
-            let allowed = tol.atol + tol.rtol * num.abs().max(ana.abs());
-            if err > allowed {
-                bad.push(format!(
-                    "input {i} elem {j}: analytic {ana:.6} numeric {num:.6}"
-                ));
-            }
-        }
-    }
-    assert!(
-        bad.is_empty(),
-        "{name}: {} of the gradient elements differ from finite differences:\n{}",
-        bad.len(),
-        bad.iter().take(10).cloned().collect::<Vec<_>>().join("\n")
-    );
-}
-
+#[track_caller]
 fn gradcheck(name: &str, inputs: &[Tensor], f: impl Fn(&[Var]) -> Result<Var>) {
-    gradcheck_tol(name, inputs, SMOOTH, f)
+    SMOOTH.check(name, inputs, f)
 }
 
 #[test]
@@ -254,8 +170,8 @@ fn grad_div_broadcast() {
 #[test]
 fn grad_maximum_minimum() {
     let x = spaced(&[&[3, 4], &[4]], 14);
-    gradcheck_tol("maximum", &x, KINKED, |v| v[0].maximum(&v[1]));
-    gradcheck_tol("minimum", &x, KINKED, |v| v[1].minimum(&v[0]));
+    KINKED.check("maximum", &x, |v| v[0].maximum(&v[1]));
+    KINKED.check("minimum", &x, |v| v[1].minimum(&v[0]));
 }
 
 #[test]
@@ -298,9 +214,7 @@ fn grad_random_shapes() {
             v[0].div(&v[1])
         });
         let sp = spaced(&[&sa, &sb], 500 + case);
-        gradcheck_tol(&format!("maximum {name}"), &sp, KINKED, |v| {
-            v[0].maximum(&v[1])
-        });
+        KINKED.check(&format!("maximum {name}"), &sp, |v| v[0].maximum(&v[1]));
         // a reduction over a random axis, keepdim or not
         let axis = r.below(sa.len()) as isize
             - if r.below(2) == 0 {
@@ -427,8 +341,8 @@ fn grad_silu() {
 #[test]
 fn grad_unary_kinked() {
     let x = spaced(&[&[4, 3]], 21);
-    gradcheck_tol("relu", &x, KINKED, |v| v[0].t()?.relu());
-    gradcheck_tol("abs", &x, KINKED, |v| v[0].t()?.abs());
+    KINKED.check("relu", &x, |v| v[0].t()?.relu());
+    KINKED.check("abs", &x, |v| v[0].t()?.abs());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -488,11 +402,11 @@ fn grad_sum_mean() {
 #[test]
 fn grad_max_min() {
     let x = spaced(&[&[2, 3, 4]], 35);
-    gradcheck_tol("max(-1)", &x, KINKED, |v| v[0].max(&[-1], false));
-    gradcheck_tol("max(0,2,keep)", &x, KINKED, |v| v[0].max(&[0, 2], true));
-    gradcheck_tol("min(1)", &x, KINKED, |v| v[0].min(&[1], false));
-    gradcheck_tol("min(all)", &x, KINKED, |v| v[0].min(&[], true));
-    gradcheck_tol("max of view", &x, KINKED, |v| {
+    KINKED.check("max(-1)", &x, |v| v[0].max(&[-1], false));
+    KINKED.check("max(0,2,keep)", &x, |v| v[0].max(&[0, 2], true));
+    KINKED.check("min(1)", &x, |v| v[0].min(&[1], false));
+    KINKED.check("min(all)", &x, |v| v[0].min(&[], true));
+    KINKED.check("max of view", &x, |v| {
         v[0].transpose(0, 2)?.max(&[1], false)
     });
 }
@@ -586,13 +500,13 @@ fn grad_pools() {
         stride: (2, 2),
         padding: (0, 0),
     };
-    gradcheck_tol("max_pool2d 2x2", &x, KINKED, |v| v[0].max_pool2d(p));
+    KINKED.check("max_pool2d 2x2", &x, |v| v[0].max_pool2d(p));
     let p = Pool2dParams {
         kernel: (3, 3),
         stride: (2, 2),
         padding: (1, 1),
     };
-    gradcheck_tol("max_pool2d 3x3 s2 p1", &x, KINKED, |v| v[0].max_pool2d(p));
+    KINKED.check("max_pool2d 3x3 s2 p1", &x, |v| v[0].max_pool2d(p));
     gradcheck("avg_pool2d 3x3 s2 p1", &[randn(&[2, 2, 5, 5], 52)], |v| {
         v[0].avg_pool2d(p)
     });
@@ -763,8 +677,12 @@ fn wgpu_device() -> Option<&'static Device> {
 }
 
 fn same_on_wgpu(name: &str, dev: &Device, inputs: &[Tensor], f: impl Fn(&[Var]) -> Result<Var>) {
-    let (yc, gc) = analytic(inputs, &cpu(), &f);
-    let (yg, gg) = analytic(inputs, dev, &f);
+    let on = |dev: &Device| {
+        let xs: Vec<Tensor> = inputs.iter().map(|t| t.to_device(dev).unwrap()).collect();
+        SMOOTH.gradients(&xs, &f).expect("forward and backward")
+    };
+    let (yc, gc) = on(&cpu());
+    let (yg, gg) = on(dev);
     let close = |a: &Tensor, b: &Tensor, what: &str| {
         let (a, b) = (a.to_vec().unwrap(), b.to_vec().unwrap());
         assert_eq!(a.len(), b.len(), "{name}: {what} sizes");
