@@ -10,7 +10,8 @@
 //! - Tensors are saved as little-endian F32. Loading accepts F32, F16 and BF16 (widened to f32).
 //! - Loading into a model ([`load_into`]) checks every name, shape and dtype first and reports
 //!   every mismatch at once; on error no parameter has changed.
-//! - A checkpoint ([`save_checkpoint`]) holds parameters and buffers under their names, the
+//! - A training state ([`save_training_state`]; "checkpoint" in the API means re-materialization
+//!   only) holds parameters and buffers under their names, the
 //!   optimizer's state under `optim.`, and the step in the metadata (`wgpipe.step`), so that
 //!   save → load → continue trains bit-identically to an uninterrupted run.
 //!
@@ -563,18 +564,18 @@ fn build_values(op: &'static str, f: &Parsed, plan: &Plan<'_>) -> Result<Vec<Ten
 // Checkpoints
 // ---------------------------------------------------------------------------------------------
 
-/// What [`load_checkpoint`] found besides the tensors.
+/// What [`load_training_state`] found besides the tensors.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CheckpointInfo {
+pub struct TrainingStateInfo {
     /// The step saved with the checkpoint.
     pub step: u64,
-    /// The extra metadata given to [`save_checkpoint`], sorted by key.
+    /// The extra metadata given to [`save_training_state`], sorted by key.
     pub metadata: Vec<(String, String)>,
 }
 
 /// Saves a training checkpoint: `params` and `buffers` under their names, the optimizer's state
 /// under `optim.`, `step` and `metadata` (keys must not start with `wgpipe.`) in the metadata.
-pub fn save_checkpoint(
+pub fn save_training_state(
     path: impl AsRef<Path>,
     params: &[(String, Param)],
     buffers: &[(String, Param)],
@@ -583,7 +584,7 @@ pub fn save_checkpoint(
     metadata: &[(String, String)],
 ) -> Result<()> {
     let path = path.as_ref();
-    let op = "save_checkpoint";
+    let op = "save_training_state";
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
     let mut seen: HashMap<&str, &Param> = HashMap::new();
     for (name, p) in params.iter().chain(buffers) {
@@ -626,18 +627,18 @@ pub fn save_checkpoint(
     save_tensors(path, &tensors, &meta)
 }
 
-/// Loads a checkpoint written by [`save_checkpoint`]: parameters and buffers (strictly: names,
+/// Loads a checkpoint written by [`save_training_state`]: parameters and buffers (strictly: names,
 /// shapes and dtypes must match), the optimizer's state (each tensor onto the device of the
 /// parameter it belongs to) and the step. Everything is checked before anything changes.
 /// Gradients are cleared: they belonged to the weights before the load.
-pub fn load_checkpoint(
+pub fn load_training_state(
     path: impl AsRef<Path>,
     params: &[(String, Param)],
     buffers: &[(String, Param)],
     optimizer: &mut dyn Optimizer,
-) -> Result<CheckpointInfo> {
+) -> Result<TrainingStateInfo> {
     let path = path.as_ref();
-    let op = "load_checkpoint";
+    let op = "load_training_state";
     let f = parse(op, path)?;
     let mut metadata = f.metadata();
     let step = match metadata.iter().find(|(k, _)| k == STEP_KEY) {
@@ -723,5 +724,5 @@ pub fn load_checkpoint(
     for (_, p) in &all {
         p.zero_grad();
     }
-    Ok(CheckpointInfo { step, metadata })
+    Ok(TrainingStateInfo { step, metadata })
 }

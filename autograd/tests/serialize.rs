@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use safetensors::{Dtype, View};
 use wgpipe_autograd::optim::{zero_grad, Adam, AdamW, Optimizer, Sgd};
 use wgpipe_autograd::serialize::{
-    load_checkpoint, load_file, load_into, load_metadata, load_tensors, save_checkpoint,
-    save_tensors,
+    load_file, load_into, load_metadata, load_tensors, load_training_state, save_tensors,
+    save_training_state,
 };
 use wgpipe_autograd::{LrSchedule, Param, Tape};
 use wgpipe_tensor::{Device, Result, Tensor};
@@ -409,7 +409,7 @@ fn resume_is_bit_identical(what: &str, make: &dyn Fn() -> Box<dyn Optimizer>) {
         })
         .collect();
     let meta = vec![("note".to_string(), "halfway".to_string())];
-    save_checkpoint(&path, &params, &buffers, opt.as_ref(), 4, &meta).unwrap();
+    save_training_state(&path, &params, &buffers, opt.as_ref(), 4, &meta).unwrap();
     drop((params, opt));
 
     let dev2 = Device::new_cpu("resume-2");
@@ -420,7 +420,7 @@ fn resume_is_bit_identical(what: &str, make: &dyn Fn() -> Box<dyn Optimizer>) {
     }
     let buffers = vec![named("norm.running_mean", &[0.0, 0.0], &[2], &dev2)];
     let mut opt = make();
-    let info = load_checkpoint(&path, &params, &buffers, opt.as_mut()).unwrap();
+    let info = load_training_state(&path, &params, &buffers, opt.as_mut()).unwrap();
     assert_eq!(info.step, 4);
     assert_eq!(info.metadata, meta);
     assert_eq!(opt.steps(), 4);
@@ -473,13 +473,13 @@ fn checkpoint_errors_name_the_problem() {
     let params = mlp(&dev);
     let mut adam = Adam::new(0.01);
     train_step(&params, &mut adam, 0, &dev).unwrap();
-    save_checkpoint(&path, &params, &[], &adam, 1, &[]).unwrap();
+    save_training_state(&path, &params, &[], &adam, 1, &[]).unwrap();
 
     // The optimizer state of Adam does not load into SGD; the model is left as it was.
     let fresh = mlp(&dev);
     let before = bits(&fresh[0].1.value());
     let mut sgd = Sgd::new(0.01).with_momentum(0.9);
-    let e = load_checkpoint(&path, &fresh, &[], &mut sgd)
+    let e = load_training_state(&path, &fresh, &[], &mut sgd)
         .unwrap_err()
         .to_string();
     assert!(
@@ -489,7 +489,7 @@ fn checkpoint_errors_name_the_problem() {
     assert_eq!(bits(&fresh[0].1.value()), before);
 
     // A model with a missing parameter.
-    let e = load_checkpoint(&path, &fresh[..3], &[], &mut Adam::new(0.01))
+    let e = load_training_state(&path, &fresh[..3], &[], &mut Adam::new(0.01))
         .unwrap_err()
         .to_string();
     assert!(e.contains("unexpected") && e.contains("fc2.bias"), "{e}");
@@ -497,7 +497,7 @@ fn checkpoint_errors_name_the_problem() {
     // A model whose parameter has another shape: both the weight and its moments mismatch.
     let mut other = mlp(&dev);
     other[1] = named("fc1.bias", &[0.0; 7], &[7], &dev);
-    let e = load_checkpoint(&path, &other, &[], &mut Adam::new(0.01))
+    let e = load_training_state(&path, &other, &[], &mut Adam::new(0.01))
         .unwrap_err()
         .to_string();
     assert!(
@@ -513,15 +513,15 @@ fn checkpoint_errors_name_the_problem() {
         &[],
     )
     .unwrap();
-    let e = load_checkpoint(&plain, &fresh, &[], &mut Adam::new(0.01))
+    let e = load_training_state(&plain, &fresh, &[], &mut Adam::new(0.01))
         .unwrap_err()
         .to_string();
     assert!(e.contains("not a wgpipe checkpoint"), "{e}");
 
     // Reserved names and keys.
     let bad = vec![named("optim.x", &[0.0], &[1], &dev)];
-    assert!(save_checkpoint(&path, &bad, &[], &adam, 1, &[]).is_err());
-    let e = save_checkpoint(
+    assert!(save_training_state(&path, &bad, &[], &adam, 1, &[]).is_err());
+    let e = save_training_state(
         &path,
         &params,
         &[],
@@ -534,7 +534,7 @@ fn checkpoint_errors_name_the_problem() {
     assert!(e.contains("reserved"), "{e}");
     // The earlier checkpoint is intact after the refused saves.
     assert_eq!(
-        load_checkpoint(&path, &fresh, &[], &mut Adam::new(0.01))
+        load_training_state(&path, &fresh, &[], &mut Adam::new(0.01))
             .unwrap()
             .step,
         1
