@@ -14,7 +14,7 @@ use crate::autograd::Module;
 use crate::error::{AppError, AppResult};
 use crate::limits::{check_positive, check_range};
 use crate::pipeline::microbatch::{micro_batch_sizes, MicroBatchError};
-use crate::pipeline::partition::{balance_by_cost, validate_balance, PartitionError};
+use crate::pipeline::partition::{balance_by_cost, validate_balance_for, PartitionError};
 use crate::pipeline::{Balance, CheckpointMode, Pipeline, PipelineError, ScheduleKind};
 use crate::placement::{DeviceChoice, Placement, SimSpec};
 use crate::tensor::Tensor;
@@ -247,19 +247,7 @@ impl PipelineArgs {
             }
         }
         let check = match &self.balance {
-            BalanceArg::Explicit(b) => {
-                if b.len() != self.pieces() {
-                    return Err(AppError(format!(
-                        "--balance {} has {} entries but --stages x chunks is {} ({} x {})",
-                        self.balance,
-                        b.len(),
-                        self.pieces(),
-                        self.stages,
-                        self.chunks()
-                    )));
-                }
-                validate_balance(b, num_layers)
-            }
+            BalanceArg::Explicit(b) => validate_balance_for(b, self.pieces(), num_layers),
             // The library's own rule for balancing by cost (what the builder runs).
             _ => balance_by_cost(&vec![1.0; num_layers], self.pieces()).map(|_| ()),
         };
@@ -284,6 +272,12 @@ impl PipelineArgs {
     /// A partition error of the library, said with the flags.
     fn partition_error(&self, e: &PartitionError, num_layers: usize, what: &str) -> AppError {
         match (e, &self.balance) {
+            (PartitionError::StageCountMismatch { given, stages }, _) => AppError(format!(
+                "--balance {} has {given} entries but --stages x chunks is {stages} ({} x {})",
+                self.balance,
+                self.stages,
+                self.chunks()
+            )),
             (_, BalanceArg::Explicit(_)) => AppError(format!(
                 "--balance {} must give every stage at least one layer and sum to the {num_layers} layers of the model ({what}): {e}",
                 self.balance

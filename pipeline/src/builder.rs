@@ -8,7 +8,7 @@ use wgpipe_tensor::memory::{with_tag, Tag};
 use wgpipe_tensor::{Device, Tensor};
 
 use crate::error::{NonFinite, PipelineError, Result};
-use crate::partition::{balance_by_cost, stage_ranges, validate_balance};
+use crate::partition::{balance_by_cost, stage_ranges, validate_balance_for};
 use crate::pipeline::Pipeline;
 use crate::schedule::{CheckpointMode, Schedule};
 use crate::sim::SimCluster;
@@ -276,14 +276,7 @@ impl PipelineBuilder {
         let s_total = schedule.num_stages();
         let balance = match &self.balance {
             Balance::Explicit(b) => {
-                if b.len() != s_total {
-                    return Err(PipelineError::Config(format!(
-                        "balance {b:?} has {} stages but the schedule has {s_total} ({k} devices x {} chunks)",
-                        b.len(),
-                        s_total / k
-                    )));
-                }
-                validate_balance(b, self.layers.len())?;
+                validate_balance_for(b, s_total, self.layers.len())?;
                 b.clone()
             }
             other => balance_by_cost(&layer_costs(&self.layers, other)?, s_total)?,

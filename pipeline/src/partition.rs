@@ -26,6 +26,9 @@ pub enum PartitionError {
         balance_sum: usize,
         num_layers: usize,
     },
+    /// An explicit balance lists a different number of stages than the pipeline has.
+    #[error("balance has {given} stages but the pipeline has {stages}")]
+    StageCountMismatch { given: usize, stages: usize },
     /// A layer cost is negative, NaN or infinite.
     #[error("layer {layer} has cost {cost}; costs must be finite and non-negative")]
     InvalidCost { layer: usize, cost: f64 },
@@ -55,6 +58,22 @@ pub fn validate_balance(balance: &[usize], num_layers: usize) -> Result<(), Part
         });
     }
     Ok(())
+}
+
+/// Checks an explicit `balance` for a pipeline of `stages` (virtual) stages over `num_layers`
+/// layers: the one place this rule lives (the builder and the examples' flags both call it).
+pub fn validate_balance_for(
+    balance: &[usize],
+    stages: usize,
+    num_layers: usize,
+) -> Result<(), PartitionError> {
+    if balance.len() != stages {
+        return Err(PartitionError::StageCountMismatch {
+            given: balance.len(),
+            stages,
+        });
+    }
+    validate_balance(balance, num_layers)
 }
 
 /// The layer index range of each stage, in order (stage j owns `ranges[j]`).
