@@ -166,7 +166,7 @@ impl Pipeline {
                 b.set_value(v);
             }
         };
-        let outcomes = match first_error(&self.device_stages(), results) {
+        let outcomes = match first_error(&self.stages, &self.device_stages(), results) {
             Ok(o) => o,
             Err(e) => {
                 undo(&self.stages);
@@ -614,6 +614,7 @@ fn stage_error(s: &Stage, micro_batch: usize, action: &str, cause: StageCause) -
 /// device's own failure wins over the "stopped because another stage failed" of the others. The
 /// error names the virtual stage of the failing action (the device's first stage before any).
 fn first_error(
+    stages: &[Stage],
     devices: &[&Stage],
     results: Vec<(Position, std::result::Result<StageOutcome, StageCause>)>,
 ) -> Result<Vec<StageOutcome>> {
@@ -627,8 +628,13 @@ fn first_error(
                     Some(a) => (a.stage, describe(a)),
                     None => (first.index, "start".to_string()),
                 };
-                if let Some(layer) = pos.layer {
-                    action = format!("{action} in {layer}");
+                if let Some(index) = pos.layer {
+                    let layer = stages
+                        .iter()
+                        .find(|s| (s.first_layer..s.first_layer + s.layers.len()).contains(&index))
+                        .map(|s| s.layers[index - s.first_layer].name())
+                        .unwrap_or_default();
+                    action = format!("{action} in layer {index} ({layer})");
                 }
                 errors.push(PipelineError::Stage {
                     stage,

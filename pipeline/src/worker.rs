@@ -109,24 +109,26 @@ pub struct NonFiniteAt {
 pub(crate) struct Position {
     pub micro_batch: usize,
     pub action: Option<Action>,
-    pub layer: Option<String>,
+    /// The global index of the layer whose forward was running.
+    pub layer: Option<usize>,
 }
 
 const POLL: Duration = Duration::from_millis(5);
 
 impl Stage {
     /// Runs the stage's layers on `x`, each with its global layer index in the context; `at`
-    /// names the layer running (so an error or a panic can say which), and is cleared after.
+    /// holds the index of the layer running (so an error or a panic can say which), and is
+    /// cleared after.
     pub(crate) fn run_layers(
         &self,
         x: &Var,
         ctx: ForwardCtx,
-        at: &mut Option<String>,
+        at: &mut Option<usize>,
     ) -> wgpipe_tensor::Result<Var> {
         let mut h = x.clone();
         for (i, layer) in self.layers.iter().enumerate() {
             let index = self.first_layer + i;
-            *at = Some(format!("layer {index} ({})", layer.name()));
+            *at = Some(index);
             h = layer.forward(&h, &ctx.at_layer(index as u64))?;
         }
         *at = None;
@@ -346,13 +348,6 @@ impl<'a> Worker<'a, '_> {
         let input = input_var(&tape, &x, s);
         let ctx = ForwardCtx::train(io.seed, io.step, m as u64);
         let mut output = stage.run_layers(&input, ctx, &mut self.pos.layer)?;
-        let last_layer = stage.layers.len().checked_sub(1).map(|i| {
-            format!(
-                "the output of layer {} ({}) for micro-batch {m}",
-                stage.first_layer + i,
-                stage.layers[i].name()
-            )
-        });
         if self.is_last(s) {
             output = self.scaled_loss(&output, m)?;
             if input_finite {
@@ -363,8 +358,13 @@ impl<'a> Worker<'a, '_> {
             self.out.losses.push(output.value().clone());
         } else {
             let finite = input_finite
-                && self.check(output.value(), s, m, || {
-                    last_layer.unwrap_or_else(|| "the stage output".into())
+                && self.check(output.value(), s, m, || match stage.layers.last() {
+                    Some(l) => format!(
+                        "the output of layer {} ({}) for micro-batch {m}",
+                        stage.first_layer + stage.layers.len() - 1,
+                        l.name()
+                    ),
+                    None => format!("the output of stage {s} for micro-batch {m}"),
                 })?;
             self.finite_out.insert((s, m, false), finite);
             self.to_send.insert((s, m, false), output.value().clone());
