@@ -237,18 +237,6 @@ pub struct Link {
     pub grad: bool,
 }
 
-impl Link {
-    /// A dense index over all links of `num_stages` stages: 2·min(from, to) + grad.
-    pub fn index(self) -> usize {
-        2 * self.from.min(self.to) + usize::from(self.grad)
-    }
-
-    /// The number of links a chain of `num_stages` stages has.
-    pub fn count(num_stages: usize) -> usize {
-        2 * num_stages.saturating_sub(1)
-    }
-}
-
 impl fmt::Display for Link {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let what = if self.grad {
@@ -380,12 +368,6 @@ impl Schedule {
         links.sort();
         links.dedup();
         links
-    }
-
-    /// Whether device `device` re-materializes `(stage, micro_batch)`: its list holds a
-    /// `Recompute` for it (so the forward keeps only the input).
-    pub fn recomputes(&self, device: usize, stage: usize, micro_batch: usize) -> bool {
-        self.devices[device].contains(&Action::new(ActionKind::Recompute, stage, micro_batch))
     }
 
     /// Per device, the largest number of (stage, micro-batch) pairs whose forward has run and
