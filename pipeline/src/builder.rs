@@ -156,6 +156,7 @@ pub struct PipelineBuilder {
     checkpoint: CheckpointMode,
     schedule: ScheduleSpec,
     non_finite: NonFinite,
+    action_timeout: Option<std::time::Duration>,
     seed: u64,
     optimizer: Option<Box<dyn Fn() -> Box<dyn Optimizer>>>,
 }
@@ -172,6 +173,7 @@ impl PipelineBuilder {
             checkpoint: CheckpointMode::ExceptLast,
             schedule: ScheduleSpec::Kind(ScheduleKind::GPipe),
             non_finite: NonFinite::default(),
+            action_timeout: None,
             seed: 0,
             optimizer: None,
         }
@@ -219,6 +221,11 @@ impl PipelineBuilder {
     /// (the default), skip the step, or no checks.
     pub fn on_non_finite(mut self, policy: NonFinite) -> Self {
         self.non_finite = policy;
+        self
+    }
+    /// A time limit for each compute action (see [`Pipeline::set_action_timeout`]).
+    pub fn action_timeout(mut self, limit: std::time::Duration) -> Self {
+        self.action_timeout = Some(limit);
         self
     }
     /// Seed of the counter-based RNG (dropout), keyed further by step, micro-batch and layer.
@@ -315,6 +322,8 @@ impl PipelineBuilder {
             sim: self.sim,
             optimizers,
             non_finite: self.non_finite,
+            action_timeout: self.action_timeout,
+            stuck: None,
         })
     }
 }

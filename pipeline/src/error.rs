@@ -20,6 +20,9 @@ pub enum StageCause {
     /// finite); see [`NonFinite`].
     #[error("non-finite values: {0}")]
     NonFinite(String),
+    /// An action ran past the pipeline's action time limit.
+    #[error("timed out: {0}")]
+    TimedOut(String),
 }
 
 /// What a training step does when a loss, an activation or a gradient is NaN or infinite.
@@ -63,6 +66,9 @@ pub enum PipelineError {
         /// Boxed: it holds a tensor error, and `Result<_, PipelineError>` stays small.
         cause: Box<StageCause>,
     },
+    /// A step that timed out still has threads running, which hold some of the stages.
+    #[error("a step that timed out is still running ({0}); its stages come back when it ends")]
+    Stuck(String),
     /// An op outside any stage (splitting the batch, moving data, the optimizer) failed.
     #[error("{0}")]
     Tensor(#[from] wgpipe_tensor::Error),

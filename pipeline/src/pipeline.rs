@@ -7,11 +7,14 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::channel;
-use std::time::Instant;
+use std::sync::mpsc::{channel, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use wgpipe_autograd::optim::Optimizer;
 use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, Tape};
+use wgpipe_tensor::memory::{Tag, TagGuard};
 use wgpipe_tensor::{Device, Tensor};
 
 use crate::builder::PipelineBuilder;
@@ -23,7 +26,8 @@ use crate::sim::SimCluster;
 use crate::threads::{self, spawn_stage};
 use crate::timeline::{simulate, ActionCost};
 use crate::worker::{
-    run_device, ActionRecord, DeviceLinks, LossFn, Position, Stage, StageOutcome, StepInputs,
+    lock, run_device, ActionRecord, DeviceLinks, LossFn, LossRequest, Position, Running, Stage,
+    StageOutcome, StepInputs,
 };
 
 pub struct Pipeline {
@@ -34,6 +38,9 @@ pub struct Pipeline {
     pub(crate) sim: Option<SimCluster>,
     pub(crate) optimizers: Vec<Box<dyn Optimizer>>,
     pub(crate) non_finite: NonFinite,
+    pub(crate) action_timeout: Option<Duration>,
+    /// A timed-out step whose threads still hold stages (see [`Pipeline::settle`]).
+    pub(crate) stuck: Option<StuckStep>,
 }
 
 impl Pipeline {
@@ -117,13 +124,16 @@ impl Pipeline {
     /// 0), accumulating gradients into the parameters. The loss of each micro-batch is its mean
     /// loss times its share of the mini-batch, so the reported loss and the gradients are those
     /// of the mean loss over the whole mini-batch. On error every stage is stopped, every thread
-    /// joined, and the gradients are put back as they were before the call.
+    /// joined, and the gradients are put back as they were before the call. With an action
+    /// time limit ([`Pipeline::set_action_timeout`]), an action that runs past it makes the step
+    /// return an error at once; its thread is left to finish (see [`Pipeline::settle`]).
     pub fn train_step(
         &mut self,
         inputs: &Tensor,
         targets: &Tensor,
         loss_fn: &LossFn,
     ) -> Result<StepReport> {
+        self.settle()?;
         let m = self.schedule.num_micro_batches;
         let xs = split_batch("inputs", inputs, m)?;
         let ys = split_batch("targets", targets, m)?;
@@ -137,39 +147,37 @@ impl Pipeline {
         let n = inputs.shape()[0] as f32;
         let scales: Vec<f32> = xs.iter().map(|x| x.shape()[0] as f32 / n).collect();
 
-        let params = self.named_parameters();
-        let saved_grads: Vec<Option<Tensor>> = params.iter().map(|(_, p)| p.grad()).collect();
-        let buffers = self.named_buffers();
-        let saved_buffers: Vec<Tensor> = buffers.iter().map(|(_, b)| b.value()).collect();
+        let saved = Saved::take(self);
         for s in &self.stages {
             s.device.memory().reset_peak();
         }
 
         let clock = Instant::now();
-        let results = self.run_workers(&xs, &ys, &scales, loss_fn, clock);
+        let loss = LossSide {
+            targets: &ys,
+            scales: &scales,
+            loss_fn,
+            device: self.stages[self.stages.len() - 1].device.clone(),
+            non_finite: self.non_finite,
+        };
+        let ran = self.run_workers(xs, &loss, clock);
         let wall = clock.elapsed().as_secs_f64();
-
-        // Puts the gradients back as before the step, and drops what the micro-batches that
-        // ran recorded for later (batch-norm statistics): the Module trait has no "discard"
-        // hook, so apply them (finish_step consumes them) and put every buffer back. Errors
-        // here are secondary to the step's own.
-        let undo = |stages: &[Stage]| {
-            for ((_, p), g) in params.iter().zip(saved_grads) {
-                p.set_grad(g);
-            }
-            for s in stages {
-                for l in &s.layers {
-                    let _ = catch_unwind(AssertUnwindSafe(|| l.finish_step()));
-                }
-            }
-            for ((_, b), v) in buffers.iter().zip(saved_buffers) {
-                b.set_value(v);
+        let (results, losses) = match ran {
+            Ran::Done { results, losses } => (results, losses),
+            Ran::TimedOut { error, stuck } => {
+                self.stuck = Some(StuckStep {
+                    handles: stuck,
+                    saved,
+                    what: error.to_string(),
+                });
+                return Err(error);
             }
         };
+
         let outcomes = match first_error(&self.stages, &self.device_stages(), results) {
             Ok(o) => o,
             Err(e) => {
-                undo(&self.stages);
+                saved.restore(&self.stages);
                 return Err(e);
             }
         };
@@ -180,7 +188,7 @@ impl Pipeline {
             .filter_map(|o| o.non_finite.clone())
             .min_by_key(|at| (at.micro_batch, at.stage));
         if skipped.is_some() {
-            undo(&self.stages);
+            saved.restore(&self.stages);
         } else {
             for s in &self.stages {
                 for l in &s.layers {
@@ -189,7 +197,7 @@ impl Pipeline {
             }
         }
         let mut loss = 0.0f32;
-        for t in outcomes.iter().flat_map(|o| &o.losses) {
+        for t in &losses {
             loss += t.to_scalar()?;
         }
         let mut report = self.report(outcomes, wall, loss)?;
@@ -203,16 +211,53 @@ impl Pipeline {
         self.non_finite = policy;
     }
 
-    /// Spawns one scoped thread per device, wires the links the schedule names, and collects
-    /// each device's outcome.
-    fn run_workers(
-        &mut self,
-        xs: &[Tensor],
-        ys: &[Tensor],
-        scales: &[f32],
-        loss_fn: &LossFn,
-        clock: Instant,
-    ) -> Vec<(Position, std::result::Result<StageOutcome, StageCause>)> {
+    /// A time limit for each compute action of a step (None: no limit, the default). An action
+    /// that runs longer makes `train_step` stop every stage and return an error naming the
+    /// stage and action within a few milliseconds of the limit. The stuck thread cannot be
+    /// interrupted: it is left to finish, its results are discarded, and until it has, its
+    /// stages are away from the pipeline: `train_step`, `optimizer_step`, `forward` and
+    /// `clip_grad_norm` return an error saying so (they retry on their own once it is done;
+    /// [`Pipeline::settle`] does so explicitly).
+    pub fn set_action_timeout(&mut self, limit: Option<Duration>) {
+        self.action_timeout = limit;
+    }
+
+    /// After a step that timed out: if its stuck threads have finished, takes their stages
+    /// back and puts the gradients and buffers back as they were before that step (its late
+    /// results are discarded); if not, an error naming what is still running. Nothing to do
+    /// otherwise.
+    pub fn settle(&mut self) -> Result<()> {
+        let Some(stuck) = self.stuck.take() else {
+            return Ok(());
+        };
+        if !stuck.handles.iter().all(|h| h.is_finished()) {
+            let what = stuck.what.clone();
+            self.stuck = Some(stuck);
+            return Err(PipelineError::Stuck(what));
+        }
+        for h in stuck.handles {
+            // A panic after the step was given up is one more discarded result.
+            if let Ok((stages, _, _)) = h.join() {
+                self.stages.extend(stages);
+            }
+        }
+        self.stages.sort_by_key(|s| s.index);
+        stuck.saved.restore(&self.stages);
+        Ok(())
+    }
+
+    /// An error if a timed-out step still holds stages (for the methods that cannot settle).
+    pub(crate) fn check_settled(&self) -> Result<()> {
+        match &self.stuck {
+            Some(s) => Err(PipelineError::Stuck(s.what.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Starts one thread per device, each owning its stages for the step, wires the links the
+    /// schedule names, serves the last stage's loss requests on this thread, and collects each
+    /// device's stages and outcome, watching the action time limit.
+    fn run_workers(&mut self, xs: Vec<Tensor>, loss: &LossSide<'_>, clock: Instant) -> Ran {
         let schedule = &self.schedule;
         let k = schedule.num_devices();
         let mut links: Vec<DeviceLinks> = (0..k).map(|_| DeviceLinks::default()).collect();
@@ -221,78 +266,153 @@ impl Pipeline {
             links[schedule.placement[link.from]].tx.insert(link, tx);
             links[schedule.placement[link.to]].rx.insert(link, rx);
         }
-        let mut by_device: Vec<Vec<&mut Stage>> = (0..k).map(|_| Vec::new()).collect();
-        for stage in self.stages.iter_mut() {
+        let mut by_device: Vec<Vec<Stage>> = (0..k).map(|_| Vec::new()).collect();
+        for stage in std::mem::take(&mut self.stages) {
             by_device[schedule.placement[stage.index]].push(stage);
         }
-        let abort = AtomicBool::new(false);
-        let (seed, step, non_finite) = (self.seed, self.step, self.non_finite);
-        let num_stages = schedule.num_stages();
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = by_device
-                .into_iter()
-                .zip(links)
-                .enumerate()
-                .map(|(device, (stages, links))| {
-                    let abort = &abort;
-                    let io = StepInputs {
-                        actions: &schedule.devices[device],
-                        num_stages,
-                        seed,
-                        step,
-                        inputs: xs,
-                        targets: ys,
-                        scales,
-                        loss_fn,
-                        abort,
-                        clock,
-                        non_finite,
-                    };
-                    // `&mut Stage` is Send (layers are Send, not Sync): each thread owns its
-                    // device's stages. Threads are named `wgpipe-stage-<device>`; their panics
-                    // are caught here and come back in the error, not on stderr.
-                    spawn_stage(scope, device, move || {
-                        let stages: Vec<&Stage> = stages.into_iter().map(|s| &*s).collect();
-                        let mut pos = Position::default();
-                        let r = catch_unwind(AssertUnwindSafe(|| {
-                            run_device(&stages, &links, &io, &mut pos)
-                        }));
-                        let r = match r {
-                            Ok(r) => r,
-                            Err(payload) => Err(StageCause::Panic(threads::panic_message(payload))),
-                        };
-                        if r.is_err() {
-                            abort.store(true, Ordering::SeqCst);
-                        }
-                        // Dropping `links` here closes this device's channels, which also
-                        // wakes any neighbour blocked on them.
-                        drop(links);
-                        (pos, r)
-                    })
-                })
-                .collect();
-            if handles.iter().any(|h| h.is_err()) {
-                // A device without its thread would leave its peers waiting: stop them all.
-                abort.store(true, Ordering::SeqCst);
+        let device_names: Vec<String> = by_device
+            .iter()
+            .map(|stages| {
+                stages
+                    .first()
+                    .map_or_else(String::new, |s| s.device.name().to_string())
+            })
+            .collect();
+        let abort = Arc::new(AtomicBool::new(false));
+        let inputs = Arc::new(xs);
+        let (loss_tx, loss_rx) = channel::<LossRequest>();
+        let running: Vec<Running> = (0..k).map(|_| Arc::new(Mutex::new(None))).collect();
+        let mut handles: Vec<Option<JoinHandle<DeviceResult>>> = Vec::with_capacity(k);
+        let mut results: Vec<Option<DeviceResult>> = (0..k).map(|_| None).collect();
+        for (device, (stages, links)) in by_device.into_iter().zip(links).enumerate() {
+            let io = StepInputs {
+                actions: schedule.devices[device].clone(),
+                num_stages: schedule.num_stages(),
+                seed: self.seed,
+                step: self.step,
+                inputs: inputs.clone(),
+                abort: abort.clone(),
+                clock,
+                non_finite: self.non_finite,
+                loss: loss_tx.clone(),
+                running: running[device].clone(),
+            };
+            // The stages reach the thread through a channel, so that a thread that cannot be
+            // started does not take them with it.
+            let (give, take) = channel::<Vec<Stage>>();
+            let spawned = threads::spawn_named(device, move || -> DeviceResult {
+                let stages = take.recv().unwrap_or_default();
+                let mut pos = Position::default();
+                let r = {
+                    let refs: Vec<&Stage> = stages.iter().collect();
+                    catch_unwind(AssertUnwindSafe(|| {
+                        run_device(&refs, &links, &io, &mut pos)
+                    }))
+                };
+                let r = match r {
+                    Ok(r) => r,
+                    Err(payload) => Err(StageCause::Panic(threads::panic_message(payload))),
+                };
+                if r.is_err() {
+                    io.abort.store(true, Ordering::SeqCst);
+                }
+                // Dropping the links closes this device's channels, which also wakes any
+                // neighbour blocked on them.
+                drop(links);
+                (stages, pos, r)
+            });
+            match spawned {
+                Ok(h) => {
+                    let _ = give.send(stages);
+                    handles.push(Some(h));
+                }
+                Err(e) => {
+                    abort.store(true, Ordering::SeqCst);
+                    let cause = StageCause::Disconnected(format!(
+                        "could not start the device's thread: {e}"
+                    ));
+                    results[device] = Some((stages, Position::default(), Err(cause)));
+                    handles.push(None);
+                }
             }
-            handles
-                .into_iter()
-                .map(|h| match h {
-                    Ok(h) => h.join().unwrap_or_else(|p| {
-                        (
-                            Position::default(),
-                            Err(StageCause::Panic(threads::panic_message(p))),
-                        )
-                    }),
-                    Err(e) => (
-                        Position::default(),
-                        Err(StageCause::Disconnected(format!(
-                            "could not start the device's thread: {e}"
+        }
+        drop(loss_tx);
+        let mut losses = Vec::new();
+        let mut timed_out: Option<(PipelineError, Instant)> = None;
+        loop {
+            match loss_rx.recv_timeout(POLL) {
+                Ok(req) => {
+                    let answer = loss.gradient(&req, &mut losses);
+                    if answer.is_err() {
+                        abort.store(true, Ordering::SeqCst);
+                    }
+                    let _ = req.reply.send(answer);
+                }
+                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {}
+            }
+            for (d, h) in handles.iter_mut().enumerate() {
+                if h.as_ref().is_some_and(|h| h.is_finished()) {
+                    let joined = h.take().map(JoinHandle::join);
+                    results[d] = Some(match joined {
+                        Some(Ok(r)) => r,
+                        _ => (Vec::new(), Position::default(), Err(lost_stages())),
+                    });
+                }
+            }
+            if handles.iter().all(Option::is_none) {
+                break;
+            }
+            if let (None, Some(limit)) = (&timed_out, self.action_timeout) {
+                let late = running.iter().enumerate().find_map(|(d, slot)| {
+                    let (action, since) = (*lock(slot))?;
+                    (since.elapsed() > limit).then_some((d, action, since))
+                });
+                if let Some((d, action, since)) = late {
+                    abort.store(true, Ordering::SeqCst);
+                    let error = PipelineError::Stage {
+                        stage: action.stage,
+                        device: device_names[d].clone(),
+                        micro_batch: action.micro_batch,
+                        action: describe(action),
+                        cause: Box::new(StageCause::TimedOut(format!(
+                            "still running after {:.2?}, past the limit of {limit:.2?}; its \
+                             thread is left to finish and its results will be discarded",
+                            since.elapsed()
                         ))),
-                    ),
-                })
-                .collect()
-        })
+                    };
+                    timed_out = Some((error, Instant::now()));
+                }
+            }
+            // After a timeout, the other devices stop within a poll; what still runs an action
+            // that began before the abort is stuck.
+            if let Some((_, at)) = &timed_out {
+                let waiting = handles.iter().enumerate().any(|(d, h)| {
+                    h.is_some() && lock(&running[d]).is_none_or(|(_, since)| since > *at)
+                });
+                if !waiting {
+                    break;
+                }
+            }
+        }
+        if let Some((error, _)) = timed_out {
+            // Give back what finished, keep the handles of what is stuck.
+            for (stages, _, _) in results.into_iter().flatten() {
+                self.stages.extend(stages);
+            }
+            self.stages.sort_by_key(|s| s.index);
+            let stuck = handles.into_iter().flatten().collect();
+            return Ran::TimedOut { error, stuck };
+        }
+        let mut out = Vec::with_capacity(k);
+        for (stages, pos, r) in results.into_iter().flatten() {
+            self.stages.extend(stages);
+            out.push((pos, r));
+        }
+        self.stages.sort_by_key(|s| s.index);
+        Ran::Done {
+            results: out,
+            losses,
+        }
     }
 
     /// The first stage of each device (whose device handle and memory counters stand for it).
@@ -376,6 +496,7 @@ impl Pipeline {
     /// Evaluation forward: micro-batch by micro-batch through every stage, recording nothing.
     /// Returns the outputs concatenated along axis 0, on the last stage's device.
     pub fn forward(&self, inputs: &Tensor) -> Result<Tensor> {
+        self.check_settled()?;
         let xs = split_batch("inputs", inputs, self.schedule.num_micro_batches)?;
         let mut outs = Vec::with_capacity(xs.len());
         for (mb, x) in xs.into_iter().enumerate() {
@@ -435,6 +556,7 @@ impl Pipeline {
     /// gradients are computed before any is stored. A non-finite norm (a NaN or infinite
     /// gradient) is an `Err` naming the first stage whose gradients hold one; nothing changes.
     pub fn clip_grad_norm(&self, max_norm: f32) -> Result<f32> {
+        self.check_settled()?;
         if max_norm.is_nan() || max_norm < 0.0 {
             return Err(PipelineError::Config(format!(
                 "clip_grad_norm: max_norm must be >= 0, got {max_norm}"
@@ -488,6 +610,7 @@ impl Pipeline {
     /// alive until every stage has finished (about one extra copy of parameters and optimizer
     /// state at the peak of the step).
     pub fn optimizer_step(&mut self) -> Result<()> {
+        self.settle()?;
         if self.optimizers.len() != self.stages.len() {
             return Err(PipelineError::Config(
                 "no optimizer set: call set_optimizer (or the builder's optimizer) first".into(),
@@ -659,4 +782,135 @@ fn first_error(
 /// An action as error messages name it: `Forward (2F3)`.
 fn describe(a: Action) -> String {
     format!("{:?} ({a})", a.kind)
+}
+
+/// How often the caller's thread looks at loss requests, finished devices and the time limit.
+const POLL: Duration = Duration::from_millis(2);
+
+/// What a device's thread gives back: its stages, where it was, and its outcome.
+type DeviceResult = (
+    Vec<Stage>,
+    Position,
+    std::result::Result<StageOutcome, StageCause>,
+);
+
+/// How the device threads of a step ended.
+enum Ran {
+    /// Every device finished (well or not): positions and outcomes, and the scaled loss of
+    /// each micro-batch in the order the last stage ran them.
+    Done {
+        results: Vec<(Position, std::result::Result<StageOutcome, StageCause>)>,
+        losses: Vec<Tensor>,
+    },
+    /// An action ran past the time limit: the error, and the threads still running.
+    TimedOut {
+        error: PipelineError,
+        stuck: Vec<JoinHandle<DeviceResult>>,
+    },
+}
+
+/// A step that timed out while some of its threads still run.
+pub(crate) struct StuckStep {
+    handles: Vec<JoinHandle<DeviceResult>>,
+    saved: Saved,
+    /// The timeout error, repeated by every call refused until the threads are done.
+    what: String,
+}
+
+fn lost_stages() -> StageCause {
+    StageCause::Panic("the device's thread ended without giving its stages back".into())
+}
+
+/// What a step puts back when it fails, is skipped or times out: the parameters' gradients and
+/// the buffers as before the step.
+struct Saved {
+    params: Vec<(String, Param)>,
+    grads: Vec<Option<Tensor>>,
+    buffers: Vec<(String, Param)>,
+    values: Vec<Tensor>,
+}
+
+impl Saved {
+    fn take(pipe: &Pipeline) -> Saved {
+        let params = pipe.named_parameters();
+        let grads = params.iter().map(|(_, p)| p.grad()).collect();
+        let buffers = pipe.named_buffers();
+        let values = buffers.iter().map(|(_, b)| b.value()).collect();
+        Saved {
+            params,
+            grads,
+            buffers,
+            values,
+        }
+    }
+
+    /// Puts the gradients back, and drops what the micro-batches that ran recorded for later
+    /// (batch-norm statistics): the Module trait has no "discard" hook, so apply them
+    /// (finish_step consumes them) and put every buffer back. Errors here are secondary to the
+    /// step's own.
+    fn restore(self, stages: &[Stage]) {
+        for ((_, p), g) in self.params.iter().zip(self.grads) {
+            p.set_grad(g);
+        }
+        for s in stages {
+            for l in &s.layers {
+                let _ = catch_unwind(AssertUnwindSafe(|| l.finish_step()));
+            }
+        }
+        for ((_, b), v) in self.buffers.iter().zip(self.values) {
+            b.set_value(v);
+        }
+    }
+}
+
+/// The loss side of a step, on the caller's thread: the targets, each micro-batch's share of
+/// the mini-batch, the loss function and the device of the last stage.
+struct LossSide<'a> {
+    targets: &'a [Tensor],
+    scales: &'a [f32],
+    loss_fn: &'a LossFn,
+    device: Device,
+    non_finite: NonFinite,
+}
+
+impl LossSide<'_> {
+    /// The gradient of micro-batch `req.micro_batch`'s scaled loss with respect to the last
+    /// stage's output, and whether the loss is finite; the loss goes to `losses`. Under
+    /// [`NonFinite::Error`] a non-finite loss is an error; a panic of the loss function is one.
+    fn gradient(
+        &self,
+        req: &LossRequest,
+        losses: &mut Vec<Tensor>,
+    ) -> std::result::Result<(Tensor, bool), StageCause> {
+        let m = req.micro_batch;
+        let run = || -> std::result::Result<(Tensor, bool), StageCause> {
+            let tape = Tape::new();
+            let output = tape.leaf(req.output.clone());
+            let loss = {
+                let _tag = TagGuard::new(Tag::Activations);
+                let target = self.targets[m].to_device(&self.device)?;
+                (self.loss_fn)(&output, &target)?.mul_scalar(self.scales[m])?
+            };
+            losses.push(loss.value().clone());
+            let finite =
+                self.non_finite == NonFinite::Ignore || loss.value().to_scalar()?.is_finite();
+            if !finite && self.non_finite == NonFinite::Error {
+                return Err(StageCause::NonFinite(format!(
+                    "the loss of micro-batch {m} holds NaN or infinity"
+                )));
+            }
+            let _tag = TagGuard::new(Tag::Gradients);
+            let grads = tape.backward(&loss)?;
+            let g = grads.get(&output).cloned().ok_or_else(|| {
+                StageCause::Disconnected(format!(
+                    "the loss of micro-batch {m} does not depend on the last stage's output"
+                ))
+            })?;
+            Ok((g, finite))
+        };
+        match catch_unwind(AssertUnwindSafe(run)) {
+            Ok(r) => r,
+            Err(p) => Err(StageCause::Panic(threads::panic_message(p))),
+        }
+    }
 }

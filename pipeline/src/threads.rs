@@ -6,7 +6,7 @@
 
 use std::cell::RefCell;
 use std::sync::Once;
-use std::thread::{Scope, ScopedJoinHandle};
+use std::thread::{JoinHandle, Scope, ScopedJoinHandle};
 
 /// What the name of every stage thread starts with.
 pub const STAGE_THREAD_PREFIX: &str = "wgpipe-stage-";
@@ -60,6 +60,19 @@ where
     std::thread::Builder::new()
         .name(stage_thread_name(stage))
         .spawn_scoped(scope, f)
+}
+
+/// Spawns `f` on a detached thread named `wgpipe-stage-{stage}`, with the quiet panic hook
+/// installed: a step's device threads, which a step that timed out leaves to finish.
+pub fn spawn_named<T, F>(stage: usize, f: F) -> std::io::Result<JoinHandle<T>>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    install_quiet_panic_hook();
+    std::thread::Builder::new()
+        .name(stage_thread_name(stage))
+        .spawn(f)
 }
 
 /// The message of a caught panic, with its location when the panic happened on this thread

@@ -7,7 +7,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use wgpipe_autograd::{ForwardCtx, Module, Tape, Var, WeightGrads};
@@ -55,22 +56,36 @@ pub(crate) struct ActionRecord {
     pub bytes: u64,
 }
 
-/// Per-step inputs of a worker.
-pub(crate) struct StepInputs<'a> {
-    pub actions: &'a [Action],
-    /// S, the number of virtual stages (the last one computes the loss).
+/// Per-step inputs of a worker. Owned (the device's thread may outlive a `train_step` that
+/// timed out), and without the loss function: the last stage asks the calling thread for the
+/// gradient of the loss instead ([`LossRequest`]).
+pub(crate) struct StepInputs {
+    pub actions: Vec<Action>,
+    /// S, the number of virtual stages (the last one's output goes to the loss).
     pub num_stages: usize,
     pub seed: u64,
     pub step: u64,
     /// Micro-batch inputs (used by stage 0).
-    pub inputs: &'a [Tensor],
-    /// Micro-batch targets and loss scales (used by the last stage).
-    pub targets: &'a [Tensor],
-    pub scales: &'a [f32],
-    pub loss_fn: &'a LossFn,
-    pub abort: &'a AtomicBool,
+    pub inputs: Arc<Vec<Tensor>>,
+    pub abort: Arc<AtomicBool>,
     pub clock: Instant,
     pub non_finite: NonFinite,
+    pub loss: Sender<LossRequest>,
+    /// The compute action running and since when, for the step's watchdog.
+    pub running: Running,
+}
+
+/// A device's compute action running now and since when (`None` between actions), shared with
+/// the step's watchdog.
+pub(crate) type Running = Arc<Mutex<Option<(Action, Instant)>>>;
+
+/// The last stage's output of one micro-batch, sent to the thread that called `train_step`,
+/// which computes the scaled loss and answers with its gradient with respect to the output and
+/// whether the loss is finite (or with the loss function's error).
+pub(crate) struct LossRequest {
+    pub micro_batch: usize,
+    pub output: Tensor,
+    pub reply: Sender<Result<(Tensor, bool), StageCause>>,
 }
 
 /// What a (stage, micro-batch) keeps between its forward and the end of its backward.
@@ -84,13 +99,11 @@ enum Stash {
     Weights(WeightGrads),
 }
 
-/// The worker's result: records of every action, the (scaled) loss of each micro-batch that
-/// went through the last stage on this device, and where non-finite values first appeared on
-/// this device (under [`NonFinite::SkipStep`]).
+/// The worker's result: records of every action, and where non-finite values first appeared
+/// on this device (under [`NonFinite::SkipStep`]).
 #[derive(Default)]
 pub(crate) struct StageOutcome {
     pub records: Vec<ActionRecord>,
-    pub losses: Vec<Tensor>,
     pub non_finite: Option<NonFiniteAt>,
 }
 
@@ -143,7 +156,7 @@ struct Worker<'a, 'p> {
     stages: HashMap<usize, &'a Stage>,
     device: &'a Device,
     links: &'a DeviceLinks,
-    io: &'a StepInputs<'a>,
+    io: &'a StepInputs,
     /// (stage, micro-batch) pairs whose forward keeps only the input (a Recompute follows).
     checkpointed: HashSet<(usize, usize)>,
     received: HashMap<(usize, usize), Tensor>,
@@ -171,7 +184,7 @@ struct Worker<'a, 'p> {
 pub(crate) fn run_device(
     stages: &[&Stage],
     links: &DeviceLinks,
-    io: &StepInputs<'_>,
+    io: &StepInputs,
     pos: &mut Position,
 ) -> Result<StageOutcome, StageCause> {
     let device = &stages
@@ -202,7 +215,7 @@ pub(crate) fn run_device(
         check_flops: 0,
         out: StageOutcome::default(),
     };
-    for &action in io.actions {
+    for &action in &io.actions {
         if io.abort.load(Ordering::SeqCst) {
             return Err(StageCause::Disconnected(
                 "stopped because another stage failed".into(),
@@ -252,6 +265,9 @@ impl<'a> Worker<'a, '_> {
         self.check_flops = 0;
         let mut bytes = 0u64;
         let (s, m) = (action.stage, action.micro_batch);
+        if action.is_compute() {
+            *lock(&io.running) = Some((action, Instant::now()));
+        }
         match action.kind {
             ActionKind::RecvActivation | ActionKind::RecvGrad => {
                 let msg = self.recv(action)?;
@@ -307,6 +323,7 @@ impl<'a> Worker<'a, '_> {
         if action.is_compute() {
             // GPU work is asynchronous: wait for it so the recorded interval is real.
             self.device.synchronize()?;
+            *lock(&io.running) = None;
         }
         self.out.records.push(ActionRecord {
             action,
@@ -347,15 +364,20 @@ impl<'a> Worker<'a, '_> {
         };
         let input = input_var(&tape, &x, s);
         let ctx = ForwardCtx::train(io.seed, io.step, m as u64);
-        let mut output = stage.run_layers(&input, ctx, &mut self.pos.layer)?;
+        let output = stage.run_layers(&input, ctx, &mut self.pos.layer)?;
         if self.is_last(s) {
-            output = self.scaled_loss(&output, m)?;
-            if input_finite {
-                self.check(output.value(), s, m, || {
-                    format!("the loss of micro-batch {m}")
-                })?;
+            // The loss runs on the caller's thread; its gradient comes back as the seed of
+            // this micro-batch's backward, as a next stage's gradient would.
+            let (grad, finite) = self.loss_gradient(m, output.value().clone())?;
+            if !finite && input_finite {
+                self.out.non_finite.get_or_insert(NonFiniteAt {
+                    stage: s,
+                    micro_batch: m,
+                    what: format!("the loss of micro-batch {m}"),
+                });
             }
-            self.out.losses.push(output.value().clone());
+            self.finite_in.insert((s, m, true), input_finite && finite);
+            self.grads_in.insert((s, m), grad);
         } else {
             let finite = input_finite
                 && self.check(output.value(), s, m, || match stage.layers.last() {
@@ -400,12 +422,9 @@ impl<'a> Worker<'a, '_> {
         // so a layer may check either to skip side effects.
         let tape = Tape::recompute();
         let input = input_var(&tape, &x, s);
-        let mut output = self
+        let output = self
             .stage(s)?
             .run_layers(&input, ctx, &mut self.pos.layer)?;
-        if self.is_last(s) {
-            output = self.scaled_loss(&output, m)?;
-        }
         self.stash.insert(
             (s, m),
             Stash::Recorded {
@@ -431,15 +450,11 @@ impl<'a> Worker<'a, '_> {
                 )))
             }
         };
-        let (seed, seed_finite) = if self.is_last(s) {
-            (Tensor::ones(output.shape(), output.value().device())?, true)
-        } else {
-            let g = self
-                .grads_in
-                .remove(&(s, m))
-                .ok_or_else(|| internal(format!("no gradient for stage {s} micro-batch {m}")))?;
-            (g, self.finite_in.remove(&(s, m, true)).unwrap_or(true))
-        };
+        let seed = self
+            .grads_in
+            .remove(&(s, m))
+            .ok_or_else(|| internal(format!("no gradient for stage {s} micro-batch {m}")))?;
+        let seed_finite = self.finite_in.remove(&(s, m, true)).unwrap_or(true);
         let grads = if split {
             let (grads, weights) = tape.backward_split(&output, &seed)?;
             self.stash.insert((s, m), Stash::Weights(weights));
@@ -561,12 +576,33 @@ impl<'a> Worker<'a, '_> {
         }
     }
 
-    /// The micro-batch's mean loss scaled by its share of the mini-batch, so that the
-    /// accumulated gradient is that of the mean loss over the whole mini-batch.
-    fn scaled_loss(&self, output: &Var, m: usize) -> wgpipe_tensor::Result<Var> {
-        let io = self.io;
-        let target = io.targets[m].to_device(self.device)?;
-        (io.loss_fn)(output, &target)?.mul_scalar(io.scales[m])
+    /// Asks the calling thread for the gradient of micro-batch `m`'s loss with respect to the
+    /// last stage's `output`, waiting as a receive does (polling the abort flag).
+    fn loss_gradient(&mut self, m: usize, output: Tensor) -> Result<(Tensor, bool), StageCause> {
+        let (reply, answer) = channel();
+        self.io
+            .loss
+            .send(LossRequest {
+                micro_batch: m,
+                output,
+                reply,
+            })
+            .map_err(|_| StageCause::Disconnected("the step's caller stopped".into()))?;
+        loop {
+            match answer.recv_timeout(POLL) {
+                Ok(r) => return r,
+                Err(RecvTimeoutError::Timeout) => {
+                    if self.io.abort.load(Ordering::SeqCst) {
+                        return Err(StageCause::Disconnected(
+                            "stopped because another stage failed".into(),
+                        ));
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(StageCause::Disconnected("the step's caller stopped".into()))
+                }
+            }
+        }
     }
 }
 
@@ -577,6 +613,11 @@ fn input_var(tape: &Tape, x: &Tensor, stage: usize) -> Var {
     } else {
         tape.leaf(x.clone())
     }
+}
+
+/// Locks a mutex, also after a panic elsewhere poisoned it (the data is a plain slot).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn internal(msg: String) -> StageCause {

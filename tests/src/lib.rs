@@ -337,6 +337,8 @@ pub enum FaultKind {
     /// Returns an error from the parameter part of its backward only (the W of a split
     /// backward; part of the full backward otherwise).
     WeightBackwardError,
+    /// Sleeps this long in forward (a stuck layer), then goes on.
+    Slow(std::time::Duration),
     /// Asks its device for a tensor larger than any it can hold (2^40 elements: on wgpu past
     /// u32 indexing and every adapter's `max_buffer_size`), so the device reports the error.
     DeviceError,
@@ -420,6 +422,11 @@ impl Module for Fault {
                         msg: format!("injected backward error at micro-batch {m}"),
                     })
                 })
+            }
+            FaultKind::Slow(d) if !ctx.recompute => {
+                fire(&self.state);
+                std::thread::sleep(d);
+                gated()
             }
             FaultKind::WeightBackwardError => {
                 let state = self.state.clone();

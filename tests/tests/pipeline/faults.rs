@@ -383,3 +383,73 @@ fn a_shape_error_names_the_layer() {
     assert_eq!(e.stage(), Some(1), "{msg}");
     assert!(msg.contains("in layer 2 (Linear("), "{msg}");
 }
+
+/// An action past the time limit: `train_step` returns an error naming the stage and action
+/// well within a second, the stuck thread finishes on its own, the pipeline refuses to step
+/// until it has, and then discards its late results and trains as if the step never ran.
+#[test]
+fn a_stuck_layer_times_out_and_the_pipeline_recovers() {
+    use std::time::Duration;
+    let (x, y) = data();
+    for schedule in [ScheduleKind::GPipe, ScheduleKind::ZbV] {
+        let stage = 1;
+        let cfg = PipeCfg::new(K, 4, CheckpointMode::Never, schedule);
+        let make = || {
+            let (layers, balance, state) = faulty_model(stage, schedule);
+            let mut pipe = sim_pipeline(layers, &cfg.clone().balance(balance));
+            pipe.set_action_timeout(Some(Duration::from_millis(500)));
+            (pipe, state)
+        };
+        let (mut pipe, state) = make();
+        pipe.train_step(&x, &y, &mse).unwrap();
+        let params = snapshot(&pipe.named_parameters());
+        let grads = grad_snapshot(&pipe.named_parameters());
+        state.lock().unwrap().armed = Some((FaultKind::Slow(Duration::from_secs(3)), 2));
+        let t0 = Instant::now();
+        let e = pipe.train_step(&x, &y, &mse).unwrap_err();
+        let took = t0.elapsed();
+        let msg = e.to_string();
+        eprintln!("{schedule:?}: Err after {took:?}: {msg}");
+        assert!(took < Duration::from_secs(1), "{schedule:?}: took {took:?}");
+        assert_eq!(
+            (e.stage(), e.micro_batch()),
+            (Some(stage), Some(2)),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("Forward") && msg.contains("past the limit of 500"),
+            "{msg}"
+        );
+        // While the stuck layer sleeps, stepping is refused, saying why.
+        let e = pipe.train_step(&x, &y, &mse).unwrap_err();
+        assert!(matches!(e, PipelineError::Stuck(_)), "{e}");
+        assert!(e.to_string().contains("still running"), "{e}");
+        assert!(pipe.optimizer_step().is_err());
+        state.lock().unwrap().armed = None;
+        let fired = state.lock().unwrap().fired_at.unwrap();
+        std::thread::sleep(
+            (fired + Duration::from_millis(3300)).saturating_duration_since(Instant::now()),
+        );
+        pipe.settle().unwrap();
+        assert_eq!(
+            snapshot(&pipe.named_parameters()),
+            params,
+            "{schedule:?}: parameters changed"
+        );
+        assert_eq!(
+            grad_snapshot(&pipe.named_parameters()),
+            grads,
+            "{schedule:?}: late results kept"
+        );
+        pipe.train_step(&x, &y, &mse).unwrap();
+        pipe.optimizer_step().unwrap();
+        let (mut clean, _) = make();
+        clean.train_step(&x, &y, &mse).unwrap();
+        clean.train_step(&x, &y, &mse).unwrap();
+        clean.optimizer_step().unwrap();
+        assert_eq!(
+            snapshot(&pipe.named_parameters()),
+            snapshot(&clean.named_parameters())
+        );
+    }
+}
