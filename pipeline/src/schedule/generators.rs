@@ -118,18 +118,7 @@ pub fn gpipe(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, Sched
 /// Same bubble as GPipe, (K−1)/(M+K−1), but at most K−j micro-batches in flight on device j.
 pub fn one_f_one_b(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, ScheduleError> {
     check_sizes(k, m)?;
-    let compute = (0..k)
-        .map(|j| {
-            let warmup = (k - j - 1).min(m);
-            let mut list: Vec<Action> = (0..warmup).map(|mb| f(j, mb)).collect();
-            for i in 0..m - warmup {
-                list.push(f(j, warmup + i));
-                list.push(b(j, i));
-            }
-            list.extend((m - warmup..m).map(|mb| b(j, mb)));
-            list
-        })
-        .collect();
+    let compute = one_forward_one_backward(k, m, ActionKind::Backward, |j| k - 1 - j);
     let limit = (0..k).map(|j| (k - j).min(m)).collect();
     finish("1f1b", m, (0..k).collect(), compute, mode, Some(limit))
 }
@@ -241,7 +230,7 @@ pub fn zb_h1(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, Sched
     check_sizes(k, m)?;
     let placement: Vec<usize> = (0..k).collect();
     let limit = vec![k.min(m); k];
-    let skeleton = one_f_one_i(k, m, |j| k - 1 - j);
+    let skeleton = one_forward_one_backward(k, m, ActionKind::BackwardInput, |j| k - 1 - j);
     let compute = fill_weights(m, &placement, &skeleton, &limit)?;
     finish("zb-h1", m, placement, compute, mode, Some(limit))
 }
@@ -254,7 +243,7 @@ pub fn zb_h2(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, Sched
     check_sizes(k, m)?;
     let placement: Vec<usize> = (0..k).collect();
     let limit = vec![(2 * k - 1).min(m); k];
-    let skeleton = one_f_one_i(k, m, |j| 2 * (k - 1 - j));
+    let skeleton = one_forward_one_backward(k, m, ActionKind::BackwardInput, |j| 2 * (k - 1 - j));
     let compute = fill_weights(m, &placement, &skeleton, &limit)?;
     finish("zb-h2", m, placement, compute, mode, Some(limit))
 }
@@ -457,19 +446,24 @@ fn dual_pipe_v_device(k: usize, m: usize, d: usize) -> Vec<Action> {
     dev.list
 }
 
-/// The forward / input-part order of 1F1B on one stage per device, with `warmup(j)` forwards
-/// before device j starts alternating (capped by M).
-fn one_f_one_i(k: usize, m: usize, warmup: impl Fn(usize) -> usize) -> Vec<Vec<Action>> {
-    let input = |s, mb| Action::new(ActionKind::BackwardInput, s, mb);
+/// The 1F1B order on one stage per device: `warmup(j)` forwards (capped by M), then one
+/// forward and one `backward` (full, or the input part) in turn, then the remaining backwards.
+fn one_forward_one_backward(
+    k: usize,
+    m: usize,
+    backward: ActionKind,
+    warmup: impl Fn(usize) -> usize,
+) -> Vec<Vec<Action>> {
+    let back = |s, mb| Action::new(backward, s, mb);
     (0..k)
         .map(|j| {
             let w = warmup(j).min(m);
             let mut list: Vec<Action> = (0..w).map(|mb| f(j, mb)).collect();
             for i in 0..m - w {
                 list.push(f(j, w + i));
-                list.push(input(j, i));
+                list.push(back(j, i));
             }
-            list.extend((m - w..m).map(|mb| input(j, mb)));
+            list.extend((m - w..m).map(|mb| back(j, mb)));
             list
         })
         .collect()
