@@ -177,16 +177,11 @@ impl Pipeline {
     /// `path`, atomically (see the [module](crate::persist) doc). Creates missing folders.
     pub fn save(&self, path: impl AsRef<Path>, opts: &SaveOptions) -> PResult<()> {
         let path = path.as_ref();
-        if let Err(e) = self.check_settled() {
-            return Err(PersistError::Io {
-                path: path.to_path_buf(),
-                why: e.to_string(),
-            });
-        }
         let io = |why: String| PersistError::Io {
             path: path.to_path_buf(),
             why,
         };
+        self.check_settled().map_err(|e| io(e.to_string()))?;
         let mut meta = vec![
             (FORMAT_KEY.to_string(), FORMAT.to_string()),
             (STEP_KEY.to_string(), self.step_count().to_string()),
@@ -240,12 +235,11 @@ impl Pipeline {
     /// pipeline is as before. Gradients are cleared (they belonged to the old weights).
     pub fn load(&mut self, path: impl AsRef<Path>, opts: &LoadOptions) -> PResult<Restored> {
         let path = path.as_ref();
-        if let Err(e) = self.settle() {
-            return Err(PersistError::Io {
-                path: path.to_path_buf(),
-                why: e.to_string(),
-            });
-        }
+        // A timed-out step still holding stages: what is loaded would miss them.
+        self.settle().map_err(|e| PersistError::Io {
+            path: path.to_path_buf(),
+            why: e.to_string(),
+        })?;
         let unreadable = |why: String| PersistError::Unreadable {
             path: path.to_path_buf(),
             why,
