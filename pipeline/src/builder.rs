@@ -147,7 +147,7 @@ impl From<Schedule> for ScheduleSpec {
 }
 
 pub struct PipelineBuilder {
-    layers: Vec<Box<dyn Module>>,
+    pub(crate) layers: Vec<Box<dyn Module>>,
     devices: Vec<Device>,
     sim: Option<SimCluster>,
     balance: Balance,
@@ -158,7 +158,7 @@ pub struct PipelineBuilder {
     non_finite: NonFinite,
     action_timeout: Option<std::time::Duration>,
     seed: u64,
-    optimizer: Option<Box<dyn Fn() -> Box<dyn Optimizer>>>,
+    pub(crate) optimizer: Option<Box<dyn Fn() -> Box<dyn Optimizer>>>,
 }
 
 impl PipelineBuilder {

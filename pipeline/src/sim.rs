@@ -55,6 +55,16 @@ impl SimCluster {
         }
     }
 
+    /// The devices `order` names, in that order (the same virtual devices, not copies): the
+    /// cluster a plan runs on.
+    pub fn select(&self, order: &[usize]) -> SimCluster {
+        SimCluster {
+            devices: order.iter().map(|&d| self.devices[d].clone()).collect(),
+            specs: order.iter().map(|&d| self.specs[d]).collect(),
+            link: self.link,
+        }
+    }
+
     pub fn devices(&self) -> &[Device] {
         &self.devices
     }

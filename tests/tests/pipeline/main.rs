@@ -6,6 +6,7 @@ mod equivalence;
 mod faults;
 mod memory;
 mod persist;
+mod planner;
 mod reports;
 mod schedules;
 mod sim_time;

@@ -1,0 +1,518 @@
+//! The planner's cost model: what a candidate configuration would do on the simulated cluster,
+//! without running its arithmetic.
+//!
+//! Time: the candidate's schedule is replayed by the simulator itself ([`timeline::simulate`]),
+//! each action costing the FLOPs and bytes the profile predicts for its stage and micro-batch
+//! size, so the two use the same timing rules by construction; what can differ is only the
+//! profile's prediction of each action's FLOPs.
+//!
+//! Memory: each device's action list is walked in order, adding and freeing what the executor
+//! holds (received inputs, tapes or checkpointed inputs, output gradients, messages not yet
+//! taken by their receiver), with each action's transient peak on top, plus parameters,
+//! gradients and optimizer state. Threads run in real time, not simulated time, so a sent
+//! message is counted on its sender until the sender has provably heard back from the receiver
+//! after the receiver took it: the result is an upper bound of the measured peak.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::microbatch::micro_batch_sizes;
+use crate::partition::stage_ranges;
+use crate::schedule::{Action, ActionKind, CheckpointMode, Schedule};
+use crate::timeline::{simulate, ActionCost, DeviceSpec, LinkSpec};
+use crate::ScheduleKind;
+
+use super::profile::Profile;
+
+/// One point of the search space.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    /// The cluster device of each pipeline device, in pipeline order (K entries).
+    pub order: Vec<usize>,
+    pub kind: ScheduleKind,
+    /// Virtual stages per device.
+    pub chunks: usize,
+    pub micro_batches: usize,
+    /// Layers per virtual stage.
+    pub balance: Vec<usize>,
+    /// Re-materialization of each pipeline device's stages.
+    pub remat: Vec<CheckpointMode>,
+}
+
+/// What the cost model predicts for a candidate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    pub step_secs: f64,
+    pub bubble_fraction: f64,
+    /// Per pipeline device: the peak bytes of a training step (what its report's memory shows).
+    pub step_peak_bytes: Vec<u64>,
+    /// Per pipeline device: the peak including the optimizer step.
+    pub peak_bytes: Vec<u64>,
+    /// Per pipeline device: parameters, gradients and optimizer state.
+    pub static_bytes: Vec<u64>,
+}
+
+/// The sums and peaks of one stage's layers at one micro-batch size.
+#[derive(Debug, Clone, Copy, Default)]
+struct StageAt {
+    forward: f64,
+    backward: f64,
+    backward_input: f64,
+    backward_weight: f64,
+    accumulate: f64,
+    loss: f64,
+    input: f64,
+    output: f64,
+    stash: f64,
+    forward_peak: f64,
+    no_grad_peak: f64,
+    backward_peak: f64,
+    backward_input_peak: f64,
+    keep: f64,
+    backward_weight_peak: f64,
+    loss_peak: f64,
+    loss_kept: f64,
+}
+
+/// A profile on a cluster, for one mini-batch size.
+pub struct CostModel<'a> {
+    pub profile: &'a Profile,
+    pub specs: &'a [DeviceSpec],
+    pub link: LinkSpec,
+    pub batch: usize,
+}
+
+/// Facts of a schedule the memory walk needs: which forwards are checkpointed, and when each
+/// sent message is surely off its sender.
+pub struct ScheduleFacts {
+    checkpointed: HashSet<(usize, usize)>,
+    /// (device, index of a send) -> index after which the message is gone from the sender.
+    release: HashMap<(usize, usize), usize>,
+    /// The first backward (full or weight part) of each stage: it stores the parameter
+    /// gradients, later ones add to them.
+    first_backward: HashSet<Action>,
+}
+
+impl ScheduleFacts {
+    pub fn of(schedule: &Schedule) -> ScheduleFacts {
+        let stages = schedule.num_stages();
+        let mut sends = HashMap::new();
+        let mut recvs = HashMap::new();
+        let mut checkpointed = HashSet::new();
+        let mut first_backward = HashSet::new();
+        let mut seen = HashSet::new();
+        for (d, list) in schedule.devices.iter().enumerate() {
+            for (i, a) in list.iter().enumerate() {
+                match a.kind {
+                    ActionKind::SendActivation | ActionKind::SendGrad => {
+                        if let Some(l) = a.link(stages) {
+                            sends.insert((l, a.micro_batch), (d, i));
+                        }
+                    }
+                    ActionKind::RecvActivation | ActionKind::RecvGrad => {
+                        if let Some(l) = a.link(stages) {
+                            recvs.insert((l, a.micro_batch), (d, i));
+                        }
+                    }
+                    ActionKind::Recompute => {
+                        checkpointed.insert((a.stage, a.micro_batch));
+                    }
+                    ActionKind::Backward | ActionKind::BackwardWeight if seen.insert(a.stage) => {
+                        first_backward.insert(*a);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let mut release = HashMap::new();
+        for (&(link, mb), &(d, i)) in &sends {
+            let Some(&(p, r)) = recvs.get(&(link, mb)) else {
+                continue;
+            };
+            let list = &schedule.devices[d];
+            let at = if p == d {
+                r
+            } else {
+                // The first later receive on d of something p sent after it took the message.
+                (i + 1..list.len())
+                    .find(|&j| {
+                        let a = list[j];
+                        matches!(a.kind, ActionKind::RecvActivation | ActionKind::RecvGrad)
+                            && a.link(stages)
+                                .and_then(|l| sends.get(&(l, a.micro_batch)))
+                                .is_some_and(|&(sd, si)| sd == p && si > r)
+                    })
+                    .unwrap_or(list.len())
+            };
+            release.insert((d, i), at);
+        }
+        ScheduleFacts {
+            checkpointed,
+            release,
+            first_backward,
+        }
+    }
+}
+
+/// `schedule` with each device's recomputes kept only where its mode asks for them (the
+/// schedule must have been generated with [`CheckpointMode::Always`]).
+pub fn with_remat(schedule: &Schedule, remat: &[CheckpointMode]) -> Schedule {
+    let m = schedule.num_micro_batches;
+    let mut s = schedule.clone();
+    for (d, list) in s.devices.iter_mut().enumerate() {
+        list.retain(|a| a.kind != ActionKind::Recompute || remat[d].recomputes(a.micro_batch, m));
+    }
+    s
+}
+
+impl CostModel<'_> {
+    /// Predicts time and memory of `c` run with `schedule` (its schedule, recomputes as its
+    /// `remat` says) and `facts` of that schedule.
+    pub fn predict(
+        &self,
+        c: &Candidate,
+        schedule: &Schedule,
+        facts: &ScheduleFacts,
+    ) -> crate::Result<Prediction> {
+        let sizes = micro_batch_sizes(self.batch, c.micro_batches)
+            .map_err(|e| crate::PipelineError::Config(e.to_string()))?;
+        let stages = self.stage_table(&c.balance, &sizes);
+        let at = |s: usize, m: usize| &stages[s][usize::from(sizes[m] != sizes[0])];
+        let last = c.balance.len() - 1;
+        let specs: Vec<DeviceSpec> = c.order.iter().map(|&d| self.specs[d]).collect();
+        let timeline = simulate(schedule, &specs, &self.link, |_, a: Action| {
+            let st = at(a.stage, a.micro_batch);
+            let first = || facts.first_backward.contains(&a);
+            let flops = match a.kind {
+                ActionKind::Forward => st.forward + if a.stage == last { st.loss } else { 0.0 },
+                ActionKind::Recompute => st.forward,
+                ActionKind::Backward if first() => st.backward - st.accumulate,
+                ActionKind::Backward => st.backward,
+                ActionKind::BackwardInput => st.backward_input,
+                ActionKind::BackwardWeight if first() => st.backward_weight - st.accumulate,
+                ActionKind::BackwardWeight => st.backward_weight,
+                _ => 0.0,
+            };
+            let bytes = match a.kind {
+                ActionKind::SendActivation => st.output,
+                ActionKind::SendGrad => st.input,
+                _ => 0.0,
+            };
+            ActionCost {
+                flops: flops.max(0.0),
+                bytes: bytes as u64,
+            }
+        })?;
+        let (step_peak, peak) = self.memory(c, schedule, facts, &stages, &sizes);
+        Ok(Prediction {
+            step_secs: timeline.makespan,
+            bubble_fraction: timeline.bubble_fraction(),
+            step_peak_bytes: step_peak,
+            peak_bytes: peak,
+            static_bytes: self.static_bytes(c, schedule),
+        })
+    }
+
+    /// Per pipeline device, the predicted peak bytes (optimizer step included).
+    pub fn predict_memory(
+        &self,
+        c: &Candidate,
+        schedule: &Schedule,
+        facts: &ScheduleFacts,
+    ) -> crate::Result<Vec<u64>> {
+        let sizes = micro_batch_sizes(self.batch, c.micro_batches)
+            .map_err(|e| crate::PipelineError::Config(e.to_string()))?;
+        let stages = self.stage_table(&c.balance, &sizes);
+        Ok(self.memory(c, schedule, facts, &stages, &sizes).1)
+    }
+
+    /// A lower bound of the step: the busiest device's compute (no recomputation), which no
+    /// schedule can hide.
+    pub fn compute_bound(&self, c: &Candidate, schedule: &Schedule) -> f64 {
+        let Ok(sizes) = micro_batch_sizes(self.batch, c.micro_batches) else {
+            return f64::INFINITY;
+        };
+        let stages = self.stage_table(&c.balance, &sizes);
+        let last = c.balance.len() - 1;
+        let mut busy = vec![0f64; c.order.len()];
+        for (s, st) in stages.iter().enumerate() {
+            let d = schedule.placement[s];
+            for &b in &sizes {
+                let x = &st[usize::from(b != sizes[0])];
+                let loss = if s == last { x.loss } else { 0.0 };
+                busy[d] += x.forward + x.backward - x.accumulate + loss;
+            }
+        }
+        busy.iter()
+            .enumerate()
+            .map(|(d, b)| b / self.specs[c.order[d]].flops_per_sec)
+            .fold(0.0, f64::max)
+    }
+
+    /// (step peak, peak with the optimizer step) of each pipeline device.
+    fn memory(
+        &self,
+        c: &Candidate,
+        schedule: &Schedule,
+        facts: &ScheduleFacts,
+        stages: &[[StageAt; 2]],
+        sizes: &[usize],
+    ) -> (Vec<u64>, Vec<u64>) {
+        let at = |s: usize, m: usize| &stages[s][usize::from(sizes[m] != sizes[0])];
+        let last = c.balance.len() - 1;
+        let static_bytes = self.static_bytes(c, schedule);
+        let opt_extra = self.optimizer_extra(c, schedule);
+        let param_check = self.largest_layer_params(c, schedule);
+        let mut step_peak = Vec::with_capacity(c.order.len());
+        let mut peak = Vec::with_capacity(c.order.len());
+        for d in 0..c.order.len() {
+            let walk = walk_memory(schedule, facts, d, last, &at, param_check[d]);
+            let step = static_bytes[d] as f64 + walk;
+            step_peak.push(step.ceil() as u64);
+            peak.push(step.max(static_bytes[d] as f64 + opt_extra[d]).ceil() as u64);
+        }
+        (step_peak, peak)
+    }
+
+    /// Parameters, gradients and optimizer state of each pipeline device.
+    pub fn static_bytes(&self, c: &Candidate, schedule: &Schedule) -> Vec<u64> {
+        let mut out = vec![0u64; c.order.len()];
+        for (s, r) in stage_ranges(&c.balance).into_iter().enumerate() {
+            out[schedule.placement[s]] += self.profile.layers[r]
+                .iter()
+                .map(|l| l.param_bytes + l.grad_bytes + l.optimizer_state_bytes)
+                .sum::<u64>();
+        }
+        out
+    }
+
+    /// Per device, the largest layer's parameter bytes (bounds the largest single gradient).
+    fn largest_layer_params(&self, c: &Candidate, schedule: &Schedule) -> Vec<f64> {
+        let mut out = vec![0f64; c.order.len()];
+        for (s, r) in stage_ranges(&c.balance).into_iter().enumerate() {
+            let d = schedule.placement[s];
+            for l in &self.profile.layers[r] {
+                out[d] = out[d].max(l.param_bytes as f64);
+            }
+        }
+        out
+    }
+
+    fn optimizer_extra(&self, c: &Candidate, schedule: &Schedule) -> Vec<f64> {
+        let mut out = vec![0f64; c.order.len()];
+        for (s, r) in stage_ranges(&c.balance).into_iter().enumerate() {
+            out[schedule.placement[s]] += self.profile.layers[r]
+                .iter()
+                .map(|l| l.optimizer_step_bytes as f64)
+                .sum::<f64>();
+        }
+        out
+    }
+
+    /// `[stage][0 or 1]`: the stage at the first micro-batch size and at the other one.
+    fn stage_table(&self, balance: &[usize], sizes: &[usize]) -> Vec<[StageAt; 2]> {
+        let small = *sizes.last().expect("at least one micro-batch");
+        let ranges = stage_ranges(balance);
+        let last = ranges.len() - 1;
+        ranges
+            .into_iter()
+            .enumerate()
+            .map(|(s, r)| {
+                let one = |b: usize| self.stage_at(r.clone(), s == 0, s == last, b);
+                [one(sizes[0]), one(small)]
+            })
+            .collect()
+    }
+
+    fn stage_at(&self, r: std::ops::Range<usize>, first: bool, last: bool, b: usize) -> StageAt {
+        let p = self.profile;
+        let mut st = StageAt {
+            input: p.input_bytes_of(r.start, b) as f64,
+            ..StageAt::default()
+        };
+        let mut prefix = 0.0;
+        let mut in_bytes = 0.0;
+        // Per layer: the peak of its input part, and what it keeps for the weight part.
+        let mut input_parts = Vec::with_capacity(r.len());
+        for (i, l) in p.layers[r.clone()]
+            .iter()
+            .enumerate()
+            .map(|(j, l)| (r.start + j, l))
+        {
+            let out = l.output_bytes.bytes(b) as f64;
+            st.forward += l.forward_flops.at(b);
+            st.backward += if first && i <= p.first_trainable {
+                l.backward_flops_from_data.at(b)
+            } else {
+                l.backward_flops.at(b)
+            };
+            st.backward_input += if first && i <= p.first_trainable {
+                l.backward_input_flops_from_data.at(b)
+            } else {
+                l.backward_input_flops.at(b)
+            };
+            st.backward_weight += l.backward_weight_flops.at(b);
+            st.accumulate += l.accumulate_flops;
+            prefix += l.stash_bytes.at(b);
+            st.forward_peak = st.forward_peak.max(prefix + l.forward_extra_bytes.at(b));
+            st.no_grad_peak = st.no_grad_peak.max(in_bytes + l.no_grad_peak_bytes.at(b));
+            st.backward_peak = st
+                .backward_peak
+                .max(prefix + out + l.backward_extra_bytes.at(b));
+            // A layer's weight part may need its input, which inside a stage is the output of
+            // the layer before (not in that layer's own measured keep); the stage's input is
+            // held until the weight part anyway.
+            let keep = l.weight_keep_bytes.at(b)
+                + if i > r.start && l.param_bytes > 0 {
+                    in_bytes
+                } else {
+                    0.0
+                };
+            st.keep += keep;
+            input_parts.push((prefix + out + l.backward_input_extra_bytes.at(b), keep));
+            st.backward_weight_peak += l.backward_weight_extra_bytes.at(b);
+            in_bytes = out;
+            st.output = out;
+        }
+        st.stash = prefix;
+        // The input parts run from the last layer back; what the later layers kept is alive.
+        let mut kept_after = 0.0;
+        for &(peak, keep) in input_parts.iter().rev() {
+            st.backward_input_peak = st.backward_input_peak.max(peak + kept_after);
+            kept_after += keep;
+        }
+        if last {
+            st.loss = p.loss.flops.at(b);
+            st.loss_peak = p.loss.peak_bytes.at(b);
+            st.loss_kept = p.loss.kept_bytes.at(b);
+        }
+        st
+    }
+}
+
+/// A non-finite check of a tensor makes a temporary of its size, then sums it to a scalar.
+const CHECK_SCALAR: f64 = 4.0;
+
+/// What one (stage, micro-batch) holds on its device.
+#[derive(Default, Clone, Copy)]
+struct Held {
+    input: f64,
+    stash: f64,
+    seed: f64,
+    keep: f64,
+}
+
+/// The largest bytes above parameters, gradients and state device `d` holds during a step.
+fn walk_memory<'s>(
+    schedule: &Schedule,
+    facts: &ScheduleFacts,
+    d: usize,
+    last: usize,
+    at: &dyn Fn(usize, usize) -> &'s StageAt,
+    param_check: f64,
+) -> f64 {
+    let list = &schedule.devices[d];
+    let mut held = 0.0f64;
+    let mut peak = 0.0f64;
+    let mut items: HashMap<(usize, usize), Held> = HashMap::new();
+    // Bytes of messages by the index after which they leave the sender.
+    let mut leaving: HashMap<usize, f64> = HashMap::new();
+    // Bytes made by the last compute action that its send hands on (0 when a tape holds them).
+    let mut outgoing = 0.0;
+    for (i, a) in list.iter().enumerate() {
+        let (s, m) = (a.stage, a.micro_batch);
+        let st = at(s, m);
+        let it = items.entry((s, m)).or_default();
+        match a.kind {
+            ActionKind::RecvActivation => {
+                it.input = st.input;
+                held += st.input;
+            }
+            ActionKind::RecvGrad => {
+                it.seed = st.output;
+                held += st.output;
+            }
+            ActionKind::Forward => {
+                if s == 0 {
+                    it.input = st.input;
+                    held += st.input;
+                    // The non-finite check of the input.
+                    peak = peak.max(held + st.input + CHECK_SCALAR);
+                }
+                if facts.checkpointed.contains(&(s, m)) {
+                    peak = peak.max(held + st.no_grad_peak);
+                    outgoing = if s == last { 0.0 } else { st.output };
+                    held += st.output;
+                    if s == last {
+                        // Until the loss is done with it.
+                        peak = peak.max(held + st.loss_peak);
+                        held -= st.output;
+                    }
+                } else {
+                    peak = peak.max(held + st.forward_peak);
+                    it.stash = st.stash;
+                    held += st.stash;
+                    outgoing = 0.0;
+                    if s == last {
+                        peak = peak.max(held + st.loss_peak);
+                    }
+                }
+                // The non-finite check of the output.
+                peak = peak.max(held + st.output + CHECK_SCALAR);
+                if s == last {
+                    it.seed = st.output;
+                    held += st.output + st.loss_kept;
+                }
+            }
+            ActionKind::Recompute => {
+                peak = peak.max(held + st.forward_peak);
+                it.stash = st.stash;
+                held += st.stash;
+            }
+            ActionKind::Backward | ActionKind::BackwardInput => {
+                let rest = held - it.stash - it.seed;
+                let (top, after) = if a.kind == ActionKind::Backward {
+                    (st.backward_peak, it.input)
+                } else {
+                    (st.backward_input_peak, 0.0)
+                };
+                peak = peak.max(rest + top);
+                held = rest - after;
+                if a.kind == ActionKind::BackwardInput {
+                    it.keep = st.keep;
+                    held += st.keep;
+                } else {
+                    it.input = 0.0;
+                }
+                it.stash = 0.0;
+                it.seed = 0.0;
+                outgoing = if s > 0 { st.input } else { 0.0 };
+                if s > 0 {
+                    // The check of the input gradient runs while the output and its gradient
+                    // are still referenced: the input (in `rest`), output, seed, the input
+                    // gradient and the check's temporary.
+                    peak = peak.max(rest + 2.0 * st.output + 2.0 * st.input + CHECK_SCALAR);
+                }
+                held += outgoing;
+            }
+            ActionKind::BackwardWeight => {
+                peak = peak.max(held + st.backward_weight_peak);
+                held -= it.keep + it.input;
+                it.keep = 0.0;
+                it.input = 0.0;
+            }
+            ActionKind::SendActivation | ActionKind::SendGrad => {
+                if outgoing > 0.0 {
+                    let at = facts.release.get(&(d, i)).copied().unwrap_or(list.len());
+                    *leaving.entry(at).or_default() += outgoing;
+                }
+                outgoing = 0.0;
+            }
+        }
+        peak = peak.max(held);
+        if let Some(b) = leaving.remove(&i) {
+            held -= b;
+        }
+    }
+    // The end-of-step check of each parameter gradient (a temporary of its size).
+    peak.max(held + param_check + CHECK_SCALAR)
+}

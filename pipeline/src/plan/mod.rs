@@ -1,0 +1,221 @@
+//! The planner: chooses K, the device order, the schedule, chunks per device, M, the balance and
+//! each device's re-materialization, by predicting every candidate on the simulated cluster.
+//!
+//! - [`profile`]: per-layer FLOPs and bytes, measured by a dry run of small micro-batches.
+//! - [`cost`]: the cost model: step time by the simulator's own replay of the candidate's
+//!   schedule, peak memory per device by walking its action lists.
+//! - [`search`]: the search over the space, exact where the space is small.
+//!
+//! Data-parallel replicas are not part of the space: the pipeline has none yet.
+
+pub mod cost;
+pub mod profile;
+pub mod search;
+
+use std::fmt;
+
+pub use cost::{Candidate, CostModel, Prediction};
+pub use profile::{profile_layers, Affine, LayerProfile, LossProfile, Profile};
+
+use wgpipe_tensor::Tensor;
+
+use crate::schedule::Schedule;
+use crate::sim::SimCluster;
+use crate::timeline::{DeviceSpec, LinkSpec};
+use crate::worker::LossFn;
+use crate::{Balance, PipelineBuilder, ScheduleKind};
+
+/// What the search may choose from.
+#[derive(Debug, Clone)]
+pub struct PlanOptions {
+    /// Schedule kinds to try (default: all).
+    pub kinds: Vec<ScheduleKind>,
+    /// Chunks per device for interleaved 1F1B and looped BFS (ZB-V and DualPipeV use 2).
+    pub chunks: Vec<usize>,
+    /// Micro-batch counts to try (default: 1, 2, 3, 4, 6, 8, 12, ..., 64 and K, 2K, 4K).
+    pub micro_batches: Option<Vec<usize>>,
+    /// At most this many devices (default: all of the cluster's).
+    pub max_devices: Option<usize>,
+    /// Every balance is tried when there are at most this many for a (K, chunks).
+    pub exhaustive_balances: usize,
+    /// How many of the best structures get their balance refined, and for how many passes.
+    pub refine: usize,
+    pub refine_passes: usize,
+    /// Next-best plans to report.
+    pub alternatives: usize,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            kinds: ScheduleKind::ALL.to_vec(),
+            chunks: vec![2, 4],
+            micro_batches: None,
+            max_devices: None,
+            exhaustive_balances: 64,
+            refine: 4,
+            refine_passes: 8,
+            alternatives: 4,
+        }
+    }
+}
+
+/// A configuration with its prediction and its schedule (recomputes as chosen per device).
+#[derive(Debug, Clone)]
+pub struct Planned {
+    pub candidate: Candidate,
+    pub prediction: Prediction,
+    pub schedule: Schedule,
+}
+
+/// The search's answer.
+#[derive(Debug, Clone)]
+pub struct PlanReport {
+    pub best: Planned,
+    /// The next best plans of other structures (order, kind, chunks, M), fastest first.
+    pub alternatives: Vec<Planned>,
+    /// Candidates predicted in full.
+    pub evaluated: usize,
+    pub search_secs: f64,
+}
+
+/// Why nothing fits: the device that overflows most in the configuration closest to fitting.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NoFit {
+    /// Cluster index of the device.
+    pub device: usize,
+    pub needed: u64,
+    pub available: u64,
+    /// The smallest per-device memory with which that configuration fits (its largest peak).
+    pub smallest_memory: u64,
+    /// Largest peak over capacity in that configuration (memories this many times larger fit).
+    pub scale: f64,
+    pub closest: Candidate,
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    #[error(
+        "no configuration fits the devices' memory: in the closest one ({kind:?}, K={k}, M={m}, \
+         always re-materialize) device {} needs {} bytes but has {}; every device would need \
+         {} bytes (memories {:.2}x as large)",
+        .0.device, .0.needed, .0.available, .0.smallest_memory, .0.scale,
+        kind = .0.closest.kind, k = .0.closest.order.len(), m = .0.closest.micro_batches
+    )]
+    NoFit(Box<NoFit>),
+    #[error("nothing to plan: {0}")]
+    Empty(String),
+}
+
+/// The fastest configuration of a profiled model for `batch` samples per step on devices
+/// `specs` joined by `link` that fits every device's memory.
+pub fn plan(
+    profile: &Profile,
+    specs: &[DeviceSpec],
+    link: LinkSpec,
+    batch: usize,
+    options: &PlanOptions,
+) -> Result<PlanReport, PlanError> {
+    let model = CostModel {
+        profile,
+        specs,
+        link,
+        batch,
+    };
+    search::search(&model, options)
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1}", b as f64 / (1 << 20) as f64)
+}
+
+/// One line per plan: the table of the chosen plan and its alternatives.
+fn row(f: &mut fmt::Formatter<'_>, tag: &str, p: &Planned) -> fmt::Result {
+    let c = &p.candidate;
+    let remat: Vec<String> = c.remat.iter().map(|m| m.to_string()).collect();
+    let peaks: Vec<String> = p.prediction.peak_bytes.iter().map(|&b| mib(b)).collect();
+    writeln!(
+        f,
+        "{tag:<6} {:<14} {:>2} {:>2} {:>4} {:>12.6} {:>6.1}%  devices {:?} balance {:?} remat [{}] peak MiB [{}]",
+        format!("{:?}", c.kind),
+        c.order.len(),
+        c.chunks,
+        c.micro_batches,
+        p.prediction.step_secs,
+        p.prediction.bubble_fraction * 100.0,
+        c.order,
+        c.balance,
+        remat.join(" "),
+        peaks.join(" ")
+    )
+}
+
+impl fmt::Display for PlanReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "plan: {} candidates predicted in {:.2} s (simulated times)",
+            self.evaluated, self.search_secs
+        )?;
+        writeln!(
+            f,
+            "{:<6} {:<14} {:>2} {:>2} {:>4} {:>12} {:>7}",
+            "", "schedule", "K", "v", "M", "step s", "bubble"
+        )?;
+        row(f, "chosen", &self.best)?;
+        for (i, p) in self.alternatives.iter().enumerate() {
+            row(f, &format!("alt {}", i + 1), p)?;
+        }
+        Ok(())
+    }
+}
+
+/// What the planner needs besides the layers and the cluster: a sample to profile on (at least
+/// 2 rows of inputs and targets; the first rows are used), the loss, and the mini-batch size the
+/// plan is for.
+pub struct PlanInputs<'a> {
+    pub inputs: &'a Tensor,
+    pub targets: &'a Tensor,
+    pub loss: &'a LossFn,
+    pub batch: usize,
+    pub options: PlanOptions,
+}
+
+impl PipelineBuilder {
+    /// Profiles the layers on `plan.inputs`, searches the fastest configuration that fits
+    /// `cluster`'s memories, and sets this builder to it: the chosen devices in the chosen
+    /// order, the balance, M and the schedule (with each device's re-materialization). Call it
+    /// after `.optimizer(..)`, so that the optimizer's state is planned for; a later `.sim`,
+    /// `.balance`, `.micro_batches` or `.schedule` overrides the plan.
+    pub fn plan(
+        mut self,
+        cluster: &SimCluster,
+        plan_inputs: &PlanInputs<'_>,
+    ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
+        let backing = cluster.devices().first().ok_or_else(|| {
+            crate::PipelineError::Config("the cluster to plan for has no devices".into())
+        })?;
+        let profile = profile_layers(
+            &mut self.layers,
+            plan_inputs.inputs,
+            plan_inputs.targets,
+            plan_inputs.loss,
+            self.optimizer.as_deref(),
+            backing,
+        )?;
+        let report = plan(
+            &profile,
+            cluster.specs(),
+            cluster.link(),
+            plan_inputs.batch,
+            &plan_inputs.options,
+        )?;
+        let best = &report.best;
+        let builder = self
+            .sim(cluster.select(&best.candidate.order))
+            .balance(Balance::Explicit(best.candidate.balance.clone()))
+            .micro_batches(best.candidate.micro_batches)
+            .schedule(best.schedule.clone());
+        Ok((builder, report, profile))
+    }
+}

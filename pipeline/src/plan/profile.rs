@@ -1,0 +1,491 @@
+//! The per-layer profile the planner's cost model runs on: FLOPs and bytes of every layer,
+//! measured by a dry run of small micro-batches on a device of the same backend (its FLOP
+//! counter and memory accounting), never estimated from shapes.
+//!
+//! Each quantity is measured at two micro-batch sizes b and 2b and kept as an affine function
+//! of the micro-batch size (`fixed + per_sample · b`): FLOPs and activation bytes grow with the
+//! samples, while some parts do not (the addition that accumulates a later micro-batch's
+//! parameter gradient, per-call scalars). Layers run one at a time, each on the output of the
+//! one before, so a model that does not fit anywhere whole can still be profiled.
+
+use wgpipe_autograd::optim::Optimizer;
+use wgpipe_autograd::{ForwardCtx, Module, Tape, Var};
+use wgpipe_tensor::{Device, Tensor};
+
+use crate::error::{PipelineError, Result};
+use crate::worker::LossFn;
+
+/// `fixed + per_sample · b` for a micro-batch of b samples.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Affine {
+    pub fixed: f64,
+    pub per_sample: f64,
+}
+
+impl Affine {
+    /// The value at `b` samples (never negative: a fit through two noisy-free points can still
+    /// give a slightly negative intercept for quantities that are zero at b = 0).
+    pub fn at(&self, b: usize) -> f64 {
+        (self.fixed + self.per_sample * b as f64).max(0.0)
+    }
+    /// Bytes at `b` samples, rounded up.
+    pub fn bytes(&self, b: usize) -> u64 {
+        self.at(b).ceil() as u64
+    }
+    /// The line through `(b1, v1)` and `(b2, v2)`, `b1 < b2`.
+    fn fit(b1: usize, v1: f64, b2: usize, v2: f64) -> Affine {
+        let per_sample = (v2 - v1) / (b2 - b1) as f64;
+        Affine {
+            fixed: v1 - per_sample * b1 as f64,
+            per_sample,
+        }
+    }
+}
+
+/// What one layer costs. FLOPs are those the device counts; bytes those its accounting sees.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LayerProfile {
+    pub name: String,
+    /// Forward (recorded or not: the same arithmetic).
+    pub forward_flops: Affine,
+    /// Full backward of a micro-batch whose parameter gradients add to earlier ones.
+    pub backward_flops: Affine,
+    /// The input part of a split backward.
+    pub backward_input_flops: Affine,
+    /// The weight part of a split backward (adding to earlier gradients).
+    pub backward_weight_flops: Affine,
+    /// FLOPs of adding a micro-batch's parameter gradients to the accumulated ones: the first
+    /// backward of a step stores them instead.
+    pub accumulate_flops: f64,
+    /// Backward FLOPs when the layer's input needs no gradient (the model's first layers, before
+    /// any parameter, on stage 0 whose input is data).
+    pub backward_flops_from_data: Affine,
+    /// The input part of a split backward when the input needs no gradient.
+    pub backward_input_flops_from_data: Affine,
+    pub param_bytes: u64,
+    /// The accumulated parameter gradients.
+    pub grad_bytes: u64,
+    /// Optimizer state after a step (momentum, Adam moments, counters).
+    pub optimizer_state_bytes: u64,
+    /// Peak bytes an optimizer step adds above parameters, gradients and state (the values and
+    /// state kept to undo it, the new values).
+    pub optimizer_step_bytes: u64,
+    /// Bytes a recorded forward keeps until its backward (saved tensors and the output).
+    pub stash_bytes: Affine,
+    /// Peak above the stash while a recorded forward runs (temporaries).
+    pub forward_extra_bytes: Affine,
+    /// Peak of a forward that records nothing, above what was live before it (output included).
+    pub no_grad_peak_bytes: Affine,
+    /// Peak of a full backward above what was live before it (stash and output gradient
+    /// included there): input gradient, parameter-gradient temporaries and sums.
+    pub backward_extra_bytes: Affine,
+    /// The same for the input part of a split backward.
+    pub backward_input_extra_bytes: Affine,
+    /// What the input part keeps for the weight part.
+    pub weight_keep_bytes: Affine,
+    /// Peak of the weight part above what was live before it.
+    pub backward_weight_extra_bytes: Affine,
+    /// The output tensor (what goes to the next stage).
+    pub output_bytes: Affine,
+}
+
+/// The loss on the last stage's device: FLOPs of the loss and its gradient, and its bytes.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LossProfile {
+    pub flops: Affine,
+    /// Peak while the loss and its gradient run, above what was live before (the target copy
+    /// and the gradient of the output included).
+    pub peak_bytes: Affine,
+    /// What stays for the rest of the step (the loss value).
+    pub kept_bytes: Affine,
+}
+
+/// Every layer's profile, the loss's, and the model's input bytes.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Profile {
+    pub layers: Vec<LayerProfile>,
+    pub loss: LossProfile,
+    pub input_bytes: Affine,
+    /// Index of the first layer with trainable parameters: on stage 0, where the input is data,
+    /// it and the layers before it compute no input gradient.
+    pub first_trainable: usize,
+}
+
+impl Profile {
+    /// Bytes of stage input `s` for a micro-batch of `b`: the model input or the output of the
+    /// layer before `first_layer`.
+    pub fn input_bytes_of(&self, first_layer: usize, b: usize) -> u64 {
+        if first_layer == 0 {
+            self.input_bytes.bytes(b)
+        } else {
+            self.layers[first_layer - 1].output_bytes.bytes(b)
+        }
+    }
+}
+
+/// A profile of `layers` by dry runs of micro-batches of `b` and `2b` samples, the first rows of
+/// `inputs` and `targets` (which need at least 2b rows), on a fresh virtual device of `on`'s
+/// backend. `optimizer` makes the optimizer whose state and step are measured (none: no state).
+/// The layers' parameters, gradients and buffers are as before afterwards, and the layers end up
+/// on `on`.
+pub fn profile_layers(
+    layers: &mut [Box<dyn Module>],
+    inputs: &Tensor,
+    targets: &Tensor,
+    loss_fn: &LossFn,
+    optimizer: Option<&dyn Fn() -> Box<dyn Optimizer>>,
+    on: &Device,
+) -> Result<Profile> {
+    let n = inputs.shape().first().copied().unwrap_or(0);
+    if n < 2 || targets.shape().first().copied().unwrap_or(0) < 2 {
+        return Err(PipelineError::Config(format!(
+            "profiling needs a sample of at least 2 rows; inputs {:?}, targets {:?}",
+            inputs.shape(),
+            targets.shape()
+        )));
+    }
+    let b1 = (n / 2).min(2);
+    let dev = on.virtual_device("profile", None);
+    for (i, l) in layers.iter_mut().enumerate() {
+        l.to_device(&dev).map_err(|e| {
+            PipelineError::Config(format!("profiling: placing layer {i} ({}): {e}", l.name()))
+        })?;
+    }
+    let first_trainable = layers
+        .iter()
+        .position(|l| l.parameters().iter().any(|(_, p)| p.is_trainable()))
+        .unwrap_or(layers.len());
+    let at = |b: usize| -> Result<(Vec<Point>, LossPoint, f64)> {
+        let x = inputs.narrow(0, 0, b)?.to_device(&dev)?;
+        let y = targets.narrow(0, 0, b)?;
+        run_at(layers, &x, &y, loss_fn, first_trainable, &dev)
+    };
+    let (small, loss_small, in_small) = at(b1)?;
+    let (large, loss_large, in_large) = at(2 * b1)?;
+    let fit =
+        |f: &dyn Fn(&Point) -> f64, i: usize| Affine::fit(b1, f(&small[i]), 2 * b1, f(&large[i]));
+    let mut out = Vec::with_capacity(layers.len());
+    for (i, l) in layers.iter().enumerate() {
+        let (state, step) = match optimizer {
+            Some(make) => optimizer_bytes(l.as_ref(), make().as_mut(), &dev)?,
+            None => (0, 0),
+        };
+        let s = &large[i];
+        out.push(LayerProfile {
+            name: l.name(),
+            forward_flops: fit(&|p| p.forward_flops, i),
+            backward_flops: fit(&|p| p.backward_flops, i),
+            backward_input_flops: fit(&|p| p.backward_input_flops, i),
+            backward_weight_flops: fit(&|p| p.backward_weight_flops, i),
+            accumulate_flops: s.accumulate_flops,
+            backward_flops_from_data: fit(&|p| p.backward_flops_from_data, i),
+            backward_input_flops_from_data: fit(&|p| p.backward_input_flops_from_data, i),
+            param_bytes: s.param_bytes,
+            grad_bytes: s.grad_bytes,
+            optimizer_state_bytes: state,
+            optimizer_step_bytes: step,
+            stash_bytes: fit(&|p| p.stash, i),
+            forward_extra_bytes: fit(&|p| p.forward_extra, i),
+            no_grad_peak_bytes: fit(&|p| p.no_grad_peak, i),
+            backward_extra_bytes: fit(&|p| p.backward_extra, i),
+            backward_input_extra_bytes: fit(&|p| p.backward_input_extra, i),
+            weight_keep_bytes: fit(&|p| p.weight_keep, i),
+            backward_weight_extra_bytes: fit(&|p| p.backward_weight_extra, i),
+            output_bytes: fit(&|p| p.output_bytes, i),
+        });
+    }
+    let loss = LossProfile {
+        flops: Affine::fit(b1, loss_small.flops, 2 * b1, loss_large.flops),
+        peak_bytes: Affine::fit(b1, loss_small.peak, 2 * b1, loss_large.peak),
+        kept_bytes: Affine::fit(b1, loss_small.kept, 2 * b1, loss_large.kept),
+    };
+    Ok(Profile {
+        layers: out,
+        loss,
+        input_bytes: Affine::fit(b1, in_small, 2 * b1, in_large),
+        first_trainable,
+    })
+}
+
+/// One layer's measurements at one micro-batch size.
+#[derive(Default)]
+struct Point {
+    forward_flops: f64,
+    backward_flops: f64,
+    backward_input_flops: f64,
+    backward_weight_flops: f64,
+    accumulate_flops: f64,
+    backward_flops_from_data: f64,
+    backward_input_flops_from_data: f64,
+    param_bytes: u64,
+    grad_bytes: u64,
+    stash: f64,
+    forward_extra: f64,
+    no_grad_peak: f64,
+    backward_extra: f64,
+    backward_input_extra: f64,
+    weight_keep: f64,
+    backward_weight_extra: f64,
+    output_bytes: f64,
+}
+
+struct LossPoint {
+    flops: f64,
+    peak: f64,
+    kept: f64,
+}
+
+/// Counters of the profiling device: FLOPs and live bytes now, peak since `mark`.
+struct Meter<'a> {
+    dev: &'a Device,
+    flops0: u64,
+    live0: usize,
+}
+
+impl<'a> Meter<'a> {
+    fn mark(dev: &'a Device) -> Meter<'a> {
+        dev.memory().reset_peak();
+        Meter {
+            dev,
+            flops0: dev.flops(),
+            live0: dev.memory_stats().live,
+        }
+    }
+    fn flops(&self) -> f64 {
+        (self.dev.flops() - self.flops0) as f64
+    }
+    /// Live bytes now minus at the mark.
+    fn grown(&self) -> f64 {
+        self.dev.memory_stats().live as f64 - self.live0 as f64
+    }
+    /// Peak since the mark minus live at the mark.
+    fn peak(&self) -> f64 {
+        self.dev.memory_stats().peak as f64 - self.live0 as f64
+    }
+}
+
+fn bytes_of(t: &Tensor) -> f64 {
+    (t.numel() * std::mem::size_of::<f32>()) as f64
+}
+
+/// Measures every layer on `x` (b samples) in turn, then the loss on the last output.
+fn run_at(
+    layers: &[Box<dyn Module>],
+    x: &Tensor,
+    y: &Tensor,
+    loss_fn: &LossFn,
+    first_trainable: usize,
+    dev: &Device,
+) -> Result<(Vec<Point>, LossPoint, f64)> {
+    let input_bytes = bytes_of(x);
+    let mut h = x.clone();
+    let mut points = Vec::with_capacity(layers.len());
+    for (i, l) in layers.iter().enumerate() {
+        let saved: Vec<_> = l
+            .parameters()
+            .into_iter()
+            .map(|(_, p)| {
+                let g = p.grad();
+                p.zero_grad();
+                (p, g)
+            })
+            .collect();
+        let buffers: Vec<_> = l
+            .buffers()
+            .into_iter()
+            .map(|(_, b)| {
+                let v = b.value();
+                (b, v)
+            })
+            .collect();
+        let (point, out) = measure_layer(l.as_ref(), &h, i, i <= first_trainable, dev);
+        for (p, g) in saved {
+            p.set_grad(g);
+        }
+        // Statistics the dry runs recorded (batch norm) are applied, then undone.
+        let _ = l.finish_step();
+        for (b, v) in buffers {
+            b.set_value(v);
+        }
+        let point = point.map_err(|e| {
+            PipelineError::Config(format!("profiling layer {i} ({}): {e}", l.name()))
+        })?;
+        points.push(point);
+        h = out;
+    }
+    let loss = measure_loss(&h, y, loss_fn, dev)?;
+    Ok((points, loss, input_bytes))
+}
+
+fn ctx(i: usize) -> ForwardCtx {
+    ForwardCtx::train(0, 0, 0).at_layer(i as u64)
+}
+
+/// A recorded forward of layer `i` on `x`: the tape, its input and output.
+fn recorded(
+    l: &dyn Module,
+    x: &Tensor,
+    i: usize,
+    from_data: bool,
+) -> wgpipe_tensor::Result<(Tape, Var)> {
+    let tape = Tape::new();
+    let input = if from_data {
+        tape.constant(x.clone())
+    } else {
+        tape.leaf(x.clone())
+    };
+    let y = l.forward(&input, &ctx(i))?;
+    Ok((tape, y))
+}
+
+fn measure_layer(
+    l: &dyn Module,
+    x: &Tensor,
+    i: usize,
+    from_data: bool,
+    dev: &Device,
+) -> (wgpipe_tensor::Result<Point>, Tensor) {
+    let mut out = x.clone();
+    let r = (|| -> wgpipe_tensor::Result<Point> {
+        let mut p = Point {
+            param_bytes: l
+                .parameters()
+                .iter()
+                .map(|(_, p)| bytes_of(&p.value()) as u64)
+                .sum(),
+            ..Point::default()
+        };
+        // Forward recording: FLOPs, what stays, the transient above it.
+        let m = Meter::mark(dev);
+        let (tape, y) = recorded(l, x, i, false)?;
+        p.forward_flops = m.flops();
+        p.stash = m.grown();
+        p.forward_extra = m.peak() - m.grown();
+        p.output_bytes = bytes_of(y.value());
+        out = y.value().clone();
+        // First full backward: stores the parameter gradients (no sum yet).
+        let seed = Tensor::ones(y.value().shape(), dev)?;
+        let m = Meter::mark(dev);
+        drop(tape.backward_with(&y, &seed)?);
+        let first_flops = m.flops();
+        drop((tape, y));
+        p.grad_bytes = l
+            .parameters()
+            .iter()
+            .filter_map(|(_, p)| p.grad())
+            .map(|g| bytes_of(&g) as u64)
+            .sum();
+        // Second: adds to them, as every later micro-batch does.
+        let (tape, y) = recorded(l, x, i, false)?;
+        let m = Meter::mark(dev);
+        drop(tape.backward_with(&y, &seed)?);
+        p.backward_flops = m.flops();
+        p.backward_extra = m.peak();
+        p.accumulate_flops = (p.backward_flops - first_flops).max(0.0);
+        drop((tape, y));
+        // Split backward: input part, what it keeps, weight part.
+        let (tape, y) = recorded(l, x, i, false)?;
+        let base = Meter::mark(dev);
+        // Its own output gradient, dropped after the input part: the weight part may keep it.
+        let own_seed = Tensor::ones(y.value().shape(), dev)?;
+        let m = Meter::mark(dev);
+        let (grads, weights) = tape.backward_split(&y, &own_seed)?;
+        p.backward_input_flops = m.flops();
+        p.backward_input_extra = m.peak();
+        drop((grads, tape, y, own_seed));
+        // What is left above the base with the stash gone: what the weight part needs.
+        p.weight_keep = (base.grown() + p.stash).max(0.0);
+        let m = Meter::mark(dev);
+        weights.run()?;
+        p.backward_weight_flops = m.flops();
+        p.backward_weight_extra = m.peak();
+        // Without recording.
+        let m = Meter::mark(dev);
+        {
+            let tape = Tape::no_grad();
+            let input = tape.constant(x.clone());
+            let y = l.forward(&input, &ctx(i))?;
+            p.no_grad_peak = m.peak().max(bytes_of(y.value()));
+        }
+        // From data (stage 0's first layers): no input gradient.
+        if from_data {
+            let (tape, y) = recorded(l, x, i, true)?;
+            let m = Meter::mark(dev);
+            drop(tape.backward_with(&y, &seed)?);
+            p.backward_flops_from_data = m.flops();
+            let (tape, y) = recorded(l, x, i, true)?;
+            let m = Meter::mark(dev);
+            let (grads, weights) = tape.backward_split(&y, &seed)?;
+            p.backward_input_flops_from_data = m.flops();
+            drop(grads);
+            weights.run()?;
+        } else {
+            p.backward_flops_from_data = p.backward_flops;
+            p.backward_input_flops_from_data = p.backward_input_flops;
+        }
+        Ok(p)
+    })();
+    (r, out)
+}
+
+/// The loss as the pipeline's loss side runs it (its scale factor included).
+fn measure_loss(out: &Tensor, y: &Tensor, loss_fn: &LossFn, dev: &Device) -> Result<LossPoint> {
+    let m = Meter::mark(dev);
+    let kept = {
+        let tape = Tape::new();
+        let output = tape.leaf(out.clone());
+        let target = y.to_device(dev)?;
+        let loss = loss_fn(&output, &target)?.mul_scalar(0.5)?;
+        loss.value().to_scalar()?;
+        let grads = tape.backward(&loss)?;
+        let g = grads.get(&output).cloned();
+        drop(grads);
+        let kept = loss.value().clone();
+        drop(g);
+        kept
+    };
+    let point = LossPoint {
+        flops: m.flops(),
+        peak: m.peak(),
+        kept: m.grown().max(0.0),
+    };
+    drop(kept);
+    Ok(point)
+}
+
+/// Optimizer state after two steps on the layer's parameters, and the peak a step adds above
+/// parameters, gradients and state while the values and state to undo it are kept (as the
+/// pipeline's atomic optimizer step keeps them). Values, gradients are put back.
+fn optimizer_bytes(l: &dyn Module, o: &mut dyn Optimizer, dev: &Device) -> Result<(u64, u64)> {
+    let params = l.parameters();
+    if params.is_empty() {
+        return Ok((0, 0));
+    }
+    let kept: Vec<_> = params.iter().map(|(_, p)| (p.value(), p.grad())).collect();
+    for (_, p) in &params {
+        if p.grad().is_none() {
+            p.set_grad(Some(p.value().mul_scalar(0.0)?));
+        }
+    }
+    let mut step_peak = 0f64;
+    let mut state = 0u64;
+    for _ in 0..2 {
+        let before = Meter::mark(dev);
+        let keep = (
+            params
+                .iter()
+                .map(|(_, p)| (p.value(), p.grad()))
+                .collect::<Vec<_>>(),
+            o.state(),
+        );
+        o.step(&params)?;
+        step_peak = step_peak.max(before.peak());
+        drop(keep);
+        state = o.state().iter().map(|(_, t)| bytes_of(t) as u64).sum();
+    }
+    for ((_, p), (v, g)) in params.iter().zip(kept) {
+        p.set_value(v);
+        p.set_grad(g);
+    }
+    Ok((state, step_peak.ceil() as u64))
+}

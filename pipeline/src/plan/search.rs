@@ -1,0 +1,605 @@
+//! The search: every device count K, device order, schedule kind, chunks v and micro-batch
+//! count M; for each, balances (all of them on small instances, else a min-max time partition
+//! and a memory partition weighted by each stage's device, refined by moving stage boundaries);
+//! for each balance, per device the least re-materialization that fits its memory. Candidates
+//! whose compute alone already exceeds the best times found are not simulated.
+
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use crate::schedule::{CheckpointMode, Schedule};
+use crate::ScheduleKind;
+
+use super::cost::{with_remat, Candidate, CostModel, Prediction, ScheduleFacts};
+use super::{NoFit, PlanError, PlanOptions, PlanReport, Planned};
+
+const MODES: [CheckpointMode; 3] = [
+    CheckpointMode::Never,
+    CheckpointMode::ExceptLast,
+    CheckpointMode::Always,
+];
+
+/// Schedules generated with every micro-batch re-materialized, and their facts per uniform mode.
+struct Structure {
+    always: Schedule,
+    facts: Vec<ScheduleFacts>,
+    uniform: Vec<Schedule>,
+}
+
+struct Search<'a, 'p> {
+    model: &'a CostModel<'p>,
+    options: &'a PlanOptions,
+    /// By (kind's index in [`ScheduleKind::ALL`], K, v, M); None when it cannot be generated.
+    structures: HashMap<(usize, usize, usize, usize), Option<Rc<Structure>>>,
+    /// Feasible results, best first after sorting.
+    found: Vec<Planned>,
+    evaluated: usize,
+    /// The candidate closest to fitting: (largest peak / capacity, its candidate, prediction).
+    closest: Option<(f64, Candidate, Prediction)>,
+}
+
+pub fn search(model: &CostModel<'_>, options: &PlanOptions) -> Result<PlanReport, PlanError> {
+    let started = std::time::Instant::now();
+    let n = model.profile.layers.len();
+    if n == 0 || model.specs.is_empty() || model.batch == 0 {
+        return Err(PlanError::Empty(format!(
+            "{n} layers, {} devices, batch {}",
+            model.specs.len(),
+            model.batch
+        )));
+    }
+    let mut s = Search {
+        model,
+        options,
+        structures: HashMap::new(),
+        found: Vec::new(),
+        evaluated: 0,
+        closest: None,
+    };
+    let max_k = options
+        .max_devices
+        .unwrap_or(model.specs.len())
+        .min(model.specs.len());
+    for k in 1..=max_k.min(n) {
+        for order in device_orders(model, k) {
+            for (kind, v) in kinds_and_chunks(options, k) {
+                if k * v > n {
+                    continue;
+                }
+                for m in micro_batch_counts(options, k, model.batch) {
+                    s.structure_candidates(order.clone(), kind, v, m);
+                }
+            }
+        }
+    }
+    s.refine_best();
+    s.found
+        .sort_by(|a, b| a.prediction.step_secs.total_cmp(&b.prediction.step_secs));
+    let evaluated = s.evaluated;
+    let mut found = s.found.into_iter();
+    let Some(best) = found.next() else {
+        return Err(match s.closest {
+            Some((ratio, c, p)) => {
+                let (d, _) = p
+                    .peak_bytes
+                    .iter()
+                    .enumerate()
+                    .map(|(d, &b)| (d, b as f64 / model.specs[c.order[d]].memory_bytes as f64))
+                    .fold((0, 0.0), |a, x| if x.1 > a.1 { x } else { a });
+                PlanError::NoFit(Box::new(NoFit {
+                    device: c.order[d],
+                    needed: p.peak_bytes[d],
+                    available: model.specs[c.order[d]].memory_bytes,
+                    smallest_memory: p.peak_bytes.iter().copied().max().unwrap_or(0),
+                    scale: ratio,
+                    closest: c,
+                }))
+            }
+            None => PlanError::Empty("no configuration could be generated".into()),
+        });
+    };
+    let mut alternatives = Vec::new();
+    for p in found {
+        if alternatives.len() >= options.alternatives {
+            break;
+        }
+        let same = |q: &Planned| {
+            q.candidate.order == p.candidate.order
+                && q.candidate.kind == p.candidate.kind
+                && q.candidate.chunks == p.candidate.chunks
+                && q.candidate.micro_batches == p.candidate.micro_batches
+        };
+        if !same(&best) && !alternatives.iter().any(same) {
+            alternatives.push(p);
+        }
+    }
+    Ok(PlanReport {
+        best,
+        alternatives,
+        evaluated,
+        search_secs: started.elapsed().as_secs_f64(),
+    })
+}
+
+impl Search<'_, '_> {
+    fn structure(
+        &mut self,
+        kind: ScheduleKind,
+        k: usize,
+        v: usize,
+        m: usize,
+    ) -> Option<Rc<Structure>> {
+        let index = ScheduleKind::ALL
+            .iter()
+            .position(|&x| x == kind)
+            .unwrap_or(0);
+        self.structures
+            .entry((index, k, v, m))
+            .or_insert_with(|| {
+                let always = kind.generate(k, v, m, CheckpointMode::Always).ok()?;
+                let uniform: Vec<Schedule> = MODES
+                    .iter()
+                    .map(|&mode| with_remat(&always, &vec![mode; k]))
+                    .collect();
+                let facts = uniform.iter().map(ScheduleFacts::of).collect();
+                Some(Rc::new(Structure {
+                    always,
+                    facts,
+                    uniform,
+                }))
+            })
+            .clone()
+    }
+
+    /// The time the `keep`-th best found plan takes (what a candidate must beat to matter).
+    fn bar(&self) -> f64 {
+        let keep = self.options.alternatives + 1;
+        if self.found.len() < keep {
+            return f64::INFINITY;
+        }
+        let mut t: Vec<f64> = self.found.iter().map(|p| p.prediction.step_secs).collect();
+        t.sort_by(f64::total_cmp);
+        t[keep - 1]
+    }
+
+    fn structure_candidates(&mut self, order: Vec<usize>, kind: ScheduleKind, v: usize, m: usize) {
+        let k = order.len();
+        if self.structure(kind, k, v, m).is_none() {
+            return;
+        }
+        let n = self.model.profile.layers.len();
+        let stages = k * v;
+        let balances = if count_compositions(n, stages) <= self.options.exhaustive_balances as f64 {
+            compositions(n, stages)
+        } else {
+            let placement = self
+                .structure(kind, k, v, m)
+                .map(|s| s.always.placement.clone());
+            let placement = placement.expect("checked above");
+            let mut b = vec![self.time_balance(&order, &placement, m)];
+            let mem = self.memory_balance(&order, &placement, m);
+            if !b.contains(&mem) {
+                b.push(mem);
+            }
+            b
+        };
+        for balance in balances {
+            let c = Candidate {
+                order: order.clone(),
+                kind,
+                chunks: v,
+                micro_batches: m,
+                balance,
+                remat: vec![CheckpointMode::Never; k],
+            };
+            self.evaluate(c);
+        }
+    }
+
+    /// Chooses each device's re-materialization and predicts the candidate; keeps it when it
+    /// fits. Returns its prediction (None when it was pruned or cannot be built).
+    fn evaluate(&mut self, mut c: Candidate) -> Option<(Prediction, bool)> {
+        let k = c.order.len();
+        let model = self.model;
+        let bar = self.bar();
+        let st = self.structure(c.kind, k, c.chunks, c.micro_batches)?;
+        // Memory of each device under each uniform mode (a device's walk depends on its own
+        // list only); the least recomputation that fits.
+        let mut fits = true;
+        let mut remat = Vec::with_capacity(k);
+        let mut uniform_preds = Vec::with_capacity(3);
+        for (i, &mode) in MODES.iter().enumerate() {
+            let cc = Candidate {
+                remat: vec![mode; k],
+                ..c.clone()
+            };
+            uniform_preds.push(
+                model
+                    .predict_memory(&cc, &st.uniform[i], &st.facts[i])
+                    .ok()?,
+            );
+        }
+        for (d, &device) in c.order.iter().enumerate() {
+            let cap = model.specs[device].memory_bytes;
+            match (0..3).find(|&i| uniform_preds[i][d] <= cap) {
+                Some(i) => remat.push(MODES[i]),
+                None => {
+                    fits = false;
+                    remat.push(CheckpointMode::Always);
+                }
+            }
+        }
+        c.remat = remat;
+        if !fits {
+            // Still predict its memory for the error message when nothing fits.
+            let p = uniform_preds[2].clone();
+            let ratio = p
+                .iter()
+                .enumerate()
+                .map(|(d, &b)| b as f64 / model.specs[c.order[d]].memory_bytes as f64)
+                .fold(0.0, f64::max);
+            if self.closest.as_ref().is_none_or(|(r, _, _)| ratio < *r) {
+                let schedule = &st.uniform[2];
+                let facts = &st.facts[2];
+                if let Ok(pred) = model.predict(
+                    &Candidate {
+                        remat: vec![CheckpointMode::Always; k],
+                        ..c.clone()
+                    },
+                    schedule,
+                    facts,
+                ) {
+                    self.closest = Some((ratio, c, pred));
+                }
+            }
+            return None;
+        }
+        if model.compute_bound(&c, &st.always) >= bar {
+            return None;
+        }
+        let schedule = with_remat(&st.always, &c.remat);
+        let facts = ScheduleFacts::of(&schedule);
+        let p = model.predict(&c, &schedule, &facts).ok()?;
+        self.evaluated += 1;
+        let ok = p
+            .peak_bytes
+            .iter()
+            .enumerate()
+            .all(|(d, &b)| b <= model.specs[c.order[d]].memory_bytes);
+        if ok {
+            self.found.push(Planned {
+                candidate: c,
+                prediction: p.clone(),
+                schedule,
+            });
+        }
+        Some((p, ok))
+    }
+
+    /// Moves stage boundaries one layer at a time while the predicted step gets faster, for the
+    /// best few structures (not needed where every balance was tried).
+    fn refine_best(&mut self) {
+        self.found
+            .sort_by(|a, b| a.prediction.step_secs.total_cmp(&b.prediction.step_secs));
+        let n = self.model.profile.layers.len();
+        let mut seeds: Vec<Candidate> = Vec::new();
+        for p in &self.found {
+            if seeds.len() >= self.options.refine {
+                break;
+            }
+            let c = &p.candidate;
+            if count_compositions(n, c.balance.len()) <= self.options.exhaustive_balances as f64 {
+                continue;
+            }
+            if !seeds.iter().any(|s| {
+                s.order == c.order
+                    && s.kind == c.kind
+                    && s.chunks == c.chunks
+                    && s.micro_batches == c.micro_batches
+            }) {
+                seeds.push(c.clone());
+            }
+        }
+        for seed in seeds {
+            let mut best = seed.clone();
+            let mut best_t = self.time_of(&seed).unwrap_or(f64::INFINITY);
+            for _ in 0..self.options.refine_passes {
+                let mut improved = false;
+                for j in 0..best.balance.len().saturating_sub(1) {
+                    for dir in [-1i64, 1] {
+                        let mut b = best.balance.clone();
+                        let (from, to) = if dir < 0 { (j, j + 1) } else { (j + 1, j) };
+                        if b[from] <= 1 {
+                            continue;
+                        }
+                        b[from] -= 1;
+                        b[to] += 1;
+                        let c = Candidate {
+                            balance: b,
+                            ..best.clone()
+                        };
+                        if let Some((p, true)) = self.evaluate(c.clone()) {
+                            if p.step_secs < best_t * (1.0 - 1e-9) {
+                                best_t = p.step_secs;
+                                best = c;
+                                improved = true;
+                            }
+                        }
+                    }
+                }
+                if !improved {
+                    break;
+                }
+            }
+        }
+    }
+
+    fn time_of(&self, c: &Candidate) -> Option<f64> {
+        self.found
+            .iter()
+            .find(|p| {
+                p.candidate.balance == c.balance
+                    && p.candidate.order == c.order
+                    && p.candidate.kind == c.kind
+                    && p.candidate.chunks == c.chunks
+                    && p.candidate.micro_batches == c.micro_batches
+            })
+            .map(|p| p.prediction.step_secs)
+    }
+
+    /// Min-max of each stage's forward + backward seconds on its device.
+    fn time_balance(&self, order: &[usize], placement: &[usize], m: usize) -> Vec<usize> {
+        let b = self.model.batch.div_ceil(m);
+        let costs: Vec<f64> = self
+            .model
+            .profile
+            .layers
+            .iter()
+            .map(|l| l.forward_flops.at(b) + l.backward_flops.at(b))
+            .collect();
+        let weights: Vec<f64> = placement
+            .iter()
+            .map(|&d| 1.0 / self.model.specs[order[d]].flops_per_sec)
+            .collect();
+        weighted_min_max(&costs, &weights)
+    }
+
+    /// Min-max of each stage's bytes (its static part and M tapes) over its device's memory.
+    fn memory_balance(&self, order: &[usize], placement: &[usize], m: usize) -> Vec<usize> {
+        let b = self.model.batch.div_ceil(m);
+        let costs: Vec<f64> = self
+            .model
+            .profile
+            .layers
+            .iter()
+            .map(|l| {
+                (l.param_bytes + l.grad_bytes + l.optimizer_state_bytes) as f64
+                    + l.stash_bytes.at(b) * m as f64
+            })
+            .collect();
+        let weights: Vec<f64> = placement
+            .iter()
+            .map(|&d| 1.0 / self.model.specs[order[d]].memory_bytes as f64)
+            .collect();
+        weighted_min_max(&costs, &weights)
+    }
+}
+
+/// Layers per stage minimising the largest `Σ costs × weight` of a stage (stage s weighs
+/// `weights[s]`), every stage at least one layer: bisection on the bound, each test a greedy
+/// fill, which is exact for a chain with ordered stages.
+pub fn weighted_min_max(costs: &[f64], weights: &[f64]) -> Vec<usize> {
+    let (n, s) = (costs.len(), weights.len());
+    let fill = |bound: f64| -> Option<Vec<usize>> {
+        let mut out = Vec::with_capacity(s);
+        let mut i = 0;
+        for (j, &w) in weights.iter().enumerate() {
+            let left_after = s - j - 1;
+            let mut sum = 0.0;
+            let start = i;
+            while i < n - left_after && (i == start || (sum + costs[i]) * w <= bound) {
+                sum += costs[i];
+                i += 1;
+            }
+            if sum * w > bound {
+                return None;
+            }
+            out.push(i - start);
+        }
+        (i == n).then_some(out)
+    };
+    let total: f64 = costs.iter().sum();
+    let wmax = weights.iter().copied().fold(0.0, f64::max);
+    let (mut lo, mut hi) = (0.0, total * wmax);
+    let mut best = fill(hi).unwrap_or_else(|| even(n, s));
+    for _ in 0..100 {
+        let mid = 0.5 * (lo + hi);
+        match fill(mid) {
+            Some(b) => {
+                best = b;
+                hi = mid;
+            }
+            None => lo = mid,
+        }
+    }
+    best
+}
+
+/// n layers in s stages as evenly as possible (the first n mod s one larger).
+pub fn even(n: usize, s: usize) -> Vec<usize> {
+    (0..s).map(|i| n / s + usize::from(i < n % s)).collect()
+}
+
+/// C(n-1, s-1): how many balances of n layers into s non-empty stages exist.
+pub fn count_compositions(n: usize, s: usize) -> f64 {
+    if s == 0 || s > n {
+        return 0.0;
+    }
+    let (a, b) = (n - 1, s - 1);
+    (0..b).fold(1.0, |acc, i| acc * (a - i) as f64 / (i + 1) as f64)
+}
+
+/// Every balance of n layers into s non-empty stages.
+pub fn compositions(n: usize, s: usize) -> Vec<Vec<usize>> {
+    fn rec(left: usize, parts: usize, cur: &mut Vec<usize>, out: &mut Vec<Vec<usize>>) {
+        if parts == 1 {
+            cur.push(left);
+            out.push(cur.clone());
+            cur.pop();
+            return;
+        }
+        for first in 1..=left - (parts - 1) {
+            cur.push(first);
+            rec(left - first, parts - 1, cur, out);
+            cur.pop();
+        }
+    }
+    let mut out = Vec::new();
+    if s >= 1 && s <= n {
+        rec(n, s, &mut Vec::new(), &mut out);
+    }
+    out
+}
+
+/// The (kind, chunks) pairs to try on k devices.
+pub fn kinds_and_chunks(options: &PlanOptions, k: usize) -> Vec<(ScheduleKind, usize)> {
+    let mut out = Vec::new();
+    for &kind in &options.kinds {
+        match kind {
+            ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => {
+                if k > 1 {
+                    out.extend(options.chunks.iter().map(|&v| (kind, v)));
+                }
+            }
+            ScheduleKind::ZbV | ScheduleKind::DualPipeV => {
+                if k > 1 {
+                    out.push((kind, 2));
+                }
+            }
+            _ => out.push((kind, 1)),
+        }
+    }
+    out
+}
+
+/// The micro-batch counts to try: the options' list, or 1, 2, 3, 4, 6, 8, 12, ... and K, 2K, 4K,
+/// each at most the batch.
+pub fn micro_batch_counts(options: &PlanOptions, k: usize, batch: usize) -> Vec<usize> {
+    let mut ms: Vec<usize> = match &options.micro_batches {
+        Some(list) => list.clone(),
+        None => {
+            let mut v = vec![1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64];
+            v.extend([k, 2 * k, 4 * k]);
+            v
+        }
+    };
+    ms.retain(|&m| m >= 1 && m <= batch);
+    ms.sort_unstable();
+    ms.dedup();
+    ms
+}
+
+/// Device orders to try for k devices: every distinct arrangement of the chosen devices' kinds
+/// when there are few, else the given order, fastest first, slowest first and most memory first.
+/// The chosen devices: the first k, the k fastest and the k with most memory.
+pub fn device_orders(model: &CostModel<'_>, k: usize) -> Vec<Vec<usize>> {
+    let specs = model.specs;
+    let all: Vec<usize> = (0..specs.len()).collect();
+    let by = |key: &dyn Fn(usize) -> f64| {
+        let mut v = all.clone();
+        v.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+        v
+    };
+    let fast = by(&|d| specs[d].flops_per_sec);
+    let roomy = by(&|d| specs[d].memory_bytes as f64);
+    let mut subsets: Vec<Vec<usize>> = Vec::new();
+    for s in [all[..k].to_vec(), fast[..k].to_vec(), roomy[..k].to_vec()] {
+        let mut sorted = s.clone();
+        sorted.sort_unstable();
+        if !subsets.iter().any(|x| {
+            let mut y = x.clone();
+            y.sort_unstable();
+            y == sorted
+        }) {
+            subsets.push(s);
+        }
+    }
+    let mut orders: Vec<Vec<usize>> = Vec::new();
+    for subset in subsets {
+        for o in arrangements(model, &subset) {
+            let key: Vec<(u64, u64)> = o
+                .iter()
+                .map(|&d| (specs[d].flops_per_sec.to_bits(), specs[d].memory_bytes))
+                .collect();
+            let dup = orders.iter().any(|x| {
+                x.iter()
+                    .map(|&d| (specs[d].flops_per_sec.to_bits(), specs[d].memory_bytes))
+                    .collect::<Vec<_>>()
+                    == key
+            });
+            if !dup {
+                orders.push(o);
+            }
+        }
+    }
+    orders
+}
+
+/// Distinct orders of `subset` up to identical devices (at most 24), else four heuristic ones.
+fn arrangements(model: &CostModel<'_>, subset: &[usize]) -> Vec<Vec<usize>> {
+    let specs = model.specs;
+    let same = |a: usize, b: usize| specs[a] == specs[b];
+    // Classes of identical devices, each with its members.
+    let mut classes: Vec<Vec<usize>> = Vec::new();
+    for &d in subset {
+        match classes.iter_mut().find(|c| same(c[0], d)) {
+            Some(c) => c.push(d),
+            None => classes.push(vec![d]),
+        }
+    }
+    let mut count = 1.0;
+    let mut placed = 0usize;
+    for c in &classes {
+        for i in 0..c.len() {
+            placed += 1;
+            count *= placed as f64 / (i + 1) as f64;
+        }
+    }
+    if count <= 24.0 {
+        let mut out = Vec::new();
+        let mut left: Vec<usize> = classes.iter().map(Vec::len).collect();
+        arrange(&classes, &mut left, &mut Vec::new(), subset.len(), &mut out);
+        return out;
+    }
+    let mut fast = subset.to_vec();
+    fast.sort_by(|&a, &b| specs[b].flops_per_sec.total_cmp(&specs[a].flops_per_sec));
+    let mut slow = fast.clone();
+    slow.reverse();
+    let mut roomy = subset.to_vec();
+    roomy.sort_by_key(|&d| std::cmp::Reverse(specs[d].memory_bytes));
+    vec![subset.to_vec(), fast, slow, roomy]
+}
+
+fn arrange(
+    classes: &[Vec<usize>],
+    left: &mut [usize],
+    cur: &mut Vec<usize>,
+    k: usize,
+    out: &mut Vec<Vec<usize>>,
+) {
+    if cur.len() == k {
+        out.push(cur.clone());
+        return;
+    }
+    for c in 0..classes.len() {
+        if left[c] == 0 {
+            continue;
+        }
+        let member = classes[c][classes[c].len() - left[c]];
+        left[c] -= 1;
+        cur.push(member);
+        arrange(classes, left, cur, k, out);
+        cur.pop();
+        left[c] += 1;
+    }
+}
