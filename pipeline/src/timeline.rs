@@ -155,6 +155,14 @@ fn check_inputs(
     link: &LinkSpec,
 ) -> Result<(), TimelineError> {
     schedule.validate()?;
+    check_specs(schedule, devices, link)
+}
+
+fn check_specs(
+    schedule: &Schedule,
+    devices: &[DeviceSpec],
+    link: &LinkSpec,
+) -> Result<(), TimelineError> {
     if devices.len() != schedule.num_devices() {
         return Err(TimelineError::DeviceCount {
             schedule: schedule.num_devices(),
@@ -276,12 +284,40 @@ pub fn simulate<F>(
     schedule: &Schedule,
     devices: &[DeviceSpec],
     link: &LinkSpec,
-    mut cost: F,
+    cost: F,
 ) -> Result<Timeline, TimelineError>
 where
     F: FnMut(usize, Action) -> ActionCost,
 {
     check_inputs(schedule, devices, link)?;
+    run_simulation(schedule, devices, link, cost)
+}
+
+/// [`simulate`] for a schedule known to be valid (the planner's: generated, then recomputes
+/// removed), without validating it again: the same simulation, for the many candidates a search
+/// replays.
+pub(crate) fn simulate_valid<F>(
+    schedule: &Schedule,
+    devices: &[DeviceSpec],
+    link: &LinkSpec,
+    cost: F,
+) -> Result<Timeline, TimelineError>
+where
+    F: FnMut(usize, Action) -> ActionCost,
+{
+    check_specs(schedule, devices, link)?;
+    run_simulation(schedule, devices, link, cost)
+}
+
+fn run_simulation<F>(
+    schedule: &Schedule,
+    devices: &[DeviceSpec],
+    link: &LinkSpec,
+    mut cost: F,
+) -> Result<Timeline, TimelineError>
+where
+    F: FnMut(usize, Action) -> ActionCost,
+{
     let k = schedule.num_devices();
     let mut sim = Sim {
         schedule,

@@ -13,12 +13,10 @@
 //! message is counted on its sender until the sender has provably heard back from the receiver
 //! after the receiver took it: the result is an upper bound of the measured peak.
 
-use std::collections::{HashMap, HashSet};
-
 use crate::microbatch::micro_batch_sizes;
 use crate::partition::stage_ranges;
 use crate::schedule::{Action, ActionKind, CheckpointMode, Schedule};
-use crate::timeline::{simulate, ActionCost, DeviceSpec, LinkSpec};
+use crate::timeline::{simulate_valid, ActionCost, DeviceSpec, LinkSpec};
 use crate::ScheduleKind;
 
 use super::profile::Profile;
@@ -81,75 +79,104 @@ pub struct CostModel<'a> {
     pub batch: usize,
 }
 
-/// Facts of a schedule the memory walk needs: which forwards are checkpointed, and when each
-/// sent message is surely off its sender.
+/// Facts of a schedule the cost model needs: which forwards are checkpointed, when each sent
+/// message is surely off its sender, and which backward of a stage comes first. Removing
+/// recomputes does not change the release points (they compare positions of transfers within
+/// one device's list) nor the first backwards, so the facts of a uniform mode serve every mix.
 pub struct ScheduleFacts {
-    checkpointed: HashSet<(usize, usize)>,
-    /// (device, index of a send) -> index after which the message is gone from the sender.
-    release: HashMap<(usize, usize), usize>,
+    micro_batches: usize,
+    /// By `stage * M + micro_batch`.
+    checkpointed: Vec<bool>,
+    /// Per device, per index of a send: the index after which the message is gone from the
+    /// sender (the list's length: the end of the step).
+    release: Vec<Vec<usize>>,
     /// The first backward (full or weight part) of each stage: it stores the parameter
     /// gradients, later ones add to them.
-    first_backward: HashSet<Action>,
+    first_backward: Vec<Option<Action>>,
+}
+
+/// Where a transfer of `link`'s `from` stage, direction and micro-batch sits: by
+/// `(from * 2 + grad) * M + micro_batch`.
+fn transfer_slot(a: &Action, stages: usize, m: usize) -> Option<usize> {
+    a.link(stages)
+        .map(|l| (l.from * 2 + usize::from(l.grad)) * m + a.micro_batch)
 }
 
 impl ScheduleFacts {
     pub fn of(schedule: &Schedule) -> ScheduleFacts {
         let stages = schedule.num_stages();
-        let mut sends = HashMap::new();
-        let mut recvs = HashMap::new();
-        let mut checkpointed = HashSet::new();
-        let mut first_backward = HashSet::new();
-        let mut seen = HashSet::new();
+        let m = schedule.num_micro_batches;
+        let none = (usize::MAX, usize::MAX);
+        let mut sends = vec![none; stages * 2 * m];
+        let mut recvs = vec![none; stages * 2 * m];
+        let mut checkpointed = vec![false; stages * m];
+        let mut first_backward = vec![None; stages];
         for (d, list) in schedule.devices.iter().enumerate() {
             for (i, a) in list.iter().enumerate() {
                 match a.kind {
                     ActionKind::SendActivation | ActionKind::SendGrad => {
-                        if let Some(l) = a.link(stages) {
-                            sends.insert((l, a.micro_batch), (d, i));
+                        if let Some(slot) = transfer_slot(a, stages, m) {
+                            sends[slot] = (d, i);
                         }
                     }
                     ActionKind::RecvActivation | ActionKind::RecvGrad => {
-                        if let Some(l) = a.link(stages) {
-                            recvs.insert((l, a.micro_batch), (d, i));
+                        if let Some(slot) = transfer_slot(a, stages, m) {
+                            recvs[slot] = (d, i);
                         }
                     }
-                    ActionKind::Recompute => {
-                        checkpointed.insert((a.stage, a.micro_batch));
-                    }
-                    ActionKind::Backward | ActionKind::BackwardWeight if seen.insert(a.stage) => {
-                        first_backward.insert(*a);
+                    ActionKind::Recompute => checkpointed[a.stage * m + a.micro_batch] = true,
+                    ActionKind::Backward | ActionKind::BackwardWeight => {
+                        first_backward[a.stage].get_or_insert(*a);
                     }
                     _ => {}
                 }
             }
         }
-        let mut release = HashMap::new();
-        for (&(link, mb), &(d, i)) in &sends {
-            let Some(&(p, r)) = recvs.get(&(link, mb)) else {
-                continue;
-            };
-            let list = &schedule.devices[d];
-            let at = if p == d {
-                r
-            } else {
-                // The first later receive on d of something p sent after it took the message.
-                (i + 1..list.len())
-                    .find(|&j| {
-                        let a = list[j];
-                        matches!(a.kind, ActionKind::RecvActivation | ActionKind::RecvGrad)
-                            && a.link(stages)
-                                .and_then(|l| sends.get(&(l, a.micro_batch)))
-                                .is_some_and(|&(sd, si)| sd == p && si > r)
+        let release = schedule
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(d, list)| {
+                list.iter()
+                    .enumerate()
+                    .map(|(i, a)| {
+                        let Some(slot) = transfer_slot(a, stages, m) else {
+                            return list.len();
+                        };
+                        if !matches!(a.kind, ActionKind::SendActivation | ActionKind::SendGrad) {
+                            return list.len();
+                        }
+                        let (p, r) = recvs[slot];
+                        if p == usize::MAX {
+                            return list.len();
+                        }
+                        if p == d {
+                            return r;
+                        }
+                        // The first later receive on d of something p sent after it took the
+                        // message: p's list is sequential, so p had taken it by then.
+                        (i + 1..list.len())
+                            .find(|&j| {
+                                let b = &list[j];
+                                matches!(b.kind, ActionKind::RecvActivation | ActionKind::RecvGrad)
+                                    && transfer_slot(b, stages, m)
+                                        .is_some_and(|x| sends[x].0 == p && sends[x].1 > r)
+                            })
+                            .unwrap_or(list.len())
                     })
-                    .unwrap_or(list.len())
-            };
-            release.insert((d, i), at);
-        }
+                    .collect()
+            })
+            .collect();
         ScheduleFacts {
+            micro_batches: m,
             checkpointed,
             release,
             first_backward,
         }
+    }
+
+    fn is_first_backward(&self, a: &Action) -> bool {
+        self.first_backward[a.stage] == Some(*a)
     }
 }
 
@@ -164,24 +191,88 @@ pub fn with_remat(schedule: &Schedule, remat: &[CheckpointMode]) -> Schedule {
     s
 }
 
+/// A candidate's per-stage costs at its micro-batch sizes, and its per-device constants.
+pub struct CandidateCosts {
+    sizes: Vec<usize>,
+    stages: Vec<[StageAt; 2]>,
+    static_bytes: Vec<u64>,
+    optimizer_extra: Vec<f64>,
+    largest_param: Vec<f64>,
+}
+
+impl CandidateCosts {
+    /// Parameters, gradients and optimizer state of each pipeline device.
+    pub fn static_bytes(&self) -> &[u64] {
+        &self.static_bytes
+    }
+    fn at(&self, stage: usize, micro_batch: usize) -> &StageAt {
+        &self.stages[stage][usize::from(self.sizes[micro_batch] != self.sizes[0])]
+    }
+}
+
 impl CostModel<'_> {
     /// Predicts time and memory of `c` run with `schedule` (its schedule, recomputes as its
-    /// `remat` says) and `facts` of that schedule.
+    /// `remat` says; validated here) and `facts` of that schedule.
     pub fn predict(
         &self,
         c: &Candidate,
         schedule: &Schedule,
         facts: &ScheduleFacts,
     ) -> crate::Result<Prediction> {
+        schedule.validate()?;
+        let costs = self.costs(c, &schedule.placement)?;
+        let (step_secs, bubble_fraction) = self.step_time(c, &costs, schedule, facts)?;
+        let (step_peak_bytes, peak_bytes) = (0..c.order.len())
+            .map(|d| self.device_memory(&costs, schedule, facts, d))
+            .unzip();
+        Ok(Prediction {
+            step_secs,
+            bubble_fraction,
+            step_peak_bytes,
+            peak_bytes,
+            static_bytes: costs.static_bytes,
+        })
+    }
+
+    /// The costs of `c`'s stages placed by `placement` (stage -> pipeline device).
+    pub fn costs(&self, c: &Candidate, placement: &[usize]) -> crate::Result<CandidateCosts> {
         let sizes = micro_batch_sizes(self.batch, c.micro_batches)
             .map_err(|e| crate::PipelineError::Config(e.to_string()))?;
-        let stages = self.stage_table(&c.balance, &sizes);
-        let at = |s: usize, m: usize| &stages[s][usize::from(sizes[m] != sizes[0])];
+        let k = c.order.len();
+        let mut static_bytes = vec![0u64; k];
+        let mut optimizer_extra = vec![0f64; k];
+        let mut largest_param = vec![0f64; k];
+        for (s, r) in stage_ranges(&c.balance).into_iter().enumerate() {
+            let d = placement[s];
+            for l in &self.profile.layers[r] {
+                static_bytes[d] += l.param_bytes + l.grad_bytes + l.optimizer_state_bytes;
+                optimizer_extra[d] += l.optimizer_step_bytes as f64;
+                largest_param[d] = largest_param[d].max(l.param_bytes as f64);
+            }
+        }
+        Ok(CandidateCosts {
+            stages: self.stage_table(&c.balance, &sizes),
+            sizes,
+            static_bytes,
+            optimizer_extra,
+            largest_param,
+        })
+    }
+
+    /// Step time and bubble: the simulator's replay of `schedule` (assumed valid) with each
+    /// action's predicted FLOPs and bytes.
+    pub fn step_time(
+        &self,
+        c: &Candidate,
+        costs: &CandidateCosts,
+        schedule: &Schedule,
+        facts: &ScheduleFacts,
+    ) -> crate::Result<(f64, f64)> {
         let last = c.balance.len() - 1;
         let specs: Vec<DeviceSpec> = c.order.iter().map(|&d| self.specs[d]).collect();
-        let timeline = simulate(schedule, &specs, &self.link, |_, a: Action| {
-            let st = at(a.stage, a.micro_batch);
-            let first = || facts.first_backward.contains(&a);
+        let timeline = simulate_valid(schedule, &specs, &self.link, |_, a: Action| {
+            let st = costs.at(a.stage, a.micro_batch);
+            let first = || facts.is_first_backward(&a);
             let flops = match a.kind {
                 ActionKind::Forward => st.forward + if a.stage == last { st.loss } else { 0.0 },
                 ActionKind::Recompute => st.forward,
@@ -202,110 +293,58 @@ impl CostModel<'_> {
                 bytes: bytes as u64,
             }
         })?;
-        let (step_peak, peak) = self.memory(c, schedule, facts, &stages, &sizes);
-        Ok(Prediction {
-            step_secs: timeline.makespan,
-            bubble_fraction: timeline.bubble_fraction(),
-            step_peak_bytes: step_peak,
-            peak_bytes: peak,
-            static_bytes: self.static_bytes(c, schedule),
-        })
+        Ok((timeline.makespan, timeline.bubble_fraction()))
     }
 
-    /// Per pipeline device, the predicted peak bytes (optimizer step included).
-    pub fn predict_memory(
+    /// (step peak, peak with the optimizer step) of pipeline device `d`. A device's walk reads
+    /// its own list only (and positions of transfers in its peers'), so the device's
+    /// re-materialization alone decides it.
+    pub fn device_memory(
         &self,
-        c: &Candidate,
+        costs: &CandidateCosts,
         schedule: &Schedule,
         facts: &ScheduleFacts,
-    ) -> crate::Result<Vec<u64>> {
-        let sizes = micro_batch_sizes(self.batch, c.micro_batches)
-            .map_err(|e| crate::PipelineError::Config(e.to_string()))?;
-        let stages = self.stage_table(&c.balance, &sizes);
-        Ok(self.memory(c, schedule, facts, &stages, &sizes).1)
+        d: usize,
+    ) -> (u64, u64) {
+        let last = costs.stages.len() - 1;
+        let walk = walk_memory(schedule, facts, d, last, costs, costs.largest_param[d]);
+        let step = costs.static_bytes[d] as f64 + walk;
+        let with_optimizer = step.max(costs.static_bytes[d] as f64 + costs.optimizer_extra[d]);
+        (step.ceil() as u64, with_optimizer.ceil() as u64)
     }
 
-    /// A lower bound of the step: the busiest device's compute (no recomputation), which no
-    /// schedule can hide.
-    pub fn compute_bound(&self, c: &Candidate, schedule: &Schedule) -> f64 {
-        let Ok(sizes) = micro_batch_sizes(self.batch, c.micro_batches) else {
-            return f64::INFINITY;
-        };
-        let stages = self.stage_table(&c.balance, &sizes);
+    /// A lower bound of the step: for each device, its compute, plus the forwards of the
+    /// stages before its first one (its first input cannot come earlier) and, for one stage
+    /// per device and whole backwards (the device's last action is then its stage's last
+    /// backward), the backwards of those stages after it.
+    pub fn compute_bound(&self, c: &Candidate, costs: &CandidateCosts, placement: &[usize]) -> f64 {
         let last = c.balance.len() - 1;
-        let mut busy = vec![0f64; c.order.len()];
-        for (s, st) in stages.iter().enumerate() {
-            let d = schedule.placement[s];
-            for &b in &sizes {
-                let x = &st[usize::from(b != sizes[0])];
+        let k = c.order.len();
+        let rate = |s: usize| self.specs[c.order[placement[s]]].flops_per_sec;
+        let small = costs.sizes.len() - 1;
+        let mut busy = vec![0f64; k];
+        for (s, &d) in placement.iter().enumerate() {
+            for m in 0..costs.sizes.len() {
+                let x = costs.at(s, m);
                 let loss = if s == last { x.loss } else { 0.0 };
-                busy[d] += x.forward + x.backward - x.accumulate + loss;
+                busy[d] += (x.forward + x.backward - x.accumulate + loss) / rate(s);
             }
         }
-        busy.iter()
-            .enumerate()
-            .map(|(d, b)| b / self.specs[c.order[d]].flops_per_sec)
-            .fold(0.0, f64::max)
-    }
-
-    /// (step peak, peak with the optimizer step) of each pipeline device.
-    fn memory(
-        &self,
-        c: &Candidate,
-        schedule: &Schedule,
-        facts: &ScheduleFacts,
-        stages: &[[StageAt; 2]],
-        sizes: &[usize],
-    ) -> (Vec<u64>, Vec<u64>) {
-        let at = |s: usize, m: usize| &stages[s][usize::from(sizes[m] != sizes[0])];
-        let last = c.balance.len() - 1;
-        let static_bytes = self.static_bytes(c, schedule);
-        let opt_extra = self.optimizer_extra(c, schedule);
-        let param_check = self.largest_layer_params(c, schedule);
-        let mut step_peak = Vec::with_capacity(c.order.len());
-        let mut peak = Vec::with_capacity(c.order.len());
-        for d in 0..c.order.len() {
-            let walk = walk_memory(schedule, facts, d, last, &at, param_check[d]);
-            let step = static_bytes[d] as f64 + walk;
-            step_peak.push(step.ceil() as u64);
-            peak.push(step.max(static_bytes[d] as f64 + opt_extra[d]).ceil() as u64);
-        }
-        (step_peak, peak)
-    }
-
-    /// Parameters, gradients and optimizer state of each pipeline device.
-    pub fn static_bytes(&self, c: &Candidate, schedule: &Schedule) -> Vec<u64> {
-        let mut out = vec![0u64; c.order.len()];
-        for (s, r) in stage_ranges(&c.balance).into_iter().enumerate() {
-            out[schedule.placement[s]] += self.profile.layers[r]
-                .iter()
-                .map(|l| l.param_bytes + l.grad_bytes + l.optimizer_state_bytes)
-                .sum::<u64>();
-        }
-        out
-    }
-
-    /// Per device, the largest layer's parameter bytes (bounds the largest single gradient).
-    fn largest_layer_params(&self, c: &Candidate, schedule: &Schedule) -> Vec<f64> {
-        let mut out = vec![0f64; c.order.len()];
-        for (s, r) in stage_ranges(&c.balance).into_iter().enumerate() {
-            let d = schedule.placement[s];
-            for l in &self.profile.layers[r] {
-                out[d] = out[d].max(l.param_bytes as f64);
+        let tail = c.chunks == 1 && matches!(c.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB);
+        // The smallest micro-batch's forwards and backwards of the stages so far.
+        let (mut fwd, mut bwd) = (0.0, 0.0);
+        let mut bound = 0.0f64;
+        let mut seen = vec![false; k];
+        for (s, &d) in placement.iter().enumerate() {
+            if !seen[d] {
+                seen[d] = true;
+                bound = bound.max(fwd + busy[d] + if tail { bwd } else { 0.0 });
             }
+            let x = costs.at(s, small);
+            fwd += x.forward / rate(s);
+            bwd += (x.backward - x.accumulate).max(0.0) / rate(s);
         }
-        out
-    }
-
-    fn optimizer_extra(&self, c: &Candidate, schedule: &Schedule) -> Vec<f64> {
-        let mut out = vec![0f64; c.order.len()];
-        for (s, r) in stage_ranges(&c.balance).into_iter().enumerate() {
-            out[schedule.placement[s]] += self.profile.layers[r]
-                .iter()
-                .map(|l| l.optimizer_step_bytes as f64)
-                .sum::<f64>();
-        }
-        out
+        bound
     }
 
     /// `[stage][0 or 1]`: the stage at the first micro-batch size and at the other one.
@@ -402,26 +441,27 @@ struct Held {
 }
 
 /// The largest bytes above parameters, gradients and state device `d` holds during a step.
-fn walk_memory<'s>(
+fn walk_memory(
     schedule: &Schedule,
     facts: &ScheduleFacts,
     d: usize,
     last: usize,
-    at: &dyn Fn(usize, usize) -> &'s StageAt,
+    costs: &CandidateCosts,
     param_check: f64,
 ) -> f64 {
     let list = &schedule.devices[d];
     let mut held = 0.0f64;
     let mut peak = 0.0f64;
-    let mut items: HashMap<(usize, usize), Held> = HashMap::new();
+    let m_count = facts.micro_batches;
+    let mut items = vec![Held::default(); schedule.num_stages() * m_count];
     // Bytes of messages by the index after which they leave the sender.
-    let mut leaving: HashMap<usize, f64> = HashMap::new();
+    let mut leaving = vec![0.0f64; list.len() + 1];
     // Bytes made by the last compute action that its send hands on (0 when a tape holds them).
     let mut outgoing = 0.0;
     for (i, a) in list.iter().enumerate() {
         let (s, m) = (a.stage, a.micro_batch);
-        let st = at(s, m);
-        let it = items.entry((s, m)).or_default();
+        let st = costs.at(s, m);
+        let it = &mut items[s * m_count + m];
         match a.kind {
             ActionKind::RecvActivation => {
                 it.input = st.input;
@@ -438,7 +478,7 @@ fn walk_memory<'s>(
                     // The non-finite check of the input.
                     peak = peak.max(held + st.input + CHECK_SCALAR);
                 }
-                if facts.checkpointed.contains(&(s, m)) {
+                if facts.checkpointed[s * m_count + m] {
                     peak = peak.max(held + st.no_grad_peak);
                     outgoing = if s == last { 0.0 } else { st.output };
                     held += st.output;
@@ -502,16 +542,13 @@ fn walk_memory<'s>(
             }
             ActionKind::SendActivation | ActionKind::SendGrad => {
                 if outgoing > 0.0 {
-                    let at = facts.release.get(&(d, i)).copied().unwrap_or(list.len());
-                    *leaving.entry(at).or_default() += outgoing;
+                    leaving[facts.release[d][i]] += outgoing;
                 }
                 outgoing = 0.0;
             }
         }
         peak = peak.max(held);
-        if let Some(b) = leaving.remove(&i) {
-            held -= b;
-        }
+        held -= leaving[i];
     }
     // The end-of-step check of each parameter gradient (a temporary of its size).
     peak.max(held + param_check + CHECK_SCALAR)

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use crate::schedule::{CheckpointMode, Schedule};
+use crate::schedule::{CheckpointMode, Placement, Schedule};
 use crate::ScheduleKind;
 
 use super::cost::{with_remat, Candidate, CostModel, Prediction, ScheduleFacts};
@@ -34,6 +34,8 @@ struct Search<'a, 'p> {
     /// Feasible results, best first after sorting.
     found: Vec<Planned>,
     evaluated: usize,
+    /// The best step times found, ascending, at most `alternatives + 1`.
+    best_times: Vec<f64>,
     /// The candidate closest to fitting: (largest peak / capacity, its candidate, prediction).
     closest: Option<(f64, Candidate, Prediction)>,
 }
@@ -54,12 +56,17 @@ pub fn search(model: &CostModel<'_>, options: &PlanOptions) -> Result<PlanReport
         structures: HashMap::new(),
         found: Vec::new(),
         evaluated: 0,
+        best_times: Vec::new(),
         closest: None,
     };
     let max_k = options
         .max_devices
         .unwrap_or(model.specs.len())
         .min(model.specs.len());
+    // Every candidate with the compute time of its busiest device, a lower bound of its step;
+    // predicted in that order, so that once the bound passes the plans worth showing, the rest
+    // cannot matter.
+    let mut queue: Vec<(f64, Candidate)> = Vec::new();
     for k in 1..=max_k.min(n) {
         for order in device_orders(model, k) {
             for (kind, v) in kinds_and_chunks(options, k) {
@@ -67,10 +74,17 @@ pub fn search(model: &CostModel<'_>, options: &PlanOptions) -> Result<PlanReport
                     continue;
                 }
                 for m in micro_batch_counts(options, k, model.batch) {
-                    s.structure_candidates(order.clone(), kind, v, m);
+                    queue.extend(s.structure_candidates(&order, kind, v, m));
                 }
             }
         }
+    }
+    queue.sort_by(|a, b| a.0.total_cmp(&b.0));
+    for (bound, c) in queue {
+        if bound >= s.bar() {
+            break;
+        }
+        s.evaluate(c);
     }
     s.refine_best();
     s.found
@@ -151,129 +165,135 @@ impl Search<'_, '_> {
             .clone()
     }
 
-    /// The time the `keep`-th best found plan takes (what a candidate must beat to matter).
+    /// The time the `alternatives + 1`-th best plan found takes: a candidate that cannot beat
+    /// it would not be shown.
     fn bar(&self) -> f64 {
-        let keep = self.options.alternatives + 1;
-        if self.found.len() < keep {
+        if self.best_times.len() <= self.options.alternatives {
             return f64::INFINITY;
         }
-        let mut t: Vec<f64> = self.found.iter().map(|p| p.prediction.step_secs).collect();
-        t.sort_by(f64::total_cmp);
-        t[keep - 1]
+        self.best_times[self.options.alternatives]
     }
 
-    fn structure_candidates(&mut self, order: Vec<usize>, kind: ScheduleKind, v: usize, m: usize) {
+    /// The candidates of one structure (every balance on small instances, else a time and a
+    /// memory min-max partition), each with its compute bound.
+    fn structure_candidates(
+        &self,
+        order: &[usize],
+        kind: ScheduleKind,
+        v: usize,
+        m: usize,
+    ) -> Vec<(f64, Candidate)> {
         let k = order.len();
-        if self.structure(kind, k, v, m).is_none() {
-            return;
-        }
         let n = self.model.profile.layers.len();
         let stages = k * v;
+        let placement = match kind {
+            ScheduleKind::ZbV | ScheduleKind::DualPipeV => Placement::V,
+            _ => Placement::Looped { chunks: v },
+        }
+        .devices(k);
         let balances = if count_compositions(n, stages) <= self.options.exhaustive_balances as f64 {
             compositions(n, stages)
         } else {
-            let placement = self
-                .structure(kind, k, v, m)
-                .map(|s| s.always.placement.clone());
-            let placement = placement.expect("checked above");
-            let mut b = vec![self.time_balance(&order, &placement, m)];
-            let mem = self.memory_balance(&order, &placement, m);
+            let mut b = vec![self.time_balance(order, &placement, m)];
+            let mem = self.memory_balance(order, &placement, m);
             if !b.contains(&mem) {
                 b.push(mem);
             }
             b
         };
-        for balance in balances {
-            let c = Candidate {
-                order: order.clone(),
-                kind,
-                chunks: v,
-                micro_batches: m,
-                balance,
-                remat: vec![CheckpointMode::Never; k],
-            };
-            self.evaluate(c);
-        }
+        balances
+            .into_iter()
+            .filter_map(|balance| {
+                let c = Candidate {
+                    order: order.to_vec(),
+                    kind,
+                    chunks: v,
+                    micro_batches: m,
+                    balance,
+                    remat: vec![CheckpointMode::Never; k],
+                };
+                let costs = self.model.costs(&c, &placement).ok()?;
+                Some((self.model.compute_bound(&c, &costs, &placement), c))
+            })
+            .collect()
     }
 
-    /// Chooses each device's re-materialization and predicts the candidate; keeps it when it
-    /// fits. Returns its prediction (None when it was pruned or cannot be built).
+    /// Chooses each device's re-materialization (the least that fits its memory) and predicts
+    /// the candidate; keeps it when it fits. Returns its prediction and whether it fits (None
+    /// when it was pruned or cannot be built).
     fn evaluate(&mut self, mut c: Candidate) -> Option<(Prediction, bool)> {
         let k = c.order.len();
         let model = self.model;
-        let bar = self.bar();
         let st = self.structure(c.kind, k, c.chunks, c.micro_batches)?;
-        // Memory of each device under each uniform mode (a device's walk depends on its own
-        // list only); the least recomputation that fits.
+        let placement = &st.always.placement;
+        let costs = model.costs(&c, placement).ok()?;
+        let mut step_peak = Vec::with_capacity(k);
+        let mut peak = Vec::with_capacity(k);
         let mut fits = true;
-        let mut remat = Vec::with_capacity(k);
-        let mut uniform_preds = Vec::with_capacity(3);
-        for (i, &mode) in MODES.iter().enumerate() {
-            let cc = Candidate {
-                remat: vec![mode; k],
-                ..c.clone()
-            };
-            uniform_preds.push(
-                model
-                    .predict_memory(&cc, &st.uniform[i], &st.facts[i])
-                    .ok()?,
-            );
-        }
         for (d, &device) in c.order.iter().enumerate() {
             let cap = model.specs[device].memory_bytes;
-            match (0..3).find(|&i| uniform_preds[i][d] <= cap) {
-                Some(i) => remat.push(MODES[i]),
-                None => {
-                    fits = false;
-                    remat.push(CheckpointMode::Always);
+            let mut chosen = None;
+            for (i, &mode) in MODES.iter().enumerate() {
+                let (s, p) = model.device_memory(&costs, &st.uniform[i], &st.facts[i], d);
+                chosen = Some((mode, s, p));
+                if p <= cap {
+                    break;
                 }
             }
+            let (mode, s, p) = chosen.expect("three modes");
+            fits &= p <= cap;
+            c.remat[d] = mode;
+            step_peak.push(s);
+            peak.push(p);
         }
-        c.remat = remat;
         if !fits {
-            // Still predict its memory for the error message when nothing fits.
-            let p = uniform_preds[2].clone();
-            let ratio = p
+            // Kept for the error when nothing fits: the configuration closest to fitting.
+            let ratio = peak
                 .iter()
-                .enumerate()
-                .map(|(d, &b)| b as f64 / model.specs[c.order[d]].memory_bytes as f64)
+                .zip(&c.order)
+                .map(|(&b, &d)| b as f64 / model.specs[d].memory_bytes as f64)
                 .fold(0.0, f64::max);
             if self.closest.as_ref().is_none_or(|(r, _, _)| ratio < *r) {
-                let schedule = &st.uniform[2];
-                let facts = &st.facts[2];
-                if let Ok(pred) = model.predict(
-                    &Candidate {
-                        remat: vec![CheckpointMode::Always; k],
-                        ..c.clone()
-                    },
-                    schedule,
-                    facts,
-                ) {
-                    self.closest = Some((ratio, c, pred));
-                }
+                let (t, bubble) = model
+                    .step_time(&c, &costs, &st.uniform[2], &st.facts[2])
+                    .ok()?;
+                let p = Prediction {
+                    step_secs: t,
+                    bubble_fraction: bubble,
+                    step_peak_bytes: step_peak,
+                    peak_bytes: peak,
+                    static_bytes: costs.static_bytes().to_vec(),
+                };
+                self.closest = Some((ratio, c, p));
             }
             return None;
         }
-        if model.compute_bound(&c, &st.always) >= bar {
+        if model.compute_bound(&c, &costs, placement) >= self.bar() {
             return None;
         }
         let schedule = with_remat(&st.always, &c.remat);
-        let facts = ScheduleFacts::of(&schedule);
-        let p = model.predict(&c, &schedule, &facts).ok()?;
+        // Recomputes removed change neither release points nor first backwards.
+        let (t, bubble) = model.step_time(&c, &costs, &schedule, &st.facts[2]).ok()?;
         self.evaluated += 1;
-        let ok = p
-            .peak_bytes
-            .iter()
-            .enumerate()
-            .all(|(d, &b)| b <= model.specs[c.order[d]].memory_bytes);
-        if ok {
-            self.found.push(Planned {
-                candidate: c,
-                prediction: p.clone(),
-                schedule,
-            });
+        let p = Prediction {
+            step_secs: t,
+            bubble_fraction: bubble,
+            step_peak_bytes: step_peak,
+            peak_bytes: peak,
+            static_bytes: costs.static_bytes().to_vec(),
+        };
+        let keep = self.options.alternatives + 1;
+        let at = self.best_times.partition_point(|&x| x <= t);
+        if at < keep {
+            self.best_times.insert(at, t);
+            self.best_times.truncate(keep);
         }
-        Some((p, ok))
+        self.found.push(Planned {
+            candidate: c,
+            prediction: p.clone(),
+            schedule,
+        });
+        Some((p, true))
     }
 
     /// Moves stage boundaries one layer at a time while the predicted step gets faster, for the
@@ -412,7 +432,7 @@ pub fn weighted_min_max(costs: &[f64], weights: &[f64]) -> Vec<usize> {
     let wmax = weights.iter().copied().fold(0.0, f64::max);
     let (mut lo, mut hi) = (0.0, total * wmax);
     let mut best = fill(hi).unwrap_or_else(|| even(n, s));
-    for _ in 0..100 {
+    while hi - lo > 1e-6 * hi {
         let mid = 0.5 * (lo + hi);
         match fill(mid) {
             Some(b) => {

@@ -1,0 +1,303 @@
+//! The planner against the configuration a user would pick by hand, on a heterogeneous simulated
+//! cluster (2 fast devices with much memory, 2 slow ones with little; a PCIe-like link).
+//!
+//! * For the GPipe tables' Transformer LM and AmoebaNet-D shapes (as in `bench_gpipe_tables`):
+//!   the hand-picked configuration (all 4 devices in the given order, even balance, GPipe,
+//!   M = 4K, always re-materialize) against the plan, both predicted and then run on the
+//!   simulated cluster: the ratio of step times.
+//! * The largest Transformer (in blocks) that fits the same memory caps by hand and with the
+//!   planner (the planner's verdict is checked by running two Adam steps).
+//! * How long the search takes for 100 layers on 16 devices.
+//!
+//! `cargo run --release --example bench_planner` (a minute or two on 2 cores).
+
+use std::time::Instant;
+
+use wgpipe::autograd::optim::Optimizer;
+use wgpipe::autograd::{Adam, Module};
+use wgpipe::models::{cross_entropy, AmoebaNet, TransformerLm};
+use wgpipe::pipeline::plan::{plan, profile_layers, PlanError, PlanOptions, Profile};
+use wgpipe::pipeline::{
+    Balance, CheckpointMode, DeviceSpec, LinkSpec, LossFn, Pipeline, PipelineError, PlanInputs,
+    ScheduleKind, SimCluster,
+};
+use wgpipe::tensor::{Device, Tensor};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+type Layers = Vec<Box<dyn Module>>;
+
+/// Rates as in `bench_gpipe_tables` (a V100 scaled to the narrow models); the slow devices are
+/// a quarter as fast.
+const FAST: f64 = 15e12 / 32.0;
+const SLOW: f64 = FAST / 4.0;
+const PCIE: LinkSpec = LinkSpec {
+    bandwidth_bytes_per_sec: 10e9,
+    latency_sec: 10e-6,
+};
+const SEQ: usize = 32;
+const VOCAB: usize = 64;
+const BATCH: usize = 64;
+const IMG: usize = 16;
+
+fn lm(blocks: usize) -> TransformerLm {
+    TransformerLm {
+        vocab: VOCAB,
+        d_model: 64,
+        heads: 4,
+        layers: blocks,
+        seq_len: SEQ,
+        dropout: 0.0,
+    }
+}
+
+fn tokens(n: usize, salt: usize) -> Res<Tensor> {
+    let v: Vec<f32> = (0..n * SEQ)
+        .map(|i| ((i * 7 + salt * 13 + (i / SEQ) * 3) % VOCAB) as f32)
+        .collect();
+    Ok(Tensor::from_vec(v, &[n, SEQ], &Device::cpu())?)
+}
+
+fn adam() -> Box<dyn Optimizer> {
+    Box::new(Adam::new(1e-3))
+}
+
+/// 2 fast devices with `big` bytes, then 2 slow ones with `small`.
+fn cluster_specs(big: u64, small: u64) -> Vec<DeviceSpec> {
+    let d = |flops_per_sec, memory_bytes| DeviceSpec {
+        flops_per_sec,
+        memory_bytes,
+    };
+    vec![d(FAST, big), d(FAST, big), d(SLOW, small), d(SLOW, small)]
+}
+
+struct Model {
+    name: &'static str,
+    make: Box<dyn Fn() -> Res<Layers>>,
+    x: Tensor,
+    y: Tensor,
+}
+
+/// Trains two steps (train + Adam) on the simulated cluster; the second step's simulated time,
+/// or None when a device ran out of memory.
+fn run(pipe: &mut Pipeline, x: &Tensor, y: &Tensor) -> Res<Option<f64>> {
+    let loss: &LossFn = &cross_entropy;
+    let mut t = 0.0;
+    for _ in 0..2 {
+        match pipe.train_step(x, y, loss) {
+            Ok(r) => {
+                t = r
+                    .simulated
+                    .as_ref()
+                    .ok_or("no simulated report")?
+                    .makespan_secs
+            }
+            Err(e) if e.to_string().contains("out of memory") => return Ok(None),
+            Err(e) => return Err(e.into()),
+        }
+        match pipe.optimizer_step() {
+            Ok(()) => {}
+            Err(e) if e.to_string().contains("out of memory") => return Ok(None),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(Some(t))
+}
+
+/// The configuration a user would try first: all devices, even balance, GPipe, M = 4K, always
+/// re-materialize.
+fn by_hand(layers: Layers, specs: &[DeviceSpec]) -> Res<Pipeline> {
+    let k = specs.len();
+    let n = layers.len();
+    let even: Vec<usize> = (0..k).map(|i| n / k + usize::from(i < n % k)).collect();
+    Ok(Pipeline::builder(layers)
+        .sim(SimCluster::new(&Device::cpu(), specs, PCIE))
+        .balance(Balance::Explicit(even))
+        .micro_batches(4 * k)
+        .checkpoint(CheckpointMode::Always)
+        .schedule(ScheduleKind::GPipe)
+        .optimizer(adam)
+        .build()?)
+}
+
+/// The plan for `layers`, its predicted step, and the pipeline built from it.
+fn planned(
+    layers: Layers,
+    specs: &[DeviceSpec],
+    x: &Tensor,
+    y: &Tensor,
+) -> Result<(Pipeline, wgpipe::pipeline::PlanReport), PipelineError> {
+    let loss: &LossFn = &cross_entropy;
+    let inputs = PlanInputs {
+        inputs: x,
+        targets: y,
+        loss,
+        batch: BATCH,
+        options: PlanOptions::default(),
+    };
+    let cluster = SimCluster::new(&Device::cpu(), specs, PCIE);
+    let (builder, report, _) = Pipeline::builder(layers)
+        .optimizer(adam)
+        .plan(&cluster, &inputs)?;
+    Ok((builder.build()?, report))
+}
+
+fn compare(m: &Model, specs: &[DeviceSpec]) -> Res<()> {
+    println!("\n## {}: by hand vs planned", m.name);
+    let mut hand = by_hand((m.make)()?, specs)?;
+    let t_hand = run(&mut hand, &m.x, &m.y)?;
+    let started = Instant::now();
+    let (mut pipe, report) = planned((m.make)()?, specs, &m.x, &m.y)?;
+    let planning = started.elapsed().as_secs_f64();
+    print!("{report}");
+    let t_plan = run(&mut pipe, &m.x, &m.y)?.ok_or("the plan ran out of memory")?;
+    let predicted = report.best.prediction.step_secs;
+    println!(
+        "planning (profile + search): {planning:.2} s wall; predicted step {predicted:.4e} s, \
+         simulated {t_plan:.4e} s ({:+.2}%)",
+        (predicted / t_plan - 1.0) * 100.0
+    );
+    match t_hand {
+        Some(t) => println!(
+            "by hand (GPipe, even balance, M = {}, always re-materialize): {t:.4e} s; planned is \
+             {:.2}x faster",
+            4 * specs.len(),
+            t / t_plan
+        ),
+        None => println!("by hand: out of memory"),
+    }
+    Ok(())
+}
+
+/// Whether `blocks` Transformer blocks train by hand, and with the planner (its verdict run).
+fn fits(blocks: usize, specs: &[DeviceSpec], x: &Tensor, y: &Tensor) -> Res<(bool, bool)> {
+    let layers = || -> Res<Layers> { Ok(lm(blocks).build(1, &Device::cpu())?) };
+    let hand =
+        layers()?.len() >= specs.len() && run(&mut by_hand(layers()?, specs)?, x, y)?.is_some();
+    let planned = match planned(layers()?, specs, x, y) {
+        Ok((mut pipe, _)) => {
+            run(&mut pipe, x, y)?.ok_or("the planner said it fits, but it ran out of memory")?;
+            true
+        }
+        Err(PipelineError::Plan(PlanError::NoFit(_))) => false,
+        Err(e) => return Err(e.into()),
+    };
+    Ok((hand, planned))
+}
+
+/// The largest block count for which `pick` says yes (doubling, then bisection).
+fn largest(pick: &dyn Fn(usize) -> Res<bool>) -> Res<usize> {
+    let mut lo = 1;
+    if !pick(lo)? {
+        return Ok(0);
+    }
+    let mut hi = 2;
+    while pick(hi)? {
+        lo = hi;
+        hi *= 2;
+    }
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if pick(mid)? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(lo)
+}
+
+/// 100 layers (the measured profile of a Transformer's blocks, repeated) on 16 devices of four
+/// kinds: the search's time.
+fn search_speed(profile: &Profile) -> Res<()> {
+    let blocks: Vec<_> = profile.layers[1..profile.layers.len() - 2].to_vec();
+    let mut big = profile.clone();
+    big.layers = vec![profile.layers[0].clone()];
+    while big.layers.len() < 98 {
+        big.layers
+            .push(blocks[big.layers.len() % blocks.len()].clone());
+    }
+    big.layers
+        .extend(profile.layers[profile.layers.len() - 2..].iter().cloned());
+    let specs: Vec<DeviceSpec> = (0..16)
+        .map(|i| DeviceSpec {
+            flops_per_sec: if i % 4 < 2 { FAST } else { SLOW },
+            memory_bytes: if i % 2 == 0 { 64 << 20 } else { 32 << 20 },
+        })
+        .collect();
+    let started = Instant::now();
+    let r = plan(&big, &specs, PCIE, 256, &PlanOptions::default())?;
+    println!(
+        "\n## search speed: {} layers on 16 devices (4 kinds), batch 256: {:.2} s wall, {} \
+         candidates predicted; chosen {:?} K={} v={} M={} step {:.4e} s",
+        big.layers.len(),
+        started.elapsed().as_secs_f64(),
+        r.evaluated,
+        r.best.candidate.kind,
+        r.best.candidate.order.len(),
+        r.best.candidate.chunks,
+        r.best.candidate.micro_batches,
+        r.best.prediction.step_secs
+    );
+    Ok(())
+}
+
+fn main() -> Res<()> {
+    let only_speed = std::env::args().any(|a| a == "--speed");
+    let specs = cluster_specs(64 << 20, 16 << 20);
+    let lm_model = Model {
+        name: "Transformer LM (24 blocks, d_model 64, seq 32, batch 64)",
+        make: Box::new(|| Ok(lm(24).build(1, &Device::cpu())?)),
+        x: tokens(BATCH, 0)?,
+        y: tokens(BATCH, 5)?,
+    };
+    let mut layers = (lm_model.make)()?;
+    let loss: &LossFn = &cross_entropy;
+    let profile = profile_layers(
+        &mut layers,
+        &lm_model.x,
+        &lm_model.y,
+        loss,
+        Some(&adam),
+        &Device::cpu(),
+    )?;
+    search_speed(&profile)?;
+    if only_speed {
+        return Ok(());
+    }
+    println!(
+        "cluster: 2 devices at {:.2e} FLOP/s with 64 MiB, 2 at {:.2e} FLOP/s with 16 MiB; \
+         link 10 GB/s, 10 us (simulated times)",
+        FAST, SLOW
+    );
+    compare(&lm_model, &specs)?;
+    let amoeba = Model {
+        name: "AmoebaNet-D (6 normal cells, 16 filters, 16x16 images, batch 64)",
+        make: Box::new(|| {
+            Ok(AmoebaNet {
+                normal_cells: 6,
+                filters: 16,
+                num_classes: 10,
+                in_channels: 3,
+            }
+            .build(1, &Device::cpu())?)
+        }),
+        x: Tensor::rand_normal(&[BATCH, 3, IMG, IMG], 0.0, 1.0, 3, &Device::cpu())?,
+        y: Tensor::from_vec(
+            (0..BATCH).map(|i| (i % 10) as f32).collect(),
+            &[BATCH],
+            &Device::cpu(),
+        )?,
+    };
+    compare(&amoeba, &specs)?;
+
+    let caps = cluster_specs(24 << 20, 8 << 20);
+    let (x, y) = (tokens(BATCH, 0)?, tokens(BATCH, 5)?);
+    let hand = largest(&|b| Ok(fits(b, &caps, &x, &y)?.0))?;
+    let plan = largest(&|b| Ok(fits(b, &caps, &x, &y)?.1))?;
+    println!(
+        "\n## largest Transformer that trains on 2 x 24 MiB + 2 x 8 MiB (batch {BATCH}): by hand \
+         {hand} blocks, planned {plan} blocks ({:.2}x)",
+        plan as f64 / hand.max(1) as f64
+    );
+    Ok(())
+}
