@@ -3,10 +3,9 @@
 //! `--help` lists the flags.
 
 use wgpipe_apps::train_cnn::{run, CnnArgs};
-use wgpipe_apps::Parser;
 use wgpipe_apps::{exit_on_error, install_ctrl_c};
 
 fn main() {
     install_ctrl_c();
-    exit_on_error(run(CnnArgs::parse()));
+    exit_on_error(run(CnnArgs::from_command_line()));
 }

@@ -17,6 +17,7 @@ use crate::pipeline::microbatch::{micro_batch_sizes, MicroBatchError};
 use crate::pipeline::partition::{balance_by_cost, validate_balance_for, PartitionError};
 use crate::pipeline::{Balance, CheckpointMode, Pipeline, PipelineError, ScheduleKind};
 use crate::placement::{DeviceChoice, Placement, SimSpec};
+use crate::plan::PlanArg;
 use crate::tensor::Tensor;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -188,6 +189,16 @@ pub struct PipelineArgs {
     /// 10 µs).
     #[arg(long, default_value_t = 10.0)]
     pub sim_link_gbs: f64,
+    /// Choose K, the device order, schedule, chunks, M, balance and re-materialization by the
+    /// planner on the simulated cluster (auto: when none of --stages, --micro-batches,
+    /// --balance, --schedule, --chunks, --checkpoint is given; --stages is then the most
+    /// devices it may use).
+    #[arg(long, value_enum, default_value_t = PlanArg::Auto)]
+    pub plan: PlanArg,
+    /// Whether the shape flags of `--plan auto` were given (set from the command line by the
+    /// examples; a caller that builds the flags otherwise gets no automatic plan).
+    #[arg(skip = true)]
+    pub shape_given: bool,
 }
 
 impl PipelineArgs {

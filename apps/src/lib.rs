@@ -8,6 +8,7 @@
 //!   before anything is allocated;
 //! - [`placement`]: the stage devices of `--device`;
 //! - [`args`]: the pipeline flags every training example shares, and building the pipeline;
+//! - [`plan`]: `--plan`, the pipeline chosen by the planner;
 //! - [`files`]: `--save` / `--resume` checkpoint files (through `wgpipe_pipeline::persist`);
 //! - [`train`]: the training loop and Ctrl-C;
 //! - [`output`]: the progress bar, the per-stage table, the trace and the SVG timeline;
@@ -25,6 +26,7 @@ pub mod files;
 pub mod limits;
 pub mod output;
 pub mod placement;
+pub mod plan;
 pub mod train;
 
 pub mod bench_train;

@@ -21,6 +21,7 @@ use crate::models::{cross_entropy, parameter_count, AmoebaNet, ResNet};
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::{Pipeline, StepReport};
 use crate::placement::place;
+use crate::plan::{plan_pipeline, print_predicted_vs_measured, wants_plan, PlanRun};
 use crate::tensor::{Device, Tensor};
 use crate::train::{ctrl_c_flag, train_loop, LoopConfig};
 
@@ -115,6 +116,16 @@ impl CnnArgs {
         let argv = std::iter::once(std::ffi::OsString::from("train_cnn"))
             .chain(args.into_iter().map(Into::into));
         CnnArgs::try_parse_from(argv).map_err(|e| AppError(e.to_string()))
+    }
+
+    /// The flags of this process's command line, noting whether the pipeline's shape was
+    /// given (for `--plan auto`); exits with clap's message on bad flags.
+    pub fn from_command_line() -> CnnArgs {
+        let matches = <CnnArgs as clap::CommandFactory>::command().get_matches();
+        let mut args = <CnnArgs as clap::FromArgMatches>::from_arg_matches(&matches)
+            .unwrap_or_else(|e| e.exit());
+        args.pipe.shape_given = crate::plan::shape_given(&matches);
+        args
     }
 }
 
@@ -436,9 +447,29 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         eps: 1e-8,
         weight_decay: 1e-4,
     };
-    let mut pipe = build_pipeline(layers, p, &placement, &sample, move || {
-        Box::new(AdamW::with_config(adam))
-    })?;
+    let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
+    let (mut pipe, plan) = if wants_plan(p.plan, p.shape_given, &placement) {
+        let first = &train.shuffled_batches(batch, p.seed, 0)[0];
+        let (x, y) = images_tensor(&train, first)?;
+        let run = PlanRun {
+            inputs: &x,
+            targets: &y,
+            loss: &loss_fn,
+            batch,
+            // Batch norm's statistics need a few images per micro-batch.
+            min_micro_batch: 8,
+            seed: p.seed,
+        };
+        let (pipe, report) = plan_pipeline(layers, &placement, &run, move || {
+            Box::new(AdamW::with_config(adam))
+        })?;
+        (pipe, Some(report))
+    } else {
+        let pipe = build_pipeline(layers, p, &placement, &sample, move || {
+            Box::new(AdamW::with_config(adam))
+        })?;
+        (pipe, None)
+    };
 
     println!(
         "{:?}: width {}, depth {}, {} layers, {} parameters, {} classes",
@@ -486,7 +517,6 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
 
     let steps_per_epoch = (train.n / batch).max(1) as u64;
     let seed = p.seed;
-    let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
     let lc = LoopConfig {
         start: start_step,
         steps: args.steps,
@@ -547,6 +577,9 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     let timeline = out_path(&p.timeline, "cnn_timeline.svg");
     if let Some(rep) = &r.last_report {
         report_outputs(&pipe, rep, "train_cnn", &trace, &timeline)?;
+        if let Some(plan) = &plan {
+            print_predicted_vs_measured(plan, rep);
+        }
     }
     Ok(CnnSummary {
         start_step,

@@ -21,6 +21,7 @@ use crate::models::{cross_entropy, parameter_count, TransformerLm};
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::{CheckpointMode, Pipeline, StepReport};
 use crate::placement::place;
+use crate::plan::{plan_pipeline, print_predicted_vs_measured, wants_plan, PlanRun};
 use crate::tensor::rng::SplitMix64;
 use crate::tensor::{Device, Tensor};
 use crate::train::{ctrl_c_flag, train_loop, LoopConfig};
@@ -84,6 +85,16 @@ impl TransformerArgs {
         let argv = std::iter::once(std::ffi::OsString::from("train_transformer"))
             .chain(args.into_iter().map(Into::into));
         TransformerArgs::try_parse_from(argv).map_err(|e| AppError(e.to_string()))
+    }
+
+    /// The flags of this process's command line, noting whether the pipeline's shape was
+    /// given (for `--plan auto`); exits with clap's message on bad flags.
+    pub fn from_command_line() -> TransformerArgs {
+        let matches = <TransformerArgs as clap::CommandFactory>::command().get_matches();
+        let mut args = <TransformerArgs as clap::FromArgMatches>::from_arg_matches(&matches)
+            .unwrap_or_else(|e| e.exit());
+        args.pipe.shape_given = crate::plan::shape_given(&matches);
+        args
     }
 }
 
@@ -345,9 +356,31 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         eps: 1e-8,
         weight_decay: 0.01,
     };
-    let mut pipe = build_pipeline(layers, p, &placement, &sample_in, move || {
-        Box::new(AdamW::with_config(adam))
-    })?;
+    let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
+    let (mut pipe, plan) = if wants_plan(p.plan, p.shape_given, &placement) {
+        let (x, y) = train.batch(args.batch, args.seq_len, p.seed, 0);
+        let (x, y) = (
+            ids_tensor(&x, &[args.batch, args.seq_len])?,
+            ids_tensor(&y, &[args.batch, args.seq_len])?,
+        );
+        let run = PlanRun {
+            inputs: &x,
+            targets: &y,
+            loss: &loss_fn,
+            batch: args.batch,
+            min_micro_batch: 1,
+            seed: p.seed,
+        };
+        let (pipe, report) = plan_pipeline(layers, &placement, &run, move || {
+            Box::new(AdamW::with_config(adam))
+        })?;
+        (pipe, Some(report))
+    } else {
+        let pipe = build_pipeline(layers, p, &placement, &sample_in, move || {
+            Box::new(AdamW::with_config(adam))
+        })?;
+        (pipe, None)
+    };
 
     let warmup = (args.steps / 10).clamp(1, 30);
     let schedule = LrSchedule::WarmupCosine {
@@ -369,15 +402,24 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     println!("data: {data_what}");
     println!("devices: {}", placement.description);
     print!("{}", describe_stages(&pipe));
-    println!(
-        "mini-batch {} sequences = {} micro-batches; schedule {} ({} chunk(s) per device), checkpoint {}, balance {}",
-        args.batch,
-        p.micro_batches,
-        pipe.schedule().name,
-        p.chunks(),
-        CheckpointMode::from(p.checkpoint),
-        p.balance
-    );
+    if plan.is_none() {
+        println!(
+            "mini-batch {} sequences = {} micro-batches; schedule {} ({} chunk(s) per device), checkpoint {}, balance {}",
+            args.batch,
+            p.micro_batches,
+            pipe.schedule().name,
+            p.chunks(),
+            CheckpointMode::from(p.checkpoint),
+            p.balance
+        );
+    } else {
+        println!(
+            "mini-batch {} sequences = {} micro-batches; schedule {} as planned",
+            args.batch,
+            pipe.schedule().num_micro_batches,
+            pipe.schedule().name
+        );
+    }
     println!(
         "loss references (nats/char): uniform ln({vocab}) = {:.2}{}",
         (vocab as f32).ln(),
@@ -397,7 +439,6 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         );
     }
 
-    let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
     let lc = LoopConfig {
         start: start_step,
         steps: args.steps,
@@ -455,6 +496,9 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     let timeline = out_path(&p.timeline, "timeline.svg");
     if let Some(rep) = &r.last_report {
         report_outputs(&pipe, rep, "train_transformer", &trace, &timeline)?;
+        if let Some(plan) = &plan {
+            print_predicted_vs_measured(plan, rep);
+        }
     }
 
     let prompt_text = if args.data.is_none() {

@@ -69,6 +69,8 @@ struct StageAt {
     backward_weight_peak: f64,
     loss_peak: f64,
     loss_kept: f64,
+    /// Left by each forward until the step ends.
+    residue: f64,
 }
 
 /// A profile on a cluster, for one mini-batch size.
@@ -379,6 +381,7 @@ impl CostModel<'_> {
         {
             let out = l.output_bytes.bytes(b) as f64;
             st.forward += l.forward_flops.at(b);
+            st.residue += l.forward_residue_bytes.at(b);
             st.backward += if first && i <= p.first_trainable {
                 l.backward_flops_from_data.at(b)
             } else {
@@ -496,6 +499,7 @@ fn walk_memory(
                         peak = peak.max(held + st.loss_peak);
                     }
                 }
+                held += st.residue;
                 // The non-finite check of the output.
                 peak = peak.max(held + st.output + CHECK_SCALAR);
                 if s == last {

@@ -76,6 +76,9 @@ pub struct LayerProfile {
     pub forward_extra_bytes: Affine,
     /// Peak of a forward that records nothing, above what was live before it (output included).
     pub no_grad_peak_bytes: Affine,
+    /// What a forward leaves behind until the end of the step when its output and tape are
+    /// gone (batch norm's statistics, applied by `finish_step`).
+    pub forward_residue_bytes: Affine,
     /// Peak of a full backward above what was live before it (stash and output gradient
     /// included there): input gradient, parameter-gradient temporaries and sums.
     pub backward_extra_bytes: Affine,
@@ -187,6 +190,7 @@ pub fn profile_layers(
             stash_bytes: fit(&|p| p.stash, i),
             forward_extra_bytes: fit(&|p| p.forward_extra, i),
             no_grad_peak_bytes: fit(&|p| p.no_grad_peak, i),
+            forward_residue_bytes: fit(&|p| p.forward_residue, i),
             backward_extra_bytes: fit(&|p| p.backward_extra, i),
             backward_input_extra_bytes: fit(&|p| p.backward_input_extra, i),
             weight_keep_bytes: fit(&|p| p.weight_keep, i),
@@ -222,6 +226,7 @@ struct Point {
     stash: f64,
     forward_extra: f64,
     no_grad_peak: f64,
+    forward_residue: f64,
     backward_extra: f64,
     backward_input_extra: f64,
     weight_keep: f64,
@@ -407,6 +412,7 @@ fn measure_layer(
             let y = l.forward(&input, &ctx(i))?;
             p.no_grad_peak = m.peak().max(bytes_of(y.value()));
         }
+        p.forward_residue = m.grown().max(0.0);
         // From data (stage 0's first layers): no input gradient.
         if from_data {
             let (tape, y) = recorded(l, x, i, true)?;

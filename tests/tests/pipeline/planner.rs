@@ -405,3 +405,85 @@ fn planned_transformer_runs_as_predicted() {
         assert!(s.memory.peak as u64 <= specs[report.best.candidate.order[d]].memory_bytes);
     }
 }
+
+/// A ResNet with batch norm (statistics kept from each forward until the step ends), planned on
+/// 3 devices of two speeds; every schedule kind forced in turn, so the memory walk meets each.
+#[test]
+fn planned_resnet_runs_as_predicted_under_every_schedule() {
+    use wgpipe_models::ResNet;
+    let net = ResNet {
+        blocks: vec![1, 1],
+        width: 4,
+        num_classes: 5,
+        in_channels: 3,
+    };
+    let x = normal_data(&[16, 3, 8, 8], 91);
+    let y = wgpipe_tensor::Tensor::from_vec(
+        (0..16).map(|i| (i % 5) as f32).collect(),
+        &[16],
+        &Device::cpu(),
+    )
+    .unwrap();
+    let loss = |out: &wgpipe_autograd::Var, t: &wgpipe_tensor::Tensor| cross_entropy(out, t);
+    let specs = vec![
+        DeviceSpec {
+            flops_per_sec: 3e9,
+            memory_bytes: 1 << 30,
+        },
+        DeviceSpec {
+            flops_per_sec: 1e9,
+            memory_bytes: 1 << 30,
+        },
+        DeviceSpec {
+            flops_per_sec: 3e9,
+            memory_bytes: 1 << 30,
+        },
+    ];
+    let cluster = SimCluster::new(&Device::cpu(), &specs, LINK);
+    for kind in ScheduleKind::ALL {
+        let inputs = PlanInputs {
+            inputs: &x,
+            targets: &y,
+            loss: &loss,
+            batch: 16,
+            options: PlanOptions {
+                kinds: vec![kind],
+                chunks: vec![2],
+                micro_batches: Some(vec![2, 4]),
+                ..PlanOptions::default()
+            },
+        };
+        let (builder, report, _) = Pipeline::builder(net.build(3, &Device::cpu()).unwrap())
+            .optimizer(sgd)
+            .plan(&cluster, &inputs)
+            .unwrap();
+        let mut pipe = builder.seed(SEED).build().unwrap();
+        let mut r = None;
+        for _ in 0..2 {
+            r = Some(pipe.train_step(&x, &y, &loss).unwrap());
+            pipe.optimizer_step().unwrap();
+        }
+        let r = r.unwrap();
+        let measured = r.simulated.unwrap().makespan_secs;
+        let p = &report.best.prediction;
+        let c = &report.best.candidate;
+        eprintln!(
+            "{kind:?}: K={} M={} balance {:?}: predicted {:.4e} s, simulated {measured:.4e} s; peaks {:?} <= {:?}",
+            c.order.len(),
+            c.micro_batches,
+            c.balance,
+            p.step_secs,
+            r.stages.iter().map(|s| s.memory.peak).collect::<Vec<_>>(),
+            p.step_peak_bytes
+        );
+        assert!((p.step_secs / measured - 1.0).abs() <= 0.05, "{kind:?}");
+        for (d, s) in r.stages.iter().enumerate() {
+            assert!(
+                s.memory.peak as u64 <= p.step_peak_bytes[d],
+                "{kind:?} device {d}: measured {} above predicted {}",
+                s.memory.peak,
+                p.step_peak_bytes[d]
+            );
+        }
+    }
+}

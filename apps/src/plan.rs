@@ -1,0 +1,130 @@
+//! `--plan`: the examples' pipeline chosen by the planner (K, device order, schedule, chunks, M,
+//! balance, re-materialization per device) on the simulated cluster, printed with its
+//! alternatives, and after training its prediction against what the cluster measured.
+
+use clap::parser::ValueSource;
+use clap::{ArgMatches, ValueEnum};
+
+use crate::autograd::optim::Optimizer;
+use crate::autograd::Module;
+use crate::error::{AppError, AppResult};
+use crate::pipeline::plan::PlanOptions;
+use crate::pipeline::{LossFn, Pipeline, PlanInputs, PlanReport, StepReport};
+use crate::placement::Placement;
+use crate::tensor::Tensor;
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PlanArg {
+    /// Plan when the stages are simulated and none of --stages, --micro-batches, --balance,
+    /// --schedule, --chunks, --checkpoint is given.
+    Auto,
+    /// Plan on the simulated cluster (--stages is then the number of devices it may use).
+    On,
+    /// The pipeline the flags describe.
+    Off,
+}
+
+/// The flags that fix the pipeline's shape: given on the command line, `--plan auto` does not
+/// plan.
+const SHAPE_FLAGS: [&str; 6] = [
+    "stages",
+    "micro_batches",
+    "balance",
+    "schedule",
+    "chunks",
+    "checkpoint",
+];
+
+/// Whether any shape flag was given on the command line (not left at its default).
+pub fn shape_given(matches: &ArgMatches) -> bool {
+    SHAPE_FLAGS
+        .iter()
+        .any(|id| matches.value_source(id) == Some(ValueSource::CommandLine))
+}
+
+/// Whether to plan: `--plan on`, or `auto` with no shape flag given, and simulated stages.
+pub fn wants_plan(plan: PlanArg, shape_given: bool, placement: &Placement) -> bool {
+    placement.sim.is_some()
+        && match plan {
+            PlanArg::On => true,
+            PlanArg::Auto => !shape_given,
+            PlanArg::Off => false,
+        }
+}
+
+/// What `plan_pipeline` needs of a run.
+pub struct PlanRun<'a> {
+    /// A sample mini-batch (its first rows are profiled).
+    pub inputs: &'a Tensor,
+    pub targets: &'a Tensor,
+    pub loss: &'a LossFn,
+    pub batch: usize,
+    /// The fewest samples a micro-batch may hold (batch norm needs a few).
+    pub min_micro_batch: usize,
+    pub seed: u64,
+}
+
+/// Plans `layers` on the placement's simulated cluster, prints the plan table, and builds it.
+pub fn plan_pipeline(
+    layers: Vec<Box<dyn Module>>,
+    placement: &Placement,
+    run: &PlanRun<'_>,
+    optimizer: impl Fn() -> Box<dyn Optimizer> + 'static,
+) -> AppResult<(Pipeline, PlanReport)> {
+    let cluster = placement
+        .sim
+        .as_ref()
+        .ok_or_else(|| AppError("--plan needs the simulated cluster (--device sim)".into()))?;
+    let max_m = (run.batch / run.min_micro_batch.max(1)).max(1);
+    let mut options = PlanOptions::default();
+    let mut ms: Vec<usize> = vec![1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64];
+    ms.retain(|&m| m <= max_m);
+    options.micro_batches = Some(ms);
+    let inputs = PlanInputs {
+        inputs: run.inputs,
+        targets: run.targets,
+        loss: run.loss,
+        batch: run.batch,
+        options,
+    };
+    let started = std::time::Instant::now();
+    let (builder, report, _) = Pipeline::builder(layers)
+        .optimizer(optimizer)
+        .plan(cluster, &inputs)
+        .map_err(|e| AppError(format!("--plan: {e}")))?;
+    println!(
+        "planned in {:.2} s (profile and search; --plan off and the shape flags choose by hand):",
+        started.elapsed().as_secs_f64()
+    );
+    print!("{report}");
+    let pipe = builder
+        .seed(run.seed)
+        .build()
+        .map_err(|e| AppError(format!("building the planned pipeline: {e}")))?;
+    Ok((pipe, report))
+}
+
+/// The plan's predicted step time and per-device peak memory beside the last step's simulated
+/// ones.
+pub fn print_predicted_vs_measured(plan: &PlanReport, last: &StepReport) {
+    let p = &plan.best.prediction;
+    let Some(sim) = &last.simulated else {
+        return;
+    };
+    println!(
+        "plan: predicted step {:.4e} s, simulated {:.4e} s ({:+.2}%); bubble predicted {:.1}%, simulated {:.1}%",
+        p.step_secs,
+        sim.makespan_secs,
+        (p.step_secs / sim.makespan_secs - 1.0) * 100.0,
+        p.bubble_fraction * 100.0,
+        sim.bubble_fraction * 100.0
+    );
+    for (d, s) in last.stages.iter().enumerate() {
+        println!(
+            "  device {d} ({}): peak {} bytes, predicted at most {}",
+            s.device,
+            s.memory.peak,
+            p.step_peak_bytes.get(d).copied().unwrap_or(0)
+        );
+    }
+}
