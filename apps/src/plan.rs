@@ -5,6 +5,7 @@
 use clap::parser::ValueSource;
 use clap::{ArgMatches, ValueEnum};
 
+use crate::args::{build_pipeline, PipelineArgs};
 use crate::autograd::optim::Optimizer;
 use crate::autograd::Module;
 use crate::error::{AppError, AppResult};
@@ -62,6 +63,26 @@ pub struct PlanRun<'a> {
     /// The fewest samples a micro-batch may hold (batch norm needs a few).
     pub min_micro_batch: usize,
     pub seed: u64,
+}
+
+/// The pipeline of the flags, or the planned one when [`wants_plan`] (with its plan).
+pub fn build_or_plan(
+    layers: Vec<Box<dyn Module>>,
+    args: &PipelineArgs,
+    placement: &Placement,
+    sample: &Tensor,
+    run: &PlanRun<'_>,
+    optimizer: impl Fn() -> Box<dyn Optimizer> + 'static,
+) -> AppResult<(Pipeline, Option<PlanReport>)> {
+    if wants_plan(args.plan, args.shape_given, placement) {
+        let (pipe, report) = plan_pipeline(layers, placement, run, optimizer)?;
+        Ok((pipe, Some(report)))
+    } else {
+        Ok((
+            build_pipeline(layers, args, placement, sample, optimizer)?,
+            None,
+        ))
+    }
 }
 
 /// Plans `layers` on the placement's simulated cluster, prints the plan table, and builds it.

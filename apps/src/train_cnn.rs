@@ -12,7 +12,7 @@ use crate::autograd::{AdamW, Module, Var};
 use crate::bail;
 use std::sync::atomic::AtomicBool;
 
-use crate::args::{build_pipeline, describe_stages, PipelineArgs};
+use crate::args::{describe_stages, PipelineArgs};
 use crate::error::{AppError, AppResult, Context};
 use crate::files::{check_readable, is_optimizer_key, load_pipeline, save_pipeline};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
@@ -21,7 +21,7 @@ use crate::models::{cross_entropy, parameter_count, AmoebaNet, ResNet};
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::{Pipeline, StepReport};
 use crate::placement::place;
-use crate::plan::{plan_pipeline, print_predicted_vs_measured, wants_plan, PlanRun};
+use crate::plan::{build_or_plan, print_predicted_vs_measured, PlanRun};
 use crate::tensor::{Device, Tensor};
 use crate::train::{ctrl_c_flag, train_loop, LoopConfig};
 
@@ -448,28 +448,20 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         weight_decay: 1e-4,
     };
     let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
-    let (mut pipe, plan) = if wants_plan(p.plan, p.shape_given, &placement) {
-        let first = &train.shuffled_batches(batch, p.seed, 0)[0];
-        let (x, y) = images_tensor(&train, first)?;
-        let run = PlanRun {
-            inputs: &x,
-            targets: &y,
-            loss: &loss_fn,
-            batch,
-            // Batch norm's statistics need a few images per micro-batch.
-            min_micro_batch: 8,
-            seed: p.seed,
-        };
-        let (pipe, report) = plan_pipeline(layers, &placement, &run, move || {
-            Box::new(AdamW::with_config(adam))
-        })?;
-        (pipe, Some(report))
-    } else {
-        let pipe = build_pipeline(layers, p, &placement, &sample, move || {
-            Box::new(AdamW::with_config(adam))
-        })?;
-        (pipe, None)
+    let first = &train.shuffled_batches(batch, p.seed, 0)[0];
+    let (x, y) = images_tensor(&train, first)?;
+    let run = PlanRun {
+        inputs: &x,
+        targets: &y,
+        loss: &loss_fn,
+        batch,
+        // Batch norm's statistics need a few images per micro-batch.
+        min_micro_batch: 8,
+        seed: p.seed,
     };
+    let (mut pipe, plan) = build_or_plan(layers, p, &placement, &sample, &run, move || {
+        Box::new(AdamW::with_config(adam))
+    })?;
 
     println!(
         "{:?}: width {}, depth {}, {} layers, {} parameters, {} classes",

@@ -12,7 +12,7 @@ use crate::autograd::{AdamW, Tape, Var};
 use crate::bail;
 use std::sync::atomic::AtomicBool;
 
-use crate::args::{build_pipeline, describe_stages, PipelineArgs};
+use crate::args::{describe_stages, PipelineArgs};
 use crate::error::{AppError, AppResult, Context};
 use crate::files::{load_pipeline, save_pipeline};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
@@ -21,7 +21,7 @@ use crate::models::{cross_entropy, parameter_count, TransformerLm};
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::{CheckpointMode, Pipeline, StepReport};
 use crate::placement::place;
-use crate::plan::{plan_pipeline, print_predicted_vs_measured, wants_plan, PlanRun};
+use crate::plan::{build_or_plan, print_predicted_vs_measured, PlanRun};
 use crate::tensor::rng::SplitMix64;
 use crate::tensor::{Device, Tensor};
 use crate::train::{ctrl_c_flag, train_loop, LoopConfig};
@@ -357,30 +357,22 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         weight_decay: 0.01,
     };
     let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
-    let (mut pipe, plan) = if wants_plan(p.plan, p.shape_given, &placement) {
-        let (x, y) = train.batch(args.batch, args.seq_len, p.seed, 0);
-        let (x, y) = (
-            ids_tensor(&x, &[args.batch, args.seq_len])?,
-            ids_tensor(&y, &[args.batch, args.seq_len])?,
-        );
-        let run = PlanRun {
-            inputs: &x,
-            targets: &y,
-            loss: &loss_fn,
-            batch: args.batch,
-            min_micro_batch: 1,
-            seed: p.seed,
-        };
-        let (pipe, report) = plan_pipeline(layers, &placement, &run, move || {
-            Box::new(AdamW::with_config(adam))
-        })?;
-        (pipe, Some(report))
-    } else {
-        let pipe = build_pipeline(layers, p, &placement, &sample_in, move || {
-            Box::new(AdamW::with_config(adam))
-        })?;
-        (pipe, None)
+    let (x, y) = train.batch(args.batch, args.seq_len, p.seed, 0);
+    let (x, y) = (
+        ids_tensor(&x, &[args.batch, args.seq_len])?,
+        ids_tensor(&y, &[args.batch, args.seq_len])?,
+    );
+    let run = PlanRun {
+        inputs: &x,
+        targets: &y,
+        loss: &loss_fn,
+        batch: args.batch,
+        min_micro_batch: 1,
+        seed: p.seed,
     };
+    let (mut pipe, plan) = build_or_plan(layers, p, &placement, &sample_in, &run, move || {
+        Box::new(AdamW::with_config(adam))
+    })?;
 
     let warmup = (args.steps / 10).clamp(1, 30);
     let schedule = LrSchedule::WarmupCosine {

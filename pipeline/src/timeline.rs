@@ -149,15 +149,6 @@ pub enum TimelineError {
     },
 }
 
-fn check_inputs(
-    schedule: &Schedule,
-    devices: &[DeviceSpec],
-    link: &LinkSpec,
-) -> Result<(), TimelineError> {
-    schedule.validate()?;
-    check_specs(schedule, devices, link)
-}
-
 fn check_specs(
     schedule: &Schedule,
     devices: &[DeviceSpec],
@@ -289,8 +280,8 @@ pub fn simulate<F>(
 where
     F: FnMut(usize, Action) -> ActionCost,
 {
-    check_inputs(schedule, devices, link)?;
-    run_simulation(schedule, devices, link, cost)
+    schedule.validate()?;
+    simulate_valid(schedule, devices, link, cost)
 }
 
 /// [`simulate`] for a schedule known to be valid (the planner's: generated, then recomputes
@@ -300,24 +291,12 @@ pub(crate) fn simulate_valid<F>(
     schedule: &Schedule,
     devices: &[DeviceSpec],
     link: &LinkSpec,
-    cost: F,
-) -> Result<Timeline, TimelineError>
-where
-    F: FnMut(usize, Action) -> ActionCost,
-{
-    check_specs(schedule, devices, link)?;
-    run_simulation(schedule, devices, link, cost)
-}
-
-fn run_simulation<F>(
-    schedule: &Schedule,
-    devices: &[DeviceSpec],
-    link: &LinkSpec,
     mut cost: F,
 ) -> Result<Timeline, TimelineError>
 where
     F: FnMut(usize, Action) -> ActionCost,
 {
+    check_specs(schedule, devices, link)?;
     let k = schedule.num_devices();
     let mut sim = Sim {
         schedule,

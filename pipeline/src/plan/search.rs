@@ -10,7 +10,8 @@ use std::rc::Rc;
 use crate::schedule::{CheckpointMode, Placement, Schedule};
 use crate::ScheduleKind;
 
-use super::cost::{with_remat, Candidate, CostModel, Prediction, ScheduleFacts};
+use super::cost::{with_remat, Candidate, CandidateCosts, CostModel, Prediction, ScheduleFacts};
+use super::profile::LayerProfile;
 use super::{NoFit, PlanError, PlanOptions, PlanReport, Planned};
 
 const MODES: [CheckpointMode; 3] = [
@@ -254,16 +255,8 @@ impl Search<'_, '_> {
                 .map(|(&b, &d)| b as f64 / model.specs[d].memory_bytes as f64)
                 .fold(0.0, f64::max);
             if self.closest.as_ref().is_none_or(|(r, _, _)| ratio < *r) {
-                let (t, bubble) = model
-                    .step_time(&c, &costs, &st.uniform[2], &st.facts[2])
-                    .ok()?;
-                let p = Prediction {
-                    step_secs: t,
-                    bubble_fraction: bubble,
-                    step_peak_bytes: step_peak,
-                    peak_bytes: peak,
-                    static_bytes: costs.static_bytes().to_vec(),
-                };
+                let timed = model.step_time(&c, &costs, &st.uniform[2], &st.facts[2]);
+                let p = prediction(timed.ok()?, step_peak, peak, &costs);
                 self.closest = Some((ratio, c, p));
             }
             return None;
@@ -273,15 +266,10 @@ impl Search<'_, '_> {
         }
         let schedule = with_remat(&st.always, &c.remat);
         // Recomputes removed change neither release points nor first backwards.
-        let (t, bubble) = model.step_time(&c, &costs, &schedule, &st.facts[2]).ok()?;
+        let timed = model.step_time(&c, &costs, &schedule, &st.facts[2]).ok()?;
         self.evaluated += 1;
-        let p = Prediction {
-            step_secs: t,
-            bubble_fraction: bubble,
-            step_peak_bytes: step_peak,
-            peak_bytes: peak,
-            static_bytes: costs.static_bytes().to_vec(),
-        };
+        let p = prediction(timed, step_peak, peak, &costs);
+        let t = p.step_secs;
         let keep = self.options.alternatives + 1;
         let at = self.best_times.partition_point(|&x| x <= t);
         if at < keep {
@@ -370,38 +358,52 @@ impl Search<'_, '_> {
     /// Min-max of each stage's forward + backward seconds on its device.
     fn time_balance(&self, order: &[usize], placement: &[usize], m: usize) -> Vec<usize> {
         let b = self.model.batch.div_ceil(m);
-        let costs: Vec<f64> = self
-            .model
-            .profile
-            .layers
-            .iter()
-            .map(|l| l.forward_flops.at(b) + l.backward_flops.at(b))
-            .collect();
-        let weights: Vec<f64> = placement
-            .iter()
-            .map(|&d| 1.0 / self.model.specs[order[d]].flops_per_sec)
-            .collect();
-        weighted_min_max(&costs, &weights)
+        self.balance_by(
+            placement,
+            |l| l.forward_flops.at(b) + l.backward_flops.at(b),
+            |d| 1.0 / self.model.specs[order[d]].flops_per_sec,
+        )
     }
 
     /// Min-max of each stage's bytes (its static part and M tapes) over its device's memory.
     fn memory_balance(&self, order: &[usize], placement: &[usize], m: usize) -> Vec<usize> {
         let b = self.model.batch.div_ceil(m);
-        let costs: Vec<f64> = self
-            .model
-            .profile
-            .layers
-            .iter()
-            .map(|l| {
+        self.balance_by(
+            placement,
+            |l| {
                 (l.param_bytes + l.grad_bytes + l.optimizer_state_bytes) as f64
                     + l.stash_bytes.at(b) * m as f64
-            })
-            .collect();
-        let weights: Vec<f64> = placement
-            .iter()
-            .map(|&d| 1.0 / self.model.specs[order[d]].memory_bytes as f64)
-            .collect();
+            },
+            |d| 1.0 / self.model.specs[order[d]].memory_bytes as f64,
+        )
+    }
+
+    /// [`weighted_min_max`] of `cost` per layer, stage s weighing `weight` of its device.
+    fn balance_by(
+        &self,
+        placement: &[usize],
+        cost: impl Fn(&LayerProfile) -> f64,
+        weight: impl Fn(usize) -> f64,
+    ) -> Vec<usize> {
+        let costs: Vec<f64> = self.model.profile.layers.iter().map(cost).collect();
+        let weights: Vec<f64> = placement.iter().map(|&d| weight(d)).collect();
         weighted_min_max(&costs, &weights)
+    }
+}
+
+/// A prediction from the step's (time, bubble) and the devices' peaks.
+fn prediction(
+    (step_secs, bubble_fraction): (f64, f64),
+    step_peak_bytes: Vec<u64>,
+    peak_bytes: Vec<u64>,
+    costs: &CandidateCosts,
+) -> Prediction {
+    Prediction {
+        step_secs,
+        bubble_fraction,
+        step_peak_bytes,
+        peak_bytes,
+        static_bytes: costs.static_bytes().to_vec(),
     }
 }
 

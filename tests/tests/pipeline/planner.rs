@@ -377,32 +377,50 @@ fn planned_transformer_runs_as_predicted() {
         .plan(&cluster, &inputs)
         .unwrap();
     eprintln!("{report}");
+    check_planned(builder, &report, &x, &y, &loss, "transformer");
+    for (d, &dev) in report.best.candidate.order.iter().enumerate() {
+        assert!(report.best.prediction.peak_bytes[d] <= specs[dev].memory_bytes);
+    }
+}
+
+/// Builds the planned pipeline, trains two steps, and checks the second against the plan: the
+/// simulated step within 5% of the prediction, every device's measured peak at most predicted.
+fn check_planned(
+    builder: wgpipe_pipeline::PipelineBuilder,
+    report: &wgpipe_pipeline::PlanReport,
+    x: &wgpipe_tensor::Tensor,
+    y: &wgpipe_tensor::Tensor,
+    loss: &wgpipe_pipeline::LossFn,
+    what: &str,
+) {
     let mut pipe = builder.seed(SEED).build().unwrap();
     let mut r = None;
     for _ in 0..2 {
-        r = Some(pipe.train_step(&x, &y, &loss).unwrap());
+        r = Some(pipe.train_step(x, y, loss).unwrap());
         pipe.optimizer_step().unwrap();
     }
     let r = r.unwrap();
     let measured = r.simulated.unwrap().makespan_secs;
     let p = &report.best.prediction;
+    let c = &report.best.candidate;
     eprintln!(
-        "predicted {:.4e} s, simulated {measured:.4e} s",
-        p.step_secs
+        "{what}: {:?} K={} M={} balance {:?}: predicted {:.4e} s, simulated {measured:.4e} s; peaks {:?} <= {:?}",
+        c.kind,
+        c.order.len(),
+        c.micro_batches,
+        c.balance,
+        p.step_secs,
+        r.stages.iter().map(|s| s.memory.peak).collect::<Vec<_>>(),
+        p.step_peak_bytes
     );
-    assert!((p.step_secs / measured - 1.0).abs() <= 0.05);
+    assert!((p.step_secs / measured - 1.0).abs() <= 0.05, "{what}");
     for (d, s) in r.stages.iter().enumerate() {
-        eprintln!(
-            "device {d}: peak {} bytes, predicted {}",
-            s.memory.peak, p.step_peak_bytes[d]
-        );
         assert!(
             s.memory.peak as u64 <= p.step_peak_bytes[d],
-            "device {d}: measured {} above predicted {}",
+            "{what} device {d}: measured {} above predicted {}",
             s.memory.peak,
             p.step_peak_bytes[d]
         );
-        assert!(s.memory.peak as u64 <= specs[report.best.candidate.order[d]].memory_bytes);
     }
 }
 
@@ -457,33 +475,6 @@ fn planned_resnet_runs_as_predicted_under_every_schedule() {
             .optimizer(sgd)
             .plan(&cluster, &inputs)
             .unwrap();
-        let mut pipe = builder.seed(SEED).build().unwrap();
-        let mut r = None;
-        for _ in 0..2 {
-            r = Some(pipe.train_step(&x, &y, &loss).unwrap());
-            pipe.optimizer_step().unwrap();
-        }
-        let r = r.unwrap();
-        let measured = r.simulated.unwrap().makespan_secs;
-        let p = &report.best.prediction;
-        let c = &report.best.candidate;
-        eprintln!(
-            "{kind:?}: K={} M={} balance {:?}: predicted {:.4e} s, simulated {measured:.4e} s; peaks {:?} <= {:?}",
-            c.order.len(),
-            c.micro_batches,
-            c.balance,
-            p.step_secs,
-            r.stages.iter().map(|s| s.memory.peak).collect::<Vec<_>>(),
-            p.step_peak_bytes
-        );
-        assert!((p.step_secs / measured - 1.0).abs() <= 0.05, "{kind:?}");
-        for (d, s) in r.stages.iter().enumerate() {
-            assert!(
-                s.memory.peak as u64 <= p.step_peak_bytes[d],
-                "{kind:?} device {d}: measured {} above predicted {}",
-                s.memory.peak,
-                p.step_peak_bytes[d]
-            );
-        }
+        check_planned(builder, &report, &x, &y, &loss, &format!("{kind:?}"));
     }
 }
