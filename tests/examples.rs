@@ -773,3 +773,40 @@ fn transformer_example_runs_every_schedule() {
         "{e}"
     );
 }
+
+/// `--plan on`: both examples train the planner's pipeline on the simulated cluster, and the
+/// last step's simulated time and per-device peaks are what the plan predicted (time within 5%,
+/// memory at most predicted).
+#[test]
+fn plan_on_trains_the_planned_pipeline_as_predicted() {
+    let dir = tmp("plan");
+    let check = |plan: &Option<wgpipe_pipeline::PlanReport>,
+                 last: &Option<wgpipe_pipeline::StepReport>,
+                 what: &str| {
+        let plan = plan.as_ref().expect("--plan on plans");
+        let last = last.as_ref().expect("a step ran");
+        let measured = last.simulated.as_ref().unwrap().makespan_secs;
+        let p = &plan.best.prediction;
+        assert!(
+            (p.step_secs / measured - 1.0).abs() <= 0.05,
+            "{what}: predicted {} s, simulated {measured} s",
+            p.step_secs
+        );
+        assert_eq!(last.stages.len(), p.step_peak_bytes.len(), "{what}");
+        for (d, s) in last.stages.iter().enumerate() {
+            assert!(
+                s.memory.peak as u64 <= p.step_peak_bytes[d],
+                "{what} device {d}: {} > {}",
+                s.memory.peak,
+                p.step_peak_bytes[d]
+            );
+        }
+    };
+    let r = lm(&tiny_lm(&dir, &["--plan", "on"])).unwrap();
+    assert!(r.losses.iter().all(|l| l.is_finite()));
+    check(&r.plan, &r.last_report, "train_transformer");
+    let r = cnn(&tiny_cnn(&dir, &["--plan", "on"])).unwrap();
+    check(&r.plan, &r.last_report, "train_cnn");
+    // Off (and auto from parse_from_args, which does not know the command line): no plan.
+    assert!(lm(&tiny_lm(&dir, &[])).unwrap().plan.is_none());
+}

@@ -149,3 +149,34 @@ pub fn print_predicted_vs_measured(plan: &PlanReport, last: &StepReport) {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+    use crate::train_transformer::TransformerArgs;
+
+    fn given(flags: &[&str]) -> bool {
+        let argv = std::iter::once("train_transformer").chain(flags.iter().copied());
+        shape_given(&TransformerArgs::command().get_matches_from(argv))
+    }
+
+    #[test]
+    fn any_shape_flag_on_the_command_line_turns_auto_planning_off() {
+        assert!(!given(&[]));
+        assert!(!given(&[
+            "--steps", "3", "--device", "sim", "--plan", "auto"
+        ]));
+        for flag in [
+            ["--stages", "2"],
+            ["--micro-batches", "4"],
+            ["--balance", "params"],
+            ["--schedule", "1f1b"],
+            ["--chunks", "2"],
+            ["--checkpoint", "never"],
+        ] {
+            assert!(given(&flag), "{flag:?}");
+        }
+    }
+}

@@ -146,6 +146,8 @@ pub struct CnnSummary {
     pub timeline: PathBuf,
     pub interrupted: bool,
     pub last_report: Option<StepReport>,
+    /// The planner's report when the pipeline was planned (`--plan`).
+    pub plan: Option<crate::pipeline::PlanReport>,
 }
 
 /// Train and test sets from the flags, normalised with the training set's statistics.
@@ -585,5 +587,6 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         interrupted: r.interrupted,
         losses: r.losses,
         last_report: r.last_report,
+        plan,
     })
 }

@@ -118,6 +118,8 @@ pub struct TrainSummary {
     pub interrupted: bool,
     /// The last step's report.
     pub last_report: Option<StepReport>,
+    /// The planner's report when the pipeline was planned (`--plan`).
+    pub plan: Option<crate::pipeline::PlanReport>,
 }
 
 fn ids_tensor(ids: &[u32], shape: &[usize]) -> AppResult<Tensor> {
@@ -525,5 +527,6 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         timeline,
         interrupted: r.interrupted,
         last_report: r.last_report,
+        plan,
     })
 }
