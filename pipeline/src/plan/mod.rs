@@ -97,8 +97,8 @@ pub struct NoFit {
 pub enum PlanError {
     #[error(
         "no configuration fits the devices' memory: in the closest one ({kind:?}, K={k}, M={m}, \
-         always re-materialize) device {} needs {} bytes but has {}; every device would need \
-         {} bytes (memories {:.2}x as large)",
+         re-materializing every micro-batch where it overflows) device {} needs {} bytes but has \
+         {}; with {} bytes on every device it fits (memories {:.2}x as large)",
         .0.device, .0.needed, .0.available, .0.smallest_memory, .0.scale,
         kind = .0.closest.kind, k = .0.closest.order.len(), m = .0.closest.micro_batches
     )]

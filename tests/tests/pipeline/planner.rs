@@ -186,6 +186,7 @@ fn no_fit_names_the_device_bytes_and_smallest_memory() {
     assert_eq!(nf.available, 4096);
     assert!(nf.needed > 4096);
     let msg = e.to_string();
+    eprintln!("{msg}");
     assert!(msg.contains(&format!("device {}", nf.device)), "{msg}");
     assert!(msg.contains(&nf.needed.to_string()), "{msg}");
     // With every device at the reported smallest memory, a plan exists.
