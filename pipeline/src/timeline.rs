@@ -190,7 +190,11 @@ struct Sim<'a> {
     /// When each directed device-to-device link is next free.
     link_free: HashMap<(usize, usize), f64>,
     busy: Vec<f64>,
+    /// Whether to keep the events (the planner needs only the makespan and busy times).
+    record: bool,
     events: Vec<Event>,
+    /// The latest end of any event, kept or not.
+    latest_end: f64,
     error: Option<TimelineError>,
 }
 
@@ -254,6 +258,10 @@ impl Sim<'_> {
     }
 
     fn push(&mut self, device: usize, action: Action, start: f64, end: f64, peer: Option<usize>) {
+        self.latest_end = self.latest_end.max(end);
+        if !self.record {
+            return;
+        }
         self.events.push(Event {
             device,
             stage: action.stage,
@@ -281,16 +289,17 @@ where
     F: FnMut(usize, Action) -> ActionCost,
 {
     schedule.validate()?;
-    simulate_valid(schedule, devices, link, cost)
+    simulate_valid(schedule, devices, link, true, cost)
 }
 
 /// [`simulate`] for a schedule known to be valid (the planner's: generated, then recomputes
 /// removed), without validating it again: the same simulation, for the many candidates a search
-/// replays.
+/// replays. Without `record` the timeline has no events (makespan and busy times only).
 pub(crate) fn simulate_valid<F>(
     schedule: &Schedule,
     devices: &[DeviceSpec],
     link: &LinkSpec,
+    record: bool,
     mut cost: F,
 ) -> Result<Timeline, TimelineError>
 where
@@ -305,7 +314,9 @@ where
         clock: vec![0.0; k],
         link_free: HashMap::new(),
         busy: vec![0.0; k],
+        record,
         events: Vec::new(),
+        latest_end: 0.0,
         error: None,
     };
     schedule.drive(|device, action, arrival: Option<f64>| {
@@ -318,12 +329,7 @@ where
     if let Some(e) = sim.error {
         return Err(e);
     }
-    let makespan = sim
-        .events
-        .iter()
-        .map(|e| e.end)
-        .chain(sim.clock.iter().copied())
-        .fold(0.0, f64::max);
+    let makespan = sim.clock.iter().copied().fold(sim.latest_end, f64::max);
     let mut events = sim.events;
     events.sort_by(|a, b| a.start.total_cmp(&b.start).then(a.device.cmp(&b.device)));
     Ok(Timeline {

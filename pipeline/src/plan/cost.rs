@@ -272,7 +272,7 @@ impl CostModel<'_> {
     ) -> crate::Result<(f64, f64)> {
         let last = c.balance.len() - 1;
         let specs: Vec<DeviceSpec> = c.order.iter().map(|&d| self.specs[d]).collect();
-        let timeline = simulate_valid(schedule, &specs, &self.link, |_, a: Action| {
+        let timeline = simulate_valid(schedule, &specs, &self.link, false, |_, a: Action| {
             let st = costs.at(a.stage, a.micro_batch);
             let first = || facts.is_first_backward(&a);
             let flops = match a.kind {
