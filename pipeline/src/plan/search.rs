@@ -2,7 +2,8 @@
 //! count M; for each, balances (all of them on small instances, else a min-max time partition
 //! and a memory partition weighted by each stage's device, refined by moving stage boundaries);
 //! for each balance, per device the least re-materialization that fits its memory. Candidates
-//! whose compute alone already exceeds the best times found are not simulated.
+//! are predicted in the order of a lower bound of their step (the busiest device's compute and
+//! the pipeline's ramps), and the search stops where that bound passes the plans worth showing.
 
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -64,9 +65,8 @@ pub fn search(model: &CostModel<'_>, options: &PlanOptions) -> Result<PlanReport
         .max_devices
         .unwrap_or(model.specs.len())
         .min(model.specs.len());
-    // Every candidate with the compute time of its busiest device, a lower bound of its step;
-    // predicted in that order, so that once the bound passes the plans worth showing, the rest
-    // cannot matter.
+    // Every candidate with a lower bound of its step ([`CostModel::compute_bound`]), predicted in
+    // that order: once the bound passes the plans worth showing, the rest cannot matter.
     let mut queue: Vec<(f64, Candidate)> = Vec::new();
     for k in 1..=max_k.min(n) {
         for order in device_orders(model, k) {
