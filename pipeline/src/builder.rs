@@ -12,6 +12,7 @@ use crate::partition::{balance_by_cost, stage_ranges, validate_balance_for};
 use crate::pipeline::Pipeline;
 use crate::schedule::{CheckpointMode, Schedule};
 use crate::sim::SimCluster;
+use crate::transport::Transport;
 use crate::worker::Stage;
 
 /// How layers are assigned to stages.
@@ -159,6 +160,7 @@ pub struct PipelineBuilder {
     action_timeout: Option<std::time::Duration>,
     seed: u64,
     optimizer: Option<Box<dyn Fn() -> Box<dyn Optimizer>>>,
+    transport: Transport,
 }
 
 impl PipelineBuilder {
@@ -176,6 +178,7 @@ impl PipelineBuilder {
             action_timeout: None,
             seed: 0,
             optimizer: None,
+            transport: Transport::default(),
         }
     }
 
@@ -236,6 +239,12 @@ impl PipelineBuilder {
     /// One optimizer per stage, made by `factory`.
     pub fn optimizer(mut self, factory: impl Fn() -> Box<dyn Optimizer> + 'static) -> Self {
         self.optimizer = Some(Box::new(factory));
+        self
+    }
+
+    /// What carries tensors between stages (in-process channels by default).
+    pub fn transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
         self
     }
 
@@ -323,6 +332,7 @@ impl PipelineBuilder {
             optimizers,
             non_finite: self.non_finite,
             action_timeout: self.action_timeout,
+            transport: self.transport,
             stuck: None,
         })
     }

@@ -25,6 +25,8 @@ pub mod sim;
 pub mod threads;
 pub mod timeline;
 pub mod trace;
+pub mod transport;
+pub mod wire;
 pub mod worker;
 
 pub use builder::{Balance, PipelineBuilder, ScheduleKind, ScheduleSpec};
@@ -35,4 +37,5 @@ pub use report::{SimReport, StageReport, StepReport};
 pub use schedule::{Action, ActionKind, CheckpointMode, Link, Schedule, ScheduleError};
 pub use sim::SimCluster;
 pub use timeline::{DeviceSpec, LinkSpec, Timeline};
+pub use transport::Transport;
 pub use worker::{LossFn, NonFiniteAt, Stage};

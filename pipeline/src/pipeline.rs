@@ -25,9 +25,10 @@ use crate::schedule::{Action, Schedule};
 use crate::sim::SimCluster;
 use crate::threads::{self, spawn_stage};
 use crate::timeline::{simulate, ActionCost};
+use crate::transport::{wire_links, Transport};
 use crate::worker::{
-    lock, run_device, ActionRecord, DeviceLinks, LossFn, LossRequest, Position, Running, Stage,
-    StageOutcome, StepInputs,
+    lock, run_device, ActionRecord, LossFn, LossRequest, Position, Running, Stage, StageOutcome,
+    StepInputs,
 };
 
 pub struct Pipeline {
@@ -39,6 +40,7 @@ pub struct Pipeline {
     pub(crate) optimizers: Vec<Box<dyn Optimizer>>,
     pub(crate) non_finite: NonFinite,
     pub(crate) action_timeout: Option<Duration>,
+    pub(crate) transport: Transport,
     /// A timed-out step whose threads still hold stages (see [`Pipeline::settle`]).
     pub(crate) stuck: Option<StuckStep>,
 }
@@ -260,12 +262,7 @@ impl Pipeline {
     fn run_workers(&mut self, xs: Vec<Tensor>, loss: &LossSide<'_>, clock: Instant) -> Ran {
         let schedule = &self.schedule;
         let k = schedule.num_devices();
-        let mut links: Vec<DeviceLinks> = (0..k).map(|_| DeviceLinks::default()).collect();
-        for link in schedule.links() {
-            let (tx, rx) = channel();
-            links[schedule.placement[link.from]].tx.insert(link, tx);
-            links[schedule.placement[link.to]].rx.insert(link, rx);
-        }
+        let links = wire_links(self.transport, schedule, self.step);
         let mut by_device: Vec<Vec<Stage>> = (0..k).map(|_| Vec::new()).collect();
         for stage in std::mem::take(&mut self.stages) {
             by_device[schedule.placement[stage.index]].push(stage);

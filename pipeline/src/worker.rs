@@ -17,6 +17,7 @@ use wgpipe_tensor::{Device, Tensor};
 
 use crate::error::{NonFinite, StageCause};
 use crate::schedule::{Action, ActionKind, Link};
+use crate::transport::LinkSend;
 
 /// The loss of one micro-batch: `(output of the last stage, targets) -> scalar mean loss`.
 pub type LossFn = dyn Fn(&Var, &Tensor) -> wgpipe_tensor::Result<Var> + Sync;
@@ -29,11 +30,12 @@ pub(crate) struct Msg {
     pub finite: bool,
 }
 
-/// The ends of the links a device's actions use: senders of the links it sends on, receivers of
-/// those it receives on (a link between two chunks of one device has both ends here).
+/// The ends of the links a device's actions use: senders of the links it sends on (whatever
+/// the transport, see [`crate::transport`]), receivers of those it receives on (a link between
+/// two chunks of one device has both ends here).
 #[derive(Default)]
 pub(crate) struct DeviceLinks {
-    pub tx: HashMap<Link, Sender<Msg>>,
+    pub tx: HashMap<Link, Box<dyn LinkSend>>,
     pub rx: HashMap<Link, Receiver<Msg>>,
 }
 
@@ -316,8 +318,7 @@ impl<'a> Worker<'a, '_> {
                     micro_batch: m,
                     tensor: t,
                     finite,
-                })
-                .map_err(|_| StageCause::Disconnected("the receiving neighbour stopped".into()))?;
+                })?;
             }
         }
         if action.is_compute() {

@@ -12,6 +12,7 @@ use wgpipe_models::{
 };
 use wgpipe_pipeline::{
     Balance, CheckpointMode, LinkSpec, LossFn, Pipeline, ScheduleKind, SimCluster, StepReport,
+    Transport,
 };
 use wgpipe_tensor::{Device, Error, Result, Tensor};
 
@@ -193,6 +194,7 @@ pub struct PipeCfg {
     /// Memory capacity of each virtual device (`u64::MAX`: unlimited).
     pub memory: Vec<u64>,
     pub flops_per_sec: f64,
+    pub transport: Transport,
 }
 
 impl PipeCfg {
@@ -206,6 +208,7 @@ impl PipeCfg {
             link: LinkSpec::FREE,
             memory: vec![u64::MAX; k],
             flops_per_sec: 1e9,
+            transport: Transport::Channels,
         }
     }
     pub fn balance(mut self, b: Vec<usize>) -> Self {
@@ -243,6 +246,7 @@ pub fn try_sim_pipeline(
         .schedule(cfg.schedule)
         .seed(SEED)
         .optimizer(sgd)
+        .transport(cfg.transport)
         .build()
 }
 

@@ -9,4 +9,5 @@ mod persist;
 mod reports;
 mod schedules;
 mod sim_time;
+mod transport;
 mod wgpu;
