@@ -161,7 +161,13 @@ pub struct PipelineBuilder {
     seed: u64,
     optimizer: Option<Box<dyn Fn() -> Box<dyn Optimizer>>>,
     transport: Transport,
+    /// Data parallelism: R and the factory of the layers of replicas 1..R.
+    replicas: Option<(usize, LayerFactory)>,
 }
+
+/// Makes a fresh copy of the model's layers (the structure; the values are copied from
+/// replica 0).
+pub type LayerFactory = Box<dyn FnMut() -> Vec<Box<dyn Module>>>;
 
 impl PipelineBuilder {
     pub(crate) fn new(layers: Vec<Box<dyn Module>>) -> Self {
@@ -179,6 +185,7 @@ impl PipelineBuilder {
             seed: 0,
             optimizer: None,
             transport: Transport::default(),
+            replicas: None,
         }
     }
 
@@ -248,8 +255,27 @@ impl PipelineBuilder {
         self
     }
 
+    /// Data parallelism: `r` pipelines over R x K devices (replica i on devices iK..(i+1)K),
+    /// each training on its share of every mini-batch, gradients averaged across replicas
+    /// before the optimizer step. `make_layers` is called R-1 times for the other replicas'
+    /// layers: the `Module` trait has no deep copy (a layer may hold shared state, RNG keys or
+    /// device buffers only it knows how to duplicate), so the factory builds the structure and
+    /// the builder copies replica 0's parameter values and buffers into each copy, so that all
+    /// replicas start bit-identical whatever seed the factory uses.
+    pub fn replicas(
+        mut self,
+        r: usize,
+        make_layers: impl FnMut() -> Vec<Box<dyn Module>> + 'static,
+    ) -> Self {
+        self.replicas = Some((r, Box::new(make_layers)));
+        self
+    }
+
     /// Partitions, places every stage's layers on its device and validates the schedule.
-    pub fn build(self) -> Result<Pipeline> {
+    pub fn build(mut self) -> Result<Pipeline> {
+        if let Some((r, make_layers)) = self.replicas.take() {
+            return self.build_replicated(r, make_layers);
+        }
         let k = self.devices.len();
         if k == 0 {
             return Err(PipelineError::Config(
@@ -334,7 +360,61 @@ impl PipelineBuilder {
             action_timeout: self.action_timeout,
             transport: self.transport,
             stuck: None,
+            replicas: Vec::new(),
         })
+    }
+
+    /// R replicas: replica 0 built as usual on the first K devices; the others with the same
+    /// partition and schedule on theirs, starting from replica 0's values.
+    fn build_replicated(mut self, r: usize, mut make_layers: LayerFactory) -> Result<Pipeline> {
+        let n = self.devices.len();
+        if r == 0 || n % r != 0 || n == 0 {
+            return Err(PipelineError::Config(format!(
+                "replicas({r}) needs R x K devices (K per replica), but {n} were given"
+            )));
+        }
+        let k = n / r;
+        let devices = std::mem::take(&mut self.devices);
+        let sim = self.sim.take();
+        let part = |i: usize| {
+            let ds = devices[i * k..(i + 1) * k].to_vec();
+            let sim = sim.as_ref().map(|c| c.part(i * k..(i + 1) * k));
+            (ds, sim)
+        };
+        let config = |b: &PipelineBuilder, layers, i: usize| {
+            let (devices, sim) = part(i);
+            PipelineBuilder {
+                layers,
+                devices,
+                sim,
+                balance: b.balance.clone(),
+                micro_batches: b.micro_batches,
+                chunks: b.chunks,
+                checkpoint: b.checkpoint,
+                schedule: b.schedule.clone(),
+                non_finite: b.non_finite,
+                action_timeout: b.action_timeout,
+                seed: b.seed,
+                optimizer: None,
+                transport: b.transport,
+                replicas: None,
+            }
+        };
+        let layers = std::mem::take(&mut self.layers);
+        let mut first = config(&self, layers, 0).build()?;
+        // The others take replica 0's partition and schedule as they are (a cost-balanced
+        // partition measured again could come out different).
+        self.balance = Balance::Explicit(first.balance());
+        self.schedule = ScheduleSpec::Custom(first.schedule.clone());
+        for i in 1..r {
+            let replica = config(&self, make_layers(), i).build()?;
+            crate::replicas::copy_values(&first, &replica, i)?;
+            first.replicas.push(replica);
+        }
+        if let Some(f) = &self.optimizer {
+            first.set_optimizer(f);
+        }
+        Ok(first)
     }
 }
 

@@ -43,12 +43,26 @@ pub struct Pipeline {
     pub(crate) transport: Transport,
     /// A timed-out step whose threads still hold stages (see [`Pipeline::settle`]).
     pub(crate) stuck: Option<StuckStep>,
+    /// Data parallelism: the other replicas (1..R), each a whole pipeline on its own devices
+    /// whose parameters stay bit-identical to this one's (see [`crate::replicas`]). The
+    /// accessors (parameters, stages, devices, reports of K) describe replica 0.
+    pub(crate) replicas: Vec<Pipeline>,
 }
 
 impl Pipeline {
     /// Starts a builder over `layers` (see [`PipelineBuilder`]).
     pub fn builder(layers: Vec<Box<dyn Module>>) -> PipelineBuilder {
         PipelineBuilder::new(layers)
+    }
+
+    /// R: the number of data-parallel replicas (1 without data parallelism).
+    pub fn num_replicas(&self) -> usize {
+        1 + self.replicas.len()
+    }
+
+    /// The other data-parallel replicas (1..R), e.g. to check that they stay identical.
+    pub fn replicas(&self) -> &[Pipeline] {
+        &self.replicas
     }
 
     /// S: the number of (virtual) stages the model is cut into.
@@ -84,6 +98,9 @@ impl Pipeline {
     /// by step (dropout) continue exactly where the saved run left off.
     pub fn set_step(&mut self, step: u64) {
         self.step = step;
+        for r in &mut self.replicas {
+            r.set_step(step);
+        }
     }
     pub fn sim_cluster(&self) -> Option<&SimCluster> {
         self.sim.as_ref()
@@ -120,6 +137,9 @@ impl Pipeline {
                 l.set_train(train);
             }
         }
+        for r in &mut self.replicas {
+            r.set_train(train);
+        }
     }
 
     /// Runs forward and backward of every micro-batch of `(inputs, targets)` (split along axis
@@ -129,7 +149,26 @@ impl Pipeline {
     /// joined, and the gradients are put back as they were before the call. With an action
     /// time limit ([`Pipeline::set_action_timeout`]), an action that runs past it makes the step
     /// return an error at once; its thread is left to finish (see [`Pipeline::settle`]).
+    ///
+    /// With R replicas the mini-batch is split into R shards (sizes differing by at most one),
+    /// each replica runs the step above on its shard, and every parameter's gradient becomes
+    /// the shard-weighted average over the replicas, the same on every replica (see
+    /// [`crate::replicas`]); a failure on any replica leaves every replica as before.
     pub fn train_step(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_fn: &LossFn,
+    ) -> Result<StepReport> {
+        if self.replicas.is_empty() {
+            self.train_step_one(inputs, targets, loss_fn)
+        } else {
+            crate::replicas::train_step(self, inputs, targets, loss_fn)
+        }
+    }
+
+    /// [`Pipeline::train_step`] of this replica alone.
+    pub(crate) fn train_step_one(
         &mut self,
         inputs: &Tensor,
         targets: &Tensor,
@@ -211,6 +250,9 @@ impl Pipeline {
     /// What a step does with NaN or infinite values (see [`NonFinite`]).
     pub fn set_non_finite(&mut self, policy: NonFinite) {
         self.non_finite = policy;
+        for r in &mut self.replicas {
+            r.set_non_finite(policy);
+        }
     }
 
     /// A time limit for each compute action of a step (None: no limit, the default). An action
@@ -222,6 +264,9 @@ impl Pipeline {
     /// [`Pipeline::settle`] does so explicitly).
     pub fn set_action_timeout(&mut self, limit: Option<Duration>) {
         self.action_timeout = limit;
+        for r in &mut self.replicas {
+            r.set_action_timeout(limit);
+        }
     }
 
     /// After a step that timed out: if its stuck threads have finished, takes their stages
@@ -229,6 +274,9 @@ impl Pipeline {
     /// results are discarded); if not, an error naming what is still running. Nothing to do
     /// otherwise.
     pub fn settle(&mut self) -> Result<()> {
+        for r in &mut self.replicas {
+            r.settle()?;
+        }
         let Some(stuck) = self.stuck.take() else {
             return Ok(());
         };
@@ -250,6 +298,9 @@ impl Pipeline {
 
     /// An error if a timed-out step still holds stages (for the methods that cannot settle).
     pub(crate) fn check_settled(&self) -> Result<()> {
+        for r in &self.replicas {
+            r.check_settled()?;
+        }
         match &self.stuck {
             Some(s) => Err(PipelineError::Stuck(s.what.clone())),
             None => Ok(()),
@@ -529,10 +580,19 @@ impl Pipeline {
 
     /// Sets one optimizer per stage from `factory` (replacing any earlier ones and their state).
     pub fn set_optimizer(&mut self, factory: impl Fn() -> Box<dyn Optimizer>) {
-        self.optimizers = self.stages.iter().map(|_| factory()).collect();
+        self.set_optimizer_from(&factory);
     }
 
-    /// The per-stage optimizers (e.g. to set a learning rate, or to save or load their state).
+    /// [`Pipeline::set_optimizer`] for every replica (not generic, so it can recurse).
+    fn set_optimizer_from(&mut self, factory: &dyn Fn() -> Box<dyn Optimizer>) {
+        self.optimizers = self.stages.iter().map(|_| factory()).collect();
+        for r in &mut self.replicas {
+            r.set_optimizer_from(factory);
+        }
+    }
+
+    /// The per-stage optimizers of replica 0 (e.g. to set a learning rate, or to save or load
+    /// their state; with replicas, [`Pipeline::set_lr`] reaches all of them).
     pub fn optimizers_mut(&mut self) -> &mut [Box<dyn Optimizer>] {
         &mut self.optimizers
     }
@@ -545,6 +605,9 @@ impl Pipeline {
     pub fn set_lr(&mut self, lr: f32) {
         for o in &mut self.optimizers {
             o.set_lr(lr);
+        }
+        for r in &mut self.replicas {
+            r.set_lr(lr);
         }
     }
 
@@ -591,6 +654,15 @@ impl Pipeline {
             for (p, g) in scaled.into_iter().flatten() {
                 p.set_grad(Some(g));
             }
+            // The replicas hold the same gradients: they get replica 0's clipped ones.
+            for r in &self.replicas {
+                for ((_, src), (_, dst)) in self.named_parameters().iter().zip(r.named_parameters())
+                {
+                    if let Some(g) = src.grad() {
+                        dst.set_grad(Some(g.to_device(dst.value().device())?));
+                    }
+                }
+            }
         }
         Ok(norm)
     }
@@ -608,22 +680,32 @@ impl Pipeline {
     /// state at the peak of the step).
     pub fn optimizer_step(&mut self) -> Result<()> {
         self.settle()?;
-        if self.optimizers.len() != self.stages.len() {
+        if std::iter::once(&*self)
+            .chain(&self.replicas)
+            .any(|p| p.optimizers.len() != p.stages.len())
+        {
             return Err(PipelineError::Config(
                 "no optimizer set: call set_optimizer (or the builder's optimizer) first".into(),
             ));
         }
-        let kept: Vec<StageKeep> = self
+        // Every replica's stages are one all-or-nothing step, so that replicas stay identical.
+        let mut pairs: Vec<(&Stage, &mut Box<dyn Optimizer>)> = self
             .stages
             .iter()
-            .zip(&self.optimizers)
+            .zip(self.optimizers.iter_mut())
+            .chain(
+                self.replicas
+                    .iter_mut()
+                    .flat_map(|r| r.stages.iter().zip(r.optimizers.iter_mut())),
+            )
+            .collect();
+        let kept: Vec<StageKeep> = pairs
+            .iter()
             .map(|(s, o)| StageKeep::take(s, o.as_ref()))
             .collect();
         let results: Vec<Result<()>> = std::thread::scope(|scope| {
-            let spawned: Vec<_> = self
-                .stages
-                .iter()
-                .zip(self.optimizers.iter_mut())
+            let spawned: Vec<_> = pairs
+                .iter_mut()
                 .map(|(s, o)| {
                     let params = stage_params(s);
                     let h = spawn_stage(scope, s.index, move || {
@@ -632,7 +714,7 @@ impl Pipeline {
                             Err(p) => Err(StageCause::Panic(threads::panic_message(p))),
                         }
                     });
-                    (s, h)
+                    (*s, h)
                 })
                 .collect();
             spawned
@@ -653,7 +735,7 @@ impl Pipeline {
         });
         if let Some(e) = results.into_iter().find_map(|r| r.err()) {
             let mut rollback_errors = Vec::new();
-            for ((s, o), keep) in self.stages.iter().zip(&mut self.optimizers).zip(kept) {
+            for ((s, o), keep) in pairs.iter_mut().zip(kept) {
                 if let Err(re) = keep.restore(o.as_mut()) {
                     rollback_errors.push(format!("stage {}: {re}", s.index));
                 }
@@ -667,6 +749,7 @@ impl Pipeline {
             return Err(e);
         }
         drop(kept);
+        drop(pairs);
         self.zero_grad();
         Ok(())
     }
@@ -674,6 +757,9 @@ impl Pipeline {
     pub fn zero_grad(&self) {
         for (_, p) in self.named_parameters() {
             p.zero_grad();
+        }
+        for r in &self.replicas {
+            r.zero_grad();
         }
     }
 }
@@ -820,7 +906,7 @@ fn lost_stages() -> StageCause {
 
 /// What a step puts back when it fails, is skipped or times out: the parameters' gradients and
 /// the buffers as before the step.
-struct Saved {
+pub(crate) struct Saved {
     params: Vec<(String, Param)>,
     grads: Vec<Option<Tensor>>,
     buffers: Vec<(String, Param)>,
@@ -828,7 +914,7 @@ struct Saved {
 }
 
 impl Saved {
-    fn take(pipe: &Pipeline) -> Saved {
+    pub(crate) fn take(pipe: &Pipeline) -> Saved {
         let params = pipe.named_parameters();
         let grads = params.iter().map(|(_, p)| p.grad()).collect();
         let buffers = pipe.named_buffers();
@@ -845,7 +931,7 @@ impl Saved {
     /// (batch-norm statistics): the Module trait has no "discard" hook, so apply them
     /// (finish_step consumes them) and put every buffer back. Errors here are secondary to the
     /// step's own.
-    fn restore(self, stages: &[Stage]) {
+    pub(crate) fn restore(self, stages: &[Stage]) {
         for ((_, p), g) in self.params.iter().zip(self.grads) {
             p.set_grad(g);
         }

@@ -209,5 +209,6 @@ pub(crate) fn wall_timeline(
         events,
         makespan: wall,
         busy,
+        collectives: Vec::new(),
     }
 }

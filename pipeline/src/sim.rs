@@ -55,6 +55,15 @@ impl SimCluster {
         }
     }
 
+    /// The devices `range` of this cluster as a cluster of their own (one replica's share).
+    pub(crate) fn part(&self, range: std::ops::Range<usize>) -> SimCluster {
+        SimCluster {
+            devices: self.devices[range.clone()].to_vec(),
+            specs: self.specs[range].to_vec(),
+            link: self.link,
+        }
+    }
+
     pub fn devices(&self) -> &[Device] {
         &self.devices
     }

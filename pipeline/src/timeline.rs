@@ -74,6 +74,20 @@ pub struct Timeline {
     pub events: Vec<Event>,
     pub makespan: f64,
     pub busy: Vec<f64>,
+    /// Gradient all-reduces across data-parallel replicas (empty with one replica).
+    pub collectives: Vec<Collective>,
+}
+
+/// One device's part in the all-reduce of its stages' gradients across the replicas.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Collective {
+    pub device: usize,
+    pub start: f64,
+    pub end: f64,
+    /// Gradient bytes this device contributes (and receives back averaged).
+    pub bytes: u64,
+    /// R, the replicas taking part.
+    pub replicas: usize,
 }
 
 impl Timeline {
@@ -315,6 +329,7 @@ where
         events,
         makespan,
         busy: sim.busy,
+        collectives: Vec::new(),
     })
 }
 

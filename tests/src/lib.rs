@@ -250,6 +250,35 @@ pub fn try_sim_pipeline(
         .build()
 }
 
+/// `r` data-parallel replicas of the pipeline `cfg` describes (K = `cfg.k` each), on a simulated
+/// cluster of R x K devices; `make` builds each replica's layers.
+pub fn dp_sim_pipeline(
+    r: usize,
+    mut make: impl FnMut() -> Vec<Box<dyn Module>> + 'static,
+    cfg: &PipeCfg,
+) -> wgpipe_pipeline::Result<Pipeline> {
+    let layers = make();
+    let n = layers.len();
+    let spec = wgpipe_pipeline::DeviceSpec {
+        flops_per_sec: cfg.flops_per_sec,
+        memory_bytes: cfg.memory[0],
+    };
+    let cluster = SimCluster::new(&Device::cpu(), &vec![spec; r * cfg.k], cfg.link);
+    Pipeline::builder(layers)
+        .sim(cluster)
+        .balance(Balance::Explicit(cfg.balance.clone().unwrap_or_else(
+            || even_balance(n, cfg.k * cfg.schedule.default_chunks()),
+        )))
+        .micro_batches(cfg.m)
+        .checkpoint(cfg.mode)
+        .schedule(cfg.schedule)
+        .seed(SEED)
+        .optimizer(sgd)
+        .transport(cfg.transport)
+        .replicas(r, move || make())
+        .build()
+}
+
 /// `steps` pipelined training steps (train_step then optimizer_step); the reports of each.
 pub fn pipe_train(
     pipe: &mut Pipeline,

@@ -6,6 +6,7 @@ mod equivalence;
 mod faults;
 mod memory;
 mod persist;
+mod replicas;
 mod reports;
 mod schedules;
 mod sim_time;
