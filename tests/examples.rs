@@ -773,3 +773,40 @@ fn transformer_example_runs_every_schedule() {
         "{e}"
     );
 }
+
+#[test]
+fn both_examples_train_with_replicas() {
+    let dir = tmp("replicas");
+    // Without dropout, 2 replicas x 2 micro-batches learn what one pipeline of 4 micro-batches
+    // does (up to the order of the gradient sums).
+    let base = ["--dropout", "0", "--batch", "8"];
+    let one = lm(&tiny_lm(
+        &dir,
+        &[&base[..], &["--micro-batches", "4"]].concat(),
+    ))
+    .unwrap();
+    let two = lm(&tiny_lm(&dir, &[&base[..], &["--replicas", "2"]].concat())).unwrap();
+    for (a, b) in two.losses.iter().zip(&one.losses) {
+        assert!(
+            (a - b).abs() <= 1e-4 * b.abs(),
+            "{:?} vs {:?}",
+            two.losses,
+            one.losses
+        );
+    }
+    let report = two.last_report.as_ref().unwrap();
+    assert_eq!(report.stages.len(), 4, "R x K rows");
+    check_pictures(&dir, 4);
+    let trace = std::fs::read_to_string(dir.join("trace.json")).unwrap();
+    assert!(trace.contains("\"all-reduce\""));
+    let r = cnn(&tiny_cnn(&dir, &["--replicas", "2"])).unwrap();
+    assert!(r.losses.iter().all(|l| l.is_finite()));
+    check_pictures(&dir, 4);
+    for (flags, want) in [
+        (&["--replicas", "0"][..], "--replicas"),
+        (&["--replicas", "3"][..], "cannot be shared by --replicas 3"),
+    ] {
+        let e = lm(&tiny_lm(&dir, flags)).unwrap_err();
+        assert!(e.contains(want), "{flags:?}: {e}");
+    }
+}

@@ -12,7 +12,7 @@ use crate::autograd::{AdamW, Module, Var};
 use crate::bail;
 use std::sync::atomic::AtomicBool;
 
-use crate::args::{build_pipeline, describe_stages, PipelineArgs};
+use crate::args::{build_pipeline, describe_replicas, describe_stages, PipelineArgs};
 use crate::error::{AppError, AppResult, Context};
 use crate::files::{check_readable, is_optimizer_key, load_pipeline, save_pipeline};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
@@ -426,7 +426,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         "images",
     )?;
     let n_params = parameter_count(&layers);
-    let placement = place(p.device, p.stages, p.sim_spec())?;
+    let placement = place(p.device, p.num_devices(), p.sim_spec())?;
     let mb = batch / p.micro_batches;
     let sample = Tensor::zeros(&[mb, train.c, train.h, train.w], &Device::cpu())?;
     let adam = AdamConfig {
@@ -436,7 +436,10 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         eps: 1e-8,
         weight_decay: 1e-4,
     };
-    let mut pipe = build_pipeline(layers, p, &placement, &sample, move || {
+    let copies = (1..p.replicas)
+        .map(|_| build_model(&args, &train))
+        .collect::<AppResult<Vec<_>>>()?;
+    let mut pipe = build_pipeline(layers, copies, p, &placement, &sample, move || {
         Box::new(AdamW::with_config(adam))
     })?;
 
@@ -447,6 +450,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     println!("data: {data_what}");
     println!("devices: {}", placement.description);
     print!("{}", describe_stages(&pipe));
+    print!("{}", describe_replicas(p));
 
     let mut loaded_tensors = 0;
     if let Some(path) = &args.init {

@@ -12,7 +12,7 @@ use crate::autograd::{AdamW, Tape, Var};
 use crate::bail;
 use std::sync::atomic::AtomicBool;
 
-use crate::args::{build_pipeline, describe_stages, PipelineArgs};
+use crate::args::{build_pipeline, describe_replicas, describe_stages, PipelineArgs};
 use crate::error::{AppError, AppResult, Context};
 use crate::files::{load_pipeline, save_pipeline};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
@@ -335,7 +335,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         .context("building the model")?;
     let n_params = parameter_count(&layers);
 
-    let placement = place(p.device, p.stages, p.sim_spec())?;
+    let placement = place(p.device, p.num_devices(), p.sim_spec())?;
     let mb = args.batch / p.micro_batches;
     let sample_in = ids_tensor(&vec![0; mb * args.seq_len], &[mb, args.seq_len])?;
     let adam = AdamConfig {
@@ -345,7 +345,11 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         eps: 1e-8,
         weight_decay: 0.01,
     };
-    let mut pipe = build_pipeline(layers, p, &placement, &sample_in, move || {
+    let copies = (1..p.replicas)
+        .map(|_| cfg.build(p.seed, &Device::cpu()))
+        .collect::<Result<Vec<_>, _>>()
+        .context("building the model's replicas")?;
+    let mut pipe = build_pipeline(layers, copies, p, &placement, &sample_in, move || {
         Box::new(AdamW::with_config(adam))
     })?;
 
@@ -369,6 +373,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     println!("data: {data_what}");
     println!("devices: {}", placement.description);
     print!("{}", describe_stages(&pipe));
+    print!("{}", describe_replicas(p));
     println!(
         "mini-batch {} sequences = {} micro-batches; schedule {} ({} chunk(s) per device), checkpoint {}, balance {}",
         args.batch,

@@ -368,7 +368,7 @@ impl PipelineBuilder {
     /// partition and schedule on theirs, starting from replica 0's values.
     fn build_replicated(mut self, r: usize, mut make_layers: LayerFactory) -> Result<Pipeline> {
         let n = self.devices.len();
-        if r == 0 || n % r != 0 || n == 0 {
+        if r == 0 || n == 0 || !n.is_multiple_of(r) {
             return Err(PipelineError::Config(format!(
                 "replicas({r}) needs R x K devices (K per replica), but {n} were given"
             )));

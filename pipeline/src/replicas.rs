@@ -351,7 +351,7 @@ fn concat_timelines<'a>(parts: impl Iterator<Item = &'a Timeline>, k: usize) -> 
 /// Each device's ring all-reduce across its R replicas: from when the last of them finished
 /// its work (compute and sends) to that plus [`ring_all_reduce_secs`].
 fn add_ring_all_reduce(t: &mut Timeline, k: usize, r: usize, bytes: &[u64], link: &LinkSpec) {
-    for d in 0..k {
+    for (d, &bytes) in bytes.iter().enumerate().take(k) {
         let start = (0..r)
             .flat_map(|i| {
                 let row = i * k + d;
@@ -361,13 +361,13 @@ fn add_ring_all_reduce(t: &mut Timeline, k: usize, r: usize, bytes: &[u64], link
                     .map(|e| e.end)
             })
             .fold(0.0, f64::max);
-        let end = start + ring_all_reduce_secs(bytes[d], r, link);
+        let end = start + ring_all_reduce_secs(bytes, r, link);
         for i in 0..r {
             t.collectives.push(Collective {
                 device: i * k + d,
                 start,
                 end,
-                bytes: bytes[d],
+                bytes,
                 replicas: r,
             });
         }

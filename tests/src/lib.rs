@@ -275,7 +275,7 @@ pub fn dp_sim_pipeline(
         .seed(SEED)
         .optimizer(sgd)
         .transport(cfg.transport)
-        .replicas(r, move || make())
+        .replicas(r, make)
         .build()
 }
 

@@ -21,8 +21,11 @@ fn model() -> Vec<Box<dyn Module>> {
     mlp(6, 8, 3, 11)
 }
 
-/// Every replica's parameters and gradients, as host vectors.
-fn replica_states(pipe: &Pipeline) -> Vec<(RunResult, Vec<(String, Option<Vec<f32>>)>)> {
+/// A replica's parameters and gradients, as host vectors.
+type ReplicaState = (RunResult, Vec<(String, Option<Vec<f32>>)>);
+
+/// Every replica's parameters and gradients.
+fn replica_states(pipe: &Pipeline) -> Vec<ReplicaState> {
     std::iter::once(pipe)
         .chain(pipe.replicas())
         .map(|p| {
