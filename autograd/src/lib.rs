@@ -9,6 +9,7 @@ mod ops;
 pub mod optim;
 pub mod param;
 pub mod serialize;
+pub mod skips;
 pub mod tape;
 pub mod var;
 
@@ -16,6 +17,7 @@ pub use checkpoint::checkpoint;
 pub use module::{layer_param_name, CostHint, ForwardCtx, Module};
 pub use optim::{Adam, AdamW, LrSchedule, Optimizer, Sgd};
 pub use param::Param;
+pub use skips::{resolve_skips, SkipEdge, SkipError, SkipRouter, Skips};
 pub use tape::{BackwardFn, Grads, Tape, WeightGrads};
 pub use var::Var;
 pub use wgpipe_tensor as tensor;

@@ -1,14 +1,17 @@
 //! Helpers for a model as a layer sequence (`[Box<dyn Module>]`), run plainly (no pipeline).
 
-use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, Var};
+use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, SkipRouter, Var};
 use wgpipe_tensor::Result;
 
 /// Runs every layer in order; layer `i` sees `ctx.at_layer(i)` (its index in the whole
 /// sequence, the same key a pipeline stage gives it, so dropout agrees with pipelined runs).
+/// Skips (see [`wgpipe_autograd::skips`]) go by name from the layer that stashes them to the
+/// one that pops them: this is the plain reference a pipeline's skip transfers must match.
 pub fn forward_all(layers: &[Box<dyn Module>], x: &Var, ctx: &ForwardCtx) -> Result<Var> {
+    let mut skips = SkipRouter::new();
     let mut h = x.clone();
     for (i, l) in layers.iter().enumerate() {
-        h = l.forward(&h, &ctx.at_layer(i as u64))?;
+        h = skips.forward(l.as_ref(), i, &h, &ctx.at_layer(i as u64))?;
     }
     Ok(h)
 }

@@ -12,6 +12,7 @@ use crate::partition::{balance_by_cost, stage_ranges, validate_balance_for};
 use crate::pipeline::Pipeline;
 use crate::schedule::{CheckpointMode, Schedule};
 use crate::sim::SimCluster;
+use crate::skips::plan_skips;
 use crate::transport::Transport;
 use crate::worker::Stage;
 
@@ -324,9 +325,13 @@ impl PipelineBuilder {
             other => balance_by_cost(&layer_costs(&self.layers, other)?, s_total)?,
         };
 
+        let ranges = stage_ranges(&balance);
+        let (skip_links, mut stage_skips) = plan_skips(&self.layers, &ranges)?;
+        let schedule = schedule.with_skip_transfers(&skip_links);
+        schedule.validate_skips(&skip_links)?;
         let mut layers = self.layers.into_iter();
         let mut stages = Vec::with_capacity(s_total);
-        for (index, range) in stage_ranges(&balance).into_iter().enumerate() {
+        for (index, range) in ranges.into_iter().enumerate() {
             let device = self.devices[schedule.placement[index]].clone();
             let mut stage_layers: Vec<Box<dyn Module>> =
                 layers.by_ref().take(range.len()).collect();
@@ -343,6 +348,7 @@ impl PipelineBuilder {
                 device,
                 first_layer: range.start,
                 layers: stage_layers,
+                skips: std::mem::take(&mut stage_skips[index]),
             });
         }
         let optimizers = match &self.optimizer {

@@ -23,6 +23,7 @@ pub mod replicas;
 pub mod report;
 pub mod schedule;
 pub mod sim;
+pub mod skips;
 pub mod threads;
 pub mod timeline;
 pub mod trace;
@@ -35,8 +36,11 @@ pub use error::{NonFinite, PipelineError, Result, StageCause};
 pub use persist::{LoadOptions, PersistError, Restored, SaveOptions};
 pub use pipeline::Pipeline;
 pub use report::{SimReport, StageReport, StepReport};
-pub use schedule::{Action, ActionKind, CheckpointMode, Link, Schedule, ScheduleError};
+pub use schedule::{
+    Action, ActionKind, CheckpointMode, Link, Schedule, ScheduleError, SkipLink, SkipPort,
+};
 pub use sim::SimCluster;
+pub use skips::StageSkips;
 pub use timeline::{Collective, DeviceSpec, LinkSpec, Timeline};
 pub use transport::Transport;
 pub use worker::{LossFn, NonFiniteAt, Stage};

@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use wgpipe_autograd::optim::Optimizer;
-use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, Tape};
+use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, SkipRouter, Tape};
 use wgpipe_tensor::memory::{Tag, TagGuard};
 use wgpipe_tensor::{Device, Tensor};
 
@@ -549,11 +549,19 @@ impl Pipeline {
         let mut outs = Vec::with_capacity(xs.len());
         for (mb, x) in xs.into_iter().enumerate() {
             let mut h = x;
+            // Skips in flight between stages, by name (moved to each consumer's device).
+            let mut skips = SkipRouter::new();
             for s in &self.stages {
                 let run = || -> wgpipe_tensor::Result<Tensor> {
                     let tape = Tape::no_grad();
                     let v = tape.constant(h.to_device(&s.device)?);
-                    Ok(s.run_layers(&v, ForwardCtx::eval(), &mut None)?
+                    for (_, name) in &s.skips.incoming {
+                        if let Some(t) = skips.take(name) {
+                            let t = tape.constant(t.value().to_device(&s.device)?);
+                            skips.insert(name.clone(), t);
+                        }
+                    }
+                    Ok(s.run_layers(&v, &mut skips, ForwardCtx::eval(), &mut None)?
                         .value()
                         .clone())
                 };

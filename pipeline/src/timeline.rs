@@ -223,7 +223,7 @@ impl Sim<'_> {
             return self.compute(device, action, cost.flops);
         }
         match action.kind {
-            ActionKind::SendActivation | ActionKind::SendGrad => {
+            kind if kind.is_send() => {
                 let to_stage = action
                     .link(self.schedule.num_stages())
                     .map_or(action.stage, |l| l.to);
@@ -309,7 +309,7 @@ where
     };
     schedule.drive(|device, action, arrival: Option<f64>| {
         let c = match action.kind {
-            ActionKind::RecvActivation | ActionKind::RecvGrad => ActionCost::default(),
+            kind if kind.is_recv() => ActionCost::default(),
             _ => cost(device, action),
         };
         sim.step(device, action, c, arrival)

@@ -30,12 +30,14 @@ impl Clock {
 }
 
 /// Short event name: `F3`, `B3`, `I3`, `W3`, `R3` for compute, `A3` / `G3` for activation /
-/// gradient transfers of micro-batch 3; `c1` is added for a stage's chunk when devices hold
-/// several stages.
+/// gradient transfers of micro-batch 3, `S3` / `T3` for a skip and its gradient; `c1` is added
+/// for a stage's chunk when devices hold several stages.
 fn event_name(e: &Event, chunked: bool) -> String {
     let letter = match e.kind {
         ActionKind::SendGrad => 'G',
         ActionKind::SendActivation => 'A',
+        ActionKind::SendSkip => 'S',
+        ActionKind::SendSkipGrad => 'T',
         kind => kind.letter(),
     };
     if chunked {
@@ -103,10 +105,11 @@ fn complete_event(e: &Event, num_devices: usize, links: &[(usize, usize)], chunk
     });
     if let Some(peer) = e.peer {
         args["to_device"] = json!(peer);
-        args["message"] = json!(if e.kind == ActionKind::SendGrad {
-            "gradient"
-        } else {
-            "activation"
+        args["message"] = json!(match e.kind {
+            ActionKind::SendGrad => "gradient",
+            ActionKind::SendSkip => "skip",
+            ActionKind::SendSkipGrad => "skip gradient",
+            _ => "activation",
         });
     }
     json!({
@@ -279,7 +282,7 @@ impl Layout {
         match e.peer {
             Some(peer) => {
                 let lane_y = self.row_y(peer.min(e.device)) + ROW;
-                let y = if e.kind == ActionKind::SendGrad {
+                let y = if e.kind.carries_grad() {
                     lane_y + LANE / 2.0
                 } else {
                     lane_y

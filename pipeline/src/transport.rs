@@ -119,6 +119,7 @@ mod tests {
         from: 1,
         to: 2,
         grad: false,
+        skip: None,
     };
 
     #[test]

@@ -75,8 +75,8 @@ pub enum WireError {
 }
 
 /// Bytes of the header before the shape: magic, kind, dtype, finite, ndim, step, from, to,
-/// grad, micro-batch.
-const FIXED: usize = 4 + 1 + 1 + 1 + 1 + 8 + 4 + 4 + 1 + 4;
+/// grad, micro-batch, skip (0 for the chain, id + 1 for a skip link).
+const FIXED: usize = 4 + 1 + 1 + 1 + 1 + 8 + 4 + 4 + 1 + 4 + 4;
 
 /// Encodes `header` and `values` (read back to host memory by the caller) as one message. The
 /// shape written is `header.shape`; `values.len()` must match it.
@@ -94,6 +94,8 @@ pub fn encode(header: &Header, values: &[f32]) -> Vec<u8> {
     out.extend_from_slice(&(header.link.to as u32).to_le_bytes());
     out.push(header.link.grad as u8);
     out.extend_from_slice(&(header.micro_batch as u32).to_le_bytes());
+    let skip = header.link.skip.map_or(0, |id| id as u32 + 1);
+    out.extend_from_slice(&skip.to_le_bytes());
     for &d in &header.shape {
         out.extend_from_slice(&(d as u64).to_le_bytes());
     }
@@ -121,6 +123,7 @@ pub fn encode_abort(step: u64, why: &str) -> Vec<u8> {
             from: 0,
             to: 0,
             grad: false,
+            skip: None,
         },
         micro_batch: 0,
         finite: true,
@@ -174,6 +177,7 @@ pub fn decode(bytes: &[u8]) -> Result<(Header, Vec<f32>), WireError> {
         from: u32_at(16) as usize,
         to: u32_at(20) as usize,
         grad: bytes[24] != 0,
+        skip: u32_at(29).checked_sub(1).map(|id| id as usize),
     };
     let micro_batch = u32_at(25) as usize;
     need(FIXED + 8 * ndim)?;
@@ -268,6 +272,7 @@ mod tests {
                 from: 3,
                 to: 2,
                 grad: true,
+                skip: None,
             },
             micro_batch: 17,
             finite: false,
