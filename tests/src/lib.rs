@@ -657,7 +657,7 @@ impl Module for SkipLayer {
 
 /// A 9-layer model of width 6 (output 3) with three skips: `a` (layer 1 -> 4, `linear(x)`),
 /// `b` (2 -> 7, the identity) and `c` (4 -> 6, `linear(x)`). Cut evenly into 4 stages they
-/// span 1, 3 and 1 stages; into 3 stages 1, 2 and 1; into 8 stages 2, 5 and 2.
+/// span 1, 3 and 1 stages; into 3 stages 1, 2 and 1; into 8 stages 3, 5 and 2.
 pub fn skip_model(seed: u64) -> Vec<Box<dyn Module>> {
     let d = Device::cpu();
     let w = 6;

@@ -10,5 +10,6 @@ mod replicas;
 mod reports;
 mod schedules;
 mod sim_time;
+mod skips;
 mod transport;
 mod wgpu;
