@@ -489,6 +489,7 @@ fn pipelined_and_plain_training_of_transformer_lm_agree() {
         layers: 2,
         seq_len: 16,
         dropout: 0.1,
+        tie_embeddings: true,
     };
     let data = TextDataset::synthetic(0, 5000);
     let cpu = Device::cpu();
@@ -516,6 +517,7 @@ fn pipelined_and_plain_training_of_transformer_lm_agree() {
         let loss = loss_fn(&out, &y).unwrap();
         plain_losses.push(loss.to_scalar().unwrap());
         tape.backward(&loss).unwrap();
+        wgpipe::autograd::sum_tied_grads(&params).unwrap();
         opt.step(&params).unwrap();
         zero_grad(&params);
     }
@@ -571,6 +573,7 @@ fn pipelined_with_micro_batches_equals_plain_without_dropout() {
         layers: 2,
         seq_len: 16,
         dropout: 0.0,
+        tie_embeddings: true,
     };
     let data = TextDataset::synthetic(3, 5000);
     let cpu = Device::cpu();

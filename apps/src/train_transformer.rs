@@ -329,6 +329,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         layers: args.layers,
         seq_len: args.seq_len,
         dropout: args.dropout,
+        tie_embeddings: true,
     };
     let layers = cfg
         .build(p.seed, &Device::cpu())

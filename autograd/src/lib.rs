@@ -11,6 +11,7 @@ pub mod param;
 pub mod serialize;
 pub mod skips;
 pub mod tape;
+pub mod tied;
 pub mod var;
 
 pub use checkpoint::checkpoint;
@@ -19,5 +20,6 @@ pub use optim::{Adam, AdamW, LrSchedule, Optimizer, Sgd};
 pub use param::Param;
 pub use skips::{resolve_skips, SkipEdge, SkipError, SkipRouter, Skips};
 pub use tape::{BackwardFn, Grads, Tape, WeightGrads};
+pub use tied::{check_tied, sum_tied_grads, tied_groups};
 pub use var::Var;
 pub use wgpipe_tensor as tensor;

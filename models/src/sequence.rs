@@ -1,6 +1,6 @@
 //! Helpers for a model as a layer sequence (`[Box<dyn Module>]`), run plainly (no pipeline).
 
-use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, SkipRouter, Var};
+use wgpipe_autograd::{layer_param_name, tied_groups, ForwardCtx, Module, Param, SkipRouter, Var};
 use wgpipe_tensor::Result;
 
 /// Runs every layer in order; layer `i` sees `ctx.at_layer(i)` (its index in the whole
@@ -46,10 +46,16 @@ fn prefixed(
         .collect()
 }
 
-/// Number of trainable scalars.
+/// Number of trainable scalars; tied copies (see [`wgpipe_autograd::tied`]) count once.
 pub fn parameter_count(layers: &[Box<dyn Module>]) -> usize {
-    sequence_parameters(layers)
+    let params = sequence_parameters(layers);
+    let copies: usize = tied_groups(&params)
+        .iter()
+        .flat_map(|(_, idx)| idx[1..].iter().map(|&i| params[i].1.value().numel()))
+        .sum();
+    params
         .iter()
         .map(|(_, p)| p.shape().iter().product::<usize>())
-        .sum()
+        .sum::<usize>()
+        - copies
 }

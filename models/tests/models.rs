@@ -69,6 +69,7 @@ fn train(layers: &Layers, x: &Tensor, y: &Tensor, lr: f32, steps: usize) -> Vec<
         let loss = cross_entropy(&out, y).unwrap();
         losses.push(loss.to_scalar().unwrap());
         tape.backward(&loss).unwrap();
+        wgpipe_autograd::sum_tied_grads(&params).unwrap();
         opt.step(&params).unwrap();
         finish_step_all(layers).unwrap();
     }
@@ -93,6 +94,7 @@ fn lm() -> TransformerLm {
         layers: 2,
         seq_len: 8,
         dropout: 0.1,
+        tie_embeddings: true,
     }
 }
 

@@ -351,6 +351,7 @@ impl PipelineBuilder {
                 skips: std::mem::take(&mut stage_skips[index]),
             });
         }
+        crate::tied::check_stage_ties(&stages)?;
         let optimizers = match &self.optimizer {
             Some(f) => stages.iter().map(|_| f()).collect(),
             None => Vec::new(),

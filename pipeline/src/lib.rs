@@ -25,6 +25,7 @@ pub mod schedule;
 pub mod sim;
 pub mod skips;
 pub mod threads;
+mod tied;
 pub mod timeline;
 pub mod trace;
 pub mod transport;

@@ -228,9 +228,19 @@ impl Pipeline {
             .iter()
             .filter_map(|o| o.non_finite.clone())
             .min_by_key(|at| (at.micro_batch, at.stage));
+        let mut tied = Vec::new();
         if skipped.is_some() {
             saved.restore(&self.stages);
         } else {
+            // Tied copies' gradients are summed before anything else sees them (the replica
+            // average, the optimizer), and before deferred updates, so a failure changes nothing.
+            tied = match crate::tied::exchange(&self.stages, &self.schedule, clock) {
+                Ok(t) => t,
+                Err(e) => {
+                    saved.restore(&self.stages);
+                    return Err(e);
+                }
+            };
             for s in &self.stages {
                 for l in &s.layers {
                     l.finish_step()?;
@@ -242,6 +252,7 @@ impl Pipeline {
             loss += t.to_scalar()?;
         }
         let mut report = self.report(outcomes, wall, loss)?;
+        crate::tied::add_to_report(&mut report, &self.schedule, &tied, self.sim.as_ref());
         report.skipped = skipped;
         self.step += 1;
         Ok(report)
@@ -631,8 +642,10 @@ impl Pipeline {
             )));
         }
         let mut sq = 0.0f64;
-        for s in &self.stages {
-            let part = wgpipe_autograd::optim::grad_norm_sq(&stage_params(s))
+        // A tied parameter counts once, as in plain training (its copies hold one gradient).
+        let counted = crate::tied::without_later_copies(&self.stages);
+        for (s, params) in self.stages.iter().zip(&counted) {
+            let part = wgpipe_autograd::optim::grad_norm_sq(params)
                 .map_err(|e| stage_error(s, 0, "clip_grad_norm", StageCause::Tensor(e)))?;
             if !part.is_finite() {
                 return Err(stage_error(

@@ -109,6 +109,7 @@ fn complete_event(e: &Event, num_devices: usize, links: &[(usize, usize)], chunk
             ActionKind::SendGrad => "gradient",
             ActionKind::SendSkip => "skip",
             ActionKind::SendSkipGrad => "skip gradient",
+            ActionKind::ExchangeTied => "tied gradients",
             _ => "activation",
         });
     }

@@ -356,6 +356,9 @@ impl<'a> Worker<'a, '_> {
                 bytes = (t.numel() * std::mem::size_of::<f32>()) as u64;
                 self.send(link, m, t, finite)?;
             }
+            ActionKind::ExchangeTied => {
+                return Err(internal(format!("{action} is not a schedule action")))
+            }
             ActionKind::Forward => self.forward(s, m)?,
             ActionKind::Recompute => self.recompute(s, m)?,
             ActionKind::Backward | ActionKind::BackwardInput => {

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use wgpipe_autograd::optim::{zero_grad, Optimizer, Sgd, SgdConfig};
-use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Tape, Var};
+use wgpipe_autograd::{sum_tied_grads, CostHint, ForwardCtx, Module, Param, Tape, Var};
 use wgpipe_models::{
     finish_step_all, forward_all, sequence_parameters, Gelu, LayerNorm, Linear, Relu, TransformerLm,
 };
@@ -92,6 +92,7 @@ pub fn transformer_cfg(dropout: f32) -> TransformerLm {
         layers: 2,
         seq_len: 6,
         dropout,
+        tie_embeddings: true,
     }
 }
 
@@ -173,6 +174,8 @@ pub fn plain_train(
         losses.push(loss.to_scalar().unwrap());
         tape.backward(&loss).unwrap();
         finish_step_all(layers).unwrap();
+        // Tied copies (a tied embedding and head) train as one parameter.
+        sum_tied_grads(&params).unwrap();
         opt.step(&params).unwrap();
         zero_grad(&params);
     }

@@ -106,6 +106,9 @@ pub enum ActionKind {
     SendSkipGrad,
     /// Receives the gradient of a stashed skip, before the backward (or its input part).
     RecvSkipGrad,
+    /// Timelines and traces only (no schedule holds it): the exchange that sums the gradients
+    /// of tied parameters across the devices holding copies, after the step's last backward.
+    ExchangeTied,
 }
 
 impl ActionKind {
@@ -148,6 +151,7 @@ impl ActionKind {
             ActionKind::RecvSkip => "RECV_S",
             ActionKind::SendSkipGrad => "SEND_SB",
             ActionKind::RecvSkipGrad => "RECV_SB",
+            ActionKind::ExchangeTied => "TIED",
         }
     }
 
@@ -173,6 +177,7 @@ impl ActionKind {
             ActionKind::Backward => "backward",
             ActionKind::BackwardInput => "backward-input",
             ActionKind::BackwardWeight => "backward-weight",
+            ActionKind::ExchangeTied => "tied-exchange",
             _ => "transfer",
         }
     }
@@ -185,6 +190,7 @@ impl ActionKind {
             ActionKind::Backward => 'B',
             ActionKind::BackwardInput => 'I',
             ActionKind::BackwardWeight => 'W',
+            ActionKind::ExchangeTied => 'X',
             _ => 'T',
         }
     }

@@ -228,6 +228,7 @@ impl Schedule {
                         SendActivation | RecvGrad => usize::from(s < last),
                         // Not in `ALL`: checked by `validate_skips`.
                         SendSkip | RecvSkip | SendSkipGrad | RecvSkipGrad => continue,
+                        ExchangeTied => 0,
                     };
                     let found = count(at(kind));
                     if found != expected {

@@ -11,5 +11,6 @@ mod reports;
 mod schedules;
 mod sim_time;
 mod skips;
+mod tied;
 mod transport;
 mod wgpu;
