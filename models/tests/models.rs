@@ -7,7 +7,7 @@ use common::*;
 use wgpipe_autograd::optim::zero_grad;
 use wgpipe_autograd::{ForwardCtx, Module, Optimizer, Sgd, Tape};
 use wgpipe_models::{
-    cross_entropy, finish_step_all, forward_all, parameter_count, replace_head, sequence_buffers,
+    cross_entropy, finish_step_all, forward_all, replace_head, sequence_buffers,
     sequence_parameters, AmoebaNet, ResNet, TransformerLm,
 };
 use wgpipe_tensor::Tensor;
@@ -49,7 +49,13 @@ fn check_costs(layers: &Layers, x: &Tensor) {
         bytes += c.param_bytes;
         shape = c.output_shape;
     }
-    assert_eq!(bytes, 4 * parameter_count(layers));
+    // Each layer's own bytes: a tied copy takes memory where it sits, though it counts once
+    // among the trainable scalars.
+    let held: usize = sequence_parameters(layers)
+        .iter()
+        .map(|(_, p)| p.value().numel())
+        .sum();
+    assert_eq!(bytes, 4 * held);
 }
 
 /// `steps` of plain SGD on one fixed batch; returns the losses.
@@ -114,10 +120,14 @@ fn transformer_lm_builds_and_runs() {
         "2.mlp.fc2.bias",
         "3.weight",
         "4.weight",
-        "4.bias",
     ] {
         assert!(names.iter().any(|m| m == n), "missing {n}");
     }
+    // The head is tied to the token embedding (GPT-2): no bias, the table's values.
+    assert!(!names.iter().any(|m| m == "4.bias"));
+    let params = sequence_parameters(&layers);
+    let value = |n: &str| vals(&params.iter().find(|(m, _)| m == n).unwrap().1.value());
+    assert_eq!(value("4.weight"), value("0.tok.weight"));
     let x = ids(2 * 6, 11, 1, &[2, 6]);
     let y = logits(&layers, &x, &ForwardCtx::eval());
     assert_eq!(y.shape(), &[2, 6, 11]);
