@@ -197,3 +197,45 @@ fn unpaired_skips_are_build_errors_naming_both_layers() {
         "{e}"
     );
 }
+
+/// AmoebaNet-D's cells read h_(i-2) through skips: pipelined training of a small one equals
+/// plain training (M = 1, so batch-norm statistics are those of the whole batch).
+#[test]
+fn amoebanet_d_pipelined_equals_plain() {
+    use wgpipe_models::AmoebaNet;
+    let net = AmoebaNet {
+        normal_cells: 1,
+        filters: 4,
+        num_classes: 3,
+        in_channels: 3,
+    };
+    let make = || net.build(5, &Device::cpu()).unwrap();
+    let x = normal_data(&[4, 3, 8, 8], 8);
+    let y = wgpipe_tensor::Tensor::from_vec(vec![0., 1., 2., 1.], &[4], &Device::cpu()).unwrap();
+    let reference = plain_train(&make(), &x, &y, &cross_entropy, 2);
+    let mut ran = 0;
+    for k in [2, 4] {
+        for schedule in ALL_SCHEDULES {
+            if !runs(schedule, k, 1, make().len()) {
+                continue;
+            }
+            for mode in [CheckpointMode::Always, CheckpointMode::Never] {
+                let cfg = PipeCfg::new(k, 1, mode, schedule);
+                let mut pipe = sim_pipeline(make(), &cfg);
+                let (got, _) = pipe_train(&mut pipe, &x, &y, &cross_entropy, 2);
+                assert_close(
+                    &got,
+                    &reference,
+                    1e-5,
+                    &format!("K={k} {mode} {schedule:?}"),
+                );
+                ran += 1;
+            }
+        }
+    }
+    assert_eq!(
+        ran,
+        2 * 2 * 7,
+        "every schedule but DualPipeV (M >= 2K) at K = 2 and 4"
+    );
+}
