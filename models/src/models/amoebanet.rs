@@ -158,7 +158,7 @@ pub struct FactorizedReduce {
 
 impl FactorizedReduce {
     pub fn new(c_in: usize, c_out: usize, seed: u64, dev: &Device) -> Result<Self> {
-        if c_out % 2 != 0 {
+        if !c_out.is_multiple_of(2) {
             return Err(Error::Invalid {
                 op: "FactorizedReduce",
                 msg: format!("needs an even number of output channels, got {c_out}"),
@@ -184,7 +184,7 @@ impl Module for FactorizedReduce {
     }
     fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
         let s = x.shape().to_vec();
-        if s.len() != 4 || s[2] % 2 != 0 || s[3] % 2 != 0 {
+        if s.len() != 4 || !s[2].is_multiple_of(2) || !s[3].is_multiple_of(2) {
             return Err(Error::Shape {
                 op: "FactorizedReduce",
                 msg: format!("needs [N, C, H, W] with H and W even, got {s:?}"),
@@ -522,7 +522,7 @@ impl AmoebaNet {
                 msg: format!("filters, classes and in_channels must be positive: {self:?}"),
             });
         }
-        if self.filters % 2 != 0 {
+        if !self.filters.is_multiple_of(2) {
             return Err(Error::Invalid {
                 op: "AmoebaNet",
                 msg: format!("filters must be even (factorized reductions halve them): {self:?}"),
