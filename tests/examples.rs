@@ -171,6 +171,11 @@ fn cnn_example_runs_end_to_end_for_both_models() {
     let dir = tmp("cnn-e2e");
     for model in ["resnet", "amoebanet"] {
         let r = cnn(&tiny_cnn(&dir, &["--model", model, "--stages", "3"])).unwrap();
+        if model == "amoebanet" {
+            // The hand count of models/tests/models.rs (width 4, depth 1, 3 channels: 6783
+            // with 3 classes) with the 10-class head: 6783 - (64 x 3 + 3) + (64 x 10 + 10).
+            assert_eq!(r.num_params, 7238);
+        }
         assert_eq!(r.losses.len(), 3);
         assert!(r.losses.iter().all(|l| l.is_finite()));
         assert!((0.0..=1.0).contains(&r.test_accuracy));

@@ -122,6 +122,8 @@ impl CnnArgs {
 #[derive(Debug, Clone)]
 pub struct CnnSummary {
     pub start_step: u64,
+    /// Trainable scalars of the model (as printed).
+    pub num_params: usize,
     pub losses: Vec<f32>,
     /// Accuracy on the held-out images after training.
     pub test_accuracy: f64,
@@ -554,6 +556,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     }
     Ok(CnnSummary {
         start_step,
+        num_params: n_params,
         test_accuracy: acc,
         chance,
         images_per_sec: r.items_per_sec,
