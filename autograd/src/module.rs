@@ -198,10 +198,12 @@ pub trait Module: Send {
         debug_assert!(popped.is_empty(), "{} pops no skips", self.name());
         Ok((self.forward(x, ctx)?, Vec::new()))
     }
-    /// Bytes of the skips this layer stashes for an input of `input_shape` (they live until the
-    /// consumer ran, and cross the stages between); 0 by default.
-    fn stash_bytes(&self, input_shape: &[usize]) -> usize {
-        let _ = input_shape;
-        0
+    /// Bytes of each skip this layer stashes (in [`Module::skips`]' order) for an input of
+    /// `input_shape`: what the consumer's stage holds from the producer's forward until its own
+    /// backward, and what crosses the link. By default each is the size of the input (a layer
+    /// that stashes its input, or something shaped like it).
+    fn stash_bytes(&self, input_shape: &[usize]) -> Vec<usize> {
+        let bytes = 4 * input_shape.iter().product::<usize>();
+        vec![bytes; self.skips().stashes.len()]
     }
 }

@@ -1,9 +1,10 @@
 //! Building a pipeline: devices, partitioning, schedule, placement.
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 use wgpipe_autograd::optim::Optimizer;
-use wgpipe_autograd::{ForwardCtx, Module, Tape};
+use wgpipe_autograd::{ForwardCtx, Module, Tape, Var};
 use wgpipe_tensor::memory::{with_tag, Tag};
 use wgpipe_tensor::{Device, Tensor};
 
@@ -12,7 +13,7 @@ use crate::partition::{balance_by_cost, stage_ranges, validate_balance_for};
 use crate::pipeline::Pipeline;
 use crate::schedule::{CheckpointMode, Schedule};
 use crate::sim::SimCluster;
-use crate::skips::plan_skips;
+use crate::skips::{plan_skips, popped_bytes};
 use crate::transport::Transport;
 use crate::worker::Stage;
 
@@ -451,13 +452,18 @@ fn layer_costs(layers: &[Box<dyn Module>], balance: &Balance) -> Result<Vec<f64>
             input_shape,
             optimizer_factor,
         } => {
+            // A skip's bytes count where its consumer is (see `popped_bytes`).
+            let popped = popped_bytes(layers, input_shape)?;
             let mut shape = input_shape.clone();
             Ok(layers
                 .iter()
-                .map(|l| {
+                .zip(popped)
+                .map(|(l, skip)| {
                     let c = l.cost(&shape);
                     shape = c.output_shape;
-                    c.param_bytes as f64 * optimizer_factor + c.activation_bytes as f64
+                    c.param_bytes as f64 * optimizer_factor
+                        + c.activation_bytes as f64
+                        + skip as f64
                 })
                 .collect())
         }
@@ -466,30 +472,50 @@ fn layer_costs(layers: &[Box<dyn Module>], balance: &Balance) -> Result<Vec<f64>
 }
 
 /// Measured forward+backward seconds of each layer on `sample` (the best of three runs, so that
-/// one-off costs such as kernel compilation do not count). Gradients made here are cleared.
+/// one-off costs such as kernel compilation do not count), skips included (a layer gets what it
+/// pops, and back-propagates from what it stashes too). Gradients made here are cleared.
 fn profile_layers(layers: &[Box<dyn Module>], sample: &Tensor) -> Result<Vec<f64>> {
     let mut x = sample.clone();
+    let mut stashed: HashMap<String, Tensor> = HashMap::new();
     let mut costs = Vec::with_capacity(layers.len());
     for (i, l) in layers.iter().enumerate() {
         let ctx = ForwardCtx::train(0, 0, 0).at_layer(i as u64);
+        let decl = l.skips();
+        let popped: Vec<Tensor> = decl
+            .pops
+            .iter()
+            .map(|n| {
+                stashed.remove(n).ok_or_else(|| {
+                    PipelineError::Config(format!("layer {i} pops skip '{n}', never stashed"))
+                })
+            })
+            .collect::<Result<_>>()?;
         let mut best = f64::INFINITY;
         let mut out = None;
         for _ in 0..3 {
             let t0 = Instant::now();
             let tape = Tape::new();
             let input = tape.leaf(x.clone());
-            let y = l.forward(&input, &ctx)?;
-            let loss = y.sum(&[], false)?;
+            let pops: Vec<Var> = popped.iter().map(|t| tape.leaf(t.clone())).collect();
+            let (y, stashes) = l.forward_skips(&input, &pops, &ctx)?;
+            let mut loss = y.sum(&[], false)?;
+            for s in &stashes {
+                loss = loss.add(&s.sum(&[], false)?)?;
+            }
             tape.backward(&loss)?;
             x.device().synchronize()?;
             best = best.min(t0.elapsed().as_secs_f64());
-            out = Some(y.value().clone());
+            out = Some((y.value().clone(), stashes));
         }
         for (_, p) in l.parameters() {
             p.zero_grad();
         }
         costs.push(best);
-        x = out.expect("three runs happened");
+        let (y, stashes) = out.expect("three runs happened");
+        for (n, s) in decl.stashes.into_iter().zip(stashes) {
+            stashed.insert(n, s.value().clone());
+        }
+        x = y;
     }
     Ok(costs)
 }

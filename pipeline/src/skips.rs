@@ -46,3 +46,26 @@ pub fn plan_skips(
     }
     Ok((links, stages))
 }
+
+/// Bytes of the skips each layer pops, for an input of `input_shape` to the whole sequence (the
+/// layers' cost hints give each layer's input shape, [`Module::stash_bytes`] each stash's size).
+/// A skip's bytes are held by the consumer's stage (received, or made in the stage itself when
+/// both ends are there) until the consumer's backward, so a cost model charges them to the
+/// consumer; the stages between hold none.
+pub fn popped_bytes(layers: &[Box<dyn Module>], input_shape: &[usize]) -> Result<Vec<usize>> {
+    let edges = resolve_skips(layers).map_err(|e| PipelineError::Config(e.to_string()))?;
+    let mut shape = input_shape.to_vec();
+    let mut stashed: Vec<(String, usize)> = Vec::new();
+    for l in layers {
+        let names = l.skips().stashes;
+        stashed.extend(names.into_iter().zip(l.stash_bytes(&shape)));
+        shape = l.cost(&shape).output_shape;
+    }
+    let mut popped = vec![0; layers.len()];
+    for e in edges {
+        if let Some((_, b)) = stashed.iter().find(|(n, _)| *n == e.name) {
+            popped[e.consumer] += b;
+        }
+    }
+    Ok(popped)
+}

@@ -653,9 +653,6 @@ impl Module for SkipLayer {
             ..CostHint::default()
         }
     }
-    fn stash_bytes(&self, input_shape: &[usize]) -> usize {
-        4 * self.stashes.len() * input_shape.iter().product::<usize>()
-    }
 }
 
 /// A 9-layer model of width 6 (output 3) with three skips: `a` (layer 1 -> 4, `linear(x)`),

@@ -504,12 +504,6 @@ impl Module for Cell {
         total.output_shape = out;
         total
     }
-    fn stash_bytes(&self, input_shape: &[usize]) -> usize {
-        match self.stash {
-            Some(_) => 4 * input_shape.iter().product::<usize>(),
-            None => 0,
-        }
-    }
 }
 
 impl AmoebaNet {

@@ -239,3 +239,55 @@ fn amoebanet_d_pipelined_equals_plain() {
         "every schedule but DualPipeV (M >= 2K) at K = 2 and 4"
     );
 }
+
+#[test]
+fn a_skips_bytes_count_at_its_consumer_in_cost_and_memory_balance() {
+    // skip_model on [8, 6]: a (1 -> 4), c (4 -> 6), b (2 -> 7), each shaped like the input.
+    let bytes = 8 * 6 * 4;
+    let popped = wgpipe_pipeline::skips::popped_bytes(&skip_model(1), &[8, 6]).unwrap();
+    assert_eq!(popped, vec![0, 0, 0, 0, bytes, 0, bytes, bytes, 0]);
+
+    // Balance by memory over 2 stages: the layer popping the SKIPS skips costs their bytes
+    // (4 x 512, more than a Linear(16, 16)'s 1088 + 512), so its stage takes fewer layers
+    // than without them.
+    let balance = |with_skip: bool| {
+        let cluster =
+            wgpipe_pipeline::SimCluster::uniform(&Device::cpu(), 2, u64::MAX, 1e9, LinkSpec::FREE);
+        let pipe = wgpipe_pipeline::Pipeline::builder(long_skip(with_skip))
+            .sim(cluster)
+            .balance(wgpipe_pipeline::Balance::ByMemory {
+                input_shape: vec![N, W],
+                optimizer_factor: 1.0,
+            })
+            .build()
+            .unwrap();
+        let b = pipe.balance();
+        let consumer = pipe
+            .stages()
+            .iter()
+            .position(|s| (s.first_layer..s.first_layer + s.layers.len()).contains(&4))
+            .unwrap();
+        (b.clone(), b[consumer])
+    };
+    let (with, at_with) = balance(true);
+    let (without, at_without) = balance(false);
+    assert!(
+        at_with < at_without,
+        "balance {with:?} with the skips, {without:?} without"
+    );
+}
+
+#[test]
+fn a_measured_balance_profiles_layers_with_their_skips() {
+    // Each layer runs alone on what the layers before it made, popped skips included.
+    let cluster =
+        wgpipe_pipeline::SimCluster::uniform(&Device::cpu(), 3, u64::MAX, 1e9, LinkSpec::FREE);
+    let pipe = wgpipe_pipeline::Pipeline::builder(skip_model(1))
+        .sim(cluster)
+        .balance(wgpipe_pipeline::Balance::ByTime {
+            sample: normal_data(&[4, 6], 1),
+        })
+        .build()
+        .unwrap();
+    assert_eq!(pipe.balance().iter().sum::<usize>(), 9);
+}
