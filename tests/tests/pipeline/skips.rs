@@ -291,3 +291,23 @@ fn a_measured_balance_profiles_layers_with_their_skips() {
         .unwrap();
     assert_eq!(pipe.balance().iter().sum::<usize>(), 9);
 }
+
+#[test]
+fn skips_cross_the_wire_format() {
+    // Loopback encodes every message (skip links included) as a multi-process transport would.
+    let x = normal_data(&[8, 6], 1);
+    let y = normal_data(&[8, 3], 2);
+    let reference = plain_train(&skip_model(21), &x, &y, &mse, 2);
+    for schedule in [ScheduleKind::OneFOneB, ScheduleKind::ZbV] {
+        let mut cfg = PipeCfg::new(4, 8, CheckpointMode::ExceptLast, schedule);
+        cfg.transport = wgpipe_pipeline::Transport::Loopback;
+        let mut pipe = sim_pipeline(skip_model(21), &cfg);
+        let (got, _) = pipe_train(&mut pipe, &x, &y, &mse, 2);
+        assert_close(
+            &got,
+            &reference,
+            1e-5,
+            &format!("{schedule:?} over Loopback"),
+        );
+    }
+}
