@@ -72,6 +72,10 @@ pub struct TransformerArgs {
     /// Sampling temperature (0 = greedy; 0..=100).
     #[arg(long, default_value_t = 0.7)]
     pub temperature: f32,
+    /// Give the head its own weight and bias instead of the token embedding table (tied by
+    /// default, as GPT-2: the first and last stage hold copies whose gradients are summed).
+    #[arg(long)]
+    pub untie_embeddings: bool,
 }
 
 impl TransformerArgs {
@@ -329,7 +333,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         layers: args.layers,
         seq_len: args.seq_len,
         dropout: args.dropout,
-        tie_embeddings: true,
+        tie_embeddings: !args.untie_embeddings,
     };
     let layers = cfg
         .build(p.seed, &Device::cpu())

@@ -4,7 +4,7 @@
 //! output: logits `[B, T, vocab]`. Each block is one element, so a pipeline can cut anywhere.
 //!
 //! With `tie_embeddings` (GPT-2's choice) the head has no bias and its weight is the token
-//! embedding table (initialised N(0, 1/d_model) then): a tied copy ([`wgpipe_autograd::tied`]), so that the two can sit on different
+//! embedding table (initialised N(0, 1/d_model) then, the positions alike): a tied copy ([`wgpipe_autograd::tied`]), so that the two can sit on different
 //! pipeline stages; their gradients are summed before each optimizer step.
 
 use wgpipe_autograd::Module;
@@ -50,9 +50,13 @@ impl TransformerLm {
         )?;
         let head = if self.tie_embeddings {
             // As the head's weight the table must give logits of unit scale from the
-            // layer-normed features: entries N(0, 1/d_model) rather than N(0, 1).
+            // layer-normed features: entries N(0, 1/d_model) rather than N(0, 1); the
+            // positional table is scaled alike so tokens and positions keep their balance.
+            let scale = (self.d_model as f32).powf(-0.5);
+            for table in [&embedding.tok.weight, &embedding.pos.weight] {
+                table.set_value(table.value().mul_scalar(scale)?);
+            }
             let table = &embedding.tok.weight;
-            table.set_value(table.value().mul_scalar((self.d_model as f32).powf(-0.5))?);
             // `[vocab, d_model]` is both the table and the head's `[out, in]` weight.
             let w = table.tied_copy("weight", EMBEDDING_TIE)?;
             Linear::from_params(w, None)?
