@@ -57,6 +57,7 @@ fn lm(blocks: usize) -> TransformerLm {
         layers: blocks,
         seq_len: SEQ,
         dropout: 0.0,
+        tie_embeddings: true,
     }
 }
 

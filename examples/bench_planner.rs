@@ -47,6 +47,8 @@ fn lm(blocks: usize) -> TransformerLm {
         layers: blocks,
         seq_len: SEQ,
         dropout: 0.0,
+        // The planner does not cost the exchange of tied gradients yet.
+        tie_embeddings: false,
     }
 }
 
@@ -288,7 +290,11 @@ fn main() -> Res<()> {
             &Device::cpu(),
         )?,
     };
-    compare(&amoeba, &specs)?;
+    // AmoebaNet-D's cells take their second input through a skip, which the planner does not
+    // model yet: the row says so instead of comparing.
+    if let Err(e) = compare(&amoeba, &specs) {
+        println!("\n## {}: not planned: {e}", amoeba.name);
+    }
 
     let caps = cluster_specs(24 << 20, 8 << 20);
     let (x, y) = (tokens(BATCH, 0)?, tokens(BATCH, 5)?);

@@ -171,6 +171,11 @@ fn cnn_example_runs_end_to_end_for_both_models() {
     let dir = tmp("cnn-e2e");
     for model in ["resnet", "amoebanet"] {
         let r = cnn(&tiny_cnn(&dir, &["--model", model, "--stages", "3"])).unwrap();
+        if model == "amoebanet" {
+            // The hand count of models/tests/models.rs (width 4, depth 1, 3 channels: 6783
+            // with 3 classes) with the 10-class head: 6783 - (64 x 3 + 3) + (64 x 10 + 10).
+            assert_eq!(r.num_params, 7238);
+        }
         assert_eq!(r.losses.len(), 3);
         assert!(r.losses.iter().all(|l| l.is_finite()));
         assert!((0.0..=1.0).contains(&r.test_accuracy));
@@ -489,6 +494,7 @@ fn pipelined_and_plain_training_of_transformer_lm_agree() {
         layers: 2,
         seq_len: 16,
         dropout: 0.1,
+        tie_embeddings: true,
     };
     let data = TextDataset::synthetic(0, 5000);
     let cpu = Device::cpu();
@@ -516,6 +522,7 @@ fn pipelined_and_plain_training_of_transformer_lm_agree() {
         let loss = loss_fn(&out, &y).unwrap();
         plain_losses.push(loss.to_scalar().unwrap());
         tape.backward(&loss).unwrap();
+        wgpipe::autograd::sum_tied_grads(&params).unwrap();
         opt.step(&params).unwrap();
         zero_grad(&params);
     }
@@ -571,6 +578,7 @@ fn pipelined_with_micro_batches_equals_plain_without_dropout() {
         layers: 2,
         seq_len: 16,
         dropout: 0.0,
+        tie_embeddings: true,
     };
     let data = TextDataset::synthetic(3, 5000);
     let cpu = Device::cpu();
@@ -593,6 +601,8 @@ fn pipelined_with_micro_batches_equals_plain_without_dropout() {
     .unwrap();
     let loss = loss_fn(&out, &y).unwrap();
     tape.backward(&loss).unwrap();
+    // The tied embedding and head are one parameter: both copies' gradient is the sum.
+    wgpipe::autograd::sum_tied_grads(&params).unwrap();
 
     for (k, m, balance) in [(2, 4, vec![3, 2]), (4, 8, vec![1, 2, 1, 1])] {
         let mut pipe = Pipeline::builder(cfg.build(2, &cpu).unwrap())
@@ -809,4 +819,41 @@ fn plan_on_trains_the_planned_pipeline_as_predicted() {
     check(&r.plan, &r.last_report, "train_cnn");
     // Off (and auto from parse_from_args, which does not know the command line): no plan.
     assert!(lm(&tiny_lm(&dir, &[])).unwrap().plan.is_none());
+}
+
+#[test]
+fn both_examples_train_with_replicas() {
+    let dir = tmp("replicas");
+    // Without dropout, 2 replicas x 2 micro-batches learn what one pipeline of 4 micro-batches
+    // does (up to the order of the gradient sums).
+    let base = ["--dropout", "0", "--batch", "8"];
+    let one = lm(&tiny_lm(
+        &dir,
+        &[&base[..], &["--micro-batches", "4"]].concat(),
+    ))
+    .unwrap();
+    let two = lm(&tiny_lm(&dir, &[&base[..], &["--replicas", "2"]].concat())).unwrap();
+    for (a, b) in two.losses.iter().zip(&one.losses) {
+        assert!(
+            (a - b).abs() <= 1e-4 * b.abs(),
+            "{:?} vs {:?}",
+            two.losses,
+            one.losses
+        );
+    }
+    let report = two.last_report.as_ref().unwrap();
+    assert_eq!(report.stages.len(), 4, "R x K rows");
+    check_pictures(&dir, 4);
+    let trace = std::fs::read_to_string(dir.join("trace.json")).unwrap();
+    assert!(trace.contains("\"all-reduce\""));
+    let r = cnn(&tiny_cnn(&dir, &["--replicas", "2"])).unwrap();
+    assert!(r.losses.iter().all(|l| l.is_finite()));
+    check_pictures(&dir, 4);
+    for (flags, want) in [
+        (&["--replicas", "0"][..], "--replicas"),
+        (&["--replicas", "3"][..], "cannot be shared by --replicas 3"),
+    ] {
+        let e = lm(&tiny_lm(&dir, flags)).unwrap_err();
+        assert!(e.contains(want), "{flags:?}: {e}");
+    }
 }

@@ -190,7 +190,7 @@ pub struct PipelineArgs {
     #[arg(long, default_value_t = 10.0)]
     pub sim_link_gbs: f64,
     /// Choose K, the device order, schedule, chunks, M, balance and re-materialization by the
-    /// planner on the simulated cluster (auto: when none of --stages, --micro-batches,
+    /// planner on the simulated cluster (auto: when none of --stages, --micro-batches, --replicas,
     /// --balance, --schedule, --chunks, --checkpoint is given; --stages is then the most
     /// devices it may use).
     #[arg(long, value_enum, default_value_t = PlanArg::Auto)]
@@ -199,6 +199,11 @@ pub struct PipelineArgs {
     /// examples; a caller that builds the flags otherwise gets no automatic plan).
     #[arg(skip = true)]
     pub shape_given: bool,
+    /// Data parallelism: R replicas of the K-stage pipeline (R x K devices), each on its share
+    /// of every mini-batch, gradients averaged across replicas before each optimizer step
+    /// (1..=64).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
 }
 
 impl PipelineArgs {
@@ -220,6 +225,11 @@ impl PipelineArgs {
             .unwrap_or_else(|| ScheduleKind::from(self.schedule).default_chunks())
     }
 
+    /// R x K: the devices the replicas' stages run on.
+    pub fn num_devices(&self) -> usize {
+        self.replicas * self.stages
+    }
+
     /// K x chunks: the pieces the model is cut into.
     pub fn pieces(&self) -> usize {
         self.stages * self.chunks()
@@ -233,6 +243,13 @@ impl PipelineArgs {
         items: &str,
     ) -> AppResult<()> {
         check_range("stages", self.stages, 1, MAX_STAGES)?;
+        check_range("replicas", self.replicas, 1, 64)?;
+        if batch < self.replicas * self.micro_batches {
+            return Err(AppError(format!(
+                "--batch {batch} cannot be shared by --replicas {} with --micro-batches {} each: every micro-batch of every replica needs at least one of the {items}",
+                self.replicas, self.micro_batches
+            )));
+        }
         if let Some(v) = self.chunks {
             check_range("chunks", v, 1, 64)?;
         }
@@ -305,9 +322,11 @@ impl PipelineArgs {
 }
 
 /// Builds the pipeline from the flags. `sample` is one micro-batch of inputs (for
-/// `--balance time`), `input_shape` its shape (for `flops` and `memory`).
+/// `--balance time`), `input_shape` its shape (for `flops` and `memory`). `copies` are the
+/// layers of replicas 1..R (`--replicas`; their values are replaced by replica 0's).
 pub fn build_pipeline(
     layers: Vec<Box<dyn Module>>,
+    mut copies: Vec<Vec<Box<dyn Module>>>,
     args: &PipelineArgs,
     placement: &Placement,
     sample: &Tensor,
@@ -339,10 +358,25 @@ pub fn build_pipeline(
         Some(c) => b.sim(c.clone()),
         None => b.devices(placement.devices.clone()),
     };
+    if args.replicas > 1 {
+        // A copy too few comes out as an empty model, which the builder names.
+        b = b.replicas(args.replicas, move || copies.pop().unwrap_or_default());
+    }
     b.build().map_err(|e| match &e {
         PipelineError::Partition(p) => args.partition_error(p, num_layers, "as built"),
         _ => AppError(format!("building the pipeline: {e}")),
     })
+}
+
+/// With `--replicas R > 1`, one line saying how the replicas share the work.
+pub fn describe_replicas(args: &PipelineArgs) -> String {
+    if args.replicas <= 1 {
+        return String::new();
+    }
+    format!(
+        "data parallelism: {} replicas of the {}-stage pipeline above (devices rK..(r+1)K), each on its share of every mini-batch; gradients averaged across replicas before each optimizer step\n",
+        args.replicas, args.stages
+    )
 }
 
 /// The layers of each stage, e.g. `stage 0: 0..2 TokenPositionEmbedding(..), TransformerBlock(..)`.

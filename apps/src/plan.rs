@@ -27,13 +27,14 @@ pub enum PlanArg {
 
 /// The flags that fix the pipeline's shape: given on the command line, `--plan auto` does not
 /// plan.
-const SHAPE_FLAGS: [&str; 6] = [
+const SHAPE_FLAGS: [&str; 7] = [
     "stages",
     "micro_batches",
     "balance",
     "schedule",
     "chunks",
     "checkpoint",
+    "replicas",
 ];
 
 /// Whether any shape flag was given on the command line (not left at its default).
@@ -68,18 +69,34 @@ pub struct PlanRun<'a> {
 /// The pipeline of the flags, or the planned one when [`wants_plan`] (with its plan).
 pub fn build_or_plan(
     layers: Vec<Box<dyn Module>>,
+    copies: Vec<Vec<Box<dyn Module>>>,
     args: &PipelineArgs,
     placement: &Placement,
     sample: &Tensor,
     run: &PlanRun<'_>,
     optimizer: impl Fn() -> Box<dyn Optimizer> + 'static,
 ) -> AppResult<(Pipeline, Option<PlanReport>)> {
-    if wants_plan(args.plan, args.shape_given, placement) {
+    let has_skips = layers.iter().any(|l| {
+        let s = l.skips();
+        !s.pops.is_empty() || !s.stashes.is_empty()
+    });
+    let mut wanted = wants_plan(args.plan, args.shape_given, placement);
+    if wanted && has_skips && args.plan == PlanArg::Auto {
+        println!("planner: off (it does not model skip connections yet); the shape flags as given");
+        wanted = false;
+    }
+    if wanted {
+        if args.replicas > 1 {
+            return Err(AppError(format!(
+                "--plan does not plan data-parallel replicas yet (--replicas {}); use --plan off",
+                args.replicas
+            )));
+        }
         let (pipe, report) = plan_pipeline(layers, placement, run, optimizer)?;
         Ok((pipe, Some(report)))
     } else {
         Ok((
-            build_pipeline(layers, args, placement, sample, optimizer)?,
+            build_pipeline(layers, copies, args, placement, sample, optimizer)?,
             None,
         ))
     }

@@ -12,7 +12,7 @@ use crate::autograd::{AdamW, Module, Var};
 use crate::bail;
 use std::sync::atomic::AtomicBool;
 
-use crate::args::{describe_stages, PipelineArgs};
+use crate::args::{describe_replicas, describe_stages, PipelineArgs};
 use crate::error::{AppError, AppResult, Context};
 use crate::files::{check_readable, is_optimizer_key, load_pipeline, save_pipeline};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
@@ -133,6 +133,8 @@ impl CnnArgs {
 #[derive(Debug, Clone)]
 pub struct CnnSummary {
     pub start_step: u64,
+    /// Trainable scalars of the model (as printed).
+    pub num_params: usize,
     pub losses: Vec<f32>,
     /// Accuracy on the held-out images after training.
     pub test_accuracy: f64,
@@ -439,7 +441,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         "images",
     )?;
     let n_params = parameter_count(&layers);
-    let placement = place(p.device, p.stages, p.sim_spec())?;
+    let placement = place(p.device, p.num_devices(), p.sim_spec())?;
     let mb = batch / p.micro_batches;
     let sample = Tensor::zeros(&[mb, train.c, train.h, train.w], &Device::cpu())?;
     let adam = AdamConfig {
@@ -449,6 +451,9 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         eps: 1e-8,
         weight_decay: 1e-4,
     };
+    let copies = (1..p.replicas)
+        .map(|_| build_model(&args, &train))
+        .collect::<AppResult<Vec<_>>>()?;
     let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
     let first = &train.shuffled_batches(batch, p.seed, 0)[0];
     let (x, y) = images_tensor(&train, first)?;
@@ -461,9 +466,10 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         min_micro_batch: 8,
         seed: p.seed,
     };
-    let (mut pipe, plan) = build_or_plan(layers, p, &placement, &sample, &run, move || {
-        Box::new(AdamW::with_config(adam))
-    })?;
+    let (mut pipe, plan) =
+        build_or_plan(layers, copies, p, &placement, &sample, &run, move || {
+            Box::new(AdamW::with_config(adam))
+        })?;
 
     println!(
         "{:?}: width {}, depth {}, {} layers, {} parameters, {} classes",
@@ -472,6 +478,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     println!("data: {data_what}");
     println!("devices: {}", placement.description);
     print!("{}", describe_stages(&pipe));
+    print!("{}", describe_replicas(p));
 
     let mut loaded_tensors = 0;
     if let Some(path) = &args.init {
@@ -577,6 +584,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     }
     Ok(CnnSummary {
         start_step,
+        num_params: n_params,
         test_accuracy: acc,
         chance,
         images_per_sec: r.items_per_sec,

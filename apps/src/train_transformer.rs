@@ -12,7 +12,7 @@ use crate::autograd::{AdamW, Tape, Var};
 use crate::bail;
 use std::sync::atomic::AtomicBool;
 
-use crate::args::{describe_stages, PipelineArgs};
+use crate::args::{describe_replicas, describe_stages, PipelineArgs};
 use crate::error::{AppError, AppResult, Context};
 use crate::files::{load_pipeline, save_pipeline};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
@@ -73,6 +73,10 @@ pub struct TransformerArgs {
     /// Sampling temperature (0 = greedy; 0..=100).
     #[arg(long, default_value_t = 0.7)]
     pub temperature: f32,
+    /// Give the head its own weight and bias instead of the token embedding table (tied by
+    /// default, as GPT-2: the first and last stage hold copies whose gradients are summed).
+    #[arg(long)]
+    pub untie_embeddings: bool,
 }
 
 impl TransformerArgs {
@@ -342,13 +346,14 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         layers: args.layers,
         seq_len: args.seq_len,
         dropout: args.dropout,
+        tie_embeddings: !args.untie_embeddings,
     };
     let layers = cfg
         .build(p.seed, &Device::cpu())
         .context("building the model")?;
     let n_params = parameter_count(&layers);
 
-    let placement = place(p.device, p.stages, p.sim_spec())?;
+    let placement = place(p.device, p.num_devices(), p.sim_spec())?;
     let mb = args.batch / p.micro_batches;
     let sample_in = ids_tensor(&vec![0; mb * args.seq_len], &[mb, args.seq_len])?;
     let adam = AdamConfig {
@@ -358,6 +363,10 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         eps: 1e-8,
         weight_decay: 0.01,
     };
+    let copies = (1..p.replicas)
+        .map(|_| cfg.build(p.seed, &Device::cpu()))
+        .collect::<Result<Vec<_>, _>>()
+        .context("building the model's replicas")?;
     let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
     let (x, y) = train.batch(args.batch, args.seq_len, p.seed, 0);
     let (x, y) = (
@@ -372,9 +381,10 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         min_micro_batch: 1,
         seed: p.seed,
     };
-    let (mut pipe, plan) = build_or_plan(layers, p, &placement, &sample_in, &run, move || {
-        Box::new(AdamW::with_config(adam))
-    })?;
+    let (mut pipe, plan) =
+        build_or_plan(layers, copies, p, &placement, &sample_in, &run, move || {
+            Box::new(AdamW::with_config(adam))
+        })?;
 
     let warmup = (args.steps / 10).clamp(1, 30);
     let schedule = LrSchedule::WarmupCosine {
@@ -396,6 +406,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     println!("data: {data_what}");
     println!("devices: {}", placement.description);
     print!("{}", describe_stages(&pipe));
+    print!("{}", describe_replicas(p));
     if plan.is_none() {
         println!(
             "mini-batch {} sequences = {} micro-batches; schedule {} ({} chunk(s) per device), checkpoint {}, balance {}",

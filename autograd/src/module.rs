@@ -4,6 +4,7 @@ use wgpipe_tensor::rng::{splitmix64, GOLDEN_GAMMA};
 use wgpipe_tensor::{Device, Result};
 
 use crate::param::Param;
+use crate::skips::Skips;
 use crate::var::Var;
 
 /// Where a forward call happens: which step, micro-batch and layer (the keys of the counter-based
@@ -186,4 +187,23 @@ pub trait Module: Send {
     }
     /// Cost of one forward on an input of `input_shape`.
     fn cost(&self, input_shape: &[usize]) -> CostHint;
+    /// The skips this layer pops and stashes (see [`crate::skips`]); none by default.
+    fn skips(&self) -> Skips {
+        Skips::default()
+    }
+    /// The forward of a layer with skips: `popped` holds the tensors of
+    /// [`Module::skips`]' `pops`, in that order; the result is the output and the tensors of its
+    /// `stashes`, in that order. By default the plain forward (no skips).
+    fn forward_skips(&self, x: &Var, popped: &[Var], ctx: &ForwardCtx) -> Result<(Var, Vec<Var>)> {
+        debug_assert!(popped.is_empty(), "{} pops no skips", self.name());
+        Ok((self.forward(x, ctx)?, Vec::new()))
+    }
+    /// Bytes of each skip this layer stashes (in [`Module::skips`]' order) for an input of
+    /// `input_shape`: what the consumer's stage holds from the producer's forward until its own
+    /// backward, and what crosses the link. By default each is the size of the input (a layer
+    /// that stashes its input, or something shaped like it).
+    fn stash_bytes(&self, input_shape: &[usize]) -> Vec<usize> {
+        let bytes = 4 * input_shape.iter().product::<usize>();
+        vec![bytes; self.skips().stashes.len()]
+    }
 }

@@ -18,6 +18,8 @@ struct ParamInner {
     value: Tensor,
     grad: Option<Tensor>,
     trainable: bool,
+    /// The tie group: copies of one parameter used in several places (see [`crate::tied`]).
+    tie: Option<String>,
 }
 
 impl Param {
@@ -30,6 +32,7 @@ impl Param {
                 value,
                 grad: None,
                 trainable: true,
+                tie: None,
             })),
         }
     }
@@ -101,6 +104,24 @@ impl Param {
             })?);
         }
         Ok(())
+    }
+    /// The tie group of this parameter, if it is a tied copy (see [`crate::tied`]).
+    pub fn tie_group(&self) -> Option<String> {
+        self.lock().tie.clone()
+    }
+    /// Makes this parameter a copy in tie group `group`.
+    pub fn set_tie_group(&self, group: impl Into<String>) {
+        self.lock().tie = Some(group.into());
+    }
+    /// A new parameter named `name` holding a copy of this one's value (its own memory, so it
+    /// can live on another device), tied to this one in group `group` (which this one joins).
+    pub fn tied_copy(&self, name: impl Into<String>, group: &str) -> Result<Param> {
+        self.set_tie_group(group);
+        let v = self.value();
+        let copy = Param::new(name, Tensor::from_vec(v.to_vec()?, v.shape(), v.device())?);
+        copy.set_tie_group(group);
+        copy.set_trainable(self.is_trainable());
+        Ok(copy)
     }
     /// True when both handles are the same parameter.
     pub fn same(&self, other: &Param) -> bool {

@@ -239,13 +239,19 @@ impl Tape {
     /// into the params; the gradients of leaves come back in `Grads`. Each node's saved tensors
     /// are freed as soon as its backward ran. A tape runs backward once.
     pub fn backward_with(&self, output: &Var, grad_output: &Tensor) -> Result<Grads> {
+        self.backward_roots(&[(output, grad_output)])
+    }
+
+    /// [`Tape::backward_with`] from several outputs at once, each seeded with its gradient (a
+    /// pipeline stage's output and the skips it stashed); seeds of one var add up.
+    pub fn backward_roots(&self, roots: &[(&Var, &Tensor)]) -> Result<Grads> {
         let Taken {
             nodes,
             leaves,
             mut params,
             tape_id,
             mut grads,
-        } = self.take_for_backward(output, grad_output)?;
+        } = self.take_for_backward(roots)?;
         // Parameter gradients go into their params during the walk, each as soon as it is final
         // (so they are not all held at once), in reverse creation order (the order a
         // checkpointed segment's recompute would accumulate them in, so both give bit-identical
@@ -267,13 +273,18 @@ impl Tape {
         output: &Var,
         grad_output: &Tensor,
     ) -> Result<(Grads, WeightGrads)> {
+        self.backward_split_roots(&[(output, grad_output)])
+    }
+
+    /// [`Tape::backward_split`] from several seeded outputs (see [`Tape::backward_roots`]).
+    pub fn backward_split_roots(&self, roots: &[(&Var, &Tensor)]) -> Result<(Grads, WeightGrads)> {
         let Taken {
             nodes,
             leaves,
             params,
             tape_id,
             mut grads,
-        } = self.take_for_backward(output, grad_output)?;
+        } = self.take_for_backward(roots)?;
         let mut deferred = Vec::new();
         run_nodes(
             nodes,
@@ -302,7 +313,34 @@ impl Tape {
     }
 
     /// Checks a backward call and takes the recorded nodes out (the tape is done afterwards).
-    fn take_for_backward(&self, output: &Var, grad_output: &Tensor) -> Result<Taken> {
+    fn take_for_backward(&self, roots: &[(&Var, &Tensor)]) -> Result<Taken> {
+        for (output, grad_output) in roots {
+            self.check_root(output, grad_output)?;
+        }
+        let mut i = self.inner.borrow_mut();
+        i.done = true;
+        let top = roots.iter().map(|(v, _)| v.id).max().unwrap_or(0);
+        let mut grads: Vec<Option<Tensor>> = vec![None; top + 1];
+        for (output, grad_output) in roots {
+            if output.requires_grad {
+                let slot = &mut grads[output.id];
+                *slot = Some(match slot.take() {
+                    Some(g) => g.add(grad_output)?,
+                    None => (*grad_output).clone(),
+                });
+            }
+        }
+        Ok(Taken {
+            nodes: std::mem::take(&mut i.nodes),
+            leaves: std::mem::take(&mut i.leaves),
+            params: std::mem::take(&mut i.params),
+            tape_id: i.id,
+            grads,
+        })
+    }
+
+    /// Checks one output of a backward call and its seed.
+    fn check_root(&self, output: &Var, grad_output: &Tensor) -> Result<()> {
         if !output.tape.same(self) {
             return Err(invalid(
                 "backward",
@@ -343,19 +381,7 @@ impl Tape {
                 b: grad_output.device().name().to_string(),
             });
         }
-        let mut i = self.inner.borrow_mut();
-        i.done = true;
-        let mut grads: Vec<Option<Tensor>> = vec![None; output.id + 1];
-        if output.requires_grad {
-            grads[output.id] = Some(grad_output.clone());
-        }
-        Ok(Taken {
-            nodes: std::mem::take(&mut i.nodes),
-            leaves: std::mem::take(&mut i.leaves),
-            params: std::mem::take(&mut i.params),
-            tape_id: i.id,
-            grads,
-        })
+        Ok(())
     }
 }
 

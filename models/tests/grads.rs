@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use wgpipe_autograd::ForwardCtx;
 use wgpipe_models::layers::*;
-use wgpipe_models::models::amoebanet::Cell;
+use wgpipe_models::models::amoebanet::{Cell, CellShape};
 use wgpipe_models::models::resnet::BasicBlock;
 use wgpipe_models::{cross_entropy, mse};
 use wgpipe_tensor::ops::Conv2dParams;
@@ -116,7 +116,15 @@ fn composite_blocks() {
     let b = BasicBlock::new(2, 4, 2, 1, &dev).unwrap();
     // ReLUs after batch norm sit near their kink: a small step keeps differences one-sided.
     grad_check_module_eps(&b, &rand(&[2, 2, 4, 4], 15), &train(), false, 1e-3);
-    let c = Cell::reduction(2, 4, 2, &dev).unwrap();
+    // A reduction cell alone reads its input as both h_(i-1) and h_(i-2).
+    let shape = CellShape {
+        c_prev_prev: 2,
+        c_prev: 2,
+        c: 4,
+        reduction: true,
+        reduction_prev: false,
+    };
+    let c = Cell::new(shape, None, None, 2, &dev).unwrap();
     grad_check_module_eps(&c, &rand(&[2, 2, 4, 4], 16), &train(), false, 1e-3);
 }
 

@@ -7,7 +7,7 @@ use common::*;
 use wgpipe_autograd::optim::zero_grad;
 use wgpipe_autograd::{ForwardCtx, Module, Optimizer, Sgd, Tape};
 use wgpipe_models::{
-    cross_entropy, finish_step_all, forward_all, parameter_count, replace_head, sequence_buffers,
+    cross_entropy, finish_step_all, forward_all, replace_head, sequence_buffers,
     sequence_parameters, AmoebaNet, ResNet, TransformerLm,
 };
 use wgpipe_tensor::Tensor;
@@ -34,10 +34,11 @@ fn check_costs(layers: &Layers, x: &Tensor) {
     let mut shape = x.shape().to_vec();
     let mut h = Tape::no_grad().constant(x.clone());
     let mut bytes = 0;
+    let mut skips = wgpipe_autograd::SkipRouter::new();
     for (i, l) in layers.iter().enumerate() {
         let c = l.cost(&shape);
-        h = l
-            .forward(&h, &ForwardCtx::eval().at_layer(i as u64))
+        h = skips
+            .forward(l.as_ref(), i, &h, &ForwardCtx::eval().at_layer(i as u64))
             .unwrap();
         assert_eq!(
             c.output_shape,
@@ -49,7 +50,13 @@ fn check_costs(layers: &Layers, x: &Tensor) {
         bytes += c.param_bytes;
         shape = c.output_shape;
     }
-    assert_eq!(bytes, 4 * parameter_count(layers));
+    // Each layer's own bytes: a tied copy takes memory where it sits, though it counts once
+    // among the trainable scalars.
+    let held: usize = sequence_parameters(layers)
+        .iter()
+        .map(|(_, p)| p.value().numel())
+        .sum();
+    assert_eq!(bytes, 4 * held);
 }
 
 /// `steps` of plain SGD on one fixed batch; returns the losses.
@@ -69,6 +76,7 @@ fn train(layers: &Layers, x: &Tensor, y: &Tensor, lr: f32, steps: usize) -> Vec<
         let loss = cross_entropy(&out, y).unwrap();
         losses.push(loss.to_scalar().unwrap());
         tape.backward(&loss).unwrap();
+        wgpipe_autograd::sum_tied_grads(&params).unwrap();
         opt.step(&params).unwrap();
         finish_step_all(layers).unwrap();
     }
@@ -93,6 +101,7 @@ fn lm() -> TransformerLm {
         layers: 2,
         seq_len: 8,
         dropout: 0.1,
+        tie_embeddings: true,
     }
 }
 
@@ -112,10 +121,14 @@ fn transformer_lm_builds_and_runs() {
         "2.mlp.fc2.bias",
         "3.weight",
         "4.weight",
-        "4.bias",
     ] {
         assert!(names.iter().any(|m| m == n), "missing {n}");
     }
+    // The head is tied to the token embedding (GPT-2): no bias, the table's values.
+    assert!(!names.iter().any(|m| m == "4.bias"));
+    let params = sequence_parameters(&layers);
+    let value = |n: &str| vals(&params.iter().find(|(m, _)| m == n).unwrap().1.value());
+    assert_eq!(value("4.weight"), value("0.tok.weight"));
     let x = ids(2 * 6, 11, 1, &[2, 6]);
     let y = logits(&layers, &x, &ForwardCtx::eval());
     assert_eq!(y.shape(), &[2, 6, 11]);
@@ -233,9 +246,11 @@ fn amoebanet_builds_runs_and_learns() {
         .map(|(n, _)| n)
         .collect();
     for n in [
-        "1.prep.conv.weight",
-        "1.n1.a.dw.weight",
-        "2.n2.b.pw.weight",
+        "1.pre1.conv.weight",
+        "1.op3.conv1.weight", // the first cell's 1x7 conv
+        "2.pre2.conv.weight",
+        "2.op3.conv1.weight", // the reduction cell's 3x3 conv
+        "3.pre2.a.weight",    // a factorized reduction after the reduction cell
         "7.bias",
     ] {
         assert!(names.iter().any(|m| m == n), "missing {n} in {names:?}");
@@ -243,6 +258,10 @@ fn amoebanet_builds_runs_and_learns() {
     let x = rand(&[6, 3, 8, 8], 5);
     assert_eq!(logits(&layers, &x, &ForwardCtx::eval()).shape(), &[6, 3]);
     check_costs(&layers, &x);
+    // Cells after the first read h_(i-2), the cell before last's output, through a skip.
+    let skips = wgpipe_autograd::resolve_skips(&layers).unwrap();
+    let pairs: Vec<(usize, usize)> = skips.iter().map(|e| (e.producer, e.consumer)).collect();
+    assert_eq!(pairs, vec![(1, 2), (2, 3), (3, 4), (4, 5)]);
     let y = t(&[0., 1., 2., 0., 1., 2.], &[6]);
     let losses = train(&layers, &x, &y, 0.1, 15);
     assert_falls(&losses, 0.7);
@@ -267,4 +286,42 @@ fn replace_head_for_transfer() {
     // A model whose last element is not a linear head.
     let mut no_head: Layers = vec![Box::new(wgpipe_models::Relu)];
     assert!(replace_head(&mut no_head, 3, 0, &dev).is_err());
+}
+
+/// The parameter count of AmoebaNet-D with 1 normal cell per third, 4 filters, 3 input channels
+/// and 3 classes, counted by hand from the genotype (convolutions without bias, BN = 2 C):
+///
+/// - stem: 3x3 conv 3->4 (108) + BN 4 (8) = 116
+/// - ReLU-conv1x1-BN a->b: a b + 2 b; factorized reduction a->b: 2 (a b / 2) + 2 b (the same);
+///   op conv1x1(c) = c² + 2c; conv3x3(c), q = c/4: c q + 2q + 9q² + 2q + q c + 2c;
+///   conv1x7-7x1(c): c q + 2q + 7q² + 2q + 7q² + 2q + q c + 2c.
+///   A normal cell has 3 conv1x1 and 2 conv1x7-7x1, a reduction cell one of each of conv1x1,
+///   conv3x3 and conv1x7-7x1 (the rest are pools and identities).
+/// - cell 0 (normal, c 4, inputs 4 and 4): pre1 24 + pre2 0 (same channels) + 3 x 24 + 2 x 36
+///   = 168; output 16 channels
+/// - cell 1 (reduction, c 8, inputs 16 and 4): pre1 144 + pre2 48 + 80 + 92 + 116 = 480; out 24
+/// - cell 2 (normal, c 8, inputs 24 and 16 at twice the resolution): pre1 208 + factorized
+///   reduction 144 + 3 x 80 + 2 x 116 = 824; out 32
+/// - cell 3 (reduction, c 16, inputs 32 and 24): pre1 544 + pre2 416 + 288 + 320 + 408 = 1976;
+///   out 48
+/// - cell 4 (normal, c 16, inputs 48 and 32 at twice the resolution): pre1 800 + 544 + 3 x 288
+///   + 2 x 408 = 3024; out 64
+/// - head: Linear 64->3 = 195
+///
+/// Total 116 + 168 + 480 + 824 + 1976 + 3024 + 195 = 6783.
+#[test]
+fn amoebanet_d_parameter_count_matches_a_hand_count() {
+    let net = AmoebaNet {
+        normal_cells: 1,
+        filters: 4,
+        num_classes: 3,
+        in_channels: 3,
+    };
+    let layers = net.build(1, &cpu()).unwrap();
+    let per_layer: Vec<usize> = layers
+        .iter()
+        .map(|l| l.parameters().iter().map(|(_, p)| p.value().numel()).sum())
+        .collect();
+    assert_eq!(per_layer, vec![116, 168, 480, 824, 1976, 3024, 0, 195]);
+    assert_eq!(wgpipe_models::parameter_count(&layers), 6783);
 }

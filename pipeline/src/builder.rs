@@ -1,9 +1,10 @@
 //! Building a pipeline: devices, partitioning, schedule, placement.
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 use wgpipe_autograd::optim::Optimizer;
-use wgpipe_autograd::{ForwardCtx, Module, Tape};
+use wgpipe_autograd::{ForwardCtx, Module, Tape, Var};
 use wgpipe_tensor::memory::{with_tag, Tag};
 use wgpipe_tensor::{Device, Tensor};
 
@@ -12,6 +13,8 @@ use crate::partition::{balance_by_cost, stage_ranges, validate_balance_for};
 use crate::pipeline::Pipeline;
 use crate::schedule::{CheckpointMode, Schedule};
 use crate::sim::SimCluster;
+use crate::skips::{plan_skips, popped_bytes};
+use crate::transport::Transport;
 use crate::worker::Stage;
 
 /// How layers are assigned to stages.
@@ -159,7 +162,14 @@ pub struct PipelineBuilder {
     action_timeout: Option<std::time::Duration>,
     seed: u64,
     pub(crate) optimizer: Option<Box<dyn Fn() -> Box<dyn Optimizer>>>,
+    transport: Transport,
+    /// Data parallelism: R and the factory of the layers of replicas 1..R.
+    replicas: Option<(usize, LayerFactory)>,
 }
+
+/// Makes a fresh copy of the model's layers (the structure; the values are copied from
+/// replica 0).
+pub type LayerFactory = Box<dyn FnMut() -> Vec<Box<dyn Module>>>;
 
 impl PipelineBuilder {
     pub(crate) fn new(layers: Vec<Box<dyn Module>>) -> Self {
@@ -176,6 +186,8 @@ impl PipelineBuilder {
             action_timeout: None,
             seed: 0,
             optimizer: None,
+            transport: Transport::default(),
+            replicas: None,
         }
     }
 
@@ -239,8 +251,33 @@ impl PipelineBuilder {
         self
     }
 
+    /// What carries tensors between stages (in-process channels by default).
+    pub fn transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
+        self
+    }
+
+    /// Data parallelism: `r` pipelines over R x K devices (replica i on devices iK..(i+1)K),
+    /// each training on its share of every mini-batch, gradients averaged across replicas
+    /// before the optimizer step. `make_layers` is called R-1 times for the other replicas'
+    /// layers: the `Module` trait has no deep copy (a layer may hold shared state, RNG keys or
+    /// device buffers only it knows how to duplicate), so the factory builds the structure and
+    /// the builder copies replica 0's parameter values and buffers into each copy, so that all
+    /// replicas start bit-identical whatever seed the factory uses.
+    pub fn replicas(
+        mut self,
+        r: usize,
+        make_layers: impl FnMut() -> Vec<Box<dyn Module>> + 'static,
+    ) -> Self {
+        self.replicas = Some((r, Box::new(make_layers)));
+        self
+    }
+
     /// Partitions, places every stage's layers on its device and validates the schedule.
-    pub fn build(self) -> Result<Pipeline> {
+    pub fn build(mut self) -> Result<Pipeline> {
+        if let Some((r, make_layers)) = self.replicas.take() {
+            return self.build_replicated(r, make_layers);
+        }
         let k = self.devices.len();
         if k == 0 {
             return Err(PipelineError::Config(
@@ -289,9 +326,13 @@ impl PipelineBuilder {
             other => balance_by_cost(&layer_costs(&self.layers, other)?, s_total)?,
         };
 
+        let ranges = stage_ranges(&balance);
+        let (skip_links, mut stage_skips) = plan_skips(&self.layers, &ranges)?;
+        let schedule = schedule.with_skip_transfers(&skip_links);
+        schedule.validate_skips(&skip_links)?;
         let mut layers = self.layers.into_iter();
         let mut stages = Vec::with_capacity(s_total);
-        for (index, range) in stage_ranges(&balance).into_iter().enumerate() {
+        for (index, range) in ranges.into_iter().enumerate() {
             let device = self.devices[schedule.placement[index]].clone();
             let mut stage_layers: Vec<Box<dyn Module>> =
                 layers.by_ref().take(range.len()).collect();
@@ -308,8 +349,10 @@ impl PipelineBuilder {
                 device,
                 first_layer: range.start,
                 layers: stage_layers,
+                skips: std::mem::take(&mut stage_skips[index]),
             });
         }
+        crate::tied::check_stage_ties(&stages)?;
         let optimizers = match &self.optimizer {
             Some(f) => stages.iter().map(|_| f()).collect(),
             None => Vec::new(),
@@ -323,8 +366,63 @@ impl PipelineBuilder {
             optimizers,
             non_finite: self.non_finite,
             action_timeout: self.action_timeout,
+            transport: self.transport,
             stuck: None,
+            replicas: Vec::new(),
         })
+    }
+
+    /// R replicas: replica 0 built as usual on the first K devices; the others with the same
+    /// partition and schedule on theirs, starting from replica 0's values.
+    fn build_replicated(mut self, r: usize, mut make_layers: LayerFactory) -> Result<Pipeline> {
+        let n = self.devices.len();
+        if r == 0 || n == 0 || !n.is_multiple_of(r) {
+            return Err(PipelineError::Config(format!(
+                "replicas({r}) needs R x K devices (K per replica), but {n} were given"
+            )));
+        }
+        let k = n / r;
+        let devices = std::mem::take(&mut self.devices);
+        let sim = self.sim.take();
+        let part = |i: usize| {
+            let ds = devices[i * k..(i + 1) * k].to_vec();
+            let sim = sim.as_ref().map(|c| c.part(i * k..(i + 1) * k));
+            (ds, sim)
+        };
+        let config = |b: &PipelineBuilder, layers, i: usize| {
+            let (devices, sim) = part(i);
+            PipelineBuilder {
+                layers,
+                devices,
+                sim,
+                balance: b.balance.clone(),
+                micro_batches: b.micro_batches,
+                chunks: b.chunks,
+                checkpoint: b.checkpoint,
+                schedule: b.schedule.clone(),
+                non_finite: b.non_finite,
+                action_timeout: b.action_timeout,
+                seed: b.seed,
+                optimizer: None,
+                transport: b.transport,
+                replicas: None,
+            }
+        };
+        let layers = std::mem::take(&mut self.layers);
+        let mut first = config(&self, layers, 0).build()?;
+        // The others take replica 0's partition and schedule as they are (a cost-balanced
+        // partition measured again could come out different).
+        self.balance = Balance::Explicit(first.balance());
+        self.schedule = ScheduleSpec::Custom(first.schedule.clone());
+        for i in 1..r {
+            let replica = config(&self, make_layers(), i).build()?;
+            crate::replicas::copy_values(&first, &replica, i)?;
+            first.replicas.push(replica);
+        }
+        if let Some(f) = &self.optimizer {
+            first.set_optimizer(f);
+        }
+        Ok(first)
     }
 }
 
@@ -354,13 +452,18 @@ fn layer_costs(layers: &[Box<dyn Module>], balance: &Balance) -> Result<Vec<f64>
             input_shape,
             optimizer_factor,
         } => {
+            // A skip's bytes count where its consumer is (see `popped_bytes`).
+            let popped = popped_bytes(layers, input_shape)?;
             let mut shape = input_shape.clone();
             Ok(layers
                 .iter()
-                .map(|l| {
+                .zip(popped)
+                .map(|(l, skip)| {
                     let c = l.cost(&shape);
                     shape = c.output_shape;
-                    c.param_bytes as f64 * optimizer_factor + c.activation_bytes as f64
+                    c.param_bytes as f64 * optimizer_factor
+                        + c.activation_bytes as f64
+                        + skip as f64
                 })
                 .collect())
         }
@@ -369,30 +472,50 @@ fn layer_costs(layers: &[Box<dyn Module>], balance: &Balance) -> Result<Vec<f64>
 }
 
 /// Measured forward+backward seconds of each layer on `sample` (the best of three runs, so that
-/// one-off costs such as kernel compilation do not count). Gradients made here are cleared.
+/// one-off costs such as kernel compilation do not count), skips included (a layer gets what it
+/// pops, and back-propagates from what it stashes too). Gradients made here are cleared.
 fn profile_layers(layers: &[Box<dyn Module>], sample: &Tensor) -> Result<Vec<f64>> {
     let mut x = sample.clone();
+    let mut stashed: HashMap<String, Tensor> = HashMap::new();
     let mut costs = Vec::with_capacity(layers.len());
     for (i, l) in layers.iter().enumerate() {
         let ctx = ForwardCtx::train(0, 0, 0).at_layer(i as u64);
+        let decl = l.skips();
+        let popped: Vec<Tensor> = decl
+            .pops
+            .iter()
+            .map(|n| {
+                stashed.remove(n).ok_or_else(|| {
+                    PipelineError::Config(format!("layer {i} pops skip '{n}', never stashed"))
+                })
+            })
+            .collect::<Result<_>>()?;
         let mut best = f64::INFINITY;
         let mut out = None;
         for _ in 0..3 {
             let t0 = Instant::now();
             let tape = Tape::new();
             let input = tape.leaf(x.clone());
-            let y = l.forward(&input, &ctx)?;
-            let loss = y.sum(&[], false)?;
+            let pops: Vec<Var> = popped.iter().map(|t| tape.leaf(t.clone())).collect();
+            let (y, stashes) = l.forward_skips(&input, &pops, &ctx)?;
+            let mut loss = y.sum(&[], false)?;
+            for s in &stashes {
+                loss = loss.add(&s.sum(&[], false)?)?;
+            }
             tape.backward(&loss)?;
             x.device().synchronize()?;
             best = best.min(t0.elapsed().as_secs_f64());
-            out = Some(y.value().clone());
+            out = Some((y.value().clone(), stashes));
         }
         for (_, p) in l.parameters() {
             p.zero_grad();
         }
         costs.push(best);
-        x = out.expect("three runs happened");
+        let (y, stashes) = out.expect("three runs happened");
+        for (n, s) in decl.stashes.into_iter().zip(stashes) {
+            stashed.insert(n, s.value().clone());
+        }
+        x = y;
     }
     Ok(costs)
 }

@@ -20,12 +20,17 @@ pub mod partition;
 pub mod persist;
 pub mod pipeline;
 pub mod plan;
+pub mod replicas;
 pub mod report;
 pub mod schedule;
 pub mod sim;
+pub mod skips;
 pub mod threads;
+mod tied;
 pub mod timeline;
 pub mod trace;
+pub mod transport;
+pub mod wire;
 pub mod worker;
 
 pub use builder::{Balance, PipelineBuilder, ScheduleKind, ScheduleSpec};
@@ -34,7 +39,11 @@ pub use persist::{LoadOptions, PersistError, Restored, SaveOptions};
 pub use pipeline::Pipeline;
 pub use plan::{PlanInputs, PlanOptions, PlanReport};
 pub use report::{SimReport, StageReport, StepReport};
-pub use schedule::{Action, ActionKind, CheckpointMode, Link, Schedule, ScheduleError};
+pub use schedule::{
+    Action, ActionKind, CheckpointMode, Link, Schedule, ScheduleError, SkipLink, SkipPort,
+};
 pub use sim::SimCluster;
-pub use timeline::{DeviceSpec, LinkSpec, Timeline};
+pub use skips::StageSkips;
+pub use timeline::{Collective, DeviceSpec, LinkSpec, Timeline};
+pub use transport::Transport;
 pub use worker::{LossFn, NonFiniteAt, Stage};

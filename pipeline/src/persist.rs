@@ -421,6 +421,12 @@ impl Pipeline {
             p.zero_grad();
         }
         self.set_step(step);
+        // Data-parallel replicas load the same file (the same structure, so it cannot fail
+        // where replica 0's load did not), which also gives each its own optimizer state on
+        // its own devices.
+        for r in &mut self.replicas {
+            r.load(path, opts)?;
+        }
         Ok(Restored { step, metadata })
     }
 }

@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use wgpipe_autograd::optim::Optimizer;
-use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, Tape};
+use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, SkipRouter, Tape};
 use wgpipe_tensor::memory::{Tag, TagGuard};
 use wgpipe_tensor::{Device, Tensor};
 
@@ -25,9 +25,10 @@ use crate::schedule::{Action, Schedule};
 use crate::sim::SimCluster;
 use crate::threads::{self, spawn_stage};
 use crate::timeline::{simulate, ActionCost};
+use crate::transport::{wire_links, Transport};
 use crate::worker::{
-    lock, run_device, ActionRecord, DeviceLinks, LossFn, LossRequest, Position, Running, Stage,
-    StageOutcome, StepInputs,
+    lock, run_device, ActionRecord, LossFn, LossRequest, Position, Running, Stage, StageOutcome,
+    StepInputs,
 };
 
 pub struct Pipeline {
@@ -39,14 +40,29 @@ pub struct Pipeline {
     pub(crate) optimizers: Vec<Box<dyn Optimizer>>,
     pub(crate) non_finite: NonFinite,
     pub(crate) action_timeout: Option<Duration>,
+    pub(crate) transport: Transport,
     /// A timed-out step whose threads still hold stages (see [`Pipeline::settle`]).
     pub(crate) stuck: Option<StuckStep>,
+    /// Data parallelism: the other replicas (1..R), each a whole pipeline on its own devices
+    /// whose parameters stay bit-identical to this one's (see [`crate::replicas`]). The
+    /// accessors (parameters, stages, devices, reports of K) describe replica 0.
+    pub(crate) replicas: Vec<Pipeline>,
 }
 
 impl Pipeline {
     /// Starts a builder over `layers` (see [`PipelineBuilder`]).
     pub fn builder(layers: Vec<Box<dyn Module>>) -> PipelineBuilder {
         PipelineBuilder::new(layers)
+    }
+
+    /// R: the number of data-parallel replicas (1 without data parallelism).
+    pub fn num_replicas(&self) -> usize {
+        1 + self.replicas.len()
+    }
+
+    /// The other data-parallel replicas (1..R), e.g. to check that they stay identical.
+    pub fn replicas(&self) -> &[Pipeline] {
+        &self.replicas
     }
 
     /// S: the number of (virtual) stages the model is cut into.
@@ -82,6 +98,9 @@ impl Pipeline {
     /// by step (dropout) continue exactly where the saved run left off.
     pub fn set_step(&mut self, step: u64) {
         self.step = step;
+        for r in &mut self.replicas {
+            r.set_step(step);
+        }
     }
     pub fn sim_cluster(&self) -> Option<&SimCluster> {
         self.sim.as_ref()
@@ -118,6 +137,9 @@ impl Pipeline {
                 l.set_train(train);
             }
         }
+        for r in &mut self.replicas {
+            r.set_train(train);
+        }
     }
 
     /// Runs forward and backward of every micro-batch of `(inputs, targets)` (split along axis
@@ -127,7 +149,26 @@ impl Pipeline {
     /// joined, and the gradients are put back as they were before the call. With an action
     /// time limit ([`Pipeline::set_action_timeout`]), an action that runs past it makes the step
     /// return an error at once; its thread is left to finish (see [`Pipeline::settle`]).
+    ///
+    /// With R replicas the mini-batch is split into R shards (sizes differing by at most one),
+    /// each replica runs the step above on its shard, and every parameter's gradient becomes
+    /// the shard-weighted average over the replicas, the same on every replica (see
+    /// [`crate::replicas`]); a failure on any replica leaves every replica as before.
     pub fn train_step(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_fn: &LossFn,
+    ) -> Result<StepReport> {
+        if self.replicas.is_empty() {
+            self.train_step_one(inputs, targets, loss_fn)
+        } else {
+            crate::replicas::train_step(self, inputs, targets, loss_fn)
+        }
+    }
+
+    /// [`Pipeline::train_step`] of this replica alone.
+    pub(crate) fn train_step_one(
         &mut self,
         inputs: &Tensor,
         targets: &Tensor,
@@ -187,9 +228,19 @@ impl Pipeline {
             .iter()
             .filter_map(|o| o.non_finite.clone())
             .min_by_key(|at| (at.micro_batch, at.stage));
+        let mut tied = Vec::new();
         if skipped.is_some() {
             saved.restore(&self.stages);
         } else {
+            // Tied copies' gradients are summed before anything else sees them (the replica
+            // average, the optimizer), and before deferred updates, so a failure changes nothing.
+            tied = match crate::tied::exchange(&self.stages, &self.schedule, clock) {
+                Ok(t) => t,
+                Err(e) => {
+                    saved.restore(&self.stages);
+                    return Err(e);
+                }
+            };
             for s in &self.stages {
                 for l in &s.layers {
                     l.finish_step()?;
@@ -201,6 +252,7 @@ impl Pipeline {
             loss += t.to_scalar()?;
         }
         let mut report = self.report(outcomes, wall, loss)?;
+        crate::tied::add_to_report(&mut report, &self.schedule, &tied, self.sim.as_ref());
         report.skipped = skipped;
         self.step += 1;
         Ok(report)
@@ -209,6 +261,9 @@ impl Pipeline {
     /// What a step does with NaN or infinite values (see [`NonFinite`]).
     pub fn set_non_finite(&mut self, policy: NonFinite) {
         self.non_finite = policy;
+        for r in &mut self.replicas {
+            r.set_non_finite(policy);
+        }
     }
 
     /// A time limit for each compute action of a step (None: no limit, the default). An action
@@ -220,6 +275,9 @@ impl Pipeline {
     /// [`Pipeline::settle`] does so explicitly).
     pub fn set_action_timeout(&mut self, limit: Option<Duration>) {
         self.action_timeout = limit;
+        for r in &mut self.replicas {
+            r.set_action_timeout(limit);
+        }
     }
 
     /// After a step that timed out: if its stuck threads have finished, takes their stages
@@ -227,6 +285,9 @@ impl Pipeline {
     /// results are discarded); if not, an error naming what is still running. Nothing to do
     /// otherwise.
     pub fn settle(&mut self) -> Result<()> {
+        for r in &mut self.replicas {
+            r.settle()?;
+        }
         let Some(stuck) = self.stuck.take() else {
             return Ok(());
         };
@@ -248,6 +309,9 @@ impl Pipeline {
 
     /// An error if a timed-out step still holds stages (for the methods that cannot settle).
     pub(crate) fn check_settled(&self) -> Result<()> {
+        for r in &self.replicas {
+            r.check_settled()?;
+        }
         match &self.stuck {
             Some(s) => Err(PipelineError::Stuck(s.what.clone())),
             None => Ok(()),
@@ -260,12 +324,7 @@ impl Pipeline {
     fn run_workers(&mut self, xs: Vec<Tensor>, loss: &LossSide<'_>, clock: Instant) -> Ran {
         let schedule = &self.schedule;
         let k = schedule.num_devices();
-        let mut links: Vec<DeviceLinks> = (0..k).map(|_| DeviceLinks::default()).collect();
-        for link in schedule.links() {
-            let (tx, rx) = channel();
-            links[schedule.placement[link.from]].tx.insert(link, tx);
-            links[schedule.placement[link.to]].rx.insert(link, rx);
-        }
+        let links = wire_links(self.transport, schedule, self.step);
         let mut by_device: Vec<Vec<Stage>> = (0..k).map(|_| Vec::new()).collect();
         for stage in std::mem::take(&mut self.stages) {
             by_device[schedule.placement[stage.index]].push(stage);
@@ -501,11 +560,19 @@ impl Pipeline {
         let mut outs = Vec::with_capacity(xs.len());
         for (mb, x) in xs.into_iter().enumerate() {
             let mut h = x;
+            // Skips in flight between stages, by name (moved to each consumer's device).
+            let mut skips = SkipRouter::new();
             for s in &self.stages {
                 let run = || -> wgpipe_tensor::Result<Tensor> {
                     let tape = Tape::no_grad();
                     let v = tape.constant(h.to_device(&s.device)?);
-                    Ok(s.run_layers(&v, ForwardCtx::eval(), &mut None)?
+                    for (_, name) in &s.skips.incoming {
+                        if let Some(t) = skips.take(name) {
+                            let t = tape.constant(t.value().to_device(&s.device)?);
+                            skips.insert(name.clone(), t);
+                        }
+                    }
+                    Ok(s.run_layers(&v, &mut skips, ForwardCtx::eval(), &mut None)?
                         .value()
                         .clone())
                 };
@@ -532,10 +599,19 @@ impl Pipeline {
 
     /// Sets one optimizer per stage from `factory` (replacing any earlier ones and their state).
     pub fn set_optimizer(&mut self, factory: impl Fn() -> Box<dyn Optimizer>) {
-        self.optimizers = self.stages.iter().map(|_| factory()).collect();
+        self.set_optimizer_from(&factory);
     }
 
-    /// The per-stage optimizers (e.g. to set a learning rate, or to save or load their state).
+    /// [`Pipeline::set_optimizer`] for every replica (not generic, so it can recurse).
+    fn set_optimizer_from(&mut self, factory: &dyn Fn() -> Box<dyn Optimizer>) {
+        self.optimizers = self.stages.iter().map(|_| factory()).collect();
+        for r in &mut self.replicas {
+            r.set_optimizer_from(factory);
+        }
+    }
+
+    /// The per-stage optimizers of replica 0 (e.g. to set a learning rate, or to save or load
+    /// their state; with replicas, [`Pipeline::set_lr`] reaches all of them).
     pub fn optimizers_mut(&mut self) -> &mut [Box<dyn Optimizer>] {
         &mut self.optimizers
     }
@@ -548,6 +624,9 @@ impl Pipeline {
     pub fn set_lr(&mut self, lr: f32) {
         for o in &mut self.optimizers {
             o.set_lr(lr);
+        }
+        for r in &mut self.replicas {
+            r.set_lr(lr);
         }
     }
 
@@ -563,8 +642,10 @@ impl Pipeline {
             )));
         }
         let mut sq = 0.0f64;
-        for s in &self.stages {
-            let part = wgpipe_autograd::optim::grad_norm_sq(&stage_params(s))
+        // A tied parameter counts once, as in plain training (its copies hold one gradient).
+        let counted = crate::tied::without_later_copies(&self.stages);
+        for (s, params) in self.stages.iter().zip(&counted) {
+            let part = wgpipe_autograd::optim::grad_norm_sq(params)
                 .map_err(|e| stage_error(s, 0, "clip_grad_norm", StageCause::Tensor(e)))?;
             if !part.is_finite() {
                 return Err(stage_error(
@@ -594,6 +675,15 @@ impl Pipeline {
             for (p, g) in scaled.into_iter().flatten() {
                 p.set_grad(Some(g));
             }
+            // The replicas hold the same gradients: they get replica 0's clipped ones.
+            for r in &self.replicas {
+                for ((_, src), (_, dst)) in self.named_parameters().iter().zip(r.named_parameters())
+                {
+                    if let Some(g) = src.grad() {
+                        dst.set_grad(Some(g.to_device(dst.value().device())?));
+                    }
+                }
+            }
         }
         Ok(norm)
     }
@@ -611,22 +701,32 @@ impl Pipeline {
     /// state at the peak of the step).
     pub fn optimizer_step(&mut self) -> Result<()> {
         self.settle()?;
-        if self.optimizers.len() != self.stages.len() {
+        if std::iter::once(&*self)
+            .chain(&self.replicas)
+            .any(|p| p.optimizers.len() != p.stages.len())
+        {
             return Err(PipelineError::Config(
                 "no optimizer set: call set_optimizer (or the builder's optimizer) first".into(),
             ));
         }
-        let kept: Vec<StageKeep> = self
+        // Every replica's stages are one all-or-nothing step, so that replicas stay identical.
+        let mut pairs: Vec<(&Stage, &mut Box<dyn Optimizer>)> = self
             .stages
             .iter()
-            .zip(&self.optimizers)
+            .zip(self.optimizers.iter_mut())
+            .chain(
+                self.replicas
+                    .iter_mut()
+                    .flat_map(|r| r.stages.iter().zip(r.optimizers.iter_mut())),
+            )
+            .collect();
+        let kept: Vec<StageKeep> = pairs
+            .iter()
             .map(|(s, o)| StageKeep::take(s, o.as_ref()))
             .collect();
         let results: Vec<Result<()>> = std::thread::scope(|scope| {
-            let spawned: Vec<_> = self
-                .stages
-                .iter()
-                .zip(self.optimizers.iter_mut())
+            let spawned: Vec<_> = pairs
+                .iter_mut()
                 .map(|(s, o)| {
                     let params = stage_params(s);
                     let h = spawn_stage(scope, s.index, move || {
@@ -635,7 +735,7 @@ impl Pipeline {
                             Err(p) => Err(StageCause::Panic(threads::panic_message(p))),
                         }
                     });
-                    (s, h)
+                    (*s, h)
                 })
                 .collect();
             spawned
@@ -656,7 +756,7 @@ impl Pipeline {
         });
         if let Some(e) = results.into_iter().find_map(|r| r.err()) {
             let mut rollback_errors = Vec::new();
-            for ((s, o), keep) in self.stages.iter().zip(&mut self.optimizers).zip(kept) {
+            for ((s, o), keep) in pairs.iter_mut().zip(kept) {
                 if let Err(re) = keep.restore(o.as_mut()) {
                     rollback_errors.push(format!("stage {}: {re}", s.index));
                 }
@@ -670,6 +770,7 @@ impl Pipeline {
             return Err(e);
         }
         drop(kept);
+        drop(pairs);
         self.zero_grad();
         Ok(())
     }
@@ -677,6 +778,9 @@ impl Pipeline {
     pub fn zero_grad(&self) {
         for (_, p) in self.named_parameters() {
             p.zero_grad();
+        }
+        for r in &self.replicas {
+            r.zero_grad();
         }
     }
 }
@@ -823,7 +927,7 @@ fn lost_stages() -> StageCause {
 
 /// What a step puts back when it fails, is skipped or times out: the parameters' gradients and
 /// the buffers as before the step.
-struct Saved {
+pub(crate) struct Saved {
     params: Vec<(String, Param)>,
     grads: Vec<Option<Tensor>>,
     buffers: Vec<(String, Param)>,
@@ -831,7 +935,7 @@ struct Saved {
 }
 
 impl Saved {
-    fn take(pipe: &Pipeline) -> Saved {
+    pub(crate) fn take(pipe: &Pipeline) -> Saved {
         let params = pipe.named_parameters();
         let grads = params.iter().map(|(_, p)| p.grad()).collect();
         let buffers = pipe.named_buffers();
@@ -848,7 +952,7 @@ impl Saved {
     /// (batch-norm statistics): the Module trait has no "discard" hook, so apply them
     /// (finish_step consumes them) and put every buffer back. Errors here are secondary to the
     /// step's own.
-    fn restore(self, stages: &[Stage]) {
+    pub(crate) fn restore(self, stages: &[Stage]) {
         for ((_, p), g) in self.params.iter().zip(self.grads) {
             p.set_grad(g);
         }

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use wgpipe_tensor::{MemoryStats, Tag};
 
-use crate::schedule::{ActionKind, Schedule};
+use crate::schedule::Schedule;
 use crate::timeline::{Event, Timeline};
 use crate::trace::{chrome_trace_json_on, svg_timeline_on, Clock};
 use crate::worker::{ActionRecord, NonFiniteAt};
@@ -176,7 +176,7 @@ pub(crate) fn wall_timeline(
             let a = r.action;
             let (from, to) = match a.kind {
                 _ if a.is_compute() => (device, None),
-                ActionKind::RecvActivation | ActionKind::RecvGrad => {
+                kind if kind.is_recv() => {
                     let Some(link) = a.link(schedule.num_stages()) else {
                         continue;
                     };
@@ -209,5 +209,6 @@ pub(crate) fn wall_timeline(
         events,
         makespan: wall,
         busy,
+        collectives: Vec::new(),
     }
 }

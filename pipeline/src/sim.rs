@@ -65,6 +65,11 @@ impl SimCluster {
         }
     }
 
+    /// The devices `range` of this cluster as a cluster of their own (one replica's share).
+    pub(crate) fn part(&self, range: std::ops::Range<usize>) -> SimCluster {
+        self.select(&range.collect::<Vec<_>>())
+    }
+
     pub fn devices(&self) -> &[Device] {
         &self.devices
     }

@@ -74,6 +74,20 @@ pub struct Timeline {
     pub events: Vec<Event>,
     pub makespan: f64,
     pub busy: Vec<f64>,
+    /// Gradient all-reduces across data-parallel replicas (empty with one replica).
+    pub collectives: Vec<Collective>,
+}
+
+/// One device's part in the all-reduce of its stages' gradients across the replicas.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Collective {
+    pub device: usize,
+    pub start: f64,
+    pub end: f64,
+    /// Gradient bytes this device contributes (and receives back averaged).
+    pub bytes: u64,
+    /// R, the replicas taking part.
+    pub replicas: usize,
 }
 
 impl Timeline {
@@ -212,7 +226,7 @@ impl Sim<'_> {
             return self.compute(device, action, cost.flops);
         }
         match action.kind {
-            ActionKind::SendActivation | ActionKind::SendGrad => {
+            kind if kind.is_send() => {
                 let to_stage = action
                     .link(self.schedule.num_stages())
                     .map_or(action.stage, |l| l.to);
@@ -321,7 +335,7 @@ where
     };
     schedule.drive(|device, action, arrival: Option<f64>| {
         let c = match action.kind {
-            ActionKind::RecvActivation | ActionKind::RecvGrad => ActionCost::default(),
+            kind if kind.is_recv() => ActionCost::default(),
             _ => cost(device, action),
         };
         sim.step(device, action, c, arrival)
@@ -336,6 +350,7 @@ where
         events,
         makespan,
         busy: sim.busy,
+        collectives: Vec::new(),
     })
 }
 

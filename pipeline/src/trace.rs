@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use serde_json::{json, Value};
 
 use crate::schedule::ActionKind;
-use crate::timeline::{Event, Timeline};
+use crate::timeline::{Collective, Event, Timeline};
 
 /// Which clock a timeline's times are on; every picture says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,12 +30,14 @@ impl Clock {
 }
 
 /// Short event name: `F3`, `B3`, `I3`, `W3`, `R3` for compute, `A3` / `G3` for activation /
-/// gradient transfers of micro-batch 3; `c1` is added for a stage's chunk when devices hold
-/// several stages.
+/// gradient transfers of micro-batch 3, `S3` / `T3` for a skip and its gradient; `c1` is added
+/// for a stage's chunk when devices hold several stages.
 fn event_name(e: &Event, chunked: bool) -> String {
     let letter = match e.kind {
         ActionKind::SendGrad => 'G',
         ActionKind::SendActivation => 'A',
+        ActionKind::SendSkip => 'S',
+        ActionKind::SendSkipGrad => 'T',
         kind => kind.letter(),
     };
     if chunked {
@@ -103,10 +105,12 @@ fn complete_event(e: &Event, num_devices: usize, links: &[(usize, usize)], chunk
     });
     if let Some(peer) = e.peer {
         args["to_device"] = json!(peer);
-        args["message"] = json!(if e.kind == ActionKind::SendGrad {
-            "gradient"
-        } else {
-            "activation"
+        args["message"] = json!(match e.kind {
+            ActionKind::SendGrad => "gradient",
+            ActionKind::SendSkip => "skip",
+            ActionKind::SendSkipGrad => "skip gradient",
+            ActionKind::ExchangeTied => "tied gradients",
+            _ => "activation",
         });
     }
     json!({
@@ -139,12 +143,44 @@ pub fn chrome_trace_json_on(timeline: &Timeline, label: &str, clock: Clock) -> S
             .iter()
             .map(|e| complete_event(e, k, &links, chunked)),
     );
+    events.extend(timeline.collectives.iter().map(collective_event));
     json!({
         "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {"label": label, "clock": clock.name()},
     })
     .to_string()
+}
+
+/// An all-reduce on its device's thread (it follows the device's last compute, so it does not
+/// overlap the device's own events).
+fn collective_event(c: &Collective) -> Value {
+    json!({
+        "name": "all-reduce",
+        "cat": "all-reduce",
+        "ph": "X",
+        "ts": c.start * 1e6,
+        "dur": (c.end - c.start) * 1e6,
+        "pid": 0,
+        "tid": c.device,
+        "args": {"device": c.device, "bytes": c.bytes, "replicas": c.replicas},
+    })
+}
+
+/// Height of a line of the legend.
+const LEGEND_LINE: f64 = 20.0;
+
+/// Colour of the gradient all-reduce across replicas.
+const ALL_REDUCE_COLOUR: &str = "#bab0ac";
+
+fn draw_collective(svg: &mut String, layout: &Layout, c: &Collective) {
+    let (x, y) = (layout.x(c.start), layout.row_y(c.device));
+    let w = (c.end - c.start) * layout.scale;
+    let _ = writeln!(
+        svg,
+        r#"<rect class="event all-reduce" x="{x:.2}" y="{y:.2}" width="{w:.2}" height="{ROW:.2}" fill="{ALL_REDUCE_COLOUR}" stroke="white" stroke-width="0.5"><title>all-reduce device {} over {} replicas, {} bytes: {:.6}-{:.6} s</title></rect>"#,
+        c.device, c.replicas, c.bytes, c.start, c.end
+    );
 }
 
 /// Escapes text for XML content and attribute values.
@@ -247,7 +283,7 @@ impl Layout {
         match e.peer {
             Some(peer) => {
                 let lane_y = self.row_y(peer.min(e.device)) + ROW;
-                let y = if e.kind == ActionKind::SendGrad {
+                let y = if e.kind.carries_grad() {
                     lane_y + LANE / 2.0
                 } else {
                     lane_y
@@ -341,7 +377,17 @@ fn draw_axis(svg: &mut String, layout: &Layout, makespan: f64, clock: Clock) {
     );
 }
 
-fn draw_legend(svg: &mut String, y: f64) {
+fn draw_legend(svg: &mut String, y: f64, all_reduce: bool) {
+    if all_reduce {
+        // On a line of its own below the others.
+        let y = y + LEGEND_LINE;
+        let _ = writeln!(
+            svg,
+            r#"<rect class="legend" x="{LEFT:.2}" y="{y:.2}" width="14" height="14" fill="{ALL_REDUCE_COLOUR}"/><text x="{:.2}" y="{:.2}">all-reduce</text>"#,
+            LEFT + 20.0,
+            y + 11.0
+        );
+    }
     for (i, kind) in LEGEND.into_iter().enumerate() {
         let x = LEFT + i as f64 * 140.0;
         let _ = writeln!(
@@ -377,7 +423,12 @@ pub fn svg_timeline_on(timeline: &Timeline, title: &str, clock: Clock) -> String
     };
     let legend_y = layout.plot_bottom() + 56.0;
     let width = LEFT + PLOT_WIDTH + RIGHT;
-    let height = legend_y + 30.0;
+    let extra_legend = if timeline.collectives.is_empty() {
+        0.0
+    } else {
+        LEGEND_LINE
+    };
+    let height = legend_y + 30.0 + extra_legend;
     let mut svg = String::new();
     let _ = writeln!(svg, r#"<?xml version="1.0" encoding="UTF-8"?>"#);
     let _ = writeln!(
@@ -393,8 +444,11 @@ pub fn svg_timeline_on(timeline: &Timeline, title: &str, clock: Clock) -> String
     for e in &timeline.events {
         draw_event(&mut svg, &layout, e);
     }
+    for c in &timeline.collectives {
+        draw_collective(&mut svg, &layout, c);
+    }
     draw_axis(&mut svg, &layout, timeline.makespan, clock);
-    draw_legend(&mut svg, legend_y);
+    draw_legend(&mut svg, legend_y, !timeline.collectives.is_empty());
     svg.push_str("</svg>\n");
     svg
 }
@@ -549,6 +603,7 @@ mod tests {
             events: Vec::new(),
             makespan: 0.0,
             busy: vec![0.0],
+            collectives: Vec::new(),
         };
         let svg = svg_timeline(&empty, "");
         assert_well_formed(&svg);

@@ -11,12 +11,14 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use wgpipe_autograd::{ForwardCtx, Module, Tape, Var, WeightGrads};
+use wgpipe_autograd::{ForwardCtx, Module, SkipRouter, Tape, Var, WeightGrads};
 use wgpipe_tensor::memory::{Tag, TagGuard};
 use wgpipe_tensor::{Device, Tensor};
 
 use crate::error::{NonFinite, StageCause};
 use crate::schedule::{Action, ActionKind, Link};
+use crate::skips::StageSkips;
+use crate::transport::LinkSend;
 
 /// The loss of one micro-batch: `(output of the last stage, targets) -> scalar mean loss`.
 pub type LossFn = dyn Fn(&Var, &Tensor) -> wgpipe_tensor::Result<Var> + Sync;
@@ -29,11 +31,12 @@ pub(crate) struct Msg {
     pub finite: bool,
 }
 
-/// The ends of the links a device's actions use: senders of the links it sends on, receivers of
-/// those it receives on (a link between two chunks of one device has both ends here).
+/// The ends of the links a device's actions use: senders of the links it sends on (whatever
+/// the transport, see [`crate::transport`]), receivers of those it receives on (a link between
+/// two chunks of one device has both ends here).
 #[derive(Default)]
 pub(crate) struct DeviceLinks {
-    pub tx: HashMap<Link, Sender<Msg>>,
+    pub tx: HashMap<Link, Box<dyn LinkSend>>,
     pub rx: HashMap<Link, Receiver<Msg>>,
 }
 
@@ -44,6 +47,8 @@ pub struct Stage {
     pub device: Device,
     pub first_layer: usize,
     pub layers: Vec<Box<dyn Module>>,
+    /// The skips that enter and leave this stage (those inside it stay inside).
+    pub skips: StageSkips,
 }
 
 /// What the worker measured for one action.
@@ -90,11 +95,19 @@ pub(crate) struct LossRequest {
 
 /// What a (stage, micro-batch) keeps between its forward and the end of its backward.
 enum Stash {
-    /// Checkpointed: only the stage input; the forward is re-run before backward.
-    Input(Tensor),
-    /// Recorded: the tape, its input var and the var to back-propagate from (the stage output,
-    /// or the scaled loss on the last stage).
-    Recorded { tape: Tape, input: Var, output: Var },
+    /// Checkpointed: only the stage input and the skips it popped; the forward is re-run
+    /// before backward.
+    Input { x: Tensor, skips: Vec<Tensor> },
+    /// Recorded: the tape, its input var, the var to back-propagate from (the stage output),
+    /// and the skips popped (leaves) and stashed here (seeded by their gradients), in the
+    /// order of the stage's [`StageSkips`].
+    Recorded {
+        tape: Tape,
+        input: Var,
+        output: Var,
+        skips_in: Vec<Var>,
+        skips_out: Vec<Var>,
+    },
     /// After the input part of a split backward: what the weight part needs.
     Weights(WeightGrads),
 }
@@ -131,10 +144,12 @@ const POLL: Duration = Duration::from_millis(5);
 impl Stage {
     /// Runs the stage's layers on `x`, each with its global layer index in the context; `at`
     /// holds the index of the layer running (so an error or a panic can say which), and is
-    /// cleared after.
+    /// cleared after. `skips` holds the skips that entered the stage; the ones that leave it
+    /// are left there.
     pub(crate) fn run_layers(
         &self,
         x: &Var,
+        skips: &mut SkipRouter,
         ctx: ForwardCtx,
         at: &mut Option<usize>,
     ) -> wgpipe_tensor::Result<Var> {
@@ -142,10 +157,40 @@ impl Stage {
         for (i, layer) in self.layers.iter().enumerate() {
             let index = self.first_layer + i;
             *at = Some(index);
-            h = layer.forward(&h, &ctx.at_layer(index as u64))?;
+            h = skips.forward(layer.as_ref(), index, &h, &ctx.at_layer(index as u64))?;
         }
         *at = None;
         Ok(h)
+    }
+
+    /// Runs the stage on `x` with the skips it pops (`skips_in`, by [`StageSkips::incoming`]);
+    /// the output and the skips it sends on (by [`StageSkips::outgoing`]).
+    pub(crate) fn run_with_skips(
+        &self,
+        x: &Var,
+        skips_in: &[Var],
+        ctx: ForwardCtx,
+        at: &mut Option<usize>,
+    ) -> wgpipe_tensor::Result<(Var, Vec<Var>)> {
+        let mut router = SkipRouter::new();
+        for ((_, name), v) in self.skips.incoming.iter().zip(skips_in) {
+            router.insert(name.clone(), v.clone());
+        }
+        let y = self.run_layers(x, &mut router, ctx, at)?;
+        let out = self
+            .skips
+            .outgoing
+            .iter()
+            .map(|(_, name)| {
+                router
+                    .take(name)
+                    .ok_or_else(|| wgpipe_tensor::Error::Invalid {
+                        op: "skip",
+                        msg: format!("stage {} did not stash skip '{name}'", self.index),
+                    })
+            })
+            .collect::<wgpipe_tensor::Result<Vec<Var>>>()?;
+        Ok((y, out))
     }
 }
 
@@ -170,6 +215,11 @@ struct Worker<'a, 'p> {
     finite_in: HashMap<(usize, usize, bool), bool>,
     /// Whether each outgoing tensor (same key as `to_send`) is finite.
     finite_out: HashMap<(usize, usize, bool), bool>,
+    /// Skips (and skip gradients, `true`) received, by (skip id, micro-batch, is gradient),
+    /// with whether they are finite.
+    skips_in: HashMap<(usize, usize, bool), (Tensor, bool)>,
+    /// Skips (and skip gradients) to send, same key.
+    skips_out: HashMap<(usize, usize, bool), (Tensor, bool)>,
     /// A message of this step arrived non-finite: the parameter gradients here may be so
     /// without this device being where it began.
     tainted: bool,
@@ -211,6 +261,8 @@ pub(crate) fn run_device(
         early: HashMap::new(),
         finite_in: HashMap::new(),
         finite_out: HashMap::new(),
+        skips_in: HashMap::new(),
+        skips_out: HashMap::new(),
         tainted: false,
         check_flops: 0,
         out: StageOutcome::default(),
@@ -285,6 +337,28 @@ impl<'a> Worker<'a, '_> {
                     self.received.insert((s, m), t);
                 }
             }
+            ActionKind::RecvSkip | ActionKind::RecvSkipGrad => {
+                let msg = self.recv(action)?;
+                start = io.clock.elapsed().as_secs_f64();
+                let t = msg.tensor.to_device(self.device)?;
+                self.tainted |= !msg.finite;
+                let id = self.link(action)?.skip.unwrap_or_default();
+                let grad = action.kind == ActionKind::RecvSkipGrad;
+                self.skips_in.insert((id, m, grad), (t, msg.finite));
+            }
+            ActionKind::SendSkip | ActionKind::SendSkipGrad => {
+                let link = self.link(action)?;
+                let key = (link.skip.unwrap_or_default(), m, link.grad);
+                let (t, finite) = self
+                    .skips_out
+                    .remove(&key)
+                    .ok_or_else(|| internal(format!("no outgoing skip for {action}")))?;
+                bytes = (t.numel() * std::mem::size_of::<f32>()) as u64;
+                self.send(link, m, t, finite)?;
+            }
+            ActionKind::ExchangeTied => {
+                return Err(internal(format!("{action} is not a schedule action")))
+            }
             ActionKind::Forward => self.forward(s, m)?,
             ActionKind::Recompute => self.recompute(s, m)?,
             ActionKind::Backward | ActionKind::BackwardInput => {
@@ -307,17 +381,7 @@ impl<'a> Worker<'a, '_> {
                 bytes = (t.numel() * std::mem::size_of::<f32>()) as u64;
                 let finite = self.finite_out.remove(&(s, m, grad)).unwrap_or(true);
                 let link = self.link(action)?;
-                let tx = self
-                    .links
-                    .tx
-                    .get(&link)
-                    .ok_or_else(|| internal(format!("no sender for {link}")))?;
-                tx.send(Msg {
-                    micro_batch: m,
-                    tensor: t,
-                    finite,
-                })
-                .map_err(|_| StageCause::Disconnected("the receiving neighbour stopped".into()))?;
+                self.send(link, m, t, finite)?;
             }
         }
         if action.is_compute() {
@@ -333,6 +397,40 @@ impl<'a> Worker<'a, '_> {
             bytes,
         });
         Ok(())
+    }
+
+    fn send(&self, link: Link, m: usize, tensor: Tensor, finite: bool) -> Result<(), StageCause> {
+        let tx = self
+            .links
+            .tx
+            .get(&link)
+            .ok_or_else(|| internal(format!("no sender for {link}")))?;
+        tx.send(Msg {
+            micro_batch: m,
+            tensor,
+            finite,
+        })
+    }
+
+    /// The skips stage `s` pops for micro-batch `m`, as received, and whether all are finite.
+    fn take_skips_in(
+        &mut self,
+        stage: &Stage,
+        m: usize,
+    ) -> Result<(Vec<Tensor>, bool), StageCause> {
+        let mut finite = true;
+        let mut out = Vec::with_capacity(stage.skips.incoming.len());
+        for (id, name) in &stage.skips.incoming {
+            let (t, f) = self.skips_in.remove(&(*id, m, false)).ok_or_else(|| {
+                internal(format!(
+                    "skip '{name}' for stage {} micro-batch {m} was not received",
+                    stage.index
+                ))
+            })?;
+            finite &= f;
+            out.push(t);
+        }
+        Ok((out, finite))
     }
 
     fn link(&self, action: Action) -> Result<Link, StageCause> {
@@ -362,9 +460,20 @@ impl<'a> Worker<'a, '_> {
         } else {
             self.finite_in.remove(&(s, m, false)).unwrap_or(true)
         };
+        let (popped, popped_finite) = self.take_skips_in(stage, m)?;
+        let input_finite = input_finite && popped_finite;
         let input = input_var(&tape, &x, s);
+        let skips_in: Vec<Var> = popped.iter().map(|t| tape.leaf(t.clone())).collect();
         let ctx = ForwardCtx::train(io.seed, io.step, m as u64);
-        let output = stage.run_layers(&input, ctx, &mut self.pos.layer)?;
+        let (output, skips_out) =
+            stage.run_with_skips(&input, &skips_in, ctx, &mut self.pos.layer)?;
+        // A skip leaves at once (sent right after this forward); its recompute is not sent
+        // again. Its finiteness is that of what the stage received: a non-finite skip is
+        // caught where it is popped, as the stage's output is at the next stage.
+        for ((id, _), v) in stage.skips.outgoing.iter().zip(&skips_out) {
+            self.skips_out
+                .insert((*id, m, false), (v.value().clone(), input_finite));
+        }
         if self.is_last(s) {
             // The loss runs on the caller's thread; its gradient comes back as the seed of
             // this micro-batch's backward, as a next stage's gradient would.
@@ -392,12 +501,14 @@ impl<'a> Worker<'a, '_> {
             self.to_send.insert((s, m, false), output.value().clone());
         }
         let kept = if checkpointed {
-            Stash::Input(x)
+            Stash::Input { x, skips: popped }
         } else {
             Stash::Recorded {
                 tape,
                 input,
                 output,
+                skips_in,
+                skips_out,
             }
         };
         self.stash.insert((s, m), kept);
@@ -406,8 +517,8 @@ impl<'a> Worker<'a, '_> {
 
     fn recompute(&mut self, s: usize, m: usize) -> Result<(), StageCause> {
         let io = self.io;
-        let x = match self.stash.remove(&(s, m)) {
-            Some(Stash::Input(x)) => x,
+        let (x, popped) = match self.stash.remove(&(s, m)) {
+            Some(Stash::Input { x, skips }) => (x, skips),
             _ => {
                 return Err(internal(format!(
                     "no stashed input to recompute stage {s} micro-batch {m}"
@@ -422,15 +533,18 @@ impl<'a> Worker<'a, '_> {
         // so a layer may check either to skip side effects.
         let tape = Tape::recompute();
         let input = input_var(&tape, &x, s);
-        let output = self
-            .stage(s)?
-            .run_layers(&input, ctx, &mut self.pos.layer)?;
+        let skips_in: Vec<Var> = popped.into_iter().map(|t| tape.leaf(t)).collect();
+        let (output, skips_out) =
+            self.stage(s)?
+                .run_with_skips(&input, &skips_in, ctx, &mut self.pos.layer)?;
         self.stash.insert(
             (s, m),
             Stash::Recorded {
                 tape,
                 input,
                 output,
+                skips_in,
+                skips_out,
             },
         );
         Ok(())
@@ -438,12 +552,14 @@ impl<'a> Worker<'a, '_> {
 
     /// A full backward, or the input part of a split one (`split`), whose weight part is kept.
     fn backward(&mut self, s: usize, m: usize, split: bool) -> Result<(), StageCause> {
-        let (tape, input, output) = match self.stash.remove(&(s, m)) {
+        let (tape, input, output, skips_in, skips_out) = match self.stash.remove(&(s, m)) {
             Some(Stash::Recorded {
                 tape,
                 input,
                 output,
-            }) => (tape, input, output),
+                skips_in,
+                skips_out,
+            }) => (tape, input, output, skips_in, skips_out),
             _ => {
                 return Err(internal(format!(
                     "stage {s} micro-batch {m} has no recorded forward to back-propagate"
@@ -454,14 +570,37 @@ impl<'a> Worker<'a, '_> {
             .grads_in
             .remove(&(s, m))
             .ok_or_else(|| internal(format!("no gradient for stage {s} micro-batch {m}")))?;
-        let seed_finite = self.finite_in.remove(&(s, m, true)).unwrap_or(true);
-        let grads = if split {
-            let (grads, weights) = tape.backward_split(&output, &seed)?;
+        let mut seed_finite = self.finite_in.remove(&(s, m, true)).unwrap_or(true);
+        let stage = self.stage(s)?;
+        // The gradients of the skips stashed here seed the backward beside the output's.
+        let mut skip_seeds = Vec::with_capacity(skips_out.len());
+        for (id, name) in &stage.skips.outgoing {
+            let (g, finite) = self.skips_in.remove(&(*id, m, true)).ok_or_else(|| {
+                internal(format!(
+                    "no gradient of skip '{name}' for stage {s} micro-batch {m}"
+                ))
+            })?;
+            seed_finite &= finite;
+            skip_seeds.push(g);
+        }
+        let roots: Vec<(&Var, &Tensor)> = std::iter::once((&output, &seed))
+            .chain(skips_out.iter().zip(&skip_seeds))
+            .collect();
+        let mut grads = if split {
+            let (grads, weights) = tape.backward_split_roots(&roots)?;
             self.stash.insert((s, m), Stash::Weights(weights));
             grads
         } else {
-            tape.backward_with(&output, &seed)?
+            tape.backward_roots(&roots)?
         };
+        for ((id, _), v) in stage.skips.incoming.iter().zip(&skips_in) {
+            // A popped skip the stage did not use gets a zero gradient.
+            let g = match grads.take(v) {
+                Some(g) => g,
+                None => Tensor::zeros(v.shape(), self.device)?,
+            };
+            self.skips_out.insert((*id, m, true), (g, seed_finite));
+        }
         if s > 0 {
             let g = grads
                 .get(&input)

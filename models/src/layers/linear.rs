@@ -47,6 +47,18 @@ impl Linear {
 
     /// From given values: `weight [out, in]`, `bias [out]`.
     pub fn from_tensors(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        Linear::from_params(
+            Param::new("weight", weight),
+            bias.map(|b| Param::new("bias", b)),
+        )
+    }
+
+    /// From given parameters (e.g. a tied copy of another layer's): `weight [out, in]`,
+    /// `bias [out]`.
+    pub fn from_params(weight: Param, bias: Option<Param>) -> Result<Self> {
+        let (weight_p, bias_p) = (weight, bias);
+        let weight = weight_p.value();
+        let bias = bias_p.as_ref().map(|b| b.value());
         if weight.rank() != 2 {
             return Err(shape_error(
                 "Linear",
@@ -67,8 +79,8 @@ impl Linear {
             }
         }
         Ok(Linear {
-            weight: Param::new("weight", weight),
-            bias: bias.map(|b| Param::new("bias", b)),
+            weight: weight_p,
+            bias: bias_p,
             in_features,
             out_features,
         })

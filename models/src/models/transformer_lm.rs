@@ -2,6 +2,10 @@
 //! `[TokenPositionEmbedding, TransformerBlock x layers, LayerNorm, Linear head]`.
 //! Input: token ids `[B, T]` (f32 values holding integers, `T <= seq_len`);
 //! output: logits `[B, T, vocab]`. Each block is one element, so a pipeline can cut anywhere.
+//!
+//! With `tie_embeddings` (GPT-2's choice) the head has no bias and its weight is the token
+//! embedding table (initialised N(0, 1/d_model) then, the positions alike): a tied copy ([`wgpipe_autograd::tied`]), so that the two can sit on different
+//! pipeline stages; their gradients are summed before each optimizer step.
 
 use wgpipe_autograd::Module;
 use wgpipe_tensor::{Device, Error, Result};
@@ -19,7 +23,12 @@ pub struct TransformerLm {
     pub seq_len: usize,
     /// Dropout after the embedding, on attention probabilities and on each residual branch.
     pub dropout: f32,
+    /// The head's weight is the token embedding table (tied copies, no head bias).
+    pub tie_embeddings: bool,
 }
+
+/// The tie group of the token embedding table and the head's weight.
+pub const EMBEDDING_TIE: &str = "token_embedding";
 
 impl TransformerLm {
     /// `layers + 3` elements; element `i` is initialised from `sub_seed(seed, i)`.
@@ -31,14 +40,35 @@ impl TransformerLm {
             });
         }
         let mut v: Vec<Box<dyn Module>> = Vec::with_capacity(self.layers + 3);
-        v.push(Box::new(TokenPositionEmbedding::new(
+        let embedding = TokenPositionEmbedding::new(
             self.vocab,
             self.seq_len,
             self.d_model,
             self.dropout,
             sub_seed(seed, 0),
             dev,
-        )?));
+        )?;
+        let head = if self.tie_embeddings {
+            // As the head's weight the table must give logits of unit scale from the
+            // layer-normed features: entries N(0, 1/d_model) rather than N(0, 1); the
+            // positional table is scaled alike so tokens and positions keep their balance.
+            let scale = (self.d_model as f32).powf(-0.5);
+            for table in [&embedding.tok.weight, &embedding.pos.weight] {
+                table.set_value(table.value().mul_scalar(scale)?);
+            }
+            let table = &embedding.tok.weight;
+            // `[vocab, d_model]` is both the table and the head's `[out, in]` weight.
+            let w = table.tied_copy("weight", EMBEDDING_TIE)?;
+            Linear::from_params(w, None)?
+        } else {
+            Linear::new(
+                self.d_model,
+                self.vocab,
+                sub_seed(seed, 2 + self.layers as u64),
+                dev,
+            )?
+        };
+        v.push(Box::new(embedding));
         for l in 0..self.layers {
             v.push(Box::new(TransformerBlock::new(
                 self.d_model,
@@ -49,12 +79,7 @@ impl TransformerLm {
             )?));
         }
         v.push(Box::new(LayerNorm::new(self.d_model, dev)?));
-        v.push(Box::new(Linear::new(
-            self.d_model,
-            self.vocab,
-            sub_seed(seed, 2 + self.layers as u64),
-            dev,
-        )?));
+        v.push(Box::new(head));
         Ok(v)
     }
 }

@@ -549,7 +549,13 @@ fn walk_memory(
                     leaving[facts.release[d][i]] += outgoing;
                 }
                 outgoing = 0.0;
-            }
+            } // `PipelineBuilder::plan` refuses models with skips, so their schedules have none;
+            // tied exchanges are events of the timeline, never actions.
+            ActionKind::SendSkip
+            | ActionKind::RecvSkip
+            | ActionKind::SendSkipGrad
+            | ActionKind::RecvSkipGrad
+            | ActionKind::ExchangeTied => {}
         }
         peak = peak.max(held);
         held -= leaving[i];

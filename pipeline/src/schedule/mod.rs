@@ -18,6 +18,7 @@
 
 mod generators;
 pub mod random;
+mod skips;
 mod text;
 mod validate;
 
@@ -30,6 +31,8 @@ pub use generators::{
     dual_pipe_v, gpipe, interleaved_one_f_one_b, looped_bfs, one_f_one_b, zb_h1, zb_h2, zb_v,
     Placement,
 };
+pub use skips::SkipLink;
+
 pub use validate::ScheduleError;
 
 /// Which micro-batches are re-materialized (torchgpipe's `checkpoint` argument).
@@ -93,9 +96,24 @@ pub enum ActionKind {
     SendGrad,
     /// Receives the gradient of the stage output from stage s+1.
     RecvGrad,
+    /// Sends a skip this stage stashed to the stage that pops it (the action's `skip` names
+    /// both), right after the forward that made it.
+    SendSkip,
+    /// Receives a skip from the stage that stashed it, before the forward that pops it.
+    RecvSkip,
+    /// Sends the gradient of a popped skip back to the stage that stashed it, after the
+    /// backward (or its input part).
+    SendSkipGrad,
+    /// Receives the gradient of a stashed skip, before the backward (or its input part).
+    RecvSkipGrad,
+    /// Timelines and traces only (no schedule holds it): the exchange that sums the gradients
+    /// of tied parameters across the devices holding copies, after the step's last backward.
+    ExchangeTied,
 }
 
 impl ActionKind {
+    /// The kinds of a chain (every stage has them, for every micro-batch); skip transfers
+    /// ([`ActionKind::SKIPS`]) come on top where the model has skips.
     pub const ALL: [ActionKind; 9] = [
         ActionKind::Forward,
         ActionKind::Recompute,
@@ -106,6 +124,14 @@ impl ActionKind {
         ActionKind::RecvActivation,
         ActionKind::SendGrad,
         ActionKind::RecvGrad,
+    ];
+
+    /// The transfers of skips (see [`SkipLink`]).
+    pub const SKIPS: [ActionKind; 4] = [
+        ActionKind::SendSkip,
+        ActionKind::RecvSkip,
+        ActionKind::SendSkipGrad,
+        ActionKind::RecvSkipGrad,
     ];
 
     /// The token used in listings, as torch's pipelining writes them (`F`, `R`, `B`, `I`, `W`,
@@ -121,6 +147,11 @@ impl ActionKind {
             ActionKind::RecvActivation => "RECV_F",
             ActionKind::SendGrad => "SEND_B",
             ActionKind::RecvGrad => "RECV_B",
+            ActionKind::SendSkip => "SEND_S",
+            ActionKind::RecvSkip => "RECV_S",
+            ActionKind::SendSkipGrad => "SEND_SB",
+            ActionKind::RecvSkipGrad => "RECV_SB",
+            ActionKind::ExchangeTied => "TIED",
         }
     }
 
@@ -146,6 +177,7 @@ impl ActionKind {
             ActionKind::Backward => "backward",
             ActionKind::BackwardInput => "backward-input",
             ActionKind::BackwardWeight => "backward-weight",
+            ActionKind::ExchangeTied => "tied-exchange",
             _ => "transfer",
         }
     }
@@ -158,6 +190,7 @@ impl ActionKind {
             ActionKind::Backward => 'B',
             ActionKind::BackwardInput => 'I',
             ActionKind::BackwardWeight => 'W',
+            ActionKind::ExchangeTied => 'X',
             _ => 'T',
         }
     }
@@ -167,8 +200,43 @@ impl ActionKind {
         match self {
             ActionKind::RecvActivation => ActionKind::SendActivation,
             ActionKind::RecvGrad => ActionKind::SendGrad,
+            ActionKind::RecvSkip => ActionKind::SendSkip,
+            ActionKind::RecvSkipGrad => ActionKind::SendSkipGrad,
             other => other,
         }
+    }
+
+    /// Whether the action sends a message (never blocks).
+    pub fn is_send(self) -> bool {
+        matches!(
+            self,
+            ActionKind::SendActivation
+                | ActionKind::SendGrad
+                | ActionKind::SendSkip
+                | ActionKind::SendSkipGrad
+        )
+    }
+
+    /// Whether the action waits for a message.
+    pub fn is_recv(self) -> bool {
+        matches!(
+            self,
+            ActionKind::RecvActivation
+                | ActionKind::RecvGrad
+                | ActionKind::RecvSkip
+                | ActionKind::RecvSkipGrad
+        )
+    }
+
+    /// Whether the action moves a gradient (as opposed to a forward value).
+    pub fn carries_grad(self) -> bool {
+        matches!(
+            self,
+            ActionKind::SendGrad
+                | ActionKind::RecvGrad
+                | ActionKind::SendSkipGrad
+                | ActionKind::RecvSkipGrad
+        )
     }
 
     /// Whether the action belongs to the backward pass (for memory tags and colours).
@@ -180,17 +248,30 @@ impl ActionKind {
                 | ActionKind::BackwardWeight
                 | ActionKind::SendGrad
                 | ActionKind::RecvGrad
+                | ActionKind::SendSkipGrad
+                | ActionKind::RecvSkipGrad
         )
     }
 }
 
 /// One step of one device: `kind` on virtual stage `stage` for micro-batch `micro_batch`.
-/// Displayed as torch's pipelining writes actions: stage, token, micro-batch (`2F0`, `1SEND_B3`).
+/// Displayed as torch's pipelining writes actions: stage, token, micro-batch (`2F0`, `1SEND_B3`);
+/// a skip transfer adds its skip and the other stage (`0SEND_S3[skip 1 -> 2]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Action {
     pub kind: ActionKind,
     pub stage: usize,
     pub micro_batch: usize,
+    /// The skip a skip transfer moves (`None` for every other action).
+    pub skip: Option<SkipPort>,
+}
+
+/// The skip of a skip transfer: its id (an index into the pipeline's skip links) and the stage
+/// at the other end (the consumer for sends of the skip, the producer for its gradient).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SkipPort {
+    pub id: usize,
+    pub peer: usize,
 }
 
 impl Action {
@@ -199,6 +280,24 @@ impl Action {
             kind,
             stage,
             micro_batch,
+            skip: None,
+        }
+    }
+
+    /// A skip transfer (`kind` one of [`ActionKind::SKIPS`]) of skip `id` between `stage` and
+    /// `peer`.
+    pub const fn skip_transfer(
+        kind: ActionKind,
+        stage: usize,
+        micro_batch: usize,
+        id: usize,
+        peer: usize,
+    ) -> Action {
+        Action {
+            kind,
+            stage,
+            micro_batch,
+            skip: Some(SkipPort { id, peer }),
         }
     }
 
@@ -210,6 +309,20 @@ impl Action {
     /// have no peer on one side: the link is then `None` too.
     pub fn link(self, num_stages: usize) -> Option<Link> {
         let s = self.stage;
+        if let Some(SkipPort { id, peer }) = self.skip {
+            let grad = self.kind.carries_grad();
+            let (from, to) = match self.kind {
+                ActionKind::SendSkip | ActionKind::SendSkipGrad => (s, peer),
+                ActionKind::RecvSkip | ActionKind::RecvSkipGrad => (peer, s),
+                _ => return None,
+            };
+            return (peer < num_stages).then_some(Link {
+                from,
+                to,
+                grad,
+                skip: Some(id),
+            });
+        }
         let (from, to, grad) = match self.kind {
             ActionKind::SendActivation if s + 1 < num_stages => (s, s + 1, false),
             ActionKind::RecvActivation if s > 0 => (s - 1, s, false),
@@ -217,24 +330,36 @@ impl Action {
             ActionKind::RecvGrad if s + 1 < num_stages => (s + 1, s, true),
             _ => return None,
         };
-        Some(Link { from, to, grad })
+        Some(Link {
+            from,
+            to,
+            grad,
+            skip: None,
+        })
     }
 }
 
 impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}{}{}", self.stage, self.kind.token(), self.micro_batch)
+        write!(f, "{}{}{}", self.stage, self.kind.token(), self.micro_batch)?;
+        match self.skip {
+            Some(SkipPort { id, peer }) => write!(f, "[skip {id} <-> {peer}]"),
+            None => Ok(()),
+        }
     }
 }
 
-/// A directed channel between two neighbouring virtual stages: activations go from s to s+1,
-/// gradients from s+1 to s. The executor opens exactly the links a schedule's transfers name.
+/// A directed channel between two virtual stages: activations go from s to s+1, gradients from
+/// s+1 to s; a skip goes from the stage that stashes it to the one that pops it (any later
+/// stage), its gradient back. The executor opens exactly the links a schedule's transfers name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Link {
     pub from: usize,
     pub to: usize,
     /// Gradients (backward) rather than activations (forward).
     pub grad: bool,
+    /// The skip this link carries (its id), `None` for the chain's activations and gradients.
+    pub skip: Option<usize>,
 }
 
 impl fmt::Display for Link {
@@ -244,7 +369,11 @@ impl fmt::Display for Link {
         } else {
             "activations"
         };
-        write!(f, "stage {}->{} {what}", self.from, self.to)
+        write!(f, "stage {}->{} ", self.from, self.to)?;
+        if let Some(id) = self.skip {
+            write!(f, "skip {id} ")?;
+        }
+        f.write_str(what)
     }
 }
 

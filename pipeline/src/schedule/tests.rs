@@ -181,6 +181,7 @@ fn placements() {
         from: 2,
         to: 3,
         grad: false,
+        skip: None,
     };
     assert!(s.links().contains(&turn));
     assert_eq!((s.placement[turn.from], s.placement[turn.to]), (2, 2));

@@ -86,6 +86,16 @@ pub enum ScheduleError {
     },
     #[error("line {line}: {msg}")]
     Parse { line: usize, msg: String },
+    #[error(
+        "skip {id} goes from stage {from} to stage {to}: it must go to a later stage of the \
+         {num_stages}"
+    )]
+    SkipStages {
+        id: usize,
+        from: usize,
+        to: usize,
+        num_stages: usize,
+    },
 }
 
 fn stuck_list(stuck: &[(usize, Action)]) -> String {
@@ -216,6 +226,9 @@ impl Schedule {
                         BackwardInput | BackwardWeight => usize::from(split),
                         RecvActivation | SendGrad => usize::from(s > 0),
                         SendActivation | RecvGrad => usize::from(s < last),
+                        // Not in `ALL`: checked by `validate_skips`.
+                        SendSkip | RecvSkip | SendSkipGrad | RecvSkipGrad => continue,
+                        ExchangeTied => 0,
                     };
                     let found = count(at(kind));
                     if found != expected {
@@ -288,13 +301,13 @@ impl Schedule {
                     let link = action.link(s_total);
                     let key = link.map(|l| (l, action.micro_batch));
                     match action.kind {
-                        ActionKind::RecvActivation | ActionKind::RecvGrad => {
+                        kind if kind.is_recv() => {
                             let Some(payload) = key.and_then(|key| pending.remove(&key)) else {
                                 break;
                             };
                             step(device, action, Some(payload));
                         }
-                        ActionKind::SendActivation | ActionKind::SendGrad => {
+                        kind if kind.is_send() => {
                             let Some(key) = key else { break };
                             let payload = step(device, action, None);
                             pending.insert(key, payload);

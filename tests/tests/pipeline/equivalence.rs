@@ -378,3 +378,11 @@ fn one_micro_batch_with_dropout_equals_plain() {
         }
     }
 }
+
+#[test]
+fn skips_pipelined_equal_plain_for_every_k_m_mode_schedule() {
+    let (x, y) = mlp_data(8);
+    let make = || skip_model(21);
+    let reference = plain_train(&make(), &x, &y, &mse, STEPS);
+    grid("skips", &make, &x, &y, &mse, &reference);
+}

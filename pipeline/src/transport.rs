@@ -1,0 +1,156 @@
+//! How the links of a step carry tensors. The worker sends through a [`LinkSend`] and receives
+//! from a channel; which transport is behind them is decided here, when the executor wires a
+//! step's links, and the worker never knows.
+
+use std::sync::mpsc::{channel, Sender};
+
+use crate::error::StageCause;
+use crate::schedule::{Link, Schedule};
+use crate::wire::{self, MsgKind};
+use crate::worker::{DeviceLinks, Msg};
+
+/// What carries the tensors between stages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// In-process channels: tensors are handed over as they are (the default; what the
+    /// simulated cluster uses).
+    #[default]
+    Channels,
+    /// In-process, but every message is encoded to the wire format and decoded again, as it
+    /// is between processes: host read-back, header checks and byte layout, without MPI.
+    Loopback,
+}
+
+/// The sending end of one link.
+pub(crate) trait LinkSend: Send {
+    fn send(&self, msg: Msg) -> Result<(), StageCause>;
+}
+
+impl LinkSend for Sender<Msg> {
+    fn send(&self, msg: Msg) -> Result<(), StageCause> {
+        Sender::send(self, msg)
+            .map_err(|_| StageCause::Disconnected("the receiving neighbour stopped".into()))
+    }
+}
+
+/// A link whose messages go through the wire format, delivered to an in-process channel.
+struct LoopbackSend {
+    step: u64,
+    link: Link,
+    tx: Sender<Msg>,
+}
+
+impl LinkSend for LoopbackSend {
+    fn send(&self, msg: Msg) -> Result<(), StageCause> {
+        let bytes = encode_msg(self.step, self.link, &msg)?;
+        let received = decode_msg(&bytes, self.step, self.link)?;
+        LinkSend::send(&self.tx, received)
+    }
+}
+
+/// `msg` as sent on `link` during `step`.
+pub(crate) fn encode_msg(step: u64, link: Link, msg: &Msg) -> Result<Vec<u8>, StageCause> {
+    let kind = if link.grad {
+        MsgKind::Gradient
+    } else {
+        MsgKind::Activation
+    };
+    Ok(wire::encode_tensor(
+        kind,
+        step,
+        link,
+        msg.micro_batch,
+        msg.finite,
+        &msg.tensor,
+    )?)
+}
+
+/// The message in `bytes`, which must belong to `step` and `link` (a message of another step
+/// or link is an error naming both, never a tensor taken for the wrong one).
+pub(crate) fn decode_msg(bytes: &[u8], step: u64, link: Link) -> Result<Msg, StageCause> {
+    let (header, values) = wire::decode(bytes)
+        .map_err(|e| StageCause::Disconnected(format!("a message on {link}: {e}")))?;
+    if header.kind == MsgKind::Abort {
+        return Err(StageCause::Disconnected(wire::abort_text(bytes)));
+    }
+    if header.step != step || header.link != link {
+        return Err(StageCause::Disconnected(format!(
+            "a message of step {} on {} arrived on {link} during step {step}",
+            header.step, header.link
+        )));
+    }
+    Ok(Msg {
+        micro_batch: header.micro_batch,
+        finite: header.finite,
+        tensor: wire::tensor_of(&header, values)?,
+    })
+}
+
+/// The link ends of every device for one step of `schedule`.
+pub(crate) fn wire_links(transport: Transport, schedule: &Schedule, step: u64) -> Vec<DeviceLinks> {
+    let k = schedule.num_devices();
+    let mut links: Vec<DeviceLinks> = (0..k).map(|_| DeviceLinks::default()).collect();
+    for link in schedule.links() {
+        let (tx, rx) = channel();
+        let send: Box<dyn LinkSend> = match transport {
+            Transport::Channels => Box::new(tx),
+            Transport::Loopback => Box::new(LoopbackSend { step, link, tx }),
+        };
+        links[schedule.placement[link.from]].tx.insert(link, send);
+        links[schedule.placement[link.to]].rx.insert(link, rx);
+    }
+    links
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wgpipe_tensor::{Device, Tensor};
+
+    fn msg() -> Msg {
+        Msg {
+            micro_batch: 3,
+            tensor: Tensor::from_vec(vec![1.5, -2.0, 0.25, 8.0], &[2, 2], &Device::cpu()).unwrap(),
+            finite: true,
+        }
+    }
+
+    const LINK: Link = Link {
+        from: 1,
+        to: 2,
+        grad: false,
+        skip: None,
+    };
+
+    #[test]
+    fn a_message_comes_back_whole() {
+        let bytes = encode_msg(4, LINK, &msg()).unwrap();
+        let got = decode_msg(&bytes, 4, LINK).unwrap();
+        assert_eq!((got.micro_batch, got.finite), (3, true));
+        assert_eq!(got.tensor.shape(), &[2, 2]);
+        assert_eq!(got.tensor.to_vec().unwrap(), vec![1.5, -2.0, 0.25, 8.0]);
+    }
+
+    #[test]
+    fn a_message_of_another_step_or_link_is_refused() {
+        let bytes = encode_msg(4, LINK, &msg()).unwrap();
+        let e = decode_msg(&bytes, 5, LINK).err().unwrap().to_string();
+        assert!(
+            e.contains("of step 4") && e.contains("during step 5"),
+            "{e}"
+        );
+        let grads = Link { grad: true, ..LINK };
+        let e = decode_msg(&bytes, 4, grads).err().unwrap().to_string();
+        assert!(
+            e.contains("stage 1->2 activations arrived on stage 1->2 gradients"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn an_abort_message_is_the_peer_error() {
+        let bytes = wire::encode_abort(4, "rank 3 failed");
+        let e = decode_msg(&bytes, 4, LINK).err().unwrap().to_string();
+        assert_eq!(e, "rank 3 failed");
+    }
+}
