@@ -315,6 +315,10 @@ impl PipelineBuilder {
                 schedule.clone()
             }
         };
+        #[cfg(feature = "mpi")]
+        if let Transport::Mpi(comm) = &self.transport {
+            crate::distributed::check(comm, schedule.num_devices())?;
+        }
         let s_total = schedule.num_stages();
         let balance = match &self.balance {
             Balance::Explicit(b) => {
@@ -359,6 +363,7 @@ impl PipelineBuilder {
             non_finite: self.non_finite,
             action_timeout: self.action_timeout,
             transport: self.transport,
+            round: 0,
             stuck: None,
             replicas: Vec::new(),
         })
@@ -396,7 +401,7 @@ impl PipelineBuilder {
                 action_timeout: b.action_timeout,
                 seed: b.seed,
                 optimizer: None,
-                transport: b.transport,
+                transport: b.transport.clone(),
                 replicas: None,
             }
         };

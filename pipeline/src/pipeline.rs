@@ -41,6 +41,9 @@ pub struct Pipeline {
     pub(crate) non_finite: NonFinite,
     pub(crate) action_timeout: Option<Duration>,
     pub(crate) transport: Transport,
+    /// `train_step` calls so far, failed ones included: what keeps one call's messages apart
+    /// from another's (the step counter does not advance on a failed step).
+    pub(crate) round: u64,
     /// A timed-out step whose threads still hold stages (see [`Pipeline::settle`]).
     pub(crate) stuck: Option<StuckStep>,
     /// Data parallelism: the other replicas (1..R), each a whole pipeline on its own devices
@@ -175,6 +178,17 @@ impl Pipeline {
         loss_fn: &LossFn,
     ) -> Result<StepReport> {
         self.settle()?;
+        self.round += 1;
+        // Over MPI with replicas, this rank's replica trains on its share of the mini-batch.
+        #[cfg(feature = "mpi")]
+        let (inputs, targets, weight) = match &self.transport {
+            Transport::Mpi(comm) => {
+                crate::distributed::shard(comm, self.schedule.num_devices(), inputs, targets)?
+            }
+            _ => (inputs.clone(), targets.clone(), 1.0),
+        };
+        #[cfg(feature = "mpi")]
+        let (inputs, targets) = (&inputs, &targets);
         let m = self.schedule.num_micro_batches;
         let xs = split_batch("inputs", inputs, m)?;
         let ys = split_batch("targets", targets, m)?;
@@ -206,6 +220,10 @@ impl Pipeline {
         let (results, losses) = match ran {
             Ran::Done { results, losses } => (results, losses),
             Ran::TimedOut { error, stuck } => {
+                #[cfg(feature = "mpi")]
+                if let Transport::Mpi(comm) = &self.transport {
+                    crate::distributed::fail_round(comm, self.round, &error);
+                }
                 self.stuck = Some(StuckStep {
                     handles: stuck,
                     saved,
@@ -215,7 +233,26 @@ impl Pipeline {
             }
         };
 
-        let outcomes = match first_error(&self.stages, &self.device_stages(), results) {
+        let local = first_error(&self.stages, &self.device_stages(), results);
+        // Across processes every rank learns every rank's outcome, so all go on or all fail.
+        #[cfg(feature = "mpi")]
+        let (local, agreed) = match &self.transport {
+            Transport::Mpi(comm) => {
+                match crate::distributed::agree(
+                    comm,
+                    self.round,
+                    &self.schedule,
+                    local,
+                    &losses,
+                    weight,
+                ) {
+                    Ok(a) => (Ok(a.outcomes), Some((a.loss, a.weights))),
+                    Err(e) => (Err(e), None),
+                }
+            }
+            _ => (local, None),
+        };
+        let outcomes = match local {
             Ok(o) => o,
             Err(e) => {
                 saved.restore(&self.stages);
@@ -231,6 +268,23 @@ impl Pipeline {
         if skipped.is_some() {
             saved.restore(&self.stages);
         } else {
+            #[cfg(feature = "mpi")]
+            if let (Transport::Mpi(comm), Some((_, weights))) = (&self.transport, &agreed) {
+                let k = self.schedule.num_devices();
+                let mine: Vec<&Stage> = self
+                    .stages
+                    .iter()
+                    .filter(|s| {
+                        self.transport
+                            .runs_device(self.schedule.placement[s.index], k)
+                    })
+                    .collect();
+                if let Err(e) = crate::distributed::all_reduce(comm, self.round, k, &mine, weights)
+                {
+                    saved.restore(&self.stages);
+                    return Err(e);
+                }
+            }
             for s in &self.stages {
                 for l in &s.layers {
                     l.finish_step()?;
@@ -240,6 +294,10 @@ impl Pipeline {
         let mut loss = 0.0f32;
         for t in &losses {
             loss += t.to_scalar()?;
+        }
+        #[cfg(feature = "mpi")]
+        if let Some((total, _)) = &agreed {
+            loss = *total;
         }
         let mut report = self.report(outcomes, wall, loss)?;
         report.skipped = skipped;
@@ -313,7 +371,6 @@ impl Pipeline {
     fn run_workers(&mut self, xs: Vec<Tensor>, loss: &LossSide<'_>, clock: Instant) -> Ran {
         let schedule = &self.schedule;
         let k = schedule.num_devices();
-        let links = wire_links(self.transport, schedule, self.step);
         let mut by_device: Vec<Vec<Stage>> = (0..k).map(|_| Vec::new()).collect();
         for stage in std::mem::take(&mut self.stages) {
             by_device[schedule.placement[stage.index]].push(stage);
@@ -327,14 +384,22 @@ impl Pipeline {
             })
             .collect();
         let abort = Arc::new(AtomicBool::new(false));
+        let links = wire_links(&self.transport, schedule, self.round, &abort);
         let inputs = Arc::new(xs);
         let (loss_tx, loss_rx) = channel::<LossRequest>();
         let running: Vec<Running> = (0..k).map(|_| Arc::new(Mutex::new(None))).collect();
         let mut handles: Vec<Option<JoinHandle<DeviceResult>>> = Vec::with_capacity(k);
         let mut results: Vec<Option<DeviceResult>> = (0..k).map(|_| None).collect();
         for (device, (stages, links)) in by_device.into_iter().zip(links).enumerate() {
+            // Under a transport that spreads devices over processes, the others' devices run
+            // nothing here.
+            let actions = if self.transport.runs_device(device, k) {
+                schedule.devices[device].clone()
+            } else {
+                Vec::new()
+            };
             let io = StepInputs {
-                actions: schedule.devices[device].clone(),
+                actions,
                 num_stages: schedule.num_stages(),
                 seed: self.seed,
                 step: self.step,
@@ -361,8 +426,11 @@ impl Pipeline {
                     Ok(r) => r,
                     Err(payload) => Err(StageCause::Panic(threads::panic_message(payload))),
                 };
-                if r.is_err() {
+                if let Err(cause) = &r {
                     io.abort.store(true, Ordering::SeqCst);
+                    if let Some(tell) = &links.abort_peers {
+                        tell(&cause.to_string());
+                    }
                 }
                 // Dropping the links closes this device's channels, which also wakes any
                 // neighbour blocked on them.

@@ -246,7 +246,7 @@ pub fn try_sim_pipeline(
         .schedule(cfg.schedule)
         .seed(SEED)
         .optimizer(sgd)
-        .transport(cfg.transport)
+        .transport(cfg.transport.clone())
         .build()
 }
 
@@ -274,7 +274,7 @@ pub fn dp_sim_pipeline(
         .schedule(cfg.schedule)
         .seed(SEED)
         .optimizer(sgd)
-        .transport(cfg.transport)
+        .transport(cfg.transport.clone())
         .replicas(r, make)
         .build()
 }
@@ -553,5 +553,91 @@ pub fn software_wgpu_or_skip(test: &str) -> Option<Device> {
             eprintln!("SKIPPED: {test}: opening a software wgpu device panicked");
             None
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Multi-process runs (the `mpi` feature's worker and tests)
+// ---------------------------------------------------------------------------------------------
+
+/// One run of the MPI worker: what it trains and which fault it injects. The tests build the
+/// in-process reference from the same description.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MpiJob {
+    pub schedule: ScheduleKind,
+    pub k: usize,
+    pub m: usize,
+    pub steps: usize,
+    /// R data-parallel replicas (the job has R x K ranks).
+    pub replicas: usize,
+    /// `(rank, step, panic)`: the Fault layer (last in the model) of that rank fails at
+    /// micro-batch 1 of that step, with an error (or a panic).
+    pub fault: Option<(usize, usize, bool)>,
+}
+
+impl MpiJob {
+    pub fn new(schedule: ScheduleKind, k: usize) -> Self {
+        MpiJob {
+            schedule,
+            k,
+            m: 4,
+            steps: 3,
+            replicas: 1,
+            fault: None,
+        }
+    }
+
+    /// The worker's command-line arguments.
+    pub fn args(&self) -> Vec<String> {
+        let mut v = vec![
+            format!("{:?}", self.schedule),
+            self.k.to_string(),
+            self.m.to_string(),
+            self.steps.to_string(),
+            self.replicas.to_string(),
+        ];
+        if let Some((rank, step, panic)) = self.fault {
+            v.extend([rank.to_string(), step.to_string(), panic.to_string()]);
+        }
+        v
+    }
+
+    /// Parses [`MpiJob::args`].
+    pub fn from_args(args: &[String]) -> Option<MpiJob> {
+        let name = args.first()?;
+        let schedule = ScheduleKind::ALL
+            .into_iter()
+            .find(|s| format!("{s:?}") == *name)?;
+        let num = |i: usize| args.get(i)?.parse::<usize>().ok();
+        let fault = match args.len() {
+            5 => None,
+            8 => Some((num(5)?, num(6)?, args[7].parse().ok()?)),
+            _ => return None,
+        };
+        Some(MpiJob {
+            schedule,
+            k: num(1)?,
+            m: num(2)?,
+            steps: num(3)?,
+            replicas: num(4)?,
+            fault,
+        })
+    }
+
+    /// The model (an MLP, then a Fault layer that can be armed) and the state of its Fault.
+    pub fn model() -> (Vec<Box<dyn Module>>, Arc<Mutex<FaultState>>) {
+        let mut layers = mlp(6, 8, 3, 11);
+        let (fault, state) = Fault::new();
+        layers.push(Box::new(fault));
+        (layers, state)
+    }
+
+    /// The mini-batch of every step.
+    pub fn data() -> (Tensor, Tensor) {
+        (normal_data(&[12, 6], 1), normal_data(&[12, 3], 2))
+    }
+
+    pub fn cfg(&self) -> PipeCfg {
+        PipeCfg::new(self.k, self.m, CheckpointMode::ExceptLast, self.schedule)
     }
 }

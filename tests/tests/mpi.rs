@@ -1,0 +1,208 @@
+//! Stages in separate processes over MPI (feature `mpi`): `mpirun` runs the `mpi_worker` binary,
+//! one device per rank, and each rank's losses and parameters are compared with the in-process
+//! pipeline (the same K, M and schedule) trained here: bit-identical, since every rank does the
+//! same arithmetic on the same values; and a fault on one rank makes every rank fail at once,
+//! leaving the parameters as before.
+//!
+//! Needs `mpirun` (Open MPI) on PATH; run with `cargo test -p wgpipe-tests --features mpi --test mpi`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use wgpipe_pipeline::ScheduleKind;
+use wgpipe_tests::*;
+
+/// Runs `job` under `mpirun -np <ranks>` and returns each rank's results, by rank.
+fn mpirun(job: &MpiJob, ranks: usize, tag: &str) -> Vec<Value> {
+    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cmd = Command::new("mpirun");
+    // Root in CI containers; more ranks than cores on small machines.
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np"])
+        .arg(ranks.to_string())
+        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+        .args(job.args())
+        .arg(&dir);
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run mpirun (is Open MPI installed?): {e}"));
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("{tag}: mpirun -np {ranks} still running after 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        status.success(),
+        "{tag}: mpirun -np {ranks} failed: {status}"
+    );
+    let out = (0..ranks)
+        .map(|r| {
+            let p: PathBuf = dir.join(format!("rank{r}.json"));
+            let text = std::fs::read_to_string(&p)
+                .unwrap_or_else(|e| panic!("{tag}: rank {r} wrote no results ({e})"));
+            serde_json::from_str(&text).unwrap()
+        })
+        .collect();
+    std::fs::remove_dir_all(&dir).unwrap();
+    out
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// What the ranks trained, put together: the losses (the same on every rank) and every
+/// parameter, from the rank that runs its stage (each parameter must come from one rank).
+fn gather(ranks: &[Value], tag: &str) -> RunResult {
+    let losses = floats(&ranks[0]["losses"]);
+    let mut params: HashMap<String, Vec<f32>> = HashMap::new();
+    for (r, v) in ranks.iter().enumerate() {
+        assert_eq!(
+            floats(&v["losses"]),
+            losses,
+            "{tag}: rank {r}'s losses differ"
+        );
+        assert_eq!(
+            v["errors"].as_array().unwrap().len(),
+            0,
+            "{tag}: rank {r}: {}",
+            v["errors"]
+        );
+        for (name, values) in v["params"].as_object().unwrap() {
+            let old = params.insert(name.clone(), floats(values));
+            assert!(old.is_none(), "{tag}: {name} on two ranks");
+        }
+    }
+    let mut params: Vec<_> = params.into_iter().collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    RunResult { losses, params }
+}
+
+/// The same job in one process (channels), trained for `steps` steps.
+fn in_process(job: &MpiJob, steps: usize) -> RunResult {
+    let (x, y) = MpiJob::data();
+    let mut pipe = sim_pipeline(MpiJob::model().0, &job.cfg());
+    pipe_train(&mut pipe, &x, &y, &mse, steps).0
+}
+
+#[test]
+fn mpi_ranks_train_bit_identically_to_one_process() {
+    for (schedule, k) in [
+        (ScheduleKind::GPipe, 2),
+        (ScheduleKind::GPipe, 4),
+        (ScheduleKind::OneFOneB, 2),
+        (ScheduleKind::OneFOneB, 4),
+        (ScheduleKind::ZbH1, 2),
+        (ScheduleKind::ZbH1, 4),
+        // Two virtual stages per rank.
+        (ScheduleKind::ZbV, 2),
+    ] {
+        let job = MpiJob::new(schedule, k);
+        let tag = format!("{schedule:?}-np{k}");
+        let got = gather(&mpirun(&job, k, &tag), &tag);
+        let want = in_process(&job, job.steps);
+        assert_eq!(
+            got.params.len(),
+            want.params.len(),
+            "{tag}: parameters missing"
+        );
+        assert!(
+            got == want,
+            "{tag}: differs from one process by {:.3e} at {}",
+            worst_err(&got, &want).0,
+            worst_err(&got, &want).1
+        );
+        println!("{tag}: {} steps bit-identical to one process", job.steps);
+    }
+}
+
+#[test]
+fn two_replicas_of_two_ranks_equal_in_process_data_parallelism() {
+    let job = MpiJob {
+        replicas: 2,
+        m: 3,
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    };
+    let ranks = mpirun(&job, 4, "dp");
+    // Replica 1 (ranks 2, 3) holds the same parameters as replica 0 (ranks 0, 1), bit for bit.
+    let replica = |r: usize| gather(&ranks[2 * r..2 * r + 2], &format!("replica {r}"));
+    let (r0, r1) = (replica(0), replica(1));
+    assert!(r0 == r1, "the replicas differ");
+    let (x, y) = MpiJob::data();
+    let mut dp = dp_sim_pipeline(2, || MpiJob::model().0, &job.cfg()).unwrap();
+    let (want, _) = pipe_train(&mut dp, &x, &y, &mse, job.steps);
+    assert!(
+        r0 == want,
+        "MPI data parallelism differs from in-process by {:.3e}",
+        worst_err(&r0, &want).0
+    );
+    // And one pipeline on the whole mini-batch, up to the order of the sums.
+    let one = in_process(
+        &MpiJob {
+            m: 6,
+            ..job.clone()
+        },
+        job.steps,
+    );
+    let (e, at) = worst_err(&r0, &one);
+    assert!(e <= 1e-5, "{e:.3e} at {at}");
+}
+
+#[test]
+fn a_fault_on_one_rank_fails_every_rank_at_once_and_changes_nothing() {
+    for (panic, k) in [(false, 2), (true, 4)] {
+        // Step 1 of 4 fails on the last rank (which holds the Fault layer).
+        let job = MpiJob {
+            steps: 4,
+            fault: Some((k - 1, 1, panic)),
+            ..MpiJob::new(ScheduleKind::OneFOneB, k)
+        };
+        let tag = format!("fault-panic={panic}-np{k}");
+        let ranks = mpirun(&job, k, &tag);
+        for (r, v) in ranks.iter().enumerate() {
+            let errors = v["errors"].as_array().unwrap();
+            assert_eq!(errors.len(), 1, "{tag}: rank {r}: {errors:?}");
+            let e = &errors[0];
+            let text = e["text"].as_str().unwrap();
+            assert_eq!(e["step"], 1);
+            let secs = e["secs"].as_f64().unwrap();
+            assert!(secs < 1.0, "{tag}: rank {r} took {secs:.3} s to fail");
+            let want = if panic {
+                "injected panic"
+            } else {
+                "injected error"
+            };
+            assert!(
+                text.contains(&format!("rank {}", k - 1))
+                    && text.contains(&format!("stage {}", k - 1))
+                    && text.contains("micro-batch 1")
+                    && text.contains("Fault")
+                    && text.contains(want),
+                "{tag}: rank {r}: {text}"
+            );
+            println!("{tag}: rank {r} failed in {:.1} ms: {text}", secs * 1e3);
+        }
+        // The failed step changed nothing: the run equals 3 unfailed steps.
+        let mut trained: Vec<Value> = ranks.clone();
+        for v in &mut trained {
+            v["errors"] = Value::Array(vec![]);
+        }
+        let got = gather(&trained, &tag);
+        let want = in_process(&job, 3);
+        assert!(got == want, "{tag}: the failed step left a trace");
+    }
+}
