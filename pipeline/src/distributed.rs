@@ -393,3 +393,107 @@ fn rank_error(rank: usize, device: usize, why: String) -> PipelineError {
         cause: Box::new(StageCause::Disconnected(why)),
     }
 }
+
+/// Every rank gets every stage's current parameters, buffers and optimizer state from the rank
+/// that trains it in replica 0 (rank = its device), so that each holds the whole trained model
+/// (for evaluation, or to save it in one file). `round` must be a fresh round on every rank.
+pub(crate) fn gather_stages(
+    comm: &MpiComm,
+    round: u64,
+    schedule: &Schedule,
+    stages: &[Stage],
+    optimizers: &mut [Box<dyn wgpipe_autograd::optim::Optimizer>],
+) -> Result<()> {
+    let k = schedule.num_devices();
+    let owned = |s: &Stage| comm.rank() < k && schedule.placement[s.index] == comm.rank();
+    let values = |p: &wgpipe_autograd::Param| -> Result<Value> { Ok(json!(p.value().to_vec()?)) };
+    let mut mine = Vec::new();
+    for s in stages.iter().filter(|s| owned(s)) {
+        let mut params = Vec::new();
+        let mut buffers = Vec::new();
+        for l in &s.layers {
+            for (_, p) in l.parameters() {
+                params.push(values(&p)?);
+            }
+            for (_, b) in l.buffers() {
+                buffers.push(values(&b)?);
+            }
+        }
+        let mut optim = Vec::new();
+        if let Some(o) = optimizers.get(s.index) {
+            for (name, t) in o.state() {
+                optim.push(json!([name, t.shape(), t.to_vec()?]));
+            }
+        }
+        mine.push(json!({"index": s.index, "params": params, "buffers": buffers, "optim": optim}));
+    }
+    let text = json!({ "stages": mine }).to_string();
+    let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
+    let theirs = comm
+        .exchange(
+            round,
+            MsgKind::Status,
+            &wire::encode_text(MsgKind::Status, round, &text),
+            &peers,
+            STATUS_LIMIT,
+        )
+        .map_err(|why| rank_error(comm.rank(), comm.rank() % k, why))?;
+    let bad = |why: String| PipelineError::Config(format!("gathering the stages: {why}"));
+    for (rank, bytes) in theirs {
+        let v: Value = serde_json::from_str(&wire::text_of(&bytes))
+            .map_err(|e| bad(format!("rank {rank} sent an unreadable state: {e}")))?;
+        for st in v["stages"].as_array().cloned().unwrap_or_default() {
+            let index = st["index"].as_u64().unwrap_or(u64::MAX) as usize;
+            let s = stages
+                .get(index)
+                .ok_or_else(|| bad(format!("rank {rank} sent stage {index}")))?;
+            let floats = |v: &Value| -> Vec<f32> {
+                v.as_array()
+                    .map(|a| {
+                        a.iter()
+                            .map(|x| x.as_f64().unwrap_or(f64::NAN) as f32)
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            };
+            let set = |p: &wgpipe_autograd::Param, v: &Value| -> Result<()> {
+                let t = Tensor::from_slice(&floats(v), p.value().shape(), p.value().device())?;
+                p.set_value(t);
+                Ok(())
+            };
+            let params: Vec<_> = s.layers.iter().flat_map(|l| l.parameters()).collect();
+            let buffers: Vec<_> = s.layers.iter().flat_map(|l| l.buffers()).collect();
+            let (pv, bv) = (st["params"].as_array(), st["buffers"].as_array());
+            if pv.map(Vec::len) != Some(params.len()) || bv.map(Vec::len) != Some(buffers.len()) {
+                return Err(bad(format!(
+                    "rank {rank}'s stage {index} has other parameters"
+                )));
+            }
+            for ((_, p), v) in params.iter().zip(pv.into_iter().flatten()) {
+                set(p, v)?;
+            }
+            for ((_, b), v) in buffers.iter().zip(bv.into_iter().flatten()) {
+                set(b, v)?;
+            }
+            if let Some(o) = optimizers.get_mut(index) {
+                let mut state = Vec::new();
+                for e in st["optim"].as_array().cloned().unwrap_or_default() {
+                    let name = e[0].as_str().unwrap_or("").to_string();
+                    let shape: Vec<usize> = e[1]
+                        .as_array()
+                        .map(|a| a.iter().map(|d| d.as_u64().unwrap_or(0) as usize).collect())
+                        .unwrap_or_default();
+                    // Counters ('@' keys) live on the CPU, moments beside their parameter.
+                    let device = if name.starts_with('@') {
+                        wgpipe_tensor::Device::cpu()
+                    } else {
+                        s.device.clone()
+                    };
+                    state.push((name, Tensor::from_slice(&floats(&e[2]), &shape, &device)?));
+                }
+                o.load_state(state)?;
+            }
+        }
+    }
+    Ok(())
+}

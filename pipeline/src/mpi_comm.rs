@@ -48,6 +48,17 @@ struct Inner {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
+impl Drop for Inner {
+    /// The last handle gone: the communication thread ends and MPI is finalized (what
+    /// [`MpiComm::finish`] does earlier on request).
+    fn drop(&mut self) {
+        let _ = lock(&self.out).send(Out::Stop);
+        if let Some(h) = lock(&self.thread).take() {
+            let _ = h.join();
+        }
+    }
+}
+
 impl std::fmt::Debug for MpiComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "MpiComm(rank {} of {})", self.rank(), self.size())

@@ -63,6 +63,35 @@ impl Pipeline {
         1 + self.replicas.len()
     }
 
+    /// Over MPI, where each rank trains only its device's stages: every rank gets every
+    /// stage's current parameters, buffers and optimizer state from the rank that trains it,
+    /// so that each holds the whole trained model (to evaluate, sample, or save it to one
+    /// file). Every rank must call it at the same point. Nothing to do in one process.
+    pub fn gather_stages(&mut self) -> Result<()> {
+        #[cfg(feature = "mpi")]
+        if let Transport::Mpi(comm) = &self.transport {
+            self.round += 1;
+            return crate::distributed::gather_stages(
+                comm,
+                self.round,
+                &self.schedule,
+                &self.stages,
+                &mut self.optimizers,
+            );
+        }
+        Ok(())
+    }
+
+    /// This process's rank in a job spread over processes (0 in one process): the one that
+    /// prints and writes files is rank 0.
+    pub fn rank(&self) -> usize {
+        match &self.transport {
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(comm) => comm.rank(),
+            _ => 0,
+        }
+    }
+
     /// The other data-parallel replicas (1..R), e.g. to check that they stay identical.
     pub fn replicas(&self) -> &[Pipeline] {
         &self.replicas

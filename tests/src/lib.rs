@@ -573,6 +573,11 @@ pub struct MpiJob {
     /// `(rank, step, panic)`: the Fault layer (last in the model) of that rank fails at
     /// micro-batch 1 of that step, with an error (or a panic).
     pub fault: Option<(usize, usize, bool)>,
+    /// After this many steps, gather the stages and save a checkpoint (`ckpt.safetensors` in
+    /// the output folder, written by rank 0).
+    pub save_at: Option<usize>,
+    /// Load this checkpoint on every rank before training.
+    pub resume: Option<std::path::PathBuf>,
 }
 
 impl MpiJob {
@@ -584,6 +589,8 @@ impl MpiJob {
             steps: 3,
             replicas: 1,
             fault: None,
+            save_at: None,
+            resume: None,
         }
     }
 
@@ -595,6 +602,10 @@ impl MpiJob {
             self.m.to_string(),
             self.steps.to_string(),
             self.replicas.to_string(),
+            self.save_at.unwrap_or(0).to_string(),
+            self.resume
+                .as_ref()
+                .map_or("-".into(), |p| p.display().to_string()),
         ];
         if let Some((rank, step, panic)) = self.fault {
             v.extend([rank.to_string(), step.to_string(), panic.to_string()]);
@@ -610,10 +621,12 @@ impl MpiJob {
             .find(|s| format!("{s:?}") == *name)?;
         let num = |i: usize| args.get(i)?.parse::<usize>().ok();
         let fault = match args.len() {
-            5 => None,
-            8 => Some((num(5)?, num(6)?, args[7].parse().ok()?)),
+            7 => None,
+            10 => Some((num(7)?, num(8)?, args[9].parse().ok()?)),
             _ => return None,
         };
+        let save_at = num(5).filter(|&s| s > 0);
+        let resume = (args[6] != "-").then(|| args[6].clone().into());
         Some(MpiJob {
             schedule,
             k: num(1)?,
@@ -621,6 +634,8 @@ impl MpiJob {
             steps: num(3)?,
             replicas: num(4)?,
             fault,
+            save_at,
+            resume,
         })
     }
 

@@ -206,3 +206,66 @@ fn a_fault_on_one_rank_fails_every_rank_at_once_and_changes_nothing() {
         assert!(got == want, "{tag}: the failed step left a trace");
     }
 }
+
+#[test]
+fn a_checkpoint_gathered_from_the_ranks_resumes_bit_exactly_under_mpi_and_in_one_process() {
+    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = MpiJob {
+        steps: 4,
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    };
+    let straight = gather(&mpirun(&base, 2, "ckpt-straight"), "straight");
+    // Saves after 2 steps into its output folder (removed after the run): keep a copy.
+    let ckpt = dir.join("after2.safetensors");
+    let saving = MpiJob {
+        save_at: Some(2),
+        steps: 3,
+        ..base.clone()
+    };
+    {
+        // mpirun() removes its folder, so run it by hand here.
+        let out = dir.join("saving");
+        std::fs::create_dir_all(&out).unwrap();
+        let status = Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+            .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+            .args(saving.args())
+            .arg(&out)
+            .status()
+            .unwrap();
+        assert!(status.success());
+        std::fs::copy(out.join("ckpt.safetensors"), &ckpt).unwrap();
+    }
+    let resumed_job = MpiJob {
+        steps: 2,
+        resume: Some(ckpt.clone()),
+        ..base.clone()
+    };
+    let resumed = gather(&mpirun(&resumed_job, 2, "ckpt-resumed"), "resumed");
+    assert_eq!(
+        resumed.losses,
+        straight.losses[2..],
+        "losses after resuming under MPI"
+    );
+    assert!(
+        resumed.params == straight.params,
+        "parameters after resuming under MPI"
+    );
+    // In one process, from the same file.
+    let (x, y) = MpiJob::data();
+    let mut one = sim_pipeline(MpiJob::model().0, &base.cfg());
+    one.load(&ckpt, &wgpipe_pipeline::LoadOptions::default())
+        .unwrap();
+    let (got, _) = pipe_train(&mut one, &x, &y, &mse, 2);
+    assert_eq!(
+        got.losses,
+        straight.losses[2..],
+        "losses after resuming in one process"
+    );
+    assert!(
+        got.params == straight.params,
+        "parameters after resuming in one process"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

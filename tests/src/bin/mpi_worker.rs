@@ -3,18 +3,19 @@
 //! errors of failed steps (with how long the step took), and the values of the parameters of
 //! the stages this rank runs.
 
+use std::path::Path;
 use std::time::Instant;
 
 use serde_json::json;
 use wgpipe_pipeline::mpi_comm::MpiComm;
-use wgpipe_pipeline::Transport;
+use wgpipe_pipeline::{LoadOptions, SaveOptions, Transport};
 use wgpipe_tests::{mse, try_sim_pipeline, FaultKind, MpiJob, PipeCfg};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (job_args, out) = args.split_at(args.len().saturating_sub(1));
     let (Some(job), Some(out)) = (MpiJob::from_args(job_args), out.first()) else {
-        eprintln!("usage: mpi_worker <schedule> <K> <M> <steps> <R> [<fault rank> <step> <panic>] <out dir>");
+        eprintln!("usage: mpi_worker <schedule> <K> <M> <steps> <R> <save at> <resume|-> [<fault rank> <step> <panic>] <out dir>");
         std::process::exit(2);
     };
     let comm = match MpiComm::init() {
@@ -24,12 +25,12 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let result = run(&job, &comm);
+    let result = run(&job, &comm, Path::new(out));
     let rank = comm.rank();
     comm.finish();
     match result {
         Ok(v) => {
-            let path = std::path::Path::new(out).join(format!("rank{rank}.json"));
+            let path = Path::new(out).join(format!("rank{rank}.json"));
             std::fs::write(&path, v.to_string()).expect("writing the rank's results");
         }
         Err(e) => {
@@ -39,18 +40,30 @@ fn main() {
     }
 }
 
-fn run(job: &MpiJob, comm: &MpiComm) -> Result<serde_json::Value, String> {
+fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, String> {
     let (layers, fault) = MpiJob::model();
     let cfg = PipeCfg {
         transport: Transport::Mpi(comm.clone()),
         ..job.cfg()
     };
     let mut pipe = try_sim_pipeline(layers, &cfg).map_err(|e| e.to_string())?;
+    if let Some(path) = &job.resume {
+        pipe.load(path, &LoadOptions::default())
+            .map_err(|e| e.to_string())?;
+    }
     let (x, y) = MpiJob::data();
     let mut losses = Vec::new();
     let mut errors = Vec::new();
     let mut rows = 0;
     for step in 0..job.steps {
+        if job.save_at == Some(step) {
+            // The whole model on every rank, then one file from rank 0.
+            pipe.gather_stages().map_err(|e| e.to_string())?;
+            if pipe.rank() == 0 {
+                pipe.save(out.join("ckpt.safetensors"), &SaveOptions::default())
+                    .map_err(|e| e.to_string())?;
+            }
+        }
         let armed = job
             .fault
             .filter(|&(r, s, _)| r == comm.rank() && s == step)
