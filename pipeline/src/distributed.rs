@@ -497,3 +497,41 @@ pub(crate) fn gather_stages(
     }
     Ok(())
 }
+
+/// Each stage's squared gradient norm as computed by the rank that trains it (replica 0's
+/// ranks; after the all-reduce every replica holds the same gradients), from `mine` (this
+/// rank's value for every stage). For gradient clipping in round `round`.
+pub(crate) fn stage_parts(
+    comm: &MpiComm,
+    round: u64,
+    schedule: &Schedule,
+    mine: &[f64],
+) -> Result<Vec<f64>> {
+    let k = schedule.num_devices();
+    let me = comm.rank() % k;
+    let base = comm.rank() - me;
+    let peers: Vec<usize> = (base..base + k).filter(|&p| p != comm.rank()).collect();
+    // JSON keeps every finite f64 exactly; NaN and infinity travel as null.
+    let text = json!(mine).to_string();
+    let theirs = comm
+        .exchange(
+            round,
+            MsgKind::Norm,
+            &wire::encode_text(MsgKind::Norm, round, &text),
+            &peers,
+            STATUS_LIMIT,
+        )
+        .map_err(|why| rank_error(comm.rank(), me, why))?;
+    let mut parts = Vec::with_capacity(mine.len());
+    for (s, &own) in mine.iter().enumerate() {
+        let owner = base + schedule.placement[s];
+        parts.push(if owner == comm.rank() {
+            own
+        } else {
+            let v: Value = serde_json::from_str(&wire::text_of(&theirs[&owner]))
+                .map_err(|e| rank_error(owner, me, format!("an unreadable norm: {e}")))?;
+            v[s].as_f64().unwrap_or(f64::NAN)
+        });
+    }
+    Ok(parts)
+}

@@ -96,7 +96,7 @@ impl Routes {
             return; // not ours: nothing in this job sends such bytes
         };
         match kind {
-            MsgKind::Status | MsgKind::Reduce => {
+            MsgKind::Status | MsgKind::Reduce | MsgKind::Norm => {
                 if round >= self.round {
                     self.control.insert((round, kind as u8, src), bytes);
                 }
@@ -231,6 +231,45 @@ impl MpiComm {
         for dest in (0..self.size()).filter(|&d| d != self.rank()) {
             let _ = self.send(dest, bytes.clone());
         }
+    }
+
+    /// Measures this transport between this rank and `peer` (both must call it, with the same
+    /// arguments, outside a step): the median seconds of `reps` swaps of a `bytes`-byte
+    /// message through the communication threads, the path a tensor takes. A swap overlaps the
+    /// two directions, so it costs one message's latency plus its bytes over the bandwidth.
+    pub fn measure_swap(&self, peer: usize, bytes: usize, reps: usize) -> Result<f64, String> {
+        let values = vec![0.5f32; bytes.div_ceil(4)];
+        let mut times = Vec::with_capacity(reps);
+        for i in 0..reps {
+            // Rounds far above any step's, so that no step's messages are taken for these.
+            let round = u64::MAX / 2 + i as u64;
+            let header = wire::Header {
+                kind: MsgKind::Reduce,
+                step: round,
+                link: Link {
+                    from: self.rank(),
+                    to: peer,
+                    grad: false,
+                },
+                micro_batch: 0,
+                finite: true,
+                dtype: wire::WireDtype::F32,
+                shape: vec![values.len()],
+            };
+            let t0 = Instant::now();
+            let msg = wire::encode(&header, &values);
+            let got = self.exchange(
+                round,
+                MsgKind::Reduce,
+                &msg,
+                &[peer],
+                Duration::from_secs(60),
+            )?;
+            wire::decode(&got[&peer]).map_err(|e| e.to_string())?;
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
     }
 
     /// Sends `mine` (a message of kind `kind` for `round`) to each of `peers` and waits for

@@ -719,10 +719,21 @@ impl Pipeline {
                 "clip_grad_norm: max_norm must be >= 0, got {max_norm}"
             )));
         }
-        let mut sq = 0.0f64;
+        let mut parts = Vec::with_capacity(self.stages.len());
         for s in &self.stages {
-            let part = wgpipe_autograd::optim::grad_norm_sq(&stage_params(s))
-                .map_err(|e| stage_error(s, 0, "clip_grad_norm", StageCause::Tensor(e)))?;
+            parts.push(
+                wgpipe_autograd::optim::grad_norm_sq(&stage_params(s))
+                    .map_err(|e| stage_error(s, 0, "clip_grad_norm", StageCause::Tensor(e)))?,
+            );
+        }
+        // Over MPI each rank has its own stages' gradients: every rank takes each stage's part
+        // from the rank that trains it, so that all sum the same parts in the same order.
+        #[cfg(feature = "mpi")]
+        if let Transport::Mpi(comm) = &self.transport {
+            parts = crate::distributed::stage_parts(comm, self.round, &self.schedule, &parts)?;
+        }
+        let mut sq = 0.0f64;
+        for (s, &part) in self.stages.iter().zip(&parts) {
             if !part.is_finite() {
                 return Err(stage_error(
                     s,

@@ -26,12 +26,14 @@ pub enum MsgKind {
     Status = 3,
     /// Values for a collective (a gradient all-reduce across replicas, a gather).
     Reduce = 4,
+    /// Each stage's squared gradient norm, for clipping (JSON text).
+    Norm = 5,
 }
 
 impl MsgKind {
     /// Kinds whose payload is text after a one-value placeholder.
     fn is_text(self) -> bool {
-        matches!(self, MsgKind::Abort | MsgKind::Status)
+        matches!(self, MsgKind::Abort | MsgKind::Status | MsgKind::Norm)
     }
 }
 
@@ -178,6 +180,7 @@ fn fixed(bytes: &[u8]) -> Result<Fixed, WireError> {
         2 => MsgKind::Abort,
         3 => MsgKind::Status,
         4 => MsgKind::Reduce,
+        5 => MsgKind::Norm,
         code => return Err(WireError::BadCode { what: "kind", code }),
     };
     let dtype = match bytes[5] {
