@@ -6,6 +6,7 @@
 //! Rank `r*K + d` runs device d of replica r. Every rank holds the whole model (built from the
 //! same seed) and trains only its device's stages; the others' copies stay as built.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -91,23 +92,20 @@ pub(crate) fn agree(
     }
     let status = status_of(&local, me, loss, weight);
     let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
-    let text = status.to_string();
-    let theirs = comm
-        .exchange(
-            round,
-            MsgKind::Status,
-            &wire::encode_text(MsgKind::Status, round, &text),
-            &peers,
-            STATUS_LIMIT,
-        )
-        .map_err(|why| rank_error(comm.rank(), me, why))?;
+    let theirs = exchange_text(
+        comm,
+        round,
+        MsgKind::Status,
+        &status.to_string(),
+        &peers,
+        me,
+    )?;
     let mut all: Vec<Value> = Vec::with_capacity(comm.size());
     for rank in 0..comm.size() {
         all.push(if rank == comm.rank() {
             status.clone()
         } else {
-            let bytes = &theirs[&rank];
-            serde_json::from_str(&wire::text_of(bytes)).unwrap_or_else(
+            serde_json::from_str(&theirs[&rank]).unwrap_or_else(
                 |e| json!({"ok": false, "root": true, "stage": rank % k, "device": "?", "micro_batch": 0, "action": "status", "cause": format!("an unreadable status: {e}")}),
             )
         });
@@ -120,7 +118,7 @@ pub(crate) fn agree(
             .find(|&r| all[r]["root"] == true)
             .unwrap_or(first);
         return Err(match local {
-            Err(e) if root == comm.rank() => on_rank(e, root),
+            Err(e) if root == comm.rank() => e.at(&format!(" on rank {root}")),
             _ => remote_error(root, &all[root]),
         });
     }
@@ -349,26 +347,6 @@ fn outcome_of(status: &Value, actions: &[crate::schedule::Action]) -> StageOutco
     }
 }
 
-/// This rank's own error, saying which rank it is.
-fn on_rank(e: PipelineError, rank: usize) -> PipelineError {
-    match e {
-        PipelineError::Stage {
-            stage,
-            device,
-            micro_batch,
-            action,
-            cause,
-        } => PipelineError::Stage {
-            stage,
-            device: format!("{device} on rank {rank}"),
-            micro_batch,
-            action,
-            cause,
-        },
-        other => other,
-    }
-}
-
 /// Another rank's failure, as this rank returns it.
 fn remote_error(rank: usize, s: &Value) -> PipelineError {
     PipelineError::Stage {
@@ -381,6 +359,31 @@ fn remote_error(rank: usize, s: &Value) -> PipelineError {
             s["cause"].as_str().unwrap_or("?")
         ))),
     }
+}
+
+/// Sends `text` as a message of `kind` for `round` to `peers` and returns their texts, by
+/// rank (an error naming the ranks that sent nothing within [`STATUS_LIMIT`]).
+fn exchange_text(
+    comm: &MpiComm,
+    round: u64,
+    kind: MsgKind,
+    text: &str,
+    peers: &[usize],
+    device: usize,
+) -> Result<HashMap<usize, String>> {
+    let theirs = comm
+        .exchange(
+            round,
+            kind,
+            &wire::encode_text(kind, round, text),
+            peers,
+            STATUS_LIMIT,
+        )
+        .map_err(|why| rank_error(comm.rank(), device, why))?;
+    Ok(theirs
+        .into_iter()
+        .map(|(r, bytes)| (r, wire::text_of(&bytes)))
+        .collect())
 }
 
 /// A failure of the exchange itself (a peer that sent nothing).
@@ -429,18 +432,10 @@ pub(crate) fn gather_stages(
     }
     let text = json!({ "stages": mine }).to_string();
     let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
-    let theirs = comm
-        .exchange(
-            round,
-            MsgKind::Status,
-            &wire::encode_text(MsgKind::Status, round, &text),
-            &peers,
-            STATUS_LIMIT,
-        )
-        .map_err(|why| rank_error(comm.rank(), comm.rank() % k, why))?;
+    let theirs = exchange_text(comm, round, MsgKind::Status, &text, &peers, comm.rank() % k)?;
     let bad = |why: String| PipelineError::Config(format!("gathering the stages: {why}"));
-    for (rank, bytes) in theirs {
-        let v: Value = serde_json::from_str(&wire::text_of(&bytes))
+    for (rank, text) in theirs {
+        let v: Value = serde_json::from_str(&text)
             .map_err(|e| bad(format!("rank {rank} sent an unreadable state: {e}")))?;
         for st in v["stages"].as_array().cloned().unwrap_or_default() {
             let index = st["index"].as_u64().unwrap_or(u64::MAX) as usize;
@@ -512,23 +507,21 @@ pub(crate) fn stage_parts(
     let base = comm.rank() - me;
     let peers: Vec<usize> = (base..base + k).filter(|&p| p != comm.rank()).collect();
     // JSON keeps every finite f64 exactly; NaN and infinity travel as null.
-    let text = json!(mine).to_string();
-    let theirs = comm
-        .exchange(
-            round,
-            MsgKind::Norm,
-            &wire::encode_text(MsgKind::Norm, round, &text),
-            &peers,
-            STATUS_LIMIT,
-        )
-        .map_err(|why| rank_error(comm.rank(), me, why))?;
+    let theirs = exchange_text(
+        comm,
+        round,
+        MsgKind::Norm,
+        &json!(mine).to_string(),
+        &peers,
+        me,
+    )?;
     let mut parts = Vec::with_capacity(mine.len());
     for (s, &own) in mine.iter().enumerate() {
         let owner = base + schedule.placement[s];
         parts.push(if owner == comm.rank() {
             own
         } else {
-            let v: Value = serde_json::from_str(&wire::text_of(&theirs[&owner]))
+            let v: Value = serde_json::from_str(&theirs[&owner])
                 .map_err(|e| rank_error(owner, me, format!("an unreadable norm: {e}")))?;
             v[s].as_f64().unwrap_or(f64::NAN)
         });

@@ -236,6 +236,16 @@ pub fn try_sim_pipeline(
         })
         .collect();
     let cluster = SimCluster::new(&Device::cpu(), &specs, cfg.link);
+    sim_builder(layers, cluster, cfg, n).build()
+}
+
+/// A builder of `n` layers on `cluster` with `cfg`'s pipeline settings.
+fn sim_builder(
+    layers: Vec<Box<dyn Module>>,
+    cluster: SimCluster,
+    cfg: &PipeCfg,
+    n: usize,
+) -> wgpipe_pipeline::PipelineBuilder {
     Pipeline::builder(layers)
         .sim(cluster)
         .balance(Balance::Explicit(cfg.balance.clone().unwrap_or_else(
@@ -247,7 +257,6 @@ pub fn try_sim_pipeline(
         .seed(SEED)
         .optimizer(sgd)
         .transport(cfg.transport.clone())
-        .build()
 }
 
 /// `r` data-parallel replicas of the pipeline `cfg` describes (K = `cfg.k` each), on a simulated
@@ -264,17 +273,7 @@ pub fn dp_sim_pipeline(
         memory_bytes: cfg.memory[0],
     };
     let cluster = SimCluster::new(&Device::cpu(), &vec![spec; r * cfg.k], cfg.link);
-    Pipeline::builder(layers)
-        .sim(cluster)
-        .balance(Balance::Explicit(cfg.balance.clone().unwrap_or_else(
-            || even_balance(n, cfg.k * cfg.schedule.default_chunks()),
-        )))
-        .micro_batches(cfg.m)
-        .checkpoint(cfg.mode)
-        .schedule(cfg.schedule)
-        .seed(SEED)
-        .optimizer(sgd)
-        .transport(cfg.transport.clone())
+    sim_builder(layers, cluster, cfg, n)
         .replicas(r, make)
         .build()
 }
