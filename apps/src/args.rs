@@ -79,6 +79,16 @@ impl From<ScheduleArg> for ScheduleKind {
     }
 }
 
+/// `--transport`: what carries tensors between stages.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TransportArg {
+    /// One process, a thread per device.
+    Channels,
+    /// One process per device under mpirun (-np K, or R x K with --replicas); needs a build
+    /// with --features mpi.
+    Mpi,
+}
+
 /// `--balance`: layers per stage (`3,3,2,2`) or a rule.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum BalanceArg {
@@ -204,6 +214,10 @@ pub struct PipelineArgs {
     /// (1..=64).
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
+    /// What carries tensors between stages: channels (one process) or mpi (run under
+    /// `mpirun -np K`, or R x K with --replicas; rank 0 prints and writes the files).
+    #[arg(long, value_enum, default_value_t = TransportArg::Channels)]
+    pub transport: TransportArg,
 }
 
 impl PipelineArgs {
@@ -225,9 +239,21 @@ impl PipelineArgs {
             .unwrap_or_else(|| ScheduleKind::from(self.schedule).default_chunks())
     }
 
-    /// R x K: the devices the replicas' stages run on.
+    /// Replicas held by this process: R in one process, 1 under MPI (the others are ranks).
+    pub fn local_replicas(&self) -> usize {
+        match self.transport {
+            TransportArg::Channels => self.replicas,
+            TransportArg::Mpi => 1,
+        }
+    }
+
+    /// The devices this process places: R x K in one process, K on each rank under MPI
+    /// (which runs one of them).
     pub fn num_devices(&self) -> usize {
-        self.replicas * self.stages
+        match self.transport {
+            TransportArg::Channels => self.replicas * self.stages,
+            TransportArg::Mpi => self.stages,
+        }
     }
 
     /// K x chunks: the pieces the model is cut into.
@@ -358,7 +384,9 @@ pub fn build_pipeline(
         Some(c) => b.sim(c.clone()),
         None => b.devices(placement.devices.clone()),
     };
-    if args.replicas > 1 {
+    if args.transport == TransportArg::Mpi {
+        b = b.transport(mpi_transport(args)?);
+    } else if args.replicas > 1 {
         // A copy too few comes out as an empty model, which the builder names.
         b = b.replicas(args.replicas, move || copies.pop().unwrap_or_default());
     }
@@ -366,6 +394,32 @@ pub fn build_pipeline(
         PipelineError::Partition(p) => args.partition_error(p, num_layers, "as built"),
         _ => AppError(format!("building the pipeline: {e}")),
     })
+}
+
+/// This process's place in the MPI job, which must have --replicas x --stages ranks; ranks
+/// other than 0 go silent.
+#[cfg(feature = "mpi")]
+fn mpi_transport(args: &PipelineArgs) -> AppResult<crate::pipeline::Transport> {
+    let comm = crate::pipeline::mpi_comm::MpiComm::init()
+        .map_err(|e| AppError(format!("--transport mpi: {e}")))?;
+    let want = args.replicas * args.stages;
+    if comm.size() != want {
+        return Err(AppError(format!(
+            "--transport mpi: the job has {} ranks but --replicas {} x --stages {} needs {want} (mpirun -np {want})",
+            comm.size(),
+            args.replicas,
+            args.stages
+        )));
+    }
+    crate::output::set_root(comm.rank() == 0);
+    Ok(crate::pipeline::Transport::Mpi(comm))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_transport(_: &PipelineArgs) -> AppResult<crate::pipeline::Transport> {
+    Err(AppError(
+        "--transport mpi needs the examples built with --features mpi (and Open MPI installed; see the README)".into(),
+    ))
 }
 
 /// With `--replicas R > 1`, one line saying how the replicas share the work.

@@ -27,6 +27,10 @@ pub fn check_readable(flag: &str, path: &Path) -> AppResult<()> {
 /// Saves parameters, buffers, every stage's optimizer state and the step (atomically; refuses
 /// to write a checkpoint holding NaN or infinity).
 pub fn save_pipeline(pipe: &Pipeline, path: &Path, metadata: &[(String, String)]) -> AppResult<()> {
+    // One file per job, from rank 0 (after `gather_stages`, it holds the whole model).
+    if !crate::output::is_root() {
+        return Ok(());
+    }
     let opts = SaveOptions {
         metadata: metadata.to_vec(),
         require_finite: true,

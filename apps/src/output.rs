@@ -3,6 +3,7 @@
 //! made before training so that a bad path is not found after it.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -10,11 +11,43 @@ use crate::bail;
 use crate::error::{AppResult, Context};
 use crate::pipeline::{Pipeline, StepReport};
 
+/// Whether this process prints and writes files: false on every rank but 0 of an MPI job.
+static ROOT: AtomicBool = AtomicBool::new(true);
+
+pub fn is_root() -> bool {
+    ROOT.load(Ordering::Relaxed)
+}
+
+/// Makes this process silent (an MPI rank other than 0).
+pub fn set_root(root: bool) {
+    ROOT.store(root, Ordering::Relaxed);
+}
+
+/// `println!` on the process that reports (rank 0 of an MPI job; always in one process).
+#[macro_export]
+macro_rules! say {
+    ($($t:tt)*) => {
+        if $crate::output::is_root() {
+            println!($($t)*);
+        }
+    };
+}
+
+/// `print!` on the process that reports.
+#[macro_export]
+macro_rules! say_part {
+    ($($t:tt)*) => {
+        if $crate::output::is_root() {
+            print!($($t)*);
+        }
+    };
+}
+
 /// A progress bar over `total` steps starting at `start` (hidden with `quiet`).
 pub fn progress_bar(start: u64, total: u64, quiet: bool) -> ProgressBar {
     let pb = ProgressBar::with_draw_target(
         Some(total),
-        if quiet {
+        if quiet || !is_root() {
             ProgressDrawTarget::hidden()
         } else {
             ProgressDrawTarget::stderr()
@@ -106,6 +139,9 @@ pub fn report_outputs(
     trace: &Path,
     timeline: &Path,
 ) -> AppResult<()> {
+    if !is_root() {
+        return Ok(());
+    }
     println!("\nlast step, per stage:\n{}", report.stage_table());
     if pipe.num_micro_batches() <= 12 {
         println!("schedule (one column per clock tick):\n{}", pipe.schedule());

@@ -82,7 +82,9 @@ pub fn build_or_plan(
     });
     let mut wanted = wants_plan(args.plan, args.shape_given, placement);
     if wanted && has_skips && args.plan == PlanArg::Auto {
-        println!("planner: off (it does not model skip connections yet); the shape flags as given");
+        crate::say!(
+            "planner: off (it does not model skip connections yet); the shape flags as given"
+        );
         wanted = false;
     }
     if wanted {
@@ -130,11 +132,11 @@ pub fn plan_pipeline(
         .optimizer(optimizer)
         .plan(cluster, &inputs)
         .map_err(|e| AppError(format!("--plan: {e}")))?;
-    println!(
+    crate::say!(
         "planned in {:.2} s (profile and search; --plan off and the shape flags choose by hand):",
         started.elapsed().as_secs_f64()
     );
-    print!("{report}");
+    crate::say_part!("{report}");
     let pipe = builder
         .seed(run.seed)
         .build()
@@ -149,7 +151,7 @@ pub fn print_predicted_vs_measured(plan: &PlanReport, last: &StepReport) {
     let Some(sim) = &last.simulated else {
         return;
     };
-    println!(
+    crate::say!(
         "plan: predicted step {:.4e} s, simulated {:.4e} s ({:+.2}%); bubble predicted {:.1}%, simulated {:.1}%",
         p.step_secs,
         sim.makespan_secs,
@@ -158,7 +160,7 @@ pub fn print_predicted_vs_measured(plan: &PlanReport, last: &StepReport) {
         sim.bubble_fraction * 100.0
     );
     for (d, s) in last.stages.iter().enumerate() {
-        println!(
+        crate::say!(
             "  device {d} ({}): peak {} bytes, predicted at most {}",
             s.device,
             s.memory.peak,

@@ -120,7 +120,7 @@ pub fn train_loop(
         pb.set_message(msg.clone());
         pb.set_position(step + 1);
         if cfg.quiet && ((step + 1) % log_every == 0 || step + 1 == cfg.steps) {
-            println!("step {:>5}/{}  {msg}", step + 1, cfg.steps);
+            crate::say!("step {:>5}/{}  {msg}", step + 1, cfg.steps);
         }
         r.last_report = Some(report);
         let why = if cfg.stop.load(Ordering::SeqCst) {

@@ -451,7 +451,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         eps: 1e-8,
         weight_decay: 1e-4,
     };
-    let copies = (1..p.replicas)
+    let copies = (1..p.local_replicas())
         .map(|_| build_model(&args, &train))
         .collect::<AppResult<Vec<_>>>()?;
     let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
@@ -471,20 +471,25 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
             Box::new(AdamW::with_config(adam))
         })?;
 
-    println!(
+    crate::say!(
         "{:?}: width {}, depth {}, {} layers, {} parameters, {} classes",
-        args.model, args.width, args.depth, n_layers, n_params, train.num_classes
+        args.model,
+        args.width,
+        args.depth,
+        n_layers,
+        n_params,
+        train.num_classes
     );
-    println!("data: {data_what}");
-    println!("devices: {}", placement.description);
-    print!("{}", describe_stages(&pipe));
-    print!("{}", describe_replicas(p));
+    crate::say!("data: {data_what}");
+    crate::say!("devices: {}", placement.description);
+    crate::say_part!("{}", describe_stages(&pipe));
+    crate::say_part!("{}", describe_replicas(p));
 
     let mut loaded_tensors = 0;
     if let Some(path) = &args.init {
         let (loaded, skipped) = init_from(&pipe, path)?;
         loaded_tensors = loaded;
-        println!(
+        crate::say!(
             "--init {}: loaded {loaded} tensors; fresh head for {} classes; not loaded: {}",
             path.display(),
             train.num_classes,
@@ -503,7 +508,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
                     frozen += 1;
                 }
             }
-            println!("--freeze-body: {frozen} parameters frozen, only the head trains");
+            crate::say!("--freeze-body: {frozen} parameters frozen, only the head trains");
         }
     }
     let model_what = format!(
@@ -513,7 +518,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     let mut start_step = 0;
     if let Some(path) = &p.resume {
         start_step = load_pipeline(&mut pipe, path, &model_what)?.0;
-        println!("resumed from {} at step {start_step}", path.display());
+        crate::say!("resumed from {} at step {start_step}", path.display());
     }
 
     let steps_per_epoch = (train.n / batch).max(1) as u64;
@@ -545,6 +550,10 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         },
         &loss_fn,
     )?;
+    // Over MPI each rank trained only its own stages: every rank takes the whole model before
+    // evaluating and saving (nothing to do in one process).
+    pipe.gather_stages()
+        .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
     let end_step = r.end_step(start_step);
     if let Some(path) = &p.save {
         save_pipeline(
@@ -555,20 +564,20 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
                 ("data".into(), data_what.clone()),
             ],
         )?;
-        println!("saved checkpoint at step {end_step} to {}", path.display());
+        crate::say!("saved checkpoint at step {end_step} to {}", path.display());
     }
     pipe.set_train(false);
     let acc = accuracy(&pipe, &test, 256)?;
     let chance = 1.0 / train.num_classes as f64;
     if let (Some(first), Some(last)) = (r.losses.first(), r.losses.last()) {
-        println!(
+        crate::say!(
             "\ntrained steps {start_step}..{end_step} in {:.1} s ({:.0} images/s): loss {first:.3} -> {last:.3} (mean of last 10: {:.3})",
             r.wall_secs,
             r.items_per_sec,
             r.tail_loss(10)
         );
     }
-    println!(
+    crate::say!(
         "test accuracy {:.1}% on {} images (chance {:.1}%)",
         acc * 100.0,
         test.n,

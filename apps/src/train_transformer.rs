@@ -363,7 +363,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         eps: 1e-8,
         weight_decay: 0.01,
     };
-    let copies = (1..p.replicas)
+    let copies = (1..p.local_replicas())
         .map(|_| cfg.build(p.seed, &Device::cpu()))
         .collect::<Result<Vec<_>, _>>()
         .context("building the model's replicas")?;
@@ -399,16 +399,20 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         start_step = step;
     }
 
-    println!(
+    crate::say!(
         "TransformerLm: vocab {vocab}, d_model {}, {} heads, {} blocks, seq_len {} — {} parameters",
-        args.d_model, args.heads, args.layers, args.seq_len, n_params
+        args.d_model,
+        args.heads,
+        args.layers,
+        args.seq_len,
+        n_params
     );
-    println!("data: {data_what}");
-    println!("devices: {}", placement.description);
-    print!("{}", describe_stages(&pipe));
-    print!("{}", describe_replicas(p));
+    crate::say!("data: {data_what}");
+    crate::say!("devices: {}", placement.description);
+    crate::say_part!("{}", describe_stages(&pipe));
+    crate::say_part!("{}", describe_replicas(p));
     if plan.is_none() {
-        println!(
+        crate::say!(
             "mini-batch {} sequences = {} micro-batches; schedule {} ({} chunk(s) per device), checkpoint {}, balance {}",
             args.batch,
             p.micro_batches,
@@ -418,14 +422,14 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
             p.balance
         );
     } else {
-        println!(
+        crate::say!(
             "mini-batch {} sequences = {} micro-batches; schedule {} as planned",
             args.batch,
             pipe.schedule().num_micro_batches,
             pipe.schedule().name
         );
     }
-    println!(
+    crate::say!(
         "loss references (nats/char): uniform ln({vocab}) = {:.2}{}",
         (vocab as f32).ln(),
         if args.data.is_none() {
@@ -435,10 +439,10 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         }
     );
     if let Some(r) = &p.resume {
-        println!("resumed from {} at step {start_step}", r.display());
+        crate::say!("resumed from {} at step {start_step}", r.display());
     }
     if start_step >= args.steps {
-        println!(
+        crate::say!(
             "nothing to train: the checkpoint is at step {start_step}, --steps is {}",
             args.steps
         );
@@ -466,6 +470,10 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         },
         &loss_fn,
     )?;
+    // Over MPI each rank trained only its own stages: every rank takes the whole model before
+    // evaluating and saving (nothing to do in one process).
+    pipe.gather_stages()
+        .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
     let (wall, tokens_per_sec) = (r.wall_secs, r.items_per_sec);
     let end_step = r.end_step(start_step);
     let losses = r.losses.clone();
@@ -478,7 +486,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
                 ("data".into(), data_what.clone()),
             ],
         )?;
-        println!("saved checkpoint at step {end_step} to {}", path.display());
+        crate::say!("saved checkpoint at step {end_step} to {}", path.display());
     }
 
     pipe.set_train(false);
@@ -486,12 +494,12 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     if let (Some(first), Some(last)) = (losses.first(), losses.last()) {
         let k = losses.len().min(10);
         let tail = r.tail_loss(k);
-        println!(
+        crate::say!(
             "\ntrained steps {start_step}..{end_step} in {wall:.1} s ({tokens_per_sec:.0} tokens/s): loss {first:.3} -> {last:.3} (mean of last {k}: {tail:.3}); held-out loss {eval:.3} (uniform {:.3})",
             (vocab as f32).ln()
         );
     } else {
-        println!(
+        crate::say!(
             "\nheld-out loss {eval:.3} (uniform {:.3})",
             (vocab as f32).ln()
         );
@@ -521,7 +529,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         args.temperature,
         p.seed,
     )?;
-    println!(
+    crate::say!(
         "\nsample (temperature {}):\n{}\n",
         args.temperature,
         sample.trim_end()

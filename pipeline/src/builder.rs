@@ -317,6 +317,10 @@ impl PipelineBuilder {
                 schedule.clone()
             }
         };
+        #[cfg(feature = "mpi")]
+        if let Transport::Mpi(comm) = &self.transport {
+            crate::distributed::check(comm, schedule.num_devices())?;
+        }
         let s_total = schedule.num_stages();
         let balance = match &self.balance {
             Balance::Explicit(b) => {
@@ -353,6 +357,16 @@ impl PipelineBuilder {
             });
         }
         crate::tied::check_stage_ties(&stages)?;
+        #[cfg(feature = "mpi")]
+        if matches!(self.transport, Transport::Mpi(_)) {
+            if let Some(group) = crate::tied::group_across_devices(&stages, &schedule.placement) {
+                return Err(PipelineError::Config(format!(
+                    "tied parameter group '{group}' has copies on several devices, and tied \
+                     gradients are not summed across MPI ranks yet: untie it (train_transformer \
+                     --untie-embeddings) or keep its copies on one device"
+                )));
+            }
+        }
         let optimizers = match &self.optimizer {
             Some(f) => stages.iter().map(|_| f()).collect(),
             None => Vec::new(),
@@ -367,6 +381,7 @@ impl PipelineBuilder {
             non_finite: self.non_finite,
             action_timeout: self.action_timeout,
             transport: self.transport,
+            round: 0,
             stuck: None,
             replicas: Vec::new(),
         })
@@ -404,7 +419,7 @@ impl PipelineBuilder {
                 action_timeout: b.action_timeout,
                 seed: b.seed,
                 optimizer: None,
-                transport: b.transport,
+                transport: b.transport.clone(),
                 replicas: None,
             }
         };

@@ -78,6 +78,27 @@ pub enum PipelineError {
 }
 
 impl PipelineError {
+    /// A stage error whose device is said more precisely (`where_` follows the device name,
+    /// e.g. "on rank 1"); other errors as they are.
+    pub(crate) fn at(self, where_: &str) -> PipelineError {
+        match self {
+            PipelineError::Stage {
+                stage,
+                device,
+                micro_batch,
+                action,
+                cause,
+            } => PipelineError::Stage {
+                stage,
+                device: format!("{device}{where_}"),
+                micro_batch,
+                action,
+                cause,
+            },
+            other => other,
+        }
+    }
+
     /// The failing stage, for stage errors.
     pub fn stage(&self) -> Option<usize> {
         match self {

@@ -14,8 +14,12 @@
 //! ```
 
 pub mod builder;
+#[cfg(feature = "mpi")]
+pub(crate) mod distributed;
 pub mod error;
 pub mod microbatch;
+#[cfg(feature = "mpi")]
+pub mod mpi_comm;
 pub mod partition;
 pub mod persist;
 pub mod pipeline;

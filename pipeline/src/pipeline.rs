@@ -41,6 +41,9 @@ pub struct Pipeline {
     pub(crate) non_finite: NonFinite,
     pub(crate) action_timeout: Option<Duration>,
     pub(crate) transport: Transport,
+    /// `train_step` calls so far, failed ones included: what keeps one call's messages apart
+    /// from another's (the step counter does not advance on a failed step).
+    pub(crate) round: u64,
     /// A timed-out step whose threads still hold stages (see [`Pipeline::settle`]).
     pub(crate) stuck: Option<StuckStep>,
     /// Data parallelism: the other replicas (1..R), each a whole pipeline on its own devices
@@ -58,6 +61,35 @@ impl Pipeline {
     /// R: the number of data-parallel replicas (1 without data parallelism).
     pub fn num_replicas(&self) -> usize {
         1 + self.replicas.len()
+    }
+
+    /// Over MPI, where each rank trains only its device's stages: every rank gets every
+    /// stage's current parameters, buffers and optimizer state from the rank that trains it,
+    /// so that each holds the whole trained model (to evaluate, sample, or save it to one
+    /// file). Every rank must call it at the same point. Nothing to do in one process.
+    pub fn gather_stages(&mut self) -> Result<()> {
+        #[cfg(feature = "mpi")]
+        if let Transport::Mpi(comm) = &self.transport {
+            self.round += 1;
+            return crate::distributed::gather_stages(
+                comm,
+                self.round,
+                &self.schedule,
+                &self.stages,
+                &mut self.optimizers,
+            );
+        }
+        Ok(())
+    }
+
+    /// This process's rank in a job spread over processes (0 in one process): the one that
+    /// prints and writes files is rank 0.
+    pub fn rank(&self) -> usize {
+        match &self.transport {
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(comm) => comm.rank(),
+            _ => 0,
+        }
     }
 
     /// The other data-parallel replicas (1..R), e.g. to check that they stay identical.
@@ -175,6 +207,17 @@ impl Pipeline {
         loss_fn: &LossFn,
     ) -> Result<StepReport> {
         self.settle()?;
+        self.round += 1;
+        // Over MPI with replicas, this rank's replica trains on its share of the mini-batch.
+        #[cfg(feature = "mpi")]
+        let (inputs, targets, weight) = match &self.transport {
+            Transport::Mpi(comm) => {
+                crate::distributed::shard(comm, self.schedule.num_devices(), inputs, targets)?
+            }
+            _ => (inputs.clone(), targets.clone(), 1.0),
+        };
+        #[cfg(feature = "mpi")]
+        let (inputs, targets) = (&inputs, &targets);
         let m = self.schedule.num_micro_batches;
         let xs = split_batch("inputs", inputs, m)?;
         let ys = split_batch("targets", targets, m)?;
@@ -206,6 +249,10 @@ impl Pipeline {
         let (results, losses) = match ran {
             Ran::Done { results, losses } => (results, losses),
             Ran::TimedOut { error, stuck } => {
+                #[cfg(feature = "mpi")]
+                if let Transport::Mpi(comm) = &self.transport {
+                    crate::distributed::fail_round(comm, self.round, &error);
+                }
                 self.stuck = Some(StuckStep {
                     handles: stuck,
                     saved,
@@ -215,7 +262,26 @@ impl Pipeline {
             }
         };
 
-        let outcomes = match first_error(&self.stages, &self.device_stages(), results) {
+        let local = first_error(&self.stages, &self.device_stages(), results);
+        // Across processes every rank learns every rank's outcome, so all go on or all fail.
+        #[cfg(feature = "mpi")]
+        let (local, agreed) = match &self.transport {
+            Transport::Mpi(comm) => {
+                match crate::distributed::agree(
+                    comm,
+                    self.round,
+                    &self.schedule,
+                    local,
+                    &losses,
+                    weight,
+                ) {
+                    Ok(a) => (Ok(a.outcomes), Some((a.loss, a.weights))),
+                    Err(e) => (Err(e), None),
+                }
+            }
+            _ => (local, None),
+        };
+        let outcomes = match local {
             Ok(o) => o,
             Err(e) => {
                 saved.restore(&self.stages);
@@ -241,6 +307,23 @@ impl Pipeline {
                     return Err(e);
                 }
             };
+            #[cfg(feature = "mpi")]
+            if let (Transport::Mpi(comm), Some((_, weights))) = (&self.transport, &agreed) {
+                let k = self.schedule.num_devices();
+                let mine: Vec<&Stage> = self
+                    .stages
+                    .iter()
+                    .filter(|s| {
+                        self.transport
+                            .runs_device(self.schedule.placement[s.index], k)
+                    })
+                    .collect();
+                if let Err(e) = crate::distributed::all_reduce(comm, self.round, k, &mine, weights)
+                {
+                    saved.restore(&self.stages);
+                    return Err(e);
+                }
+            }
             for s in &self.stages {
                 for l in &s.layers {
                     l.finish_step()?;
@@ -250,6 +333,10 @@ impl Pipeline {
         let mut loss = 0.0f32;
         for t in &losses {
             loss += t.to_scalar()?;
+        }
+        #[cfg(feature = "mpi")]
+        if let Some((total, _)) = &agreed {
+            loss = *total;
         }
         let mut report = self.report(outcomes, wall, loss)?;
         crate::tied::add_to_report(&mut report, &self.schedule, &tied, self.sim.as_ref());
@@ -324,7 +411,6 @@ impl Pipeline {
     fn run_workers(&mut self, xs: Vec<Tensor>, loss: &LossSide<'_>, clock: Instant) -> Ran {
         let schedule = &self.schedule;
         let k = schedule.num_devices();
-        let links = wire_links(self.transport, schedule, self.step);
         let mut by_device: Vec<Vec<Stage>> = (0..k).map(|_| Vec::new()).collect();
         for stage in std::mem::take(&mut self.stages) {
             by_device[schedule.placement[stage.index]].push(stage);
@@ -338,14 +424,22 @@ impl Pipeline {
             })
             .collect();
         let abort = Arc::new(AtomicBool::new(false));
+        let links = wire_links(&self.transport, schedule, self.round, &abort);
         let inputs = Arc::new(xs);
         let (loss_tx, loss_rx) = channel::<LossRequest>();
         let running: Vec<Running> = (0..k).map(|_| Arc::new(Mutex::new(None))).collect();
         let mut handles: Vec<Option<JoinHandle<DeviceResult>>> = Vec::with_capacity(k);
         let mut results: Vec<Option<DeviceResult>> = (0..k).map(|_| None).collect();
         for (device, (stages, links)) in by_device.into_iter().zip(links).enumerate() {
+            // Under a transport that spreads devices over processes, the others' devices run
+            // nothing here.
+            let actions = if self.transport.runs_device(device, k) {
+                schedule.devices[device].clone()
+            } else {
+                Vec::new()
+            };
             let io = StepInputs {
-                actions: schedule.devices[device].clone(),
+                actions,
                 num_stages: schedule.num_stages(),
                 seed: self.seed,
                 step: self.step,
@@ -372,8 +466,11 @@ impl Pipeline {
                     Ok(r) => r,
                     Err(payload) => Err(StageCause::Panic(threads::panic_message(payload))),
                 };
-                if r.is_err() {
+                if let Err(cause) = &r {
                     io.abort.store(true, Ordering::SeqCst);
+                    if let Some(tell) = &links.abort_peers {
+                        tell(&cause.to_string());
+                    }
                 }
                 // Dropping the links closes this device's channels, which also wakes any
                 // neighbour blocked on them.
@@ -641,12 +738,23 @@ impl Pipeline {
                 "clip_grad_norm: max_norm must be >= 0, got {max_norm}"
             )));
         }
-        let mut sq = 0.0f64;
         // A tied parameter counts once, as in plain training (its copies hold one gradient).
         let counted = crate::tied::without_later_copies(&self.stages);
+        let mut parts = Vec::with_capacity(self.stages.len());
         for (s, params) in self.stages.iter().zip(&counted) {
-            let part = wgpipe_autograd::optim::grad_norm_sq(params)
-                .map_err(|e| stage_error(s, 0, "clip_grad_norm", StageCause::Tensor(e)))?;
+            parts.push(
+                wgpipe_autograd::optim::grad_norm_sq(params)
+                    .map_err(|e| stage_error(s, 0, "clip_grad_norm", StageCause::Tensor(e)))?,
+            );
+        }
+        // Over MPI each rank has its own stages' gradients: every rank takes each stage's part
+        // from the rank that trains it, so that all sum the same parts in the same order.
+        #[cfg(feature = "mpi")]
+        if let Transport::Mpi(comm) = &self.transport {
+            parts = crate::distributed::stage_parts(comm, self.round, &self.schedule, &parts)?;
+        }
+        let mut sq = 0.0f64;
+        for (s, &part) in self.stages.iter().zip(&parts) {
             if !part.is_finite() {
                 return Err(stage_error(
                     s,

@@ -148,7 +148,9 @@ fn finish(
     for (i, r) in reports.into_iter().enumerate() {
         match r {
             Ok(rep) => ok.push(rep),
-            Err(e) if failure.is_none() => failure = Some(name_replica(e, i, all.len())),
+            Err(e) if failure.is_none() => {
+                failure = Some(e.at(&format!(", replica {i} of {}", all.len())))
+            }
             Err(_) => {}
         }
     }
@@ -185,26 +187,6 @@ fn finish(
     let mut report = merge_reports(all, ok, weights, (reduce_start, wall));
     report.skipped = skipped;
     Ok(report)
-}
-
-/// An error of replica `i` of `r`, said so.
-fn name_replica(e: PipelineError, i: usize, r: usize) -> PipelineError {
-    match e {
-        PipelineError::Stage {
-            stage,
-            device,
-            micro_batch,
-            action,
-            cause,
-        } => PipelineError::Stage {
-            stage,
-            device: format!("{device}, replica {i} of {r}"),
-            micro_batch,
-            action,
-            cause,
-        },
-        other => other,
-    }
 }
 
 /// Each parameter's gradient: Σ_r weight_r x gradient_r, summed on the host in replica order,

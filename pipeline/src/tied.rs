@@ -47,6 +47,19 @@ pub(crate) fn without_later_copies(stages: &[Stage]) -> Vec<Vec<(String, Param)>
     out
 }
 
+/// The first tie group with copies on more than one device, by name (what an MPI run cannot
+/// sum yet: each rank holds only its own stages' gradients).
+#[cfg(feature = "mpi")]
+pub(crate) fn group_across_devices(stages: &[Stage], placement: &[usize]) -> Option<String> {
+    let (params, owner) = stage_params(stages);
+    tied_groups(&params).into_iter().find_map(|(group, idx)| {
+        let first = placement[owner[idx[0]]];
+        idx.iter()
+            .any(|&i| placement[owner[i]] != first)
+            .then_some(group)
+    })
+}
+
 /// At build: tied copies must agree in shape and value (the error names both).
 pub(crate) fn check_stage_ties(stages: &[Stage]) -> Result<()> {
     check_tied(&stage_params(stages).0).map_err(|e| PipelineError::Config(e.to_string()))

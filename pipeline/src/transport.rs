@@ -2,7 +2,9 @@
 //! from a channel; which transport is behind them is decided here, when the executor wires a
 //! step's links, and the worker never knows.
 
+use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::{channel, Sender};
+use std::sync::Arc;
 
 use crate::error::StageCause;
 use crate::schedule::{Link, Schedule};
@@ -10,7 +12,7 @@ use crate::wire::{self, MsgKind};
 use crate::worker::{DeviceLinks, Msg};
 
 /// What carries the tensors between stages.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub enum Transport {
     /// In-process channels: tensors are handed over as they are (the default; what the
     /// simulated cluster uses).
@@ -19,6 +21,25 @@ pub enum Transport {
     /// In-process, but every message is encoded to the wire format and decoded again, as it
     /// is between processes: host read-back, header checks and byte layout, without MPI.
     Loopback,
+    /// Several processes (`mpirun -np R*K`): each rank runs device `rank % K` of replica
+    /// `rank / K`; links to other ranks are MPI messages in the wire format (see
+    /// [`crate::mpi_comm`]).
+    #[cfg(feature = "mpi")]
+    Mpi(crate::mpi_comm::MpiComm),
+}
+
+impl Transport {
+    /// Whether this process runs device `device` of a K-device pipeline.
+    pub(crate) fn runs_device(&self, device: usize, k: usize) -> bool {
+        match self {
+            Transport::Channels | Transport::Loopback => {
+                let _ = (device, k);
+                true
+            }
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(comm) => comm.rank() % k == device,
+        }
+    }
 }
 
 /// The sending end of one link.
@@ -71,7 +92,7 @@ pub(crate) fn decode_msg(bytes: &[u8], step: u64, link: Link) -> Result<Msg, Sta
     let (header, values) = wire::decode(bytes)
         .map_err(|e| StageCause::Disconnected(format!("a message on {link}: {e}")))?;
     if header.kind == MsgKind::Abort {
-        return Err(StageCause::Disconnected(wire::abort_text(bytes)));
+        return Err(StageCause::Disconnected(wire::text_of(bytes)));
     }
     if header.step != step || header.link != link {
         return Err(StageCause::Disconnected(format!(
@@ -86,8 +107,20 @@ pub(crate) fn decode_msg(bytes: &[u8], step: u64, link: Link) -> Result<Msg, Sta
     })
 }
 
-/// The link ends of every device for one step of `schedule`.
-pub(crate) fn wire_links(transport: Transport, schedule: &Schedule, step: u64) -> Vec<DeviceLinks> {
+/// The link ends of every device for one step (`round`: one per `train_step` call) of
+/// `schedule`; a peer's failure sets `abort`.
+pub(crate) fn wire_links(
+    transport: &Transport,
+    schedule: &Schedule,
+    round: u64,
+    abort: &Arc<AtomicBool>,
+) -> Vec<DeviceLinks> {
+    #[cfg(feature = "mpi")]
+    if let Transport::Mpi(comm) = transport {
+        return crate::mpi_comm::wire_links(comm, schedule, round, abort);
+    }
+    let _ = abort;
+    let step = round;
     let k = schedule.num_devices();
     let mut links: Vec<DeviceLinks> = (0..k).map(|_| DeviceLinks::default()).collect();
     for link in schedule.links() {
@@ -95,6 +128,8 @@ pub(crate) fn wire_links(transport: Transport, schedule: &Schedule, step: u64) -
         let send: Box<dyn LinkSend> = match transport {
             Transport::Channels => Box::new(tx),
             Transport::Loopback => Box::new(LoopbackSend { step, link, tx }),
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(_) => unreachable!("wired by mpi_comm::wire_links"),
         };
         links[schedule.placement[link.from]].tx.insert(link, send);
         links[schedule.placement[link.to]].rx.insert(link, rx);

@@ -22,6 +22,19 @@ pub enum MsgKind {
     Gradient = 1,
     /// Stop the step: a peer failed (the payload is its error, as UTF-8 text).
     Abort = 2,
+    /// A rank's outcome of a step, for every other rank (the payload is JSON text).
+    Status = 3,
+    /// Values for a collective (a gradient all-reduce across replicas, a gather).
+    Reduce = 4,
+    /// Each stage's squared gradient norm, for clipping (JSON text).
+    Norm = 5,
+}
+
+impl MsgKind {
+    /// Kinds whose payload is text after a one-value placeholder.
+    fn is_text(self) -> bool {
+        matches!(self, MsgKind::Abort | MsgKind::Status | MsgKind::Norm)
+    }
 }
 
 /// Element type on the wire. Values are computed in f32; f16 halves the bytes of a hand-off
@@ -116,8 +129,14 @@ pub fn encode(header: &Header, values: &[f32]) -> Vec<u8> {
 
 /// An abort message: the failing peer's error, for every peer of a step.
 pub fn encode_abort(step: u64, why: &str) -> Vec<u8> {
+    encode_text(MsgKind::Abort, step, why)
+}
+
+/// A message of a text kind ([`MsgKind::Abort`], [`MsgKind::Status`]) carrying `text`.
+pub fn encode_text(kind: MsgKind, step: u64, text: &str) -> Vec<u8> {
+    debug_assert!(kind.is_text());
     let header = Header {
-        kind: MsgKind::Abort,
+        kind,
         step,
         link: Link {
             from: 0,
@@ -132,8 +151,66 @@ pub fn encode_abort(step: u64, why: &str) -> Vec<u8> {
     };
     // A scalar placeholder keeps one layout for every kind; the text follows it.
     let mut out = encode(&header, &[0.0]);
-    out.extend_from_slice(why.as_bytes());
+    out.extend_from_slice(text.as_bytes());
     out
+}
+
+/// The fixed part of a header.
+struct Fixed {
+    kind: MsgKind,
+    dtype: WireDtype,
+    finite: bool,
+    ndim: usize,
+    step: u64,
+    link: Link,
+    micro_batch: usize,
+}
+
+fn fixed(bytes: &[u8]) -> Result<Fixed, WireError> {
+    if bytes.len() < FIXED {
+        return Err(WireError::Truncated {
+            got: bytes.len(),
+            want: FIXED,
+        });
+    }
+    let magic: [u8; 4] = bytes[0..4].try_into().expect("4 bytes");
+    if magic != MAGIC {
+        return Err(WireError::BadMagic(magic));
+    }
+    let kind = match bytes[4] {
+        0 => MsgKind::Activation,
+        1 => MsgKind::Gradient,
+        2 => MsgKind::Abort,
+        3 => MsgKind::Status,
+        4 => MsgKind::Reduce,
+        5 => MsgKind::Norm,
+        code => return Err(WireError::BadCode { what: "kind", code }),
+    };
+    let dtype = match bytes[5] {
+        0 => WireDtype::F32,
+        1 => WireDtype::F16,
+        code => {
+            return Err(WireError::BadCode {
+                what: "dtype",
+                code,
+            })
+        }
+    };
+    let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
+    Ok(Fixed {
+        kind,
+        dtype,
+        finite: bytes[6] != 0,
+        ndim: bytes[7] as usize,
+        step: u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")),
+        link: Link {
+            from: u32_at(16) as usize,
+            to: u32_at(20) as usize,
+            grad: bytes[24] != 0,
+            skip: u32_at(29).checked_sub(1).map(|id| id as usize),
+        },
+        micro_batch: u32_at(25) as usize,
+    })
 }
 
 /// Reads a message's header, and its values widened to f32.
@@ -148,38 +225,15 @@ pub fn decode(bytes: &[u8]) -> Result<(Header, Vec<f32>), WireError> {
             Ok(())
         }
     };
-    need(FIXED)?;
-    let magic: [u8; 4] = bytes[0..4].try_into().expect("4 bytes");
-    if magic != MAGIC {
-        return Err(WireError::BadMagic(magic));
-    }
-    let kind = match bytes[4] {
-        0 => MsgKind::Activation,
-        1 => MsgKind::Gradient,
-        2 => MsgKind::Abort,
-        code => return Err(WireError::BadCode { what: "kind", code }),
-    };
-    let dtype = match bytes[5] {
-        0 => WireDtype::F32,
-        1 => WireDtype::F16,
-        code => {
-            return Err(WireError::BadCode {
-                what: "dtype",
-                code,
-            })
-        }
-    };
-    let finite = bytes[6] != 0;
-    let ndim = bytes[7] as usize;
-    let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
-    let step = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
-    let link = Link {
-        from: u32_at(16) as usize,
-        to: u32_at(20) as usize,
-        grad: bytes[24] != 0,
-        skip: u32_at(29).checked_sub(1).map(|id| id as usize),
-    };
-    let micro_batch = u32_at(25) as usize;
+    let Fixed {
+        kind,
+        dtype,
+        finite,
+        ndim,
+        step,
+        link,
+        micro_batch,
+    } = fixed(bytes)?;
     need(FIXED + 8 * ndim)?;
     let shape: Vec<usize> = (0..ndim)
         .map(|i| {
@@ -188,13 +242,13 @@ pub fn decode(bytes: &[u8]) -> Result<(Header, Vec<f32>), WireError> {
         })
         .collect();
     let body = &bytes[FIXED + 8 * ndim..];
-    let n = if kind == MsgKind::Abort {
+    let n = if kind.is_text() {
         1
     } else {
         shape.iter().product::<usize>()
     };
     let want = n * dtype.size();
-    if body.len() < want || (kind != MsgKind::Abort && body.len() != want) {
+    if body.len() < want || (!kind.is_text() && body.len() != want) {
         return Err(WireError::Length {
             shape,
             dtype,
@@ -224,8 +278,14 @@ pub fn decode(bytes: &[u8]) -> Result<(Header, Vec<f32>), WireError> {
     Ok((header, values))
 }
 
-/// The text of an abort message (empty for other kinds).
-pub fn abort_text(bytes: &[u8]) -> String {
+/// The kind, step and link of a message, without reading its values.
+pub fn peek(bytes: &[u8]) -> Result<(MsgKind, u64, Link), WireError> {
+    let f = fixed(bytes)?;
+    Ok((f.kind, f.step, f.link))
+}
+
+/// The text of an abort or status message (empty for other kinds).
+pub fn text_of(bytes: &[u8]) -> String {
     let ndim = bytes.get(7).copied().unwrap_or(0) as usize;
     let start = FIXED + 8 * ndim + 4;
     bytes
@@ -338,6 +398,6 @@ mod tests {
         let bytes = encode_abort(5, "rank 1: stage 2 failed");
         let (h, _) = decode(&bytes).unwrap();
         assert_eq!((h.kind, h.step), (MsgKind::Abort, 5));
-        assert_eq!(abort_text(&bytes), "rank 1: stage 2 failed");
+        assert_eq!(text_of(&bytes), "rank 1: stage 2 failed");
     }
 }

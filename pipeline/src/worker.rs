@@ -38,7 +38,13 @@ pub(crate) struct Msg {
 pub(crate) struct DeviceLinks {
     pub tx: HashMap<Link, Box<dyn LinkSend>>,
     pub rx: HashMap<Link, Receiver<Msg>>,
+    /// Tells the other processes of a step that it failed here (set by transports that cross
+    /// processes).
+    pub abort_peers: Option<AbortPeers>,
 }
+
+/// Tells the other processes of a step why it failed here.
+pub(crate) type AbortPeers = Box<dyn Fn(&str) + Send>;
 
 /// A virtual stage: its layers (global indices `first_layer..`) on its device.
 pub struct Stage {

@@ -239,6 +239,16 @@ pub fn try_sim_pipeline(
         })
         .collect();
     let cluster = SimCluster::new(&Device::cpu(), &specs, cfg.link);
+    sim_builder(layers, cluster, cfg, n).build()
+}
+
+/// A builder of `n` layers on `cluster` with `cfg`'s pipeline settings.
+fn sim_builder(
+    layers: Vec<Box<dyn Module>>,
+    cluster: SimCluster,
+    cfg: &PipeCfg,
+    n: usize,
+) -> wgpipe_pipeline::PipelineBuilder {
     Pipeline::builder(layers)
         .sim(cluster)
         .balance(Balance::Explicit(cfg.balance.clone().unwrap_or_else(
@@ -249,8 +259,7 @@ pub fn try_sim_pipeline(
         .schedule(cfg.schedule)
         .seed(SEED)
         .optimizer(sgd)
-        .transport(cfg.transport)
-        .build()
+        .transport(cfg.transport.clone())
 }
 
 /// `r` data-parallel replicas of the pipeline `cfg` describes (K = `cfg.k` each), on a simulated
@@ -267,17 +276,7 @@ pub fn dp_sim_pipeline(
         memory_bytes: cfg.memory[0],
     };
     let cluster = SimCluster::new(&Device::cpu(), &vec![spec; r * cfg.k], cfg.link);
-    Pipeline::builder(layers)
-        .sim(cluster)
-        .balance(Balance::Explicit(cfg.balance.clone().unwrap_or_else(
-            || even_balance(n, cfg.k * cfg.schedule.default_chunks()),
-        )))
-        .micro_batches(cfg.m)
-        .checkpoint(cfg.mode)
-        .schedule(cfg.schedule)
-        .seed(SEED)
-        .optimizer(sgd)
-        .transport(cfg.transport)
+    sim_builder(layers, cluster, cfg, n)
         .replicas(r, make)
         .build()
 }
@@ -672,4 +671,105 @@ pub fn skip_model(seed: u64) -> Vec<Box<dyn Module>> {
         Box::new(SkipLayer::new().pop("b")),
         Box::new(Linear::new(w, 3, seed + 5, &d).unwrap()),
     ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Multi-process runs (the `mpi` feature's worker and tests)
+// ---------------------------------------------------------------------------------------------
+
+/// One run of the MPI worker: what it trains and which fault it injects. The tests build the
+/// in-process reference from the same description.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MpiJob {
+    pub schedule: ScheduleKind,
+    pub k: usize,
+    pub m: usize,
+    pub steps: usize,
+    /// R data-parallel replicas (the job has R x K ranks).
+    pub replicas: usize,
+    /// `(rank, step, panic)`: the Fault layer (last in the model) of that rank fails at
+    /// micro-batch 1 of that step, with an error (or a panic).
+    pub fault: Option<(usize, usize, bool)>,
+    /// After this many steps, gather the stages and save a checkpoint (`ckpt.safetensors` in
+    /// the output folder, written by rank 0).
+    pub save_at: Option<usize>,
+    /// Load this checkpoint on every rank before training.
+    pub resume: Option<std::path::PathBuf>,
+}
+
+impl MpiJob {
+    pub fn new(schedule: ScheduleKind, k: usize) -> Self {
+        MpiJob {
+            schedule,
+            k,
+            m: 4,
+            steps: 3,
+            replicas: 1,
+            fault: None,
+            save_at: None,
+            resume: None,
+        }
+    }
+
+    /// The worker's command-line arguments.
+    pub fn args(&self) -> Vec<String> {
+        let mut v = vec![
+            format!("{:?}", self.schedule),
+            self.k.to_string(),
+            self.m.to_string(),
+            self.steps.to_string(),
+            self.replicas.to_string(),
+            self.save_at.unwrap_or(0).to_string(),
+            self.resume
+                .as_ref()
+                .map_or("-".into(), |p| p.display().to_string()),
+        ];
+        if let Some((rank, step, panic)) = self.fault {
+            v.extend([rank.to_string(), step.to_string(), panic.to_string()]);
+        }
+        v
+    }
+
+    /// Parses [`MpiJob::args`].
+    pub fn from_args(args: &[String]) -> Option<MpiJob> {
+        let name = args.first()?;
+        let schedule = ScheduleKind::ALL
+            .into_iter()
+            .find(|s| format!("{s:?}") == *name)?;
+        let num = |i: usize| args.get(i)?.parse::<usize>().ok();
+        let fault = match args.len() {
+            7 => None,
+            10 => Some((num(7)?, num(8)?, args[9].parse().ok()?)),
+            _ => return None,
+        };
+        let save_at = num(5).filter(|&s| s > 0);
+        let resume = (args[6] != "-").then(|| args[6].clone().into());
+        Some(MpiJob {
+            schedule,
+            k: num(1)?,
+            m: num(2)?,
+            steps: num(3)?,
+            replicas: num(4)?,
+            fault,
+            save_at,
+            resume,
+        })
+    }
+
+    /// The model (an MLP, then a Fault layer that can be armed) and the state of its Fault.
+    pub fn model() -> (Vec<Box<dyn Module>>, Arc<Mutex<FaultState>>) {
+        let mut layers = mlp(6, 8, 3, 11);
+        let (fault, state) = Fault::new();
+        layers.push(Box::new(fault));
+        (layers, state)
+    }
+
+    /// The mini-batch of every step.
+    pub fn data() -> (Tensor, Tensor) {
+        (normal_data(&[12, 6], 1), normal_data(&[12, 3], 2))
+    }
+
+    pub fn cfg(&self) -> PipeCfg {
+        PipeCfg::new(self.k, self.m, CheckpointMode::ExceptLast, self.schedule)
+    }
 }

@@ -1,0 +1,530 @@
+//! A step across processes (feature `mpi`): which share of the mini-batch a rank trains on,
+//! how the ranks agree on the outcome of a step (every rank learns every rank's result, so all
+//! return the same error naming the failing rank, or all go on), and the gradient all-reduce
+//! across data-parallel replicas.
+//!
+//! Rank `r*K + d` runs device d of replica r. Every rank holds the whole model (built from the
+//! same seed) and trains only its device's stages; the others' copies stay as built.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use wgpipe_tensor::Tensor;
+
+use crate::error::{PipelineError, Result, StageCause};
+use crate::microbatch::split_batch;
+use crate::mpi_comm::MpiComm;
+use crate::schedule::Schedule;
+use crate::wire::{self, MsgKind};
+use crate::worker::{ActionRecord, NonFiniteAt, Stage, StageOutcome};
+
+/// How long a rank waits for the others' outcome of a step: a peer still computing is normal,
+/// a peer that sends nothing for this long is taken for dead.
+const STATUS_LIMIT: Duration = Duration::from_secs(120);
+
+/// R, the replicas of a job of `comm.size()` ranks over K devices.
+fn replicas(comm: &MpiComm, k: usize) -> usize {
+    comm.size() / k
+}
+
+/// Checks that the job fits a K-device pipeline.
+pub(crate) fn check(comm: &MpiComm, k: usize) -> Result<()> {
+    if !comm.size().is_multiple_of(k) {
+        return Err(PipelineError::Config(format!(
+            "the MPI job has {} ranks, but a {k}-device pipeline needs K x R ranks (one per device of each replica); run mpirun -np {k} (or a multiple)",
+            comm.size()
+        )));
+    }
+    Ok(())
+}
+
+/// This rank's replica's share of the mini-batch, and its share of the samples (1 with one
+/// replica).
+pub(crate) fn shard(
+    comm: &MpiComm,
+    k: usize,
+    inputs: &Tensor,
+    targets: &Tensor,
+) -> Result<(Tensor, Tensor, f32)> {
+    let r = replicas(comm, k);
+    let n = inputs.shape().first().copied().unwrap_or(0);
+    if r == 1 {
+        return Ok((inputs.clone(), targets.clone(), 1.0));
+    }
+    if n < r {
+        return Err(PipelineError::Config(format!(
+            "a mini-batch of {n} samples cannot be shared by {r} replicas"
+        )));
+    }
+    let replica = comm.rank() / k;
+    let x = split_batch("inputs", inputs, r)?.swap_remove(replica);
+    let y = split_batch("targets", targets, r)?.swap_remove(replica);
+    let w = x.shape()[0] as f32 / n as f32;
+    Ok((x, y, w))
+}
+
+/// What the ranks agreed on after a successful step: every device's outcome (this rank's
+/// replica), the loss over the whole mini-batch and each replica's share of the samples.
+pub(crate) struct Agreed {
+    pub outcomes: Vec<StageOutcome>,
+    pub loss: f32,
+    pub weights: Vec<f32>,
+}
+
+/// After this rank's workers finished round `round`: sends its outcome to every other rank,
+/// takes theirs, and returns the same result on every rank: the outcomes, or the error of the
+/// failing rank (the lowest one whose failure was its own, not a stop because of another).
+pub(crate) fn agree(
+    comm: &MpiComm,
+    round: u64,
+    schedule: &Schedule,
+    local: Result<Vec<StageOutcome>>,
+    losses: &[Tensor],
+    weight: f32,
+) -> Result<Agreed> {
+    comm.end_round();
+    let k = schedule.num_devices();
+    let me = comm.rank() % k;
+    let mut loss = None;
+    for t in losses {
+        *loss.get_or_insert(0.0f32) += t.to_scalar()?;
+    }
+    let status = status_of(&local, me, loss, weight);
+    let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
+    let theirs = exchange_text(
+        comm,
+        round,
+        MsgKind::Status,
+        &status.to_string(),
+        &peers,
+        me,
+    )?;
+    let mut all: Vec<Value> = Vec::with_capacity(comm.size());
+    for rank in 0..comm.size() {
+        all.push(if rank == comm.rank() {
+            status.clone()
+        } else {
+            serde_json::from_str(&theirs[&rank]).unwrap_or_else(
+                |e| json!({"ok": false, "root": true, "stage": rank % k, "device": "?", "micro_batch": 0, "action": "status", "cause": format!("an unreadable status: {e}")}),
+            )
+        });
+    }
+    let failed: Vec<usize> = (0..all.len()).filter(|&r| all[r]["ok"] != true).collect();
+    if let Some(&first) = failed.first() {
+        let root = failed
+            .iter()
+            .copied()
+            .find(|&r| all[r]["root"] == true)
+            .unwrap_or(first);
+        return Err(match local {
+            Err(e) if root == comm.rank() => e.at(&format!(" on rank {root}")),
+            _ => remote_error(root, &all[root]),
+        });
+    }
+    let base = comm.rank() - me;
+    let outcomes = (0..k)
+        .map(|d| outcome_of(&all[base + d], &schedule.devices[d]))
+        .collect();
+    let r = replicas(comm, k);
+    let weights: Vec<f32> = (0..r)
+        .map(|i| all[i * k]["weight"].as_f64().unwrap_or(0.0) as f32)
+        .collect();
+    let mut total = 0.0f32;
+    for s in &all {
+        if let Some(l) = s["loss"].as_f64() {
+            let w = s["weight"].as_f64().unwrap_or(1.0) as f32;
+            total += if r == 1 { l as f32 } else { l as f32 * w };
+        }
+    }
+    Ok(Agreed {
+        outcomes,
+        loss: total,
+        weights,
+    })
+}
+
+/// A step that timed out here: the others are told to stop, and get this rank's failure.
+pub(crate) fn fail_round(comm: &MpiComm, round: u64, error: &PipelineError) {
+    comm.abort_peers(round, &error.to_string());
+    comm.end_round();
+    let status = status_of(&Err(clone_error(error)), 0, None, 0.0);
+    let bytes = wire::encode_text(MsgKind::Status, round, &status.to_string());
+    let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
+    // Nothing to wait for: this rank returns its own error.
+    let _ = comm.exchange(round, MsgKind::Status, &bytes, &peers, Duration::ZERO);
+}
+
+fn clone_error(e: &PipelineError) -> PipelineError {
+    match e {
+        PipelineError::Stage {
+            stage,
+            device,
+            micro_batch,
+            action,
+            cause,
+        } => PipelineError::Stage {
+            stage: *stage,
+            device: device.clone(),
+            micro_batch: *micro_batch,
+            action: action.clone(),
+            cause: Box::new(StageCause::TimedOut(cause.to_string())),
+        },
+        other => PipelineError::Config(other.to_string()),
+    }
+}
+
+/// Each replica's gradients of this rank's stages, averaged (weighted by the replicas' shares
+/// of the samples) across the ranks that hold the same device in the other replicas, summed
+/// in replica order so that every replica gets the same bits.
+pub(crate) fn all_reduce(
+    comm: &MpiComm,
+    round: u64,
+    k: usize,
+    stages: &[&Stage],
+    weights: &[f32],
+) -> Result<()> {
+    let r = replicas(comm, k);
+    if r == 1 {
+        return Ok(());
+    }
+    let me = comm.rank() % k;
+    let params: Vec<_> = stages
+        .iter()
+        .flat_map(|s| s.layers.iter().flat_map(|l| l.parameters()))
+        .map(|(_, p)| p)
+        .collect();
+    let mut mine = Vec::new();
+    for p in &params {
+        match p.grad() {
+            Some(g) => mine.extend(g.to_vec()?),
+            None => mine.extend(std::iter::repeat_n(0.0, p.value().numel())),
+        }
+    }
+    let header = wire::Header {
+        kind: MsgKind::Reduce,
+        step: round,
+        link: crate::schedule::Link {
+            from: me,
+            to: me,
+            grad: true,
+        },
+        micro_batch: 0,
+        finite: true,
+        dtype: wire::WireDtype::F32,
+        shape: vec![mine.len()],
+    };
+    let peers: Vec<usize> = (0..r)
+        .map(|i| i * k + me)
+        .filter(|&p| p != comm.rank())
+        .collect();
+    let theirs = comm
+        .exchange(
+            round,
+            MsgKind::Reduce,
+            &wire::encode(&header, &mine),
+            &peers,
+            STATUS_LIMIT,
+        )
+        .map_err(|why| rank_error(comm.rank(), me, why))?;
+    let mut sum: Vec<f32> = Vec::new();
+    for (i, &w) in weights.iter().enumerate().take(r) {
+        let rank = i * k + me;
+        let values = if rank == comm.rank() {
+            mine.clone()
+        } else {
+            wire::decode(&theirs[&rank])
+                .map_err(|e| rank_error(comm.rank(), me, format!("rank {rank}'s gradients: {e}")))?
+                .1
+        };
+        if values.len() != mine.len() {
+            return Err(rank_error(
+                comm.rank(),
+                me,
+                format!(
+                    "rank {rank} sent {} gradient values, this rank has {}",
+                    values.len(),
+                    mine.len()
+                ),
+            ));
+        }
+        if sum.is_empty() {
+            sum = values.iter().map(|v| v * w).collect();
+        } else {
+            for (a, v) in sum.iter_mut().zip(&values) {
+                *a += v * w;
+            }
+        }
+    }
+    let mut at = 0;
+    let mut grads = Vec::with_capacity(params.len());
+    for p in &params {
+        let n = p.value().numel();
+        grads.push(Tensor::from_slice(
+            &sum[at..at + n],
+            p.value().shape(),
+            p.value().device(),
+        )?);
+        at += n;
+    }
+    for (p, g) in params.iter().zip(grads) {
+        p.set_grad(Some(g));
+    }
+    Ok(())
+}
+
+/// A rank's outcome as JSON: its device's records, loss and where non-finite values appeared,
+/// or its error.
+fn status_of(
+    local: &Result<Vec<StageOutcome>>,
+    me: usize,
+    loss: Option<f32>,
+    weight: f32,
+) -> Value {
+    match local {
+        Ok(outcomes) => {
+            let o = outcomes.get(me);
+            let records: Vec<Value> = o
+                .map(|o| {
+                    o.records
+                        .iter()
+                        .map(|r| json!([r.start, r.end, r.flops, r.bytes]))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let skipped = o
+                .and_then(|o| o.non_finite.as_ref())
+                .map(|at| json!([at.stage, at.micro_batch, at.what]));
+            json!({"ok": true, "loss": loss, "weight": weight, "records": records, "skipped": skipped})
+        }
+        Err(e) => {
+            let root = !matches!(e.cause(), Some(StageCause::Disconnected(_)));
+            match e {
+                PipelineError::Stage {
+                    stage,
+                    device,
+                    micro_batch,
+                    action,
+                    cause,
+                } => json!({
+                    "ok": false, "root": root, "stage": stage, "device": device,
+                    "micro_batch": micro_batch, "action": action, "cause": cause.to_string()
+                }),
+                other => json!({
+                    "ok": false, "root": true, "stage": me, "device": "", "micro_batch": 0,
+                    "action": "step", "cause": other.to_string()
+                }),
+            }
+        }
+    }
+}
+
+/// Device d's outcome from its rank's status.
+fn outcome_of(status: &Value, actions: &[crate::schedule::Action]) -> StageOutcome {
+    let records = status["records"]
+        .as_array()
+        .map(|rs| {
+            rs.iter()
+                .zip(actions)
+                .map(|(r, &action)| ActionRecord {
+                    action,
+                    start: r[0].as_f64().unwrap_or(0.0),
+                    end: r[1].as_f64().unwrap_or(0.0),
+                    flops: r[2].as_f64().unwrap_or(0.0),
+                    bytes: r[3].as_u64().unwrap_or(0),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let non_finite = status["skipped"].as_array().map(|s| NonFiniteAt {
+        stage: s[0].as_u64().unwrap_or(0) as usize,
+        micro_batch: s[1].as_u64().unwrap_or(0) as usize,
+        what: s[2].as_str().unwrap_or("").to_string(),
+    });
+    StageOutcome {
+        records,
+        non_finite,
+    }
+}
+
+/// Another rank's failure, as this rank returns it.
+fn remote_error(rank: usize, s: &Value) -> PipelineError {
+    PipelineError::Stage {
+        stage: s["stage"].as_u64().unwrap_or(0) as usize,
+        device: format!("{} on rank {rank}", s["device"].as_str().unwrap_or("?")),
+        micro_batch: s["micro_batch"].as_u64().unwrap_or(0) as usize,
+        action: s["action"].as_str().unwrap_or("?").to_string(),
+        cause: Box::new(StageCause::Disconnected(format!(
+            "rank {rank} failed: {}",
+            s["cause"].as_str().unwrap_or("?")
+        ))),
+    }
+}
+
+/// Sends `text` as a message of `kind` for `round` to `peers` and returns their texts, by
+/// rank (an error naming the ranks that sent nothing within [`STATUS_LIMIT`]).
+fn exchange_text(
+    comm: &MpiComm,
+    round: u64,
+    kind: MsgKind,
+    text: &str,
+    peers: &[usize],
+    device: usize,
+) -> Result<HashMap<usize, String>> {
+    let theirs = comm
+        .exchange(
+            round,
+            kind,
+            &wire::encode_text(kind, round, text),
+            peers,
+            STATUS_LIMIT,
+        )
+        .map_err(|why| rank_error(comm.rank(), device, why))?;
+    Ok(theirs
+        .into_iter()
+        .map(|(r, bytes)| (r, wire::text_of(&bytes)))
+        .collect())
+}
+
+/// A failure of the exchange itself (a peer that sent nothing).
+fn rank_error(rank: usize, device: usize, why: String) -> PipelineError {
+    PipelineError::Stage {
+        stage: device,
+        device: format!("rank {rank}"),
+        micro_batch: 0,
+        action: "exchange with the other ranks".into(),
+        cause: Box::new(StageCause::Disconnected(why)),
+    }
+}
+
+/// Every rank gets every stage's current parameters, buffers and optimizer state from the rank
+/// that trains it in replica 0 (rank = its device), so that each holds the whole trained model
+/// (for evaluation, or to save it in one file). `round` must be a fresh round on every rank.
+pub(crate) fn gather_stages(
+    comm: &MpiComm,
+    round: u64,
+    schedule: &Schedule,
+    stages: &[Stage],
+    optimizers: &mut [Box<dyn wgpipe_autograd::optim::Optimizer>],
+) -> Result<()> {
+    let k = schedule.num_devices();
+    let owned = |s: &Stage| comm.rank() < k && schedule.placement[s.index] == comm.rank();
+    let values = |p: &wgpipe_autograd::Param| -> Result<Value> { Ok(json!(p.value().to_vec()?)) };
+    let mut mine = Vec::new();
+    for s in stages.iter().filter(|s| owned(s)) {
+        let mut params = Vec::new();
+        let mut buffers = Vec::new();
+        for l in &s.layers {
+            for (_, p) in l.parameters() {
+                params.push(values(&p)?);
+            }
+            for (_, b) in l.buffers() {
+                buffers.push(values(&b)?);
+            }
+        }
+        let mut optim = Vec::new();
+        if let Some(o) = optimizers.get(s.index) {
+            for (name, t) in o.state() {
+                optim.push(json!([name, t.shape(), t.to_vec()?]));
+            }
+        }
+        mine.push(json!({"index": s.index, "params": params, "buffers": buffers, "optim": optim}));
+    }
+    let text = json!({ "stages": mine }).to_string();
+    let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
+    let theirs = exchange_text(comm, round, MsgKind::Status, &text, &peers, comm.rank() % k)?;
+    let bad = |why: String| PipelineError::Config(format!("gathering the stages: {why}"));
+    for (rank, text) in theirs {
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| bad(format!("rank {rank} sent an unreadable state: {e}")))?;
+        for st in v["stages"].as_array().cloned().unwrap_or_default() {
+            let index = st["index"].as_u64().unwrap_or(u64::MAX) as usize;
+            let s = stages
+                .get(index)
+                .ok_or_else(|| bad(format!("rank {rank} sent stage {index}")))?;
+            let floats = |v: &Value| -> Vec<f32> {
+                v.as_array()
+                    .map(|a| {
+                        a.iter()
+                            .map(|x| x.as_f64().unwrap_or(f64::NAN) as f32)
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            };
+            let set = |p: &wgpipe_autograd::Param, v: &Value| -> Result<()> {
+                let t = Tensor::from_slice(&floats(v), p.value().shape(), p.value().device())?;
+                p.set_value(t);
+                Ok(())
+            };
+            let params: Vec<_> = s.layers.iter().flat_map(|l| l.parameters()).collect();
+            let buffers: Vec<_> = s.layers.iter().flat_map(|l| l.buffers()).collect();
+            let (pv, bv) = (st["params"].as_array(), st["buffers"].as_array());
+            if pv.map(Vec::len) != Some(params.len()) || bv.map(Vec::len) != Some(buffers.len()) {
+                return Err(bad(format!(
+                    "rank {rank}'s stage {index} has other parameters"
+                )));
+            }
+            for ((_, p), v) in params.iter().zip(pv.into_iter().flatten()) {
+                set(p, v)?;
+            }
+            for ((_, b), v) in buffers.iter().zip(bv.into_iter().flatten()) {
+                set(b, v)?;
+            }
+            if let Some(o) = optimizers.get_mut(index) {
+                let mut state = Vec::new();
+                for e in st["optim"].as_array().cloned().unwrap_or_default() {
+                    let name = e[0].as_str().unwrap_or("").to_string();
+                    let shape: Vec<usize> = e[1]
+                        .as_array()
+                        .map(|a| a.iter().map(|d| d.as_u64().unwrap_or(0) as usize).collect())
+                        .unwrap_or_default();
+                    // Counters ('@' keys) live on the CPU, moments beside their parameter.
+                    let device = if name.starts_with('@') {
+                        wgpipe_tensor::Device::cpu()
+                    } else {
+                        s.device.clone()
+                    };
+                    state.push((name, Tensor::from_slice(&floats(&e[2]), &shape, &device)?));
+                }
+                o.load_state(state)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Each stage's squared gradient norm as computed by the rank that trains it (replica 0's
+/// ranks; after the all-reduce every replica holds the same gradients), from `mine` (this
+/// rank's value for every stage). For gradient clipping in round `round`.
+pub(crate) fn stage_parts(
+    comm: &MpiComm,
+    round: u64,
+    schedule: &Schedule,
+    mine: &[f64],
+) -> Result<Vec<f64>> {
+    let k = schedule.num_devices();
+    let me = comm.rank() % k;
+    let base = comm.rank() - me;
+    let peers: Vec<usize> = (base..base + k).filter(|&p| p != comm.rank()).collect();
+    // JSON keeps every finite f64 exactly; NaN and infinity travel as null.
+    let theirs = exchange_text(
+        comm,
+        round,
+        MsgKind::Norm,
+        &json!(mine).to_string(),
+        &peers,
+        me,
+    )?;
+    let mut parts = Vec::with_capacity(mine.len());
+    for (s, &own) in mine.iter().enumerate() {
+        let owner = base + schedule.placement[s];
+        parts.push(if owner == comm.rank() {
+            own
+        } else {
+            let v: Value = serde_json::from_str(&theirs[&owner])
+                .map_err(|e| rank_error(owner, me, format!("an unreadable norm: {e}")))?;
+            v[s].as_f64().unwrap_or(f64::NAN)
+        });
+    }
+    Ok(parts)
+}

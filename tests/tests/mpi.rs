@@ -1,0 +1,376 @@
+//! Stages in separate processes over MPI (feature `mpi`): `mpirun` runs the `mpi_worker` binary,
+//! one device per rank, and each rank's losses and parameters are compared with the in-process
+//! pipeline (the same K, M and schedule) trained here: bit-identical, since every rank does the
+//! same arithmetic on the same values; and a fault on one rank makes every rank fail at once,
+//! leaving the parameters as before.
+//!
+//! Needs `mpirun` (Open MPI) on PATH; run with `cargo test -p wgpipe-tests --features mpi --test mpi`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use wgpipe_pipeline::ScheduleKind;
+use wgpipe_tests::*;
+
+/// Runs `job` under `mpirun -np <ranks>` and returns each rank's results, by rank.
+fn mpirun(job: &MpiJob, ranks: usize, tag: &str) -> Vec<Value> {
+    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cmd = Command::new("mpirun");
+    // Root in CI containers; more ranks than cores on small machines.
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np"])
+        .arg(ranks.to_string())
+        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+        .args(job.args())
+        .arg(&dir);
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run mpirun (is Open MPI installed?): {e}"));
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("{tag}: mpirun -np {ranks} still running after 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        status.success(),
+        "{tag}: mpirun -np {ranks} failed: {status}"
+    );
+    let out = (0..ranks)
+        .map(|r| {
+            let p: PathBuf = dir.join(format!("rank{r}.json"));
+            let text = std::fs::read_to_string(&p)
+                .unwrap_or_else(|e| panic!("{tag}: rank {r} wrote no results ({e})"));
+            serde_json::from_str(&text).unwrap()
+        })
+        .collect();
+    std::fs::remove_dir_all(&dir).unwrap();
+    out
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// What the ranks trained, put together: the losses (the same on every rank) and every
+/// parameter, from the rank that runs its stage (each parameter must come from one rank).
+fn gather(ranks: &[Value], tag: &str) -> RunResult {
+    let losses = floats(&ranks[0]["losses"]);
+    let mut params: HashMap<String, Vec<f32>> = HashMap::new();
+    for (r, v) in ranks.iter().enumerate() {
+        assert_eq!(
+            floats(&v["losses"]),
+            losses,
+            "{tag}: rank {r}'s losses differ"
+        );
+        assert_eq!(
+            v["errors"].as_array().unwrap().len(),
+            0,
+            "{tag}: rank {r}: {}",
+            v["errors"]
+        );
+        for (name, values) in v["params"].as_object().unwrap() {
+            let old = params.insert(name.clone(), floats(values));
+            assert!(old.is_none(), "{tag}: {name} on two ranks");
+        }
+    }
+    let mut params: Vec<_> = params.into_iter().collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    RunResult { losses, params }
+}
+
+/// The same job in one process (channels), trained for `steps` steps.
+fn in_process(job: &MpiJob, steps: usize) -> RunResult {
+    let (x, y) = MpiJob::data();
+    let mut pipe = sim_pipeline(MpiJob::model().0, &job.cfg());
+    pipe_train(&mut pipe, &x, &y, &mse, steps).0
+}
+
+#[test]
+fn mpi_ranks_train_bit_identically_to_one_process() {
+    for (schedule, k) in [
+        (ScheduleKind::GPipe, 2),
+        (ScheduleKind::GPipe, 4),
+        (ScheduleKind::OneFOneB, 2),
+        (ScheduleKind::OneFOneB, 4),
+        (ScheduleKind::ZbH1, 2),
+        (ScheduleKind::ZbH1, 4),
+        // Two virtual stages per rank.
+        (ScheduleKind::ZbV, 2),
+    ] {
+        let job = MpiJob::new(schedule, k);
+        let tag = format!("{schedule:?}-np{k}");
+        let got = gather(&mpirun(&job, k, &tag), &tag);
+        let want = in_process(&job, job.steps);
+        assert_eq!(
+            got.params.len(),
+            want.params.len(),
+            "{tag}: parameters missing"
+        );
+        assert!(
+            got == want,
+            "{tag}: differs from one process by {:.3e} at {}",
+            worst_err(&got, &want).0,
+            worst_err(&got, &want).1
+        );
+        println!("{tag}: {} steps bit-identical to one process", job.steps);
+    }
+}
+
+#[test]
+fn two_replicas_of_two_ranks_equal_in_process_data_parallelism() {
+    let job = MpiJob {
+        replicas: 2,
+        m: 3,
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    };
+    let ranks = mpirun(&job, 4, "dp");
+    // Replica 1 (ranks 2, 3) holds the same parameters as replica 0 (ranks 0, 1), bit for bit.
+    let replica = |r: usize| gather(&ranks[2 * r..2 * r + 2], &format!("replica {r}"));
+    let (r0, r1) = (replica(0), replica(1));
+    assert!(r0 == r1, "the replicas differ");
+    let (x, y) = MpiJob::data();
+    let mut dp = dp_sim_pipeline(2, || MpiJob::model().0, &job.cfg()).unwrap();
+    let (want, _) = pipe_train(&mut dp, &x, &y, &mse, job.steps);
+    assert!(
+        r0 == want,
+        "MPI data parallelism differs from in-process by {:.3e}",
+        worst_err(&r0, &want).0
+    );
+    // And one pipeline on the whole mini-batch, up to the order of the sums.
+    let one = in_process(
+        &MpiJob {
+            m: 6,
+            ..job.clone()
+        },
+        job.steps,
+    );
+    let (e, at) = worst_err(&r0, &one);
+    assert!(e <= 1e-5, "{e:.3e} at {at}");
+}
+
+#[test]
+fn a_fault_on_one_rank_fails_every_rank_at_once_and_changes_nothing() {
+    for (panic, k) in [(false, 2), (true, 4)] {
+        // Step 1 of 4 fails on the last rank (which holds the Fault layer).
+        let job = MpiJob {
+            steps: 4,
+            fault: Some((k - 1, 1, panic)),
+            ..MpiJob::new(ScheduleKind::OneFOneB, k)
+        };
+        let tag = format!("fault-panic={panic}-np{k}");
+        let ranks = mpirun(&job, k, &tag);
+        for (r, v) in ranks.iter().enumerate() {
+            let errors = v["errors"].as_array().unwrap();
+            assert_eq!(errors.len(), 1, "{tag}: rank {r}: {errors:?}");
+            let e = &errors[0];
+            let text = e["text"].as_str().unwrap();
+            assert_eq!(e["step"], 1);
+            let secs = e["secs"].as_f64().unwrap();
+            assert!(secs < 1.0, "{tag}: rank {r} took {secs:.3} s to fail");
+            let want = if panic {
+                "injected panic"
+            } else {
+                "injected error"
+            };
+            assert!(
+                text.contains(&format!("rank {}", k - 1))
+                    && text.contains(&format!("stage {}", k - 1))
+                    && text.contains("micro-batch 1")
+                    && text.contains("Fault")
+                    && text.contains(want),
+                "{tag}: rank {r}: {text}"
+            );
+            println!("{tag}: rank {r} failed in {:.1} ms: {text}", secs * 1e3);
+        }
+        // The failed step changed nothing: the run equals 3 unfailed steps.
+        let mut trained: Vec<Value> = ranks.clone();
+        for v in &mut trained {
+            v["errors"] = Value::Array(vec![]);
+        }
+        let got = gather(&trained, &tag);
+        let want = in_process(&job, 3);
+        assert!(got == want, "{tag}: the failed step left a trace");
+    }
+}
+
+#[test]
+fn a_checkpoint_gathered_from_the_ranks_resumes_bit_exactly_under_mpi_and_in_one_process() {
+    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = MpiJob {
+        steps: 4,
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    };
+    let straight = gather(&mpirun(&base, 2, "ckpt-straight"), "straight");
+    // Saves after 2 steps into its output folder (removed after the run): keep a copy.
+    let ckpt = dir.join("after2.safetensors");
+    let saving = MpiJob {
+        save_at: Some(2),
+        steps: 3,
+        ..base.clone()
+    };
+    {
+        // mpirun() removes its folder, so run it by hand here.
+        let out = dir.join("saving");
+        std::fs::create_dir_all(&out).unwrap();
+        let status = Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+            .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+            .args(saving.args())
+            .arg(&out)
+            .status()
+            .unwrap();
+        assert!(status.success());
+        std::fs::copy(out.join("ckpt.safetensors"), &ckpt).unwrap();
+    }
+    let resumed_job = MpiJob {
+        steps: 2,
+        resume: Some(ckpt.clone()),
+        ..base.clone()
+    };
+    let resumed = gather(&mpirun(&resumed_job, 2, "ckpt-resumed"), "resumed");
+    assert_eq!(
+        resumed.losses,
+        straight.losses[2..],
+        "losses after resuming under MPI"
+    );
+    assert!(
+        resumed.params == straight.params,
+        "parameters after resuming under MPI"
+    );
+    // In one process, from the same file.
+    let (x, y) = MpiJob::data();
+    let mut one = sim_pipeline(MpiJob::model().0, &base.cfg());
+    one.load(&ckpt, &wgpipe_pipeline::LoadOptions::default())
+        .unwrap();
+    let (got, _) = pipe_train(&mut one, &x, &y, &mse, 2);
+    assert_eq!(
+        got.losses,
+        straight.losses[2..],
+        "losses after resuming in one process"
+    );
+    assert!(
+        got.params == straight.params,
+        "parameters after resuming in one process"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_transformer_example_under_mpirun_trains_like_one_process_and_only_rank_0_writes() {
+    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-example-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let flags = |name: &str, extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "--quiet",
+            "--device",
+            "sim",
+            "--stages",
+            "2",
+            "--micro-batches",
+            "2",
+            "--layers",
+            "2",
+            "--d-model",
+            "16",
+            "--heads",
+            "2",
+            "--seq-len",
+            "16",
+            "--batch",
+            "8",
+            "--sample-len",
+            "8",
+            "--steps",
+            "3",
+            "--dropout",
+            "0.1",
+            "--schedule",
+            "1f1b",
+            // Tied gradients are not summed across ranks yet (the builder refuses them).
+            "--untie-embeddings",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        for (flag, file) in [("--trace", "trace.json"), ("--timeline", "timeline.svg")] {
+            v.push(flag.into());
+            v.push(dir.join(format!("{name}-{file}")).display().to_string());
+        }
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    for (ranks, extra) in [(2, &[][..]), (4, &["--replicas", "2"][..])] {
+        let name = format!("np{ranks}");
+        let summary = dir.join(format!("{name}.json"));
+        let out = Command::new("mpirun")
+            .args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "-np",
+                &ranks.to_string(),
+            ])
+            .arg(env!("CARGO_BIN_EXE_mpi_example"))
+            .arg(&summary)
+            .args(flags(&name, &[extra, &["--transport", "mpi"]].concat()))
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{name}: {}\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Rank 0 alone prints.
+        assert_eq!(
+            stdout.matches("held-out loss").count(),
+            1,
+            "{name}: {stdout}"
+        );
+        assert_eq!(
+            stdout.matches("wrote the Chrome trace").count(),
+            1,
+            "{name}"
+        );
+        let got: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+        let got_losses = floats(&got["losses"]);
+        // The same flags in this process, on channels.
+        let args = wgpipe_apps::train_transformer::TransformerArgs::parse_from_args(flags(
+            &format!("{name}-local"),
+            extra,
+        ))
+        .unwrap();
+        let want = wgpipe_apps::train_transformer::run_with(
+            args,
+            &std::sync::atomic::AtomicBool::new(false),
+        )
+        .unwrap();
+        // Same arithmetic, dropout keys, gradient clipping and replica averaging as in one
+        // process (with --replicas 2 there too): bit-identical.
+        assert_eq!(got_losses, want.losses, "{name}");
+        assert_eq!(
+            got["eval_loss"].as_f64().unwrap() as f32,
+            want.eval_loss,
+            "{name}"
+        );
+        let svg = std::fs::read_to_string(dir.join(format!("{name}-timeline.svg"))).unwrap();
+        assert!(svg.trim_end().ends_with("</svg>"));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
