@@ -1008,3 +1008,25 @@ fn sums_over_leading_axes_are_column_sums() {
     let st = xt.sum(&[0], false).unwrap().t().unwrap();
     close(&st.to_vec().unwrap(), &want, 1e-5);
 }
+
+#[test]
+fn transposed_copies_match_elementwise_reads_for_whole_partial_and_batch_spanning_tiles() {
+    let dv = dev();
+    // [rows, cols] transposed, and batches whose tiles span two matrices (rows not a multiple
+    // of 32), with whole 32 x 32 tiles, partial ones and 8 x 8 blocks at every edge.
+    for &(batch, r, c) in &[
+        (1, 64, 96),
+        (1, 70, 45),
+        (3, 40, 33),
+        (2, 32, 256),
+        (1, 9, 300),
+    ] {
+        let x = t(rand(batch * r * c, 40), &[batch, r, c], &dv);
+        let xt = x.transpose(-2, -1).unwrap();
+        let y = K.contiguous(&xt).unwrap();
+        assert!(
+            same(&K.to_host(&y).unwrap(), &naive(&xt)),
+            "[{batch}, {r}, {c}] transposed"
+        );
+    }
+}
