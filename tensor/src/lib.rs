@@ -24,3 +24,4 @@ pub use error::{Error, Result};
 pub use layout::Layout;
 pub use memory::{MemoryStats, MemoryTracker, Tag, TagGuard};
 pub use tensor::Tensor;
+pub use wgpu::{AUTOTUNE_CACHE_ENV, AUTOTUNE_ENV};
