@@ -73,40 +73,37 @@ fn lock() -> std::sync::MutexGuard<'static, Pool> {
     pool().lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A buffer of `n` values with arbitrary (stale) contents, for a kernel that writes every one.
-/// Debug builds fill it with NaN, so a kernel that leaves a value unwritten fails its tests.
-pub(crate) fn take_for_overwrite(n: usize) -> Vec<f32> {
-    let pooled = if n >= MIN_POOLED_LEN {
+/// A pooled buffer of exactly `n` values, if one is idle.
+fn take_pooled(n: usize) -> Option<Vec<f32>> {
+    if n >= MIN_POOLED_LEN {
         lock().take(n)
     } else {
         None
+    }
+}
+
+/// A buffer of `n` values with arbitrary (stale) contents, for a kernel that writes every one.
+/// Debug builds fill it with NaN, so a kernel that leaves a value unwritten fails its tests.
+pub(crate) fn take_for_overwrite(n: usize) -> Vec<f32> {
+    let fill = if cfg!(debug_assertions) {
+        f32::NAN
+    } else {
+        0.0
     };
-    match pooled {
+    match take_pooled(n) {
         Some(mut v) => {
             if cfg!(debug_assertions) {
-                v.fill(f32::NAN);
+                v.fill(fill);
             }
             v
         }
-        None => vec![
-            if cfg!(debug_assertions) {
-                f32::NAN
-            } else {
-                0.0
-            };
-            n
-        ],
+        None => vec![fill; n],
     }
 }
 
 /// A zeroed buffer of `n` values.
 pub(crate) fn take_zeroed(n: usize) -> Vec<f32> {
-    let pooled = if n >= MIN_POOLED_LEN {
-        lock().take(n)
-    } else {
-        None
-    };
-    match pooled {
+    match take_pooled(n) {
         Some(mut v) => {
             v.fill(0.0);
             v
