@@ -308,9 +308,17 @@ struct Map2<'a>(&'a mut [f32], &'a [f32], &'a Layout, &'a [f32], &'a Layout);
 impl UnaryVisitor for Map2<'_> {
     type Out = ();
     fn visit<T: UnaryOpT>(self, s: [f32; 2]) {
-        map2(self.0, self.1, self.2, self.3, self.4, move |v, g| {
-            g * T::df(v, s)
-        })
+        let Map2(out, x, lx, g, lg) = self;
+        if lx.is_contiguous() && lg.is_contiguous() {
+            let n = out.len();
+            let (xs, gs) = (&x[lx.offset..lx.offset + n], &g[lg.offset..lg.offset + n]);
+            for_rows(out, 1, |st, o| {
+                let e = st + o.len();
+                simd::unary_grad::<T>(o, &xs[st..e], &gs[st..e], s)
+            });
+            return;
+        }
+        map2(out, x, lx, g, lg, move |v, g| g * T::df(v, s))
     }
 }
 
