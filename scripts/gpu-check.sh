@@ -63,9 +63,9 @@ done
 grep -E "^\| .*\| wgpu:$gpu_index" "$out/bench_train.log" | while IFS='|' read -r _ w _dev plain _rest; do
     echo "| bench_train $(echo "$w" | xargs) | $(echo "$plain" | xargs) steps/s | - |"
 done
-tok=$(grep -oE '[0-9.]+ tokens/s' "$out/train_transformer.log" | tail -1)
-wall=$(grep -oiE 'wall[^0-9]*[0-9.]+ ?s' "$out/train_transformer.log" | tail -1)
-echo "| train_transformer --device gpu | ${tok:-see log} ${wall:+($wall)} | - |"
+# "trained steps 0..400 in 53.1 s (16500 tokens/s): ..."
+trained=$(grep -oE 'trained steps [0-9.]+ in [0-9.]+ s \([0-9.]+ tokens/s\)' "$out/train_transformer.log" | tail -1)
+echo "| train_transformer --device gpu | ${trained:-see $out/train_transformer.log} | - |"
 echo
 echo "autotune choices ($WGPIPE_AUTOTUNE_CACHE):"
 cat "$WGPIPE_AUTOTUNE_CACHE" 2>/dev/null || echo "(none saved)"
