@@ -1,7 +1,10 @@
 //! Op throughput on every device of this machine: the CPU backend and each wgpu adapter
 //! (lavapipe included). Prints a Markdown table.
 //!
-//! `cargo run --release --example bench_ops [-- --quick]`
+//! `cargo run --release --example bench_ops [-- --quick | --list-adapters]`
+//!
+//! On wgpu adapters matmul picks its variant by the autotune where it is on (`WGPIPE_AUTOTUNE`;
+//! default on for GPUs, off for software adapters): the warm-up call runs the trial.
 //!
 //! - matmul (f32, square n x n): GFLOP/s counting 2 n^3 per product, "queued" = N products
 //!   enqueued then one `synchronize`, "read-back" = each product read back to the host;
@@ -59,6 +62,14 @@ struct Row {
 }
 
 fn main() {
+    if std::env::args().any(|a| a == "--list-adapters") {
+        // `index: name (backend, driver[, software])`, one per line (scripts/gpu-check.sh).
+        for a in Device::adapters() {
+            let sw = if a.is_software { ", software" } else { "" };
+            println!("{}: {} ({}, {}{sw})", a.index, a.name, a.backend, a.driver);
+        }
+        return;
+    }
     let quick = std::env::args().any(|a| a == "--quick");
     let budget = Duration::from_millis(if quick { 300 } else { 1500 });
 

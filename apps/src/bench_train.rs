@@ -1,27 +1,31 @@
-//! Training-step throughput on every device found, for two fixed workloads that other libraries
-//! can run too:
+//! Training-step throughput on every device found, for three fixed workloads that other
+//! libraries can run too:
 //!
 //! * `mlp`: 4 Linear layers of width 1024 with ReLU between them, batch 256, MSE loss,
 //!   forward + backward + SGD;
 //! * `block`: one pre-LayerNorm decoder block (d_model 256, 4 heads, causal attention, MLP 4x
-//!   with GELU), batch 8, sequence 128, MSE loss against a random target, forward + backward +
-//!   SGD.
+//!   with exact GELU), batch 8, sequence 128, MSE loss against a random target, forward +
+//!   backward + SGD;
+//! * `lm`: the main job's model on one device (TransformerLm vocab 28, d_model 64, 4 heads, 4
+//!   blocks, context 64, tanh GELU), batch 32, cross-entropy, AdamW lr 3e-4.
 //!
 //! Each runs plainly (a tape over the layers) and through a 1-stage pipeline (M = 1, no
-//! re-materialization), which shows the pipeline's own overhead. The table carries reference
-//! columns measured on this kind of 2-core machine: PyTorch's CPU build and Burn's wgpu backend
-//! on lavapipe.
+//! re-materialization), which shows the pipeline's own overhead. With `--torch-python` (or
+//! `WGPIPE_TORCH_PYTHON`) naming a Python that imports torch, the same steps run in PyTorch on
+//! as many threads, alternating with wgpipe's (`--rounds`), and the table gets a measured
+//! reference column and the ratio; Burn's figures (wgpu on lavapipe) are quoted from issue 15.
 
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 
 use crate::autograd::optim::{zero_grad, Optimizer};
-use crate::autograd::{ForwardCtx, Module, Sgd, Tape, Var};
+use crate::autograd::{AdamW, ForwardCtx, Module, Sgd, Tape, Var};
 use crate::bail;
 use crate::error::{AppError, AppResult, Context};
 use crate::models::{
-    finish_step_all, forward_all, mse, sequence_parameters, Linear, Relu, TransformerBlock,
+    cross_entropy, finish_step_all, forward_all, mse, sequence_parameters, Gelu, Linear, Relu,
+    TransformerBlock, TransformerLm,
 };
 use crate::pipeline::{CheckpointMode, Pipeline};
 use crate::tensor::{Device, Tensor};
@@ -30,29 +34,48 @@ use crate::tensor::{Device, Tensor};
 pub enum Workload {
     Mlp,
     Block,
+    Lm,
 }
 
 impl Workload {
+    pub const ALL: [Workload; 3] = [Workload::Mlp, Workload::Block, Workload::Lm];
+
     pub fn describe(self) -> &'static str {
         match self {
-            Workload::Mlp => "MLP 4x Linear(1024) + ReLU, batch 256, MSE",
-            Workload::Block => "pre-LN decoder block d256 h4, batch 8 x seq 128",
+            Workload::Mlp => "MLP 4x Linear(1024) + ReLU, batch 256, MSE, SGD",
+            Workload::Block => "pre-LN decoder block d256 h4, batch 8 x seq 128, exact GELU, SGD",
+            Workload::Lm => "main job's LM (d64, 4 blocks, ctx 64), batch 32, AdamW",
         }
     }
-    /// Reference steps/s: (PyTorch CPU, Burn wgpu on lavapipe).
-    pub fn reference(self) -> (f64, f64) {
+    /// The name `torch_reference.py` knows the workload by.
+    pub fn key(self) -> &'static str {
         match self {
-            Workload::Mlp => (33.0, 2.3),
-            Workload::Block => (34.0, 2.1),
+            Workload::Mlp => "mlp",
+            Workload::Block => "block",
+            Workload::Lm => "lm",
+        }
+    }
+    /// Burn 0.22's wgpu backend on lavapipe, steps/s, as issue 15 quotes it (not measured here).
+    pub fn burn_lavapipe_from_issue(self) -> Option<f64> {
+        match self {
+            Workload::Mlp => Some(1.61),
+            Workload::Block => Some(1.58),
+            Workload::Lm => None,
         }
     }
 }
+
+/// The environment variable naming a Python with torch for the reference column.
+pub const TORCH_PYTHON_ENV: &str = "WGPIPE_TORCH_PYTHON";
+
+/// The PyTorch side of the benchmark (run with `python -`, the script on stdin).
+const TORCH_REFERENCE: &str = include_str!("../../scripts/torch_reference.py");
 
 #[derive(Parser, Clone, Debug)]
 #[command(
     args_override_self = true,
     name = "bench_train",
-    about = "Training-step throughput (steps/s) of two fixed workloads on every device found"
+    about = "Training-step throughput (steps/s) of three fixed workloads on every device found"
 )]
 pub struct BenchArgs {
     /// Seconds to measure each (workload, device, mode) after the warm-up.
@@ -67,12 +90,19 @@ pub struct BenchArgs {
     /// Devices to measure (cpu, wgpu:N, wgpu:NAME); default: the CPU and every wgpu adapter.
     #[arg(long, value_delimiter = ',')]
     pub devices: Option<Vec<String>>,
-    /// Workloads to run; default both.
+    /// Workloads to run; default all three.
     #[arg(long, value_enum, value_delimiter = ',')]
     pub workloads: Option<Vec<Workload>>,
     /// Skip the 1-stage pipeline rows.
     #[arg(long)]
     pub no_pipeline: bool,
+    /// A Python that imports torch: the CPU rows get a PyTorch column measured in this run
+    /// (default: $WGPIPE_TORCH_PYTHON; no column when unset).
+    #[arg(long)]
+    pub torch_python: Option<String>,
+    /// Measurements per cell, wgpipe and PyTorch alternating; the table shows medians.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
 }
 
 impl BenchArgs {
@@ -98,11 +128,18 @@ pub struct BenchRow {
     pub pipelined: Option<f64>,
     /// Loss after the last step (a sanity check that it trains).
     pub loss: f32,
+    /// PyTorch's steps/s for this workload in this run (CPU rows with a torch Python).
+    pub torch: Option<f64>,
+    /// Every round's plain figure (their spread is the run-to-run noise).
+    pub plain_rounds: Vec<f64>,
 }
 
-/// The workload's layers, input and target on `dev` (deterministic).
-/// A workload: its layers, input and target.
-type Work = (Vec<Box<dyn Module>>, Tensor, Tensor);
+/// A workload: its layers, input and target (deterministic).
+struct Work {
+    layers: Vec<Box<dyn Module>>,
+    x: Tensor,
+    y: Tensor,
+}
 
 fn workload(w: Workload, dev: &Device) -> AppResult<Work> {
     Ok(match w {
@@ -116,16 +153,54 @@ fn workload(w: Workload, dev: &Device) -> AppResult<Work> {
             }
             let x = Tensor::rand_normal(&[256, 1024], 0.0, 1.0, 1, dev)?;
             let y = Tensor::rand_normal(&[256, 1024], 0.0, 1.0, 2, dev)?;
-            (layers, x, y)
+            Work { layers, x, y }
         }
         Workload::Block => {
-            let layers: Vec<Box<dyn Module>> =
-                vec![Box::new(TransformerBlock::new(256, 4, 0.0, 3, dev)?)];
+            let block = TransformerBlock::new(256, 4, 0.0, 3, dev)?.with_gelu(Gelu::Exact);
+            let layers: Vec<Box<dyn Module>> = vec![Box::new(block)];
             let x = Tensor::rand_normal(&[8, 128, 256], 0.0, 1.0, 4, dev)?;
             let y = Tensor::rand_normal(&[8, 128, 256], 0.0, 1.0, 5, dev)?;
-            (layers, x, y)
+            Work { layers, x, y }
+        }
+        Workload::Lm => {
+            let cfg = TransformerLm {
+                vocab: 28,
+                d_model: 64,
+                heads: 4,
+                layers: 4,
+                seq_len: 64,
+                dropout: 0.0,
+            };
+            let layers = cfg.build(6, dev)?;
+            let ids = |seed: u64| -> AppResult<Tensor> {
+                let u = crate::tensor::rng::uniform_vec(seed, 0, 32 * 64, 0.0, 28.0);
+                let v = u.into_iter().map(|x| x.floor().min(27.0)).collect();
+                Ok(Tensor::from_vec(v, &[32, 64], dev)?)
+            };
+            Work {
+                layers,
+                x: ids(7)?,
+                y: ids(8)?,
+            }
         }
     })
+}
+
+/// The workload's loss: MSE, or cross-entropy over the vocabulary for the LM.
+fn loss_of(w: Workload, out: &Var, target: &Tensor) -> crate::tensor::Result<Var> {
+    match w {
+        Workload::Lm => cross_entropy(out, target),
+        _ => mse(out, target),
+    }
+}
+
+/// The workload's optimizer: SGD lr 1e-3, or AdamW lr 3e-4 (weight decay 0.01) for the LM, as
+/// the PyTorch reference.
+fn optimizer_of(w: Workload) -> Box<dyn Optimizer> {
+    match w {
+        Workload::Lm => Box::new(AdamW::new(3e-4).with_weight_decay(0.01)),
+        _ => Box::new(Sgd::new(1e-3)),
+    }
 }
 
 /// Times `step` for `warmup` steps, then for up to `seconds` / `max_steps`: steps/s and the
@@ -148,14 +223,14 @@ fn time_steps(
 }
 
 fn bench_plain(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<(f64, f32)> {
-    let (layers, x, y) = workload(w, dev)?;
+    let Work { layers, x, y } = workload(w, dev)?;
     let params = sequence_parameters(&layers);
-    let mut opt = Sgd::new(1e-3);
+    let mut opt = optimizer_of(w);
     time_steps(args, |step| {
         let tape = Tape::new();
         let input = tape.constant(x.clone());
         let out = forward_all(&layers, &input, &ForwardCtx::train(0, step, 0))?;
-        let loss = mse(&out, &y)?;
+        let loss = loss_of(w, &out, &y)?;
         tape.backward(&loss)?;
         finish_step_all(&layers)?;
         opt.step(&params)?;
@@ -165,19 +240,101 @@ fn bench_plain(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<(f64, f
 }
 
 fn bench_pipelined(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<(f64, f32)> {
-    let (layers, x, y) = workload(w, dev)?;
+    let Work { layers, x, y } = workload(w, dev)?;
     let mut pipe = Pipeline::builder(layers)
         .devices(vec![dev.clone()])
         .micro_batches(1)
         .checkpoint(CheckpointMode::Never)
-        .optimizer(|| Box::new(Sgd::new(1e-3)))
+        .optimizer(move || optimizer_of(w))
         .build()?;
-    let loss_fn = |o: &Var, t: &Tensor| mse(o, t);
+    let loss_fn = move |o: &Var, t: &Tensor| loss_of(w, o, t);
     time_steps(args, |_| {
         let r = pipe.train_step(&x, &y, &loss_fn)?;
         pipe.optimizer_step()?;
         Ok(r.loss)
     })
+}
+
+/// The Python for the PyTorch column: `--torch-python`, else `$WGPIPE_TORCH_PYTHON`, when it
+/// imports torch (a clear note on stderr when it does not).
+fn torch_python(args: &BenchArgs) -> Option<String> {
+    let py = args
+        .torch_python
+        .clone()
+        .or_else(|| std::env::var(TORCH_PYTHON_ENV).ok())
+        .filter(|p| !p.trim().is_empty())?;
+    let ok = std::process::Command::new(&py)
+        .args(["-c", "import torch"])
+        .output()
+        .map(|o| o.status.success());
+    match ok {
+        Ok(true) => Some(py),
+        Ok(false) => {
+            eprintln!("no PyTorch column: `{py} -c \"import torch\"` failed");
+            None
+        }
+        Err(e) => {
+            eprintln!("no PyTorch column: cannot run {py}: {e}");
+            None
+        }
+    }
+}
+
+/// PyTorch's steps/s for `w` on as many threads as wgpipe's CPU backend, measured by the
+/// embedded `torch_reference.py`.
+fn bench_torch(args: &BenchArgs, py: &str, w: Workload) -> AppResult<f64> {
+    use std::io::Write;
+    let mut child = std::process::Command::new(py)
+        .arg("-")
+        .args(["--workloads", w.key()])
+        .args(["--threads", &crate::tensor::cpu_threads().to_string()])
+        .args(["--seconds", &args.seconds.to_string()])
+        .args(["--max-steps", &args.max_steps.to_string()])
+        .args(["--warmup", &args.warmup.max(1).to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context(format!("starting {py}"))?;
+    child
+        .stdin
+        .take()
+        .expect("stdin was piped")
+        .write_all(TORCH_REFERENCE.as_bytes())
+        .context("sending torch_reference.py")?;
+    let out = child
+        .wait_with_output()
+        .context("running torch_reference.py")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "torch_reference.py {} failed ({}): {}",
+            w.key(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(w.key())?.trim().parse::<f64>().ok())
+        .ok_or_else(|| {
+            AppError(format!(
+                "torch_reference.py printed no figure for {}: {stdout}",
+                w.key()
+            ))
+        })
+}
+
+/// The median of `v` (non-empty).
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        0.5 * (s[n / 2 - 1] + s[n / 2])
+    }
 }
 
 /// The devices to measure: the CPU and every wgpu adapter, or those named.
@@ -186,7 +343,13 @@ fn devices(args: &BenchArgs) -> AppResult<Vec<(String, Result<Device, String>)>>
     match &args.devices {
         Some(list) => {
             for spec in list {
-                out.push((spec.clone(), Device::parse(spec).map_err(|e| e.to_string())));
+                let dev = Device::parse(spec).map_err(|e| e.to_string());
+                // The adapter's name in the label (it says which reference column applies).
+                let label = match dev.as_ref().ok().and_then(Device::adapter_info) {
+                    Some(a) => format!("{spec} {} ({})", a.name, a.backend),
+                    None => spec.clone(),
+                };
+                out.push((label, dev));
             }
         }
         None => {
@@ -214,14 +377,16 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
     crate::limits::check_positive("seconds", args.seconds, 3600.0)?;
     crate::limits::check_range("max-steps", args.max_steps, 1, 1_000_000)?;
     crate::limits::check_range("warmup", args.warmup, 0, 10_000)?;
+    crate::limits::check_range("rounds", args.rounds, 1, 100)?;
     let workloads = args
         .workloads
         .clone()
-        .unwrap_or_else(|| vec![Workload::Mlp, Workload::Block]);
+        .unwrap_or_else(|| Workload::ALL.to_vec());
     let devs = devices(&args)?;
     if args.devices.is_none() && Device::adapters().is_empty() {
         eprintln!("no wgpu adapter found (install mesa-vulkan-drivers for lavapipe): CPU only");
     }
+    let py = torch_python(&args);
     let mut rows = Vec::new();
     for w in &workloads {
         for (label, dev) in &devs {
@@ -232,24 +397,33 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
                     continue;
                 }
             };
-            eprintln!("measuring {:?} on {label} ...", w);
-            let (plain, loss) =
-                bench_plain(&args, *w, dev).context(format!("{w:?} on {label}, plain"))?;
-            let pipelined = if args.no_pipeline {
-                None
-            } else {
-                Some(
-                    bench_pipelined(&args, *w, dev)
-                        .context(format!("{w:?} on {label}, 1-stage pipeline"))?
-                        .0,
-                )
-            };
+            let with_torch = py.as_deref().filter(|_| dev.is_cpu());
+            let (mut plain, mut piped, mut torch, mut loss) = (vec![], vec![], vec![], 0.0);
+            for round in 0..args.rounds {
+                eprintln!("measuring {w:?} on {label} (round {}) ...", round + 1);
+                let (p, l) =
+                    bench_plain(&args, *w, dev).context(format!("{w:?} on {label}, plain"))?;
+                plain.push(p);
+                loss = l;
+                if !args.no_pipeline {
+                    piped.push(
+                        bench_pipelined(&args, *w, dev)
+                            .context(format!("{w:?} on {label}, 1-stage pipeline"))?
+                            .0,
+                    );
+                }
+                if let Some(py) = with_torch {
+                    torch.push(bench_torch(&args, py, *w)?);
+                }
+            }
             rows.push(BenchRow {
                 workload: *w,
                 device: label.clone(),
-                plain,
-                pipelined,
+                plain: median(&plain),
+                pipelined: (!piped.is_empty()).then(|| median(&piped)),
                 loss,
+                torch: (!torch.is_empty()).then(|| median(&torch)),
+                plain_rounds: plain,
             });
         }
     }
@@ -257,19 +431,28 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
     Ok(rows)
 }
 
-/// The rows as a markdown table with the reference columns.
+/// The rows as a markdown table: wgpipe's figures, PyTorch's from this run and the ratio, and
+/// Burn's as issue 15 quotes them.
 pub fn table(rows: &[BenchRow]) -> String {
     let mut s = String::from(
-        "| workload | device | wgpipe plain (steps/s) | wgpipe 1-stage pipeline (steps/s) | PyTorch CPU (ref) | Burn wgpu lavapipe (ref) |\n|---|---|---|---|---|---|\n",
+        "| workload | device | wgpipe plain (steps/s) | wgpipe 1-stage pipeline (steps/s) | PyTorch CPU, this run (steps/s) | wgpipe / PyTorch | Burn wgpu lavapipe (from issue 15) |\n|---|---|---|---|---|---|---|\n",
     );
+    let opt = |v: Option<f64>| v.map_or("-".into(), |p| format!("{p:.2}"));
     for r in rows {
-        let (torch, burn) = r.workload.reference();
+        let burn = if r.device.contains("lavapipe") || r.device.contains("llvmpipe") {
+            r.workload.burn_lavapipe_from_issue()
+        } else {
+            None
+        };
         s.push_str(&format!(
-            "| {} | {} | {:.2} | {} | {torch} | {burn} |\n",
+            "| {} | {} | {:.2} | {} | {} | {} | {} |\n",
             r.workload.describe(),
             r.device,
             r.plain,
-            r.pipelined.map_or("-".into(), |p| format!("{p:.2}")),
+            opt(r.pipelined),
+            opt(r.torch),
+            opt(r.torch.map(|t| r.plain / t)),
+            opt(burn),
         ));
     }
     s

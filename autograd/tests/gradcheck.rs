@@ -270,12 +270,13 @@ fn grad_scalar_ops() {
 fn grad_unary_smooth() {
     let x = [randn(&[4, 3], 19)];
     type Op = fn(&Var) -> Result<Var>;
-    let ops: [(&str, Op); 9] = [
+    let ops: [(&str, Op); 10] = [
         ("neg", |v| v.neg()),
         ("exp", |v| v.exp()),
         ("tanh", |v| v.tanh()),
         ("sigmoid", |v| v.sigmoid()),
         ("gelu", |v| v.gelu()),
+        ("gelu_tanh", |v| v.gelu_tanh()),
         ("sin", |v| v.sin()),
         ("cos", |v| v.cos()),
         ("square", |v| v.square()),
@@ -308,6 +309,8 @@ fn grad_unary_from_descriptors() {
         UnaryOp::Sigmoid,
         UnaryOp::Gelu,
         UnaryOp::GeluGrad,
+        UnaryOp::GeluTanh,
+        UnaryOp::GeluTanhGrad,
         UnaryOp::Sin,
         UnaryOp::Cos,
         UnaryOp::Square,

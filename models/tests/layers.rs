@@ -93,8 +93,17 @@ fn embedding_and_positions() {
 fn activations() {
     let x = t(&[-1., 0., 2.], &[3]);
     assert_close(&vals(&run(&Relu, &x)), &[0., 0., 2.], 0.0);
-    // GELU(x) = x Phi(x): Phi(-1) = 0.158655, Phi(2) = 0.977250 (tanh form within 1e-3).
-    assert_close(&vals(&run(&Gelu, &x)), &[-0.158655, 0., 1.954_5], 1e-3);
+    // GELU(x) = x Phi(x): Phi(-1) = 0.158655, Phi(2) = 0.977250; the tanh form within 1e-3.
+    assert_close(
+        &vals(&run(&Gelu::Exact, &x)),
+        &[-0.158_655, 0., 1.954_5],
+        2e-6,
+    );
+    assert_close(
+        &vals(&run(&Gelu::Tanh, &x)),
+        &[-0.158655, 0., 1.954_5],
+        1e-3,
+    );
 }
 
 #[test]

@@ -75,22 +75,61 @@ fn spow(x: f32, y: f32) -> f32 {
 const GELU_K: f32 = 0.7978845608028654; // sqrt(2 / pi)
 const GELU_C: f32 = 0.044715;
 
-fn gelu(x: f32) -> f32 {
+fn gelu_tanh(x: f32) -> f32 {
     return 0.5 * x * (1.0 + tanh_c(GELU_K * (x + GELU_C * x * x * x)));
 }
 
-fn gelu_grad(x: f32) -> f32 {
+fn gelu_tanh_grad(x: f32) -> f32 {
     let t = tanh_c(GELU_K * (x + GELU_C * x * x * x));
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * x * x);
 }
 
-// d/dx of gelu_grad: with q = s (1 - s) = (1 - t^2) / 4, 1 - 2 s = -t, u' = k (1 + 3 c x^2):
+// d/dx of gelu_tanh_grad: with q = s (1 - s) = (1 - t^2) / 4, 1 - 2 s = -t, u' = k (1 + 3 c x^2):
 // q (4 u' - 4 x u'^2 t + 12 k c x^2).
-fn gelu_grad2(x: f32) -> f32 {
+fn gelu_tanh_grad2(x: f32) -> f32 {
     let t = tanh_c(GELU_K * (x + GELU_C * x * x * x));
     let q = 0.25 * (1.0 - t * t);
     let u1 = GELU_K * (1.0 + 3.0 * GELU_C * x * x);
     return q * (4.0 * u1 - 4.0 * x * u1 * u1 * t + 12.0 * GELU_K * GELU_C * x * x);
+}
+
+// erfc(z) for z >= 0, relative error below 1.2e-7: the formula of `erfc_pos` in
+// shaders/src/ops/math.rs (the CPU reference).
+fn erfc_pos(z: f32) -> f32 {
+    let t = 1.0 / (1.0 + 0.5 * z);
+    var p = 0.17087277;
+    p = p * t - 0.82215223;
+    p = p * t + 1.48851587;
+    p = p * t - 1.13520398;
+    p = p * t + 0.27886807;
+    p = p * t - 0.18628806;
+    p = p * t + 0.09678418;
+    p = p * t + 0.37409196;
+    p = p * t + 1.00002368;
+    p = p * t - 1.26551223;
+    return t * exp(p - z * z);
+}
+
+fn normal_cdf(x: f32) -> f32 {
+    let half = 0.5 * erfc_pos(abs(x) * 0.70710678118654752);
+    return select(1.0 - half, half, x < 0.0);
+}
+
+fn normal_pdf(x: f32) -> f32 {
+    return 0.3989422804014327 * exp(-0.5 * x * x);
+}
+
+// Exact GELU x Phi(x) and its first two derivatives.
+fn gelu(x: f32) -> f32 {
+    return x * normal_cdf(x);
+}
+
+fn gelu_grad(x: f32) -> f32 {
+    return normal_cdf(x) + x * normal_pdf(x);
+}
+
+fn gelu_grad2(x: f32) -> f32 {
+    return normal_pdf(x) * (2.0 - x * x);
 }
 
 fn sigmoid(x: f32) -> f32 {

@@ -221,6 +221,14 @@ impl Device {
             Backend::Cpu => None,
         }
     }
+    /// Forgets the matmul autotune's choices for this adapter (in memory and in its cache file;
+    /// see `WGPIPE_AUTOTUNE`) and turns the autotune on: the next matmul of each shape class is
+    /// timed again. Nothing to do on the CPU.
+    pub fn reset_autotune(&self) {
+        if let Backend::Wgpu(c) = &self.inner.backend {
+            c.reset_autotune();
+        }
+    }
     /// The wgpu context behind this device (crate tests reach the runtime through it).
     #[cfg(test)]
     pub(crate) fn wgpu_context(&self) -> Option<&Arc<crate::wgpu::WgpuContext>> {

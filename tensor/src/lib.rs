@@ -17,9 +17,11 @@ pub mod tensor;
 mod wgpu;
 
 pub use backend::{BinaryOp, ReduceOp, UnaryOp};
+pub use cpu::host_pool::{clear_host_pool, pooled_host_bytes, HOST_POOL_ENV};
 pub use cpu::par::{cpu_threads, set_cpu_threads};
 pub use device::{AdapterInfo, Device, DEVICE_ENV};
 pub use error::{Error, Result};
 pub use layout::Layout;
 pub use memory::{MemoryStats, MemoryTracker, Tag, TagGuard};
 pub use tensor::Tensor;
+pub use wgpu::{AUTOTUNE_CACHE_ENV, AUTOTUNE_ENV};

@@ -60,3 +60,12 @@ impl Storage {
         }
     }
 }
+
+impl Drop for Storage {
+    /// Host buffers go back to the CPU backend's pool for the next op of their length.
+    fn drop(&mut self) {
+        if let StorageData::Cpu(v) = &mut self.data {
+            crate::cpu::host_pool::give(std::mem::take(v));
+        }
+    }
+}

@@ -6,15 +6,44 @@ use common::*;
 use proptest::prelude::*;
 use wgpipe_tensor::{BinaryOp, Device, Error, Tensor, UnaryOp};
 
-fn gelu(x: f32) -> f32 {
+fn gelu_tanh(x: f32) -> f32 {
     let c = (2.0f32 / std::f32::consts::PI).sqrt();
     0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
 }
 
-fn gelu_grad(x: f32) -> f32 {
+fn gelu_tanh_grad(x: f32) -> f32 {
     let c = (2.0f32 / std::f32::consts::PI).sqrt();
     let t = (c * (x + 0.044715 * x * x * x)).tanh();
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
+}
+
+/// `x Phi(x)` in f64 from the Maclaurin series of erf (|z| <= 5; beyond, erf is +-1 in f32):
+/// a reference independent of the library's erfc fit.
+fn gelu_exact_ref(x: f32) -> f32 {
+    let z = x as f64 / std::f64::consts::SQRT_2;
+    let erf = if z.abs() > 5.0 {
+        z.signum()
+    } else {
+        let (mut term, mut sum) = (z, z);
+        for n in 1..200 {
+            term *= -z * z / n as f64;
+            sum += term / (2 * n + 1) as f64;
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    };
+    (x as f64 * 0.5 * (1.0 + erf)) as f32
+}
+
+/// d/dx of [`gelu_exact_ref`]: `Phi(x) + x phi(x)`.
+fn gelu_exact_grad_ref(x: f32) -> f32 {
+    let xf = x as f64;
+    let phi = (-0.5 * xf * xf).exp() / (2.0 * std::f64::consts::PI).sqrt();
+    let cdf = if x == 0.0 {
+        0.5
+    } else {
+        gelu_exact_ref(x) as f64 / xf
+    };
+    (cdf + xf * phi) as f32
 }
 
 /// A unary method, e.g. `Tensor::exp`.
@@ -44,8 +73,10 @@ fn unary_cases() -> Vec<UnaryCase> {
         ("tanh", Tensor::tanh, f32::tanh),
         ("sigmoid", Tensor::sigmoid, |x| 1.0 / (1.0 + (-x).exp())),
         ("relu", Tensor::relu, |x| x.max(0.0)),
-        ("gelu", Tensor::gelu, gelu),
-        ("gelu_grad", Tensor::gelu_grad, gelu_grad),
+        ("gelu", Tensor::gelu, gelu_exact_ref),
+        ("gelu_grad", Tensor::gelu_grad, gelu_exact_grad_ref),
+        ("gelu_tanh", Tensor::gelu_tanh, gelu_tanh),
+        ("gelu_tanh_grad", Tensor::gelu_tanh_grad, gelu_tanh_grad),
         ("sin", Tensor::sin, f32::sin),
         ("cos", Tensor::cos, f32::cos),
         ("square", Tensor::square, |x| x * x),

@@ -222,7 +222,7 @@ fn cpu() -> Device {
 
 // ---------------------------------------------------------------- elementwise
 
-const UNARY: [(UnaryOp, bool); 27] = [
+const UNARY: [(UnaryOp, bool); 29] = [
     (UnaryOp::Neg, false),
     (UnaryOp::Exp, false),
     (UnaryOp::Log, true),
@@ -235,6 +235,8 @@ const UNARY: [(UnaryOp, bool); 27] = [
     (UnaryOp::Relu, false),
     (UnaryOp::Gelu, false),
     (UnaryOp::GeluGrad, false),
+    (UnaryOp::GeluTanh, false),
+    (UnaryOp::GeluTanhGrad, false),
     (UnaryOp::Sin, false),
     (UnaryOp::Cos, false),
     (UnaryOp::Square, false),

@@ -64,7 +64,7 @@ pub fn mlp(input: usize, width: usize, out: usize, seed: u64) -> Vec<Box<dyn Mod
         Box::new(Linear::new(input, width, seed, &d).unwrap()),
         Box::new(Relu),
         Box::new(Linear::new(width, w2, seed + 1, &d).unwrap()),
-        Box::new(Gelu),
+        Box::new(Gelu::Tanh),
         Box::new(LayerNorm::new(w2, &d).unwrap()),
         Box::new(Linear::new(w2, width, seed + 2, &d).unwrap()),
         Box::new(Relu),

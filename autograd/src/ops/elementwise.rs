@@ -231,11 +231,20 @@ impl Var {
         unary("relu", self, y, move |g| g.mul(&x.gt_scalar(0.0)?))
     }
 
-    /// GELU (tanh approximation).
+    /// GELU, exact: `x Phi(x)` (PyTorch's `gelu`).
     pub fn gelu(&self) -> Result<Var> {
         let y = self.value.gelu()?;
         let x = self.value.clone();
-        unary("gelu", self, y, move |g| g.mul(&x.gelu_grad()?))
+        unary("gelu", self, y, move |g| x.unary_grad(UnaryOp::Gelu, g))
+    }
+
+    /// GELU, tanh approximation (PyTorch's `gelu(approximate='tanh')`).
+    pub fn gelu_tanh(&self) -> Result<Var> {
+        let y = self.value.gelu_tanh()?;
+        let x = self.value.clone();
+        unary("gelu_tanh", self, y, move |g| {
+            x.unary_grad(UnaryOp::GeluTanh, g)
+        })
     }
 
     pub fn sin(&self) -> Result<Var> {

@@ -33,16 +33,27 @@ impl Module for Relu {
     }
 }
 
-/// GELU (the tensor library's `gelu`).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Gelu;
+/// GELU, as PyTorch's `nn.GELU(approximate=...)`: `Exact` is `x Phi(x)` (the tensor op `gelu`),
+/// `Tanh` the tanh approximation (`gelu_tanh`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Gelu {
+    #[default]
+    Exact,
+    Tanh,
+}
 
 impl Module for Gelu {
     fn name(&self) -> String {
-        "GELU".into()
+        match self {
+            Gelu::Exact => "GELU".into(),
+            Gelu::Tanh => "GELU(tanh)".into(),
+        }
     }
     fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
-        x.gelu()
+        match self {
+            Gelu::Exact => x.gelu(),
+            Gelu::Tanh => x.gelu_tanh(),
+        }
     }
     fn parameters(&self) -> Vec<(String, Param)> {
         Vec::new()

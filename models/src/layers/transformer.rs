@@ -1,5 +1,5 @@
 //! The pre-LayerNorm Transformer block: `x + drop(attn(ln1(x)))`, then
-//! `x + drop(mlp(ln2(x)))` with a 4x MLP and GELU. One block is one sequence element.
+//! `x + drop(mlp(ln2(x)))` with a 4x MLP and GELU (tanh form unless chosen otherwise). One block is one sequence element.
 
 use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Var};
 use wgpipe_tensor::{Device, Result};
@@ -11,13 +11,16 @@ use crate::init::sub_seed;
 pub struct Mlp {
     pub fc1: Linear,
     pub fc2: Linear,
+    pub gelu: Gelu,
 }
 
 impl Mlp {
+    /// With the tanh-form GELU (GPT-2's, and this crate's models' from the start).
     pub fn new(d: usize, hidden: usize, seed: u64, dev: &Device) -> Result<Self> {
         Ok(Mlp {
             fc1: Linear::new(d, hidden, sub_seed(seed, 0), dev)?,
             fc2: Linear::new(hidden, d, sub_seed(seed, 1), dev)?,
+            gelu: Gelu::Tanh,
         })
     }
 }
@@ -32,7 +35,7 @@ impl Module for Mlp {
         )
     }
     fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
-        let h = Gelu.forward(&self.fc1.forward(x, ctx)?, ctx)?;
+        let h = self.gelu.forward(&self.fc1.forward(x, ctx)?, ctx)?;
         self.fc2.forward(&h, ctx)
     }
     fn parameters(&self) -> Vec<(String, Param)> {
@@ -41,7 +44,7 @@ impl Module for Mlp {
         p
     }
     fn cost(&self, input_shape: &[usize]) -> CostHint {
-        chain(&[&self.fc1, &Gelu, &self.fc2], input_shape)
+        chain(&[&self.fc1, &self.gelu, &self.fc2], input_shape)
     }
 }
 
@@ -88,6 +91,12 @@ impl TransformerBlock {
             drop1: Dropout::new(dropout, 1)?,
             drop2: Dropout::new(dropout, 2)?,
         })
+    }
+
+    /// The same block with `gelu` in its MLP (`new` gives the tanh form).
+    pub fn with_gelu(mut self, gelu: Gelu) -> Self {
+        self.mlp.gelu = gelu;
+        self
     }
 }
 

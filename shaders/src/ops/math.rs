@@ -1,5 +1,6 @@
 //! Branch-free scalar math that LLVM vectorises (std's `expf` is a libm call per element):
-//! `exp` (Cephes-style, within 2 ulp of the true value), and sigmoid and GELU built on it.
+//! `exp` (Cephes-style, within 2 ulp of the true value), and sigmoid, `erfc` and the two GELUs
+//! (exact, through `erfc`, and the tanh approximation) built on it.
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
@@ -54,26 +55,86 @@ const GELU_A: f32 = 0.044_715;
 /// Tanh-form GELU, `0.5 x (1 + tanh(u))` with `u = c (x + a x^3)`, computed as
 /// `x * sigmoid(2u)` (the same value; accurate on both tails).
 #[inline(always)]
-pub fn gelu(x: f32) -> f32 {
+pub fn gelu_tanh(x: f32) -> f32 {
     x * sigmoid(2.0 * GELU_C * (x + GELU_A * x * x * x))
 }
 
-/// d/dx of [`gelu`]: `0.5 (1 + t) + 0.5 x (1 - t^2) u'`, with `0.5 (1 + t) = s = sigmoid(2u)`
+/// d/dx of [`gelu_tanh`]: `0.5 (1 + t) + 0.5 x (1 - t^2) u'`, with `0.5 (1 + t) = s = sigmoid(2u)`
 /// and `1 - t^2 = 4 s (1 - s)`.
 #[inline(always)]
-pub fn gelu_grad(x: f32) -> f32 {
+pub fn gelu_tanh_grad(x: f32) -> f32 {
     let s = sigmoid(2.0 * GELU_C * (x + GELU_A * x * x * x));
     s + 2.0 * x * s * (1.0 - s) * GELU_C * (1.0 + 3.0 * GELU_A * x * x)
 }
 
-/// d/dx of [`gelu_grad`]: with `q = s (1 - s)`, `u' = c (1 + 3 a x^2)`:
+/// d/dx of [`gelu_tanh_grad`]: with `q = s (1 - s)`, `u' = c (1 + 3 a x^2)`:
 /// `q (4 u' + 4 x u'^2 (1 - 2 s) + 12 c a x^2)`.
 #[inline(always)]
-pub fn gelu_grad2(x: f32) -> f32 {
+pub fn gelu_tanh_grad2(x: f32) -> f32 {
     let s = sigmoid(2.0 * GELU_C * (x + GELU_A * x * x * x));
     let q = s * (1.0 - s);
     let u1 = GELU_C * (1.0 + 3.0 * GELU_A * x * x);
     q * (4.0 * u1 + 4.0 * x * u1 * u1 * (1.0 - 2.0 * s) + 12.0 * GELU_C * GELU_A * x * x)
+}
+
+/// `erfc(z)` for `z >= 0` with relative error below 1.2e-7 (Numerical Recipes' `erfcc`, a
+/// Chebyshev fit of `erfc(z) e^{z^2}`): accurate on the tail, where `1 - erf` would cancel.
+/// The WGSL `erfc_pos` in `elementwise.wgsl` is the same formula.
+#[inline(always)]
+pub fn erfc_pos(z: f32) -> f32 {
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let mut p = 0.170_872_77_f32;
+    p = p * t - 0.822_152_23;
+    p = p * t + 1.488_515_9;
+    p = p * t - 1.135_204;
+    p = p * t + 0.278_868_07;
+    p = p * t - 0.186_288_06;
+    p = p * t + 0.096_784_18;
+    p = p * t + 0.374_091_96;
+    p = p * t + 1.000_023_7;
+    p = p * t - 1.265_512_2;
+    t * exp(p - z * z)
+}
+
+/// `1 / sqrt(2)`.
+const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// `1 / sqrt(2 pi)`.
+const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+
+/// The standard normal CDF `Phi(x) = erfc(-x / sqrt 2) / 2`, from the tail that does not
+/// cancel on either side.
+#[inline(always)]
+pub fn normal_cdf(x: f32) -> f32 {
+    let half = 0.5 * erfc_pos(x.abs() * FRAC_1_SQRT_2);
+    if x < 0.0 {
+        half
+    } else {
+        1.0 - half
+    }
+}
+
+/// The standard normal density `phi(x)`.
+#[inline(always)]
+pub fn normal_pdf(x: f32) -> f32 {
+    FRAC_1_SQRT_2PI * exp(-0.5 * x * x)
+}
+
+/// Exact GELU, `x Phi(x)` (PyTorch's `gelu`, `approximate='none'`).
+#[inline(always)]
+pub fn gelu(x: f32) -> f32 {
+    x * normal_cdf(x)
+}
+
+/// d/dx of [`gelu`]: `Phi(x) + x phi(x)`.
+#[inline(always)]
+pub fn gelu_grad(x: f32) -> f32 {
+    normal_cdf(x) + x * normal_pdf(x)
+}
+
+/// d/dx of [`gelu_grad`]: `phi(x) (2 - x^2)`.
+#[inline(always)]
+pub fn gelu_grad2(x: f32) -> f32 {
+    normal_pdf(x) * (2.0 - x * x)
 }
 
 #[cfg(test)]
@@ -104,20 +165,65 @@ mod tests {
     }
 
     #[test]
-    fn gelu_matches_the_tanh_form() {
+    fn gelu_tanh_matches_the_tanh_form() {
         for i in -400..400 {
             let x = i as f32 * 0.025;
             let u = 0.797_884_560_802_865_4 * (x as f64 + 0.044715 * (x as f64).powi(3));
             let want = 0.5 * x as f64 * (1.0 + u.tanh());
             assert!(
-                (gelu(x) as f64 - want).abs() < 1e-6 * (1.0 + want.abs()),
+                (gelu_tanh(x) as f64 - want).abs() < 1e-6 * (1.0 + want.abs()),
                 "{x}"
             );
             let h = 1e-3;
-            let num = (gelu(x + h) as f64 - gelu(x - h) as f64) / (2.0 * h as f64);
-            assert!((gelu_grad(x) as f64 - num).abs() < 2e-3, "{x}");
+            let num = (gelu_tanh(x + h) as f64 - gelu_tanh(x - h) as f64) / (2.0 * h as f64);
+            assert!((gelu_tanh_grad(x) as f64 - num).abs() < 2e-3, "{x}");
             let sg = 1.0 / (1.0 + (-(x as f64)).exp());
             assert!((sigmoid(x) as f64 - sg).abs() < 1e-6, "{x}");
         }
+    }
+
+    /// `Phi(x)` in f64 by Simpson's rule over the density from -12 (the lower tail directly, the
+    /// upper one by symmetry): a reference independent of any erf formula.
+    fn phi_reference(x: f64) -> f64 {
+        let lower = |x: f64| {
+            let (a, n) = (-12.0, 4000);
+            let h = (x - a) / n as f64;
+            let f = |t: f64| (-0.5 * t * t).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            let mut s = f(a) + f(x);
+            for i in 1..n {
+                s += f(a + i as f64 * h) * if i % 2 == 1 { 4.0 } else { 2.0 };
+            }
+            s * h / 3.0
+        };
+        if x <= 0.0 {
+            lower(x)
+        } else {
+            1.0 - lower(-x)
+        }
+    }
+
+    #[test]
+    fn exact_gelu_and_its_derivatives_match_an_integrated_normal_cdf() {
+        for i in -320..=320 {
+            let x = i as f32 * 0.025;
+            let xf = x as f64;
+            let cdf = phi_reference(xf);
+            let pdf = (-0.5 * xf * xf).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            // Relative on the lower tail too (where x Phi(x) is tiny): erfc_pos has no
+            // cancellation there.
+            let (want, got) = (xf * cdf, gelu(x) as f64);
+            assert!(
+                (got - want).abs() <= 4e-6 * want.abs().max(1e-3),
+                "gelu({x}): {got} vs {want}"
+            );
+            let d = cdf + xf * pdf;
+            assert!((gelu_grad(x) as f64 - d).abs() < 1e-6, "gelu_grad({x})");
+            let d2 = pdf * (2.0 - xf * xf);
+            assert!((gelu_grad2(x) as f64 - d2).abs() < 1e-6, "gelu_grad2({x})");
+        }
+        // PyTorch's values: gelu(-1) = -0.158655, gelu(2) = 1.954500.
+        assert!((gelu(-1.0) + 0.158_655_25).abs() < 1e-6);
+        assert!((gelu(2.0) - 1.954_499_7).abs() < 1e-6);
+        assert_eq!(gelu(0.0), 0.0);
     }
 }

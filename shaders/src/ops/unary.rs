@@ -2,7 +2,7 @@
 //! derivative); [`UnaryOp`] names them for the public API and dispatches to them.
 //!
 //! The WGSL expressions are over `a` (the input) and `s0`, `s1` (the op's scalars); the helpers
-//! they call (`tanh_c`, `sigmoid`, `gelu`, `gelu_grad`, `spow`, `flag`) are in `elementwise.wgsl`.
+//! they call (`tanh_c`, `sigmoid`, `gelu`, `gelu_tanh` and their derivatives, `spow`, `flag`) are in `elementwise.wgsl`.
 
 use std::hash::{Hash, Hasher};
 
@@ -54,7 +54,9 @@ macro_rules! unary_op {
 /// The descriptors.
 pub mod desc {
     use super::super::flag;
-    use super::super::math::{exp, gelu, gelu_grad, gelu_grad2, sigmoid};
+    use super::super::math::{
+        exp, gelu, gelu_grad, gelu_grad2, gelu_tanh, gelu_tanh_grad, gelu_tanh_grad2, sigmoid,
+    };
     use super::UnaryOpT;
 
     #[inline(always)]
@@ -85,12 +87,21 @@ pub mod desc {
     unary_op!(Relu, "relu", |x, _| if x < 0.0 { 0.0 } else { x }, "max(a, 0.0)",
         d: flag(x > 0.0), "flag(a > 0.0)");
     unary_op!(
-        /// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+        /// GELU, exact: x Phi(x) with Phi the standard normal CDF (PyTorch's `gelu`).
         Gelu, "gelu", |x, _| gelu(x), "gelu(a)", d: gelu_grad(x), "gelu_grad(a)");
     unary_op!(
-        /// d/dx of the tanh-form GELU (for its backward).
+        /// d/dx of the exact GELU (for its backward).
         GeluGrad, "gelu_grad", |x, _| gelu_grad(x), "gelu_grad(a)",
         d: gelu_grad2(x), "gelu_grad2(a)");
+    unary_op!(
+        /// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        /// (PyTorch's `gelu(approximate='tanh')`).
+        GeluTanh, "gelu_tanh", |x, _| gelu_tanh(x), "gelu_tanh(a)",
+        d: gelu_tanh_grad(x), "gelu_tanh_grad(a)");
+    unary_op!(
+        /// d/dx of the tanh-form GELU (for its backward).
+        GeluTanhGrad, "gelu_tanh_grad", |x, _| gelu_tanh_grad(x), "gelu_tanh_grad(a)",
+        d: gelu_tanh_grad2(x), "gelu_tanh_grad2(a)");
     unary_op!(Sin, "sin", |x, _| x.sin(), "sin(a)", d: x.cos(), "cos(a)");
     unary_op!(Cos, "cos", |x, _| x.cos(), "cos(a)", d: -x.sin(), "-sin(a)");
     unary_op!(Square, "square", |x, _| x * x, "a * a", d: 2.0 * x, "2.0 * a");
@@ -160,8 +171,8 @@ macro_rules! unary_ops {
 }
 
 unary_ops! {
-    plain: Neg, Exp, Log, Sqrt, Rsqrt, Abs, Sign, Tanh, Sigmoid, Relu, Gelu, GeluGrad, Sin, Cos,
-        Square, Recip, Silu;
+    plain: Neg, Exp, Log, Sqrt, Rsqrt, Abs, Sign, Tanh, Sigmoid, Relu, Gelu, GeluGrad, GeluTanh,
+        GeluTanhGrad, Sin, Cos, Square, Recip, Silu;
     scalar: Powf, RDiv, RSub, MaxScalar, MinScalar, GtScalar, EqScalar;
 }
 

@@ -14,6 +14,7 @@ use crate::tensor::Tensor;
 
 mod conv;
 mod elementwise;
+pub(crate) mod host_pool;
 mod index;
 mod math;
 mod matmul;
@@ -38,11 +39,20 @@ struct Out {
 
 impl Out {
     /// Reserves `n` values on `dev` (failing with `OutOfMemory` before any memory is touched),
-    /// then allocates them zeroed.
+    /// then takes them zeroed, for kernels that add into their output or leave parts of it.
     fn zeros(dev: &Device, n: usize) -> Result<Out> {
         let alloc = Storage::reserve(dev, n)?;
         Ok(Out {
-            data: vec![0.0; n],
+            data: host_pool::take_zeroed(n),
+            alloc,
+        })
+    }
+
+    /// [`Out::zeros`] without the zeroing, for kernels that write every value.
+    fn for_overwrite(dev: &Device, n: usize) -> Result<Out> {
+        let alloc = Storage::reserve(dev, n)?;
+        Ok(Out {
+            data: host_pool::take_for_overwrite(n),
             alloc,
         })
     }
@@ -55,7 +65,7 @@ impl Out {
 /// The plain SGD step `param - lr * grad` in one pass (CPU tensors of one shape), with exactly the
 /// arithmetic of `param.sub(&grad.mul_scalar(lr)?)`: `p - (g * lr + 0.0)`.
 fn sgd_update(param: &Tensor, grad: &Tensor, lr: f32) -> Result<Tensor> {
-    let mut out = Out::zeros(param.device(), param.numel())?;
+    let mut out = Out::for_overwrite(param.device(), param.numel())?;
     elementwise::map2(
         &mut out.data,
         data(param),
@@ -69,7 +79,7 @@ fn sgd_update(param: &Tensor, grad: &Tensor, lr: f32) -> Result<Tensor> {
 
 /// Sums contiguous CPU tensor `x`, seen as `[x.numel() / width, width]`, over its rows: `[width]`.
 fn sum_columns(x: &Tensor, width: usize) -> Result<Tensor> {
-    let mut out = Out::zeros(x.device(), width)?;
+    let mut out = Out::for_overwrite(x.device(), width)?;
     reduce::sum_columns(&mut out.data, &contig(x));
     Ok(out.into_tensor(&[width], x.device()))
 }
@@ -120,19 +130,19 @@ impl Kernels for CpuKernels {
     }
 
     fn contiguous(&self, x: &Tensor) -> Result<Tensor> {
-        let mut out = Out::zeros(x.device(), x.numel())?;
+        let mut out = Out::for_overwrite(x.device(), x.numel())?;
         elementwise::copy(&mut out.data, data(x), x.layout());
         Ok(out.into_tensor(x.shape(), x.device()))
     }
 
     fn unary(&self, op: UnaryOp, x: &Tensor) -> Result<Tensor> {
-        let mut out = Out::zeros(x.device(), x.numel())?;
+        let mut out = Out::for_overwrite(x.device(), x.numel())?;
         elementwise::unary(op, &mut out.data, data(x), x.layout());
         Ok(out.into_tensor(x.shape(), x.device()))
     }
 
     fn unary_grad(&self, op: UnaryOp, x: &Tensor, g: &Tensor) -> Result<Tensor> {
-        let mut out = Out::zeros(x.device(), x.numel())?;
+        let mut out = Out::for_overwrite(x.device(), x.numel())?;
         elementwise::unary_grad(op, &mut out.data, data(x), x.layout(), data(g), g.layout());
         Ok(out.into_tensor(x.shape(), x.device()))
     }
@@ -146,13 +156,13 @@ impl Kernels for CpuKernels {
     }
 
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-        let mut out = Out::zeros(a.device(), a.numel())?;
+        let mut out = Out::for_overwrite(a.device(), a.numel())?;
         elementwise::binary(op, &mut out.data, data(a), a.layout(), data(b), b.layout());
         Ok(out.into_tensor(a.shape(), a.device()))
     }
 
     fn where_cond(&self, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-        let mut out = Out::zeros(a.device(), a.numel())?;
+        let mut out = Out::for_overwrite(a.device(), a.numel())?;
         elementwise::where_cond(
             &mut out.data,
             data(cond),
@@ -166,13 +176,13 @@ impl Kernels for CpuKernels {
     }
 
     fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
-        let mut out = Out::zeros(x.device(), rows)?;
+        let mut out = Out::for_overwrite(x.device(), rows)?;
         reduce::reduce_rows(op, &mut out.data, &contig(x), cols);
         Ok(out.into_tensor(&[rows], x.device()))
     }
 
     fn softmax_rows(&self, x: &Tensor, rows: usize, cols: usize, log: bool) -> Result<Tensor> {
-        let mut out = Out::zeros(x.device(), rows * cols)?;
+        let mut out = Out::for_overwrite(x.device(), rows * cols)?;
         reduce::softmax_rows(&mut out.data, &contig(x), cols, log);
         Ok(out.into_tensor(&[rows, cols], x.device()))
     }
@@ -185,7 +195,7 @@ impl Kernels for CpuKernels {
         lb: MatLayout,
         dims: MatDims,
     ) -> Result<Tensor> {
-        let mut out = Out::zeros(a.device(), dims.batch * dims.m * dims.n)?;
+        let mut out = Out::for_overwrite(a.device(), dims.batch * dims.m * dims.n)?;
         matmul::matmul(&mut out.data, data(a), la, data(b), lb, dims);
         Ok(out.into_tensor(&[dims.batch, dims.m, dims.n], a.device()))
     }
@@ -205,8 +215,11 @@ impl Kernels for CpuKernels {
             Storage::reserve(dev, rows)?,
             Storage::reserve(dev, rows)?,
         );
-        let (mut y, mut mean, mut rstd) =
-            (vec![0.0; rows * cols], vec![0.0; rows], vec![0.0; rows]);
+        let (mut y, mut mean, mut rstd) = (
+            host_pool::take_for_overwrite(rows * cols),
+            host_pool::take_for_overwrite(rows),
+            host_pool::take_for_overwrite(rows),
+        );
         norm::layer_norm_rows(
             &mut y,
             &mut mean,
@@ -240,7 +253,7 @@ impl Kernels for CpuKernels {
         inner: usize,
     ) -> Result<Tensor> {
         let n = idx.numel();
-        let mut out = Out::zeros(x.device(), outer * n * inner)?;
+        let mut out = Out::for_overwrite(x.device(), outer * n * inner)?;
         index::index_select(&mut out.data, &contig(x), &contig(idx), dim, inner);
         Ok(out.into_tensor(&[outer, n, inner], x.device()))
     }
@@ -267,7 +280,7 @@ impl Kernels for CpuKernels {
         inner: usize,
     ) -> Result<Tensor> {
         let n = idx.numel().checked_div(outer * inner).unwrap_or(0);
-        let mut out = Out::zeros(x.device(), outer * n * inner)?;
+        let mut out = Out::for_overwrite(x.device(), outer * n * inner)?;
         index::gather(&mut out.data, &contig(x), &contig(idx), n, dim, inner);
         Ok(out.into_tensor(&[outer, n, inner], x.device()))
     }
@@ -288,7 +301,7 @@ impl Kernels for CpuKernels {
 
     fn concat(&self, xs: &[&Tensor], axis: usize, out_shape: &[usize]) -> Result<Tensor> {
         let dev = xs[0].device();
-        let mut out = Out::zeros(dev, numel(out_shape))?;
+        let mut out = Out::for_overwrite(dev, numel(out_shape))?;
         let inner: usize = out_shape[axis + 1..].iter().product();
         let row = out_shape[axis] * inner;
         par::for_rows(&mut out.data, row, |o0, chunk| {
@@ -307,7 +320,7 @@ impl Kernels for CpuKernels {
 
     fn im2col(&self, x: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
         let (rows, cols) = (g.col_rows(), g.col_cols());
-        let mut out = Out::zeros(x.device(), g.n * g.groups * rows * cols)?;
+        let mut out = Out::for_overwrite(x.device(), g.n * g.groups * rows * cols)?;
         conv::im2col(&mut out.data, &contig(x), g);
         Ok(out.into_tensor(&[g.n, g.groups, rows, cols], x.device()))
     }
@@ -322,7 +335,10 @@ impl Kernels for CpuKernels {
         let dev = x.device();
         let n = g.n * g.c * g.h_out * g.w_out;
         let (ay, aa) = (Storage::reserve(dev, n)?, Storage::reserve(dev, n)?);
-        let (mut y, mut am) = (vec![0.0; n], vec![0.0; n]);
+        let (mut y, mut am) = (
+            host_pool::take_for_overwrite(n),
+            host_pool::take_for_overwrite(n),
+        );
         pool::max_pool2d(&mut y, &mut am, &contig(x), g);
         let shape = [g.n, g.c, g.h_out, g.w_out];
         Ok((
@@ -347,7 +363,7 @@ impl Kernels for CpuKernels {
     }
 
     fn avg_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
-        let mut out = Out::zeros(x.device(), g.n * g.c * g.h_out * g.w_out)?;
+        let mut out = Out::for_overwrite(x.device(), g.n * g.c * g.h_out * g.w_out)?;
         pool::avg_pool2d(&mut out.data, &contig(x), g);
         Ok(out.into_tensor(&[g.n, g.c, g.h_out, g.w_out], x.device()))
     }
@@ -366,7 +382,7 @@ impl Kernels for CpuKernels {
         seed: u64,
         offset: u64,
     ) -> Result<Tensor> {
-        let mut out = Out::zeros(dev, numel(shape))?;
+        let mut out = Out::for_overwrite(dev, numel(shape))?;
         random::dropout_mask(&mut out.data, p, seed, offset);
         Ok(out.into_tensor(shape, dev))
     }
@@ -386,7 +402,11 @@ impl Kernels for CpuKernels {
             Storage::reserve(dev, n)?,
             Storage::reserve(dev, n)?,
         );
-        let (mut p2, mut m2, mut v2) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        let (mut p2, mut m2, mut v2) = (
+            host_pool::take_for_overwrite(n),
+            host_pool::take_for_overwrite(n),
+            host_pool::take_for_overwrite(n),
+        );
         optim::adam(
             &mut p2,
             &mut m2,

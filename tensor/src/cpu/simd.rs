@@ -4,6 +4,8 @@
 //! it, so bodies are `#[inline(always)]` functions called directly (a closure passed through
 //! would be compiled once, for the baseline).
 
+use wgpipe_shaders::ops::UnaryOpT;
+
 /// True when the AVX2 + FMA variants may run (the check is cached by std).
 #[inline(always)]
 pub(crate) fn has_avx2() -> bool {
@@ -111,4 +113,30 @@ pub(crate) fn zip_scalar<F: Fn(f32, f32) -> f32>(o: &mut [f32], a: &[f32], y: f3
         return unsafe { zip_scalar_avx2(o, a, y, f) };
     }
     zip_scalar_imp(o, a, y, f)
+}
+
+#[inline(always)]
+fn unary_grad_imp<T: UnaryOpT>(o: &mut [f32], x: &[f32], g: &[f32], s: [f32; 2]) {
+    for ((o, &v), &g) in o.iter_mut().zip(x).zip(g) {
+        *o = g * T::df(v, s);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn unary_grad_avx2<T: UnaryOpT>(o: &mut [f32], x: &[f32], g: &[f32], s: [f32; 2]) {
+    unary_grad_imp::<T>(o, x, g, s)
+}
+
+/// `o[i] = g[i] * T'(x[i])`: the backward of unary op `T` with its derivative inlined into the
+/// loop. Through [`zip`] the derivative sits in a closure, which LLVM leaves out of line when it
+/// is big (the exact GELU's: a quarter of a decoder-block step, one scalar call per element).
+#[inline]
+pub(crate) fn unary_grad<T: UnaryOpT>(o: &mut [f32], x: &[f32], g: &[f32], s: [f32; 2]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 and FMA were just detected.
+        return unsafe { unary_grad_avx2::<T>(o, x, g, s) };
+    }
+    unary_grad_imp::<T>(o, x, g, s)
 }

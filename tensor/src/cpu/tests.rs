@@ -81,6 +81,8 @@ fn unary_ops_on_strided_views() {
         UnaryOp::Relu,
         UnaryOp::Gelu,
         UnaryOp::GeluGrad,
+        UnaryOp::GeluTanh,
+        UnaryOp::GeluTanhGrad,
         UnaryOp::Sin,
         UnaryOp::Cos,
         UnaryOp::Square,
@@ -111,15 +113,21 @@ fn unary_ops_on_strided_views() {
     // Hand values.
     let x = t(vec![-1.0, 0.0, 2.0], &[3], &d);
     let g = K.to_host(&K.unary(UnaryOp::Gelu, &x).unwrap()).unwrap();
+    close(&g, &[-0.158_655_25, 0.0, 1.954_499_7], 1e-6);
+    let g = K.to_host(&K.unary(UnaryOp::GeluTanh, &x).unwrap()).unwrap();
     close(&g, &[-0.158_808, 0.0, 1.954_598], 1e-5);
     let s = K.to_host(&K.unary(UnaryOp::Sign, &x).unwrap()).unwrap();
     assert_eq!(s, vec![-1.0, 0.0, 1.0]);
-    // GeluGrad is the derivative of Gelu.
+    // GeluGrad is the derivative of Gelu, GeluTanhGrad that of GeluTanh.
     let h = 1e-3f32;
-    for v in [-2.0f32, -0.5, 0.3, 1.7] {
-        let num =
-            (unary_scalar(UnaryOp::Gelu, v + h) - unary_scalar(UnaryOp::Gelu, v - h)) / (2.0 * h);
-        assert!((num - unary_scalar(UnaryOp::GeluGrad, v)).abs() < 1e-3);
+    for (f, df) in [
+        (UnaryOp::Gelu, UnaryOp::GeluGrad),
+        (UnaryOp::GeluTanh, UnaryOp::GeluTanhGrad),
+    ] {
+        for v in [-2.0f32, -0.5, 0.3, 1.7] {
+            let num = (unary_scalar(f, v + h) - unary_scalar(f, v - h)) / (2.0 * h);
+            assert!((num - unary_scalar(df, v)).abs() < 1e-3, "{df:?} at {v}");
+        }
     }
 }
 
@@ -1007,4 +1015,26 @@ fn sums_over_leading_axes_are_column_sums() {
     let xt = x.permute(&[0, 2, 1]).unwrap();
     let st = xt.sum(&[0], false).unwrap().t().unwrap();
     close(&st.to_vec().unwrap(), &want, 1e-5);
+}
+
+#[test]
+fn transposed_copies_match_elementwise_reads_for_whole_partial_and_batch_spanning_tiles() {
+    let dv = dev();
+    // [rows, cols] transposed, and batches whose tiles span two matrices (rows not a multiple
+    // of 32), with whole 32 x 32 tiles, partial ones and 8 x 8 blocks at every edge.
+    for &(batch, r, c) in &[
+        (1, 64, 96),
+        (1, 70, 45),
+        (3, 40, 33),
+        (2, 32, 256),
+        (1, 9, 300),
+    ] {
+        let x = t(rand(batch * r * c, 40), &[batch, r, c], &dv);
+        let xt = x.transpose(-2, -1).unwrap();
+        let y = K.contiguous(&xt).unwrap();
+        assert!(
+            same(&K.to_host(&y).unwrap(), &naive(&xt)),
+            "[{batch}, {r}, {c}] transposed"
+        );
+    }
 }

@@ -151,10 +151,14 @@ unary_methods! {
     tanh => Tanh;
     sigmoid => Sigmoid;
     relu => Relu;
-    /// GELU, tanh approximation.
+    /// GELU, exact: `x Phi(x)` (PyTorch's `gelu`).
     gelu => Gelu;
     /// Derivative of [`Tensor::gelu`].
     gelu_grad => GeluGrad;
+    /// GELU, tanh approximation (PyTorch's `gelu(approximate='tanh')`).
+    gelu_tanh => GeluTanh;
+    /// Derivative of [`Tensor::gelu_tanh`].
+    gelu_tanh_grad => GeluTanhGrad;
     sin => Sin;
     cos => Cos;
     square => Square;

@@ -4,6 +4,7 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::autotune::{default_cache_path, mode_from, Tuner, AUTOTUNE_ENV};
 use super::discovery::{discovery, AdapterInfo};
 use super::pipelines::PipelineCache;
 use super::pool::BufferPool;
@@ -60,6 +61,8 @@ pub(crate) struct WgpuContext {
     /// Invocations per row of the row kernels (reduce, softmax, layer norm): 256 on GPUs; one
     /// subgroup on CPU-backed adapters, where workgroup barriers are expensive.
     row_wg: AtomicU32,
+    /// The matmul autotune (None when off; see `autotune`).
+    tuner: Mutex<Option<Arc<Tuner>>>,
 }
 
 impl WgpuContext {
@@ -145,6 +148,12 @@ impl WgpuContext {
         } else {
             wgpipe_shaders::ROW_WG
         };
+        let (tune, reset) = mode_from(
+            std::env::var(AUTOTUNE_ENV).ok().as_deref(),
+            info.is_software,
+        );
+        let tuner =
+            tune.then(|| Arc::new(Tuner::new(&tuner_key(&info), default_cache_path(), reset)));
         Ok(WgpuContext {
             info,
             name,
@@ -159,7 +168,30 @@ impl WgpuContext {
             pipelines: PipelineCache::default(),
             subgroup_size,
             row_wg: AtomicU32::new(row_wg),
+            tuner: Mutex::new(tuner),
         })
+    }
+
+    /// The matmul autotune, when it is on.
+    pub(super) fn tuner(&self) -> Option<Arc<Tuner>> {
+        self.tuner.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Turns the autotune on with `tuner`, or off with `None`.
+    pub(crate) fn set_tuner(&self, tuner: Option<Tuner>) {
+        *self.tuner.lock().unwrap_or_else(|p| p.into_inner()) = tuner.map(Arc::new);
+    }
+
+    /// Forgets the autotune's choices for this adapter (in memory and on disk) and turns it on.
+    pub(crate) fn reset_autotune(&self) {
+        match self.tuner() {
+            Some(t) => t.reset(),
+            None => self.set_tuner(Some(Tuner::new(
+                &tuner_key(&self.info),
+                default_cache_path(),
+                true,
+            ))),
+        }
     }
 
     pub(crate) fn adapter_info(&self) -> &AdapterInfo {
@@ -203,4 +235,9 @@ impl Drop for WgpuContext {
         }
         let _ = self.device.poll(wgpu::PollType::wait_indefinitely());
     }
+}
+
+/// What an autotune choice is valid for: the adapter, its backend and its driver version.
+pub(crate) fn tuner_key(info: &AdapterInfo) -> String {
+    format!("{}|{}|{}", info.name, info.backend, info.driver)
 }

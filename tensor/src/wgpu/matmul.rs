@@ -6,6 +6,7 @@
 use wgpipe_shaders::params::{MatmulParams, PackParams, ParamBlock, SubgroupMatmulParams};
 use wgpipe_shaders::{Kernel, MatmulConfig, OperandLoad, SubgroupMatmulConfig};
 
+use super::autotune::{shape_class, MatmulChoice};
 use super::context::WgpuContext;
 use super::kernels::{gpu, groups_for, u, LOOP_BUDGET};
 use super::runtime::Arg;
@@ -61,41 +62,137 @@ impl WgpuContext {
         }
     }
 
-    /// Tile shape per adapter and problem size: small problems get small tiles (more
-    /// workgroups); software adapters (one CPU thread per workgroup) prefer 64 x 64 tiles with
-    /// 8 x 8 outputs per invocation; GPUs take 128 x 128 tiles when the problem is large.
-    fn matmul_tile(&self, d: &MatDims) -> (u32, u32, u32, u32, u32) {
-        let limits = &self.limits;
-        let fits = |t: (u32, u32, u32, u32, u32)| {
-            let cfg = MatmulConfig {
-                bm: t.0,
-                bn: t.1,
-                bk: t.2,
-                tm: t.3,
-                tn: t.4,
-                a: OperandLoad::ScalarK,
-                b: OperandLoad::ScalarK,
-                c_vec: false,
-            };
-            cfg.threads() <= limits.max_compute_invocations_per_workgroup
-                && cfg.threads() <= limits.max_compute_workgroup_size_x
-                && cfg.shared_bytes() <= limits.max_compute_workgroup_storage_size
+    /// Whether tile `t` = `(bm, bn, bk, tm, tn)` fits the adapter's workgroup limits.
+    fn tile_fits(&self, t: (u32, u32, u32, u32, u32)) -> bool {
+        let cfg = MatmulConfig {
+            bm: t.0,
+            bn: t.1,
+            bk: t.2,
+            tm: t.3,
+            tn: t.4,
+            a: OperandLoad::ScalarK,
+            b: OperandLoad::ScalarK,
+            c_vec: false,
         };
+        let limits = &self.limits;
+        cfg.threads() <= limits.max_compute_invocations_per_workgroup
+            && cfg.threads() <= limits.max_compute_workgroup_size_x
+            && cfg.shared_bytes() <= limits.max_compute_workgroup_storage_size
+    }
+
+    /// Tile shape per adapter and problem size, when no autotune picks it: small problems get
+    /// small tiles (more workgroups); software adapters (one CPU thread per workgroup) prefer
+    /// 64 x 64 tiles with 8 x 8 outputs per invocation; GPUs take 128 x 128 tiles when the
+    /// problem is large.
+    fn matmul_tile(&self, d: &MatDims) -> (u32, u32, u32, u32, u32) {
         let [t64x4, t64x8, t32, t128] = MatmulConfig::TILES;
         let work = d.batch * d.m.div_ceil(64) * d.n.div_ceil(64);
         let pick = if d.m <= 32 || d.n <= 32 {
             t32
         } else if self.info.is_software {
             t64x8
-        } else if work >= 256 && fits(t128) && d.m >= 512 && d.n >= 512 {
+        } else if work >= 256 && self.tile_fits(t128) && d.m >= 512 && d.n >= 512 {
             t128
         } else {
             t64x4
         };
-        if fits(pick) {
+        if self.tile_fits(pick) {
             pick
         } else {
             t32
+        }
+    }
+
+    /// The variants the autotune times for `d`: every tile that fits, and the subgroup kernel
+    /// where the heuristic could pick it (CPU-backed adapters: the only ones it is tested on).
+    pub(super) fn matmul_candidates(&self, d: &MatDims) -> Vec<MatmulChoice> {
+        let mut v: Vec<MatmulChoice> = MatmulConfig::TILES
+            .into_iter()
+            .filter(|&t| self.tile_fits(t))
+            .map(|(bm, bn, bk, tm, tn)| MatmulChoice::Tile(bm, bn, bk, tm, tn))
+            .collect();
+        if self.subgroup_matmul_config(d).is_some() {
+            v.push(MatmulChoice::Subgroup);
+        }
+        v
+    }
+
+    /// The variant for these (normalised) operands: the autotune's when it is on, else the
+    /// heuristic's.
+    fn matmul_choice(
+        &self,
+        a: &Tensor,
+        la: MatLayout,
+        b: &Tensor,
+        lb: MatLayout,
+        d: MatDims,
+    ) -> Result<MatmulChoice> {
+        if let Some(tuner) = self.tuner() {
+            let candidates = self.matmul_candidates(&d);
+            return tuner.choose(&shape_class(&d), &candidates, |c| {
+                self.time_matmul(a, la, b, lb, d, c)
+            });
+        }
+        Ok(if self.subgroup_matmul_config(&d).is_some() {
+            MatmulChoice::Subgroup
+        } else {
+            let (bm, bn, bk, tm, tn) = self.matmul_tile(&d);
+            MatmulChoice::Tile(bm, bn, bk, tm, tn)
+        })
+    }
+
+    /// Seconds one matmul takes as `choice`: the best of 3 after a warm-up run (which compiles
+    /// the pipeline), each waited for, with earlier queued work finished before the clock starts.
+    pub(super) fn time_matmul(
+        &self,
+        a: &Tensor,
+        la: MatLayout,
+        b: &Tensor,
+        lb: MatLayout,
+        d: MatDims,
+        choice: MatmulChoice,
+    ) -> Result<f64> {
+        self.sync()?;
+        drop(self.matmul_as(a, la, b, lb, d, choice)?);
+        self.sync()?;
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let t0 = std::time::Instant::now();
+            drop(self.matmul_as(a, la, b, lb, d, choice)?);
+            self.sync()?;
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    }
+
+    /// The matmul as `choice` (operand layouts normalised).
+    pub(super) fn matmul_as(
+        &self,
+        a: &Tensor,
+        la: MatLayout,
+        b: &Tensor,
+        lb: MatLayout,
+        d: MatDims,
+        choice: MatmulChoice,
+    ) -> Result<Tensor> {
+        match choice {
+            MatmulChoice::Subgroup => {
+                let cfg = self.subgroup_matmul_config(&d).ok_or_else(|| {
+                    self.err(format!("no subgroup matmul for {d:?} on this adapter"))
+                })?;
+                self.matmul_subgroup(a, la, b, lb, d, cfg)
+            }
+            MatmulChoice::Tile(bm, bn, bk, tm, tn) => {
+                let cfg = MatmulConfig {
+                    bm,
+                    bn,
+                    bk,
+                    tm,
+                    tn,
+                    ..self.matmul_config(&la, &lb, &d)
+                };
+                self.matmul_tiled(a, la, b, lb, d, cfg)
+            }
         }
     }
 
@@ -109,9 +206,8 @@ impl WgpuContext {
         dims: MatDims,
         forced: Option<MatmulConfig>,
     ) -> Result<Tensor> {
-        let out = self.empty(a.device(), &[dims.batch, dims.m, dims.n])?;
         if dims.batch == 0 || dims.m == 0 || dims.n == 0 {
-            return Ok(out);
+            return self.empty(a.device(), &[dims.batch, dims.m, dims.n]);
         }
         if dims.k == 0 {
             return self.fill(a.device(), &[dims.batch, dims.m, dims.n], 0.0);
@@ -125,12 +221,26 @@ impl WgpuContext {
         };
         let la = norm(la, dims.m, dims.k);
         let lb = norm(lb, dims.k, dims.n);
-        if forced.is_none() {
-            if let Some(cfg) = self.subgroup_matmul_config(&dims) {
-                return self.matmul_subgroup(a, la, b, lb, dims, cfg);
+        match forced {
+            Some(cfg) => self.matmul_tiled(a, la, b, lb, dims, cfg),
+            None => {
+                let choice = self.matmul_choice(a, la, b, lb, dims)?;
+                self.matmul_as(a, la, b, lb, dims, choice)
             }
         }
-        let cfg = forced.unwrap_or_else(|| self.matmul_config(&la, &lb, &dims));
+    }
+
+    /// The tiled kernel as `cfg` on normalised operands (`m`, `n`, `k`, `batch` non-zero).
+    fn matmul_tiled(
+        &self,
+        a: &Tensor,
+        la: MatLayout,
+        b: &Tensor,
+        lb: MatLayout,
+        dims: MatDims,
+        cfg: MatmulConfig,
+    ) -> Result<Tensor> {
+        let out = self.empty(a.device(), &[dims.batch, dims.m, dims.n])?;
         let tiles_n = dims.n.div_ceil(cfg.bn as usize);
         let tiles = dims.m.div_ceil(cfg.bm as usize) * tiles_n;
         let max = self.limits.max_compute_workgroups_per_dimension as usize;

@@ -9,12 +9,14 @@
 //! - `runtime`: batching of dispatches into one encoder, parameter blocks, submit, read-back.
 //! - `kernels`: `impl Kernels for WgpuContext`.
 //! - `matmul`: the matmul variants (tiled for GPUs, packed + subgroup for CPU adapters).
+//! - `autotune`: the matmul variant per shape class timed on first use, saved per adapter.
 //!
 //! Lavapipe (llvmpipe) ends any invocation after 65535 loop iterations in all, so kernels whose
 //! loops grow with the data (long rows, long k, long index lists) are split over several
 //! workgroups or dispatches; and on CPU adapters the row kernels use one subgroup per row
 //! (barriers there are coroutine switches).
 
+mod autotune;
 mod context;
 mod discovery;
 mod kernels;
@@ -25,6 +27,7 @@ mod runtime;
 #[cfg(test)]
 mod tests;
 
+pub use autotune::{AUTOTUNE_CACHE_ENV, AUTOTUNE_ENV};
 pub(crate) use context::WgpuContext;
 pub use discovery::{list_adapters, AdapterInfo};
 pub(crate) use pool::GpuBuffer;

@@ -108,15 +108,44 @@ fn memory_is_charged_to_the_device() {
     assert_eq!(v.memory_stats().live, before);
 }
 
-fn gelu(x: f32) -> f32 {
+fn gelu_tanh(x: f32) -> f32 {
     let k = (2.0f32 / std::f32::consts::PI).sqrt();
     0.5 * x * (1.0 + (k * (x + 0.044715 * x * x * x)).tanh())
 }
 
-fn gelu_grad(x: f32) -> f32 {
+fn gelu_tanh_grad(x: f32) -> f32 {
     let k = (2.0f32 / std::f32::consts::PI).sqrt();
     let t = (k * (x + 0.044715 * x * x * x)).tanh();
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x)
+}
+
+/// `x Phi(x)` in f64 from the Maclaurin series of erf (|z| <= 5; beyond, erf is +-1 in f32):
+/// a reference independent of the library's erfc fit.
+fn gelu_exact_ref(x: f32) -> f32 {
+    let z = x as f64 / std::f64::consts::SQRT_2;
+    let erf = if z.abs() > 5.0 {
+        z.signum()
+    } else {
+        let (mut term, mut sum) = (z, z);
+        for n in 1..200 {
+            term *= -z * z / n as f64;
+            sum += term / (2 * n + 1) as f64;
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    };
+    (x as f64 * 0.5 * (1.0 + erf)) as f32
+}
+
+/// d/dx of [`gelu_exact_ref`]: `Phi(x) + x phi(x)`.
+fn gelu_exact_grad_ref(x: f32) -> f32 {
+    let xf = x as f64;
+    let phi = (-0.5 * xf * xf).exp() / (2.0 * std::f64::consts::PI).sqrt();
+    let cdf = if x == 0.0 {
+        0.5
+    } else {
+        gelu_exact_ref(x) as f64 / xf
+    };
+    (cdf + xf * phi) as f32
 }
 
 fn sign(x: f32) -> f32 {
@@ -156,8 +185,10 @@ fn every_unary_op() {
             Box::new(|x: f32| 1.0 / (1.0 + (-x).exp())),
         ),
         (UnaryOp::Relu, false, Box::new(|x: f32| x.max(0.0))),
-        (UnaryOp::Gelu, false, Box::new(gelu)),
-        (UnaryOp::GeluGrad, false, Box::new(gelu_grad)),
+        (UnaryOp::Gelu, false, Box::new(gelu_exact_ref)),
+        (UnaryOp::GeluGrad, false, Box::new(gelu_exact_grad_ref)),
+        (UnaryOp::GeluTanh, false, Box::new(gelu_tanh)),
+        (UnaryOp::GeluTanhGrad, false, Box::new(gelu_tanh_grad)),
         (UnaryOp::Sin, false, Box::new(f32::sin)),
         (UnaryOp::Cos, false, Box::new(f32::cos)),
         (UnaryOp::Square, false, Box::new(|x| x * x)),
@@ -1088,4 +1119,58 @@ fn tune_matmul_tiles() {
             2.0 * (size as f64).powi(3) / s / 1e9
         );
     }
+}
+
+/// The autotune on a real adapter: every candidate is timed on the op's operands, the one kept
+/// is the fastest of those timings, every candidate computes the product right (so any pick is
+/// safe), and the public matmul path with the tuner on records its choice for the shape class.
+#[test]
+fn autotune_keeps_the_fastest_timed_candidate_on_a_real_adapter() {
+    use super::autotune::{shape_class, Tuner};
+    let Some(d) = device() else { return };
+    let c = ctx(&d);
+    let (m, kk, n) = (96, 256, 128);
+    let dims = MatDims {
+        batch: 1,
+        m,
+        k: kk,
+        n,
+    };
+    let (a_data, b_data) = (vals(m * kk, 21), vals(kk * n, 22));
+    let (la, lb) = (
+        layout(m, kk, false, 0, false),
+        layout(kk, n, false, 0, false),
+    );
+    let (a, b) = (t(&d, &a_data, &[m * kk]), t(&d, &b_data, &[kk * n]));
+    let want = matmul_ref(&a_data, la, &b_data, lb, dims);
+    let candidates = c.matmul_candidates(&dims);
+    assert!(candidates.len() >= 2, "{candidates:?}");
+    for &ch in &candidates {
+        let got = c.matmul_as(&a, la, &b, lb, dims, ch).unwrap();
+        close(&host(&d, &got), &want, 1e-4, &format!("{ch:?}"));
+    }
+    let tuner = Tuner::new("test adapter", None, false);
+    let mut timed = Vec::new();
+    let chosen = tuner
+        .choose("class", &candidates, |ch| {
+            let secs = c.time_matmul(&a, la, &b, lb, dims, ch)?;
+            timed.push((ch, secs));
+            Ok(secs)
+        })
+        .unwrap();
+    assert_eq!(timed.len(), candidates.len());
+    assert!(
+        timed.iter().all(|&(_, s)| s > 0.0 && s.is_finite()),
+        "{timed:?}"
+    );
+    let fastest = timed.iter().min_by(|x, y| x.1.total_cmp(&y.1)).unwrap().0;
+    assert_eq!(chosen, fastest, "timings {timed:?}");
+    eprintln!("autotune on {}: {timed:?} -> {chosen:?}", c.info.name);
+
+    c.set_tuner(Some(Tuner::new("test adapter", None, false)));
+    let got = k(&d).matmul(&a, la, &b, lb, dims).unwrap();
+    close(&host(&d, &got), &want, 1e-4, "tuned matmul");
+    let kept = c.tuner().unwrap().chosen(&shape_class(&dims));
+    assert!(kept.is_some_and(|k| candidates.contains(&k)), "{kept:?}");
+    c.set_tuner(None);
 }
