@@ -170,6 +170,8 @@ fn workload(w: Workload, dev: &Device) -> AppResult<Work> {
                 layers: 4,
                 seq_len: 64,
                 dropout: 0.0,
+                // As the PyTorch reference (torch_mainjob.py): an untied head.
+                tie_embeddings: false,
             };
             let layers = cfg.build(6, dev)?;
             let ids = |seed: u64| -> AppResult<Tensor> {
