@@ -208,6 +208,7 @@ pub(crate) fn all_reduce(
             from: me,
             to: me,
             grad: true,
+            skip: None,
         },
         micro_batch: 0,
         finite: true,

@@ -250,6 +250,7 @@ impl MpiComm {
                     from: self.rank(),
                     to: peer,
                     grad: false,
+                    skip: None,
                 },
                 micro_batch: 0,
                 finite: true,
