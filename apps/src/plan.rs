@@ -76,17 +76,7 @@ pub fn build_or_plan(
     run: &PlanRun<'_>,
     optimizer: impl Fn() -> Box<dyn Optimizer> + 'static,
 ) -> AppResult<(Pipeline, Option<PlanReport>)> {
-    let has_skips = layers.iter().any(|l| {
-        let s = l.skips();
-        !s.pops.is_empty() || !s.stashes.is_empty()
-    });
-    let mut wanted = wants_plan(args.plan, args.shape_given, placement);
-    if wanted && has_skips && args.plan == PlanArg::Auto {
-        crate::say!(
-            "planner: off (it does not model skip connections yet); the shape flags as given"
-        );
-        wanted = false;
-    }
+    let wanted = wants_plan(args.plan, args.shape_given, placement);
     if wanted {
         if args.replicas > 1 {
             return Err(AppError(format!(

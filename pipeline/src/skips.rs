@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use wgpipe_autograd::{resolve_skips, Module};
+use wgpipe_autograd::{resolve_skips, Module, SkipEdge};
 
 use crate::error::{PipelineError, Result};
 use crate::schedule::SkipLink;
@@ -26,6 +26,14 @@ pub fn plan_skips(
     ranges: &[Range<usize>],
 ) -> Result<(Vec<SkipLink>, Vec<StageSkips>)> {
     let edges = resolve_skips(layers).map_err(|e| PipelineError::Config(e.to_string()))?;
+    Ok(skip_links(&edges, ranges))
+}
+
+/// [`plan_skips`] of already paired skips (the planner keeps them in its profile).
+pub fn skip_links<'e>(
+    edges: impl IntoIterator<Item = &'e SkipEdge>,
+    ranges: &[Range<usize>],
+) -> (Vec<SkipLink>, Vec<StageSkips>) {
     let stage_of = |layer: usize| {
         ranges
             .iter()
@@ -42,9 +50,9 @@ pub fn plan_skips(
         let id = links.len();
         links.push(SkipLink { id, from, to });
         stages[from].outgoing.push((id, e.name.clone()));
-        stages[to].incoming.push((id, e.name));
+        stages[to].incoming.push((id, e.name.clone()));
     }
-    Ok((links, stages))
+    (links, stages)
 }
 
 /// Bytes of the skips each layer pops, for an input of `input_shape` to the whole sequence (the

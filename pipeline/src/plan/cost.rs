@@ -12,10 +12,18 @@
 //! gradients and optimizer state. Threads run in real time, not simulated time, so a sent
 //! message is counted on its sender until the sender has provably heard back from the receiver
 //! after the receiver took it: the result is an upper bound of the measured peak.
+//!
+//! Skips: a candidate's skip links and the transfers of its schedule are those the builder
+//! derives from its stage ranges, so the simulator costs each skip transfer by its profiled
+//! bytes. A received skip is held by its consumer from its receive until the backward that
+//! returns its gradient; the producer keeps its stash with its tape (or makes it again when it
+//! re-materializes) and holds the sent message until it is surely taken; a skip inside one
+//! stage is held with that stage's tape.
 
 use crate::microbatch::micro_batch_sizes;
 use crate::partition::stage_ranges;
-use crate::schedule::{Action, ActionKind, CheckpointMode, Schedule};
+use crate::schedule::{Action, ActionKind, CheckpointMode, Schedule, SkipLink};
+use crate::skips::skip_links;
 use crate::timeline::{simulate_valid, ActionCost, DeviceSpec, LinkSpec};
 use crate::ScheduleKind;
 
@@ -71,6 +79,8 @@ struct StageAt {
     loss_kept: f64,
     /// Left by each forward until the step ends.
     residue: f64,
+    /// Skips this stage stashes for later stages.
+    skip_out: f64,
 }
 
 /// A profile on a cluster, for one mini-batch size.
@@ -98,10 +108,26 @@ pub struct ScheduleFacts {
 }
 
 /// Where a transfer of `link`'s `from` stage, direction and micro-batch sits: by
-/// `(from * 2 + grad) * M + micro_batch`.
+/// `(from * 2 + grad) * M + micro_batch` for the chain, after those by
+/// `(skip id * 2 + grad) * M + micro_batch` for skips.
 fn transfer_slot(a: &Action, stages: usize, m: usize) -> Option<usize> {
-    a.link(stages)
-        .map(|l| (l.from * 2 + usize::from(l.grad)) * m + a.micro_batch)
+    a.link(stages).map(|l| {
+        let grad = usize::from(l.grad);
+        match l.skip {
+            None => (l.from * 2 + grad) * m + a.micro_batch,
+            Some(id) => (stages + id) * 2 * m + grad * m + a.micro_batch,
+        }
+    })
+}
+
+fn is_send(kind: ActionKind) -> bool {
+    use ActionKind::*;
+    matches!(kind, SendActivation | SendGrad | SendSkip | SendSkipGrad)
+}
+
+fn is_recv(kind: ActionKind) -> bool {
+    use ActionKind::*;
+    matches!(kind, RecvActivation | RecvGrad | RecvSkip | RecvSkipGrad)
 }
 
 impl ScheduleFacts {
@@ -109,19 +135,24 @@ impl ScheduleFacts {
         let stages = schedule.num_stages();
         let m = schedule.num_micro_batches;
         let none = (usize::MAX, usize::MAX);
-        let mut sends = vec![none; stages * 2 * m];
-        let mut recvs = vec![none; stages * 2 * m];
+        let skips = schedule
+            .actions()
+            .filter_map(|(_, a)| a.skip.map(|p| p.id + 1))
+            .max()
+            .unwrap_or(0);
+        let mut sends = vec![none; (stages + skips) * 2 * m];
+        let mut recvs = vec![none; (stages + skips) * 2 * m];
         let mut checkpointed = vec![false; stages * m];
         let mut first_backward = vec![None; stages];
         for (d, list) in schedule.devices.iter().enumerate() {
             for (i, a) in list.iter().enumerate() {
                 match a.kind {
-                    ActionKind::SendActivation | ActionKind::SendGrad => {
+                    k if is_send(k) => {
                         if let Some(slot) = transfer_slot(a, stages, m) {
                             sends[slot] = (d, i);
                         }
                     }
-                    ActionKind::RecvActivation | ActionKind::RecvGrad => {
+                    k if is_recv(k) => {
                         if let Some(slot) = transfer_slot(a, stages, m) {
                             recvs[slot] = (d, i);
                         }
@@ -145,7 +176,7 @@ impl ScheduleFacts {
                         let Some(slot) = transfer_slot(a, stages, m) else {
                             return list.len();
                         };
-                        if !matches!(a.kind, ActionKind::SendActivation | ActionKind::SendGrad) {
+                        if !is_send(a.kind) {
                             return list.len();
                         }
                         let (p, r) = recvs[slot];
@@ -160,7 +191,7 @@ impl ScheduleFacts {
                         (i + 1..list.len())
                             .find(|&j| {
                                 let b = &list[j];
-                                matches!(b.kind, ActionKind::RecvActivation | ActionKind::RecvGrad)
+                                is_recv(b.kind)
                                     && transfer_slot(b, stages, m)
                                         .is_some_and(|x| sends[x].0 == p && sends[x].1 > r)
                             })
@@ -196,6 +227,8 @@ pub fn with_remat(schedule: &Schedule, remat: &[CheckpointMode]) -> Schedule {
 /// A candidate's per-stage costs at its micro-batch sizes, and its per-device constants.
 pub struct CandidateCosts {
     sizes: Vec<usize>,
+    /// Bytes of each skip link (by id) at the first micro-batch size and at the other one.
+    skip_bytes: Vec<[f64; 2]>,
     stages: Vec<[StageAt; 2]>,
     static_bytes: Vec<u64>,
     optimizer_extra: Vec<f64>,
@@ -207,8 +240,17 @@ impl CandidateCosts {
     pub fn static_bytes(&self) -> &[u64] {
         &self.static_bytes
     }
+    fn size_index(&self, micro_batch: usize) -> usize {
+        usize::from(self.sizes[micro_batch] != self.sizes[0])
+    }
     fn at(&self, stage: usize, micro_batch: usize) -> &StageAt {
-        &self.stages[stage][usize::from(self.sizes[micro_batch] != self.sizes[0])]
+        &self.stages[stage][self.size_index(micro_batch)]
+    }
+    /// Bytes of the skip a skip transfer `a` carries (0 for other actions).
+    fn skip_of(&self, a: &Action) -> f64 {
+        a.skip.map_or(0.0, |p| {
+            self.skip_bytes[p.id][self.size_index(a.micro_batch)]
+        })
     }
 }
 
@@ -252,13 +294,62 @@ impl CostModel<'_> {
                 largest_param[d] = largest_param[d].max(l.param_bytes as f64);
             }
         }
+        let small = *sizes.last().expect("at least one micro-batch");
+        let skip_bytes = self
+            .skip_links(&c.balance)
+            .iter()
+            .map(|l| {
+                let b = self.skip_bytes_between(&c.balance, l.from, l.to);
+                [b(sizes[0]), b(small)]
+            })
+            .collect();
         Ok(CandidateCosts {
             stages: self.stage_table(&c.balance, &sizes),
+            skip_bytes,
             sizes,
             static_bytes,
             optimizer_extra,
             largest_param,
         })
+    }
+
+    /// The skip links of a balance, numbered as the builder numbers them.
+    pub fn skip_links(&self, balance: &[usize]) -> Vec<SkipLink> {
+        if self.profile.skips.is_empty() {
+            return Vec::new();
+        }
+        skip_links(
+            self.profile.skips.iter().map(|s| &s.edge),
+            &stage_ranges(balance),
+        )
+        .0
+    }
+
+    /// The bytes of the skips from stage `from` to stage `to` (both ends in one stage when
+    /// equal), as a function of the micro-batch size.
+    fn skip_bytes_between(
+        &self,
+        balance: &[usize],
+        from: usize,
+        to: usize,
+    ) -> impl Fn(usize) -> f64 + '_ {
+        let ranges = stage_ranges(balance);
+        let chosen: Vec<usize> = self
+            .profile
+            .skips
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| {
+                ranges[from].contains(&s.edge.producer) && ranges[to].contains(&s.edge.consumer)
+            })
+            .map(|(i, _)| i)
+            .collect();
+        move |b| {
+            chosen
+                .iter()
+                .map(|&i| self.profile.skips[i].bytes.at(b))
+                .sum()
+        }
     }
 
     /// Step time and bubble: the simulator's replay of `schedule` (assumed valid) with each
@@ -288,6 +379,7 @@ impl CostModel<'_> {
             let bytes = match a.kind {
                 ActionKind::SendActivation => st.output,
                 ActionKind::SendGrad => st.input,
+                ActionKind::SendSkip | ActionKind::SendSkipGrad => costs.skip_of(&a),
                 _ => 0.0,
             };
             ActionCost {
@@ -358,7 +450,18 @@ impl CostModel<'_> {
             .into_iter()
             .enumerate()
             .map(|(s, r)| {
-                let one = |b: usize| self.stage_at(r.clone(), s == 0, s == last, b);
+                let local = self.skip_bytes_between(balance, s, s);
+                let out = |b: usize| {
+                    (s + 1..balance.len())
+                        .map(|t| self.skip_bytes_between(balance, s, t)(b))
+                        .sum::<f64>()
+                };
+                let one = |b: usize| {
+                    let mut st = self.stage_at(r.clone(), s == 0, s == last, b);
+                    with_local_skips(&mut st, local(b));
+                    st.skip_out = out(b);
+                    st
+                };
                 [one(sizes[0]), one(small)]
             })
             .collect()
@@ -431,6 +534,20 @@ impl CostModel<'_> {
     }
 }
 
+/// A skip inside a stage is held from its producer's forward to its consumer's backward, with
+/// its gradient during the backward: charged to the whole stage's tape (an upper bound).
+fn with_local_skips(st: &mut StageAt, bytes: f64) {
+    if bytes == 0.0 {
+        return;
+    }
+    st.stash += bytes;
+    st.forward_peak += bytes;
+    st.no_grad_peak += bytes;
+    st.backward_peak += 2.0 * bytes;
+    st.backward_input_peak += 2.0 * bytes;
+    st.keep += bytes;
+}
+
 /// A non-finite check of a tensor makes a temporary of its size, then sums it to a scalar.
 const CHECK_SCALAR: f64 = 4.0;
 
@@ -441,6 +558,11 @@ struct Held {
     stash: f64,
     seed: f64,
     keep: f64,
+    /// Skips received from earlier stages (held until the backward that returns their
+    /// gradients is complete).
+    skips_in: f64,
+    /// Gradients of this stage's stashed skips, received from later stages.
+    skip_grads: f64,
 }
 
 /// The largest bytes above parameters, gradients and state device `d` holds during a step.
@@ -474,6 +596,16 @@ fn walk_memory(
                 it.seed = st.output;
                 held += st.output;
             }
+            ActionKind::RecvSkip => {
+                let b = costs.skip_of(a);
+                it.skips_in += b;
+                held += b;
+            }
+            ActionKind::RecvSkipGrad => {
+                let b = costs.skip_of(a);
+                it.skip_grads += b;
+                held += b;
+            }
             ActionKind::Forward => {
                 if s == 0 {
                     it.input = st.input;
@@ -481,6 +613,8 @@ fn walk_memory(
                     // The non-finite check of the input.
                     peak = peak.max(held + st.input + CHECK_SCALAR);
                 }
+                // The stashed skips as messages, until their receivers surely took them.
+                held += st.skip_out;
                 if facts.checkpointed[s * m_count + m] {
                     peak = peak.max(held + st.no_grad_peak);
                     outgoing = if s == last { 0.0 } else { st.output };
@@ -491,9 +625,10 @@ fn walk_memory(
                         held -= st.output;
                     }
                 } else {
-                    peak = peak.max(held + st.forward_peak);
-                    it.stash = st.stash;
-                    held += st.stash;
+                    peak = peak.max(held + st.forward_peak + st.skip_out);
+                    // The stashed skips are roots of the tape until the backward.
+                    it.stash = st.stash + st.skip_out;
+                    held += it.stash;
                     outgoing = 0.0;
                     if s == last {
                         peak = peak.max(held + st.loss_peak);
@@ -508,19 +643,31 @@ fn walk_memory(
                 }
             }
             ActionKind::Recompute => {
-                peak = peak.max(held + st.forward_peak);
-                it.stash = st.stash;
-                held += st.stash;
+                // It makes the stashed skips again, as roots of its tape (not sent again).
+                peak = peak.max(held + st.forward_peak + st.skip_out);
+                it.stash = st.stash + st.skip_out;
+                held += it.stash;
             }
             ActionKind::Backward | ActionKind::BackwardInput => {
                 let rest = held - it.stash - it.seed;
+                // The popped skips' gradients (sent back) and their non-finite checks.
+                let grads = it.skips_in;
                 let (top, after) = if a.kind == ActionKind::Backward {
-                    (st.backward_peak, it.input)
+                    (st.backward_peak, it.input + it.skips_in)
                 } else {
                     (st.backward_input_peak, 0.0)
                 };
-                peak = peak.max(rest + top);
-                held = rest - after;
+                let skip_top = if grads > 0.0 {
+                    2.0 * grads + CHECK_SCALAR
+                } else {
+                    0.0
+                };
+                peak = peak.max(rest + top + skip_top);
+                held = rest - after - it.skip_grads + grads;
+                it.skip_grads = 0.0;
+                if a.kind == ActionKind::Backward {
+                    it.skips_in = 0.0;
+                }
                 if a.kind == ActionKind::BackwardInput {
                     it.keep = st.keep;
                     held += st.keep;
@@ -534,28 +681,29 @@ fn walk_memory(
                     // The check of the input gradient runs while the output and its gradient
                     // are still referenced: the input (in `rest`), output, seed, the input
                     // gradient and the check's temporary.
-                    peak = peak.max(rest + 2.0 * st.output + 2.0 * st.input + CHECK_SCALAR);
+                    peak =
+                        peak.max(rest + 2.0 * st.output + 2.0 * st.input + skip_top + CHECK_SCALAR);
                 }
                 held += outgoing;
             }
             ActionKind::BackwardWeight => {
                 peak = peak.max(held + st.backward_weight_peak);
-                held -= it.keep + it.input;
+                held -= it.keep + it.input + it.skips_in;
                 it.keep = 0.0;
                 it.input = 0.0;
+                it.skips_in = 0.0;
             }
             ActionKind::SendActivation | ActionKind::SendGrad => {
                 if outgoing > 0.0 {
                     leaving[facts.release[d][i]] += outgoing;
                 }
                 outgoing = 0.0;
-            } // `PipelineBuilder::plan` refuses models with skips, so their schedules have none;
-            // tied exchanges are events of the timeline, never actions.
-            ActionKind::SendSkip
-            | ActionKind::RecvSkip
-            | ActionKind::SendSkipGrad
-            | ActionKind::RecvSkipGrad
-            | ActionKind::ExchangeTied => {}
+            }
+            ActionKind::SendSkip | ActionKind::SendSkipGrad => {
+                leaving[facts.release[d][i]] += costs.skip_of(a);
+            }
+            // Tied exchanges are events of the timeline, never actions.
+            ActionKind::ExchangeTied => {}
         }
         peak = peak.max(held);
         held -= leaving[i];

@@ -15,7 +15,7 @@ pub mod search;
 use std::fmt;
 
 pub use cost::{Candidate, CostModel, Prediction};
-pub use profile::{profile_layers, Affine, LayerProfile, LossProfile, Profile};
+pub use profile::{profile_layers, Affine, LayerProfile, LossProfile, Profile, SkipProfile};
 
 use wgpipe_tensor::Tensor;
 
@@ -105,8 +105,6 @@ pub enum PlanError {
     NoFit(Box<NoFit>),
     #[error("nothing to plan: {0}")]
     Empty(String),
-    #[error("the planner does not model this yet: {0}")]
-    Unsupported(String),
 }
 
 /// The fastest configuration of a profiled model for `batch` samples per step on devices
@@ -194,15 +192,6 @@ impl PipelineBuilder {
         cluster: &SimCluster,
         plan_inputs: &PlanInputs<'_>,
     ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
-        if let Some((i, l)) = self.layers.iter().enumerate().find(|(_, l)| {
-            let s = l.skips();
-            !s.pops.is_empty() || !s.stashes.is_empty()
-        }) {
-            return Err(crate::PipelineError::Plan(PlanError::Unsupported(format!(
-                "skip connections (layer {i} ({}) stashes or pops); build this model by hand",
-                l.name()
-            ))));
-        }
         let backing = cluster.devices().first().ok_or_else(|| {
             crate::PipelineError::Config("the cluster to plan for has no devices".into())
         })?;

@@ -9,7 +9,7 @@
 //! one before, so a model that does not fit anywhere whole can still be profiled.
 
 use wgpipe_autograd::optim::Optimizer;
-use wgpipe_autograd::{ForwardCtx, Module, Tape, Var};
+use wgpipe_autograd::{resolve_skips, ForwardCtx, Module, SkipEdge, Tape, Var};
 use wgpipe_tensor::{Device, Tensor};
 
 use crate::error::{PipelineError, Result};
@@ -103,10 +103,21 @@ pub struct LossProfile {
     pub kept_bytes: Affine,
 }
 
-/// Every layer's profile, the loss's, and the model's input bytes.
+/// A skip: its producer and consumer layers and the bytes of its stashed tensor (what crosses
+/// the skip's link and what the consumer's stage holds until its backward).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SkipProfile {
+    pub edge: SkipEdge,
+    pub bytes: Affine,
+}
+
+/// Every layer's profile, the loss's, the model's input bytes and its skips.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Profile {
     pub layers: Vec<LayerProfile>,
+    /// In [`resolve_skips`]' order (so [`crate::skips::skip_links`] numbers their links as the
+    /// builder does).
+    pub skips: Vec<SkipProfile>,
     pub loss: LossProfile,
     pub input_bytes: Affine,
     /// Index of the first layer with trainable parameters: on stage 0, where the input is data,
@@ -148,6 +159,7 @@ pub fn profile_layers(
         )));
     }
     let b1 = (n / 2).min(2);
+    let edges = resolve_skips(layers).map_err(|e| PipelineError::Config(e.to_string()))?;
     let dev = on.virtual_device("profile", None);
     for (i, l) in layers.iter_mut().enumerate() {
         l.to_device(&dev).map_err(|e| {
@@ -158,13 +170,31 @@ pub fn profile_layers(
         .iter()
         .position(|l| l.parameters().iter().any(|(_, p)| p.is_trainable()))
         .unwrap_or(layers.len());
-    let at = |b: usize| -> Result<(Vec<Point>, LossPoint, f64)> {
+    let at = |b: usize| -> Result<(Vec<Point>, LossPoint, f64, Stashed)> {
         let x = inputs.narrow(0, 0, b)?.to_device(&dev)?;
         let y = targets.narrow(0, 0, b)?;
         run_at(layers, &x, &y, loss_fn, first_trainable, &dev)
     };
-    let (small, loss_small, in_small) = at(b1)?;
-    let (large, loss_large, in_large) = at(2 * b1)?;
+    let (small, loss_small, in_small, skips_small) = at(b1)?;
+    let (large, loss_large, in_large, skips_large) = at(2 * b1)?;
+    let skip_bytes = |stashed: &Stashed, name: &str| {
+        stashed
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(0.0, |(_, t)| bytes_of(t))
+    };
+    let skips = edges
+        .into_iter()
+        .map(|edge| SkipProfile {
+            bytes: Affine::fit(
+                b1,
+                skip_bytes(&skips_small, &edge.name),
+                2 * b1,
+                skip_bytes(&skips_large, &edge.name),
+            ),
+            edge,
+        })
+        .collect();
     let fit =
         |f: &dyn Fn(&Point) -> f64, i: usize| Affine::fit(b1, f(&small[i]), 2 * b1, f(&large[i]));
     let mut out = Vec::with_capacity(layers.len());
@@ -205,6 +235,7 @@ pub fn profile_layers(
     };
     Ok(Profile {
         layers: out,
+        skips,
         loss,
         input_bytes: Affine::fit(b1, in_small, 2 * b1, in_large),
         first_trainable,
@@ -273,7 +304,11 @@ fn bytes_of(t: &Tensor) -> f64 {
     (t.numel() * std::mem::size_of::<f32>()) as f64
 }
 
-/// Measures every layer on `x` (b samples) in turn, then the loss on the last output.
+/// The tensors the layers stashed so far, by skip name.
+type Stashed = Vec<(String, Tensor)>;
+
+/// Measures every layer on `x` (b samples) in turn, each popping layer on the tensors its
+/// producers stashed, then the loss on the last output. Also returns every stashed tensor.
 fn run_at(
     layers: &[Box<dyn Module>],
     x: &Tensor,
@@ -281,9 +316,10 @@ fn run_at(
     loss_fn: &LossFn,
     first_trainable: usize,
     dev: &Device,
-) -> Result<(Vec<Point>, LossPoint, f64)> {
+) -> Result<(Vec<Point>, LossPoint, f64, Stashed)> {
     let input_bytes = bytes_of(x);
     let mut h = x.clone();
+    let mut stashed: Stashed = Vec::new();
     let mut points = Vec::with_capacity(layers.len());
     for (i, l) in layers.iter().enumerate() {
         let saved: Vec<_> = l
@@ -303,7 +339,16 @@ fn run_at(
                 (b, v)
             })
             .collect();
-        let (point, out) = measure_layer(l.as_ref(), &h, i, i <= first_trainable, dev);
+        // `resolve_skips` checked that each pop has an earlier stash.
+        let popped: Vec<Tensor> = l
+            .skips()
+            .pops
+            .iter()
+            .filter_map(|n| stashed.iter().find(|(s, _)| s == n).map(|(_, t)| t.clone()))
+            .collect();
+        let (point, out, stashes) =
+            measure_layer(l.as_ref(), &h, &popped, i, i <= first_trainable, dev);
+        stashed.extend(l.skips().stashes.into_iter().zip(stashes));
         for (p, g) in saved {
             p.set_grad(g);
         }
@@ -319,38 +364,43 @@ fn run_at(
         h = out;
     }
     let loss = measure_loss(&h, y, loss_fn, dev)?;
-    Ok((points, loss, input_bytes))
+    Ok((points, loss, input_bytes, stashed))
 }
 
 fn ctx(i: usize) -> ForwardCtx {
     ForwardCtx::train(0, 0, 0).at_layer(i as u64)
 }
 
-/// A recorded forward of layer `i` on `x`: the tape, its input and output.
+/// A recorded forward of layer `i` on `x` and its popped skips (tape leaves, as the worker
+/// makes them): the tape, its output and its stashed skips.
 fn recorded(
     l: &dyn Module,
     x: &Tensor,
+    popped: &[Tensor],
     i: usize,
     from_data: bool,
-) -> wgpipe_tensor::Result<(Tape, Var)> {
+) -> wgpipe_tensor::Result<(Tape, Var, Vec<Var>)> {
     let tape = Tape::new();
     let input = if from_data {
         tape.constant(x.clone())
     } else {
         tape.leaf(x.clone())
     };
-    let y = l.forward(&input, &ctx(i))?;
-    Ok((tape, y))
+    let popped: Vec<Var> = popped.iter().map(|t| tape.leaf(t.clone())).collect();
+    let (y, stashed) = l.forward_skips(&input, &popped, &ctx(i))?;
+    Ok((tape, y, stashed))
 }
 
 fn measure_layer(
     l: &dyn Module,
     x: &Tensor,
+    popped: &[Tensor],
     i: usize,
     from_data: bool,
     dev: &Device,
-) -> (wgpipe_tensor::Result<Point>, Tensor) {
+) -> (wgpipe_tensor::Result<Point>, Tensor, Vec<Tensor>) {
     let mut out = x.clone();
+    let mut stashes = Vec::new();
     let r = (|| -> wgpipe_tensor::Result<Point> {
         let mut p = Point {
             param_bytes: l
@@ -362,18 +412,25 @@ fn measure_layer(
         };
         // Forward recording: FLOPs, what stays, the transient above it.
         let m = Meter::mark(dev);
-        let (tape, y) = recorded(l, x, i, false)?;
+        let (tape, y, stashed) = recorded(l, x, popped, i, false)?;
         p.forward_flops = m.flops();
         p.stash = m.grown();
         p.forward_extra = m.peak() - m.grown();
         p.output_bytes = bytes_of(y.value());
         out = y.value().clone();
+        stashes = stashed.iter().map(|v| v.value().clone()).collect();
+        // The stashed skips are roots of the backward too, seeded with their gradients (which
+        // the pipeline receives from the consumers).
+        let skip_seeds = stashed
+            .iter()
+            .map(|v| Tensor::ones(v.value().shape(), dev))
+            .collect::<wgpipe_tensor::Result<Vec<_>>>()?;
         // First full backward: stores the parameter gradients (no sum yet).
         let seed = Tensor::ones(y.value().shape(), dev)?;
         let m = Meter::mark(dev);
-        drop(tape.backward_with(&y, &seed)?);
+        drop(tape.backward_roots(&roots(&y, &seed, &stashed, &skip_seeds))?);
         let first_flops = m.flops();
-        drop((tape, y));
+        drop((tape, y, stashed));
         p.grad_bytes = l
             .parameters()
             .iter()
@@ -381,23 +438,24 @@ fn measure_layer(
             .map(|g| bytes_of(&g) as u64)
             .sum();
         // Second: adds to them, as every later micro-batch does.
-        let (tape, y) = recorded(l, x, i, false)?;
+        let (tape, y, stashed) = recorded(l, x, popped, i, false)?;
         let m = Meter::mark(dev);
-        drop(tape.backward_with(&y, &seed)?);
+        drop(tape.backward_roots(&roots(&y, &seed, &stashed, &skip_seeds))?);
         p.backward_flops = m.flops();
         p.backward_extra = m.peak();
         p.accumulate_flops = (p.backward_flops - first_flops).max(0.0);
-        drop((tape, y));
+        drop((tape, y, stashed));
         // Split backward: input part, what it keeps, weight part.
-        let (tape, y) = recorded(l, x, i, false)?;
+        let (tape, y, stashed) = recorded(l, x, popped, i, false)?;
         let base = Meter::mark(dev);
         // Its own output gradient, dropped after the input part: the weight part may keep it.
         let own_seed = Tensor::ones(y.value().shape(), dev)?;
         let m = Meter::mark(dev);
-        let (grads, weights) = tape.backward_split(&y, &own_seed)?;
+        let (grads, weights) =
+            tape.backward_split_roots(&roots(&y, &own_seed, &stashed, &skip_seeds))?;
         p.backward_input_flops = m.flops();
         p.backward_input_extra = m.peak();
-        drop((grads, tape, y, own_seed));
+        drop((grads, tape, y, own_seed, stashed));
         // What is left above the base with the stash gone: what the weight part needs.
         p.weight_keep = (base.grown() + p.stash).max(0.0);
         let m = Meter::mark(dev);
@@ -409,19 +467,21 @@ fn measure_layer(
         {
             let tape = Tape::no_grad();
             let input = tape.constant(x.clone());
-            let y = l.forward(&input, &ctx(i))?;
+            let popped: Vec<Var> = popped.iter().map(|t| tape.constant(t.clone())).collect();
+            let (y, _) = l.forward_skips(&input, &popped, &ctx(i))?;
             p.no_grad_peak = m.peak().max(bytes_of(y.value()));
         }
         p.forward_residue = m.grown().max(0.0);
         // From data (stage 0's first layers): no input gradient.
         if from_data {
-            let (tape, y) = recorded(l, x, i, true)?;
+            let (tape, y, stashed) = recorded(l, x, popped, i, true)?;
             let m = Meter::mark(dev);
-            drop(tape.backward_with(&y, &seed)?);
+            drop(tape.backward_roots(&roots(&y, &seed, &stashed, &skip_seeds))?);
             p.backward_flops_from_data = m.flops();
-            let (tape, y) = recorded(l, x, i, true)?;
+            let (tape, y, stashed) = recorded(l, x, popped, i, true)?;
             let m = Meter::mark(dev);
-            let (grads, weights) = tape.backward_split(&y, &seed)?;
+            let (grads, weights) =
+                tape.backward_split_roots(&roots(&y, &seed, &stashed, &skip_seeds))?;
             p.backward_input_flops_from_data = m.flops();
             drop(grads);
             weights.run()?;
@@ -431,7 +491,19 @@ fn measure_layer(
         }
         Ok(p)
     })();
-    (r, out)
+    (r, out, stashes)
+}
+
+/// The roots of a layer's backward: its output and its stashed skips, with their seeds.
+fn roots<'a>(
+    y: &'a Var,
+    seed: &'a Tensor,
+    stashed: &'a [Var],
+    skip_seeds: &'a [Tensor],
+) -> Vec<(&'a Var, &'a Tensor)> {
+    std::iter::once((y, seed))
+        .chain(stashed.iter().zip(skip_seeds))
+        .collect()
 }
 
 /// The loss as the pipeline's loss side runs it (its scale factor included).

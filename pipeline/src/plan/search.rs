@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use crate::schedule::{CheckpointMode, Placement, Schedule};
+use crate::schedule::{CheckpointMode, Placement, Schedule, SkipLink};
 use crate::ScheduleKind;
 
 use super::cost::{with_remat, Candidate, CandidateCosts, CostModel, Prediction, ScheduleFacts};
@@ -21,18 +21,22 @@ const MODES: [CheckpointMode; 3] = [
     CheckpointMode::Always,
 ];
 
-/// Schedules generated with every micro-batch re-materialized, and their facts per uniform mode.
+/// Schedules generated with every micro-batch re-materialized (with the transfers of the skips
+/// that cross stages, as the builder adds them), and their facts per uniform mode.
 struct Structure {
     always: Schedule,
     facts: Vec<ScheduleFacts>,
     uniform: Vec<Schedule>,
 }
 
+type StructureKey = (usize, usize, usize, usize, Vec<SkipLink>);
+
 struct Search<'a, 'p> {
     model: &'a CostModel<'p>,
     options: &'a PlanOptions,
-    /// By (kind's index in [`ScheduleKind::ALL`], K, v, M); None when it cannot be generated.
-    structures: HashMap<(usize, usize, usize, usize), Option<Rc<Structure>>>,
+    /// By (kind's index in [`ScheduleKind::ALL`], K, v, M, skip links); None when it cannot be
+    /// generated.
+    structures: HashMap<StructureKey, Option<Rc<Structure>>>,
     /// Feasible results, best first after sorting.
     found: Vec<Planned>,
     evaluated: usize,
@@ -143,15 +147,19 @@ impl Search<'_, '_> {
         k: usize,
         v: usize,
         m: usize,
+        skips: &[SkipLink],
     ) -> Option<Rc<Structure>> {
         let index = ScheduleKind::ALL
             .iter()
             .position(|&x| x == kind)
             .unwrap_or(0);
         self.structures
-            .entry((index, k, v, m))
+            .entry((index, k, v, m, skips.to_vec()))
             .or_insert_with(|| {
-                let always = kind.generate(k, v, m, CheckpointMode::Always).ok()?;
+                let always = kind
+                    .generate(k, v, m, CheckpointMode::Always)
+                    .ok()?
+                    .with_skip_transfers(skips);
                 let uniform: Vec<Schedule> = MODES
                     .iter()
                     .map(|&mode| with_remat(&always, &vec![mode; k]))
@@ -225,7 +233,8 @@ impl Search<'_, '_> {
     fn evaluate(&mut self, mut c: Candidate) -> Option<(Prediction, bool)> {
         let k = c.order.len();
         let model = self.model;
-        let st = self.structure(c.kind, k, c.chunks, c.micro_batches)?;
+        let skips = model.skip_links(&c.balance);
+        let st = self.structure(c.kind, k, c.chunks, c.micro_batches, &skips)?;
         let placement = &st.always.placement;
         let costs = model.costs(&c, placement).ok()?;
         let mut step_peak = Vec::with_capacity(k);

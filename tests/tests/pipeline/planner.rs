@@ -479,3 +479,70 @@ fn planned_resnet_runs_as_predicted_under_every_schedule() {
         check_planned(builder, &report, &x, &y, &loss, &format!("{kind:?}"));
     }
 }
+
+/// A model with skips across stages (spans of 1 to 3 stages, one identity, two linear), planned
+/// on 3 unequal devices with every schedule kind forced: the skip transfers the builder adds
+/// are in the predicted step, the skips the consumers hold in the predicted peaks.
+#[test]
+fn planned_skip_model_runs_as_predicted_under_every_schedule() {
+    let x = normal_data(&[N, 6], 83);
+    let y = normal_data(&[N, 3], 84);
+    let cluster = SimCluster::new(&Device::cpu(), &specs(), LINK);
+    for kind in ScheduleKind::ALL {
+        let inputs = PlanInputs {
+            inputs: &x,
+            targets: &y,
+            loss: &mse,
+            batch: N,
+            options: PlanOptions {
+                kinds: vec![kind],
+                chunks: vec![2],
+                micro_batches: Some(vec![2, 3, 4]),
+                ..PlanOptions::default()
+            },
+        };
+        let (builder, report, _) = Pipeline::builder(skip_model(7))
+            .optimizer(sgd)
+            .plan(&cluster, &inputs)
+            .unwrap();
+        check_planned(builder, &report, &x, &y, &mse, &format!("skips {kind:?}"));
+    }
+}
+
+/// AmoebaNet-D (each cell pops the previous cell's input) planned end to end.
+#[test]
+fn planned_amoebanet_d_runs_as_predicted() {
+    use wgpipe_models::AmoebaNet;
+    let net = AmoebaNet {
+        normal_cells: 1,
+        filters: 4,
+        num_classes: 3,
+        in_channels: 3,
+    };
+    let x = normal_data(&[8, 3, 8, 8], 92);
+    let y = wgpipe_tensor::Tensor::from_vec(
+        (0..8).map(|i| (i % 3) as f32).collect(),
+        &[8],
+        &Device::cpu(),
+    )
+    .unwrap();
+    let loss = |out: &wgpipe_autograd::Var, t: &wgpipe_tensor::Tensor| cross_entropy(out, t);
+    let cluster = SimCluster::new(&Device::cpu(), &specs(), LINK);
+    let inputs = PlanInputs {
+        inputs: &x,
+        targets: &y,
+        loss: &loss,
+        batch: 8,
+        options: PlanOptions {
+            chunks: vec![2],
+            micro_batches: Some(vec![1, 2]),
+            ..PlanOptions::default()
+        },
+    };
+    let (builder, report, _) = Pipeline::builder(net.build(5, &Device::cpu()).unwrap())
+        .optimizer(sgd)
+        .plan(&cluster, &inputs)
+        .unwrap();
+    eprintln!("{report}");
+    check_planned(builder, &report, &x, &y, &loss, "amoebanet");
+}
