@@ -13,7 +13,7 @@ use crate::partition::{balance_by_cost, stage_ranges, validate_balance_for};
 use crate::pipeline::Pipeline;
 use crate::schedule::{CheckpointMode, Schedule};
 use crate::sim::SimCluster;
-use crate::skips::{plan_skips, popped_bytes};
+use crate::skips::{plan_skips, popped_bytes, SkipRoute};
 use crate::transport::Transport;
 use crate::worker::Stage;
 
@@ -157,6 +157,7 @@ pub struct PipelineBuilder {
     micro_batches: Option<usize>,
     chunks: Option<usize>,
     checkpoint: CheckpointMode,
+    pub(crate) skip_route: SkipRoute,
     schedule: ScheduleSpec,
     non_finite: NonFinite,
     action_timeout: Option<std::time::Duration>,
@@ -181,6 +182,7 @@ impl PipelineBuilder {
             micro_batches: None,
             chunks: None,
             checkpoint: CheckpointMode::ExceptLast,
+            skip_route: SkipRoute::Direct,
             schedule: ScheduleSpec::Kind(ScheduleKind::GPipe),
             non_finite: NonFinite::default(),
             action_timeout: None,
@@ -221,6 +223,13 @@ impl PipelineBuilder {
     }
     pub fn checkpoint(mut self, mode: CheckpointMode) -> Self {
         self.checkpoint = mode;
+        self
+    }
+    /// How skips crossing several stages travel ([`SkipRoute::Direct`] by default). The planner
+    /// (`plan`) models direct skips only and refuses a relaying builder; `Balance::ByMemory`
+    /// charges a skip to its consumer only (as direct routing holds it).
+    pub fn skip_route(mut self, route: SkipRoute) -> Self {
+        self.skip_route = route;
         self
     }
     /// The schedule: a [`ScheduleKind`] to generate, or any [`Schedule`] (validated at build;
@@ -331,7 +340,7 @@ impl PipelineBuilder {
         };
 
         let ranges = stage_ranges(&balance);
-        let (skip_links, mut stage_skips) = plan_skips(&self.layers, &ranges)?;
+        let (skip_links, mut stage_skips) = plan_skips(&self.layers, &ranges, self.skip_route)?;
         let schedule = schedule.with_skip_transfers(&skip_links);
         schedule.validate_skips(&skip_links)?;
         let mut layers = self.layers.into_iter();
@@ -414,6 +423,7 @@ impl PipelineBuilder {
                 micro_batches: b.micro_batches,
                 chunks: b.chunks,
                 checkpoint: b.checkpoint,
+                skip_route: b.skip_route,
                 schedule: b.schedule.clone(),
                 non_finite: b.non_finite,
                 action_timeout: b.action_timeout,

@@ -47,7 +47,7 @@ pub use schedule::{
     Action, ActionKind, CheckpointMode, Link, Schedule, ScheduleError, SkipLink, SkipPort,
 };
 pub use sim::SimCluster;
-pub use skips::StageSkips;
+pub use skips::{SkipRoute, StageSkips};
 pub use timeline::{Collective, DeviceSpec, LinkSpec, Timeline};
 pub use transport::Transport;
 pub use worker::{LossFn, NonFiniteAt, Stage};

@@ -1,6 +1,6 @@
 //! Skips of a pipelined model: which stage stashes and which pops each skip that crosses a stage
 //! boundary (skips inside one stage stay inside it), as the links of the schedule
-//! ([`SkipLink`]) and each stage's view ([`StageSkips`]).
+//! ([`SkipLink`]) and each stage's view ([`StageSkips`]), routed as [`SkipRoute`] asks.
 
 use std::ops::Range;
 
@@ -8,6 +8,19 @@ use wgpipe_autograd::{resolve_skips, Module, SkipEdge};
 
 use crate::error::{PipelineError, Result};
 use crate::schedule::SkipLink;
+
+/// How a skip crossing several stages travels.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SkipRoute {
+    /// Straight from the producer's stage to the consumer's (torchgpipe's portals): the stages
+    /// between hold nothing of it.
+    #[default]
+    Direct,
+    /// Hop by hop through every stage between, each passing it on after its forward and its
+    /// gradient back (unchanged) after its backward: only neighbouring stages talk, at the cost
+    /// of each stage between holding the skip from its forward to its backward.
+    Relay,
+}
 
 /// The skips that enter and leave one stage, as (skip link id, skip name), in link-id order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -24,15 +37,20 @@ pub struct StageSkips {
 pub fn plan_skips(
     layers: &[Box<dyn Module>],
     ranges: &[Range<usize>],
+    route: SkipRoute,
 ) -> Result<(Vec<SkipLink>, Vec<StageSkips>)> {
     let edges = resolve_skips(layers).map_err(|e| PipelineError::Config(e.to_string()))?;
-    Ok(skip_links(&edges, ranges))
+    Ok(skip_links(&edges, ranges, route))
 }
 
-/// [`plan_skips`] of already paired skips (the planner keeps them in its profile).
+/// [`plan_skips`] of already paired skips (the planner keeps them in its profile). Relayed, a
+/// skip from stage `a` to `b` is one link per hop; each stage between has it both incoming and
+/// outgoing under its name, and as no layer there pops it, the stage passes the received value
+/// on (see `Stage::run_with_skips`), so its gradient comes back through it unchanged.
 pub fn skip_links<'e>(
     edges: impl IntoIterator<Item = &'e SkipEdge>,
     ranges: &[Range<usize>],
+    route: SkipRoute,
 ) -> (Vec<SkipLink>, Vec<StageSkips>) {
     let stage_of = |layer: usize| {
         ranges
@@ -47,10 +65,16 @@ pub fn skip_links<'e>(
         if from == to {
             continue;
         }
-        let id = links.len();
-        links.push(SkipLink { id, from, to });
-        stages[from].outgoing.push((id, e.name.clone()));
-        stages[to].incoming.push((id, e.name.clone()));
+        let hops: Vec<(usize, usize)> = match route {
+            SkipRoute::Direct => vec![(from, to)],
+            SkipRoute::Relay => (from..to).map(|s| (s, s + 1)).collect(),
+        };
+        for (from, to) in hops {
+            let id = links.len();
+            links.push(SkipLink { id, from, to });
+            stages[from].outgoing.push((id, e.name.clone()));
+            stages[to].incoming.push((id, e.name.clone()));
+        }
     }
     (links, stages)
 }

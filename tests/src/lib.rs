@@ -11,8 +11,8 @@ use wgpipe_models::{
     finish_step_all, forward_all, sequence_parameters, Gelu, LayerNorm, Linear, Relu, TransformerLm,
 };
 use wgpipe_pipeline::{
-    Balance, CheckpointMode, LinkSpec, LossFn, Pipeline, ScheduleKind, SimCluster, StepReport,
-    Transport,
+    Balance, CheckpointMode, LinkSpec, LossFn, Pipeline, ScheduleKind, SimCluster, SkipRoute,
+    StepReport, Transport,
 };
 use wgpipe_tensor::{Device, Error, Result, Tensor};
 
@@ -198,6 +198,7 @@ pub struct PipeCfg {
     pub memory: Vec<u64>,
     pub flops_per_sec: f64,
     pub transport: Transport,
+    pub skip_route: SkipRoute,
 }
 
 impl PipeCfg {
@@ -212,6 +213,7 @@ impl PipeCfg {
             memory: vec![u64::MAX; k],
             flops_per_sec: 1e9,
             transport: Transport::Channels,
+            skip_route: SkipRoute::Direct,
         }
     }
     pub fn balance(mut self, b: Vec<usize>) -> Self {
@@ -256,6 +258,7 @@ fn sim_builder(
         )))
         .micro_batches(cfg.m)
         .checkpoint(cfg.mode)
+        .skip_route(cfg.skip_route)
         .schedule(cfg.schedule)
         .seed(SEED)
         .optimizer(sgd)

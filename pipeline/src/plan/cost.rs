@@ -23,7 +23,7 @@
 use crate::microbatch::micro_batch_sizes;
 use crate::partition::stage_ranges;
 use crate::schedule::{Action, ActionKind, CheckpointMode, Schedule, SkipLink};
-use crate::skips::skip_links;
+use crate::skips::{skip_links, SkipRoute};
 use crate::timeline::{simulate_valid, ActionCost, DeviceSpec, LinkSpec};
 use crate::ScheduleKind;
 
@@ -321,6 +321,7 @@ impl CostModel<'_> {
         skip_links(
             self.profile.skips.iter().map(|s| &s.edge),
             &stage_ranges(balance),
+            SkipRoute::Direct,
         )
         .0
     }

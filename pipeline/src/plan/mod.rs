@@ -192,6 +192,13 @@ impl PipelineBuilder {
         cluster: &SimCluster,
         plan_inputs: &PlanInputs<'_>,
     ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
+        if self.skip_route != crate::SkipRoute::Direct {
+            return Err(crate::PipelineError::Config(
+                "the planner models direct skips only (each skip sent straight from its \
+                 producer's stage to its consumer's); plan with SkipRoute::Direct, not Relay"
+                    .into(),
+            ));
+        }
         let backing = cluster.devices().first().ok_or_else(|| {
             crate::PipelineError::Config("the cluster to plan for has no devices".into())
         })?;

@@ -1,5 +1,6 @@
 //! Skip transfers in a schedule: a skip stashed on stage `from` and popped on a later stage `to`
 //! travels straight between them (no stage in between sees it), and its gradient comes back.
+//! A relayed skip ([`crate::SkipRoute::Relay`]) is one link per hop, so the same rules apply.
 //!
 //! They are attached to the chain's compute: the skip is sent right after the producer's
 //! forward and received right before the consumer's; its gradient is sent right after the

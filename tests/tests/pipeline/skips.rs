@@ -4,7 +4,9 @@
 
 use wgpipe_autograd::Module;
 use wgpipe_models::Linear;
-use wgpipe_pipeline::{ActionKind, CheckpointMode, LinkSpec, ScheduleKind, StepReport};
+use wgpipe_pipeline::{
+    ActionKind, CheckpointMode, LinkSpec, Pipeline, ScheduleKind, SkipRoute, StepReport,
+};
 use wgpipe_tensor::{Device, Tag};
 use wgpipe_tests::*;
 
@@ -310,4 +312,126 @@ fn skips_cross_the_wire_format() {
             &format!("{schedule:?} over Loopback"),
         );
     }
+}
+
+/// `skip_model` trained pipelined with its skips routed as `route`.
+fn train_routed(
+    k: usize,
+    schedule: ScheduleKind,
+    mode: CheckpointMode,
+    route: SkipRoute,
+) -> (RunResult, Pipeline) {
+    let x = normal_data(&[8, 6], 1);
+    let y = normal_data(&[8, 3], 2);
+    let mut cfg = PipeCfg::new(k, 4, mode, schedule);
+    cfg.skip_route = route;
+    let mut pipe = sim_pipeline(skip_model(21), &cfg);
+    let (got, _) = pipe_train(&mut pipe, &x, &y, &mse, 2);
+    (got, pipe)
+}
+
+#[test]
+fn relayed_skips_train_as_plain_and_bit_identical_to_direct_ones() {
+    let x = normal_data(&[8, 6], 1);
+    let y = normal_data(&[8, 3], 2);
+    let reference = plain_train(&skip_model(21), &x, &y, &mse, 2);
+    let schedules = [
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::ZbH1,
+        ScheduleKind::Interleaved1F1B,
+        ScheduleKind::ZbV,
+    ];
+    let mut relayed_hops = 0;
+    for k in [3, 4] {
+        for schedule in schedules {
+            for mode in ALL_MODES {
+                let what = format!("K={k} {schedule:?} {mode}");
+                let (direct, _) = train_routed(k, schedule, mode, SkipRoute::Direct);
+                let (relay, pipe) = train_routed(k, schedule, mode, SkipRoute::Relay);
+                assert_close(&relay, &reference, 1e-5, &what);
+                assert_eq!(relay, direct, "{what}: relayed differs from direct");
+                // Every skip transfer is between neighbouring stages.
+                for (_, a) in pipe.schedule().actions() {
+                    if let Some(p) = a.skip {
+                        assert_eq!(a.stage.abs_diff(p.peer), 1, "{what}: {a}");
+                        relayed_hops += 1;
+                    }
+                }
+                // Some stage passes a skip on (it receives and sends one of the same name).
+                let passes = pipe.stages().iter().any(|s| {
+                    s.skips
+                        .incoming
+                        .iter()
+                        .any(|(_, n)| s.skips.outgoing.iter().any(|(_, o)| o == n))
+                });
+                assert!(passes, "{what}: no skip spans more than one stage here");
+            }
+        }
+    }
+    assert!(relayed_hops > 0);
+}
+
+#[test]
+fn a_relayed_skip_goes_through_the_stage_between() {
+    let x = normal_data(&[N, W], 3);
+    let y = normal_data(&[N, W], 4);
+    let skip_bytes = (SKIPS * N * W * 4) as u64;
+    let run = |with_skip: bool, route: SkipRoute| {
+        let mut cfg = PipeCfg::new(3, 1, CheckpointMode::ExceptLast, ScheduleKind::GPipe)
+            .balance(vec![2, 2, 2]);
+        cfg.skip_route = route;
+        let mut pipe = sim_pipeline(long_skip(with_skip), &cfg);
+        pipe.train_step(&x, &y, &mse).unwrap()
+    };
+    let without = run(false, SkipRoute::Relay);
+    let relay = run(true, SkipRoute::Relay);
+    let sent = |r: &StepReport, s: usize| r.stages[s].bytes_sent;
+    // Stage 0 sends the skips to stage 1, which sends them on and their gradients back; stage 2
+    // sends the gradients to stage 1.
+    assert_eq!(sent(&relay, 0), sent(&without, 0) + skip_bytes);
+    assert_eq!(sent(&relay, 1), sent(&without, 1) + 2 * skip_bytes);
+    assert_eq!(sent(&relay, 2), sent(&without, 2) + skip_bytes);
+    let sim = relay.simulated.as_ref().unwrap();
+    let hops: Vec<_> = sim
+        .timeline
+        .events
+        .iter()
+        .filter(|e| matches!(e.kind, ActionKind::SendSkip | ActionKind::SendSkipGrad))
+        .map(|e| (e.device, e.peer.unwrap()))
+        .collect();
+    assert_eq!(hops.len(), 2 * 2 * SKIPS, "two hops each way per skip");
+    assert!(hops.iter().all(|&(a, b)| a.abs_diff(b) == 1), "{hops:?}");
+    // The direct route skips stage 1.
+    let direct = run(true, SkipRoute::Direct);
+    assert_eq!(sent(&direct, 1), sent(&without, 1));
+}
+
+#[test]
+fn the_planner_refuses_relayed_skips() {
+    let cluster = wgpipe_pipeline::SimCluster::new(
+        &Device::cpu(),
+        &[wgpipe_pipeline::DeviceSpec {
+            flops_per_sec: 1e9,
+            memory_bytes: u64::MAX,
+        }],
+        LinkSpec::FREE,
+    );
+    let x = normal_data(&[8, 6], 1);
+    let y = normal_data(&[8, 3], 2);
+    let inputs = wgpipe_pipeline::plan::PlanInputs {
+        inputs: &x,
+        targets: &y,
+        loss: &mse,
+        batch: 8,
+        options: Default::default(),
+    };
+    let e = match Pipeline::builder(skip_model(1))
+        .skip_route(SkipRoute::Relay)
+        .plan(&cluster, &inputs)
+    {
+        Ok(_) => panic!("planned a relaying builder"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("direct skips only"), "{e}");
 }
