@@ -148,30 +148,11 @@ pub(crate) fn agree(
 pub(crate) fn fail_round(comm: &MpiComm, round: u64, error: &PipelineError) {
     comm.abort_peers(round, &error.to_string());
     comm.end_round();
-    let status = status_of(&Err(clone_error(error)), 0, None, 0.0);
+    let status = error_status(error, 0);
     let bytes = wire::encode_text(MsgKind::Status, round, &status.to_string());
     let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
     // Nothing to wait for: this rank returns its own error.
     let _ = comm.exchange(round, MsgKind::Status, &bytes, &peers, Duration::ZERO);
-}
-
-fn clone_error(e: &PipelineError) -> PipelineError {
-    match e {
-        PipelineError::Stage {
-            stage,
-            device,
-            micro_batch,
-            action,
-            cause,
-        } => PipelineError::Stage {
-            stage: *stage,
-            device: device.clone(),
-            micro_batch: *micro_batch,
-            action: action.clone(),
-            cause: Box::new(StageCause::TimedOut(cause.to_string())),
-        },
-        other => PipelineError::Config(other.to_string()),
-    }
 }
 
 /// Each replica's gradients of this rank's stages, averaged (weighted by the replicas' shares
@@ -298,25 +279,29 @@ fn status_of(
                 .map(|at| json!([at.stage, at.micro_batch, at.what]));
             json!({"ok": true, "loss": loss, "weight": weight, "records": records, "skipped": skipped})
         }
-        Err(e) => {
-            let root = !matches!(e.cause(), Some(StageCause::Disconnected(_)));
-            match e {
-                PipelineError::Stage {
-                    stage,
-                    device,
-                    micro_batch,
-                    action,
-                    cause,
-                } => json!({
-                    "ok": false, "root": root, "stage": stage, "device": device,
-                    "micro_batch": micro_batch, "action": action, "cause": cause.to_string()
-                }),
-                other => json!({
-                    "ok": false, "root": true, "stage": me, "device": "", "micro_batch": 0,
-                    "action": "step", "cause": other.to_string()
-                }),
-            }
-        }
+        Err(e) => error_status(e, me),
+    }
+}
+
+/// The status of a rank whose step failed with `e` (`me`: its device, named when the error
+/// names no stage).
+fn error_status(e: &PipelineError, me: usize) -> Value {
+    let root = !matches!(e.cause(), Some(StageCause::Disconnected(_)));
+    match e {
+        PipelineError::Stage {
+            stage,
+            device,
+            micro_batch,
+            action,
+            cause,
+        } => json!({
+            "ok": false, "root": root, "stage": stage, "device": device,
+            "micro_batch": micro_batch, "action": action, "cause": cause.to_string()
+        }),
+        other => json!({
+            "ok": false, "root": true, "stage": me, "device": "", "micro_batch": 0,
+            "action": "step", "cause": other.to_string()
+        }),
     }
 }
 
