@@ -72,9 +72,11 @@ fn cluster_specs(big: u64, small: u64) -> Vec<DeviceSpec> {
     vec![d(FAST, big), d(FAST, big), d(SLOW, small), d(SLOW, small)]
 }
 
+type MakeLayers = std::rc::Rc<dyn Fn() -> Res<Layers>>;
+
 struct Model {
     name: &'static str,
-    make: Box<dyn Fn() -> Res<Layers>>,
+    make: MakeLayers,
     x: Tensor,
     y: Tensor,
 }
@@ -121,9 +123,10 @@ fn by_hand(layers: Layers, specs: &[DeviceSpec]) -> Res<Pipeline> {
         .build()?)
 }
 
-/// The plan for `layers`, its predicted step, and the pipeline built from it.
+/// The plan (data-parallel replicas included) for the layers `make` builds, its predicted
+/// step, and the pipeline built from it.
 fn planned(
-    layers: Layers,
+    make: MakeLayers,
     specs: &[DeviceSpec],
     x: &Tensor,
     y: &Tensor,
@@ -137,9 +140,12 @@ fn planned(
         options: PlanOptions::default(),
     };
     let cluster = SimCluster::new(&Device::cpu(), specs, PCIE);
+    let layers = make().map_err(|e| PipelineError::Config(e.to_string()))?;
+    // A replica's layers: the same model (a failure leaves them empty, which the builder names).
+    let copy = move || make().unwrap_or_default();
     let (builder, report, _) = Pipeline::builder(layers)
         .optimizer(adam)
-        .plan(&cluster, &inputs)?;
+        .plan_replicated(&cluster, &inputs, copy)?;
     Ok((builder.build()?, report))
 }
 
@@ -148,7 +154,7 @@ fn compare(m: &Model, specs: &[DeviceSpec]) -> Res<()> {
     let mut hand = by_hand((m.make)()?, specs)?;
     let t_hand = run(&mut hand, &m.x, &m.y)?;
     let started = Instant::now();
-    let (mut pipe, report) = planned((m.make)()?, specs, &m.x, &m.y)?;
+    let (mut pipe, report) = planned(m.make.clone(), specs, &m.x, &m.y)?;
     let planning = started.elapsed().as_secs_f64();
     print!("{report}");
     let t_plan = run(&mut pipe, &m.x, &m.y)?.ok_or("the plan ran out of memory")?;
@@ -172,10 +178,10 @@ fn compare(m: &Model, specs: &[DeviceSpec]) -> Res<()> {
 
 /// Whether `blocks` Transformer blocks train by hand, and with the planner (its verdict run).
 fn fits(blocks: usize, specs: &[DeviceSpec], x: &Tensor, y: &Tensor) -> Res<(bool, bool)> {
-    let layers = || -> Res<Layers> { Ok(lm(blocks).build(1, &Device::cpu())?) };
+    let layers: MakeLayers = std::rc::Rc::new(move || Ok(lm(blocks).build(1, &Device::cpu())?));
     let hand =
         layers()?.len() >= specs.len() && run(&mut by_hand(layers()?, specs)?, x, y)?.is_some();
-    let planned = match planned(layers()?, specs, x, y) {
+    let planned = match planned(layers, specs, x, y) {
         Ok((mut pipe, _)) => {
             run(&mut pipe, x, y)?.ok_or("the planner said it fits, but it ran out of memory")?;
             true
@@ -230,12 +236,13 @@ fn search_speed(profile: &Profile) -> Res<()> {
     let r = plan(&big, &specs, PCIE, 256, &PlanOptions::default())?;
     println!(
         "\n## search speed: {} layers on 16 devices (4 kinds), batch 256: {:.2} s wall, {} \
-         candidates predicted; chosen {:?} K={} v={} M={} step {:.4e} s",
+         candidates predicted; chosen {:?} R={} K={} v={} M={} step {:.4e} s",
         big.layers.len(),
         started.elapsed().as_secs_f64(),
         r.evaluated,
         r.best.candidate.kind,
-        r.best.candidate.order.len(),
+        r.best.candidate.replicas,
+        r.best.candidate.pipeline_devices(),
         r.best.candidate.chunks,
         r.best.candidate.micro_batches,
         r.best.prediction.step_secs
@@ -248,7 +255,7 @@ fn main() -> Res<()> {
     let specs = cluster_specs(64 << 20, 16 << 20);
     let lm_model = Model {
         name: "Transformer LM (24 blocks, d_model 64, seq 32, batch 64)",
-        make: Box::new(|| Ok(lm(24).build(1, &Device::cpu())?)),
+        make: std::rc::Rc::new(|| Ok(lm(24).build(1, &Device::cpu())?)),
         x: tokens(BATCH, 0)?,
         y: tokens(BATCH, 5)?,
     };
@@ -274,7 +281,7 @@ fn main() -> Res<()> {
     compare(&lm_model, &specs)?;
     let amoeba = Model {
         name: "AmoebaNet-D (6 normal cells, 16 filters, 16x16 images, batch 64)",
-        make: Box::new(|| {
+        make: std::rc::Rc::new(|| {
             Ok(AmoebaNet {
                 normal_cells: 6,
                 filters: 16,

@@ -1,5 +1,5 @@
-//! `--plan`: the examples' pipeline chosen by the planner (K, device order, schedule, chunks, M,
-//! balance, re-materialization per device) on the simulated cluster, printed with its
+//! `--plan`: the examples' pipeline chosen by the planner (data-parallel replicas R, K, device
+//! order, schedule, chunks, M, balance, re-materialization per device) on the simulated cluster, printed with its
 //! alternatives, and after training its prediction against what the cluster measured.
 
 use clap::parser::ValueSource;
@@ -19,7 +19,8 @@ pub enum PlanArg {
     /// Plan when the stages are simulated and none of --stages, --micro-batches, --balance,
     /// --schedule, --chunks, --checkpoint is given.
     Auto,
-    /// Plan on the simulated cluster (--stages is then the number of devices it may use).
+    /// Plan on the simulated cluster (--stages is then the number of devices it may use, for
+    /// R replicas of a K-stage pipeline, R x K <= --stages).
     On,
     /// The pipeline the flags describe.
     Off,
@@ -66,10 +67,16 @@ pub struct PlanRun<'a> {
     pub seed: u64,
 }
 
+/// Makes the layers of one more replica (the same model; values are copied from replica 0).
+pub type MakeCopy = Box<dyn FnMut() -> Vec<Box<dyn Module>>>;
+
 /// The pipeline of the flags, or the planned one when [`wants_plan`] (with its plan).
+/// `copies` are the replicas the flags ask for; `make_copy` makes those the plan asks for.
+#[allow(clippy::too_many_arguments)]
 pub fn build_or_plan(
     layers: Vec<Box<dyn Module>>,
     copies: Vec<Vec<Box<dyn Module>>>,
+    make_copy: MakeCopy,
     args: &PipelineArgs,
     placement: &Placement,
     sample: &Tensor,
@@ -80,11 +87,12 @@ pub fn build_or_plan(
     if wanted {
         if args.replicas > 1 {
             return Err(AppError(format!(
-                "--plan does not plan data-parallel replicas yet (--replicas {}); use --plan off",
+                "--plan on chooses the replicas itself (R x K within --stages devices), but \
+                 --replicas {} was given: drop --replicas, or use --plan off",
                 args.replicas
             )));
         }
-        let (pipe, report) = plan_pipeline(layers, placement, run, optimizer)?;
+        let (pipe, report) = plan_pipeline(layers, make_copy, placement, run, optimizer)?;
         Ok((pipe, Some(report)))
     } else {
         Ok((
@@ -94,9 +102,11 @@ pub fn build_or_plan(
     }
 }
 
-/// Plans `layers` on the placement's simulated cluster, prints the plan table, and builds it.
+/// Plans `layers` (data-parallel replicas made by `make_copy` included) on the placement's
+/// simulated cluster, prints the plan table, and builds it.
 pub fn plan_pipeline(
     layers: Vec<Box<dyn Module>>,
+    make_copy: MakeCopy,
     placement: &Placement,
     run: &PlanRun<'_>,
     optimizer: impl Fn() -> Box<dyn Optimizer> + 'static,
@@ -105,11 +115,11 @@ pub fn plan_pipeline(
         .sim
         .as_ref()
         .ok_or_else(|| AppError("--plan needs the simulated cluster (--device sim)".into()))?;
-    let max_m = (run.batch / run.min_micro_batch.max(1)).max(1);
-    let mut options = PlanOptions::default();
-    let mut ms: Vec<usize> = vec![1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64];
-    ms.retain(|&m| m <= max_m);
-    options.micro_batches = Some(ms);
+    let options = PlanOptions {
+        micro_batches: Some(vec![1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]),
+        min_micro_batch: run.min_micro_batch,
+        ..PlanOptions::default()
+    };
     let inputs = PlanInputs {
         inputs: run.inputs,
         targets: run.targets,
@@ -120,7 +130,7 @@ pub fn plan_pipeline(
     let started = std::time::Instant::now();
     let (builder, report, _) = Pipeline::builder(layers)
         .optimizer(optimizer)
-        .plan(cluster, &inputs)
+        .plan_replicated(cluster, &inputs, make_copy)
         .map_err(|e| AppError(format!("--plan: {e}")))?;
     crate::say!(
         "planned in {:.2} s (profile and search; --plan off and the shape flags choose by hand):",

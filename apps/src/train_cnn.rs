@@ -299,25 +299,35 @@ fn build_model(args: &CnnArgs, train: &ImageSet) -> AppResult<Vec<Box<dyn Module
             train.w
         );
     }
-    let cpu = Device::cpu();
-    let seed = args.pipe.seed;
-    let layers = match args.model {
-        CnnModel::Resnet => ResNet {
-            blocks: vec![args.depth; 3],
-            width: args.width,
-            num_classes: train.num_classes,
-            in_channels: train.c,
+    cnn_maker(args, train)().context("building the model")
+}
+
+/// What builds the chosen CNN for `train`'s images (checked by [`build_model`]).
+fn cnn_maker(
+    args: &CnnArgs,
+    train: &ImageSet,
+) -> impl Fn() -> wgpipe_tensor::Result<Vec<Box<dyn Module>>> + 'static {
+    let (model, depth, width, seed) = (args.model, args.depth, args.width, args.pipe.seed);
+    let (num_classes, in_channels) = (train.num_classes, train.c);
+    move || {
+        let cpu = Device::cpu();
+        match model {
+            CnnModel::Resnet => ResNet {
+                blocks: vec![depth; 3],
+                width,
+                num_classes,
+                in_channels,
+            }
+            .build(seed, &cpu),
+            CnnModel::Amoebanet => AmoebaNet {
+                normal_cells: depth,
+                filters: width,
+                num_classes,
+                in_channels,
+            }
+            .build(seed, &cpu),
         }
-        .build(seed, &cpu),
-        CnnModel::Amoebanet => AmoebaNet {
-            normal_cells: args.depth,
-            filters: args.width,
-            num_classes: train.num_classes,
-            in_channels: train.c,
-        }
-        .build(seed, &cpu),
-    };
-    layers.context("building the model")
+    }
 }
 
 /// Loads every tensor of `path` whose name and shape match a parameter or buffer of the body
@@ -466,10 +476,21 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         min_micro_batch: 8,
         seed: p.seed,
     };
-    let (mut pipe, plan) =
-        build_or_plan(layers, copies, p, &placement, &sample, &run, move || {
-            Box::new(AdamW::with_config(adam))
-        })?;
+    let make_copy = {
+        let make = cnn_maker(&args, &train);
+        // A failure leaves the copy empty, which the builder reports as a model mismatch.
+        Box::new(move || make().unwrap_or_default())
+    };
+    let (mut pipe, plan) = build_or_plan(
+        layers,
+        copies,
+        make_copy,
+        p,
+        &placement,
+        &sample,
+        &run,
+        move || Box::new(AdamW::with_config(adam)),
+    )?;
 
     crate::say!(
         "{:?}: width {}, depth {}, {} layers, {} parameters, {} classes",

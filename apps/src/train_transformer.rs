@@ -381,10 +381,21 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         min_micro_batch: 1,
         seed: p.seed,
     };
-    let (mut pipe, plan) =
-        build_or_plan(layers, copies, p, &placement, &sample_in, &run, move || {
-            Box::new(AdamW::with_config(adam))
-        })?;
+    let make_copy = {
+        let (cfg, seed) = (cfg.clone(), p.seed);
+        // A failure leaves the copy empty, which the builder reports as a model mismatch.
+        Box::new(move || cfg.build(seed, &Device::cpu()).unwrap_or_default())
+    };
+    let (mut pipe, plan) = build_or_plan(
+        layers,
+        copies,
+        make_copy,
+        p,
+        &placement,
+        &sample_in,
+        &run,
+        move || Box::new(AdamW::with_config(adam)),
+    )?;
 
     let warmup = (args.steps / 10).clamp(1, 30);
     let schedule = LrSchedule::WarmupCosine {

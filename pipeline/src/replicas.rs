@@ -269,13 +269,11 @@ fn merge_reports(
         reports.iter().all(|rep| rep.simulated.is_some()),
     ) {
         (Some(cluster), true) => {
-            let mut t = concat_timelines(
-                reports
-                    .iter()
-                    .filter_map(|rep| rep.simulated.as_ref().map(|s| &s.timeline)),
-                k,
-            );
-            add_ring_all_reduce(&mut t, k, r, &grad_bytes, &cluster.link());
+            let parts: Vec<&Timeline> = reports
+                .iter()
+                .filter_map(|rep| rep.simulated.as_ref().map(|s| &s.timeline))
+                .collect();
+            let t = replicated_timeline(&parts, k, &grad_bytes, &cluster.link());
             Some(SimReport {
                 makespan_secs: t.makespan,
                 bubble_fraction: t.bubble_fraction(),
@@ -305,6 +303,21 @@ fn merge_reports(
         simulated,
         skipped: None,
     }
+}
+
+/// The simulated step of R replicas of a K-device pipeline: their timelines side by side
+/// (replica r's device d is row rK + d) with each device's ring all-reduce of `grad_bytes[d]`
+/// after them. The planner predicts a replicated candidate with this same function.
+pub(crate) fn replicated_timeline(
+    parts: &[&Timeline],
+    k: usize,
+    grad_bytes: &[u64],
+    link: &LinkSpec,
+) -> Timeline {
+    let r = parts.len();
+    let mut t = concat_timelines(parts.iter().copied(), k);
+    add_ring_all_reduce(&mut t, k, r, grad_bytes, link);
+    t
 }
 
 /// The timelines of the replicas side by side: replica r's device d becomes row rK + d.

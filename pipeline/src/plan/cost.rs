@@ -22,9 +22,10 @@
 
 use crate::microbatch::micro_batch_sizes;
 use crate::partition::stage_ranges;
+use crate::replicas::replicated_timeline;
 use crate::schedule::{Action, ActionKind, CheckpointMode, Schedule, SkipLink};
 use crate::skips::{skip_links, SkipRoute};
-use crate::timeline::{simulate_valid, ActionCost, DeviceSpec, LinkSpec};
+use crate::timeline::{simulate_valid, ActionCost, DeviceSpec, LinkSpec, Timeline};
 use crate::ScheduleKind;
 
 use super::profile::Profile;
@@ -32,16 +33,46 @@ use super::profile::Profile;
 /// One point of the search space.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Candidate {
-    /// The cluster device of each pipeline device, in pipeline order (K entries).
+    /// The cluster device of each pipeline device, in pipeline order: R x K entries, replica
+    /// r's device d at rK + d (the layout of `PipelineBuilder::replicas`).
     pub order: Vec<usize>,
+    /// R, data-parallel replicas of the K-device pipeline, each on its share of the batch.
+    pub replicas: usize,
     pub kind: ScheduleKind,
     /// Virtual stages per device.
     pub chunks: usize,
     pub micro_batches: usize,
     /// Layers per virtual stage.
     pub balance: Vec<usize>,
-    /// Re-materialization of each pipeline device's stages.
+    /// Re-materialization of each pipeline device's stages (K entries: every replica runs
+    /// the same schedule).
     pub remat: Vec<CheckpointMode>,
+}
+
+impl Candidate {
+    /// K, the devices of one replica's pipeline.
+    pub fn pipeline_devices(&self) -> usize {
+        self.order.len() / self.replicas.max(1)
+    }
+
+    /// Replica `r`'s pipeline alone: its K devices as a candidate of one replica.
+    pub fn replica(&self, r: usize) -> Candidate {
+        let k = self.pipeline_devices();
+        Candidate {
+            order: self.order[r * k..(r + 1) * k].to_vec(),
+            replicas: 1,
+            ..self.clone()
+        }
+    }
+
+    /// The same structure: devices, replicas, schedule kind, chunks and M (any balance).
+    pub fn same_structure(&self, other: &Candidate) -> bool {
+        self.order == other.order
+            && self.replicas == other.replicas
+            && self.kind == other.kind
+            && self.chunks == other.chunks
+            && self.micro_batches == other.micro_batches
+    }
 }
 
 /// What the cost model predicts for a candidate.
@@ -49,11 +80,12 @@ pub struct Candidate {
 pub struct Prediction {
     pub step_secs: f64,
     pub bubble_fraction: f64,
-    /// Per pipeline device: the peak bytes of a training step (what its report's memory shows).
+    /// Per device (R x K, as the candidate's order): the peak bytes of a training step (what
+    /// its report's memory shows).
     pub step_peak_bytes: Vec<u64>,
-    /// Per pipeline device: the peak including the optimizer step.
+    /// Per device: the peak including the optimizer step.
     pub peak_bytes: Vec<u64>,
-    /// Per pipeline device: parameters, gradients and optimizer state.
+    /// Per device: parameters, gradients and optimizer state.
     pub static_bytes: Vec<u64>,
 }
 
@@ -84,6 +116,7 @@ struct StageAt {
 }
 
 /// A profile on a cluster, for one mini-batch size.
+#[derive(Clone, Copy)]
 pub struct CostModel<'a> {
     pub profile: &'a Profile,
     pub specs: &'a [DeviceSpec],
@@ -224,15 +257,21 @@ pub fn with_remat(schedule: &Schedule, remat: &[CheckpointMode]) -> Schedule {
     s
 }
 
-/// A candidate's per-stage costs at its micro-batch sizes, and its per-device constants.
+/// A candidate's per-stage costs at its micro-batch sizes, and its per-device constants (of
+/// one replica, at that replica's share of the batch).
+#[derive(Clone)]
 pub struct CandidateCosts {
     sizes: Vec<usize>,
+    /// The samples these costs are for (one replica's share).
+    batch: usize,
     /// Bytes of each skip link (by id) at the first micro-batch size and at the other one.
     skip_bytes: Vec<[f64; 2]>,
     stages: Vec<[StageAt; 2]>,
     static_bytes: Vec<u64>,
     optimizer_extra: Vec<f64>,
     largest_param: Vec<f64>,
+    /// Parameter bytes of each pipeline device: what its all-reduce across replicas carries.
+    param_bytes: Vec<u64>,
 }
 
 impl CandidateCosts {
@@ -264,18 +303,53 @@ impl CostModel<'_> {
         facts: &ScheduleFacts,
     ) -> crate::Result<Prediction> {
         schedule.validate()?;
-        let costs = self.costs(c, &schedule.placement)?;
+        let costs = self.replica_costs(c, &schedule.placement)?;
         let (step_secs, bubble_fraction) = self.step_time(c, &costs, schedule, facts)?;
-        let (step_peak_bytes, peak_bytes) = (0..c.order.len())
-            .map(|d| self.device_memory(&costs, schedule, facts, d))
+        let k = c.pipeline_devices();
+        let (step_peak_bytes, peak_bytes) = costs
+            .iter()
+            .flat_map(|rc| (0..k).map(move |d| self.device_memory(rc, schedule, facts, d)))
             .unzip();
         Ok(Prediction {
             step_secs,
             bubble_fraction,
             step_peak_bytes,
             peak_bytes,
-            static_bytes: costs.static_bytes,
+            static_bytes: costs
+                .iter()
+                .flat_map(|rc| rc.static_bytes.clone())
+                .collect(),
         })
+    }
+
+    /// Each replica's share of the mini-batch, as the pipeline splits it.
+    pub fn shards(&self, replicas: usize) -> crate::Result<Vec<usize>> {
+        micro_batch_sizes(self.batch, replicas)
+            .map_err(|e| crate::PipelineError::Config(format!("{replicas} replicas: {e}")))
+    }
+
+    /// The costs of each of `c`'s replicas (of one replica's pipeline at that replica's share
+    /// of the batch; replicas with equal shares share them).
+    pub fn replica_costs(
+        &self,
+        c: &Candidate,
+        placement: &[usize],
+    ) -> crate::Result<Vec<CandidateCosts>> {
+        let one = c.replica(0);
+        let mut out: Vec<CandidateCosts> = Vec::with_capacity(c.replicas);
+        for (r, shard) in self.shards(c.replicas)?.into_iter().enumerate() {
+            let same = (r > 0 && out[r - 1].batch == shard).then(|| out[r - 1].clone());
+            let costs = match same {
+                Some(costs) => costs,
+                None => CostModel {
+                    batch: shard,
+                    ..*self
+                }
+                .costs(&one, placement)?,
+            };
+            out.push(costs);
+        }
+        Ok(out)
     }
 
     /// The costs of `c`'s stages placed by `placement` (stage -> pipeline device).
@@ -286,10 +360,12 @@ impl CostModel<'_> {
         let mut static_bytes = vec![0u64; k];
         let mut optimizer_extra = vec![0f64; k];
         let mut largest_param = vec![0f64; k];
+        let mut param_bytes = vec![0u64; k];
         for (s, r) in stage_ranges(&c.balance).into_iter().enumerate() {
             let d = placement[s];
             for l in &self.profile.layers[r] {
                 static_bytes[d] += l.param_bytes + l.grad_bytes + l.optimizer_state_bytes;
+                param_bytes[d] += l.param_bytes;
                 optimizer_extra[d] += l.optimizer_step_bytes as f64;
                 largest_param[d] = largest_param[d].max(l.param_bytes as f64);
             }
@@ -307,9 +383,11 @@ impl CostModel<'_> {
             stages: self.stage_table(&c.balance, &sizes),
             skip_bytes,
             sizes,
+            batch: self.batch,
             static_bytes,
             optimizer_extra,
             largest_param,
+            param_bytes,
         })
     }
 
@@ -354,17 +432,44 @@ impl CostModel<'_> {
     }
 
     /// Step time and bubble: the simulator's replay of `schedule` (assumed valid) with each
-    /// action's predicted FLOPs and bytes.
+    /// action's predicted FLOPs and bytes, on every replica (`costs`: one per replica), then
+    /// each device's ring all-reduce across the replicas as the simulated cluster models it.
     pub fn step_time(
+        &self,
+        c: &Candidate,
+        costs: &[CandidateCosts],
+        schedule: &Schedule,
+        facts: &ScheduleFacts,
+    ) -> crate::Result<(f64, f64)> {
+        if c.replicas <= 1 {
+            let t = self.replay(c, &costs[0], schedule, facts, false)?;
+            return Ok((t.makespan, t.bubble_fraction()));
+        }
+        let timelines = (0..c.replicas)
+            .map(|r| self.replay(&c.replica(r), &costs[r], schedule, facts, true))
+            .collect::<crate::Result<Vec<Timeline>>>()?;
+        let parts: Vec<&Timeline> = timelines.iter().collect();
+        let t = replicated_timeline(
+            &parts,
+            c.pipeline_devices(),
+            &costs[0].param_bytes,
+            &self.link,
+        );
+        Ok((t.makespan, t.bubble_fraction()))
+    }
+
+    /// One replica's simulated step (`c` of one replica); its events kept when `record`.
+    fn replay(
         &self,
         c: &Candidate,
         costs: &CandidateCosts,
         schedule: &Schedule,
         facts: &ScheduleFacts,
-    ) -> crate::Result<(f64, f64)> {
+        record: bool,
+    ) -> crate::Result<Timeline> {
         let last = c.balance.len() - 1;
         let specs: Vec<DeviceSpec> = c.order.iter().map(|&d| self.specs[d]).collect();
-        let timeline = simulate_valid(schedule, &specs, &self.link, false, |_, a: Action| {
+        let timeline = simulate_valid(schedule, &specs, &self.link, record, |_, a: Action| {
             let st = costs.at(a.stage, a.micro_batch);
             let first = || facts.is_first_backward(&a);
             let flops = match a.kind {
@@ -388,7 +493,7 @@ impl CostModel<'_> {
                 bytes: bytes as u64,
             }
         })?;
-        Ok((timeline.makespan, timeline.bubble_fraction()))
+        Ok(timeline)
     }
 
     /// (step peak, peak with the optimizer step) of pipeline device `d`. A device's walk reads
@@ -412,7 +517,19 @@ impl CostModel<'_> {
     /// stages before its first one (its first input cannot come earlier) and, for one stage
     /// per device and whole backwards (the device's last action is then its stage's last
     /// backward), the backwards of those stages after it.
-    pub fn compute_bound(&self, c: &Candidate, costs: &CandidateCosts, placement: &[usize]) -> f64 {
+    /// With replicas, the slowest replica's (the all-reduce comes after).
+    pub fn compute_bound(
+        &self,
+        c: &Candidate,
+        costs: &[CandidateCosts],
+        placement: &[usize],
+    ) -> f64 {
+        (0..c.replicas)
+            .map(|r| self.replica_bound(&c.replica(r), &costs[r], placement))
+            .fold(0.0, f64::max)
+    }
+
+    fn replica_bound(&self, c: &Candidate, costs: &CandidateCosts, placement: &[usize]) -> f64 {
         let last = c.balance.len() - 1;
         let k = c.order.len();
         let rate = |s: usize| self.specs[c.order[placement[s]]].flops_per_sec;

@@ -6,7 +6,9 @@
 //!   schedule, peak memory per device by walking its action lists.
 //! - [`search`]: the search over the space, exact where the space is small.
 //!
-//! Data-parallel replicas are not part of the space: the pipeline has none yet.
+//! Data parallelism is a dimension of the space: R replicas of a K-device pipeline (R x K at
+//! most the cluster's devices), predicted as the simulated cluster runs them (each replica on
+//! its share of the batch, then each device's ring all-reduce of its gradients).
 
 pub mod cost;
 pub mod profile;
@@ -34,8 +36,13 @@ pub struct PlanOptions {
     pub chunks: Vec<usize>,
     /// Micro-batch counts to try (default: 1, 2, 3, 4, 6, 8, 12, ..., 64 and K, 2K, 4K).
     pub micro_batches: Option<Vec<usize>>,
-    /// At most this many devices (default: all of the cluster's).
+    /// At most this many devices in all, replicas included (default: all of the cluster's).
     pub max_devices: Option<usize>,
+    /// At most this many data-parallel replicas (default: as many as the devices allow;
+    /// `PipelineBuilder::plan` uses 1, `plan_replicated` this).
+    pub max_replicas: usize,
+    /// The fewest samples a micro-batch may hold (batch norm needs a few; default 1).
+    pub min_micro_batch: usize,
     /// Every balance is tried when there are at most this many for a (K, chunks).
     pub exhaustive_balances: usize,
     /// How many of the best structures get their balance refined, and for how many passes.
@@ -52,6 +59,8 @@ impl Default for PlanOptions {
             chunks: vec![2, 4],
             micro_batches: None,
             max_devices: None,
+            max_replicas: usize::MAX,
+            min_micro_batch: 1,
             exhaustive_balances: 64,
             refine: 4,
             refine_passes: 8,
@@ -72,7 +81,8 @@ pub struct Planned {
 #[derive(Debug, Clone)]
 pub struct PlanReport {
     pub best: Planned,
-    /// The next best plans of other structures (order, kind, chunks, M), fastest first.
+    /// The next best plans of other structures (order, replicas, kind, chunks, M), fastest
+    /// first.
     pub alternatives: Vec<Planned>,
     /// Candidates predicted in full.
     pub evaluated: usize,
@@ -96,11 +106,12 @@ pub struct NoFit {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PlanError {
     #[error(
-        "no configuration fits the devices' memory: in the closest one ({kind:?}, K={k}, M={m}, \
-         re-materializing every micro-batch where it overflows) device {} needs {} bytes but has \
-         {}; with {} bytes on every device it fits (memories {:.2}x as large)",
+        "no configuration fits the devices' memory: in the closest one ({kind:?}, R={r}, K={k}, \
+         M={m}, re-materializing every micro-batch where it overflows) device {} needs {} bytes \
+         but has {}; with {} bytes on every device it fits (memories {:.2}x as large)",
         .0.device, .0.needed, .0.available, .0.smallest_memory, .0.scale,
-        kind = .0.closest.kind, k = .0.closest.order.len(), m = .0.closest.micro_batches
+        kind = .0.closest.kind, r = .0.closest.replicas, k = .0.closest.pipeline_devices(),
+        m = .0.closest.micro_batches
     )]
     NoFit(Box<NoFit>),
     #[error("nothing to plan: {0}")]
@@ -136,9 +147,10 @@ fn row(f: &mut fmt::Formatter<'_>, tag: &str, p: &Planned) -> fmt::Result {
     let peaks: Vec<String> = p.prediction.peak_bytes.iter().map(|&b| mib(b)).collect();
     writeln!(
         f,
-        "{tag:<6} {:<14} {:>2} {:>2} {:>4} {:>12.6} {:>6.1}%  devices {:?} balance {:?} remat [{}] peak MiB [{}]",
+        "{tag:<6} {:<14} {:>2} {:>2} {:>2} {:>4} {:>12.6} {:>6.1}%  devices {:?} balance {:?} remat [{}] peak MiB [{}]",
         format!("{:?}", c.kind),
-        c.order.len(),
+        c.replicas,
+        c.pipeline_devices(),
         c.chunks,
         c.micro_batches,
         p.prediction.step_secs,
@@ -159,8 +171,8 @@ impl fmt::Display for PlanReport {
         )?;
         writeln!(
             f,
-            "{:<6} {:<14} {:>2} {:>2} {:>4} {:>12} {:>7}",
-            "", "schedule", "K", "v", "M", "step s", "bubble"
+            "{:<6} {:<14} {:>2} {:>2} {:>2} {:>4} {:>12} {:>7}",
+            "", "schedule", "R", "K", "v", "M", "step s", "bubble"
         )?;
         row(f, "chosen", &self.best)?;
         for (i, p) in self.alternatives.iter().enumerate() {
@@ -182,15 +194,37 @@ pub struct PlanInputs<'a> {
 }
 
 impl PipelineBuilder {
-    /// Profiles the layers on `plan.inputs`, searches the fastest configuration that fits
-    /// `cluster`'s memories, and sets this builder to it: the chosen devices in the chosen
-    /// order, the balance, M and the schedule (with each device's re-materialization). Call it
-    /// after `.optimizer(..)`, so that the optimizer's state is planned for; a later `.sim`,
-    /// `.balance`, `.micro_batches` or `.schedule` overrides the plan.
+    /// Profiles the layers on `plan.inputs`, searches the fastest configuration of one
+    /// pipeline (no replicas) that fits `cluster`'s memories, and sets this builder to it: the
+    /// chosen devices in the chosen order, the balance, M and the schedule (with each device's
+    /// re-materialization). Call it after `.optimizer(..)`, so that the optimizer's state is
+    /// planned for; a later `.sim`, `.balance`, `.micro_batches` or `.schedule` overrides the
+    /// plan.
     pub fn plan(
+        self,
+        cluster: &SimCluster,
+        plan_inputs: &PlanInputs<'_>,
+    ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
+        self.plan_with(cluster, plan_inputs, None)
+    }
+
+    /// As [`PipelineBuilder::plan`], with data-parallel replicas in the search (up to the
+    /// options' `max_replicas`): when the plan has R > 1, the builder is set to
+    /// `.replicas(R, make_layers)` over the chosen R x K devices.
+    pub fn plan_replicated(
+        self,
+        cluster: &SimCluster,
+        plan_inputs: &PlanInputs<'_>,
+        make_layers: impl FnMut() -> Vec<Box<dyn wgpipe_autograd::Module>> + 'static,
+    ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
+        self.plan_with(cluster, plan_inputs, Some(Box::new(make_layers)))
+    }
+
+    fn plan_with(
         mut self,
         cluster: &SimCluster,
         plan_inputs: &PlanInputs<'_>,
+        make_layers: Option<crate::builder::LayerFactory>,
     ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
         if self.skip_route != crate::SkipRoute::Direct {
             return Err(crate::PipelineError::Config(
@@ -210,19 +244,26 @@ impl PipelineBuilder {
             self.optimizer.as_deref(),
             backing,
         )?;
+        let mut options = plan_inputs.options.clone();
+        if make_layers.is_none() {
+            options.max_replicas = 1;
+        }
         let report = plan(
             &profile,
             cluster.specs(),
             cluster.link(),
             plan_inputs.batch,
-            &plan_inputs.options,
+            &options,
         )?;
         let best = &report.best;
-        let builder = self
+        let mut builder = self
             .sim(cluster.select(&best.candidate.order))
             .balance(Balance::Explicit(best.candidate.balance.clone()))
             .micro_batches(best.candidate.micro_batches)
             .schedule(best.schedule.clone());
+        if let (r @ 2.., Some(make_layers)) = (best.candidate.replicas, make_layers) {
+            builder = builder.replicas(r, make_layers);
+        }
         Ok((builder, report, profile))
     }
 }

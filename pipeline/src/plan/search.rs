@@ -1,5 +1,6 @@
-//! The search: every device count K, device order, schedule kind, chunks v and micro-batch
-//! count M; for each, balances (all of them on small instances, else a min-max time partition
+//! The search: every replica count R (data parallelism: R copies of a K-device pipeline, each
+//! on its share of the batch, R x K devices at most), device count K, device order, schedule
+//! kind, chunks v and micro-batch count M; for each, balances (all of them on small instances, else a min-max time partition
 //! and a memory partition weighted by each stage's device, refined by moving stage boundaries);
 //! for each balance, per device the least re-materialization that fits its memory. Candidates
 //! are predicted in the order of a lower bound of their step (the busiest device's compute and
@@ -65,21 +66,25 @@ pub fn search(model: &CostModel<'_>, options: &PlanOptions) -> Result<PlanReport
         best_times: Vec::new(),
         closest: None,
     };
-    let max_k = options
+    let max_devices = options
         .max_devices
         .unwrap_or(model.specs.len())
         .min(model.specs.len());
     // Every candidate with a lower bound of its step ([`CostModel::compute_bound`]), predicted in
     // that order: once the bound passes the plans worth showing, the rest cannot matter.
     let mut queue: Vec<(f64, Candidate)> = Vec::new();
-    for k in 1..=max_k.min(n) {
-        for order in device_orders(model, k) {
-            for (kind, v) in kinds_and_chunks(options, k) {
-                if k * v > n {
-                    continue;
-                }
-                for m in micro_batch_counts(options, k, model.batch) {
-                    queue.extend(s.structure_candidates(&order, kind, v, m));
+    for r in 1..=options.max_replicas.min(max_devices).min(model.batch) {
+        // The smallest replica's share: every micro-batch of it needs its samples.
+        let shard = model.batch / r;
+        for k in 1..=(max_devices / r).min(n) {
+            for order in replica_orders(model, r, k) {
+                for (kind, v) in kinds_and_chunks(options, k) {
+                    if k * v > n {
+                        continue;
+                    }
+                    for m in micro_batch_counts(options, k, shard) {
+                        queue.extend(s.structure_candidates(&order, r, kind, v, m));
+                    }
                 }
             }
         }
@@ -122,12 +127,7 @@ pub fn search(model: &CostModel<'_>, options: &PlanOptions) -> Result<PlanReport
         if alternatives.len() >= options.alternatives {
             break;
         }
-        let same = |q: &Planned| {
-            q.candidate.order == p.candidate.order
-                && q.candidate.kind == p.candidate.kind
-                && q.candidate.chunks == p.candidate.chunks
-                && q.candidate.micro_batches == p.candidate.micro_batches
-        };
+        let same = |q: &Planned| q.candidate.same_structure(&p.candidate);
         if !same(&best) && !alternatives.iter().any(same) {
             alternatives.push(p);
         }
@@ -188,11 +188,12 @@ impl Search<'_, '_> {
     fn structure_candidates(
         &self,
         order: &[usize],
+        replicas: usize,
         kind: ScheduleKind,
         v: usize,
         m: usize,
     ) -> Vec<(f64, Candidate)> {
-        let k = order.len();
+        let k = order.len() / replicas;
         let n = self.model.profile.layers.len();
         let stages = k * v;
         let placement = match kind {
@@ -203,8 +204,8 @@ impl Search<'_, '_> {
         let balances = if count_compositions(n, stages) <= self.options.exhaustive_balances as f64 {
             compositions(n, stages)
         } else {
-            let mut b = vec![self.time_balance(order, &placement, m)];
-            let mem = self.memory_balance(order, &placement, m);
+            let mut b = vec![self.time_balance(order, replicas, &placement, m)];
+            let mem = self.memory_balance(order, replicas, &placement, m);
             if !b.contains(&mem) {
                 b.push(mem);
             }
@@ -215,13 +216,14 @@ impl Search<'_, '_> {
             .filter_map(|balance| {
                 let c = Candidate {
                     order: order.to_vec(),
+                    replicas,
                     kind,
                     chunks: v,
                     micro_batches: m,
                     balance,
                     remat: vec![CheckpointMode::Never; k],
                 };
-                let costs = self.model.costs(&c, &placement).ok()?;
+                let costs = self.model.replica_costs(&c, &placement).ok()?;
                 Some((self.model.compute_bound(&c, &costs, &placement), c))
             })
             .collect()
@@ -231,30 +233,34 @@ impl Search<'_, '_> {
     /// the candidate; keeps it when it fits. Returns its prediction and whether it fits (None
     /// when it was pruned or cannot be built).
     fn evaluate(&mut self, mut c: Candidate) -> Option<(Prediction, bool)> {
-        let k = c.order.len();
+        let k = c.pipeline_devices();
         let model = self.model;
         let skips = model.skip_links(&c.balance);
         let st = self.structure(c.kind, k, c.chunks, c.micro_batches, &skips)?;
         let placement = &st.always.placement;
-        let costs = model.costs(&c, placement).ok()?;
-        let mut step_peak = Vec::with_capacity(k);
-        let mut peak = Vec::with_capacity(k);
+        let costs = model.replica_costs(&c, placement).ok()?;
+        let mut step_peak = vec![0; c.order.len()];
+        let mut peak = vec![0; c.order.len()];
         let mut fits = true;
-        for (d, &device) in c.order.iter().enumerate() {
-            let cap = model.specs[device].memory_bytes;
-            let mut chosen = None;
+        // Every replica runs the same schedule: device d's mode is the least that fits on each
+        // replica's device d.
+        for d in 0..k {
             for (i, &mode) in MODES.iter().enumerate() {
-                let (s, p) = model.device_memory(&costs, &st.uniform[i], &st.facts[i], d);
-                chosen = Some((mode, s, p));
-                if p <= cap {
+                let mut all_fit = true;
+                for (r, rc) in costs.iter().enumerate() {
+                    let (s, p) = model.device_memory(rc, &st.uniform[i], &st.facts[i], d);
+                    all_fit &= p <= model.specs[c.order[r * k + d]].memory_bytes;
+                    step_peak[r * k + d] = s;
+                    peak[r * k + d] = p;
+                }
+                c.remat[d] = mode;
+                if all_fit {
                     break;
                 }
+                if i == MODES.len() - 1 {
+                    fits = false;
+                }
             }
-            let (mode, s, p) = chosen.expect("three modes");
-            fits &= p <= cap;
-            c.remat[d] = mode;
-            step_peak.push(s);
-            peak.push(p);
         }
         if !fits {
             // Kept for the error when nothing fits: the configuration closest to fitting.
@@ -308,12 +314,7 @@ impl Search<'_, '_> {
             if count_compositions(n, c.balance.len()) <= self.options.exhaustive_balances as f64 {
                 continue;
             }
-            if !seeds.iter().any(|s| {
-                s.order == c.order
-                    && s.kind == c.kind
-                    && s.chunks == c.chunks
-                    && s.micro_batches == c.micro_batches
-            }) {
+            if !seeds.iter().any(|s| s.same_structure(c)) {
                 seeds.push(c.clone());
             }
         }
@@ -354,37 +355,53 @@ impl Search<'_, '_> {
     fn time_of(&self, c: &Candidate) -> Option<f64> {
         self.found
             .iter()
-            .find(|p| {
-                p.candidate.balance == c.balance
-                    && p.candidate.order == c.order
-                    && p.candidate.kind == c.kind
-                    && p.candidate.chunks == c.chunks
-                    && p.candidate.micro_batches == c.micro_batches
-            })
+            .find(|p| p.candidate.balance == c.balance && p.candidate.same_structure(c))
             .map(|p| p.prediction.step_secs)
     }
 
-    /// Min-max of each stage's forward + backward seconds on its device.
-    fn time_balance(&self, order: &[usize], placement: &[usize], m: usize) -> Vec<usize> {
-        let b = self.model.batch.div_ceil(m);
+    /// Min-max of each stage's forward + backward seconds on its device (the slowest of the
+    /// replicas' devices at that position).
+    fn time_balance(&self, order: &[usize], r: usize, placement: &[usize], m: usize) -> Vec<usize> {
+        let b = self.model.batch.div_ceil(r).div_ceil(m);
         self.balance_by(
             placement,
             |l| l.forward_flops.at(b) + l.backward_flops.at(b),
-            |d| 1.0 / self.model.specs[order[d]].flops_per_sec,
+            |d| 1.0 / self.position_min(order, r, d, |s| s.flops_per_sec),
         )
     }
 
-    /// Min-max of each stage's bytes (its static part and M tapes) over its device's memory.
-    fn memory_balance(&self, order: &[usize], placement: &[usize], m: usize) -> Vec<usize> {
-        let b = self.model.batch.div_ceil(m);
+    /// Min-max of each stage's bytes (its static part and M tapes) over its device's memory
+    /// (the smallest of the replicas' devices at that position).
+    fn memory_balance(
+        &self,
+        order: &[usize],
+        r: usize,
+        placement: &[usize],
+        m: usize,
+    ) -> Vec<usize> {
+        let b = self.model.batch.div_ceil(r).div_ceil(m);
         self.balance_by(
             placement,
             |l| {
                 (l.param_bytes + l.grad_bytes + l.optimizer_state_bytes) as f64
                     + l.stash_bytes.at(b) * m as f64
             },
-            |d| 1.0 / self.model.specs[order[d]].memory_bytes as f64,
+            |d| 1.0 / self.position_min(order, r, d, |s| s.memory_bytes as f64),
         )
+    }
+
+    /// The least `of` over the replicas' devices at pipeline position `d`.
+    fn position_min(
+        &self,
+        order: &[usize],
+        r: usize,
+        d: usize,
+        of: impl Fn(&crate::timeline::DeviceSpec) -> f64,
+    ) -> f64 {
+        let k = order.len() / r;
+        (0..r)
+            .map(|i| of(&self.model.specs[order[i * k + d]]))
+            .fold(f64::INFINITY, f64::min)
     }
 
     /// [`weighted_min_max`] of `cost` per layer, stage s weighing `weight` of its device.
@@ -405,14 +422,17 @@ fn prediction(
     (step_secs, bubble_fraction): (f64, f64),
     step_peak_bytes: Vec<u64>,
     peak_bytes: Vec<u64>,
-    costs: &CandidateCosts,
+    costs: &[CandidateCosts],
 ) -> Prediction {
     Prediction {
         step_secs,
         bubble_fraction,
         step_peak_bytes,
         peak_bytes,
-        static_bytes: costs.static_bytes().to_vec(),
+        static_bytes: costs
+            .iter()
+            .flat_map(|c| c.static_bytes().to_vec())
+            .collect(),
     }
 }
 
@@ -514,8 +534,9 @@ pub fn kinds_and_chunks(options: &PlanOptions, k: usize) -> Vec<(ScheduleKind, u
 }
 
 /// The micro-batch counts to try: the options' list, or 1, 2, 3, 4, 6, 8, 12, ... and K, 2K, 4K,
-/// each at most the batch.
+/// each leaving every micro-batch of `batch` at least the options' smallest micro-batch.
 pub fn micro_batch_counts(options: &PlanOptions, k: usize, batch: usize) -> Vec<usize> {
+    let batch = (batch / options.min_micro_batch.max(1)).max(1);
     let mut ms: Vec<usize> = match &options.micro_batches {
         Some(list) => list.clone(),
         None => {
@@ -574,6 +595,53 @@ pub fn device_orders(model: &CostModel<'_>, k: usize) -> Vec<Vec<usize>> {
         }
     }
     orders
+}
+
+/// Device orders for R replicas of K devices (R x K entries, replica r at rK..(r+1)K): for
+/// one replica, [`device_orders`]; for several, the orders of R x K devices, without those
+/// that only swap replicas of equal shares, plus for each chosen set the devices dealt out by
+/// speed (the R fastest at position 0 of each replica, the next R at position 1, ...).
+pub fn replica_orders(model: &CostModel<'_>, r: usize, k: usize) -> Vec<Vec<usize>> {
+    let orders = device_orders(model, r * k);
+    if r == 1 {
+        return orders;
+    }
+    let specs = model.specs;
+    let key = |o: &[usize]| -> Vec<Vec<(u64, u64)>> {
+        let mut rows: Vec<Vec<(u64, u64)>> = o
+            .chunks(k)
+            .map(|row| {
+                row.iter()
+                    .map(|&d| (specs[d].flops_per_sec.to_bits(), specs[d].memory_bytes))
+                    .collect()
+            })
+            .collect();
+        // Replicas of equal shares are interchangeable; the first batch % R are larger.
+        if model.batch.is_multiple_of(r) {
+            rows.sort();
+        }
+        rows
+    };
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut seen: Vec<Vec<Vec<(u64, u64)>>> = Vec::new();
+    let mut push = |o: Vec<usize>| {
+        let kk = key(&o);
+        if !seen.contains(&kk) {
+            seen.push(kk);
+            out.push(o);
+        }
+    };
+    for o in orders {
+        let mut fast = o.clone();
+        fast.sort_by(|&a, &b| specs[b].flops_per_sec.total_cmp(&specs[a].flops_per_sec));
+        let dealt: Vec<usize> = (0..r)
+            .flat_map(|i| (0..k).map(move |d| (i, d)))
+            .map(|(i, d)| fast[d * r + i])
+            .collect();
+        push(o);
+        push(dealt);
+    }
+    out
 }
 
 /// Distinct orders of `subset` up to identical devices (at most 24), else four heuristic ones.

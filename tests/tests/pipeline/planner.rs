@@ -62,12 +62,25 @@ const LINK: LinkSpec = LinkSpec {
     latency_sec: 2e-6,
 };
 
-/// Runs `c` on the simulated cluster for two steps; returns (simulated makespan of the second
-/// step, per device peak of its train step, per device peak over the whole run).
-fn run(c: &Candidate, schedule: &wgpipe_pipeline::Schedule) -> (f64, Vec<u64>, Vec<u64>) {
+/// 4 devices for data parallelism: a fast and a slow one twice, all with room.
+fn specs4() -> Vec<DeviceSpec> {
+    let mut s = specs();
+    s[2].memory_bytes = 1 << 20;
+    s.push(s[1]);
+    s
+}
+
+/// Runs `c` on the simulated cluster `specs` for two steps (with its replicas); returns
+/// (simulated makespan of the second step, per device peak of its train step, per device peak
+/// over the whole run, all-reduce and optimizer step included).
+fn run(
+    c: &Candidate,
+    schedule: &wgpipe_pipeline::Schedule,
+    specs: Vec<DeviceSpec>,
+) -> (f64, Vec<u64>, Vec<u64>) {
     let (x, y) = data();
     // Unlimited memory: the prediction is checked against what is measured, not the cap.
-    let unlimited: Vec<DeviceSpec> = specs()
+    let unlimited: Vec<DeviceSpec> = specs
         .into_iter()
         .map(|s| DeviceSpec {
             memory_bytes: u64::MAX,
@@ -75,13 +88,15 @@ fn run(c: &Candidate, schedule: &wgpipe_pipeline::Schedule) -> (f64, Vec<u64>, V
         })
         .collect();
     let cluster = SimCluster::new(&Device::cpu(), &unlimited, LINK).select(&c.order);
-    let mut pipe: Pipeline = Pipeline::builder(model())
+    let mut builder = Pipeline::builder(model())
         .sim(cluster.clone())
         .balance(Balance::Explicit(c.balance.clone()))
         .schedule(schedule.clone())
-        .optimizer(sgd)
-        .build()
-        .unwrap();
+        .optimizer(sgd);
+    if c.replicas > 1 {
+        builder = builder.replicas(c.replicas, model);
+    }
+    let mut pipe: Pipeline = builder.build().unwrap();
     let mut last = None;
     for _ in 0..2 {
         let r = pipe.train_step(&x, &y, &mse).unwrap();
@@ -130,6 +145,7 @@ fn predicted_step_time_and_memory_agree_with_the_simulated_cluster() {
             let balance = compositions(8, n_stages)[n_stages % 3].clone();
             let c = Candidate {
                 order: order.clone(),
+                replicas: 1,
                 kind,
                 chunks: v,
                 micro_batches: m,
@@ -138,35 +154,110 @@ fn predicted_step_time_and_memory_agree_with_the_simulated_cluster() {
             };
             let facts = ScheduleFacts::of(&schedule);
             let p = model.predict(&c, &schedule, &facts).unwrap();
-            let (measured, step_peaks, all_peaks) = run(&c, &schedule);
-            let err = (p.step_secs - measured).abs() / measured;
+            let err = check_prediction(&c, &p, &schedule, specs.clone());
             worst = worst.max(err);
-            eprintln!(
-                "{kind:?} remat {remat:?}: predicted {:.3e} s, simulated {measured:.3e} s ({:+.2}%); peaks predicted {:?} measured {step_peaks:?}",
-                p.step_secs,
-                (p.step_secs / measured - 1.0) * 100.0,
-                p.step_peak_bytes
-            );
-            assert!(
-                err <= 0.05,
-                "{kind:?} {remat:?}: time off by {:.2}%",
-                err * 100.0
-            );
-            for (d, (&pred, &got)) in p.step_peak_bytes.iter().zip(&step_peaks).enumerate() {
-                assert!(
-                    got <= pred,
-                    "{kind:?} {remat:?}: device {d} measured {got} bytes above the predicted {pred}"
-                );
-            }
-            for (d, (&pred, &got)) in p.peak_bytes.iter().zip(&all_peaks).enumerate() {
-                assert!(
-                    got <= pred,
-                    "{kind:?} {remat:?}: device {d} measured {got} bytes (optimizer step included) above the predicted {pred}"
-                );
-            }
         }
     }
     eprintln!("worst time error {:.3}%", worst * 100.0);
+}
+
+/// Runs `c` and checks the prediction `p`: simulated step within 5%, every device's measured
+/// peaks (train step; whole step with all-reduce and optimizer) at most predicted. Returns
+/// the relative time error.
+fn check_prediction(
+    c: &Candidate,
+    p: &wgpipe_pipeline::plan::Prediction,
+    schedule: &wgpipe_pipeline::Schedule,
+    specs: Vec<DeviceSpec>,
+) -> f64 {
+    let (measured, step_peaks, all_peaks) = run(c, schedule, specs);
+    let what = format!("{:?} R={} remat {:?}", c.kind, c.replicas, c.remat);
+    let err = (p.step_secs - measured).abs() / measured;
+    eprintln!(
+        "{what}: predicted {:.3e} s, simulated {measured:.3e} s ({:+.2}%); peaks predicted {:?} measured {step_peaks:?}",
+        p.step_secs,
+        (p.step_secs / measured - 1.0) * 100.0,
+        p.step_peak_bytes
+    );
+    assert!(err <= 0.05, "{what}: time off by {:.2}%", err * 100.0);
+    assert_eq!(
+        step_peaks.len(),
+        c.order.len(),
+        "{what}: one row per device"
+    );
+    for (d, (&pred, &got)) in p.step_peak_bytes.iter().zip(&step_peaks).enumerate() {
+        assert!(
+            got <= pred,
+            "{what}: device {d} measured {got} bytes above the predicted {pred}"
+        );
+    }
+    for (d, (&pred, &got)) in p.peak_bytes.iter().zip(&all_peaks).enumerate() {
+        assert!(
+            got <= pred,
+            "{what}: device {d} measured {got} bytes (all-reduce and optimizer step included) above the predicted {pred}"
+        );
+    }
+    err
+}
+
+/// Data-parallel candidates (R = 2 of K = 2 on fast/slow pairs, with 1F1B, ZB-H1 and
+/// interleaving; R = 3 and 4 of one device each) predicted and then run with replicas: the
+/// step with the ring all-reduces within 5%, no device above its predicted peaks.
+#[test]
+fn predicted_replicated_step_agrees_with_the_simulated_cluster() {
+    let (_, profile) = profiled();
+    let specs = specs4();
+    let model = CostModel {
+        profile: &profile,
+        specs: &specs,
+        link: LINK,
+        batch: N,
+    };
+    let cases = [
+        (
+            vec![0, 1, 2, 3],
+            2,
+            ScheduleKind::OneFOneB,
+            1,
+            3,
+            vec![3, 5],
+        ),
+        (vec![0, 1, 2, 3], 2, ScheduleKind::ZbH1, 1, 2, vec![5, 3]),
+        (
+            vec![1, 0, 3, 2],
+            2,
+            ScheduleKind::Interleaved1F1B,
+            2,
+            2,
+            vec![2, 2, 2, 2],
+        ),
+        (vec![0, 1, 3], 3, ScheduleKind::GPipe, 1, 2, vec![8]),
+        (vec![0, 1, 2, 3], 4, ScheduleKind::GPipe, 1, 3, vec![8]),
+    ];
+    for (order, r, kind, v, m, balance) in cases {
+        let k = order.len() / r;
+        for remat in [
+            vec![CheckpointMode::Never; k],
+            vec![CheckpointMode::Always; k],
+        ] {
+            let always = kind.generate(k, v, m, CheckpointMode::Always).unwrap();
+            let schedule = with_remat(&always, &remat);
+            let c = Candidate {
+                order: order.clone(),
+                replicas: r,
+                kind,
+                chunks: v,
+                micro_batches: m,
+                balance: balance.clone(),
+                remat,
+            };
+            let p = model
+                .predict(&c, &schedule, &ScheduleFacts::of(&schedule))
+                .unwrap();
+            assert_eq!(p.step_peak_bytes.len(), r * k);
+            check_prediction(&c, &p, &schedule, specs.clone());
+        }
+    }
 }
 
 #[test]
@@ -285,6 +376,7 @@ fn search_is_within_one_percent_of_exhaustive_enumeration() {
                         for balance in compositions(profile.layers.len(), k * v) {
                             let c = Candidate {
                                 order: order.clone(),
+                                replicas: 1,
                                 kind,
                                 chunks: v,
                                 micro_batches: m,
