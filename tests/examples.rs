@@ -820,6 +820,12 @@ fn plan_on_trains_the_planned_pipeline_as_predicted() {
     check(&r.plan, &r.last_report, "train_transformer");
     let r = cnn(&tiny_cnn(&dir, &["--plan", "on"])).unwrap();
     check(&r.plan, &r.last_report, "train_cnn");
+    // On real CPU devices: planned from layer times measured there (no simulated report).
+    let r = lm(&tiny_lm(&dir, &["--plan", "on", "--device", "cpu"])).unwrap();
+    let plan = r.plan.as_ref().expect("--plan on plans real devices too");
+    assert!(plan.basis.contains("measured"), "{}", plan.basis);
+    assert!(r.losses.iter().all(|l| l.is_finite()));
+    assert!(r.last_report.as_ref().unwrap().simulated.is_none());
     // Off (and auto from parse_from_args, which does not know the command line): no plan.
     assert!(lm(&tiny_lm(&dir, &[])).unwrap().plan.is_none());
 }

@@ -17,10 +17,11 @@ use crate::tensor::Tensor;
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PlanArg {
     /// Plan when the stages are simulated and none of --stages, --micro-batches, --balance,
-    /// --schedule, --chunks, --checkpoint is given.
+    /// --schedule, --chunks, --checkpoint, --replicas is given.
     Auto,
-    /// Plan on the simulated cluster (--stages is then the number of devices it may use, for
-    /// R replicas of a K-stage pipeline, R x K <= --stages).
+    /// Plan: on the simulated cluster (--stages is then the number of devices it may use, for
+    /// R replicas of a K-stage pipeline, R x K <= --stages); on real devices (a GPU, --device
+    /// cpu) from each layer's forward and backward timed there (K <= --stages, no replicas).
     On,
     /// The pipeline the flags describe.
     Off,
@@ -45,14 +46,13 @@ pub fn shape_given(matches: &ArgMatches) -> bool {
         .any(|id| matches.value_source(id) == Some(ValueSource::CommandLine))
 }
 
-/// Whether to plan: `--plan on`, or `auto` with no shape flag given, and simulated stages.
+/// Whether to plan: `--plan on`, or `auto` with no shape flag given and simulated stages.
 pub fn wants_plan(plan: PlanArg, shape_given: bool, placement: &Placement) -> bool {
-    placement.sim.is_some()
-        && match plan {
-            PlanArg::On => true,
-            PlanArg::Auto => !shape_given,
-            PlanArg::Off => false,
-        }
+    match plan {
+        PlanArg::On => true,
+        PlanArg::Auto => !shape_given && placement.sim.is_some(),
+        PlanArg::Off => false,
+    }
 }
 
 /// What `plan_pipeline` needs of a run.
@@ -102,8 +102,9 @@ pub fn build_or_plan(
     }
 }
 
-/// Plans `layers` (data-parallel replicas made by `make_copy` included) on the placement's
-/// simulated cluster, prints the plan table, and builds it.
+/// Plans `layers` on the placement's simulated cluster (data-parallel replicas made by
+/// `make_copy` included), or on its real devices from measured layer times; prints the plan
+/// table, and builds it.
 pub fn plan_pipeline(
     layers: Vec<Box<dyn Module>>,
     make_copy: MakeCopy,
@@ -111,10 +112,6 @@ pub fn plan_pipeline(
     run: &PlanRun<'_>,
     optimizer: impl Fn() -> Box<dyn Optimizer> + 'static,
 ) -> AppResult<(Pipeline, PlanReport)> {
-    let cluster = placement
-        .sim
-        .as_ref()
-        .ok_or_else(|| AppError("--plan needs the simulated cluster (--device sim)".into()))?;
     let options = PlanOptions {
         micro_batches: Some(vec![1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]),
         min_micro_batch: run.min_micro_batch,
@@ -128,10 +125,12 @@ pub fn plan_pipeline(
         options,
     };
     let started = std::time::Instant::now();
-    let (builder, report, _) = Pipeline::builder(layers)
-        .optimizer(optimizer)
-        .plan_replicated(cluster, &inputs, make_copy)
-        .map_err(|e| AppError(format!("--plan: {e}")))?;
+    let builder = Pipeline::builder(layers).optimizer(optimizer);
+    let planned = match &placement.sim {
+        Some(cluster) => builder.plan_replicated(cluster, &inputs, make_copy),
+        None => builder.plan_devices(&placement.devices, &inputs),
+    };
+    let (builder, report, _) = planned.map_err(|e| AppError(format!("--plan: {e}")))?;
     crate::say!(
         "planned in {:.2} s (profile and search; --plan off and the shape flags choose by hand):",
         started.elapsed().as_secs_f64()
@@ -149,6 +148,12 @@ pub fn plan_pipeline(
 pub fn print_predicted_vs_measured(plan: &PlanReport, last: &StepReport) {
     let p = &plan.best.prediction;
     let Some(sim) = &last.simulated else {
+        crate::say!(
+            "plan: predicted step {:.4e} s (from measured layer times), measured wall {:.4e} s ({:.2}x the prediction: threads, messages and checks the layer times leave out, and devices that share cores)",
+            p.step_secs,
+            last.wall_secs,
+            last.wall_secs / p.step_secs
+        );
         return;
     };
     crate::say!(
@@ -194,6 +199,7 @@ mod tests {
             ["--schedule", "1f1b"],
             ["--chunks", "2"],
             ["--checkpoint", "never"],
+            ["--replicas", "2"],
         ] {
             assert!(given(&flag), "{flag:?}");
         }

@@ -17,9 +17,11 @@ pub mod search;
 use std::fmt;
 
 pub use cost::{Candidate, CostModel, Prediction};
-pub use profile::{profile_layers, Affine, LayerProfile, LossProfile, Profile, SkipProfile};
+pub use profile::{
+    profile_layers, profile_layers_timed, Affine, LayerProfile, LossProfile, Profile, SkipProfile,
+};
 
-use wgpipe_tensor::Tensor;
+use wgpipe_tensor::{Device, Tensor};
 
 use crate::schedule::Schedule;
 use crate::sim::SimCluster;
@@ -50,6 +52,8 @@ pub struct PlanOptions {
     pub refine_passes: usize,
     /// Next-best plans to report.
     pub alternatives: usize,
+    /// Repetitions of each layer's timing when planning on real devices (median).
+    pub measure_reps: usize,
 }
 
 impl Default for PlanOptions {
@@ -65,6 +69,7 @@ impl Default for PlanOptions {
             refine: 4,
             refine_passes: 8,
             alternatives: 4,
+            measure_reps: 5,
         }
     }
 }
@@ -87,6 +92,9 @@ pub struct PlanReport {
     /// Candidates predicted in full.
     pub evaluated: usize,
     pub search_secs: f64,
+    /// What the predicted times rest on: "simulated times" (FLOPs over the cluster's rates),
+    /// or the measured layer times of a plan for real devices.
+    pub basis: String,
 }
 
 /// Why nothing fits: the device that overflows most in the configuration closest to fitting.
@@ -166,8 +174,8 @@ impl fmt::Display for PlanReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "plan: {} candidates predicted in {:.2} s (simulated times)",
-            self.evaluated, self.search_secs
+            "plan: {} candidates predicted in {:.2} s ({})",
+            self.evaluated, self.search_secs, self.basis
         )?;
         writeln!(
             f,
@@ -179,6 +187,26 @@ impl fmt::Display for PlanReport {
             row(f, &format!("alt {}", i + 1), p)?;
         }
         Ok(())
+    }
+}
+
+/// Measured seconds become FLOPs at this nominal rate when planning real devices.
+const MEASURED_RATE: f64 = 1e12;
+
+/// What a plan is for: the simulated cluster (FLOPs over its rates), or real devices (measured
+/// times).
+#[derive(Clone, Copy)]
+enum Target<'a> {
+    Sim(&'a SimCluster),
+    Devices(&'a [Device]),
+}
+
+impl Target<'_> {
+    fn devices(&self) -> &[Device] {
+        match self {
+            Target::Sim(c) => c.devices(),
+            Target::Devices(d) => d,
+        }
     }
 }
 
@@ -220,9 +248,34 @@ impl PipelineBuilder {
         self.plan_with(cluster, plan_inputs, Some(Box::new(make_layers)))
     }
 
+    /// Plans for real devices (the CPU backend's, or wgpu adapters), whose speed nobody
+    /// gave: each layer's forward and backward are timed on `devices[0]`'s backend
+    /// (`options.measure_reps` runs, median) and the search predicts with those times instead
+    /// of FLOPs over a rate; memories are the devices' capacities (unlimited when unset),
+    /// transfers cost nothing (one host or one adapter). The prediction assumes the devices
+    /// run in parallel: K devices sharing one GPU or a few CPU cores do not, and the report's
+    /// measured step shows by how much. Sets the builder to the chosen devices, balance, M
+    /// and schedule (no replicas).
+    pub fn plan_devices(
+        self,
+        devices: &[Device],
+        plan_inputs: &PlanInputs<'_>,
+    ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
+        self.plan_for(Target::Devices(devices), plan_inputs, None)
+    }
+
     fn plan_with(
-        mut self,
+        self,
         cluster: &SimCluster,
+        plan_inputs: &PlanInputs<'_>,
+        make_layers: Option<crate::builder::LayerFactory>,
+    ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
+        self.plan_for(Target::Sim(cluster), plan_inputs, make_layers)
+    }
+
+    fn plan_for(
+        mut self,
+        target: Target<'_>,
         plan_inputs: &PlanInputs<'_>,
         make_layers: Option<crate::builder::LayerFactory>,
     ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
@@ -233,31 +286,64 @@ impl PipelineBuilder {
                     .into(),
             ));
         }
-        let backing = cluster.devices().first().ok_or_else(|| {
+        let backing = target.devices().first().cloned().ok_or_else(|| {
             crate::PipelineError::Config("the cluster to plan for has no devices".into())
         })?;
-        let profile = profile_layers(
+        let mut options = plan_inputs.options.clone();
+        let reps = match target {
+            Target::Sim(_) => 0,
+            Target::Devices(_) => options.measure_reps.max(1),
+        };
+        let profile = profile_layers_timed(
             &mut self.layers,
             plan_inputs.inputs,
             plan_inputs.targets,
             plan_inputs.loss,
             self.optimizer.as_deref(),
-            backing,
+            &backing,
+            reps,
         )?;
-        let mut options = plan_inputs.options.clone();
         if make_layers.is_none() {
             options.max_replicas = 1;
         }
-        let report = plan(
-            &profile,
-            cluster.specs(),
-            cluster.link(),
-            plan_inputs.batch,
-            &options,
-        )?;
+        let report = match target {
+            Target::Sim(cluster) => plan(
+                &profile,
+                cluster.specs(),
+                cluster.link(),
+                plan_inputs.batch,
+                &options,
+            )?,
+            Target::Devices(devices) => {
+                let specs: Vec<DeviceSpec> = devices
+                    .iter()
+                    .map(|d| DeviceSpec {
+                        flops_per_sec: MEASURED_RATE,
+                        memory_bytes: d.memory().capacity().map_or(u64::MAX, |c| c as u64),
+                    })
+                    .collect();
+                let timed = profile.with_measured_times(MEASURED_RATE)?;
+                let mut r = plan(&timed, &specs, LinkSpec::FREE, plan_inputs.batch, &options)?;
+                r.basis = format!(
+                    "layer times measured on {}, median of {} runs; devices assumed to run in \
+                     parallel, transfers free",
+                    profile.timed_on, profile.timed_reps
+                );
+                r
+            }
+        };
         let best = &report.best;
-        let mut builder = self
-            .sim(cluster.select(&best.candidate.order))
+        let placed = match target {
+            Target::Sim(cluster) => self.sim(cluster.select(&best.candidate.order)),
+            Target::Devices(devices) => self.devices(
+                best.candidate
+                    .order
+                    .iter()
+                    .map(|&d| devices[d].clone())
+                    .collect(),
+            ),
+        };
+        let mut builder = placed
             .balance(Balance::Explicit(best.candidate.balance.clone()))
             .micro_batches(best.candidate.micro_batches)
             .schedule(best.schedule.clone());

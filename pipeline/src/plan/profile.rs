@@ -7,6 +7,11 @@
 //! samples, while some parts do not (the addition that accumulates a later micro-batch's
 //! parameter gradient, per-call scalars). Layers run one at a time, each on the output of the
 //! one before, so a model that does not fit anywhere whole can still be profiled.
+//!
+//! Where asked ([`profile_layers_timed`]), each layer's forward, full backward and the two
+//! parts of a split backward (and the loss) are also timed on the profiling device, a few
+//! repetitions each, median: [`Profile::with_measured_times`] then plans with those times
+//! instead of FLOPs over a rate (real devices, whose rates nobody gave).
 
 use wgpipe_autograd::optim::Optimizer;
 use wgpipe_autograd::{resolve_skips, ForwardCtx, Module, SkipEdge, Tape, Var};
@@ -90,6 +95,12 @@ pub struct LayerProfile {
     pub backward_weight_extra_bytes: Affine,
     /// The output tensor (what goes to the next stage).
     pub output_bytes: Affine,
+    /// Measured seconds (zero when not timed): recorded forward, full backward adding to the
+    /// gradients, and the input and weight parts of a split backward.
+    pub forward_secs: Affine,
+    pub backward_secs: Affine,
+    pub backward_input_secs: Affine,
+    pub backward_weight_secs: Affine,
 }
 
 /// The loss on the last stage's device: FLOPs of the loss and its gradient, and its bytes.
@@ -101,6 +112,8 @@ pub struct LossProfile {
     pub peak_bytes: Affine,
     /// What stays for the rest of the step (the loss value).
     pub kept_bytes: Affine,
+    /// Measured seconds of the loss and its gradient (zero when not timed).
+    pub secs: Affine,
 }
 
 /// A skip: its producer and consumer layers and the bytes of its stashed tensor (what crosses
@@ -123,9 +136,67 @@ pub struct Profile {
     /// Index of the first layer with trainable parameters: on stage 0, where the input is data,
     /// it and the layers before it compute no input gradient.
     pub first_trainable: usize,
+    /// The smaller micro-batch size profiled (the other is twice it).
+    pub profiled_at: usize,
+    /// Repetitions each time was measured with (median); 0: not timed.
+    pub timed_reps: usize,
+    /// The device the times were measured on.
+    pub timed_on: String,
 }
 
 impl Profile {
+    /// This profile with measured seconds in place of FLOPs, as FLOPs at `rate` per second
+    /// (seconds x rate), so that the cost model, whose simulator divides FLOPs by each device's
+    /// rate, predicts the measured times on devices of that rate. What was not timed alone
+    /// (the addition into accumulated gradients, the backwards of stage 0's first layers whose
+    /// input is data) keeps its FLOP share of the full backward it is part of.
+    pub fn with_measured_times(&self, rate: f64) -> Result<Profile> {
+        if self.timed_reps == 0 {
+            return Err(PipelineError::Config(
+                "the profile has no measured times (profile with profile_layers_timed)".into(),
+            ));
+        }
+        let (b1, b2) = (self.profiled_at, 2 * self.profiled_at);
+        let secs = |a: Affine| Affine {
+            fixed: a.fixed * rate,
+            per_sample: a.per_sample * rate,
+        };
+        // `of` scaled at each profiled size as `flops` is to `time` there.
+        let like = |of: Affine, flops: Affine, time: Affine| {
+            let at = |b: usize| {
+                let f = flops.at(b);
+                if f > 0.0 {
+                    of.at(b) * time.at(b) * rate / f
+                } else {
+                    0.0
+                }
+            };
+            Affine::fit(b1, at(b1), b2, at(b2))
+        };
+        let mut out = self.clone();
+        for l in &mut out.layers {
+            let full = l.backward_flops;
+            let ratio = if full.at(b2) > 0.0 {
+                l.backward_secs.at(b2) * rate / full.at(b2)
+            } else {
+                0.0
+            };
+            l.accumulate_flops *= ratio;
+            l.backward_flops_from_data = like(l.backward_flops_from_data, full, l.backward_secs);
+            l.backward_input_flops_from_data = like(
+                l.backward_input_flops_from_data,
+                l.backward_input_flops,
+                l.backward_input_secs,
+            );
+            l.forward_flops = secs(l.forward_secs);
+            l.backward_flops = secs(l.backward_secs);
+            l.backward_input_flops = secs(l.backward_input_secs);
+            l.backward_weight_flops = secs(l.backward_weight_secs);
+        }
+        out.loss.flops = secs(self.loss.secs);
+        Ok(out)
+    }
+
     /// Bytes of stage input `s` for a micro-batch of `b`: the model input or the output of the
     /// layer before `first_layer`.
     pub fn input_bytes_of(&self, first_layer: usize, b: usize) -> u64 {
@@ -150,6 +221,20 @@ pub fn profile_layers(
     optimizer: Option<&dyn Fn() -> Box<dyn Optimizer>>,
     on: &Device,
 ) -> Result<Profile> {
+    profile_layers_timed(layers, inputs, targets, loss_fn, optimizer, on, 0)
+}
+
+/// [`profile_layers`], and with `reps > 0` each layer's and the loss's times too, measured on
+/// `on`'s backend (the median of `reps` runs, after the measurements that warm it up).
+pub fn profile_layers_timed(
+    layers: &mut [Box<dyn Module>],
+    inputs: &Tensor,
+    targets: &Tensor,
+    loss_fn: &LossFn,
+    optimizer: Option<&dyn Fn() -> Box<dyn Optimizer>>,
+    on: &Device,
+    reps: usize,
+) -> Result<Profile> {
     let n = inputs.shape().first().copied().unwrap_or(0);
     if n < 2 || targets.shape().first().copied().unwrap_or(0) < 2 {
         return Err(PipelineError::Config(format!(
@@ -173,7 +258,7 @@ pub fn profile_layers(
     let at = |b: usize| -> Result<(Vec<Point>, LossPoint, f64, Stashed)> {
         let x = inputs.narrow(0, 0, b)?.to_device(&dev)?;
         let y = targets.narrow(0, 0, b)?;
-        run_at(layers, &x, &y, loss_fn, first_trainable, &dev)
+        run_at(layers, &x, &y, loss_fn, first_trainable, &dev, reps)
     };
     let (small, loss_small, in_small, skips_small) = at(b1)?;
     let (large, loss_large, in_large, skips_large) = at(2 * b1)?;
@@ -226,12 +311,17 @@ pub fn profile_layers(
             weight_keep_bytes: fit(&|p| p.weight_keep, i),
             backward_weight_extra_bytes: fit(&|p| p.backward_weight_extra, i),
             output_bytes: fit(&|p| p.output_bytes, i),
+            forward_secs: fit(&|p| p.times[0], i),
+            backward_secs: fit(&|p| p.times[1], i),
+            backward_input_secs: fit(&|p| p.times[2], i),
+            backward_weight_secs: fit(&|p| p.times[3], i),
         });
     }
     let loss = LossProfile {
         flops: Affine::fit(b1, loss_small.flops, 2 * b1, loss_large.flops),
         peak_bytes: Affine::fit(b1, loss_small.peak, 2 * b1, loss_large.peak),
         kept_bytes: Affine::fit(b1, loss_small.kept, 2 * b1, loss_large.kept),
+        secs: Affine::fit(b1, loss_small.secs, 2 * b1, loss_large.secs),
     };
     Ok(Profile {
         layers: out,
@@ -239,6 +329,13 @@ pub fn profile_layers(
         loss,
         input_bytes: Affine::fit(b1, in_small, 2 * b1, in_large),
         first_trainable,
+        profiled_at: b1,
+        timed_reps: reps,
+        timed_on: if reps > 0 {
+            on.name().to_string()
+        } else {
+            String::new()
+        },
     })
 }
 
@@ -263,12 +360,15 @@ struct Point {
     weight_keep: f64,
     backward_weight_extra: f64,
     output_bytes: f64,
+    /// Seconds of the forward, full backward, input part, weight part (0 when not timed).
+    times: [f64; 4],
 }
 
 struct LossPoint {
     flops: f64,
     peak: f64,
     kept: f64,
+    secs: f64,
 }
 
 /// Counters of the profiling device: FLOPs and live bytes now, peak since `mark`.
@@ -316,6 +416,7 @@ fn run_at(
     loss_fn: &LossFn,
     first_trainable: usize,
     dev: &Device,
+    reps: usize,
 ) -> Result<(Vec<Point>, LossPoint, f64, Stashed)> {
     let input_bytes = bytes_of(x);
     let mut h = x.clone();
@@ -347,7 +448,7 @@ fn run_at(
             .filter_map(|n| stashed.iter().find(|(s, _)| s == n).map(|(_, t)| t.clone()))
             .collect();
         let (point, out, stashes) =
-            measure_layer(l.as_ref(), &h, &popped, i, i <= first_trainable, dev);
+            measure_layer(l.as_ref(), &h, &popped, i, i <= first_trainable, dev, reps);
         stashed.extend(l.skips().stashes.into_iter().zip(stashes));
         for (p, g) in saved {
             p.set_grad(g);
@@ -363,7 +464,10 @@ fn run_at(
         points.push(point);
         h = out;
     }
-    let loss = measure_loss(&h, y, loss_fn, dev)?;
+    let mut loss = measure_loss(&h, y, loss_fn, dev)?;
+    if reps > 0 {
+        loss.secs = median_secs(reps, dev, || measure_loss(&h, y, loss_fn, dev).map(drop))?;
+    }
     Ok((points, loss, input_bytes, stashed))
 }
 
@@ -398,6 +502,7 @@ fn measure_layer(
     i: usize,
     from_data: bool,
     dev: &Device,
+    reps: usize,
 ) -> (wgpipe_tensor::Result<Point>, Tensor, Vec<Tensor>) {
     let mut out = x.clone();
     let mut stashes = Vec::new();
@@ -489,9 +594,72 @@ fn measure_layer(
             p.backward_flops_from_data = p.backward_flops;
             p.backward_input_flops_from_data = p.backward_input_flops;
         }
+        if reps > 0 {
+            p.times = time_layer(l, (x, popped), i, (&seed, &skip_seeds), reps, dev)?;
+        }
         Ok(p)
     })();
     (r, out, stashes)
+}
+
+/// Median seconds of `reps` runs of each of: a recorded forward, a full backward, the input
+/// part and the weight part of a split backward (each timed alone, the device synchronized
+/// around it so a GPU's queued work is counted). `seeds`: the output's and the stashed
+/// skips' backward seeds.
+fn time_layer(
+    l: &dyn Module,
+    (x, popped): (&Tensor, &[Tensor]),
+    i: usize,
+    (seed, skip_seeds): (&Tensor, &[Tensor]),
+    reps: usize,
+    dev: &Device,
+) -> wgpipe_tensor::Result<[f64; 4]> {
+    let mut t = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+    for _ in 0..reps {
+        dev.synchronize()?;
+        let clock = std::time::Instant::now();
+        let (tape, y, stashed) = recorded(l, x, popped, i, false)?;
+        dev.synchronize()?;
+        t[0].push(clock.elapsed().as_secs_f64());
+        let clock = std::time::Instant::now();
+        drop(tape.backward_roots(&roots(&y, seed, &stashed, skip_seeds))?);
+        dev.synchronize()?;
+        t[1].push(clock.elapsed().as_secs_f64());
+        drop((tape, y, stashed));
+        let (tape, y, stashed) = recorded(l, x, popped, i, false)?;
+        dev.synchronize()?;
+        let clock = std::time::Instant::now();
+        let (grads, weights) = tape.backward_split_roots(&roots(&y, seed, &stashed, skip_seeds))?;
+        dev.synchronize()?;
+        t[2].push(clock.elapsed().as_secs_f64());
+        drop((grads, tape, y, stashed));
+        let clock = std::time::Instant::now();
+        weights.run()?;
+        dev.synchronize()?;
+        t[3].push(clock.elapsed().as_secs_f64());
+    }
+    Ok(t.map(|mut v| median(&mut v)))
+}
+
+/// Median seconds of `reps` runs of `f` on `dev` (synchronized around each).
+fn median_secs(reps: usize, dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let mut v = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        dev.synchronize()?;
+        let clock = std::time::Instant::now();
+        f()?;
+        dev.synchronize()?;
+        v.push(clock.elapsed().as_secs_f64());
+    }
+    Ok(median(&mut v))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// The roots of a layer's backward: its output and its stashed skips, with their seeds.
@@ -526,6 +694,7 @@ fn measure_loss(out: &Tensor, y: &Tensor, loss_fn: &LossFn, dev: &Device) -> Res
         flops: m.flops(),
         peak: m.peak(),
         kept: m.grown().max(0.0),
+        secs: 0.0,
     };
     drop(kept);
     Ok(point)

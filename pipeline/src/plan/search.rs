@@ -137,6 +137,7 @@ pub fn search(model: &CostModel<'_>, options: &PlanOptions) -> Result<PlanReport
         alternatives,
         evaluated,
         search_secs: started.elapsed().as_secs_f64(),
+        basis: "simulated times".into(),
     })
 }
 

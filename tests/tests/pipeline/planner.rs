@@ -330,10 +330,117 @@ fn remat_choices(k: usize) -> Vec<Vec<CheckpointMode>> {
         .collect()
 }
 
-/// The search against brute force over the same space (device subsets in every order, kinds,
-/// M, every balance, every per-device re-materialization), with memories tight enough that the
-/// fastest configurations do not fit: both the exact mode (few balances, all tried) and the
-/// heuristic mode (min-max balances refined by moving boundaries) are within 1% of the optimum.
+/// The best fitting configuration by brute force: R replicas of K devices (R x K at most the
+/// devices), every ordered choice of R x K devices, `kinds` (interleaved with v = 2), `ms`
+/// (within each replica's share), every balance, and every per-device re-materialization or,
+/// when `remat_all` is false, none (the search re-materializes only to fit, so with memory to
+/// spare that is its whole space). Returns (best step, its candidate, configurations tried).
+fn brute_force(
+    model: &CostModel<'_>,
+    kinds: &[ScheduleKind],
+    ms: &[usize],
+    remat_all: bool,
+) -> (f64, Candidate, usize) {
+    let specs = model.specs;
+    let layers = model.profile.layers.len();
+    let mut best = f64::INFINITY;
+    let mut best_c = None;
+    let mut tried = 0usize;
+    for r in 1..=specs.len() {
+        for k in 1..=specs.len() / r {
+            for order in ordered_subsets(specs.len(), r * k) {
+                for &kind in kinds {
+                    let v = if kind == ScheduleKind::Interleaved1F1B {
+                        2
+                    } else {
+                        1
+                    };
+                    if k * v > layers || (v > 1 && k == 1) {
+                        continue;
+                    }
+                    for &m in ms.iter().filter(|&&m| m <= model.batch / r) {
+                        let always = kind.generate(k, v, m, CheckpointMode::Always).unwrap();
+                        let remats = if remat_all {
+                            remat_choices(k)
+                        } else {
+                            vec![vec![CheckpointMode::Never; k]]
+                        };
+                        for remat in remats {
+                            let schedule = with_remat(&always, &remat);
+                            let facts = ScheduleFacts::of(&schedule);
+                            for balance in compositions(layers, k * v) {
+                                let c = Candidate {
+                                    order: order.clone(),
+                                    replicas: r,
+                                    kind,
+                                    chunks: v,
+                                    micro_batches: m,
+                                    balance,
+                                    remat: remat.clone(),
+                                };
+                                let p = model.predict(&c, &schedule, &facts).unwrap();
+                                tried += 1;
+                                let fits = p
+                                    .peak_bytes
+                                    .iter()
+                                    .zip(&c.order)
+                                    .all(|(&b, &d)| b <= specs[d].memory_bytes);
+                                if fits && p.step_secs < best {
+                                    best = p.step_secs;
+                                    best_c = Some(c);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (best, best_c.expect("something fits"), tried)
+}
+
+/// The exact search (every balance tried) and the heuristic one (min-max balances refined by
+/// moving boundaries) against the brute-force optimum `best`: within 1%, never below it.
+fn check_search_against(
+    profile: &Profile,
+    specs: &[DeviceSpec],
+    link: LinkSpec,
+    kinds: &[ScheduleKind],
+    ms: &[usize],
+    best: f64,
+) -> Candidate {
+    let mut chosen = None;
+    for (what, exhaustive_balances) in [("exact", usize::MAX), ("heuristic", 0)] {
+        let options = PlanOptions {
+            kinds: kinds.to_vec(),
+            chunks: vec![2],
+            micro_batches: Some(ms.to_vec()),
+            exhaustive_balances,
+            ..PlanOptions::default()
+        };
+        let r = plan(profile, specs, link, N, &options).unwrap();
+        let got = r.best.prediction.step_secs;
+        eprintln!(
+            "{what} search: {} predicted, best {got:.4e} s ({:.3}x the exhaustive optimum): {:?}",
+            r.evaluated,
+            got / best,
+            r.best.candidate
+        );
+        assert!(
+            got >= best * (1.0 - 1e-9),
+            "{what}: better than the optimum?"
+        );
+        assert!(got <= best * 1.01, "{what}: {got} vs optimum {best}");
+        chosen.get_or_insert(r.best.candidate);
+    }
+    chosen.unwrap()
+}
+
+/// The search against brute force over the same space (replicas, device subsets in every
+/// order, kinds, M, every balance, every per-device re-materialization), with memories tight
+/// enough that the fastest configurations do not fit: both the exact mode (few balances, all
+/// tried) and the heuristic mode (min-max balances refined by moving boundaries) are within 1%
+/// of the optimum.
 #[test]
 fn search_is_within_one_percent_of_exhaustive_enumeration() {
     let (_, profile) = profiled();
@@ -347,87 +454,47 @@ fn search_is_within_one_percent_of_exhaustive_enumeration() {
         ScheduleKind::ZbH1,
         ScheduleKind::Interleaved1F1B,
     ];
-    let ms = vec![2, 4, 6];
+    let ms = [2, 4, 6];
     let model = CostModel {
         profile: &profile,
         specs: &specs,
         link: LINK,
         batch: N,
     };
-    let mut best = f64::INFINITY;
-    let mut best_c = None;
-    let mut tried = 0usize;
-    for k in 1..=specs.len() {
-        for order in ordered_subsets(specs.len(), k) {
-            for kind in kinds {
-                let v = if kind == ScheduleKind::Interleaved1F1B {
-                    2
-                } else {
-                    1
-                };
-                if k * v > profile.layers.len() || (v > 1 && k == 1) {
-                    continue;
-                }
-                for &m in &ms {
-                    let always = kind.generate(k, v, m, CheckpointMode::Always).unwrap();
-                    for remat in remat_choices(k) {
-                        let schedule = with_remat(&always, &remat);
-                        let facts = ScheduleFacts::of(&schedule);
-                        for balance in compositions(profile.layers.len(), k * v) {
-                            let c = Candidate {
-                                order: order.clone(),
-                                replicas: 1,
-                                kind,
-                                chunks: v,
-                                micro_batches: m,
-                                balance,
-                                remat: remat.clone(),
-                            };
-                            let p = model.predict(&c, &schedule, &facts).unwrap();
-                            tried += 1;
-                            let fits = p
-                                .peak_bytes
-                                .iter()
-                                .zip(&c.order)
-                                .all(|(&b, &d)| b <= specs[d].memory_bytes);
-                            if fits && p.step_secs < best {
-                                best = p.step_secs;
-                                best_c = Some(c);
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-    let best_c = best_c.expect("something fits");
+    let (best, best_c, tried) = brute_force(&model, &kinds, &ms, true);
     eprintln!("exhaustive: {tried} configurations, best {best:.4e} s: {best_c:?}");
     assert!(
         best_c.remat.iter().any(|&m| m != CheckpointMode::Never),
         "the memories should be tight enough that the optimum re-materializes somewhere"
     );
-    for (what, exhaustive_balances) in [("exact", usize::MAX), ("heuristic", 0)] {
-        let options = PlanOptions {
-            kinds: kinds.to_vec(),
-            chunks: vec![2],
-            micro_batches: Some(ms.clone()),
-            exhaustive_balances,
-            ..PlanOptions::default()
-        };
-        let r = plan(&profile, &specs, LINK, N, &options).unwrap();
-        let got = r.best.prediction.step_secs;
-        eprintln!(
-            "{what} search: {} predicted, best {got:.4e} s ({:.3}x the exhaustive optimum): {:?}",
-            r.evaluated,
-            got / best,
-            r.best.candidate
-        );
-        assert!(
-            got >= best * (1.0 - 1e-9),
-            "{what}: better than the optimum?"
-        );
-        assert!(got <= best * 1.01, "{what}: {got} vs optimum {best}");
-    }
+    check_search_against(&profile, &specs, LINK, &kinds, &ms, best);
+}
+
+/// With replicas in the space: 4 devices (a fast and a slow one twice) and a fast link, where
+/// data parallelism pays. Brute force over every R x K <= 4, ordered device choice, kind, M and
+/// balance (memory to spare: nothing is re-materialized); the optimum has R > 1, and the search
+/// finds it within 1%.
+#[test]
+fn search_with_replicas_is_within_one_percent_of_exhaustive_enumeration() {
+    let (_, profile) = profiled();
+    let specs = specs4();
+    let link = LinkSpec {
+        bandwidth_bytes_per_sec: 1e10,
+        latency_sec: 1e-7,
+    };
+    let kinds = [ScheduleKind::GPipe, ScheduleKind::OneFOneB];
+    let ms = [1, 2, 3];
+    let model = CostModel {
+        profile: &profile,
+        specs: &specs,
+        link,
+        batch: N,
+    };
+    let (best, best_c, tried) = brute_force(&model, &kinds, &ms, false);
+    eprintln!("exhaustive: {tried} configurations, best {best:.4e} s: {best_c:?}");
+    assert!(best_c.replicas > 1, "data parallelism should pay here");
+    let chosen = check_search_against(&profile, &specs, link, &kinds, &ms, best);
+    assert!(chosen.replicas > 1, "{chosen:?}");
 }
 
 /// `builder.plan(..)` end to end on a Transformer LM and 4 unequal devices: the chosen plan
@@ -497,9 +564,10 @@ fn check_planned(
     let p = &report.best.prediction;
     let c = &report.best.candidate;
     eprintln!(
-        "{what}: {:?} K={} M={} balance {:?}: predicted {:.4e} s, simulated {measured:.4e} s; peaks {:?} <= {:?}",
+        "{what}: {:?} R={} K={} M={} balance {:?}: predicted {:.4e} s, simulated {measured:.4e} s; peaks {:?} <= {:?}",
         c.kind,
-        c.order.len(),
+        c.replicas,
+        c.pipeline_devices(),
         c.micro_batches,
         c.balance,
         p.step_secs,
@@ -637,4 +705,165 @@ fn planned_amoebanet_d_runs_as_predicted() {
         .unwrap();
     eprintln!("{report}");
     check_planned(builder, &report, &x, &y, &loss, "amoebanet");
+}
+
+/// `builder.plan_replicated(..)` end to end: where data parallelism pays (4 devices, a fast
+/// link), the plan has R > 1, builds with its replicas, trains, and the simulated cluster
+/// measures what was predicted (the all-reduces included).
+#[test]
+fn planned_replicas_run_as_predicted() {
+    let (x, y) = data();
+    let link = LinkSpec {
+        bandwidth_bytes_per_sec: 1e10,
+        latency_sec: 1e-7,
+    };
+    let cluster = SimCluster::new(&Device::cpu(), &specs4(), link);
+    let inputs = PlanInputs {
+        inputs: &x,
+        targets: &y,
+        loss: &mse,
+        batch: N,
+        options: PlanOptions::default(),
+    };
+    let (builder, report, _) = Pipeline::builder(model())
+        .optimizer(sgd)
+        .plan_replicated(&cluster, &inputs, model)
+        .unwrap();
+    eprintln!("{report}");
+    assert!(report.best.candidate.replicas > 1, "{report}");
+    check_planned(builder, &report, &x, &y, &mse, "replicated mlp");
+}
+
+/// A test layer that does `k` times its inner layer's work: the mean of `k` applications.
+struct Repeat {
+    inner: ShiftLinear,
+    k: usize,
+}
+
+impl Module for Repeat {
+    fn name(&self) -> String {
+        format!("Repeat{}x({})", self.k, self.inner.name())
+    }
+    fn forward(
+        &self,
+        x: &wgpipe_autograd::Var,
+        ctx: &wgpipe_autograd::ForwardCtx,
+    ) -> wgpipe_tensor::Result<wgpipe_autograd::Var> {
+        let mut sum = self.inner.forward(x, ctx)?;
+        for _ in 1..self.k {
+            sum = sum.add(&self.inner.forward(x, ctx)?)?;
+        }
+        sum.mul_scalar(1.0 / self.k as f32)
+    }
+    fn parameters(&self) -> Vec<(String, wgpipe_autograd::Param)> {
+        self.inner.parameters()
+    }
+    fn cost(&self, input_shape: &[usize]) -> wgpipe_autograd::CostHint {
+        let mut c = self.inner.cost(input_shape);
+        c.flops *= self.k as f64;
+        c
+    }
+}
+
+const WIDTH: usize = 96;
+
+/// Six layers of width 96; with `slow`, the first does 8 times the work.
+fn timed_model(slow: bool) -> Vec<Box<dyn Module>> {
+    (0..6)
+        .map(|i| -> Box<dyn Module> {
+            let inner = ShiftLinear::new(WIDTH, 70 + i as u64);
+            if slow && i == 0 {
+                Box::new(Repeat { inner, k: 8 })
+            } else {
+                Box::new(inner)
+            }
+        })
+        .collect()
+}
+
+/// Planning real CPU devices from measured layer times: every layer's times are measured and
+/// positive, the measured profile is what the plan uses (FLOPs = seconds x rate), a layer that
+/// does 8 times the work measures several times slower and gets a stage of its own share, and
+/// the planned pipeline runs; its predicted step is printed beside the measured wall step (no
+/// timed assertion: the machine is shared).
+#[test]
+fn measured_layer_times_plan_real_cpu_devices() {
+    let x = normal_data(&[N, WIDTH], 85);
+    let y = normal_data(&[N, WIDTH], 86);
+    let devices: Vec<Device> = (0..2)
+        .map(|i| Device::new_cpu(&format!("cpu{i}")))
+        .collect();
+    let inputs = PlanInputs {
+        inputs: &x,
+        targets: &y,
+        loss: &mse,
+        batch: N,
+        options: PlanOptions {
+            kinds: vec![ScheduleKind::GPipe, ScheduleKind::OneFOneB],
+            measure_reps: 5,
+            ..PlanOptions::default()
+        },
+    };
+    let mut first_stage = Vec::new();
+    for slow in [false, true] {
+        let (builder, report, profile) = Pipeline::builder(timed_model(slow))
+            .optimizer(sgd)
+            .plan_devices(&devices, &inputs)
+            .unwrap();
+        assert_eq!(profile.timed_reps, 5);
+        let b = 2 * profile.profiled_at;
+        for l in &profile.layers {
+            for (what, t) in [
+                ("forward", l.forward_secs),
+                ("backward", l.backward_secs),
+                ("input part", l.backward_input_secs),
+                ("weight part", l.backward_weight_secs),
+            ] {
+                assert!(t.at(b) > 0.0, "{}: {what} not measured: {t:?}", l.name);
+            }
+        }
+        let timed = profile.with_measured_times(1e12).unwrap();
+        let (as_flops, secs) = (
+            timed.layers[0].forward_flops.at(b),
+            profile.layers[0].forward_secs.at(b),
+        );
+        assert!(
+            (as_flops / (secs * 1e12) - 1.0).abs() < 1e-9,
+            "{as_flops} vs {secs} s"
+        );
+        let (f0, f1) = (
+            profile.layers[0].forward_secs.at(b) + profile.layers[0].backward_secs.at(b),
+            profile.layers[1].forward_secs.at(b) + profile.layers[1].backward_secs.at(b),
+        );
+        eprintln!(
+            "slow first layer {slow}: layer 0 {f0:.3e} s, layer 1 {f1:.3e} s ({:.1}x); plan:\n{report}",
+            f0 / f1
+        );
+        if slow {
+            assert!(
+                f0 > 3.0 * f1,
+                "8 times the work measured only {:.1}x",
+                f0 / f1
+            );
+        }
+        let c = &report.best.candidate;
+        first_stage.push(if c.order.len() == 1 { 6 } else { c.balance[0] });
+        let mut pipe = builder.build().unwrap();
+        let mut wall = 0.0;
+        for _ in 0..3 {
+            let r = pipe.train_step(&x, &y, &mse).unwrap();
+            pipe.optimizer_step().unwrap();
+            wall = r.wall_secs;
+        }
+        eprintln!(
+            "predicted step {:.3e} s, measured wall step {wall:.3e} s on {} CPU devices",
+            report.best.prediction.step_secs,
+            c.order.len()
+        );
+        assert!(report.best.prediction.step_secs > 0.0 && wall > 0.0);
+    }
+    assert!(
+        first_stage[1] < first_stage[0] || first_stage[1] == 1,
+        "the slow layer's stage should hold fewer layers: {first_stage:?}"
+    );
 }
