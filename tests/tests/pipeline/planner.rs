@@ -62,6 +62,16 @@ const LINK: LinkSpec = LinkSpec {
     latency_sec: 2e-6,
 };
 
+/// The cost model of `profile` on `specs` for the tests' mini-batch of N.
+fn cost_model<'a>(profile: &'a Profile, specs: &'a [DeviceSpec], link: LinkSpec) -> CostModel<'a> {
+    CostModel {
+        profile,
+        specs,
+        link,
+        batch: N,
+    }
+}
+
 /// 4 devices for data parallelism: a fast and a slow one twice, all with room.
 fn specs4() -> Vec<DeviceSpec> {
     let mut s = specs();
@@ -118,12 +128,7 @@ fn run(
 fn predicted_step_time_and_memory_agree_with_the_simulated_cluster() {
     let (_, profile) = profiled();
     let specs = specs();
-    let model = CostModel {
-        profile: &profile,
-        specs: &specs,
-        link: LINK,
-        batch: N,
-    };
+    let model = cost_model(&profile, &specs, LINK);
     let mut worst = 0.0f64;
     for kind in ScheduleKind::ALL {
         let (k, v) = match kind.default_chunks() {
@@ -207,12 +212,7 @@ fn check_prediction(
 fn predicted_replicated_step_agrees_with_the_simulated_cluster() {
     let (_, profile) = profiled();
     let specs = specs4();
-    let model = CostModel {
-        profile: &profile,
-        specs: &specs,
-        link: LINK,
-        batch: N,
-    };
+    let model = cost_model(&profile, &specs, LINK);
     let cases = [
         (
             vec![0, 1, 2, 3],
@@ -455,12 +455,7 @@ fn search_is_within_one_percent_of_exhaustive_enumeration() {
         ScheduleKind::Interleaved1F1B,
     ];
     let ms = [2, 4, 6];
-    let model = CostModel {
-        profile: &profile,
-        specs: &specs,
-        link: LINK,
-        batch: N,
-    };
+    let model = cost_model(&profile, &specs, LINK);
     let (best, best_c, tried) = brute_force(&model, &kinds, &ms, true);
     eprintln!("exhaustive: {tried} configurations, best {best:.4e} s: {best_c:?}");
     assert!(
