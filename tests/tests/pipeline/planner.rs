@@ -80,15 +80,17 @@ fn specs4() -> Vec<DeviceSpec> {
     s
 }
 
-/// Runs `c` on the simulated cluster `specs` for two steps (with its replicas); returns
-/// (simulated makespan of the second step, per device peak of its train step, per device peak
-/// over the whole run, all-reduce and optimizer step included).
+/// Runs `c` on the simulated cluster `specs` for two steps (with its replicas) on the first
+/// `rows` samples; returns (simulated makespan of the second step, per device peak of its
+/// train step, per device peak over the whole run, all-reduce and optimizer step included).
 fn run(
     c: &Candidate,
     schedule: &wgpipe_pipeline::Schedule,
     specs: Vec<DeviceSpec>,
+    rows: usize,
 ) -> (f64, Vec<u64>, Vec<u64>) {
     let (x, y) = data();
+    let (x, y) = (x.narrow(0, 0, rows).unwrap(), y.narrow(0, 0, rows).unwrap());
     // Unlimited memory: the prediction is checked against what is measured, not the cap.
     let unlimited: Vec<DeviceSpec> = specs
         .into_iter()
@@ -159,24 +161,28 @@ fn predicted_step_time_and_memory_agree_with_the_simulated_cluster() {
             };
             let facts = ScheduleFacts::of(&schedule);
             let p = model.predict(&c, &schedule, &facts).unwrap();
-            let err = check_prediction(&c, &p, &schedule, specs.clone());
+            let err = check_prediction(&c, &p, &schedule, specs.clone(), N);
             worst = worst.max(err);
         }
     }
     eprintln!("worst time error {:.3}%", worst * 100.0);
 }
 
-/// Runs `c` and checks the prediction `p`: simulated step within 5%, every device's measured
-/// peaks (train step; whole step with all-reduce and optimizer) at most predicted. Returns
-/// the relative time error.
+/// Runs `c` on `rows` samples and checks the prediction `p`: simulated step within 5%, every
+/// device's measured peaks (train step; whole step with all-reduce and optimizer) at most
+/// predicted. Returns the relative time error.
 fn check_prediction(
     c: &Candidate,
     p: &wgpipe_pipeline::plan::Prediction,
     schedule: &wgpipe_pipeline::Schedule,
     specs: Vec<DeviceSpec>,
+    rows: usize,
 ) -> f64 {
-    let (measured, step_peaks, all_peaks) = run(c, schedule, specs);
-    let what = format!("{:?} R={} remat {:?}", c.kind, c.replicas, c.remat);
+    let (measured, step_peaks, all_peaks) = run(c, schedule, specs, rows);
+    let what = format!(
+        "{:?} R={} batch {rows} remat {:?}",
+        c.kind, c.replicas, c.remat
+    );
     let err = (p.step_secs - measured).abs() / measured;
     eprintln!(
         "{what}: predicted {:.3e} s, simulated {measured:.3e} s ({:+.2}%); peaks predicted {:?} measured {step_peaks:?}",
@@ -234,7 +240,25 @@ fn predicted_replicated_step_agrees_with_the_simulated_cluster() {
         (vec![0, 1, 3], 3, ScheduleKind::GPipe, 1, 2, vec![8]),
         (vec![0, 1, 2, 3], 4, ScheduleKind::GPipe, 1, 3, vec![8]),
     ];
-    for (order, r, kind, v, m, balance) in cases {
+    // Uneven shares too: 9 samples on 2 replicas (5 + 4), 10 on 3 (4 + 3 + 3).
+    let uneven = [
+        (
+            9,
+            vec![0, 1, 2, 3],
+            2,
+            ScheduleKind::OneFOneB,
+            1,
+            2,
+            vec![4, 4],
+        ),
+        (10, vec![0, 1, 3], 3, ScheduleKind::GPipe, 1, 2, vec![8]),
+    ];
+    let cases = cases
+        .into_iter()
+        .map(|(o, r, kind, v, m, b)| (N, o, r, kind, v, m, b))
+        .chain(uneven);
+    for (batch, order, r, kind, v, m, balance) in cases {
+        let model = CostModel { batch, ..model };
         let k = order.len() / r;
         for remat in [
             vec![CheckpointMode::Never; k],
@@ -255,7 +279,7 @@ fn predicted_replicated_step_agrees_with_the_simulated_cluster() {
                 .predict(&c, &schedule, &ScheduleFacts::of(&schedule))
                 .unwrap();
             assert_eq!(p.step_peak_bytes.len(), r * k);
-            check_prediction(&c, &p, &schedule, specs.clone());
+            check_prediction(&c, &p, &schedule, specs.clone(), batch);
         }
     }
 }
