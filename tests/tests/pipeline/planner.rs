@@ -886,3 +886,46 @@ fn measured_layer_times_plan_real_cpu_devices() {
         "the slow layer's stage should hold fewer layers: {first_stage:?}"
     );
 }
+
+/// The same on wgpu (lavapipe here): the layers are timed on the adapter (its queue waited
+/// for), the plan uses those times, and the planned pipeline trains on the two devices.
+#[test]
+fn measured_layer_times_plan_wgpu_devices() {
+    let test = "measured_layer_times_plan_wgpu_devices";
+    let (Some(a), Some(b)) = (software_wgpu_or_skip(test), software_wgpu_or_skip(test)) else {
+        return;
+    };
+    let x = normal_data(&[N, WIDTH], 87);
+    let y = normal_data(&[N, WIDTH], 88);
+    let inputs = PlanInputs {
+        inputs: &x,
+        targets: &y,
+        loss: &mse,
+        batch: N,
+        options: PlanOptions {
+            kinds: vec![ScheduleKind::OneFOneB],
+            measure_reps: 3,
+            ..PlanOptions::default()
+        },
+    };
+    let (builder, report, profile) = Pipeline::builder(timed_model(true))
+        .optimizer(sgd)
+        .plan_devices(&[a, b], &inputs)
+        .unwrap();
+    eprintln!("{report}");
+    assert_eq!(profile.timed_reps, 3);
+    assert!(report.basis.contains("measured"), "{}", report.basis);
+    let at = 2 * profile.profiled_at;
+    assert!(profile
+        .layers
+        .iter()
+        .all(|l| l.forward_secs.at(at) > 0.0 && l.backward_secs.at(at) > 0.0));
+    let mut pipe = builder.build().unwrap();
+    let r = pipe.train_step(&x, &y, &mse).unwrap();
+    pipe.optimizer_step().unwrap();
+    assert!(r.loss.is_finite());
+    eprintln!(
+        "predicted step {:.3e} s, measured wall step {:.3e} s (the first, with shader compilation)",
+        report.best.prediction.step_secs, r.wall_secs
+    );
+}
