@@ -424,11 +424,10 @@ fn brute_force(
 }
 
 /// The exact search (every balance tried) and the heuristic one (min-max balances refined by
-/// moving boundaries) against the brute-force optimum `best`: within 1%, never below it.
+/// moving boundaries) for `model`'s batch against the brute-force optimum `best`: within 1%,
+/// never below it.
 fn check_search_against(
-    profile: &Profile,
-    specs: &[DeviceSpec],
-    link: LinkSpec,
+    model: &CostModel<'_>,
     kinds: &[ScheduleKind],
     ms: &[usize],
     best: f64,
@@ -442,7 +441,14 @@ fn check_search_against(
             exhaustive_balances,
             ..PlanOptions::default()
         };
-        let r = plan(profile, specs, link, N, &options).unwrap();
+        let r = plan(
+            model.profile,
+            model.specs,
+            model.link,
+            model.batch,
+            &options,
+        )
+        .unwrap();
         let got = r.best.prediction.step_secs;
         eprintln!(
             "{what} search: {} predicted, best {got:.4e} s ({:.3}x the exhaustive optimum): {:?}",
@@ -486,7 +492,7 @@ fn search_is_within_one_percent_of_exhaustive_enumeration() {
         best_c.remat.iter().any(|&m| m != CheckpointMode::Never),
         "the memories should be tight enough that the optimum re-materializes somewhere"
     );
-    check_search_against(&profile, &specs, LINK, &kinds, &ms, best);
+    check_search_against(&model, &kinds, &ms, best);
 }
 
 /// With replicas in the space: 4 devices (a fast and a slow one twice) and a fast link, where
@@ -512,8 +518,14 @@ fn search_with_replicas_is_within_one_percent_of_exhaustive_enumeration() {
     let (best, best_c, tried) = brute_force(&model, &kinds, &ms, false);
     eprintln!("exhaustive: {tried} configurations, best {best:.4e} s: {best_c:?}");
     assert!(best_c.replicas > 1, "data parallelism should pay here");
-    let chosen = check_search_against(&profile, &specs, link, &kinds, &ms, best);
+    let chosen = check_search_against(&model, &kinds, &ms, best);
     assert!(chosen.replicas > 1, "{chosen:?}");
+    // 9 samples: the replicas' shares differ (5 + 4, 3 + 3 + 3, 3 + 2 + 2 + 2), so layouts that
+    // swap replicas are different candidates; the search still finds the optimum.
+    let model = CostModel { batch: 9, ..model };
+    let (best, best_c, tried) = brute_force(&model, &[ScheduleKind::OneFOneB], &[1, 2], false);
+    eprintln!("exhaustive, 9 samples: {tried} configurations, best {best:.4e} s: {best_c:?}");
+    check_search_against(&model, &[ScheduleKind::OneFOneB], &[1, 2], best);
 }
 
 /// `builder.plan(..)` end to end on a Transformer LM and 4 unequal devices: the chosen plan
