@@ -314,7 +314,9 @@ fn unary_ops_and_their_gradients_match_f32() {
             let x = (vals(4 * 33, 7, -3.0, 3.0), vec![4, 33]);
             let g = (vals(4 * 33, 8, -1.0, 1.0), vec![33, 4]);
             for op in ops {
-                half_vs_f32(op.name(), &dev, dtype, &[x.clone()], |t| t[0].unary(op));
+                half_vs_f32(op.name(), &dev, dtype, std::slice::from_ref(&x), |t| {
+                    t[0].unary(op)
+                });
                 half_vs_f32(
                     &format!("{} grad", op.name()),
                     &dev,
@@ -371,7 +373,7 @@ fn binary_ops_broadcast_like_f32() {
                     half_vs_f32("where_cond", &dev, dtype, &[x.clone(), y.clone()], |t| {
                         Tensor::where_cond(&t[0].gt_scalar(0.0)?, &t[0], &t[1])
                     });
-                    half_vs_f32("masked_fill", &dev, dtype, &[x.clone()], |t| {
+                    half_vs_f32("masked_fill", &dev, dtype, std::slice::from_ref(&x), |t| {
                         t[0].masked_fill(&t[0].gt_scalar(1.0)?, -7.5)
                     });
                 }
@@ -387,10 +389,18 @@ fn reductions_accumulate_in_f32() {
         for dtype in HALVES {
             let x = (vals(6 * 5 * 70, 11, -1.0, 1.0), vec![6, 5, 70]);
             for axes in [&[-1isize][..], &[0], &[0, 2], &[]] {
-                half_vs_f32("sum", &dev, dtype, &[x.clone()], |t| t[0].sum(axes, false));
-                half_vs_f32("mean", &dev, dtype, &[x.clone()], |t| t[0].mean(axes, true));
-                half_vs_f32("max", &dev, dtype, &[x.clone()], |t| t[0].max(axes, false));
-                half_vs_f32("var", &dev, dtype, &[x.clone()], |t| t[0].var(axes, false));
+                half_vs_f32("sum", &dev, dtype, std::slice::from_ref(&x), |t| {
+                    t[0].sum(axes, false)
+                });
+                half_vs_f32("mean", &dev, dtype, std::slice::from_ref(&x), |t| {
+                    t[0].mean(axes, true)
+                });
+                half_vs_f32("max", &dev, dtype, std::slice::from_ref(&x), |t| {
+                    t[0].max(axes, false)
+                });
+                half_vs_f32("var", &dev, dtype, std::slice::from_ref(&x), |t| {
+                    t[0].var(axes, false)
+                });
             }
             let am = |d: DType| {
                 let t = Tensor::from_vec_in(x.0.clone(), &x.1, d, &dev).unwrap();
@@ -469,11 +479,17 @@ fn softmax_and_layer_norm_match_f32() {
     for dev in devices() {
         for dtype in HALVES {
             let x = (vals(5 * 77, 31, -6.0, 6.0), vec![5, 77]);
-            half_vs_f32("softmax", &dev, dtype, &[x.clone()], |t| t[0].softmax(-1));
-            half_vs_f32("softmax axis 0", &dev, dtype, &[x.clone()], |t| {
-                t[0].softmax(0)
+            half_vs_f32("softmax", &dev, dtype, std::slice::from_ref(&x), |t| {
+                t[0].softmax(-1)
             });
-            half_vs_f32("log_softmax", &dev, dtype, &[x.clone()], |t| {
+            half_vs_f32(
+                "softmax axis 0",
+                &dev,
+                dtype,
+                std::slice::from_ref(&x),
+                |t| t[0].softmax(0),
+            );
+            half_vs_f32("log_softmax", &dev, dtype, std::slice::from_ref(&x), |t| {
                 t[0].log_softmax(-1)
             });
             // Rows with a large common offset: the statistics must not lose the small spread.
