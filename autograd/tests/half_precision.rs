@@ -183,3 +183,29 @@ fn softmax_and_layer_norm_gradients_in_half_match_f32() {
         v[0].layer_norm(&v[1], &v[2], 1e-5)
     });
 }
+
+#[test]
+fn conv_and_pooling_gradients_in_half_match_f32() {
+    use wgpipe_autograd::tensor::ops::{Conv2dParams, Pool2dParams};
+    let conv = Conv2dParams {
+        stride: (1, 2),
+        padding: (1, 0),
+        dilation: (1, 1),
+        groups: 1,
+    };
+    let pool = Pool2dParams {
+        kernel: (2, 2),
+        stride: (2, 2),
+        padding: (0, 0),
+    };
+    let x = (vals(2 * 3 * 6 * 6, 12, -1.0, 1.0), vec![2, 3, 6, 6]);
+    let w = (vals(4 * 3 * 3 * 3, 13, -1.0, 1.0), vec![4, 3, 3, 3]);
+    let b = (vals(4, 14, -1.0, 1.0), vec![4]);
+    check("conv2d", &[x.clone(), w, b], |v| {
+        v[0].conv2d(&v[1], Some(&v[2]), conv)
+    });
+    check("max_pool2d", std::slice::from_ref(&x), |v| {
+        v[0].max_pool2d(pool)
+    });
+    check("avg_pool2d", &[x], |v| v[0].avg_pool2d(pool));
+}

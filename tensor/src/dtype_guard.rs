@@ -264,16 +264,20 @@ impl Kernels for DTypeGuard {
         self.compute1("concat", xs, |k, xs| k.concat(xs, axis, out_shape))
     }
     fn im2col(&self, x: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
-        self.f32_only("conv2d (im2col)", &[x])?;
-        self.inner.im2col(x, g)
+        self.compute1("conv2d (im2col)", &[x], |k, xs| k.im2col(xs[0], g))
     }
     fn col2im(&self, cols: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
-        self.f32_only("conv2d backward (col2im)", &[cols])?;
-        self.inner.col2im(cols, g)
+        self.compute1("conv2d backward (col2im)", &[cols], |k, xs| {
+            k.col2im(xs[0], g)
+        })
     }
+    /// The argmax positions stay f32, like every index tensor.
     fn max_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<(Tensor, Tensor)> {
-        self.f32_only("max_pool2d", &[x])?;
-        self.inner.max_pool2d(x, g)
+        if !x.dtype().is_half() {
+            return self.inner.max_pool2d(x, g);
+        }
+        let (y, argmax) = self.inner.max_pool2d(&self.inner.widen(x)?, g)?;
+        Ok((self.inner.narrow(&y, x.dtype())?, argmax))
     }
     fn max_pool2d_backward(
         &self,
@@ -281,16 +285,18 @@ impl Kernels for DTypeGuard {
         argmax: &Tensor,
         g: &Pool2dGeometry,
     ) -> Result<Tensor> {
-        self.f32_only("max_pool2d backward", &[dy, argmax])?;
-        self.inner.max_pool2d_backward(dy, argmax, g)
+        self.f32_only("max_pool2d backward (argmax)", &[argmax])?;
+        self.compute1("max_pool2d backward", &[dy], |k, xs| {
+            k.max_pool2d_backward(xs[0], argmax, g)
+        })
     }
     fn avg_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
-        self.f32_only("avg_pool2d", &[x])?;
-        self.inner.avg_pool2d(x, g)
+        self.compute1("avg_pool2d", &[x], |k, xs| k.avg_pool2d(xs[0], g))
     }
     fn avg_pool2d_backward(&self, dy: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
-        self.f32_only("avg_pool2d backward", &[dy])?;
-        self.inner.avg_pool2d_backward(dy, g)
+        self.compute1("avg_pool2d backward", &[dy], |k, xs| {
+            k.avg_pool2d_backward(xs[0], g)
+        })
     }
     fn dropout_mask(
         &self,

@@ -7,8 +7,10 @@
 //! place of the half dtype (2^-10 relative for f16, 2^-7 for bf16, plus f16's smallest
 //! subnormal 2^-24 absolute) from the f32 result. Widening is exact and the f32 kernel sees the
 //! same values, so the only error is the one rounding of the result. The native half matmul
-//! (CPU, `gemm`'s f16) accumulates in its own order, so it also gets f32 accumulation error:
-//! `2^-16 * sum_k |a_ik| |b_kj|` on top. Without a wgpu adapter the wgpu half of each test
+//! (lavapipe: halves packed into the f32 subgroup kernel) may accumulate in another order than
+//! the f32 run, and composite ops (conv: im2col, matmul, bias add) round intermediates, so sums
+//! of products also get `2^-16 * sum_k |a_ik| |b_kj|` plus one ulp at that scale
+//! ([`check_matmul`]). Without a wgpu adapter the wgpu half of each test
 //! prints `SKIPPED: ...` and only the CPU runs.
 
 use std::sync::OnceLock;
@@ -16,6 +18,7 @@ use std::sync::OnceLock;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use wgpipe_tensor::backend::AdamStep;
+use wgpipe_tensor::ops::{Conv2dParams, Pool2dParams};
 use wgpipe_tensor::{DType, Device, Error, Tensor, UnaryOp};
 
 const HALVES: [DType; 2] = [DType::F16, DType::BF16];
@@ -435,23 +438,25 @@ fn matmul_matches_f32() {
                 let a = (vals(2 * m * k, 21, -1.0, 1.0), vec![2, m, k]);
                 let b = (vals(k * n, 22, -1.0, 1.0), vec![k, n]);
                 let bt = (vals(k * n, 23, -1.0, 1.0), vec![n, k]);
-                check_matmul(&dev, dtype, &a, &b, |t| t[0].matmul(&t[1]));
-                check_matmul(&dev, dtype, &a, &bt, |t| t[0].matmul(&t[1].t()?));
+                check_matmul(&dev, dtype, &[&a, &b], |t| t[0].matmul(&t[1]));
+                check_matmul(&dev, dtype, &[&a, &bt], |t| t[0].matmul(&t[1].t()?));
             }
         }
     }
 }
 
-/// [`half_vs_f32`] with the accumulation-order term for a native half matmul (module doc).
+/// [`half_vs_f32`] for sums of products (module doc): on top of the last rounding, the
+/// accumulation order (`2^-16 * sum |a| |b|`) and one rounding of an intermediate result at most
+/// that large (conv rounds its product before adding the bias); the bound `sum |a| |b|` comes
+/// from the same op on the absolute values of the inputs.
 fn check_matmul(
     dev: &Device,
     dtype: DType,
-    a: &(Vec<f32>, Vec<usize>),
-    b: &(Vec<f32>, Vec<usize>),
+    inputs: &[&(Vec<f32>, Vec<usize>)],
     op: impl Fn(&[Tensor]) -> wgpipe_tensor::Result<Tensor>,
 ) {
     let make = |d: DType| -> Vec<Tensor> {
-        [a, b]
+        inputs
             .iter()
             .map(|(v, s)| Tensor::from_vec_in(rounded(v, dtype), s, d, dev).unwrap())
             .collect()
@@ -459,18 +464,18 @@ fn check_matmul(
     let want = op(&make(DType::F32)).unwrap();
     let got = op(&make(dtype)).unwrap();
     assert_eq!(got.dtype(), dtype);
-    // sum_k |a_ik| |b_kj| from the same product on absolute values.
     let absf = make(DType::F32)
         .iter()
         .map(|t| t.abs().unwrap())
         .collect::<Vec<_>>();
     let bound = op(&absf).unwrap().to_vec().unwrap();
-    let what = format!("matmul {:?} @ {:?} ({dtype} on {})", a.1, b.1, dev.name());
+    let shapes: Vec<&Vec<usize>> = inputs.iter().map(|i| &i.1).collect();
+    let what = format!("{shapes:?} ({dtype} on {})", dev.name());
     assert_close(
         &what,
         &got.to_vec().unwrap(),
         &want.to_vec().unwrap(),
-        |i, w| ulp_tol(dtype, w) + 2f32.powi(-16) * bound[i],
+        |i, w| ulp_tol(dtype, w) + ulp_tol(dtype, bound[i]) + 2f32.powi(-16) * bound[i],
     );
 }
 
@@ -519,4 +524,77 @@ fn softmax_and_layer_norm_match_f32() {
             });
         }
     }
+}
+
+#[test]
+fn conv_and_pooling_match_f32() {
+    let conv = Conv2dParams {
+        stride: (2, 1),
+        padding: (1, 1),
+        dilation: (1, 1),
+        groups: 2,
+    };
+    let pool = Pool2dParams {
+        kernel: (2, 3),
+        stride: (2, 2),
+        padding: (0, 1),
+    };
+    for dev in devices() {
+        for dtype in HALVES {
+            let x = (vals(2 * 4 * 7 * 6, 51, -1.0, 1.0), vec![2, 4, 7, 6]);
+            let w = (vals(6 * 2 * 3 * 3, 52, -1.0, 1.0), vec![6, 2, 3, 3]);
+            let b = (vals(6, 53, -1.0, 1.0), vec![6]);
+            // Sums of products: the matmul tolerance covers their accumulation order.
+            check_matmul(&dev, dtype, &[&x, &w, &b], |t| {
+                t[0].conv2d(&t[1], Some(&t[2]), conv)
+            });
+            let y = t_shape(&dev, &x, &w, conv);
+            let dy = (vals(y.iter().product(), 54, -1.0, 1.0), y);
+            check_matmul(&dev, dtype, &[&dy, &w], |t| {
+                Tensor::conv2d_input_grad(&t[0], &t[1], &[2, 4, 7, 6], conv)
+            });
+            check_matmul(&dev, dtype, &[&x, &dy], |t| {
+                Tensor::conv2d_weight_grad(&t[0], &t[1], &[6, 2, 3, 3], conv)
+            });
+            half_vs_f32("max_pool2d", &dev, dtype, std::slice::from_ref(&x), |t| {
+                Ok(t[0].max_pool2d(pool)?.0)
+            });
+            half_vs_f32("avg_pool2d", &dev, dtype, std::slice::from_ref(&x), |t| {
+                t[0].avg_pool2d(pool)
+            });
+            let py = Tensor::from_vec(x.0.clone(), &x.1, &dev)
+                .and_then(|t| t.avg_pool2d(pool))
+                .unwrap();
+            let dpy = (vals(py.numel(), 55, -1.0, 1.0), py.shape().to_vec());
+            half_vs_f32(
+                "avg_pool2d backward",
+                &dev,
+                dtype,
+                std::slice::from_ref(&dpy),
+                |t| Tensor::avg_pool2d_backward(&t[0], &[2, 4, 7, 6], pool),
+            );
+            half_vs_f32(
+                "max_pool2d backward",
+                &dev,
+                dtype,
+                &[x.clone(), dpy.clone()],
+                |t| {
+                    let (_, argmax) = t[0].max_pool2d(pool)?;
+                    assert_eq!(argmax.dtype(), DType::F32, "argmax positions stay f32");
+                    Tensor::max_pool2d_backward(&t[1], &argmax, &[2, 4, 7, 6], pool)
+                },
+            );
+        }
+    }
+}
+
+/// The output shape of `x` convolved with `w`.
+fn t_shape(
+    dev: &Device,
+    x: &(Vec<f32>, Vec<usize>),
+    w: &(Vec<f32>, Vec<usize>),
+    p: Conv2dParams,
+) -> Vec<usize> {
+    let t = |v: &(Vec<f32>, Vec<usize>)| Tensor::from_vec(v.0.clone(), &v.1, dev).unwrap();
+    t(x).conv2d(&t(w), None, p).unwrap().shape().to_vec()
 }
