@@ -80,8 +80,9 @@ fn read_src(i: u32) -> f32 {
     return src[i];
 }";
 
-/// `pack.wgsl`'s source operand as packed halves (element `i` in half `i % 2` of word `i / 2`).
-const PACK_SRC_HALF: &str = "@group(0) @binding(1) var<storage, read> src: array<u32>;
+/// A source of packed halves (element `i` in half `i % 2` of word `i / 2`), as `pack.wgsl` and
+/// `widen.wgsl` read it.
+const HALF_SRC: &str = "@group(0) @binding(1) var<storage, read> src: array<u32>;
 
 fn read_src(i: u32) -> f32 {
     let word = src[i >> 1u];
@@ -189,11 +190,10 @@ impl Kernel {
     pub fn source(&self) -> String {
         let wg = ELEMENTWISE_WG.to_string();
         let plain = |src: &str| render(src, &[("WG", &wg)]);
-        let cast = |src: &str, f: HalfFormat| {
-            format!(
-                "{HALF}\n{}",
-                render(src, &[("WG", &wg), ("FORMAT", f.wgsl())])
-            )
+        // `SRC` goes in before `FORMAT`, which fills both the template and the source.
+        let half = |template: &str, f: HalfFormat| {
+            let vars = [("WG", wg.as_str()), ("SRC", HALF_SRC), ("FORMAT", f.wgsl())];
+            format!("{HALF}\n{}", render(template, &vars))
         };
         let body = match *self {
             Kernel::Copy { layout } => elementwise::source(1, layout, "a"),
@@ -205,18 +205,15 @@ impl Kernel {
             Kernel::Where { layout } => elementwise::source(3, layout, "select(c, b, a != 0.0)"),
             Kernel::CopyStrided => plain(COPY_STRIDED),
             Kernel::Fill => plain(FILL),
-            Kernel::Widen(f) => cast(WIDEN, f),
-            Kernel::Narrow(f) => cast(NARROW, f),
+            Kernel::Widen(f) => half(WIDEN, f),
+            Kernel::Narrow(f) => half(NARROW, f),
             Kernel::Reduce { op, mode, wg } => rows::reduce(op, mode, wg),
             Kernel::Softmax { log, wg } => rows::softmax(log, wg),
             Kernel::LayerNorm { wg } => rows::layer_norm(wg),
             Kernel::Matmul(cfg) => cfg.source(),
             Kernel::MatmulSubgroup(cfg) => cfg.source(),
             Kernel::Pack => render(PACK, &[("WG", &wg), ("SRC", PACK_SRC_F32)]),
-            Kernel::PackHalf(f) => {
-                let src = render(PACK_SRC_HALF, &[("FORMAT", f.wgsl())]);
-                format!("{HALF}\n{}", render(PACK, &[("WG", &wg), ("SRC", &src)]))
-            }
+            Kernel::PackHalf(f) => half(PACK, f),
             Kernel::Index(_) => plain(INDEX),
             Kernel::Spatial(_) => plain(SPATIAL),
             Kernel::Dropout => format!("{PHILOX}\n{}", plain(DROPOUT)),

@@ -1,5 +1,5 @@
-// out[i] = {{FORMAT}} element i of `src` (two per word, element 2w in the low half of word w),
-// for i < numel; one invocation per word.
+// out[j] = {{FORMAT}} element offset + j of the packed source (see `read_src`), for j < numel;
+// one invocation per two outputs.
 
 struct CastParams {
     numel: u32, offset: u32,
@@ -7,18 +7,16 @@ struct CastParams {
 
 @group(0) @binding(0) var<storage, read> params: CastParams;
 
-@group(0) @binding(1) var<storage, read> src: array<u32>;
+{{SRC}}
 
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size({{WG}})
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let w = linear_index(gid, nwg, {{WG}}u);
-    let i = 2u * w;
-    if (i >= params.numel) { return; }
-    let word = src[w];
-    out[i] = {{FORMAT}}_to_f32(word & 0xFFFFu);
-    if (i + 1u < params.numel) {
-        out[i + 1u] = {{FORMAT}}_to_f32(word >> 16u);
+    let j = 2u * linear_index(gid, nwg, {{WG}}u);
+    if (j >= params.numel) { return; }
+    out[j] = read_src(params.offset + j);
+    if (j + 1u < params.numel) {
+        out[j + 1u] = read_src(params.offset + j + 1u);
     }
 }

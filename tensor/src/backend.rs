@@ -109,8 +109,9 @@ pub(crate) trait Kernels: Send + Sync {
     }
     /// The elements of `x` in row-major logical order.
     fn to_host(&self, x: &Tensor) -> Result<Vec<f32>>;
-    /// Half `x` (any view) as an f32 tensor with the same layout: its whole storage widened
-    /// (exactly), so every f32 kernel reads it as it would have read `x`.
+    /// Half `x` (any view) as an f32 tensor over the storage elements the view spans
+    /// (`[offset, offset + span)`, widened exactly), with `x`'s shape and strides from offset 0,
+    /// so every f32 kernel reads it as it would have read `x`.
     fn widen(&self, x: &Tensor) -> Result<Tensor>;
     /// Contiguous f32 `x` (offset allowed) rounded to half `dtype` (nearest even, overflow to
     /// infinity), as a fresh contiguous tensor charged at `dtype`'s size.

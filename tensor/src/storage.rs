@@ -56,11 +56,6 @@ impl Storage {
         self.dtype
     }
 
-    /// Elements held (the accounted bytes over the element size).
-    pub(crate) fn len(&self) -> usize {
-        self.bytes() / self.dtype.size_of()
-    }
-
     /// Charges `elements` f32 values to `dev` under the thread's current tag.
     pub(crate) fn reserve(dev: &Device, elements: usize) -> Result<Allocation> {
         dev.memory().alloc(elements * std::mem::size_of::<f32>())

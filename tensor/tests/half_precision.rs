@@ -208,6 +208,32 @@ fn half_tensors_charge_half_the_bytes() {
 }
 
 #[test]
+fn a_half_op_on_a_small_view_widens_only_that_view() {
+    for dev in devices() {
+        let dev = dev.virtual_device("span", None);
+        let big = Tensor::from_vec_in(vals(1000 * 64, 5, -1.0, 1.0), &[1000, 64], DType::F16, &dev)
+            .unwrap();
+        let rows = big.narrow(0, 500, 2).unwrap();
+        dev.memory().reset_peak();
+        let base = dev.memory_stats().live;
+        let y = rows.exp().unwrap();
+        // At the peak: the 128 inputs widened to f32 and the 128 f32 results (the widened inputs
+        // are freed before the results are narrowed); widening the whole storage would have
+        // taken 64000 * 4 bytes.
+        let peak = dev.memory_stats().peak - base;
+        assert_eq!(peak, 128 * 4 * 2, "on {}", dev.name());
+        let want: Vec<f32> = rows
+            .to_vec()
+            .unwrap()
+            .iter()
+            .map(|v| DType::F16.round(v.exp()))
+            .collect();
+        let got = y.to_vec().unwrap();
+        assert_close("exp of a view", &got, &want, |_, w| ulp_tol(DType::F16, w));
+    }
+}
+
+#[test]
 fn mixed_dtypes_are_refused_with_the_op_and_both_dtypes() {
     for dev in devices() {
         let a = Tensor::from_vec(vals(6, 1, -1.0, 1.0), &[2, 3], &dev).unwrap();

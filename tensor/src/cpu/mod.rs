@@ -8,7 +8,7 @@ use crate::backend::*;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::layout::numel;
+use crate::layout::{numel, Layout};
 use crate::memory::Allocation;
 use crate::storage::Storage;
 use crate::tensor::Tensor;
@@ -122,15 +122,20 @@ impl Kernels for CpuKernels {
     }
 
     fn widen(&self, x: &Tensor) -> Result<Tensor> {
-        let bits = x
+        let l = x.layout();
+        let bits = &x
             .storage()
             .as_cpu_half()
-            .expect("widen called with a tensor whose storage is not half on the host");
+            .expect("widen called with a tensor whose storage is not half on the host")
+            [l.offset..l.offset + l.span()];
         let mut out = Out::for_overwrite(x.device(), bits.len())?;
         half_cast::widen(&mut out.data, bits, x.dtype());
         Ok(out
             .into_tensor(&[bits.len()], x.device())
-            .with_layout(x.layout().clone()))
+            .with_layout(Layout {
+                offset: 0,
+                ..l.clone()
+            }))
     }
 
     fn narrow(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {

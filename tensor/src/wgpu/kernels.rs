@@ -14,7 +14,7 @@ use crate::backend::*;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::layout::numel;
+use crate::layout::{numel, Layout};
 use crate::storage::{Storage, StorageData};
 use crate::tensor::Tensor;
 
@@ -393,13 +393,14 @@ impl Kernels for WgpuContext {
     }
 
     fn widen(&self, x: &Tensor) -> Result<Tensor> {
-        let n = x.storage().len();
+        let l = x.layout();
+        let n = l.span();
         let out = self.empty(x.device(), &[n])?;
         self.dispatch(
             Kernel::Widen(half_format(x.dtype())),
             &CastParams {
                 numel: u(n),
-                offset: 0,
+                offset: u(l.offset),
             }
             .words(&[]),
             &[Arg::of(gpu(x)?), Arg::of(gpu(&out)?)],
@@ -407,7 +408,10 @@ impl Kernels for WgpuContext {
             1,
         )?;
         self.check()?;
-        Ok(out.with_layout(x.layout().clone()))
+        Ok(out.with_layout(Layout {
+            offset: 0,
+            ..l.clone()
+        }))
     }
 
     fn narrow(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
