@@ -75,14 +75,43 @@ fn vals(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
     wgpipe_tensor::rng::uniform_vec(seed, 0, n, lo, hi)
 }
 
+type Input = (Vec<f32>, Vec<usize>);
+
 /// Runs `op` on inputs of `dtype` and on the same values in f32 (on `dev`), and checks the half
-/// result against the f32 one within one half ulp. Returns nothing; panics with the op's name.
+/// result against the f32 one within one half ulp. Panics naming the op.
 fn half_vs_f32(
     what: &str,
     dev: &Device,
     dtype: DType,
-    inputs: &[(Vec<f32>, Vec<usize>)],
+    inputs: &[Input],
     op: impl Fn(&[Tensor]) -> wgpipe_tensor::Result<Tensor>,
+) {
+    let inputs: Vec<&Input> = inputs.iter().collect();
+    compare(what, dev, dtype, &inputs, op, false);
+}
+
+/// [`half_vs_f32`] for sums of products (module doc): on top of the last rounding, the
+/// accumulation order (`2^-16 * sum |a| |b|`) and one rounding of an intermediate result at most
+/// that large (conv rounds its product before adding the bias); the bound `sum |a| |b|` comes
+/// from the same op on the absolute values of the inputs.
+fn check_matmul(
+    dev: &Device,
+    dtype: DType,
+    inputs: &[&Input],
+    op: impl Fn(&[Tensor]) -> wgpipe_tensor::Result<Tensor>,
+) {
+    let shapes: Vec<&Vec<usize>> = inputs.iter().map(|i| &i.1).collect();
+    compare(&format!("{shapes:?}"), dev, dtype, inputs, op, true);
+}
+
+/// The body of [`half_vs_f32`] and [`check_matmul`].
+fn compare(
+    what: &str,
+    dev: &Device,
+    dtype: DType,
+    inputs: &[&Input],
+    op: impl Fn(&[Tensor]) -> wgpipe_tensor::Result<Tensor>,
+    sum_of_products: bool,
 ) {
     let make = |d: DType| -> Vec<Tensor> {
         inputs
@@ -94,12 +123,23 @@ fn half_vs_f32(
     let got = op(&make(dtype)).unwrap();
     assert_eq!(got.dtype(), dtype, "{what}: result dtype");
     assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    // The sum-of-products terms of the tolerance, per element (zero for other ops).
+    let extra: Vec<f32> = if sum_of_products {
+        let abs: Vec<Tensor> = make(DType::F32).iter().map(|t| t.abs().unwrap()).collect();
+        let bound = op(&abs).unwrap().to_vec().unwrap();
+        bound
+            .iter()
+            .map(|&b| ulp_tol(dtype, b) + 2f32.powi(-16) * b)
+            .collect()
+    } else {
+        vec![0.0; want.numel()]
+    };
     let what = format!("{what} ({dtype} on {})", dev.name());
     assert_close(
         &what,
         &got.to_vec().unwrap(),
         &want.to_vec().unwrap(),
-        |_, w| ulp_tol(dtype, w),
+        |i, w| ulp_tol(dtype, w) + extra[i],
     );
 }
 
@@ -469,40 +509,6 @@ fn matmul_matches_f32() {
             }
         }
     }
-}
-
-/// [`half_vs_f32`] for sums of products (module doc): on top of the last rounding, the
-/// accumulation order (`2^-16 * sum |a| |b|`) and one rounding of an intermediate result at most
-/// that large (conv rounds its product before adding the bias); the bound `sum |a| |b|` comes
-/// from the same op on the absolute values of the inputs.
-fn check_matmul(
-    dev: &Device,
-    dtype: DType,
-    inputs: &[&(Vec<f32>, Vec<usize>)],
-    op: impl Fn(&[Tensor]) -> wgpipe_tensor::Result<Tensor>,
-) {
-    let make = |d: DType| -> Vec<Tensor> {
-        inputs
-            .iter()
-            .map(|(v, s)| Tensor::from_vec_in(rounded(v, dtype), s, d, dev).unwrap())
-            .collect()
-    };
-    let want = op(&make(DType::F32)).unwrap();
-    let got = op(&make(dtype)).unwrap();
-    assert_eq!(got.dtype(), dtype);
-    let absf = make(DType::F32)
-        .iter()
-        .map(|t| t.abs().unwrap())
-        .collect::<Vec<_>>();
-    let bound = op(&absf).unwrap().to_vec().unwrap();
-    let shapes: Vec<&Vec<usize>> = inputs.iter().map(|i| &i.1).collect();
-    let what = format!("{shapes:?} ({dtype} on {})", dev.name());
-    assert_close(
-        &what,
-        &got.to_vec().unwrap(),
-        &want.to_vec().unwrap(),
-        |i, w| ulp_tol(dtype, w) + ulp_tol(dtype, bound[i]) + 2f32.powi(-16) * bound[i],
-    );
 }
 
 #[test]
