@@ -1,13 +1,15 @@
 //! Op throughput on every device of this machine: the CPU backend and each wgpu adapter
 //! (lavapipe included). Prints a Markdown table.
 //!
-//! `cargo run --release --example bench_ops [-- --quick | --list-adapters]`
+//! `cargo run --release --example bench_ops [-- --quick | --matmul-only | --list-adapters]`
 //!
 //! On wgpu adapters matmul picks its variant by the autotune where it is on (`WGPIPE_AUTOTUNE`;
 //! default on for GPUs, off for software adapters): the warm-up call runs the trial.
 //!
-//! - matmul (f32, square n x n): GFLOP/s counting 2 n^3 per product, "queued" = N products
-//!   enqueued then one `synchronize`, "read-back" = each product read back to the host;
+//! - matmul (square n x n, f32 then f16 operands on the same device; f16 accumulates in f32):
+//!   GFLOP/s counting 2 n^3 per product, "queued" = N products enqueued then one
+//!   `synchronize`, "read-back" = each product read back to the host; the f16 rows also give
+//!   their speed relative to the f32 row above them;
 //! - elementwise add of two 16M-float tensors: GB/s counting 12 bytes per element (two reads,
 //!   one write);
 //! - softmax over the rows of a 4096 x 1024 matrix: rows per second;
@@ -16,7 +18,7 @@
 
 use std::time::{Duration, Instant};
 
-use wgpipe::tensor::{Device, Tensor};
+use wgpipe::tensor::{DType, Device, Tensor};
 
 /// CPU seconds this process has used (all threads), from /proc on Linux.
 fn cpu_seconds() -> Option<f64> {
@@ -71,6 +73,7 @@ fn main() {
         return;
     }
     let quick = std::env::args().any(|a| a == "--quick");
+    let matmul_only = std::env::args().any(|a| a == "--matmul-only");
     let budget = Duration::from_millis(if quick { 300 } else { 1500 });
 
     let mut devices = vec![Device::cpu()];
@@ -99,43 +102,58 @@ fn main() {
         eprintln!("benchmarking {kind}");
 
         for n in [256usize, 512, 1024, 2048] {
-            let a = Tensor::rand_uniform(&[n, n], -1.0, 1.0, 1, dev).unwrap();
-            let b = Tensor::rand_uniform(&[n, n], -1.0, 1.0, 2, dev).unwrap();
-            let flops = 2.0 * (n as f64).powi(3);
-            // Enqueue a batch of products sized to the budget, then wait once.
-            let probe = time_per_call(Duration::ZERO, || {
-                let c = a.matmul(&b).unwrap();
-                dev.synchronize().unwrap();
-                drop(c);
-                1
-            });
-            let batch = ((budget.as_secs_f64() / 4.0 / probe) as usize).clamp(1, 64);
-            let queued = time_per_call(budget, || {
-                for _ in 0..batch {
-                    let _ = a.matmul(&b).unwrap();
-                }
-                dev.synchronize().unwrap();
-                batch
-            });
-            let busy = cores();
-            let readback = time_per_call(budget, || {
-                let c = a.matmul(&b).unwrap();
-                std::hint::black_box(c.to_vec().unwrap());
-                1
-            });
-            rows.push(Row {
-                device: kind.clone(),
-                op: "matmul f32".into(),
-                size: format!("{n}x{n}x{n}"),
-                queued: format!("{:.1} GFLOP/s", flops / queued / 1e9),
-                cores: busy,
-                readback: format!("{:.1} GFLOP/s", flops / readback / 1e9),
-            });
-            eprintln!(
-                "  matmul {n}: {:.1} / {:.1} GFLOP/s",
-                flops / queued / 1e9,
-                flops / readback / 1e9
-            );
+            let mut f32_queued = None;
+            for dtype in [DType::F32, DType::F16] {
+                let a = Tensor::rand_uniform(&[n, n], -1.0, 1.0, 1, dev)
+                    .and_then(|t| t.to_dtype(dtype))
+                    .unwrap();
+                let b = Tensor::rand_uniform(&[n, n], -1.0, 1.0, 2, dev)
+                    .and_then(|t| t.to_dtype(dtype))
+                    .unwrap();
+                let flops = 2.0 * (n as f64).powi(3);
+                // Enqueue a batch of products sized to the budget, then wait once.
+                let probe = time_per_call(Duration::ZERO, || {
+                    let c = a.matmul(&b).unwrap();
+                    dev.synchronize().unwrap();
+                    drop(c);
+                    1
+                });
+                let batch = ((budget.as_secs_f64() / 4.0 / probe) as usize).clamp(1, 64);
+                let queued = time_per_call(budget, || {
+                    for _ in 0..batch {
+                        let _ = a.matmul(&b).unwrap();
+                    }
+                    dev.synchronize().unwrap();
+                    batch
+                });
+                let busy = cores();
+                let readback = time_per_call(budget, || {
+                    let c = a.matmul(&b).unwrap();
+                    std::hint::black_box(c.to_vec().unwrap());
+                    1
+                });
+                let relative = match f32_queued {
+                    Some(t32) => format!(" ({:.2}x f32)", t32 / queued),
+                    None => String::new(),
+                };
+                f32_queued.get_or_insert(queued);
+                rows.push(Row {
+                    device: kind.clone(),
+                    op: format!("matmul {dtype}"),
+                    size: format!("{n}x{n}x{n}"),
+                    queued: format!("{:.1} GFLOP/s{relative}", flops / queued / 1e9),
+                    cores: busy,
+                    readback: format!("{:.1} GFLOP/s", flops / readback / 1e9),
+                });
+                eprintln!(
+                    "  matmul {dtype} {n}: {:.1} / {:.1} GFLOP/s{relative}",
+                    flops / queued / 1e9,
+                    flops / readback / 1e9
+                );
+            }
+        }
+        if matmul_only {
+            continue;
         }
 
         let len = 16 << 20;

@@ -230,7 +230,8 @@ impl Tape {
                 ),
             ));
         }
-        let seed = Tensor::ones(output.shape(), output.value().device())?;
+        let seed = Tensor::ones(output.shape(), output.value().device())?
+            .to_dtype(output.value().dtype())?;
         self.backward_with(output, &seed)
     }
 

@@ -9,7 +9,9 @@ use crate::params;
 use crate::rows::{self, ReduceMode};
 use crate::{render, Access, ELEMENTWISE_WG, ROW_WG_CHOICES};
 
-use crate::wgsl::{ADAM, COMMON, COPY_STRIDED, DROPOUT, FILL, INDEX, PACK, PHILOX, SPATIAL};
+use crate::wgsl::{
+    ADAM, COMMON, COPY_STRIDED, DROPOUT, FILL, HALF, INDEX, NARROW, PACK, PHILOX, SPATIAL, WIDEN,
+};
 
 /// Entry points of `index.wgsl`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -71,6 +73,41 @@ impl SpatialKernel {
     }
 }
 
+/// `pack.wgsl`'s source operand in f32.
+const PACK_SRC_F32: &str = "@group(0) @binding(1) var<storage, read> src: array<f32>;
+
+fn read_src(i: u32) -> f32 {
+    return src[i];
+}";
+
+/// A source of packed halves (element `i` in half `i % 2` of word `i / 2`), as `pack.wgsl` and
+/// `widen.wgsl` read it.
+const HALF_SRC: &str = "@group(0) @binding(1) var<storage, read> src: array<u32>;
+
+fn read_src(i: u32) -> f32 {
+    let word = src[i >> 1u];
+    return {{FORMAT}}_to_f32((word >> ((i & 1u) * 16u)) & 0xFFFFu);
+}";
+
+/// The 16-bit float formats the cast kernels convert (stored two per u32 word).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HalfFormat {
+    F16,
+    Bf16,
+}
+
+impl HalfFormat {
+    pub const ALL: [HalfFormat; 2] = [HalfFormat::F16, HalfFormat::Bf16];
+
+    /// The name `half.wgsl`'s conversion functions use.
+    fn wgsl(self) -> &'static str {
+        match self {
+            HalfFormat::F16 => "f16",
+            HalfFormat::Bf16 => "bf16",
+        }
+    }
+}
+
 /// One compute kernel variant: what the runtime compiles and caches a pipeline for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
@@ -102,6 +139,10 @@ pub enum Kernel {
     CopyStrided,
     /// `out = value`.
     Fill,
+    /// Packed half values to f32.
+    Widen(HalfFormat),
+    /// f32 values to packed half (round to nearest even).
+    Narrow(HalfFormat),
     /// Row reductions, `wg` invocations per row (a power of two).
     Reduce {
         op: ReduceOp,
@@ -120,6 +161,8 @@ pub enum Kernel {
     MatmulSubgroup(SubgroupMatmulConfig),
     /// Strided matrices to the tiled, padded operand layout of `MatmulSubgroup`.
     Pack,
+    /// `Pack` of packed half operands (widened to the f32 tiles).
+    PackHalf(HalfFormat),
     Index(IndexKernel),
     Spatial(SpatialKernel),
     Dropout,
@@ -147,6 +190,11 @@ impl Kernel {
     pub fn source(&self) -> String {
         let wg = ELEMENTWISE_WG.to_string();
         let plain = |src: &str| render(src, &[("WG", &wg)]);
+        // `SRC` goes in before `FORMAT`, which fills both the template and the source.
+        let half = |template: &str, f: HalfFormat| {
+            let vars = [("WG", wg.as_str()), ("SRC", HALF_SRC), ("FORMAT", f.wgsl())];
+            format!("{HALF}\n{}", render(template, &vars))
+        };
         let body = match *self {
             Kernel::Copy { layout } => elementwise::source(1, layout, "a"),
             Kernel::Unary { op, layout } => elementwise::source(1, layout, op.wgsl()),
@@ -157,12 +205,15 @@ impl Kernel {
             Kernel::Where { layout } => elementwise::source(3, layout, "select(c, b, a != 0.0)"),
             Kernel::CopyStrided => plain(COPY_STRIDED),
             Kernel::Fill => plain(FILL),
+            Kernel::Widen(f) => half(WIDEN, f),
+            Kernel::Narrow(f) => half(NARROW, f),
             Kernel::Reduce { op, mode, wg } => rows::reduce(op, mode, wg),
             Kernel::Softmax { log, wg } => rows::softmax(log, wg),
             Kernel::LayerNorm { wg } => rows::layer_norm(wg),
             Kernel::Matmul(cfg) => cfg.source(),
             Kernel::MatmulSubgroup(cfg) => cfg.source(),
-            Kernel::Pack => plain(PACK),
+            Kernel::Pack => render(PACK, &[("WG", &wg), ("SRC", PACK_SRC_F32)]),
+            Kernel::PackHalf(f) => half(PACK, f),
             Kernel::Index(_) => plain(INDEX),
             Kernel::Spatial(_) => plain(SPATIAL),
             Kernel::Dropout => format!("{PHILOX}\n{}", plain(DROPOUT)),
@@ -182,12 +233,13 @@ impl Kernel {
             | Kernel::Where { .. } => EwParams::NAME,
             Kernel::CopyStrided => CopyParams::NAME,
             Kernel::Fill => FillParams::NAME,
+            Kernel::Widen(_) | Kernel::Narrow(_) => CastParams::NAME,
             Kernel::Reduce { .. } => ReduceParams::NAME,
             Kernel::Softmax { .. } => SoftmaxParams::NAME,
             Kernel::LayerNorm { .. } => LayerNormParams::NAME,
             Kernel::Matmul(_) => MatmulParams::NAME,
             Kernel::MatmulSubgroup(_) => SubgroupMatmulParams::NAME,
-            Kernel::Pack => PackParams::NAME,
+            Kernel::Pack | Kernel::PackHalf(_) => PackParams::NAME,
             Kernel::Index(_) => IndexParams::NAME,
             Kernel::Spatial(_) => SpatialParams::NAME,
             Kernel::Dropout => DropoutParams::NAME,
@@ -223,7 +275,7 @@ impl Kernel {
             Kernel::Copy { .. } | Kernel::Unary { .. } => seq(1, 1),
             Kernel::UnaryGrad { .. } | Kernel::Binary { .. } => seq(2, 1),
             Kernel::Where { .. } => seq(3, 1),
-            Kernel::CopyStrided => seq(1, 1),
+            Kernel::CopyStrided | Kernel::Widen(_) | Kernel::Narrow(_) => seq(1, 1),
             Kernel::Fill | Kernel::Dropout => seq(0, 1),
             Kernel::Reduce { mode, .. } => match mode {
                 ReduceMode::Direct => seq(1, 1),
@@ -233,7 +285,7 @@ impl Kernel {
             Kernel::Softmax { .. } => seq(1, 1),
             Kernel::LayerNorm { .. } => seq(3, 3),
             Kernel::Matmul(_) | Kernel::MatmulSubgroup(_) => seq(2, 1),
-            Kernel::Pack => seq(1, 1),
+            Kernel::Pack | Kernel::PackHalf(_) => seq(1, 1),
             Kernel::Index(_) => seq(2, 1),
             Kernel::Spatial(k) => match k {
                 SpatialKernel::MaxPool2d => vec![(1, R), (3, W), (4, W)],
@@ -268,6 +320,9 @@ impl Kernel {
             v.push(Kernel::Where { layout });
         }
         v.extend([Kernel::CopyStrided, Kernel::Fill]);
+        for f in HalfFormat::ALL {
+            v.extend([Kernel::Widen(f), Kernel::Narrow(f), Kernel::PackHalf(f)]);
+        }
         for wg in ROW_WG_CHOICES {
             for op in ReduceOp::ALL {
                 v.extend(ReduceMode::ALL.map(|mode| Kernel::Reduce { op, mode, wg }));

@@ -4,7 +4,9 @@
 // first (t1, t0), else row-tile first (t0, t1). One invocation per destination element; source
 // elements outside R x C read as 0.
 //
-// Source element (b, r, c) is at off + b * bs + r * rs + c * cs.
+// Source element (b, r, c) is at off + b * bs + r * rs + c * cs; `read_src` reads it from f32
+// values or from packed halves (the SRC placeholder, see `kernel.rs`), so half operands are
+// widened here, on the way into the f32 tiles, at no extra pass.
 
 struct PackParams {
     total: u32, rows: u32, cols: u32,
@@ -14,7 +16,7 @@ struct PackParams {
 
 @group(0) @binding(0) var<storage, read> params: PackParams;
 
-@group(0) @binding(1) var<storage, read> src: array<f32>;
+{{SRC}}
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
 
 @compute @workgroup_size({{WG}})
@@ -44,7 +46,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let c = t1 * T1 + e1;
     var v = 0.0;
     if (r < R && c < C) {
-        v = src[params.off + b * params.bs + r * params.rs + c * params.cs];
+        v = read_src(params.off + b * params.bs + r * params.rs + c * params.cs);
     }
     dst[e] = v;
 }

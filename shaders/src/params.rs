@@ -67,6 +67,13 @@ param_block! {
 }
 
 param_block! {
+    /// `widen.wgsl` and `narrow.wgsl`: `numel` elements; `offset` is where the f32 side starts.
+    CastParams {
+        numel: u32, offset: u32,
+    }
+}
+
+param_block! {
     /// `elementwise.wgsl`. `dims`: `shape[rank]`, then per input `offset, strides[rank]`
     /// (`rank` 0 for the contiguous layouts: just the offsets). `count` is elements, or vec4s
     /// for the vec4 layout.
@@ -179,7 +186,7 @@ macro_rules! all_blocks {
 }
 
 all_blocks! {
-    FillParams, EwParams, CopyParams, ReduceParams, SoftmaxParams, LayerNormParams,
+    FillParams, CastParams, EwParams, CopyParams, ReduceParams, SoftmaxParams, LayerNormParams,
     MatmulParams, SubgroupMatmulParams, PackParams, IndexParams, SpatialParams, DropoutParams,
     AdamParams,
 }

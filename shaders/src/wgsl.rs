@@ -18,4 +18,5 @@ wgsl_files! {
     MATMUL_LOAD_VEC_MN = "matmul_load_vec_mn.wgsl",
     MATMUL_STORE_SCALAR = "matmul_store_scalar.wgsl", MATMUL_STORE_VEC = "matmul_store_vec.wgsl",
     INDEX = "index.wgsl", SPATIAL = "spatial.wgsl", DROPOUT = "dropout.wgsl", ADAM = "adam.wgsl",
+    HALF = "half.wgsl", WIDEN = "widen.wgsl", NARROW = "narrow.wgsl",
 }

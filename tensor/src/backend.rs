@@ -6,6 +6,7 @@
 //! Inputs may be arbitrary strided views unless the doc of a method says "contiguous".
 
 use crate::device::Device;
+use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -108,6 +109,13 @@ pub(crate) trait Kernels: Send + Sync {
     }
     /// The elements of `x` in row-major logical order.
     fn to_host(&self, x: &Tensor) -> Result<Vec<f32>>;
+    /// Half `x` (any view) as an f32 tensor over the storage elements the view spans
+    /// (`[offset, offset + span)`, widened exactly), with `x`'s shape and strides from offset 0,
+    /// so every f32 kernel reads it as it would have read `x`.
+    fn widen(&self, x: &Tensor) -> Result<Tensor>;
+    /// Contiguous f32 `x` (offset allowed) rounded to half `dtype` (nearest even, overflow to
+    /// infinity), as a fresh contiguous tensor charged at `dtype`'s size.
+    fn narrow(&self, x: &Tensor, dtype: DType) -> Result<Tensor>;
     /// A contiguous tensor of `shape` filled with `value`.
     fn fill(&self, dev: &Device, shape: &[usize], value: f32) -> Result<Tensor>;
     /// Materialises any view as a contiguous tensor.
@@ -144,6 +152,18 @@ pub(crate) trait Kernels: Send + Sync {
         lb: MatLayout,
         dims: MatDims,
     ) -> Result<Tensor>;
+    /// [`Kernels::matmul`] on half operands of one dtype with f32 accumulation, output in their
+    /// dtype; `None` when the backend has no native half matmul (the operands are then widened).
+    fn matmul_half(
+        &self,
+        _a: &Tensor,
+        _la: MatLayout,
+        _b: &Tensor,
+        _lb: MatLayout,
+        _dims: MatDims,
+    ) -> Option<Result<Tensor>> {
+        None
+    }
     /// `x` contiguous `[rows, cols]`, `gamma`/`beta` contiguous `[cols]`. Returns
     /// `(y [rows, cols], mean [rows], rstd [rows])` with `rstd = 1/sqrt(var + eps)`
     /// (biased variance, as PyTorch).

@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::backend::Kernels;
 use crate::cpu::CpuKernels;
+use crate::dtype_guard::DTypeGuard;
 use crate::error::{Error, Result};
 use crate::memory::{MemoryStats, MemoryTracker};
 
@@ -29,13 +30,14 @@ struct DeviceInner {
     id: usize,
     name: String,
     backend: Backend,
+    /// The backend's kernels behind the dtype checks every op goes through.
+    kernels: DTypeGuard,
     memory: MemoryTracker,
     flops: AtomicU64,
 }
 
 static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
 static CPU: OnceLock<Device> = OnceLock::new();
-static CPU_KERNELS: CpuKernels = CpuKernels;
 
 /// The environment variable that overrides [`Device::best`]: `cpu`, `wgpu` (first non-software
 /// adapter, else any), `wgpu:N` (adapter N of [`Device::adapters`]), or `auto`.
@@ -44,11 +46,16 @@ pub const DEVICE_ENV: &str = "WGPIPE_DEVICE";
 impl Device {
     fn make(name: String, backend: Backend) -> Device {
         let memory = MemoryTracker::new(&name);
+        let kernels = match &backend {
+            Backend::Cpu => DTypeGuard::new(Arc::new(CpuKernels), "cpu"),
+            Backend::Wgpu(c) => DTypeGuard::new(c.clone(), "wgpu"),
+        };
         Device {
             inner: Arc::new(DeviceInner {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 name,
                 backend,
+                kernels,
                 memory,
                 flops: AtomicU64::new(0),
             }),
@@ -238,10 +245,7 @@ impl Device {
         }
     }
     pub(crate) fn kernels(&self) -> &dyn Kernels {
-        match &self.inner.backend {
-            Backend::Cpu => &CPU_KERNELS,
-            Backend::Wgpu(c) => c.as_ref(),
-        }
+        &self.inner.kernels
     }
 }
 

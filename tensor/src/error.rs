@@ -23,6 +23,20 @@ pub enum Error {
         a: String,
         b: String,
     },
+    /// Operands of different dtypes (cast one with `to_dtype`).
+    #[error("{op}: operands have different dtypes ({a} and {b}); cast one with to_dtype()")]
+    DTypeMismatch {
+        op: &'static str,
+        a: crate::dtype::DType,
+        b: crate::dtype::DType,
+    },
+    /// An op with no kernel for this dtype on this backend (yet).
+    #[error("{op}: no {dtype} kernel on the {backend} backend; cast to f32 with to_dtype() first")]
+    UnsupportedDType {
+        op: &'static str,
+        dtype: crate::dtype::DType,
+        backend: &'static str,
+    },
     /// An allocation past the device's capacity.
     #[error("out of memory on device {device}: asked for {requested} bytes with {live} bytes live and a capacity of {capacity} bytes")]
     OutOfMemory {

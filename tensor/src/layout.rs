@@ -95,6 +95,20 @@ impl Layout {
         true
     }
 
+    /// Storage elements from `offset` up to and including the last one the view reaches (0 for
+    /// an empty view).
+    pub fn span(&self) -> usize {
+        if self.numel() == 0 {
+            return 0;
+        }
+        1 + self
+            .shape
+            .iter()
+            .zip(&self.strides)
+            .map(|(&d, &s)| (d - 1) * s)
+            .sum::<usize>()
+    }
+
     /// Storage index of the element at a row-major linear position `i`.
     pub fn index_of(&self, mut i: usize) -> usize {
         let mut idx = self.offset;

@@ -1,4 +1,4 @@
-//! wgpipe-tensor: f32 tensors on the CPU and on wgpu devices (WGSL kernels), strided views,
+//! wgpipe-tensor: f32, f16 and bf16 tensors on the CPU and on wgpu devices (WGSL kernels), strided views,
 //! every op training needs, and per-device memory accounting.
 //!
 //! Ops live in `ops/` as front-ends that validate and lower to the [`backend`] kernels, which the
@@ -7,6 +7,8 @@
 pub mod backend;
 mod cpu;
 pub mod device;
+pub mod dtype;
+mod dtype_guard;
 pub mod error;
 pub mod layout;
 pub mod memory;
@@ -20,6 +22,7 @@ pub use backend::{BinaryOp, ReduceOp, UnaryOp};
 pub use cpu::host_pool::{clear_host_pool, pooled_host_bytes, HOST_POOL_ENV};
 pub use cpu::par::{cpu_threads, set_cpu_threads};
 pub use device::{AdapterInfo, Device, DEVICE_ENV};
+pub use dtype::DType;
 pub use error::{Error, Result};
 pub use layout::Layout;
 pub use memory::{MemoryStats, MemoryTracker, Tag, TagGuard};

@@ -3,17 +3,24 @@
 use std::sync::Mutex;
 
 use crate::device::Device;
+use crate::dtype::DType;
 use crate::error::Result;
 use crate::memory::{Allocation, Tag};
 
 /// Backend data. Immutable once built: ops make new storage, so views can share it freely.
 pub(crate) enum StorageData {
     Cpu(Vec<f32>),
+    /// f16 or bf16 values as their bit patterns (the storage's dtype says which).
+    CpuHalf(Vec<u16>),
+    /// f32 values, or for a half dtype 16-bit patterns packed two per 32-bit word (element `2w`
+    /// in the low half of word `w`): WGSL has no bf16 and its f16 needs `SHADER_F16`, so the
+    /// shaders unpack both themselves.
     Wgpu(crate::wgpu::GpuBuffer),
 }
 
 pub(crate) struct Storage {
     pub(crate) data: StorageData,
+    dtype: DType,
     allocation: Mutex<Allocation>,
 }
 
@@ -22,10 +29,31 @@ impl Storage {
     /// [`Storage::reserve`] before they allocate, so a capped device refuses before any memory
     /// is touched.
     pub(crate) fn new(data: StorageData, allocation: Allocation) -> Self {
+        Self::with_dtype(data, DType::F32, allocation)
+    }
+
+    /// [`Storage::new`] for elements of `dtype`.
+    pub(crate) fn with_dtype(data: StorageData, dtype: DType, allocation: Allocation) -> Self {
         Storage {
             data,
+            dtype,
             allocation: Mutex::new(allocation),
         }
+    }
+
+    /// Charges `elements` values of `dtype` to `dev` under the thread's current tag.
+    pub(crate) fn reserve_dtype(dev: &Device, elements: usize, dtype: DType) -> Result<Allocation> {
+        dev.memory().alloc(elements * dtype.size_of())
+    }
+
+    /// A host storage of half `dtype` holding the bit patterns `bits`.
+    pub(crate) fn cpu_half(bits: Vec<u16>, dtype: DType, allocation: Allocation) -> Self {
+        debug_assert!(dtype.is_half() && bits.len() * 2 == allocation.bytes());
+        Self::with_dtype(StorageData::CpuHalf(bits), dtype, allocation)
+    }
+
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Charges `elements` f32 values to `dev` under the thread's current tag.
@@ -56,6 +84,13 @@ impl Storage {
     pub(crate) fn as_cpu(&self) -> Option<&[f32]> {
         match &self.data {
             StorageData::Cpu(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn as_cpu_half(&self) -> Option<&[u16]> {
+        match &self.data {
+            StorageData::CpuHalf(v) => Some(v),
             _ => None,
         }
     }

@@ -1,15 +1,16 @@
-//! `Tensor`: f32 values on a device, seen through a layout (shape, strides, offset), so that
+//! `Tensor`: f32, f16 or bf16 values on a device, seen through a layout (shape, strides, offset), so that
 //! reshape, permute, transpose, narrow and broadcast are free views of the same storage.
 
 use std::sync::Arc;
 
 use crate::device::Device;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::{contiguous_strides, numel, resolve_axis, Layout};
 use crate::memory::Tag;
 use crate::storage::Storage;
 
-/// An immutable n-dimensional array of f32. Cloning is cheap (shares the storage).
+/// An immutable n-dimensional array of f32 (or f16/bf16, see [`Tensor::dtype`]). Cloning is cheap (shares the storage).
 #[derive(Clone)]
 pub struct Tensor {
     storage: Arc<Storage>,
@@ -132,6 +133,16 @@ impl Tensor {
         )
     }
 
+    /// A tensor of `dtype` holding `data` rounded to it (nearest even).
+    pub fn from_vec_in(
+        data: Vec<f32>,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        Tensor::from_vec(data, shape, device)?.to_dtype(dtype)
+    }
+
     /// Values stored as f16 (e.g. read from a file), widened to f32.
     pub fn from_f16(data: &[half::f16], shape: &[usize], device: &Device) -> Result<Tensor> {
         Tensor::from_vec(data.iter().map(|h| h.to_f32()).collect(), shape, device)
@@ -160,6 +171,10 @@ impl Tensor {
     pub fn device(&self) -> &Device {
         &self.device
     }
+    /// The element type. Ops take operands of one dtype and give results in it.
+    pub fn dtype(&self) -> DType {
+        self.storage.dtype()
+    }
     pub fn is_contiguous(&self) -> bool {
         self.layout.is_contiguous()
     }
@@ -176,7 +191,8 @@ impl Tensor {
         self.storage.bytes()
     }
 
-    /// The values in row-major order (reads back from the GPU when needed).
+    /// The values in row-major order (reads back from the GPU when needed); half values are
+    /// widened to f32, which is exact.
     pub fn to_vec(&self) -> Result<Vec<f32>> {
         self.device.kernels().to_host(self)
     }
@@ -220,7 +236,27 @@ impl Tensor {
             };
             return device.kernels().contiguous(&moved);
         }
-        Tensor::from_vec(self.to_vec()?, self.shape(), device)
+        Tensor::from_vec_in(self.to_vec()?, self.shape(), self.dtype(), device)
+    }
+
+    /// A contiguous copy in `dtype` (rounded to nearest even when narrowing; widening is exact),
+    /// or `self` when it already has that dtype. The differentiable version is `Var::to_dtype`.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        let from = self.dtype();
+        if from == dtype {
+            return Ok(self.clone());
+        }
+        let k = self.device.kernels();
+        let wide = if from.is_half() {
+            k.widen(self)?.contiguous()?
+        } else {
+            self.contiguous()?
+        };
+        if dtype.is_half() {
+            k.narrow(&wide, dtype)
+        } else {
+            Ok(wide)
+        }
     }
 
     /// Moves this tensor's bytes to accounting tag `tag` (e.g. after building a parameter).
@@ -396,6 +432,9 @@ fn infer_shape(op: &'static str, shape: &[usize], n: usize, from: &[usize]) -> R
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Tensor(shape={:?}, device={}", self.shape(), self.device)?;
+        if self.dtype() != DType::F32 {
+            write!(f, ", dtype={}", self.dtype())?;
+        }
         if self.numel() <= 16 {
             if let Ok(v) = self.to_vec() {
                 write!(f, ", values={v:?}")?;

@@ -72,7 +72,7 @@ pub(crate) fn unreduce(g: &Tensor, in_shape: &[usize], axes: &[usize]) -> Result
 
 /// A 0-d zero on `like`'s device (broadcasts anywhere).
 pub(crate) fn zero_scalar(like: &Tensor) -> Result<Tensor> {
-    Tensor::scalar(0.0, like.device())
+    Tensor::scalar(0.0, like.device())?.to_dtype(like.dtype())
 }
 
 /// `Some(f())` when `want`, else `None`.

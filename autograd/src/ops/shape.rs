@@ -1,7 +1,7 @@
 //! Views and layout ops (their gradients are views or reshapes of the output gradient),
 //! `concat` and `stack`.
 
-use wgpipe_tensor::{Result, Tensor};
+use wgpipe_tensor::{DType, Result, Tensor};
 
 use super::{resolve_axis, same_tape};
 use crate::var::Var;
@@ -18,6 +18,17 @@ fn view(
 }
 
 impl Var {
+    /// The values cast to `dtype` (a no-op when they already have it); the gradient is cast
+    /// back to this var's dtype, so each side of the cast back-propagates in its own precision.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Var> {
+        let from = self.value.dtype();
+        if from == dtype {
+            return Ok(self.clone());
+        }
+        let y = self.value.to_dtype(dtype)?;
+        view("to_dtype", self, y, move |g| g.to_dtype(from))
+    }
+
     /// The same elements in a new shape (`usize::MAX` infers one dimension).
     pub fn reshape(&self, shape: &[usize]) -> Result<Var> {
         let y = self.value.reshape(shape)?;

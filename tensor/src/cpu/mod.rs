@@ -6,14 +6,16 @@ use std::borrow::Cow;
 
 use crate::backend::*;
 use crate::device::Device;
+use crate::dtype::DType;
 use crate::error::Result;
-use crate::layout::numel;
+use crate::layout::{numel, Layout};
 use crate::memory::Allocation;
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
 mod conv;
 mod elementwise;
+mod half_cast;
 pub(crate) mod host_pool;
 mod index;
 mod math;
@@ -117,6 +119,35 @@ impl Kernels for CpuKernels {
 
     fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
         Ok(contig(x).into_owned())
+    }
+
+    fn widen(&self, x: &Tensor) -> Result<Tensor> {
+        let l = x.layout();
+        let bits = &x
+            .storage()
+            .as_cpu_half()
+            .expect("widen called with a tensor whose storage is not half on the host")
+            [l.offset..l.offset + l.span()];
+        let mut out = Out::for_overwrite(x.device(), bits.len())?;
+        half_cast::widen(&mut out.data, bits, x.dtype());
+        Ok(out
+            .into_tensor(&[bits.len()], x.device())
+            .with_layout(Layout {
+                offset: 0,
+                ..l.clone()
+            }))
+    }
+
+    fn narrow(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        let dev = x.device();
+        let alloc = Storage::reserve_dtype(dev, x.numel(), dtype)?;
+        let mut bits = vec![0u16; x.numel()];
+        half_cast::narrow(&mut bits, &contig(x), dtype);
+        Ok(Tensor::from_storage(
+            Storage::cpu_half(bits, dtype, alloc),
+            x.shape(),
+            dev,
+        ))
     }
 
     fn fill(&self, dev: &Device, shape: &[usize], value: f32) -> Result<Tensor> {

@@ -50,9 +50,10 @@ pub(crate) fn rows_per_chunk(rows: usize, work_per_row: usize) -> Option<usize> 
 
 /// Runs `f(first_row, chunk)` over `out` cut into chunks of whole rows of `row` elements
 /// (`row = 1` for plain elementwise work), in parallel when `out` is big.
-pub(crate) fn for_rows<F>(out: &mut [f32], row: usize, f: F)
+pub(crate) fn for_rows<T, F>(out: &mut [T], row: usize, f: F)
 where
-    F: Fn(usize, &mut [f32]) + Sync + Send,
+    T: Send,
+    F: Fn(usize, &mut [T]) + Sync + Send,
 {
     if out.is_empty() || row == 0 {
         return;

@@ -64,7 +64,7 @@ impl Tensor {
     /// `value` where `mask != 0`, else `self` (mask broadcast against `self`).
     pub fn masked_fill(&self, mask: &Tensor, value: f32) -> Result<Tensor> {
         self.same_device("masked_fill", mask)?;
-        let v = Tensor::scalar(value, self.device())?;
+        let v = Tensor::scalar(value, self.device())?.to_dtype(self.dtype())?;
         select("masked_fill", mask, &v, self)
     }
 }

@@ -4,6 +4,7 @@
 //! FLOPs: one per input element.
 
 use crate::backend::ReduceOp;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::{resolve_axis, Layout};
 use crate::ops::resolve_axes;
@@ -70,6 +71,9 @@ impl Tensor {
 
     /// Mean over `axes` (empty = all); NaN over an empty set, like 0/0.
     pub fn mean(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
+        if self.dtype().is_half() {
+            return self.with_f32_sum(|x| x.mean(axes, keepdim));
+        }
         let axes = resolve_axes("mean", axes, self.rank())?;
         let count: usize = axes.iter().map(|&a| self.shape()[a]).product();
         self.reduce_axes("mean", ReduceOp::Sum, &axes, keepdim)?
@@ -91,6 +95,9 @@ impl Tensor {
     /// Population variance (divisor n) over `axes` (empty = all), computed in two passes
     /// (mean, then mean of squared deviations) for accuracy.
     pub fn var(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
+        if self.dtype().is_half() {
+            return self.with_f32_sum(|x| x.var(axes, keepdim));
+        }
         let axes = resolve_axes("var", axes, self.rank())?;
         let count: usize = axes.iter().map(|&a| self.shape()[a]).product();
         let inv = 1.0 / count as f32;
@@ -101,6 +108,12 @@ impl Tensor {
             .square()?
             .reduce_axes("var", ReduceOp::Sum, &axes, keepdim)?
             .mul_scalar(inv)
+    }
+
+    /// `f` (a mean-like reduction) on this half tensor widened to f32, its result narrowed back:
+    /// the sum inside may pass the half range (f16 tops out at 65504) though the mean does not.
+    fn with_f32_sum(&self, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        f(&self.to_dtype(DType::F32)?)?.to_dtype(self.dtype())
     }
 
     /// Index (as f32) of the first maximum along `axis`.

@@ -3,15 +3,18 @@
 //! records its dispatch(es).
 
 use wgpipe_shaders::params::*;
-use wgpipe_shaders::{EwLayout, IndexKernel, Kernel, ReduceMode, SpatialKernel, ELEMENTWISE_WG};
+use wgpipe_shaders::{
+    EwLayout, HalfFormat, IndexKernel, Kernel, ReduceMode, SpatialKernel, ELEMENTWISE_WG,
+};
 
 use super::context::WgpuContext;
 use super::pool::GpuBuffer;
 use super::runtime::Arg;
 use crate::backend::*;
 use crate::device::Device;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::layout::numel;
+use crate::layout::{numel, Layout};
 use crate::storage::{Storage, StorageData};
 use crate::tensor::Tensor;
 
@@ -19,10 +22,18 @@ use crate::tensor::Tensor;
 pub(super) fn gpu(x: &Tensor) -> Result<&GpuBuffer> {
     match &x.storage().data {
         StorageData::Wgpu(b) => Ok(b),
-        StorageData::Cpu(_) => Err(Error::invalid(
+        _ => Err(Error::invalid(
             "wgpu kernel",
             format!("tensor on {} is not a wgpu tensor", x.device()),
         )),
+    }
+}
+
+/// The packed format of half `dtype`.
+fn half_format(dtype: DType) -> HalfFormat {
+    match dtype {
+        DType::BF16 => HalfFormat::Bf16,
+        _ => HalfFormat::F16,
     }
 }
 
@@ -86,6 +97,27 @@ impl WgpuContext {
         let buffer = self.pool.alloc((n * 4) as u64).map_err(|m| self.err(m))?;
         Ok(Tensor::from_storage(
             Storage::new(StorageData::Wgpu(buffer), allocation),
+            shape,
+            dev,
+        ))
+    }
+
+    /// A fresh contiguous tensor of half `dtype`: 16-bit values packed two per 32-bit word,
+    /// charged at two bytes an element.
+    fn empty_half(&self, dev: &Device, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let n = numel(shape);
+        if n > u32::MAX as usize {
+            return Err(self.err(format!(
+                "a tensor of shape {shape:?} has {n} elements; wgpu kernels index with u32"
+            )));
+        }
+        let allocation = Storage::reserve_dtype(dev, n, dtype)?;
+        let buffer = self
+            .pool
+            .alloc((n.div_ceil(2) * 4) as u64)
+            .map_err(|m| self.err(m))?;
+        Ok(Tensor::from_storage(
+            Storage::with_dtype(StorageData::Wgpu(buffer), dtype, allocation),
             shape,
             dev,
         ))
@@ -360,6 +392,47 @@ impl Kernels for WgpuContext {
         self.read(gpu(&x)?, x.layout().offset, x.numel())
     }
 
+    fn widen(&self, x: &Tensor) -> Result<Tensor> {
+        let l = x.layout();
+        let n = l.span();
+        let out = self.empty(x.device(), &[n])?;
+        self.dispatch(
+            Kernel::Widen(half_format(x.dtype())),
+            &CastParams {
+                numel: u(n),
+                offset: u(l.offset),
+            }
+            .words(&[]),
+            &[Arg::of(gpu(x)?), Arg::of(gpu(&out)?)],
+            groups_for(n.div_ceil(2)),
+            1,
+        )?;
+        self.check()?;
+        Ok(out.with_layout(Layout {
+            offset: 0,
+            ..l.clone()
+        }))
+    }
+
+    fn narrow(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        let x = self.packed(x)?;
+        let out = self.empty_half(x.device(), x.shape(), dtype)?;
+        let n = x.numel();
+        self.dispatch(
+            Kernel::Narrow(half_format(dtype)),
+            &CastParams {
+                numel: u(n),
+                offset: u(x.layout().offset),
+            }
+            .words(&[]),
+            &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
+            groups_for(n.div_ceil(2)),
+            1,
+        )?;
+        self.check()?;
+        Ok(out)
+    }
+
     fn fill(&self, dev: &Device, shape: &[usize], value: f32) -> Result<Tensor> {
         let out = self.empty(dev, shape)?;
         let n = out.numel();
@@ -502,6 +575,17 @@ impl Kernels for WgpuContext {
         dims: MatDims,
     ) -> Result<Tensor> {
         self.matmul_with(a, la, b, lb, dims, None)
+    }
+
+    fn matmul_half(
+        &self,
+        a: &Tensor,
+        la: MatLayout,
+        b: &Tensor,
+        lb: MatLayout,
+        dims: MatDims,
+    ) -> Option<Result<Tensor>> {
+        self.matmul_half_subgroup(a, la, b, lb, dims)
     }
 
     fn layer_norm_rows(

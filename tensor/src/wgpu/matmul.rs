@@ -4,13 +4,14 @@
 //! subgroup kernel (`matmul_subgroup.wgsl`), which suits how llvmpipe executes shaders.
 
 use wgpipe_shaders::params::{MatmulParams, PackParams, ParamBlock, SubgroupMatmulParams};
-use wgpipe_shaders::{Kernel, MatmulConfig, OperandLoad, SubgroupMatmulConfig};
+use wgpipe_shaders::{HalfFormat, Kernel, MatmulConfig, OperandLoad, SubgroupMatmulConfig};
 
 use super::autotune::{shape_class, MatmulChoice};
 use super::context::WgpuContext;
 use super::kernels::{gpu, groups_for, u, LOOP_BUDGET};
 use super::runtime::Arg;
 use crate::backend::{Kernels, MatDims, MatLayout};
+use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -339,14 +340,37 @@ impl WgpuContext {
             rs: u(l.row_stride),
             cs: u(l.col_stride),
         };
+        let kernel = match x.dtype() {
+            DType::F32 => Kernel::Pack,
+            DType::F16 => Kernel::PackHalf(HalfFormat::F16),
+            DType::BF16 => Kernel::PackHalf(HalfFormat::Bf16),
+        };
         self.dispatch(
-            Kernel::Pack,
+            kernel,
             &params.words(&[]),
             &[Arg::of(gpu(x)?), Arg::of(gpu(&out)?)],
             groups_for(total),
             1,
         )?;
         Ok(out)
+    }
+
+    /// The native half matmul: on adapters that take the subgroup kernel, half operands are
+    /// widened by the packing pass itself (reading half the bytes) and accumulate in f32; the
+    /// f32 result is rounded once. `None` elsewhere (the tiled kernel has no half loads yet).
+    pub(super) fn matmul_half_subgroup(
+        &self,
+        a: &Tensor,
+        la: MatLayout,
+        b: &Tensor,
+        lb: MatLayout,
+        dims: MatDims,
+    ) -> Option<Result<Tensor>> {
+        let cfg = self.subgroup_matmul_config(&dims)?;
+        Some(
+            self.matmul_subgroup(a, la, b, lb, dims, cfg)
+                .and_then(|c| self.narrow(&c, a.dtype())),
+        )
     }
 
     /// Matmul through packed operands and the subgroup kernel.
