@@ -550,9 +550,10 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         },
         &loss_fn,
     )?;
-    // Over MPI each rank trained only its own stages: every rank takes the whole model before
-    // evaluating and saving (nothing to do in one process).
-    pipe.gather_stages()
+    // Over MPI each rank held and trained only its own stages: every rank takes the whole
+    // model before evaluating and saving (nothing to do in one process). A model that cannot
+    // be built again comes out empty, which gather_stages names.
+    pipe.gather_stages(|| build_model(&args, &train).unwrap_or_default())
         .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
     let end_step = r.end_step(start_step);
     if let Some(path) = &p.save {

@@ -12,7 +12,7 @@
 //! blocks on a dead peer.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -40,9 +40,18 @@ pub struct MpiComm {
     inner: Arc<Inner>,
 }
 
+/// The default of [`MpiComm::peer_timeout`].
+const PEER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The environment variable that sets [`MpiComm::peer_timeout`] at [`MpiComm::init`], in
+/// seconds.
+pub const PEER_TIMEOUT_VAR: &str = "WGPIPE_MPI_PEER_TIMEOUT";
+
 struct Inner {
     rank: usize,
     size: usize,
+    /// Milliseconds of [`MpiComm::peer_timeout`].
+    peer_timeout_ms: AtomicU64,
     out: Mutex<Sender<Out>>,
     routes: Arc<Mutex<Routes>>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -96,7 +105,7 @@ impl Routes {
             return; // not ours: nothing in this job sends such bytes
         };
         match kind {
-            MsgKind::Status | MsgKind::Reduce | MsgKind::Norm => {
+            MsgKind::Status | MsgKind::Reduce | MsgKind::Norm | MsgKind::Tied => {
                 if round >= self.round {
                     self.control.insert((round, kind as u8, src), bytes);
                 }
@@ -155,10 +164,15 @@ impl MpiComm {
             .map_err(|_| "the MPI thread ended before MPI was initialized".to_string())
             .and_then(|r| r)
             .map_err(PipelineError::Config)?;
+        let timeout = match std::env::var(PEER_TIMEOUT_VAR) {
+            Ok(v) => peer_timeout_from(&v).map_err(PipelineError::Config)?,
+            Err(_) => PEER_TIMEOUT,
+        };
         Ok(MpiComm {
             inner: Arc::new(Inner {
                 rank,
                 size,
+                peer_timeout_ms: AtomicU64::new(timeout.as_millis() as u64),
                 out: Mutex::new(out),
                 routes,
                 thread: Mutex::new(Some(thread)),
@@ -168,6 +182,22 @@ impl MpiComm {
 
     pub fn rank(&self) -> usize {
         self.inner.rank
+    }
+
+    /// How long a rank waits, after its own part of a step, for the others' outcome (and for
+    /// the gradients of an all-reduce or a gather): a peer still computing is normal, one that
+    /// sends nothing for this long is taken for dead and the step fails naming it. 60 s by
+    /// default, or [`PEER_TIMEOUT_VAR`] (seconds) at init. Open MPI's `mpirun` itself ends the
+    /// whole job when a rank dies outright (within about a second, naming the rank); this limit
+    /// bounds the wait where a launcher does not.
+    pub fn peer_timeout(&self) -> Duration {
+        Duration::from_millis(self.inner.peer_timeout_ms.load(Ordering::Relaxed))
+    }
+
+    pub fn set_peer_timeout(&self, limit: Duration) {
+        self.inner
+            .peer_timeout_ms
+            .store(limit.as_millis() as u64, Ordering::Relaxed);
     }
     pub fn size(&self) -> usize {
         self.inner.size
@@ -418,6 +448,16 @@ fn serve(
     }
 }
 
+/// [`PEER_TIMEOUT_VAR`]'s value as a limit: seconds, positive and finite.
+fn peer_timeout_from(text: &str) -> Result<Duration, String> {
+    match text.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
+        _ => Err(format!(
+            "{PEER_TIMEOUT_VAR}={text:?}: expected a positive number of seconds"
+        )),
+    }
+}
+
 /// The link ends of this rank's device for round `round` of `schedule`: channels between its
 /// own chunks, MPI to and from the devices of the other ranks of its replica (rank
 /// `replica*K + device`); `abort` is set when a peer reports a failure.
@@ -454,4 +494,22 @@ pub(crate) fn wire_links(
         tell.abort_peers(round, &format!("rank {}: {why}", tell.rank()))
     }));
     links
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peer_timeout_variable_is_seconds() {
+        assert_eq!(peer_timeout_from("2.5"), Ok(Duration::from_millis(2500)));
+        assert_eq!(peer_timeout_from(" 30 "), Ok(Duration::from_secs(30)));
+        for bad in ["0", "-1", "inf", "NaN", "soon", ""] {
+            let e = peer_timeout_from(bad).unwrap_err();
+            assert!(
+                e.contains(PEER_TIMEOUT_VAR) && e.contains("positive"),
+                "{e}"
+            );
+        }
+    }
 }

@@ -28,6 +28,8 @@ pub enum MsgKind {
     Reduce = 4,
     /// Each stage's squared gradient norm, for clipping (JSON text).
     Norm = 5,
+    /// The gradients of tied copies, for the ranks holding other copies of the same groups.
+    Tied = 6,
 }
 
 impl MsgKind {
@@ -184,6 +186,7 @@ fn fixed(bytes: &[u8]) -> Result<Fixed, WireError> {
         3 => MsgKind::Status,
         4 => MsgKind::Reduce,
         5 => MsgKind::Norm,
+        6 => MsgKind::Tied,
         code => return Err(WireError::BadCode { what: "kind", code }),
     };
     let dtype = match bytes[5] {

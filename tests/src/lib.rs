@@ -377,6 +377,9 @@ pub enum FaultKind {
     WeightBackwardError,
     /// Sleeps this long in forward (a stuck layer), then goes on.
     Slow(std::time::Duration),
+    /// Ends the whole process at once (`std::process::abort`): a rank of an MPI job that dies
+    /// outright.
+    Abort,
     /// Asks its device for a tensor larger than any it can hold (2^40 elements: on wgpu past
     /// u32 indexing and every adapter's `max_buffer_size`), so the device reports the error.
     DeviceError,
@@ -441,6 +444,7 @@ impl Module for Fault {
                     msg: format!("injected error at micro-batch {m}"),
                 })
             }
+            FaultKind::Abort if !ctx.recompute => std::process::abort(),
             FaultKind::DeviceError if !ctx.recompute => {
                 fire(&self.state);
                 // 2^40 floats = 4 TiB: past every adapter's largest buffer.
@@ -680,6 +684,33 @@ pub fn skip_model(seed: u64) -> Vec<Box<dyn Module>> {
 // Multi-process runs (the `mpi` feature's worker and tests)
 // ---------------------------------------------------------------------------------------------
 
+/// A fault the MPI worker injects on one rank at one step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MpiFault {
+    /// The Fault layer (last in the model) returns an error at micro-batch 1.
+    Error,
+    /// The Fault layer panics at micro-batch 1.
+    Panic,
+    /// The rank's device has room for nothing more than what lives before the step (plus 192
+    /// bytes) during the step: an out-of-memory error.
+    OutOfMemory,
+    /// The Fault layer ends the process at micro-batch 1 (`std::process::abort`).
+    Abort,
+    /// The rank's device has no room left during `optimizer_step` (after a good step): the
+    /// optimizer fails there.
+    Optimizer,
+}
+
+impl MpiFault {
+    pub const ALL: [MpiFault; 5] = [
+        MpiFault::Error,
+        MpiFault::Panic,
+        MpiFault::OutOfMemory,
+        MpiFault::Abort,
+        MpiFault::Optimizer,
+    ];
+}
+
 /// One run of the MPI worker: what it trains and which fault it injects. The tests build the
 /// in-process reference from the same description.
 #[derive(Debug, Clone, PartialEq)]
@@ -690,9 +721,8 @@ pub struct MpiJob {
     pub steps: usize,
     /// R data-parallel replicas (the job has R x K ranks).
     pub replicas: usize,
-    /// `(rank, step, panic)`: the Fault layer (last in the model) of that rank fails at
-    /// micro-batch 1 of that step, with an error (or a panic).
-    pub fault: Option<(usize, usize, bool)>,
+    /// `(rank, step, fault)`: what goes wrong on that rank at that step.
+    pub fault: Option<(usize, usize, MpiFault)>,
     /// After this many steps, gather the stages and save a checkpoint (`ckpt.safetensors` in
     /// the output folder, written by rank 0).
     pub save_at: Option<usize>,
@@ -727,8 +757,8 @@ impl MpiJob {
                 .as_ref()
                 .map_or("-".into(), |p| p.display().to_string()),
         ];
-        if let Some((rank, step, panic)) = self.fault {
-            v.extend([rank.to_string(), step.to_string(), panic.to_string()]);
+        if let Some((rank, step, fault)) = self.fault {
+            v.extend([rank.to_string(), step.to_string(), format!("{fault:?}")]);
         }
         v
     }
@@ -742,7 +772,13 @@ impl MpiJob {
         let num = |i: usize| args.get(i)?.parse::<usize>().ok();
         let fault = match args.len() {
             7 => None,
-            10 => Some((num(7)?, num(8)?, args[9].parse().ok()?)),
+            10 => Some((
+                num(7)?,
+                num(8)?,
+                MpiFault::ALL
+                    .into_iter()
+                    .find(|f| format!("{f:?}") == args[9])?,
+            )),
             _ => return None,
         };
         let save_at = num(5).filter(|&s| s > 0);
