@@ -20,7 +20,7 @@ use crate::models::data::TextDataset;
 use crate::models::{cross_entropy, parameter_count, TransformerLm};
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::{CheckpointMode, Pipeline, StepReport};
-use crate::placement::place;
+use crate::placement::place_job;
 use crate::plan::{build_or_plan, print_predicted_vs_measured, PlanRun};
 use crate::tensor::rng::SplitMix64;
 use crate::tensor::{Device, Tensor};
@@ -353,7 +353,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         .context("building the model")?;
     let n_params = parameter_count(&layers);
 
-    let placement = place(p.device, p.num_devices(), p.sim_spec())?;
+    let placement = place_job(p)?;
     let mb = args.batch / p.micro_batches;
     let sample_in = ids_tensor(&vec![0; mb * args.seq_len], &[mb, args.seq_len])?;
     let adam = AdamConfig {

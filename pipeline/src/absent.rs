@@ -49,30 +49,34 @@ struct AbsentLayer {
     skips: Skips,
 }
 
-impl Module for AbsentLayer {
-    fn name(&self) -> String {
-        format!("{} (held by rank {})", self.name, self.rank)
-    }
-    fn forward(&self, _x: &Var, _ctx: &ForwardCtx) -> wgpipe_tensor::Result<Var> {
-        Err(wgpipe_tensor::Error::Invalid {
+impl AbsentLayer {
+    /// What running it is: an error saying where the layer is.
+    fn not_here(&self) -> wgpipe_tensor::Error {
+        wgpipe_tensor::Error::Invalid {
             op: "forward",
             msg: format!(
                 "layer {} ({}) is held by rank {}, not by this one: call gather_stages first to \
                  have every stage on every rank",
                 self.index, self.name, self.rank
             ),
-        })
+        }
+    }
+}
+
+impl Module for AbsentLayer {
+    fn name(&self) -> String {
+        format!("{} (held by rank {})", self.name, self.rank)
+    }
+    fn forward(&self, _x: &Var, _ctx: &ForwardCtx) -> wgpipe_tensor::Result<Var> {
+        Err(self.not_here())
     }
     fn forward_skips(
         &self,
-        x: &Var,
+        _x: &Var,
         _popped: &[Var],
-        ctx: &ForwardCtx,
+        _ctx: &ForwardCtx,
     ) -> wgpipe_tensor::Result<(Var, Vec<Var>)> {
-        Err(self
-            .forward(x, ctx)
-            .err()
-            .expect("an absent layer never runs"))
+        Err(self.not_here())
     }
     fn parameters(&self) -> Vec<(String, Param)> {
         Vec::new()
