@@ -1,10 +1,11 @@
 //! A step across processes (feature `mpi`): which share of the mini-batch a rank trains on,
-//! how the ranks agree on the outcome of a step (every rank learns every rank's result, so all
-//! return the same error naming the failing rank, or all go on), and the gradient all-reduce
-//! across data-parallel replicas.
+//! how the ranks agree on the outcome of a step and of an optimizer step (every rank learns
+//! every rank's result, so all return the same error naming the failing rank, or all go on),
+//! tied gradients summed across the ranks holding copies, and the gradient all-reduce across
+//! data-parallel replicas.
 //!
-//! Rank `r*K + d` runs device d of replica r. Every rank holds the whole model (built from the
-//! same seed) and trains only its device's stages; the others' copies stay as built.
+//! Rank `r*K + d` runs device d of replica r. Every rank builds the whole model from the same
+//! seed and keeps only its device's stages (see [`crate::absent`]).
 
 use std::collections::HashMap;
 use std::time::Duration;
