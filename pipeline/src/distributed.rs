@@ -192,7 +192,7 @@ pub(crate) fn fail_round(comm: &MpiComm, round: u64, error: &PipelineError) {
     let bytes = wire::encode_text(MsgKind::Status, round, &status.to_string());
     let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
     // Nothing to wait for: this rank returns its own error.
-    let _ = comm.exchange(round, MsgKind::Status, &bytes, &peers, Duration::ZERO);
+    let _ = comm.exchange(round, MsgKind::Status, &bytes, &peers, Some(Duration::ZERO));
 }
 
 /// Each replica's gradients of this rank's stages, averaged (weighted by the replicas' shares
@@ -246,7 +246,7 @@ pub(crate) fn all_reduce(
             MsgKind::Reduce,
             &wire::encode(&header, &mine),
             &peers,
-            comm.peer_timeout(),
+            None,
         )
         .map_err(|why| rank_error(comm.rank(), me, why))?;
     let mut sum: Vec<f32> = Vec::new();
@@ -388,7 +388,7 @@ fn remote_error(rank: usize, s: &Value) -> PipelineError {
 }
 
 /// Sends `text` as a message of `kind` for `round` to `peers` and returns their texts, by
-/// rank (an error naming the ranks that sent nothing within [`MpiComm::peer_timeout`]).
+/// rank (an error naming a rank that died or stopped, see [`MpiComm::peer_timeout`]).
 fn exchange_text(
     comm: &MpiComm,
     round: u64,
@@ -403,7 +403,7 @@ fn exchange_text(
             kind,
             &wire::encode_text(kind, round, text),
             peers,
-            comm.peer_timeout(),
+            None,
         )
         .map_err(|why| rank_error(comm.rank(), device, why))?;
     Ok(theirs
@@ -671,7 +671,7 @@ pub(crate) fn exchange_tied(
             MsgKind::Tied,
             &wire::encode(&header, &values),
             &peers,
-            comm.peer_timeout(),
+            None,
         )
         .map_err(|why| rank_error(me, device, why))?;
     let bad = |rank: usize, why: String| {

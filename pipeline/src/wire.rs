@@ -30,12 +30,19 @@ pub enum MsgKind {
     Norm = 5,
     /// The gradients of tied copies, for the ranks holding other copies of the same groups.
     Tied = 6,
+    /// "Still here": a communication thread's heartbeat (empty text).
+    Beat = 7,
+    /// "Done": a communication thread that stops, and will send nothing more (empty text).
+    Bye = 8,
 }
 
 impl MsgKind {
     /// Kinds whose payload is text after a one-value placeholder.
     fn is_text(self) -> bool {
-        matches!(self, MsgKind::Abort | MsgKind::Status | MsgKind::Norm)
+        matches!(
+            self,
+            MsgKind::Abort | MsgKind::Status | MsgKind::Norm | MsgKind::Beat | MsgKind::Bye
+        )
     }
 }
 
@@ -187,6 +194,8 @@ fn fixed(bytes: &[u8]) -> Result<Fixed, WireError> {
         4 => MsgKind::Reduce,
         5 => MsgKind::Norm,
         6 => MsgKind::Tied,
+        7 => MsgKind::Beat,
+        8 => MsgKind::Bye,
         code => return Err(WireError::BadCode { what: "kind", code }),
     };
     let dtype = match bytes[5] {

@@ -380,6 +380,9 @@ pub enum FaultKind {
     /// Ends the whole process at once (`std::process::abort`): a rank of an MPI job that dies
     /// outright.
     Abort,
+    /// Stops the whole process (SIGSTOP to itself, every thread frozen until a SIGCONT or a
+    /// kill): a rank of an MPI job that hangs without dying.
+    Stop,
     /// Asks its device for a tensor larger than any it can hold (2^40 elements: on wgpu past
     /// u32 indexing and every adapter's `max_buffer_size`), so the device reports the error.
     DeviceError,
@@ -445,6 +448,14 @@ impl Module for Fault {
                 })
             }
             FaultKind::Abort if !ctx.recompute => std::process::abort(),
+            FaultKind::Stop if !ctx.recompute => {
+                fire(&self.state);
+                let me = std::process::id().to_string();
+                let _ = std::process::Command::new("kill")
+                    .args(["-STOP", &me])
+                    .status();
+                gated()
+            }
             FaultKind::DeviceError if !ctx.recompute => {
                 fire(&self.state);
                 // 2^40 floats = 4 TiB: past every adapter's largest buffer.
@@ -699,15 +710,18 @@ pub enum MpiFault {
     /// The rank's device has no room left during `optimizer_step` (after a good step): the
     /// optimizer fails there.
     Optimizer,
+    /// The Fault layer stops the whole process at micro-batch 1 (SIGSTOP): a rank that hangs.
+    Stop,
 }
 
 impl MpiFault {
-    pub const ALL: [MpiFault; 5] = [
+    pub const ALL: [MpiFault; 6] = [
         MpiFault::Error,
         MpiFault::Panic,
         MpiFault::OutOfMemory,
         MpiFault::Abort,
         MpiFault::Optimizer,
+        MpiFault::Stop,
     ];
 }
 

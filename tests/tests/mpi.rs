@@ -350,6 +350,68 @@ fn a_rank_that_dies_ends_the_job_in_bounded_time_naming_it() {
 }
 
 #[test]
+fn a_rank_that_hangs_is_taken_for_dead_within_the_peer_limit_naming_it() {
+    // Rank 1 stops (SIGSTOP, every thread frozen) in the forward of micro-batch 1 of step 1;
+    // mpirun sees nothing wrong, so only the heartbeats tell rank 0.
+    let job = MpiJob {
+        steps: 3,
+        fault: Some((1, 1, MpiFault::Stop)),
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    };
+    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-stop-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let limit = 2.0;
+    let mut child = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", "-x"])
+        .arg(format!("WGPIPE_MPI_PEER_TIMEOUT={limit}"))
+        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+        .args(job.args())
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let result = dir.join("rank0.json");
+    while !result.exists() && start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Rank 1 is ended by hand either way (a stopped process takes SIGKILL), then mpirun.
+    if let Ok(pid) = std::fs::read_to_string(dir.join("rank1.pid")) {
+        let _ = Command::new("kill").args(["-KILL", pid.trim()]).status();
+    }
+    let bound = Instant::now();
+    while child.try_wait().unwrap().is_none() && bound.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(result.exists(), "rank 0 never finished while rank 1 hung");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&result).unwrap()).unwrap();
+    // Step 0 trained; steps 1 and 2 failed, naming rank 1, step 1 within the limit and a
+    // heartbeat or two (and step 2 at once).
+    assert_eq!(floats(&v["losses"]).len(), 1);
+    let errors = v["errors"].as_array().unwrap();
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    for (e, most) in errors.iter().zip([limit + 1.5, 0.5]) {
+        let text = e["text"].as_str().unwrap();
+        let secs = e["secs"].as_f64().unwrap();
+        assert!(
+            text.contains("rank 1 has sent nothing") && text.contains("taken for dead"),
+            "{text}"
+        );
+        assert!(
+            secs < most,
+            "step {} failed after {secs:.2} s: {text}",
+            e["step"]
+        );
+        println!("step {} failed after {secs:.2} s: {text}", e["step"]);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn a_checkpoint_gathered_from_the_ranks_resumes_bit_exactly_under_mpi_and_in_one_process() {
     let dir = std::env::temp_dir().join(format!("wgpipe-mpi-ckpt-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -26,6 +26,9 @@ fn main() {
             std::process::exit(1);
         }
     };
+    // For the test that stops a rank: how to end it.
+    let pid = Path::new(out).join(format!("rank{}.pid", comm.rank()));
+    std::fs::write(&pid, std::process::id().to_string()).expect("writing the rank's pid");
     let result = run(&job, &comm, Path::new(out));
     let rank = comm.rank();
     comm.finish();
@@ -94,6 +97,7 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
             Some(MpiFault::Error) => Some((FaultKind::Error, 1)),
             Some(MpiFault::Panic) => Some((FaultKind::Panic, 1)),
             Some(MpiFault::Abort) => Some((FaultKind::Abort, 1)),
+            Some(MpiFault::Stop) => Some((FaultKind::Stop, 1)),
             _ => None,
         };
         // A memory cap on this rank's device: room for what lives now plus 192 bytes.
