@@ -222,32 +222,13 @@ pub(crate) fn all_reduce(
             None => mine.extend(std::iter::repeat_n(0.0, p.value().numel())),
         }
     }
-    let header = wire::Header {
-        kind: MsgKind::Reduce,
-        step: round,
-        link: crate::schedule::Link {
-            from: me,
-            to: me,
-            grad: true,
-            skip: None,
-        },
-        micro_batch: 0,
-        finite: true,
-        dtype: wire::WireDtype::F32,
-        shape: vec![mine.len()],
-    };
+    let msg = wire::encode_values(MsgKind::Reduce, round, me, &mine);
     let peers: Vec<usize> = (0..r)
         .map(|i| i * k + me)
         .filter(|&p| p != comm.rank())
         .collect();
     let theirs = comm
-        .exchange(
-            round,
-            MsgKind::Reduce,
-            &wire::encode(&header, &mine),
-            &peers,
-            None,
-        )
+        .exchange(round, MsgKind::Reduce, &msg, &peers, None)
         .map_err(|why| rank_error(comm.rank(), me, why))?;
     let mut sum: Vec<f32> = Vec::new();
     for (i, &w) in weights.iter().enumerate().take(r) {
@@ -651,28 +632,9 @@ pub(crate) fn exchange_tied(
         .collect();
     peers.sort_unstable();
     peers.dedup();
-    let header = wire::Header {
-        kind: MsgKind::Tied,
-        step: round,
-        link: crate::schedule::Link {
-            from: device,
-            to: device,
-            grad: true,
-            skip: None,
-        },
-        micro_batch: 0,
-        finite: true,
-        dtype: wire::WireDtype::F32,
-        shape: vec![values.len()],
-    };
+    let msg = wire::encode_values(MsgKind::Tied, round, device, &values);
     let theirs = comm
-        .exchange(
-            round,
-            MsgKind::Tied,
-            &wire::encode(&header, &values),
-            &peers,
-            None,
-        )
+        .exchange(round, MsgKind::Tied, &msg, &peers, None)
         .map_err(|why| rank_error(me, device, why))?;
     let bad = |rank: usize, why: String| {
         rank_error(me, device, format!("rank {rank}'s tied gradients: {why}"))

@@ -332,22 +332,8 @@ impl MpiComm {
         for i in 0..reps {
             // Rounds far above any step's, so that no step's messages are taken for these.
             let round = u64::MAX / 2 + i as u64;
-            let header = wire::Header {
-                kind: MsgKind::Reduce,
-                step: round,
-                link: Link {
-                    from: self.rank(),
-                    to: peer,
-                    grad: false,
-                    skip: None,
-                },
-                micro_batch: 0,
-                finite: true,
-                dtype: wire::WireDtype::F32,
-                shape: vec![values.len()],
-            };
             let t0 = Instant::now();
-            let msg = wire::encode(&header, &values);
+            let msg = wire::encode_values(MsgKind::Reduce, round, self.rank(), &values);
             let got = self.exchange(
                 round,
                 MsgKind::Reduce,

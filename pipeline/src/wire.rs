@@ -164,6 +164,26 @@ pub fn encode_text(kind: MsgKind, step: u64, text: &str) -> Vec<u8> {
     out
 }
 
+/// A message of `kind` (a collective's: [`MsgKind::Reduce`], [`MsgKind::Tied`]) for `step`
+/// carrying flat `values` from device `device` (its link names that device at both ends).
+pub fn encode_values(kind: MsgKind, step: u64, device: usize, values: &[f32]) -> Vec<u8> {
+    let header = Header {
+        kind,
+        step,
+        link: Link {
+            from: device,
+            to: device,
+            grad: true,
+            skip: None,
+        },
+        micro_batch: 0,
+        finite: true,
+        dtype: WireDtype::F32,
+        shape: vec![values.len()],
+    };
+    encode(&header, values)
+}
+
 /// The fixed part of a header.
 struct Fixed {
     kind: MsgKind,

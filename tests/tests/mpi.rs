@@ -15,16 +15,28 @@ use serde_json::Value;
 use wgpipe_pipeline::ScheduleKind;
 use wgpipe_tests::*;
 
-/// Runs `job` under `mpirun -np <ranks>` and returns each rank's results, by rank.
-fn mpirun(job: &MpiJob, ranks: usize, tag: &str) -> Vec<Value> {
-    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+/// `mpirun -np <ranks>`, ready for the program and its arguments.
+fn mpirun_np(ranks: usize) -> Command {
     let mut cmd = Command::new("mpirun");
     // Root in CI containers; more ranks than cores on small machines.
     cmd.args(["--allow-run-as-root", "--oversubscribe", "-np"])
-        .arg(ranks.to_string())
-        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+        .arg(ranks.to_string());
+    cmd
+}
+
+/// An empty folder of this test process for `name`.
+fn fresh_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs `job` under `mpirun -np <ranks>` and returns each rank's results, by rank.
+fn mpirun(job: &MpiJob, ranks: usize, tag: &str) -> Vec<Value> {
+    let dir = fresh_dir(tag);
+    let mut cmd = mpirun_np(ranks);
+    cmd.arg(env!("CARGO_BIN_EXE_mpi_worker"))
         .args(job.args())
         .arg(&dir);
     let mut child = cmd
@@ -310,11 +322,9 @@ fn a_rank_that_dies_ends_the_job_in_bounded_time_naming_it() {
         fault: Some((1, 1, MpiFault::Abort)),
         ..MpiJob::new(ScheduleKind::OneFOneB, 2)
     };
-    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-abort-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("abort");
     let start = Instant::now();
-    let mut child = Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+    let mut child = mpirun_np(2)
         .arg(env!("CARGO_BIN_EXE_mpi_worker"))
         .args(job.args())
         .arg(&dir)
@@ -358,12 +368,10 @@ fn a_rank_that_hangs_is_taken_for_dead_within_the_peer_limit_naming_it() {
         fault: Some((1, 1, MpiFault::Stop)),
         ..MpiJob::new(ScheduleKind::OneFOneB, 2)
     };
-    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-stop-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("stop");
     let limit = 2.0;
-    let mut child = Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", "-x"])
+    let mut child = mpirun_np(2)
+        .arg("-x")
         .arg(format!("WGPIPE_MPI_PEER_TIMEOUT={limit}"))
         .arg(env!("CARGO_BIN_EXE_mpi_worker"))
         .args(job.args())
@@ -413,8 +421,7 @@ fn a_rank_that_hangs_is_taken_for_dead_within_the_peer_limit_naming_it() {
 
 #[test]
 fn a_checkpoint_gathered_from_the_ranks_resumes_bit_exactly_under_mpi_and_in_one_process() {
-    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-ckpt-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("ckpt");
     let base = MpiJob {
         steps: 4,
         ..MpiJob::new(ScheduleKind::OneFOneB, 2)
@@ -431,8 +438,7 @@ fn a_checkpoint_gathered_from_the_ranks_resumes_bit_exactly_under_mpi_and_in_one
         // mpirun() removes its folder, so run it by hand here.
         let out = dir.join("saving");
         std::fs::create_dir_all(&out).unwrap();
-        let status = Command::new("mpirun")
-            .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+        let status = mpirun_np(2)
             .arg(env!("CARGO_BIN_EXE_mpi_worker"))
             .args(saving.args())
             .arg(&out)
@@ -476,9 +482,7 @@ fn a_checkpoint_gathered_from_the_ranks_resumes_bit_exactly_under_mpi_and_in_one
 
 #[test]
 fn the_transformer_example_under_mpirun_trains_like_one_process_and_only_rank_0_writes() {
-    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-example-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("example");
     let flags = |name: &str, extra: &[&str]| -> Vec<String> {
         let mut v: Vec<String> = [
             "--quiet",
@@ -522,13 +526,7 @@ fn the_transformer_example_under_mpirun_trains_like_one_process_and_only_rank_0_
     for (ranks, extra) in [(2, &[][..]), (4, &["--replicas", "2"][..])] {
         let name = format!("np{ranks}");
         let summary = dir.join(format!("{name}.json"));
-        let out = Command::new("mpirun")
-            .args([
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "-np",
-                &ranks.to_string(),
-            ])
+        let out = mpirun_np(ranks)
             .arg(env!("CARGO_BIN_EXE_mpi_example"))
             .arg(&summary)
             .args(flags(&name, &[extra, &["--transport", "mpi"]].concat()))
