@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use wgpipe_tensor::memory::MemoryStats;
 use wgpipe_tensor::Tensor;
 
 use crate::error::{PipelineError, Result, StageCause};
@@ -67,6 +68,8 @@ pub(crate) struct Agreed {
     pub outcomes: Vec<StageOutcome>,
     pub loss: f32,
     pub weights: Vec<f32>,
+    /// Each device's memory counters (this rank's replica), as its rank read them.
+    pub memory: Vec<MemoryStats>,
 }
 
 /// After this rank's workers finished round `round`: sends its outcome to every other rank,
@@ -79,6 +82,7 @@ pub(crate) fn agree(
     local: Result<Vec<StageOutcome>>,
     losses: &[Tensor],
     weight: f32,
+    memory: MemoryStats,
 ) -> Result<Agreed> {
     comm.end_round();
     let k = schedule.num_devices();
@@ -87,7 +91,8 @@ pub(crate) fn agree(
     for t in losses {
         *loss.get_or_insert(0.0f32) += t.to_scalar()?;
     }
-    let status = status_of(&local, me, loss, weight);
+    let mut status = status_of(&local, me, loss, weight);
+    status["memory"] = memory_json(&memory);
     let all = statuses(comm, round, k, status)?;
     if let Some(root) = root_failure(&all) {
         return Err(failure(comm, local.err(), root, &all));
@@ -107,11 +112,39 @@ pub(crate) fn agree(
             total += if r == 1 { l as f32 } else { l as f32 * w };
         }
     }
+    let memory = (0..k)
+        .map(|d| memory_of(&all[base + d]["memory"]))
+        .collect();
     Ok(Agreed {
         outcomes,
         loss: total,
         weights,
+        memory,
     })
+}
+
+/// A device's memory counters as a status carries them.
+fn memory_json(m: &MemoryStats) -> Value {
+    json!([m.live, m.peak, m.capacity, m.live_by_tag, m.peak_by_tag])
+}
+
+/// [`memory_json`] read back (zeros for what is missing).
+fn memory_of(v: &Value) -> MemoryStats {
+    let n = |v: &Value| v.as_u64().unwrap_or(0) as usize;
+    let tags = |v: &Value| {
+        let mut t = [0usize; 5];
+        for (i, x) in v.as_array().into_iter().flatten().take(5).enumerate() {
+            t[i] = n(x);
+        }
+        t
+    };
+    MemoryStats {
+        live: n(&v[0]),
+        peak: n(&v[1]),
+        capacity: v[2].as_u64().map(|c| c as usize),
+        live_by_tag: tags(&v[3]),
+        peak_by_tag: tags(&v[4]),
+    }
 }
 
 /// After a part of a step each rank does on its own (the optimizer step of its stages): every

@@ -277,6 +277,9 @@ impl Pipeline {
         #[cfg(feature = "mpi")]
         let (local, agreed) = match &self.transport {
             Transport::Mpi(comm) => {
+                let mine = self
+                    .schedule
+                    .stages_of(comm.rank() % self.schedule.num_devices())[0];
                 match crate::distributed::agree(
                     comm,
                     self.round,
@@ -284,8 +287,9 @@ impl Pipeline {
                     local,
                     &losses,
                     weight,
+                    self.stages[mine].device.memory_stats(),
                 ) {
-                    Ok(a) => (Ok(a.outcomes), Some((a.loss, a.weights))),
+                    Ok(a) => (Ok(a.outcomes), Some((a.loss, a.weights, a.memory))),
                     Err(e) => (Err(e), None),
                 }
             }
@@ -335,7 +339,7 @@ impl Pipeline {
                 }
             }
             #[cfg(feature = "mpi")]
-            if let (Transport::Mpi(comm), Some((_, weights))) = (&self.transport, &agreed) {
+            if let (Transport::Mpi(comm), Some((_, weights, _))) = (&self.transport, &agreed) {
                 let k = self.schedule.num_devices();
                 let mine: Vec<&Stage> = self
                     .stages
@@ -361,11 +365,15 @@ impl Pipeline {
         for t in &losses {
             loss += t.to_scalar()?;
         }
+        // Over MPI each device's memory is counted by the rank that holds it.
+        #[allow(unused_mut)]
+        let mut memory = None;
         #[cfg(feature = "mpi")]
-        if let Some((total, _)) = &agreed {
-            loss = *total;
+        if let Some((total, _, m)) = agreed {
+            loss = total;
+            memory = Some(m);
         }
-        let mut report = self.report(outcomes, wall, loss)?;
+        let mut report = self.report(outcomes, wall, loss, memory)?;
         crate::tied::add_to_report(&mut report, &self.schedule, &tied, self.sim.as_ref());
         report.skipped = skipped;
         self.step += 1;
@@ -608,7 +616,15 @@ impl Pipeline {
             .collect()
     }
 
-    fn report(&self, outcomes: Vec<StageOutcome>, wall: f64, loss: f32) -> Result<StepReport> {
+    /// The step's report; `memory`: each device's counters read elsewhere (over MPI), else
+    /// this process reads them.
+    fn report(
+        &self,
+        outcomes: Vec<StageOutcome>,
+        wall: f64,
+        loss: f32,
+        memory: Option<Vec<wgpipe_tensor::memory::MemoryStats>>,
+    ) -> Result<StepReport> {
         let records: Vec<Vec<ActionRecord>> = outcomes.into_iter().map(|o| o.records).collect();
         let timeline = wall_timeline(&self.schedule, &records, wall);
         let stages = self
@@ -633,7 +649,10 @@ impl Pipeline {
                     busy_secs: timeline.busy[d],
                     flops: recs.iter().map(|r| r.flops).sum(),
                     bytes_sent: recs.iter().map(|r| r.bytes).sum(),
-                    memory: first.device.memory_stats(),
+                    memory: memory
+                        .as_ref()
+                        .and_then(|m| m.get(d).cloned())
+                        .unwrap_or_else(|| first.device.memory_stats()),
                 }
             })
             .collect();

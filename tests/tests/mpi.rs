@@ -114,7 +114,8 @@ fn in_process(job: &MpiJob, steps: usize) -> RunResult {
 /// Each rank holds only its own stages: its parameters are its device's share of the model
 /// (the stages placed on it in the same pipeline built in one process), on its own device
 /// (the memory counters of the others' devices show nothing), and so is its optimizer state
-/// (SGD with momentum: one buffer per parameter).
+/// (SGD with momentum: one buffer per parameter). The step report, gathered, shows every
+/// device's share.
 fn each_rank_holds_its_share(job: &MpiJob, ranks: &[Value], tag: &str) {
     let one = sim_pipeline(MpiJob::model().0, &job.cfg());
     let mut share = vec![0usize; job.k];
@@ -145,6 +146,14 @@ fn each_rank_holds_its_share(job: &MpiJob, ranks: &[Value], tag: &str) {
                 .collect();
             assert_eq!(got, only_mine, "{tag}: rank {r}'s {key}");
         }
+        // The report (the same on every rank) counts each device where it is.
+        let reported: Vec<usize> = v["report_param_bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as usize)
+            .collect();
+        assert_eq!(reported, share, "{tag}: rank {r}'s report");
         println!(
             "{tag}: rank {r} holds {} of the model's {whole} parameter bytes",
             share[me]

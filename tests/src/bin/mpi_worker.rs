@@ -79,6 +79,8 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
     let mut losses = Vec::new();
     let mut errors = Vec::new();
     let mut rows = 0;
+    // Each device's parameter bytes as the last step's report shows them.
+    let mut report_param_bytes = Vec::new();
     for step in 0..job.steps {
         if job.save_at == Some(step) {
             // The whole model on every rank, then one file from rank 0.
@@ -112,6 +114,11 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
             Ok(report) => {
                 losses.push(report.loss);
                 rows = report.stages.len();
+                report_param_bytes = report
+                    .stages
+                    .iter()
+                    .map(|s| s.memory.live_of(Tag::Parameters))
+                    .collect();
                 if injected == Some(MpiFault::Optimizer) {
                     // No room at all: the optimizer's first new tensor fails here.
                     let live = my_device.memory_stats().live;
@@ -153,6 +160,7 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
         "built_param_bytes": built_param_bytes,
         "final_param_bytes": live(Tag::Parameters),
         "final_optimizer_bytes": live(Tag::OptimizerState),
+        "report_param_bytes": report_param_bytes,
     }))
 }
 
