@@ -451,9 +451,12 @@ impl Module for Fault {
             FaultKind::Stop if !ctx.recompute => {
                 fire(&self.state);
                 let me = std::process::id().to_string();
-                let _ = std::process::Command::new("kill")
+                let stopped = std::process::Command::new("kill")
                     .args(["-STOP", &me])
                     .status();
+                if !stopped.as_ref().is_ok_and(|s| s.success()) {
+                    panic!("cannot stop this process with `kill -STOP` (procps): {stopped:?}");
+                }
                 gated()
             }
             FaultKind::DeviceError if !ctx.recompute => {
