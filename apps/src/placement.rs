@@ -112,10 +112,82 @@ fn sim_placement(k: usize, sim: SimSpec, why: &str) -> Placement {
     }
 }
 
-/// K wgpu devices. With several discrete GPUs the stages go round-robin over them; else all
-/// stages share the adapter [`Device::best`] picks (one device, with its own queue, each). A
-/// software adapter is used only when `allow_software` and there is no hardware one.
-fn gpu_placement(k: usize, allow_software: bool) -> AppResult<Placement> {
+/// The stage devices of the flags: [`place`], or [`place_rank`] under `--transport mpi`.
+pub fn place_job(p: &crate::args::PipelineArgs) -> AppResult<Placement> {
+    match p.transport {
+        crate::args::TransportArg::Mpi => place_rank(p.device, p.num_devices(), p.sim_spec()),
+        crate::args::TransportArg::Channels => place(p.device, p.num_devices(), p.sim_spec()),
+    }
+}
+
+/// The stage devices of one rank of an MPI job (`--transport mpi`): as [`place`], except that
+/// with `--device gpu` the rank opens one adapter only, its own (see [`rank_adapters`]), and
+/// the devices of the other ranks' stages are CPU placeholders named after their rank (the
+/// builder drops those stages' layers; nothing is ever placed on them).
+fn place_rank(choice: DeviceChoice, k: usize, sim: SimSpec) -> AppResult<Placement> {
+    if choice != DeviceChoice::Gpu {
+        return place(choice, k, sim);
+    }
+    let env = |name: &str| std::env::var(name).ok();
+    let (Some(world), Some(local)) = (
+        rank_from_env(&env, WORLD_RANK_VARS),
+        rank_from_env(&env, LOCAL_RANK_VARS),
+    ) else {
+        bail!(
+            "--device gpu with --transport mpi: no rank in the environment ({} / {}): run under mpirun",
+            WORLD_RANK_VARS.join(", "),
+            LOCAL_RANK_VARS.join(", ")
+        );
+    };
+    let (pool, note) = gpu_pool(true)?;
+    let plan = rank_adapters(k, world, local, pool.len());
+    let mut devices = Vec::with_capacity(k);
+    let mut mine = String::new();
+    for (d, slot) in plan.into_iter().enumerate() {
+        devices.push(match slot {
+            Some(i) => {
+                let (index, name) = &pool[i];
+                mine = name.clone();
+                Device::wgpu(*index).context(format!("opening wgpu adapter {name}"))?
+            }
+            None => Device::new_cpu(&format!("rank{}", world - world % k + d)),
+        });
+    }
+    Ok(Placement {
+        devices,
+        sim: None,
+        description: format!(
+            "{k} stages, one per rank; rank {world} (local rank {local}) on {mine}{note}, adapter {} of {}",
+            local % pool.len(),
+            pool.len()
+        ),
+    })
+}
+
+/// Where the launchers put a process's rank in the job (Open MPI, MPICH/Hydra).
+const WORLD_RANK_VARS: &[&str] = &["OMPI_COMM_WORLD_RANK", "PMI_RANK"];
+/// Where they put its rank among the processes on its host.
+const LOCAL_RANK_VARS: &[&str] = &["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"];
+
+/// The first of `vars` that `env` holds, as a rank.
+fn rank_from_env(env: &dyn Fn(&str) -> Option<String>, vars: &[&str]) -> Option<usize> {
+    vars.iter().find_map(|v| env(v)?.trim().parse().ok())
+}
+
+/// Which adapter (an index into the `adapters` usable ones) each of the K devices of rank
+/// `world` opens: its own device (`world % K`) gets adapter `local % adapters`, where `local`
+/// is its rank among the processes on its host (so the ranks of one host spread over its
+/// GPUs); the others' devices open nothing (`None`).
+pub fn rank_adapters(k: usize, world: usize, local: usize, adapters: usize) -> Vec<Option<usize>> {
+    (0..k)
+        .map(|d| (d == world % k && adapters > 0).then(|| local % adapters))
+        .collect()
+}
+
+/// The adapters stages may use, with their names: every discrete GPU when there are several,
+/// else the one [`Device::best`] picks (a software adapter only when `allow_software` and
+/// there is no hardware one); and a note for the user.
+fn gpu_pool(allow_software: bool) -> AppResult<(Vec<(usize, String)>, &'static str)> {
     let all = Device::adapters();
     let discrete: Vec<_> = all
         .iter()
@@ -139,6 +211,14 @@ fn gpu_placement(k: usize, allow_software: bool) -> AppResult<Placement> {
             },
         }
     };
+    Ok((pool, note))
+}
+
+/// K wgpu devices. With several discrete GPUs the stages go round-robin over them; else all
+/// stages share the adapter [`Device::best`] picks (one device, with its own queue, each). A
+/// software adapter is used only when `allow_software` and there is no hardware one.
+fn gpu_placement(k: usize, allow_software: bool) -> AppResult<Placement> {
+    let (pool, note) = gpu_pool(allow_software)?;
     let mut devices = Vec::with_capacity(k);
     for i in 0..k {
         let (index, name) = &pool[i % pool.len()];
@@ -162,4 +242,53 @@ fn gpu_placement(k: usize, allow_software: bool) -> AppResult<Placement> {
         sim: None,
         description,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_rank_opens_only_its_own_device_on_the_adapter_of_its_local_rank() {
+        // 4 stages on 2 hosts with 2 GPUs each: ranks 0, 1 on host A, 2, 3 on host B.
+        let expect = [
+            (0, 0, [Some(0), None, None, None]),
+            (1, 1, [None, Some(1), None, None]),
+            (2, 0, [None, None, Some(0), None]),
+            (3, 1, [None, None, None, Some(1)]),
+        ];
+        for (world, local, want) in expect {
+            assert_eq!(rank_adapters(4, world, local, 2), want, "rank {world}");
+        }
+        // More ranks on a host than GPUs: local rank i -> adapter i mod count.
+        assert_eq!(rank_adapters(3, 2, 2, 2), vec![None, None, Some(0)]);
+        assert_eq!(rank_adapters(3, 1, 5, 3), vec![None, Some(2), None]);
+        // Replicas: rank 5 of R=2 x K=3 runs device 2 of replica 1.
+        assert_eq!(rank_adapters(3, 5, 1, 4), vec![None, None, Some(1)]);
+        // No adapter: nothing to open (placement reports that there is no GPU).
+        assert_eq!(rank_adapters(2, 0, 0, 0), vec![None, None]);
+    }
+
+    #[test]
+    fn the_rank_comes_from_the_launchers_variables() {
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                vars.iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let ompi = env(&[
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ]);
+        assert_eq!(rank_from_env(&ompi, WORLD_RANK_VARS), Some(3));
+        assert_eq!(rank_from_env(&ompi, LOCAL_RANK_VARS), Some(1));
+        let mpich = env(&[("PMI_RANK", "2"), ("MPI_LOCALRANKID", " 0 ")]);
+        assert_eq!(rank_from_env(&mpich, WORLD_RANK_VARS), Some(2));
+        assert_eq!(rank_from_env(&mpich, LOCAL_RANK_VARS), Some(0));
+        let none = env(&[("OMPI_COMM_WORLD_RANK", "x")]);
+        assert_eq!(rank_from_env(&none, WORLD_RANK_VARS), None);
+        assert_eq!(rank_from_env(&none, LOCAL_RANK_VARS), None);
+    }
 }

@@ -20,7 +20,7 @@ use crate::models::data::{read_cifar10_bins, read_mnist, ImageSet, SyntheticTask
 use crate::models::{cross_entropy, parameter_count, AmoebaNet, ResNet};
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::{Pipeline, StepReport};
-use crate::placement::place;
+use crate::placement::place_job;
 use crate::plan::{build_or_plan, print_predicted_vs_measured, PlanRun};
 use crate::tensor::{Device, Tensor};
 use crate::train::{ctrl_c_flag, train_loop, LoopConfig};
@@ -451,7 +451,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         "images",
     )?;
     let n_params = parameter_count(&layers);
-    let placement = place(p.device, p.num_devices(), p.sim_spec())?;
+    let placement = place_job(p)?;
     let mb = batch / p.micro_batches;
     let sample = Tensor::zeros(&[mb, train.c, train.h, train.w], &Device::cpu())?;
     let adam = AdamConfig {
@@ -571,9 +571,10 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         },
         &loss_fn,
     )?;
-    // Over MPI each rank trained only its own stages: every rank takes the whole model before
-    // evaluating and saving (nothing to do in one process).
-    pipe.gather_stages()
+    // Over MPI each rank held and trained only its own stages: every rank takes the whole
+    // model before evaluating and saving (nothing to do in one process). A model that cannot
+    // be built again comes out empty, which gather_stages names.
+    pipe.gather_stages(|| build_model(&args, &train).unwrap_or_default())
         .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
     let end_step = r.end_step(start_step);
     if let Some(path) = &p.save {

@@ -20,7 +20,7 @@ use crate::models::data::TextDataset;
 use crate::models::{cross_entropy, parameter_count, TransformerLm};
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::{CheckpointMode, Pipeline, StepReport};
-use crate::placement::place;
+use crate::placement::place_job;
 use crate::plan::{build_or_plan, print_predicted_vs_measured, PlanRun};
 use crate::tensor::rng::SplitMix64;
 use crate::tensor::{Device, Tensor};
@@ -353,7 +353,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         .context("building the model")?;
     let n_params = parameter_count(&layers);
 
-    let placement = place(p.device, p.num_devices(), p.sim_spec())?;
+    let placement = place_job(p)?;
     let mb = args.batch / p.micro_batches;
     let sample_in = ids_tensor(&vec![0; mb * args.seq_len], &[mb, args.seq_len])?;
     let adam = AdamConfig {
@@ -481,9 +481,10 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         },
         &loss_fn,
     )?;
-    // Over MPI each rank trained only its own stages: every rank takes the whole model before
-    // evaluating and saving (nothing to do in one process).
-    pipe.gather_stages()
+    // Over MPI each rank held and trained only its own stages: every rank takes the whole
+    // model before evaluating and saving (nothing to do in one process). A model that cannot
+    // be built again comes out empty, which gather_stages names.
+    pipe.gather_stages(|| cfg.build(p.seed, &Device::cpu()).unwrap_or_default())
         .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
     let (wall, tokens_per_sec) = (r.wall_secs, r.items_per_sec);
     let end_step = r.end_step(start_step);

@@ -349,6 +349,18 @@ impl PipelineBuilder {
             let device = self.devices[schedule.placement[index]].clone();
             let mut stage_layers: Vec<Box<dyn Module>> =
                 layers.by_ref().take(range.len()).collect();
+            // Over MPI a rank keeps only the stages it trains: the others' layers go here,
+            // before they reach a device.
+            let mut absent = None;
+            if let Some(rank) = self
+                .transport
+                .holder_rank(schedule.placement[index], schedule.num_devices())
+            {
+                let (placeholders, a) =
+                    crate::absent::absent_layers(stage_layers, range.start, rank);
+                stage_layers = placeholders;
+                absent = Some(a);
+            }
             for l in &mut stage_layers {
                 with_tag(Tag::Parameters, || l.to_device(&device)).map_err(|e| {
                     PipelineError::Config(format!(
@@ -363,19 +375,10 @@ impl PipelineBuilder {
                 first_layer: range.start,
                 layers: stage_layers,
                 skips: std::mem::take(&mut stage_skips[index]),
+                absent,
             });
         }
         crate::tied::check_stage_ties(&stages)?;
-        #[cfg(feature = "mpi")]
-        if matches!(self.transport, Transport::Mpi(_)) {
-            if let Some(group) = crate::tied::group_across_devices(&stages, &schedule.placement) {
-                return Err(PipelineError::Config(format!(
-                    "tied parameter group '{group}' has copies on several devices, and tied \
-                     gradients are not summed across MPI ranks yet: untie it (train_transformer \
-                     --untie-embeddings) or keep its copies on one device"
-                )));
-            }
-        }
         let optimizers = match &self.optimizer {
             Some(f) => stages.iter().map(|_| f()).collect(),
             None => Vec::new(),

@@ -1,15 +1,17 @@
 //! A step across processes (feature `mpi`): which share of the mini-batch a rank trains on,
-//! how the ranks agree on the outcome of a step (every rank learns every rank's result, so all
-//! return the same error naming the failing rank, or all go on), and the gradient all-reduce
-//! across data-parallel replicas.
+//! how the ranks agree on the outcome of a step and of an optimizer step (every rank learns
+//! every rank's result, so all return the same error naming the failing rank, or all go on),
+//! tied gradients summed across the ranks holding copies, and the gradient all-reduce across
+//! data-parallel replicas.
 //!
-//! Rank `r*K + d` runs device d of replica r. Every rank holds the whole model (built from the
-//! same seed) and trains only its device's stages; the others' copies stay as built.
+//! Rank `r*K + d` runs device d of replica r. Every rank builds the whole model from the same
+//! seed and keeps only its device's stages (see [`crate::absent`]).
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use wgpipe_tensor::memory::MemoryStats;
 use wgpipe_tensor::Tensor;
 
 use crate::error::{PipelineError, Result, StageCause};
@@ -18,10 +20,6 @@ use crate::mpi_comm::MpiComm;
 use crate::schedule::Schedule;
 use crate::wire::{self, MsgKind};
 use crate::worker::{ActionRecord, NonFiniteAt, Stage, StageOutcome};
-
-/// How long a rank waits for the others' outcome of a step: a peer still computing is normal,
-/// a peer that sends nothing for this long is taken for dead.
-const STATUS_LIMIT: Duration = Duration::from_secs(120);
 
 /// R, the replicas of a job of `comm.size()` ranks over K devices.
 fn replicas(comm: &MpiComm, k: usize) -> usize {
@@ -70,6 +68,8 @@ pub(crate) struct Agreed {
     pub outcomes: Vec<StageOutcome>,
     pub loss: f32,
     pub weights: Vec<f32>,
+    /// Each device's memory counters (this rank's replica), as its rank read them.
+    pub memory: Vec<MemoryStats>,
 }
 
 /// After this rank's workers finished round `round`: sends its outcome to every other rank,
@@ -82,6 +82,7 @@ pub(crate) fn agree(
     local: Result<Vec<StageOutcome>>,
     losses: &[Tensor],
     weight: f32,
+    memory: MemoryStats,
 ) -> Result<Agreed> {
     comm.end_round();
     let k = schedule.num_devices();
@@ -90,37 +91,11 @@ pub(crate) fn agree(
     for t in losses {
         *loss.get_or_insert(0.0f32) += t.to_scalar()?;
     }
-    let status = status_of(&local, me, loss, weight);
-    let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
-    let theirs = exchange_text(
-        comm,
-        round,
-        MsgKind::Status,
-        &status.to_string(),
-        &peers,
-        me,
-    )?;
-    let mut all: Vec<Value> = Vec::with_capacity(comm.size());
-    for rank in 0..comm.size() {
-        all.push(if rank == comm.rank() {
-            status.clone()
-        } else {
-            serde_json::from_str(&theirs[&rank]).unwrap_or_else(
-                |e| json!({"ok": false, "root": true, "stage": rank % k, "device": "?", "micro_batch": 0, "action": "status", "cause": format!("an unreadable status: {e}")}),
-            )
-        });
-    }
-    let failed: Vec<usize> = (0..all.len()).filter(|&r| all[r]["ok"] != true).collect();
-    if let Some(&first) = failed.first() {
-        let root = failed
-            .iter()
-            .copied()
-            .find(|&r| all[r]["root"] == true)
-            .unwrap_or(first);
-        return Err(match local {
-            Err(e) if root == comm.rank() => e.at(&format!(" on rank {root}")),
-            _ => remote_error(root, &all[root]),
-        });
+    let mut status = status_of(&local, me, loss, weight);
+    status["memory"] = memory_json(&memory);
+    let all = statuses(comm, round, k, status)?;
+    if let Some(root) = root_failure(&all) {
+        return Err(failure(comm, local.err(), root, &all));
     }
     let base = comm.rank() - me;
     let outcomes = (0..k)
@@ -137,11 +112,109 @@ pub(crate) fn agree(
             total += if r == 1 { l as f32 } else { l as f32 * w };
         }
     }
+    let memory = (0..k)
+        .map(|d| memory_of(&all[base + d]["memory"]))
+        .collect();
     Ok(Agreed {
         outcomes,
         loss: total,
         weights,
+        memory,
     })
+}
+
+/// A device's memory counters as a status carries them.
+fn memory_json(m: &MemoryStats) -> Value {
+    json!([m.live, m.peak, m.capacity, m.live_by_tag, m.peak_by_tag])
+}
+
+/// [`memory_json`] read back (zeros for what is missing).
+fn memory_of(v: &Value) -> MemoryStats {
+    let n = |v: &Value| v.as_u64().unwrap_or(0) as usize;
+    let tags = |v: &Value| {
+        let mut t = [0usize; 5];
+        for (i, x) in v.as_array().into_iter().flatten().take(5).enumerate() {
+            t[i] = n(x);
+        }
+        t
+    };
+    MemoryStats {
+        live: n(&v[0]),
+        peak: n(&v[1]),
+        capacity: v[2].as_u64().map(|c| c as usize),
+        live_by_tag: tags(&v[3]),
+        peak_by_tag: tags(&v[4]),
+    }
+}
+
+/// After a part of a step each rank does on its own (the optimizer step of its stages): every
+/// rank learns every rank's result, so that all go on, or all return the error of the failing
+/// rank (the lowest one), `local` included.
+pub(crate) fn agree_ok(comm: &MpiComm, round: u64, k: usize, local: Result<()>) -> Result<()> {
+    let me = comm.rank() % k;
+    let status = match &local {
+        Ok(()) => json!({"ok": true}),
+        Err(e) => error_status(e, me),
+    };
+    let all = statuses(comm, round, k, status)?;
+    match root_failure(&all) {
+        Some(root) => Err(failure(comm, local.err(), root, &all)),
+        None => Ok(()),
+    }
+}
+
+/// Sends this rank's `status` of round `round` to every other rank; every rank's, by rank.
+fn statuses(comm: &MpiComm, round: u64, k: usize, status: Value) -> Result<Vec<Value>> {
+    let me = comm.rank() % k;
+    let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
+    let mut theirs = exchange_text(
+        comm,
+        round,
+        MsgKind::Status,
+        &status.to_string(),
+        &peers,
+        me,
+    )?;
+    let mut all: Vec<Value> = Vec::with_capacity(comm.size());
+    for rank in 0..comm.size() {
+        all.push(if rank == comm.rank() {
+            status.clone()
+        } else {
+            let text = theirs.remove(&rank).unwrap_or_default();
+            serde_json::from_str(&text).unwrap_or_else(
+                |e| json!({"ok": false, "root": true, "stage": rank % k, "device": "?", "micro_batch": 0, "action": "status", "cause": format!("an unreadable status: {e}")}),
+            )
+        });
+    }
+    Ok(all)
+}
+
+/// The rank whose failure every rank reports: the lowest one that failed on its own (not
+/// stopped because another did), else the lowest that failed; `None` when all went well.
+fn root_failure(all: &[Value]) -> Option<usize> {
+    let failed: Vec<usize> = (0..all.len()).filter(|&r| all[r]["ok"] != true).collect();
+    let first = *failed.first()?;
+    Some(
+        failed
+            .iter()
+            .copied()
+            .find(|&r| all[r]["root"] == true)
+            .unwrap_or(first),
+    )
+}
+
+/// The error this rank returns for `root`'s failure: its own (naming its rank) when it is
+/// the root, else the root's as reported.
+fn failure(
+    comm: &MpiComm,
+    local: Option<PipelineError>,
+    root: usize,
+    all: &[Value],
+) -> PipelineError {
+    match local {
+        Some(e) if root == comm.rank() => e.at(&format!(" on rank {root}")),
+        _ => remote_error(root, &all[root]),
+    }
 }
 
 /// A step that timed out here: the others are told to stop, and get this rank's failure.
@@ -152,7 +225,7 @@ pub(crate) fn fail_round(comm: &MpiComm, round: u64, error: &PipelineError) {
     let bytes = wire::encode_text(MsgKind::Status, round, &status.to_string());
     let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
     // Nothing to wait for: this rank returns its own error.
-    let _ = comm.exchange(round, MsgKind::Status, &bytes, &peers, Duration::ZERO);
+    let _ = comm.exchange(round, MsgKind::Status, &bytes, &peers, Some(Duration::ZERO));
 }
 
 /// Each replica's gradients of this rank's stages, averaged (weighted by the replicas' shares
@@ -182,32 +255,13 @@ pub(crate) fn all_reduce(
             None => mine.extend(std::iter::repeat_n(0.0, p.value().numel())),
         }
     }
-    let header = wire::Header {
-        kind: MsgKind::Reduce,
-        step: round,
-        link: crate::schedule::Link {
-            from: me,
-            to: me,
-            grad: true,
-            skip: None,
-        },
-        micro_batch: 0,
-        finite: true,
-        dtype: wire::WireDtype::F32,
-        shape: vec![mine.len()],
-    };
+    let msg = wire::encode_values(MsgKind::Reduce, round, me, &mine);
     let peers: Vec<usize> = (0..r)
         .map(|i| i * k + me)
         .filter(|&p| p != comm.rank())
         .collect();
     let theirs = comm
-        .exchange(
-            round,
-            MsgKind::Reduce,
-            &wire::encode(&header, &mine),
-            &peers,
-            STATUS_LIMIT,
-        )
+        .exchange(round, MsgKind::Reduce, &msg, &peers, None)
         .map_err(|why| rank_error(comm.rank(), me, why))?;
     let mut sum: Vec<f32> = Vec::new();
     for (i, &w) in weights.iter().enumerate().take(r) {
@@ -348,7 +402,7 @@ fn remote_error(rank: usize, s: &Value) -> PipelineError {
 }
 
 /// Sends `text` as a message of `kind` for `round` to `peers` and returns their texts, by
-/// rank (an error naming the ranks that sent nothing within [`STATUS_LIMIT`]).
+/// rank (an error naming a rank that died or stopped, see [`MpiComm::peer_timeout`]).
 fn exchange_text(
     comm: &MpiComm,
     round: u64,
@@ -363,7 +417,7 @@ fn exchange_text(
             kind,
             &wire::encode_text(kind, round, text),
             peers,
-            STATUS_LIMIT,
+            None,
         )
         .map_err(|why| rank_error(comm.rank(), device, why))?;
     Ok(theirs
@@ -513,4 +567,189 @@ pub(crate) fn stage_parts(
         });
     }
     Ok(parts)
+}
+
+/// One copy of a tied parameter: the stage holding it, its parameter when this rank holds the
+/// stage, or the rank that does.
+struct TiedCopy {
+    stage: usize,
+    shape: Vec<usize>,
+    here: Option<wgpipe_autograd::Param>,
+    rank: usize,
+}
+
+/// The tie groups of `stages` with copies on more than one rank, each with its copies in stage
+/// order (the order one process sums them in), groups by first appearance.
+fn groups_across_ranks(comm: &MpiComm, stages: &[Stage]) -> Vec<(String, Vec<TiedCopy>)> {
+    let mut groups: Vec<(String, Vec<TiedCopy>)> = Vec::new();
+    let mut add = |group: String, copy: TiedCopy| match groups.iter_mut().find(|(g, _)| *g == group)
+    {
+        Some((_, copies)) => copies.push(copy),
+        None => groups.push((group, vec![copy])),
+    };
+    for s in stages {
+        match &s.absent {
+            Some(a) => {
+                for t in a.tensors.iter().filter(|t| !t.buffer) {
+                    if let Some(g) = &t.tie {
+                        let copy = TiedCopy {
+                            stage: s.index,
+                            shape: t.shape.clone(),
+                            here: None,
+                            rank: a.rank,
+                        };
+                        add(g.clone(), copy);
+                    }
+                }
+            }
+            None => {
+                for (_, p) in s.layers.iter().flat_map(|l| l.parameters()) {
+                    if let Some(g) = p.tie_group() {
+                        let copy = TiedCopy {
+                            stage: s.index,
+                            shape: p.shape(),
+                            here: Some(p),
+                            rank: comm.rank(),
+                        };
+                        add(g, copy);
+                    }
+                }
+            }
+        }
+    }
+    groups.retain(|(_, copies)| copies.iter().any(|c| c.rank != copies[0].rank));
+    groups
+}
+
+/// Tied parameters whose copies sit on stages of several ranks (of this rank's replica): the
+/// ranks holding copies of a group send each other their copies' gradients, and each sums
+/// every copy's gradient in stage order (what one process does, so the sum has the same bits
+/// on every rank) and gives the sum to its own copies, which so stay bit-identical. One entry
+/// per group this rank takes part in, for the report.
+pub(crate) fn exchange_tied(
+    comm: &MpiComm,
+    round: u64,
+    schedule: &Schedule,
+    stages: &[Stage],
+    clock: std::time::Instant,
+) -> Result<Vec<crate::tied::TiedExchange>> {
+    let groups = groups_across_ranks(comm, stages);
+    let me = comm.rank();
+    let device = me % schedule.num_devices();
+    let mine: Vec<&(String, Vec<TiedCopy>)> = groups
+        .iter()
+        .filter(|(_, copies)| copies.iter().any(|c| c.rank == me))
+        .collect();
+    if mine.is_empty() {
+        return Ok(Vec::new());
+    }
+    let start = clock.elapsed().as_secs_f64();
+    // This rank's copies of every group it takes part in, in order: 1 and the gradient's
+    // values, or 0 for a copy without a gradient.
+    let mut values = Vec::new();
+    for (_, copies) in &mine {
+        for c in copies.iter().filter(|c| c.rank == me) {
+            match c.here.as_ref().and_then(|p| p.grad()) {
+                Some(g) => {
+                    values.push(1.0);
+                    values.extend(g.to_vec()?);
+                }
+                None => values.push(0.0),
+            }
+        }
+    }
+    let mut peers: Vec<usize> = mine
+        .iter()
+        .flat_map(|(_, copies)| copies.iter().map(|c| c.rank))
+        .filter(|&r| r != me)
+        .collect();
+    peers.sort_unstable();
+    peers.dedup();
+    let msg = wire::encode_values(MsgKind::Tied, round, device, &values);
+    let theirs = comm
+        .exchange(round, MsgKind::Tied, &msg, &peers, None)
+        .map_err(|why| rank_error(me, device, why))?;
+    let bad = |rank: usize, why: String| {
+        rank_error(me, device, format!("rank {rank}'s tied gradients: {why}"))
+    };
+    // Each peer's values, read in the order it wrote them: its copies of the groups it takes
+    // part in (which may include groups this rank does not).
+    let mut received: HashMap<(usize, usize), Option<Vec<f32>>> = HashMap::new();
+    for &peer in &peers {
+        let v = wire::decode(&theirs[&peer])
+            .map_err(|e| bad(peer, e.to_string()))?
+            .1;
+        let mut at = 0;
+        for (gi, (_, copies)) in groups.iter().enumerate() {
+            if !copies.iter().any(|c| c.rank == peer) {
+                continue;
+            }
+            for (ci, c) in copies.iter().enumerate().filter(|(_, c)| c.rank == peer) {
+                let flag = *v
+                    .get(at)
+                    .ok_or_else(|| bad(peer, "too few values".into()))?;
+                at += 1;
+                let g = if flag == 1.0 {
+                    let n: usize = c.shape.iter().product();
+                    let g = v
+                        .get(at..at + n)
+                        .ok_or_else(|| bad(peer, "too few values".into()))?;
+                    at += n;
+                    Some(g.to_vec())
+                } else {
+                    None
+                };
+                received.insert((gi, ci), g);
+            }
+        }
+        if at != v.len() {
+            return Err(bad(peer, format!("{} values, {at} expected", v.len())));
+        }
+    }
+    let mut out = Vec::new();
+    let mut sums = Vec::new();
+    for (gi, (_, copies)) in groups.iter().enumerate() {
+        let Some(first_here) = copies.iter().find_map(|c| c.here.clone()) else {
+            continue;
+        };
+        let dev = first_here.device();
+        let mut sum: Option<Tensor> = None;
+        for (ci, c) in copies.iter().enumerate() {
+            let g = match &c.here {
+                Some(p) => p.grad().map(|g| g.to_device(&dev)).transpose()?,
+                None => match received.get(&(gi, ci)).cloned().flatten() {
+                    Some(v) => Some(Tensor::from_slice(&v, &c.shape, &dev)?),
+                    None => None,
+                },
+            };
+            if let Some(g) = g {
+                sum = Some(match sum {
+                    Some(s) => s.add(&g)?,
+                    None => g,
+                });
+            }
+        }
+        let Some(sum) = sum else { continue };
+        for p in copies.iter().filter_map(|c| c.here.as_ref()) {
+            sums.push((p.clone(), sum.to_device(&p.device())?));
+        }
+        let mut devices: Vec<(usize, usize)> = Vec::new();
+        for c in copies {
+            let d = schedule.placement[c.stage];
+            if !devices.iter().any(|(x, _)| *x == d) {
+                devices.push((d, c.stage));
+            }
+        }
+        out.push(crate::tied::TiedExchange {
+            devices,
+            bytes: 4 * sum.numel() as u64,
+            start,
+            end: clock.elapsed().as_secs_f64(),
+        });
+    }
+    // Every sum built before any is stored: an error above changes nothing.
+    for (p, g) in sums {
+        p.set_grad(Some(g));
+    }
+    Ok(out)
 }

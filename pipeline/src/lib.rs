@@ -13,6 +13,7 @@
 //! pipe.optimizer_step()?;
 //! ```
 
+mod absent;
 pub mod builder;
 #[cfg(feature = "mpi")]
 pub(crate) mod distributed;

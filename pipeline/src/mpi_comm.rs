@@ -12,7 +12,7 @@
 //! blocks on a dead peer.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -40,9 +40,21 @@ pub struct MpiComm {
     inner: Arc<Inner>,
 }
 
+/// The default of [`MpiComm::peer_timeout`].
+const PEER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often a communication thread tells the others it is still there.
+const BEAT: Duration = Duration::from_millis(250);
+
+/// The environment variable that sets [`MpiComm::peer_timeout`] at [`MpiComm::init`], in
+/// seconds.
+pub const PEER_TIMEOUT_VAR: &str = "WGPIPE_MPI_PEER_TIMEOUT";
+
 struct Inner {
     rank: usize,
     size: usize,
+    /// Milliseconds of [`MpiComm::peer_timeout`] (shared with the communication thread).
+    peer_timeout_ms: Arc<AtomicU64>,
     out: Mutex<Sender<Out>>,
     routes: Arc<Mutex<Routes>>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -88,6 +100,12 @@ struct Routes {
     early: Vec<Vec<u8>>,
     /// Status and reduce messages by (round, kind, source rank).
     control: HashMap<(u64, u8, usize), Vec<u8>>,
+    /// When each rank was last heard from (any message, heartbeats included).
+    heard: Vec<Instant>,
+    /// Ranks that said they stopped communicating (they send nothing more).
+    done: Vec<bool>,
+    /// Ranks silent past the peer time limit, taken for dead, and why.
+    dead: Vec<(usize, String)>,
 }
 
 impl Routes {
@@ -96,7 +114,13 @@ impl Routes {
             return; // not ours: nothing in this job sends such bytes
         };
         match kind {
-            MsgKind::Status | MsgKind::Reduce | MsgKind::Norm => {
+            MsgKind::Beat => {}
+            MsgKind::Bye => {
+                if let Some(d) = self.done.get_mut(src) {
+                    *d = true;
+                }
+            }
+            MsgKind::Status | MsgKind::Reduce | MsgKind::Norm | MsgKind::Tied => {
                 if round >= self.round {
                     self.control.insert((round, kind as u8, src), bytes);
                 }
@@ -120,6 +144,38 @@ impl Routes {
         }
     }
 
+    /// Takes the ranks silent for longer than `limit` for dead (once each) and fails the
+    /// round in progress.
+    fn check_peers(&mut self, me: usize, limit: Duration) {
+        for p in 0..self.heard.len() {
+            let silent = self.heard[p].elapsed();
+            if p == me || self.done[p] || silent <= limit || self.dead.iter().any(|(d, _)| *d == p)
+            {
+                continue;
+            }
+            let why = format!(
+                "rank {p} has sent nothing for {silent:.1?}, not even the heartbeat its \
+                 communication thread sends every {BEAT:?}: taken for dead (killed, stopped or \
+                 unreachable; the limit is {PEER_TIMEOUT_VAR}={:.1})",
+                limit.as_secs_f64()
+            );
+            self.dead.push((p, why.clone()));
+            self.fail(why);
+        }
+    }
+
+    /// Why a peer cannot answer any more (dead, or done communicating), if so.
+    fn gone(&self, p: usize) -> Option<String> {
+        if let Some((_, why)) = self.dead.iter().find(|(d, _)| *d == p) {
+            return Some(why.clone());
+        }
+        self.done
+            .get(p)
+            .copied()
+            .unwrap_or(false)
+            .then(|| format!("rank {p} has stopped communicating (its job is over)"))
+    }
+
     fn fail(&mut self, why: String) {
         self.abort_reason.get_or_insert(why);
         if let Some(a) = &self.abort {
@@ -132,6 +188,12 @@ impl MpiComm {
     /// Initializes MPI on a new communication thread (`wgpipe-mpi`). Call once per process,
     /// before anything else uses MPI; [`MpiComm::finish`] before the process exits.
     pub fn init() -> Result<MpiComm, PipelineError> {
+        let timeout = match std::env::var(PEER_TIMEOUT_VAR) {
+            Ok(v) => peer_timeout_from(&v).map_err(PipelineError::Config)?,
+            Err(_) => PEER_TIMEOUT,
+        };
+        let peer_timeout_ms = Arc::new(AtomicU64::new(timeout.as_millis() as u64));
+        let thread_timeout = peer_timeout_ms.clone();
         let routes = Arc::new(Mutex::new(Routes::default()));
         let (out, out_rx) = channel::<Out>();
         let (ready, ready_rx) = channel::<Result<(usize, usize), String>>();
@@ -146,8 +208,14 @@ impl MpiComm {
                 };
                 let world = universe.world();
                 let _ = ready.send(Ok((world.rank() as usize, world.size() as usize)));
-                serve(&world, &out_rx, &thread_routes);
-                drop(universe);
+                serve(&world, &out_rx, &thread_routes, &thread_timeout);
+                if lock(&thread_routes).dead.is_empty() {
+                    drop(universe);
+                } else {
+                    // MPI_Finalize waits for every rank, and a dead one never comes: the
+                    // process ends without it (mpirun then ends the job).
+                    std::mem::forget(universe);
+                }
             })
             .map_err(|e| PipelineError::Config(format!("cannot start the MPI thread: {e}")))?;
         let (rank, size) = ready_rx
@@ -159,6 +227,7 @@ impl MpiComm {
             inner: Arc::new(Inner {
                 rank,
                 size,
+                peer_timeout_ms,
                 out: Mutex::new(out),
                 routes,
                 thread: Mutex::new(Some(thread)),
@@ -168,6 +237,23 @@ impl MpiComm {
 
     pub fn rank(&self) -> usize {
         self.inner.rank
+    }
+
+    /// How long a peer may stay silent before it is taken for dead. Every communication
+    /// thread sends a heartbeat to every other rank every 250 ms, however long its workers
+    /// compute, so silence means a process killed, stopped or cut off: the step in progress
+    /// (and every later one, and any exchange with that rank) then fails at once with an error
+    /// naming it. 10 s by default, or [`PEER_TIMEOUT_VAR`] (seconds) at init. Open MPI's
+    /// `mpirun` itself ends the whole job when a rank dies outright (naming the rank); this
+    /// bounds the wait where a launcher does not (and for a rank that hangs without dying).
+    pub fn peer_timeout(&self) -> Duration {
+        Duration::from_millis(self.inner.peer_timeout_ms.load(Ordering::Relaxed))
+    }
+
+    pub fn set_peer_timeout(&self, limit: Duration) {
+        self.inner
+            .peer_timeout_ms
+            .store(limit.as_millis() as u64, Ordering::Relaxed);
     }
     pub fn size(&self) -> usize {
         self.inner.size
@@ -201,6 +287,9 @@ impl MpiComm {
         r.links = links;
         r.abort = Some(abort);
         r.abort_reason = None;
+        if let Some((_, why)) = r.dead.first().cloned() {
+            r.fail(why);
+        }
         r.control.retain(|(k, _, _), _| *k >= round);
         for bytes in std::mem::take(&mut r.early) {
             // Source ranks of early messages are only used in error texts.
@@ -243,28 +332,14 @@ impl MpiComm {
         for i in 0..reps {
             // Rounds far above any step's, so that no step's messages are taken for these.
             let round = u64::MAX / 2 + i as u64;
-            let header = wire::Header {
-                kind: MsgKind::Reduce,
-                step: round,
-                link: Link {
-                    from: self.rank(),
-                    to: peer,
-                    grad: false,
-                    skip: None,
-                },
-                micro_batch: 0,
-                finite: true,
-                dtype: wire::WireDtype::F32,
-                shape: vec![values.len()],
-            };
             let t0 = Instant::now();
-            let msg = wire::encode(&header, &values);
+            let msg = wire::encode_values(MsgKind::Reduce, round, self.rank(), &values);
             let got = self.exchange(
                 round,
                 MsgKind::Reduce,
                 &msg,
                 &[peer],
-                Duration::from_secs(60),
+                Some(Duration::from_secs(60)),
             )?;
             wire::decode(&got[&peer]).map_err(|e| e.to_string())?;
             times.push(t0.elapsed().as_secs_f64());
@@ -274,14 +349,15 @@ impl MpiComm {
     }
 
     /// Sends `mine` (a message of kind `kind` for `round`) to each of `peers` and waits for
-    /// theirs; an error naming the ranks that sent nothing within `limit`.
+    /// theirs, as long as they live (see [`MpiComm::peer_timeout`]) or at most `limit`; an
+    /// error naming the ranks that sent nothing.
     pub(crate) fn exchange(
         &self,
         round: u64,
         kind: MsgKind,
         mine: &[u8],
         peers: &[usize],
-        limit: Duration,
+        limit: Option<Duration>,
     ) -> Result<HashMap<usize, Vec<u8>>, String> {
         for &p in peers {
             self.send(p, mine.to_vec()).map_err(|e| e.to_string())?;
@@ -306,12 +382,15 @@ impl MpiComm {
                         })
                         .collect());
                 }
-                if start.elapsed() > limit {
-                    let missing: Vec<String> = peers
-                        .iter()
-                        .filter(|&&p| !r.control.contains_key(&(round, kind as u8, p)))
-                        .map(|p| p.to_string())
-                        .collect();
+                let mut missing = peers
+                    .iter()
+                    .copied()
+                    .filter(|&p| !r.control.contains_key(&(round, kind as u8, p)));
+                if let Some(why) = missing.clone().find_map(|p| r.gone(p)) {
+                    return Err(why);
+                }
+                if let Some(limit) = limit.filter(|&l| start.elapsed() > l) {
+                    let missing: Vec<String> = missing.by_ref().map(|p| p.to_string()).collect();
                     return Err(format!(
                         "rank(s) {} sent nothing for step round {round} within {limit:.1?}: stopped or unreachable",
                         missing.join(", ")
@@ -351,11 +430,36 @@ fn serve(
     world: &mpi::topology::SimpleCommunicator,
     out: &std::sync::mpsc::Receiver<Out>,
     routes: &Mutex<Routes>,
+    peer_timeout_ms: &AtomicU64,
 ) {
+    let (me, size) = (world.rank() as usize, world.size() as usize);
+    {
+        let mut r = lock(routes);
+        r.heard = vec![Instant::now(); size];
+        r.done = vec![false; size];
+    }
     let mut pending: Vec<Pending> = Vec::new();
     let mut stop: Option<Instant> = None;
+    let mut last_beat: Option<Instant> = None;
+    let post = |pending: &mut Vec<Pending>, dest: usize, bytes: Vec<u8>| {
+        let buf: &'static mut [u8] = Box::leak(bytes.into_boxed_slice());
+        let ptr: *mut [u8] = buf;
+        let request = world
+            .process_at_rank(dest as i32)
+            // SAFETY of the 'static borrow: the buffer is freed only after the request
+            // completed (below), or never.
+            .immediate_send(StaticScope, unsafe { &*ptr });
+        pending.push(Pending { request, buf: ptr });
+    };
+    let peers: Vec<usize> = (0..size).filter(|&p| p != me).collect();
     loop {
         let mut busy = false;
+        if stop.is_none() && last_beat.is_none_or(|t| t.elapsed() >= BEAT) {
+            for &p in &peers {
+                post(&mut pending, p, wire::encode_text(MsgKind::Beat, 0, ""));
+            }
+            last_beat = Some(Instant::now());
+        }
         // Outgoing.
         loop {
             let next = if busy || stop.is_some() {
@@ -365,17 +469,16 @@ fn serve(
             };
             match next {
                 Ok(Out::Send { dest, bytes }) => {
-                    let buf: &'static mut [u8] = Box::leak(bytes.into_boxed_slice());
-                    let ptr: *mut [u8] = buf;
-                    let request = world
-                        .process_at_rank(dest as i32)
-                        // SAFETY of the 'static borrow: the buffer is freed only after the
-                        // request completed (below), or never.
-                        .immediate_send(StaticScope, unsafe { &*ptr });
-                    pending.push(Pending { request, buf: ptr });
+                    post(&mut pending, dest, bytes);
                     busy = true;
                 }
                 Ok(Out::Stop) | Err(RecvTimeoutError::Disconnected) => {
+                    if stop.is_none() {
+                        // No more heartbeats from here: the others must not wait for them.
+                        for &p in &peers {
+                            post(&mut pending, p, wire::encode_text(MsgKind::Bye, 0, ""));
+                        }
+                    }
                     stop.get_or_insert_with(Instant::now);
                     break;
                 }
@@ -399,9 +502,15 @@ fn serve(
         while let Some((msg, status)) = world.any_process().immediate_matched_probe() {
             let src = status.source_rank() as usize;
             let (bytes, _) = (msg, status).matched_receive_vec::<u8>();
-            lock(routes).route(bytes, src);
+            let mut r = lock(routes);
+            if let Some(t) = r.heard.get_mut(src) {
+                *t = Instant::now();
+            }
+            r.route(bytes, src);
             busy = true;
         }
+        let limit = Duration::from_millis(peer_timeout_ms.load(Ordering::Relaxed));
+        lock(routes).check_peers(me, limit);
         if let Some(since) = stop {
             if pending.is_empty() || since.elapsed() > Duration::from_secs(5) {
                 // Sends a dead peer never took: their buffers stay leaked, and the requests
@@ -415,6 +524,16 @@ fn serve(
                 std::thread::sleep(IDLE);
             }
         }
+    }
+}
+
+/// [`PEER_TIMEOUT_VAR`]'s value as a limit: seconds, positive and finite.
+fn peer_timeout_from(text: &str) -> Result<Duration, String> {
+    match text.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
+        _ => Err(format!(
+            "{PEER_TIMEOUT_VAR}={text:?}: expected a positive number of seconds"
+        )),
     }
 }
 
@@ -454,4 +573,22 @@ pub(crate) fn wire_links(
         tell.abort_peers(round, &format!("rank {}: {why}", tell.rank()))
     }));
     links
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peer_timeout_variable_is_seconds() {
+        assert_eq!(peer_timeout_from("2.5"), Ok(Duration::from_millis(2500)));
+        assert_eq!(peer_timeout_from(" 30 "), Ok(Duration::from_secs(30)));
+        for bad in ["0", "-1", "inf", "NaN", "soon", ""] {
+            let e = peer_timeout_from(bad).unwrap_err();
+            assert!(
+                e.contains(PEER_TIMEOUT_VAR) && e.contains("positive"),
+                "{e}"
+            );
+        }
+    }
 }

@@ -182,6 +182,14 @@ impl Pipeline {
             why,
         };
         self.check_settled().map_err(|e| io(e.to_string()))?;
+        if let Some(s) = self.stages().iter().find(|s| !s.is_held()) {
+            let rank = s.absent.as_ref().map_or(0, |a| a.rank);
+            return Err(io(format!(
+                "stage {} is held by rank {rank}, not by this one: call gather_stages first, \
+                 then save from one rank",
+                s.index
+            )));
+        }
         let mut meta = vec![
             (FORMAT_KEY.to_string(), FORMAT.to_string()),
             (STEP_KEY.to_string(), self.step_count().to_string()),
@@ -284,11 +292,39 @@ impl Pipeline {
                 Some(_) => {}
             }
         }
+        // Over MPI, the tensors of stages other ranks hold: checked against the file, not loaded
+        // (each rank loads its own stages from the same file).
+        let absent: Vec<(&str, &[usize])> = self
+            .stages()
+            .iter()
+            .filter_map(|s| s.absent.as_ref())
+            .flat_map(|a| &a.tensors)
+            .map(|t| (t.name.as_str(), t.shape.as_slice()))
+            .collect();
+        let elsewhere: HashMap<&str, &[usize]> = absent.iter().copied().collect();
+        for &(name, want) in &absent {
+            match shape_of(name) {
+                None => problems.push((
+                    name.to_string(),
+                    "missing: in the pipeline (held by another rank), not in the file".into(),
+                )),
+                Some(got) if got != want => problems.push((
+                    name.to_string(),
+                    format!("shape mismatch: {got:?} in the file vs {want:?} in the pipeline"),
+                )),
+                Some(_) => {}
+            }
+        }
         let names = f.names();
         let mut optim_names = Vec::new();
         for n in &names {
             if let Some(key) = n.strip_prefix(OPTIM_PREFIX) {
-                optim_names.push((n.clone(), key.to_string()));
+                let pname = key.rsplit_once('.').map_or(key, |(p, _)| p);
+                if !elsewhere.contains_key(pname) {
+                    optim_names.push((n.clone(), key.to_string()));
+                }
+            } else if elsewhere.contains_key(n.as_str()) {
+                continue;
             } else if !by_name.contains_key(n.as_str()) {
                 problems.push((
                     n.clone(),

@@ -63,11 +63,20 @@ impl Pipeline {
         1 + self.replicas.len()
     }
 
-    /// Over MPI, where each rank trains only its device's stages: every rank gets every
-    /// stage's current parameters, buffers and optimizer state from the rank that trains it,
-    /// so that each holds the whole trained model (to evaluate, sample, or save it to one
-    /// file). Every rank must call it at the same point. Nothing to do in one process.
-    pub fn gather_stages(&mut self) -> Result<()> {
+    /// Over MPI, where each rank holds and trains only its device's stages: every rank gets
+    /// every stage's current parameters, buffers and optimizer state from the rank that trains
+    /// it, so that each holds the whole trained model (to evaluate, sample, or save it to one
+    /// file). `make_layers` builds the whole model again (as it was given to the builder; its
+    /// values do not matter): the layers of the stages this rank does not hold come from it.
+    /// Every rank must call it at the same point. Nothing to do in one process.
+    pub fn gather_stages(
+        &mut self,
+        make_layers: impl FnOnce() -> Vec<Box<dyn Module>>,
+    ) -> Result<()> {
+        if self.stages.iter().any(|s| !s.is_held()) {
+            self.check_settled()?;
+            crate::absent::restore(&mut self.stages, make_layers())?;
+        }
         #[cfg(feature = "mpi")]
         if let Transport::Mpi(comm) = &self.transport {
             self.round += 1;
@@ -157,7 +166,8 @@ impl Pipeline {
             .collect()
     }
 
-    /// The layers back, in order (e.g. to run them plain or rebuild the pipeline).
+    /// The layers back, in order (e.g. to run them plain or rebuild the pipeline). Over MPI,
+    /// the layers of stages other ranks hold are placeholders (see [`Pipeline::gather_stages`]).
     pub fn into_layers(self) -> Vec<Box<dyn Module>> {
         self.stages.into_iter().flat_map(|s| s.layers).collect()
     }
@@ -267,6 +277,9 @@ impl Pipeline {
         #[cfg(feature = "mpi")]
         let (local, agreed) = match &self.transport {
             Transport::Mpi(comm) => {
+                let mine = self
+                    .schedule
+                    .stages_of(comm.rank() % self.schedule.num_devices())[0];
                 match crate::distributed::agree(
                     comm,
                     self.round,
@@ -274,8 +287,9 @@ impl Pipeline {
                     local,
                     &losses,
                     weight,
+                    self.stages[mine].device.memory_stats(),
                 ) {
-                    Ok(a) => (Ok(a.outcomes), Some((a.loss, a.weights))),
+                    Ok(a) => (Ok(a.outcomes), Some((a.loss, a.weights, a.memory))),
                     Err(e) => (Err(e), None),
                 }
             }
@@ -307,8 +321,25 @@ impl Pipeline {
                     return Err(e);
                 }
             };
+            // Over MPI, the groups with copies on other ranks' stages.
             #[cfg(feature = "mpi")]
-            if let (Transport::Mpi(comm), Some((_, weights))) = (&self.transport, &agreed) {
+            if let Transport::Mpi(comm) = &self.transport {
+                match crate::distributed::exchange_tied(
+                    comm,
+                    self.round,
+                    &self.schedule,
+                    &self.stages,
+                    clock,
+                ) {
+                    Ok(t) => tied.extend(t),
+                    Err(e) => {
+                        saved.restore(&self.stages);
+                        return Err(e);
+                    }
+                }
+            }
+            #[cfg(feature = "mpi")]
+            if let (Transport::Mpi(comm), Some((_, weights, _))) = (&self.transport, &agreed) {
                 let k = self.schedule.num_devices();
                 let mine: Vec<&Stage> = self
                     .stages
@@ -334,11 +365,15 @@ impl Pipeline {
         for t in &losses {
             loss += t.to_scalar()?;
         }
+        // Over MPI each device's memory is counted by the rank that holds it.
+        #[allow(unused_mut)]
+        let mut memory = None;
         #[cfg(feature = "mpi")]
-        if let Some((total, _)) = &agreed {
-            loss = *total;
+        if let Some((total, _, m)) = agreed {
+            loss = total;
+            memory = Some(m);
         }
-        let mut report = self.report(outcomes, wall, loss)?;
+        let mut report = self.report(outcomes, wall, loss, memory)?;
         crate::tied::add_to_report(&mut report, &self.schedule, &tied, self.sim.as_ref());
         report.skipped = skipped;
         self.step += 1;
@@ -581,7 +616,15 @@ impl Pipeline {
             .collect()
     }
 
-    fn report(&self, outcomes: Vec<StageOutcome>, wall: f64, loss: f32) -> Result<StepReport> {
+    /// The step's report; `memory`: each device's counters read elsewhere (over MPI), else
+    /// this process reads them.
+    fn report(
+        &self,
+        outcomes: Vec<StageOutcome>,
+        wall: f64,
+        loss: f32,
+        memory: Option<Vec<wgpipe_tensor::memory::MemoryStats>>,
+    ) -> Result<StepReport> {
         let records: Vec<Vec<ActionRecord>> = outcomes.into_iter().map(|o| o.records).collect();
         let timeline = wall_timeline(&self.schedule, &records, wall);
         let stages = self
@@ -601,16 +644,15 @@ impl Pipeline {
                             s.first_layer..s.first_layer + s.layers.len()
                         })
                         .collect(),
-                    num_params: chunks
-                        .iter()
-                        .flat_map(|&c| stage_params(&self.stages[c]))
-                        .map(|(_, p)| p.value().numel())
-                        .sum(),
+                    num_params: chunks.iter().map(|&c| self.stages[c].num_params()).sum(),
                     chunks,
                     busy_secs: timeline.busy[d],
                     flops: recs.iter().map(|r| r.flops).sum(),
                     bytes_sent: recs.iter().map(|r| r.bytes).sum(),
-                    memory: first.device.memory_stats(),
+                    memory: memory
+                        .as_ref()
+                        .and_then(|m| m.get(d).cloned())
+                        .unwrap_or_else(|| first.device.memory_stats()),
                 }
             })
             .collect();
@@ -804,7 +846,9 @@ impl Pipeline {
     /// of memory, or a panic of its optimizer) every stage is rolled back (values set back,
     /// `load_state` of the kept state), so parameters, optimizer state and step counters are as
     /// before and the gradients are kept: a retry applies the step once. The `Err` names the
-    /// failing stage (the lowest one when several fail). The cost: the old values and state stay
+    /// failing stage (the lowest one when several fail). Over MPI the ranks agree on the
+    /// outcome: a failure on any rank makes every rank roll back and return that rank's error
+    /// (every rank must call it the same number of times). The cost: the old values and state stay
     /// alive until every stage has finished (about one extra copy of parameters and optimizer
     /// state at the peak of the step).
     pub fn optimizer_step(&mut self) -> Result<()> {
@@ -817,6 +861,12 @@ impl Pipeline {
                 "no optimizer set: call set_optimizer (or the builder's optimizer) first".into(),
             ));
         }
+        // Over MPI, a round of its own for the ranks' agreement on the outcome.
+        #[cfg(feature = "mpi")]
+        let round = {
+            self.round += 1;
+            self.round
+        };
         // Every replica's stages are one all-or-nothing step, so that replicas stay identical.
         let mut pairs: Vec<(&Stage, &mut Box<dyn Optimizer>)> = self
             .stages
@@ -862,7 +912,18 @@ impl Pipeline {
                 })
                 .collect()
         });
-        if let Some(e) = results.into_iter().find_map(|r| r.err()) {
+        let failed = results.into_iter().find_map(|r| r.err());
+        // Across processes: all ranks step, or none does (each rank rolls back its own
+        // stages), with the failing rank's error on every rank.
+        #[cfg(feature = "mpi")]
+        let failed = match &self.transport {
+            Transport::Mpi(comm) => {
+                let local = failed.map_or(Ok(()), Err);
+                crate::distributed::agree_ok(comm, round, self.schedule.num_devices(), local).err()
+            }
+            _ => failed,
+        };
+        if let Some(e) = failed {
             let mut rollback_errors = Vec::new();
             for ((s, o), keep) in pairs.iter_mut().zip(kept) {
                 if let Err(re) = keep.restore(o.as_mut()) {

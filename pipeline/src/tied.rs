@@ -4,6 +4,7 @@
 //! copies stay bit-identical. The exchange is a timeline event on every device holding a copy
 //! (`ExchangeTied`, costed on the simulated timeline as a ring all-reduce among the holders).
 
+use std::collections::HashSet;
 use std::time::Instant;
 
 use wgpipe_autograd::{check_tied, sum_tied_grads, tied_groups, Param};
@@ -31,33 +32,36 @@ fn stage_params(stages: &[Stage]) -> (Vec<(String, Param)>, Vec<usize>) {
     (params, owner)
 }
 
-/// Each stage's parameters without the tied copies after a group's first (in stage order).
+/// Each stage's parameters without the tied copies after a group's first (in stage order;
+/// over MPI the first copy may be on a stage another rank holds).
 pub(crate) fn without_later_copies(stages: &[Stage]) -> Vec<Vec<(String, Param)>> {
-    let (params, owner) = stage_params(stages);
-    let later: Vec<usize> = tied_groups(&params)
-        .into_iter()
-        .flat_map(|(_, idx)| idx.into_iter().skip(1))
-        .collect();
-    let mut out = vec![Vec::new(); stages.len()];
-    for (i, p) in params.into_iter().enumerate() {
-        if !later.contains(&i) {
-            out[owner[i]].push(p);
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut out = Vec::with_capacity(stages.len());
+    for s in stages {
+        let (params, _) = stage_params(std::slice::from_ref(s));
+        let mut kept = Vec::new();
+        for (name, p) in params {
+            let first = p.tie_group().is_none_or(|g| seen.insert(g));
+            if first {
+                kept.push((name, p));
+            }
         }
+        if let Some(a) = &s.absent {
+            seen.extend(a.tensors.iter().filter_map(|t| t.tie.clone()));
+        }
+        out.push(kept);
     }
     out
 }
 
-/// The first tie group with copies on more than one device, by name (what an MPI run cannot
-/// sum yet: each rank holds only its own stages' gradients).
-#[cfg(feature = "mpi")]
-pub(crate) fn group_across_devices(stages: &[Stage], placement: &[usize]) -> Option<String> {
-    let (params, owner) = stage_params(stages);
-    tied_groups(&params).into_iter().find_map(|(group, idx)| {
-        let first = placement[owner[idx[0]]];
-        idx.iter()
-            .any(|&i| placement[owner[i]] != first)
-            .then_some(group)
-    })
+/// Tie groups with a copy on a stage another rank holds (over MPI): summed across ranks (see
+/// `distributed::exchange_tied`), not here.
+pub(crate) fn groups_held_elsewhere(stages: &[Stage]) -> HashSet<String> {
+    stages
+        .iter()
+        .filter_map(|s| s.absent.as_ref())
+        .flat_map(|a| a.tensors.iter().filter_map(|t| t.tie.clone()))
+        .collect()
 }
 
 /// At build: tied copies must agree in shape and value (the error names both).
@@ -84,6 +88,12 @@ pub(crate) fn exchange(
     clock: Instant,
 ) -> Result<Vec<TiedExchange>> {
     let (params, owner) = stage_params(stages);
+    let elsewhere = groups_held_elsewhere(stages);
+    let (params, owner): (Vec<_>, Vec<_>) = params
+        .into_iter()
+        .zip(owner)
+        .filter(|((_, p), _)| p.tie_group().is_none_or(|g| !elsewhere.contains(&g)))
+        .unzip();
     let groups = tied_groups(&params);
     if groups.is_empty() {
         return Ok(Vec::new());

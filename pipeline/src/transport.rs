@@ -31,13 +31,22 @@ pub enum Transport {
 impl Transport {
     /// Whether this process runs device `device` of a K-device pipeline.
     pub(crate) fn runs_device(&self, device: usize, k: usize) -> bool {
+        self.holder_rank(device, k).is_none()
+    }
+
+    /// The rank that holds device `device` of this process's replica of a K-device pipeline
+    /// when it is another process; `None` when this process holds it.
+    pub(crate) fn holder_rank(&self, device: usize, k: usize) -> Option<usize> {
         match self {
             Transport::Channels | Transport::Loopback => {
                 let _ = (device, k);
-                true
+                None
             }
             #[cfg(feature = "mpi")]
-            Transport::Mpi(comm) => comm.rank() % k == device,
+            Transport::Mpi(comm) => {
+                let rank = comm.rank() / k * k + device;
+                (rank != comm.rank()).then_some(rank)
+            }
         }
     }
 }

@@ -28,12 +28,21 @@ pub enum MsgKind {
     Reduce = 4,
     /// Each stage's squared gradient norm, for clipping (JSON text).
     Norm = 5,
+    /// The gradients of tied copies, for the ranks holding other copies of the same groups.
+    Tied = 6,
+    /// "Still here": a communication thread's heartbeat (empty text).
+    Beat = 7,
+    /// "Done": a communication thread that stops, and will send nothing more (empty text).
+    Bye = 8,
 }
 
 impl MsgKind {
     /// Kinds whose payload is text after a one-value placeholder.
     fn is_text(self) -> bool {
-        matches!(self, MsgKind::Abort | MsgKind::Status | MsgKind::Norm)
+        matches!(
+            self,
+            MsgKind::Abort | MsgKind::Status | MsgKind::Norm | MsgKind::Beat | MsgKind::Bye
+        )
     }
 }
 
@@ -155,6 +164,26 @@ pub fn encode_text(kind: MsgKind, step: u64, text: &str) -> Vec<u8> {
     out
 }
 
+/// A message of `kind` (a collective's: [`MsgKind::Reduce`], [`MsgKind::Tied`]) for `step`
+/// carrying flat `values` from device `device` (its link names that device at both ends).
+pub fn encode_values(kind: MsgKind, step: u64, device: usize, values: &[f32]) -> Vec<u8> {
+    let header = Header {
+        kind,
+        step,
+        link: Link {
+            from: device,
+            to: device,
+            grad: true,
+            skip: None,
+        },
+        micro_batch: 0,
+        finite: true,
+        dtype: WireDtype::F32,
+        shape: vec![values.len()],
+    };
+    encode(&header, values)
+}
+
 /// The fixed part of a header.
 struct Fixed {
     kind: MsgKind,
@@ -184,6 +213,9 @@ fn fixed(bytes: &[u8]) -> Result<Fixed, WireError> {
         3 => MsgKind::Status,
         4 => MsgKind::Reduce,
         5 => MsgKind::Norm,
+        6 => MsgKind::Tied,
+        7 => MsgKind::Beat,
+        8 => MsgKind::Bye,
         code => return Err(WireError::BadCode { what: "kind", code }),
     };
     let dtype = match bytes[5] {

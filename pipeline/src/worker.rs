@@ -55,6 +55,8 @@ pub struct Stage {
     pub layers: Vec<Box<dyn Module>>,
     /// The skips that enter and leave this stage (those inside it stay inside).
     pub skips: StageSkips,
+    /// Over MPI, a stage another rank holds: `layers` are placeholders (see [`crate::absent`]).
+    pub(crate) absent: Option<crate::absent::AbsentStage>,
 }
 
 /// What the worker measured for one action.
@@ -148,6 +150,25 @@ pub(crate) struct Position {
 const POLL: Duration = Duration::from_millis(5);
 
 impl Stage {
+    /// Whether this process holds the stage's layers (false for another rank's stage over MPI).
+    pub fn is_held(&self) -> bool {
+        self.absent.is_none()
+    }
+
+    /// Elements of the stage's parameters, held here or not (a tied parameter counts in every
+    /// stage holding a copy).
+    pub fn num_params(&self) -> usize {
+        match &self.absent {
+            Some(a) => a.num_params(),
+            None => self
+                .layers
+                .iter()
+                .flat_map(|l| l.parameters())
+                .map(|(_, p)| p.value().numel())
+                .sum(),
+        }
+    }
+
     /// Runs the stage's layers on `x`, each with its global layer index in the context; `at`
     /// holds the index of the layer running (so an error or a panic can say which), and is
     /// cleared after. `skips` holds the skips that entered the stage; the ones that leave it

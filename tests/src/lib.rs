@@ -377,6 +377,12 @@ pub enum FaultKind {
     WeightBackwardError,
     /// Sleeps this long in forward (a stuck layer), then goes on.
     Slow(std::time::Duration),
+    /// Ends the whole process at once (`std::process::abort`): a rank of an MPI job that dies
+    /// outright.
+    Abort,
+    /// Stops the whole process (SIGSTOP to itself, every thread frozen until a SIGCONT or a
+    /// kill): a rank of an MPI job that hangs without dying.
+    Stop,
     /// Asks its device for a tensor larger than any it can hold (2^40 elements: on wgpu past
     /// u32 indexing and every adapter's `max_buffer_size`), so the device reports the error.
     DeviceError,
@@ -440,6 +446,18 @@ impl Module for Fault {
                     op: "Fault",
                     msg: format!("injected error at micro-batch {m}"),
                 })
+            }
+            FaultKind::Abort if !ctx.recompute => std::process::abort(),
+            FaultKind::Stop if !ctx.recompute => {
+                fire(&self.state);
+                let me = std::process::id().to_string();
+                let stopped = std::process::Command::new("kill")
+                    .args(["-STOP", &me])
+                    .status();
+                if !stopped.as_ref().is_ok_and(|s| s.success()) {
+                    panic!("cannot stop this process with `kill -STOP` (procps): {stopped:?}");
+                }
+                gated()
             }
             FaultKind::DeviceError if !ctx.recompute => {
                 fire(&self.state);
@@ -680,6 +698,36 @@ pub fn skip_model(seed: u64) -> Vec<Box<dyn Module>> {
 // Multi-process runs (the `mpi` feature's worker and tests)
 // ---------------------------------------------------------------------------------------------
 
+/// A fault the MPI worker injects on one rank at one step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MpiFault {
+    /// The Fault layer (last in the model) returns an error at micro-batch 1.
+    Error,
+    /// The Fault layer panics at micro-batch 1.
+    Panic,
+    /// The rank's device has room for nothing more than what lives before the step (plus 192
+    /// bytes) during the step: an out-of-memory error.
+    OutOfMemory,
+    /// The Fault layer ends the process at micro-batch 1 (`std::process::abort`).
+    Abort,
+    /// The rank's device has no room left during `optimizer_step` (after a good step): the
+    /// optimizer fails there.
+    Optimizer,
+    /// The Fault layer stops the whole process at micro-batch 1 (SIGSTOP): a rank that hangs.
+    Stop,
+}
+
+impl MpiFault {
+    pub const ALL: [MpiFault; 6] = [
+        MpiFault::Error,
+        MpiFault::Panic,
+        MpiFault::OutOfMemory,
+        MpiFault::Abort,
+        MpiFault::Optimizer,
+        MpiFault::Stop,
+    ];
+}
+
 /// One run of the MPI worker: what it trains and which fault it injects. The tests build the
 /// in-process reference from the same description.
 #[derive(Debug, Clone, PartialEq)]
@@ -690,9 +738,8 @@ pub struct MpiJob {
     pub steps: usize,
     /// R data-parallel replicas (the job has R x K ranks).
     pub replicas: usize,
-    /// `(rank, step, panic)`: the Fault layer (last in the model) of that rank fails at
-    /// micro-batch 1 of that step, with an error (or a panic).
-    pub fault: Option<(usize, usize, bool)>,
+    /// `(rank, step, fault)`: what goes wrong on that rank at that step.
+    pub fault: Option<(usize, usize, MpiFault)>,
     /// After this many steps, gather the stages and save a checkpoint (`ckpt.safetensors` in
     /// the output folder, written by rank 0).
     pub save_at: Option<usize>,
@@ -727,8 +774,8 @@ impl MpiJob {
                 .as_ref()
                 .map_or("-".into(), |p| p.display().to_string()),
         ];
-        if let Some((rank, step, panic)) = self.fault {
-            v.extend([rank.to_string(), step.to_string(), panic.to_string()]);
+        if let Some((rank, step, fault)) = self.fault {
+            v.extend([rank.to_string(), step.to_string(), format!("{fault:?}")]);
         }
         v
     }
@@ -742,7 +789,13 @@ impl MpiJob {
         let num = |i: usize| args.get(i)?.parse::<usize>().ok();
         let fault = match args.len() {
             7 => None,
-            10 => Some((num(7)?, num(8)?, args[9].parse().ok()?)),
+            10 => Some((
+                num(7)?,
+                num(8)?,
+                MpiFault::ALL
+                    .into_iter()
+                    .find(|f| format!("{f:?}") == args[9])?,
+            )),
             _ => return None,
         };
         let save_at = num(5).filter(|&s| s > 0);

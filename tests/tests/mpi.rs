@@ -15,16 +15,28 @@ use serde_json::Value;
 use wgpipe_pipeline::ScheduleKind;
 use wgpipe_tests::*;
 
-/// Runs `job` under `mpirun -np <ranks>` and returns each rank's results, by rank.
-fn mpirun(job: &MpiJob, ranks: usize, tag: &str) -> Vec<Value> {
-    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+/// `mpirun -np <ranks>`, ready for the program and its arguments.
+fn mpirun_np(ranks: usize) -> Command {
     let mut cmd = Command::new("mpirun");
     // Root in CI containers; more ranks than cores on small machines.
     cmd.args(["--allow-run-as-root", "--oversubscribe", "-np"])
-        .arg(ranks.to_string())
-        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+        .arg(ranks.to_string());
+    cmd
+}
+
+/// An empty folder of this test process for `name`.
+fn fresh_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs `job` under `mpirun -np <ranks>` and returns each rank's results, by rank.
+fn mpirun(job: &MpiJob, ranks: usize, tag: &str) -> Vec<Value> {
+    let dir = fresh_dir(tag);
+    let mut cmd = mpirun_np(ranks);
+    cmd.arg(env!("CARGO_BIN_EXE_mpi_worker"))
         .args(job.args())
         .arg(&dir);
     let mut child = cmd
@@ -99,6 +111,56 @@ fn in_process(job: &MpiJob, steps: usize) -> RunResult {
     pipe_train(&mut pipe, &x, &y, &mse, steps).0
 }
 
+/// Each rank holds only its own stages: its parameters are its device's share of the model
+/// (the stages placed on it in the same pipeline built in one process), on its own device
+/// (the memory counters of the others' devices show nothing), and so is its optimizer state
+/// (SGD with momentum: one buffer per parameter). The step report, gathered, shows every
+/// device's share.
+fn each_rank_holds_its_share(job: &MpiJob, ranks: &[Value], tag: &str) {
+    let one = sim_pipeline(MpiJob::model().0, &job.cfg());
+    let mut share = vec![0usize; job.k];
+    for s in one.stages() {
+        share[one.schedule().placement[s.index]] += 4 * s.num_params();
+    }
+    let whole: usize = one
+        .named_parameters()
+        .iter()
+        .map(|(_, p)| 4 * p.value().numel())
+        .sum();
+    assert_eq!(share.iter().sum::<usize>(), whole, "{tag}");
+    for (r, v) in ranks.iter().enumerate() {
+        let me = r % job.k;
+        let mut only_mine = vec![0u64; job.k];
+        only_mine[me] = share[me] as u64;
+        assert_eq!(v["held_param_bytes"], share[me] as u64, "{tag}: rank {r}");
+        for key in [
+            "built_param_bytes",
+            "final_param_bytes",
+            "final_optimizer_bytes",
+        ] {
+            let got: Vec<u64> = v[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap())
+                .collect();
+            assert_eq!(got, only_mine, "{tag}: rank {r}'s {key}");
+        }
+        // The report (the same on every rank) counts each device where it is.
+        let reported: Vec<usize> = v["report_param_bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as usize)
+            .collect();
+        assert_eq!(reported, share, "{tag}: rank {r}'s report");
+        println!(
+            "{tag}: rank {r} holds {} of the model's {whole} parameter bytes",
+            share[me]
+        );
+    }
+}
+
 #[test]
 fn mpi_ranks_train_bit_identically_to_one_process() {
     for (schedule, k) in [
@@ -113,7 +175,9 @@ fn mpi_ranks_train_bit_identically_to_one_process() {
     ] {
         let job = MpiJob::new(schedule, k);
         let tag = format!("{schedule:?}-np{k}");
-        let got = gather(&mpirun(&job, k, &tag), &tag);
+        let ranks = mpirun(&job, k, &tag);
+        each_rank_holds_its_share(&job, &ranks, &tag);
+        let got = gather(&ranks, &tag);
         let want = in_process(&job, job.steps);
         assert_eq!(
             got.params.len(),
@@ -164,14 +228,18 @@ fn two_replicas_of_two_ranks_equal_in_process_data_parallelism() {
 
 #[test]
 fn a_fault_on_one_rank_fails_every_rank_at_once_and_changes_nothing() {
-    for (panic, k) in [(false, 2), (true, 4)] {
+    for (fault, k) in [
+        (MpiFault::Error, 2),
+        (MpiFault::Panic, 4),
+        (MpiFault::OutOfMemory, 2),
+    ] {
         // Step 1 of 4 fails on the last rank (which holds the Fault layer).
         let job = MpiJob {
             steps: 4,
-            fault: Some((k - 1, 1, panic)),
+            fault: Some((k - 1, 1, fault)),
             ..MpiJob::new(ScheduleKind::OneFOneB, k)
         };
-        let tag = format!("fault-panic={panic}-np{k}");
+        let tag = format!("fault-{fault:?}-np{k}");
         let ranks = mpirun(&job, k, &tag);
         for (r, v) in ranks.iter().enumerate() {
             let errors = v["errors"].as_array().unwrap();
@@ -181,17 +249,17 @@ fn a_fault_on_one_rank_fails_every_rank_at_once_and_changes_nothing() {
             assert_eq!(e["step"], 1);
             let secs = e["secs"].as_f64().unwrap();
             assert!(secs < 1.0, "{tag}: rank {r} took {secs:.3} s to fail");
-            let want = if panic {
-                "injected panic"
-            } else {
-                "injected error"
+            let want: &[&str] = match fault {
+                MpiFault::Error => &["micro-batch 1", "Fault", "injected error"],
+                MpiFault::Panic => &["micro-batch 1", "Fault", "injected panic"],
+                // The first allocation past the cap, whichever it is: the bytes asked for
+                // and the room there was.
+                _ => &["out of memory", "asked for", "bytes live and a capacity of"],
             };
             assert!(
                 text.contains(&format!("rank {}", k - 1))
                     && text.contains(&format!("stage {}", k - 1))
-                    && text.contains("micro-batch 1")
-                    && text.contains("Fault")
-                    && text.contains(want),
+                    && want.iter().all(|w| text.contains(w)),
                 "{tag}: rank {r}: {text}"
             );
             println!("{tag}: rank {r} failed in {:.1} ms: {text}", secs * 1e3);
@@ -208,9 +276,161 @@ fn a_fault_on_one_rank_fails_every_rank_at_once_and_changes_nothing() {
 }
 
 #[test]
+fn an_optimizer_failure_on_one_rank_fails_every_rank_and_changes_nothing() {
+    // Step 1's optimizer step finds no room on rank 1's device; the worker retries it.
+    let job = MpiJob {
+        steps: 3,
+        fault: Some((1, 1, MpiFault::Optimizer)),
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    };
+    let tag = "optimizer-fault";
+    let ranks = mpirun(&job, 2, tag);
+    // What every parameter holds after step 0, before step 1's update.
+    let before: HashMap<String, Vec<f32>> = in_process(&job, 1).params.into_iter().collect();
+    for (r, v) in ranks.iter().enumerate() {
+        let errors = v["errors"].as_array().unwrap();
+        assert_eq!(errors.len(), 1, "{tag}: rank {r}: {errors:?}");
+        let e = &errors[0];
+        let text = e["text"].as_str().unwrap();
+        assert_eq!((&e["step"], &e["phase"]), (&1.into(), &"optimizer".into()));
+        assert!(
+            ["rank 1", "stage 1", "optimizer step", "out of memory"]
+                .iter()
+                .all(|w| text.contains(w)),
+            "{tag}: rank {r}: {text}"
+        );
+        // Every rank rolled its own stages back, the one that did not fail included.
+        let after = e["params_after"].as_object().unwrap();
+        assert!(!after.is_empty());
+        for (name, values) in after {
+            assert_eq!(
+                floats(values),
+                before[name],
+                "{tag}: rank {r} changed {name}"
+            );
+        }
+        println!("{tag}: rank {r}: {text}");
+    }
+    // The retried step applied the update once: the run equals an unfailed one.
+    let mut trained: Vec<Value> = ranks.clone();
+    for v in &mut trained {
+        v["errors"] = Value::Array(vec![]);
+    }
+    let got = gather(&trained, tag);
+    assert!(
+        got == in_process(&job, 3),
+        "{tag}: differs from an unfailed run"
+    );
+}
+
+#[test]
+fn a_rank_that_dies_ends_the_job_in_bounded_time_naming_it() {
+    // Rank 1 calls abort() in the forward of micro-batch 1 of step 1.
+    let job = MpiJob {
+        steps: 3,
+        fault: Some((1, 1, MpiFault::Abort)),
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    };
+    let dir = fresh_dir("abort");
+    let start = Instant::now();
+    let mut child = mpirun_np(2)
+        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+        .args(job.args())
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The bound: well under the peer time limit (60 s), far over what it takes (about 1 s).
+    let bound = Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > bound {
+            let _ = child.kill();
+            panic!("the job still runs {bound:?} after rank 1 died");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "the job succeeded: {text}");
+    assert!(
+        text.contains("rank 1") && text.contains("signal 6"),
+        "the message does not name the dead rank: {text}"
+    );
+    // No rank finished the job.
+    assert!(!dir.join("rank0.json").exists() && !dir.join("rank1.json").exists());
+    println!("the job ended {secs:.1} s after start: {}", text.trim());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_rank_that_hangs_is_taken_for_dead_within_the_peer_limit_naming_it() {
+    // Rank 1 stops (SIGSTOP, every thread frozen) in the forward of micro-batch 1 of step 1;
+    // mpirun sees nothing wrong, so only the heartbeats tell rank 0.
+    let job = MpiJob {
+        steps: 3,
+        fault: Some((1, 1, MpiFault::Stop)),
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    };
+    let dir = fresh_dir("stop");
+    let limit = 2.0;
+    let mut child = mpirun_np(2)
+        .arg("-x")
+        .arg(format!("WGPIPE_MPI_PEER_TIMEOUT={limit}"))
+        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+        .args(job.args())
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let result = dir.join("rank0.json");
+    while !result.exists() && start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Rank 1 is ended by hand either way (a stopped process takes SIGKILL), then mpirun.
+    if let Ok(pid) = std::fs::read_to_string(dir.join("rank1.pid")) {
+        let _ = Command::new("kill").args(["-KILL", pid.trim()]).status();
+    }
+    let bound = Instant::now();
+    while child.try_wait().unwrap().is_none() && bound.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(result.exists(), "rank 0 never finished while rank 1 hung");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&result).unwrap()).unwrap();
+    // Step 0 trained; steps 1 and 2 failed, naming rank 1, step 1 within the limit and a
+    // heartbeat or two (and step 2 at once).
+    assert_eq!(floats(&v["losses"]).len(), 1);
+    let errors = v["errors"].as_array().unwrap();
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    for (e, most) in errors.iter().zip([limit + 1.5, 0.5]) {
+        let text = e["text"].as_str().unwrap();
+        let secs = e["secs"].as_f64().unwrap();
+        assert!(
+            text.contains("rank 1 has sent nothing") && text.contains("taken for dead"),
+            "{text}"
+        );
+        assert!(
+            secs < most,
+            "step {} failed after {secs:.2} s: {text}",
+            e["step"]
+        );
+        println!("step {} failed after {secs:.2} s: {text}", e["step"]);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn a_checkpoint_gathered_from_the_ranks_resumes_bit_exactly_under_mpi_and_in_one_process() {
-    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-ckpt-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("ckpt");
     let base = MpiJob {
         steps: 4,
         ..MpiJob::new(ScheduleKind::OneFOneB, 2)
@@ -227,8 +447,7 @@ fn a_checkpoint_gathered_from_the_ranks_resumes_bit_exactly_under_mpi_and_in_one
         // mpirun() removes its folder, so run it by hand here.
         let out = dir.join("saving");
         std::fs::create_dir_all(&out).unwrap();
-        let status = Command::new("mpirun")
-            .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+        let status = mpirun_np(2)
             .arg(env!("CARGO_BIN_EXE_mpi_worker"))
             .args(saving.args())
             .arg(&out)
@@ -272,9 +491,7 @@ fn a_checkpoint_gathered_from_the_ranks_resumes_bit_exactly_under_mpi_and_in_one
 
 #[test]
 fn the_transformer_example_under_mpirun_trains_like_one_process_and_only_rank_0_writes() {
-    let dir = std::env::temp_dir().join(format!("wgpipe-mpi-example-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("example");
     let flags = |name: &str, extra: &[&str]| -> Vec<String> {
         let mut v: Vec<String> = [
             "--quiet",
@@ -302,8 +519,8 @@ fn the_transformer_example_under_mpirun_trains_like_one_process_and_only_rank_0_
             "0.1",
             "--schedule",
             "1f1b",
-            // Tied gradients are not summed across ranks yet (the builder refuses them).
-            "--untie-embeddings",
+            // Tied embeddings (the default): the first and last stage, on different ranks,
+            // sum their copies' gradients over MPI.
         ]
         .iter()
         .map(|s| s.to_string())
@@ -318,13 +535,7 @@ fn the_transformer_example_under_mpirun_trains_like_one_process_and_only_rank_0_
     for (ranks, extra) in [(2, &[][..]), (4, &["--replicas", "2"][..])] {
         let name = format!("np{ranks}");
         let summary = dir.join(format!("{name}.json"));
-        let out = Command::new("mpirun")
-            .args([
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "-np",
-                &ranks.to_string(),
-            ])
+        let out = mpirun_np(ranks)
             .arg(env!("CARGO_BIN_EXE_mpi_example"))
             .arg(&summary)
             .args(flags(&name, &[extra, &["--transport", "mpi"]].concat()))

@@ -9,7 +9,8 @@ use std::time::Instant;
 use serde_json::json;
 use wgpipe_pipeline::mpi_comm::MpiComm;
 use wgpipe_pipeline::{LoadOptions, SaveOptions, Transport};
-use wgpipe_tests::{mse, try_sim_pipeline, FaultKind, MpiJob, PipeCfg};
+use wgpipe_tensor::memory::Tag;
+use wgpipe_tests::{mse, try_sim_pipeline, FaultKind, MpiFault, MpiJob, PipeCfg};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -25,6 +26,9 @@ fn main() {
             std::process::exit(1);
         }
     };
+    // For the test that stops a rank: how to end it.
+    let pid = Path::new(out).join(format!("rank{}.pid", comm.rank()));
+    std::fs::write(&pid, std::process::id().to_string()).expect("writing the rank's pid");
     let result = run(&job, &comm, Path::new(out));
     let rank = comm.rank();
     comm.finish();
@@ -51,48 +55,120 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
         pipe.load(path, &LoadOptions::default())
             .map_err(|e| e.to_string())?;
     }
+    // What this rank holds after the build, per simulated device: only its own stages'
+    // parameters (the test compares with the stages' share of the model).
+    let devices = pipe
+        .sim_cluster()
+        .map(|c| c.devices().to_vec())
+        .unwrap_or_default();
+    let live = |tag: Tag| -> Vec<usize> {
+        devices
+            .iter()
+            .map(|d| d.memory_stats().live_of(tag))
+            .collect()
+    };
+    let held_params: usize = pipe
+        .named_parameters()
+        .iter()
+        .map(|(_, p)| 4 * p.value().numel())
+        .sum();
+    let built_param_bytes = live(Tag::Parameters);
+    let k = pipe.num_devices();
+    let my_device = devices[comm.rank() % k].clone();
     let (x, y) = MpiJob::data();
     let mut losses = Vec::new();
     let mut errors = Vec::new();
     let mut rows = 0;
+    // Each device's parameter bytes as the last step's report shows them.
+    let mut report_param_bytes = Vec::new();
     for step in 0..job.steps {
         if job.save_at == Some(step) {
             // The whole model on every rank, then one file from rank 0.
-            pipe.gather_stages().map_err(|e| e.to_string())?;
+            pipe.gather_stages(|| MpiJob::model().0)
+                .map_err(|e| e.to_string())?;
             if pipe.rank() == 0 {
                 pipe.save(out.join("ckpt.safetensors"), &SaveOptions::default())
                     .map_err(|e| e.to_string())?;
             }
         }
-        let armed = job
+        let injected = job
             .fault
             .filter(|&(r, s, _)| r == comm.rank() && s == step)
-            .map(|(_, _, panic)| {
-                let kind = if panic {
-                    FaultKind::Panic
-                } else {
-                    FaultKind::Error
-                };
-                (kind, 1)
-            });
-        fault.lock().unwrap().armed = armed;
+            .map(|(_, _, f)| f);
+        fault.lock().unwrap().armed = match injected {
+            Some(MpiFault::Error) => Some((FaultKind::Error, 1)),
+            Some(MpiFault::Panic) => Some((FaultKind::Panic, 1)),
+            Some(MpiFault::Abort) => Some((FaultKind::Abort, 1)),
+            Some(MpiFault::Stop) => Some((FaultKind::Stop, 1)),
+            _ => None,
+        };
+        // A memory cap on this rank's device: room for what lives now plus 192 bytes.
+        if injected == Some(MpiFault::OutOfMemory) {
+            let live = my_device.memory_stats().live;
+            my_device.memory().set_capacity(Some(live + 192));
+        }
         let t0 = Instant::now();
-        match pipe.train_step(&x, &y, &mse) {
+        let trained = pipe.train_step(&x, &y, &mse);
+        my_device.memory().set_capacity(None);
+        match trained {
             Ok(report) => {
                 losses.push(report.loss);
                 rows = report.stages.len();
-                pipe.optimizer_step().map_err(|e| e.to_string())?;
+                report_param_bytes = report
+                    .stages
+                    .iter()
+                    .map(|s| s.memory.live_of(Tag::Parameters))
+                    .collect();
+                if injected == Some(MpiFault::Optimizer) {
+                    // No room at all: the optimizer's first new tensor fails here.
+                    let live = my_device.memory_stats().live;
+                    my_device.memory().set_capacity(Some(live));
+                }
+                let t0 = Instant::now();
+                let stepped = pipe.optimizer_step();
+                my_device.memory().set_capacity(None);
+                if let Err(e) = stepped {
+                    errors.push(json!({
+                        "step": step,
+                        "phase": "optimizer",
+                        "text": e.to_string(),
+                        "secs": t0.elapsed().as_secs_f64(),
+                        // The parameters right after the failed step (as before it).
+                        "params_after": held_values(&pipe, comm.rank() % k)?,
+                    }));
+                    // Once more, with room: the gradients are still there.
+                    pipe.optimizer_step().map_err(|e| e.to_string())?;
+                }
             }
             Err(e) => errors.push(json!({
                 "step": step,
+                "phase": "train",
                 "text": e.to_string(),
                 "secs": t0.elapsed().as_secs_f64()
             })),
         }
     }
-    // This rank's stages: those placed on its device.
-    let k = pipe.num_devices();
     let me = comm.rank() % k;
+    Ok(json!({
+        "rank": comm.rank(),
+        "size": comm.size(),
+        "losses": losses,
+        "errors": errors,
+        "params": held_values(&pipe, me)?,
+        "report_rows": rows,
+        "held_param_bytes": held_params,
+        "built_param_bytes": built_param_bytes,
+        "final_param_bytes": live(Tag::Parameters),
+        "final_optimizer_bytes": live(Tag::OptimizerState),
+        "report_param_bytes": report_param_bytes,
+    }))
+}
+
+/// The values of the parameters of the stages on device `me` (this rank's), by name.
+fn held_values(
+    pipe: &wgpipe_pipeline::Pipeline,
+    me: usize,
+) -> Result<serde_json::Map<String, serde_json::Value>, String> {
     let mut params = serde_json::Map::new();
     for s in pipe.stages() {
         if pipe.schedule().placement[s.index] != me {
@@ -105,12 +181,5 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
             }
         }
     }
-    Ok(json!({
-        "rank": comm.rank(),
-        "size": comm.size(),
-        "losses": losses,
-        "errors": errors,
-        "params": params,
-        "report_rows": rows,
-    }))
+    Ok(params)
 }
