@@ -3,7 +3,8 @@
 mod common;
 
 use common::*;
-use wgpipe_autograd::{ForwardCtx, Module, Tape};
+use wgpipe_autograd::{ForwardCtx, Module, Tape, Var};
+use wgpipe_models::layers::attention::MASK_VALUE;
 use wgpipe_models::layers::*;
 use wgpipe_tensor::ops::Conv2dParams;
 
@@ -179,6 +180,85 @@ fn causal_mask_blocks_the_future() {
     }
     let m = vals(&causal_mask(3, &dev).unwrap());
     assert_eq!(m, vec![0., 1., 1., 0., 0., 1., 0., 0., 0.]);
+}
+
+/// The attention as it was before `Var::causal_attention` fused it: scale, mask, softmax,
+/// dropout and the two matmuls as separate ops (the reference for the fused op).
+fn unfused_attention(a: &CausalSelfAttention, x: &Var, ctx: &ForwardCtx) -> Var {
+    let s = x.shape().to_vec();
+    let (b, t, h) = (s[0], s[1], a.heads());
+    let dh = s[2] / h;
+    let split = |y: Var| {
+        y.reshape(&[b, t, h, dh])
+            .unwrap()
+            .permute(&[0, 2, 1, 3])
+            .unwrap()
+    };
+    let q = split(a.q.forward(x, ctx).unwrap());
+    let k = split(a.k.forward(x, ctx).unwrap());
+    let v = split(a.v.forward(x, ctx).unwrap());
+    let scores = q
+        .matmul(&k.transpose(-2, -1).unwrap())
+        .unwrap()
+        .mul_scalar(1.0 / (dh as f32).sqrt())
+        .unwrap();
+    let mask = causal_mask(t, x.value().device()).unwrap();
+    let probs = scores
+        .masked_fill(&mask, MASK_VALUE)
+        .unwrap()
+        .softmax(-1)
+        .unwrap();
+    let probs = a.attn_dropout.forward(&probs, ctx).unwrap();
+    let y = probs
+        .matmul(&v)
+        .unwrap()
+        .permute(&[0, 2, 1, 3])
+        .unwrap()
+        .reshape(&[b, t, s[2]])
+        .unwrap();
+    a.out.forward(&y, ctx).unwrap()
+}
+
+/// Output, input gradient and parameter gradients of `f` on `x`, loss `sum(y * w)`.
+fn output_and_grads(
+    a: &CausalSelfAttention,
+    x: &wgpipe_tensor::Tensor,
+    f: impl Fn(&Var) -> Var,
+) -> Vec<Vec<f32>> {
+    let tape = Tape::new();
+    let xv = tape.leaf(x.clone());
+    let y = f(&xv);
+    let w = rand(y.shape(), 99);
+    let grads = tape.backward_with(&y, &w).unwrap();
+    let mut out = vec![vals(y.value()), vals(grads.get(&xv).unwrap())];
+    for (_, p) in a.parameters() {
+        out.push(vals(&p.grad().unwrap()));
+        p.zero_grad();
+    }
+    out
+}
+
+#[test]
+fn fused_attention_equals_the_unfused_chain_bit_for_bit() {
+    for (p, ctx) in [
+        (0.0, ForwardCtx::train(4, 0, 1)),
+        (0.3, ForwardCtx::train(4, 2, 1)),
+        (0.3, ForwardCtx::eval()),
+    ] {
+        let a = CausalSelfAttention::new(16, 4, p, 7, &cpu()).unwrap();
+        let x = rand(&[3, 9, 16], 8);
+        let fused = output_and_grads(&a, &x, |x| a.forward(x, &ctx).unwrap());
+        let unfused = output_and_grads(&a, &x, |x| unfused_attention(&a, x, &ctx));
+        let names = ["output", "input grad"];
+        let params: Vec<String> = a.parameters().into_iter().map(|(n, _)| n).collect();
+        for (i, (f, u)) in fused.iter().zip(&unfused).enumerate() {
+            let what = names
+                .get(i)
+                .copied()
+                .unwrap_or_else(|| params[i - 2].as_str());
+            assert_eq!(f, u, "{what} (dropout {p}, train {})", ctx.train);
+        }
+    }
 }
 
 #[test]

@@ -112,6 +112,10 @@ pub enum Kernel {
         log: bool,
         wg: u32,
     },
+    /// The backward of a (scaled) softmax row.
+    SoftmaxBackward {
+        wg: u32,
+    },
     LayerNorm {
         wg: u32,
     },
@@ -159,6 +163,7 @@ impl Kernel {
             Kernel::Fill => plain(FILL),
             Kernel::Reduce { op, mode, wg } => rows::reduce(op, mode, wg),
             Kernel::Softmax { log, wg } => rows::softmax(log, wg),
+            Kernel::SoftmaxBackward { wg } => rows::softmax_backward(wg),
             Kernel::LayerNorm { wg } => rows::layer_norm(wg),
             Kernel::Matmul(cfg) => cfg.source(),
             Kernel::MatmulSubgroup(cfg) => cfg.source(),
@@ -184,6 +189,7 @@ impl Kernel {
             Kernel::Fill => FillParams::NAME,
             Kernel::Reduce { .. } => ReduceParams::NAME,
             Kernel::Softmax { .. } => SoftmaxParams::NAME,
+            Kernel::SoftmaxBackward { .. } => SoftmaxBackwardParams::NAME,
             Kernel::LayerNorm { .. } => LayerNormParams::NAME,
             Kernel::Matmul(_) => MatmulParams::NAME,
             Kernel::MatmulSubgroup(_) => SubgroupMatmulParams::NAME,
@@ -231,6 +237,7 @@ impl Kernel {
                 ReduceMode::Final => seq(2, 1),
             },
             Kernel::Softmax { .. } => seq(1, 1),
+            Kernel::SoftmaxBackward { .. } => seq(2, 1),
             Kernel::LayerNorm { .. } => seq(3, 3),
             Kernel::Matmul(_) | Kernel::MatmulSubgroup(_) => seq(2, 1),
             Kernel::Pack => seq(1, 1),
@@ -247,9 +254,10 @@ impl Kernel {
     /// Invocations per workgroup (the host sizes dispatches with it).
     pub fn workgroup_size(&self) -> u32 {
         match self {
-            Kernel::Reduce { wg, .. } | Kernel::Softmax { wg, .. } | Kernel::LayerNorm { wg } => {
-                *wg
-            }
+            Kernel::Reduce { wg, .. }
+            | Kernel::Softmax { wg, .. }
+            | Kernel::SoftmaxBackward { wg }
+            | Kernel::LayerNorm { wg } => *wg,
             Kernel::Matmul(cfg) => cfg.threads(),
             Kernel::MatmulSubgroup(cfg) => cfg.sg,
             _ => ELEMENTWISE_WG,
@@ -275,6 +283,7 @@ impl Kernel {
             v.extend([
                 Kernel::Softmax { log: false, wg },
                 Kernel::Softmax { log: true, wg },
+                Kernel::SoftmaxBackward { wg },
                 Kernel::LayerNorm { wg },
             ]);
         }

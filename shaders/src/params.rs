@@ -95,7 +95,16 @@ param_block! {
 param_block! {
     /// `softmax.wgsl`.
     SoftmaxParams {
-        rows: u32, cols: u32, x_offset: u32,
+        rows: u32, cols: u32, x_offset: u32, scale: f32,
+        /// Nonzero: causal attention scores, row r sees columns `0..=r % cols`.
+        causal: u32,
+    }
+}
+
+param_block! {
+    /// `softmax_backward.wgsl`.
+    SoftmaxBackwardParams {
+        rows: u32, cols: u32, scale: f32, y_offset: u32, g_offset: u32,
     }
 }
 
@@ -179,8 +188,8 @@ macro_rules! all_blocks {
 }
 
 all_blocks! {
-    FillParams, EwParams, CopyParams, ReduceParams, SoftmaxParams, LayerNormParams,
-    MatmulParams, SubgroupMatmulParams, PackParams, IndexParams, SpatialParams, DropoutParams,
+    FillParams, EwParams, CopyParams, ReduceParams, SoftmaxParams, SoftmaxBackwardParams,
+    LayerNormParams,    MatmulParams, SubgroupMatmulParams, PackParams, IndexParams, SpatialParams, DropoutParams,
     AdamParams,
 }
 

@@ -135,6 +135,26 @@ pub(crate) trait Kernels: Send + Sync {
     fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor>;
     /// `x` contiguous `[rows, cols]`; numerically stable (log-)softmax of each row.
     fn softmax_rows(&self, x: &Tensor, rows: usize, cols: usize, log: bool) -> Result<Tensor>;
+    /// `x` contiguous `[rows, cols]`, seen as `[rows / cols, cols, cols]` attention scores (query
+    /// `r % cols` on row `r`): softmax of `scale * x` over the keys `0..=r % cols`, zeros on the
+    /// future keys. Bit for bit the scaled, `-1e9`-masked softmax it replaces.
+    fn causal_softmax_rows(
+        &self,
+        x: &Tensor,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<Tensor>;
+    /// `y` (softmaxed rows) and `g` (their gradient) contiguous `[rows, cols]`: the gradient of
+    /// the rows' inputs, `scale * y * (g - sum(g * y))`, for `y = softmax(scale * x)`.
+    fn softmax_backward_rows(
+        &self,
+        y: &Tensor,
+        g: &Tensor,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<Tensor>;
     /// Batched matmul on strided operands; output contiguous `[batch, m, n]`.
     fn matmul(
         &self,

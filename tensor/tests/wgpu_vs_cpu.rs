@@ -507,6 +507,49 @@ fn softmax_log_softmax_layer_norm() {
     );
 }
 
+#[test]
+fn causal_softmax_and_softmax_backward() {
+    let strat = (
+        prop::collection::vec(1usize..4, 0..3),
+        1usize..40,
+        view(),
+        view(),
+        any::<u64>(),
+        any::<bool>(),
+    );
+    run(
+        "causal_softmax/softmax_backward",
+        strat,
+        |dev, (batch, mut t, v, vg, seed, long)| {
+            if long {
+                // now and then rows longer than one workgroup
+                t = 300 + (seed % 100) as usize;
+            }
+            let mut shape = batch;
+            shape.extend([t, t]);
+            let scale = 0.1 + (seed % 29) as f32 / 10.0;
+            let all = |dv: &Device| -> Vec<Tensor> {
+                let x = operand(dv, &shape, v, seed, false, |x| 3.0 * x);
+                let y = x.causal_softmax(scale).unwrap();
+                let g = operand(dv, &shape, vg, seed ^ 5, false, id);
+                let dx = Tensor::softmax_backward(&y, &g, scale).unwrap();
+                vec![y, dx]
+            };
+            let names = ["causal_softmax", "softmax_backward"];
+            for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(names) {
+                close(
+                    g,
+                    &c,
+                    1e-4,
+                    1e-5,
+                    &format!("{name} of {shape:?} scale {scale}"),
+                )?;
+            }
+            Ok(())
+        },
+    );
+}
+
 // ---------------------------------------------------------------- matmul
 
 #[test]

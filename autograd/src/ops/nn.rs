@@ -104,11 +104,9 @@ impl Var {
     /// stream `ctx.rng_stream(site)`, so a re-run (recompute) with the same `ctx` and `site`
     /// replays it bit for bit. The identity when `!ctx.train` or `p == 0`.
     pub fn dropout(&self, p: f32, ctx: &ForwardCtx, site: u64) -> Result<Var> {
-        if !ctx.train || p == 0.0 {
+        let Some(mask) = ctx.dropout_mask(self.shape(), p, site, self.device())? else {
             return Ok(self.clone());
-        }
-        let (seed, offset) = ctx.rng_stream(site);
-        let mask = Tensor::dropout_mask(self.shape(), p, seed, offset, self.device())?;
+        };
         let y = self.value.mul(&mask)?;
         Var::from_op("dropout", &[self], y, move |g, _| {
             Ok(vec![Some(g.mul(&mask)?)])

@@ -187,6 +187,31 @@ impl Kernels for CpuKernels {
         Ok(out.into_tensor(&[rows, cols], x.device()))
     }
 
+    fn causal_softmax_rows(
+        &self,
+        x: &Tensor,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let mut out = Out::for_overwrite(x.device(), rows * cols)?;
+        reduce::causal_softmax_rows(&mut out.data, &contig(x), cols, scale);
+        Ok(out.into_tensor(&[rows, cols], x.device()))
+    }
+
+    fn softmax_backward_rows(
+        &self,
+        y: &Tensor,
+        g: &Tensor,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let mut out = Out::for_overwrite(y.device(), rows * cols)?;
+        reduce::softmax_backward_rows(&mut out.data, &contig(y), &contig(g), cols, scale);
+        Ok(out.into_tensor(&[rows, cols], y.device()))
+    }
+
     fn matmul(
         &self,
         a: &Tensor,
