@@ -436,6 +436,24 @@ fn grad_softmax() {
 }
 
 #[test]
+fn grad_bias_act() {
+    for op in wgpipe_autograd::tensor::BIAS_ACTIVATIONS {
+        // z at least 0.015 from 0 and |bias| < 0.005: no finite difference (eps 1e-3) moves
+        // z + bias across relu's kink.
+        let zb = [
+            spaced(&[&[2, 3, 4]], 41).remove(0),
+            uniform(&[4], -0.005, 0.005, 42),
+        ];
+        gradcheck(&format!("bias_act {}", op.name()), &zb, |v| {
+            v[0].bias_act(&v[1], op)
+        });
+        gradcheck(&format!("bias_act {} of a view", op.name()), &zb, |v| {
+            v[0].permute(&[1, 0, 2])?.bias_act(&v[1], op)
+        });
+    }
+}
+
+#[test]
 fn grad_causal_attention() {
     // q, k, v [2, 2, 5, 3], scores scaled up so the softmax is far from uniform.
     let qkv = [
@@ -835,6 +853,12 @@ fn wgpu_gradients_match_cpu() {
     same_on_wgpu("dropout", dev, &[randn(&[4, 8], 106)], move |v| {
         v[0].dropout(0.5, &ctx, 4)
     });
+    for op in wgpipe_autograd::tensor::BIAS_ACTIVATIONS {
+        let zb = [randn(&[6, 5], 110), randn(&[5], 111)];
+        same_on_wgpu(&format!("bias_act {}", op.name()), dev, &zb, move |v| {
+            v[0].bias_act(&v[1], op)
+        });
+    }
     // t = 70: rows longer than the row kernels' workgroup on lavapipe.
     let qkv = [
         randn(&[2, 70, 4], 107),

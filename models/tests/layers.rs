@@ -221,7 +221,7 @@ fn unfused_attention(a: &CausalSelfAttention, x: &Var, ctx: &ForwardCtx) -> Var 
 
 /// Output, input gradient and parameter gradients of `f` on `x`, loss `sum(y * w)`.
 fn output_and_grads(
-    a: &CausalSelfAttention,
+    a: &dyn Module,
     x: &wgpipe_tensor::Tensor,
     f: impl Fn(&Var) -> Var,
 ) -> Vec<Vec<f32>> {
@@ -258,6 +258,61 @@ fn fused_attention_equals_the_unfused_chain_bit_for_bit() {
                 .unwrap_or_else(|| params[i - 2].as_str());
             assert_eq!(f, u, "{what} (dropout {p}, train {})", ctx.train);
         }
+    }
+}
+
+#[test]
+fn linear_with_activation_equals_linear_then_activation_bit_for_bit() {
+    let ctx = ForwardCtx::train(1, 0, 0);
+    let x = rand(&[3, 4, 12], 3);
+    for op in wgpipe_tensor::BIAS_ACTIVATIONS {
+        let fused = Linear::new(12, 7, 4, &cpu())
+            .unwrap()
+            .with_activation(op)
+            .unwrap();
+        assert_eq!(fused.activation(), Some(op));
+        let got = output_and_grads(&fused, &x, |x| fused.forward(x, &ctx).unwrap());
+        let want = output_and_grads(&fused, &x, |x| {
+            // the unfused form: matmul + bias (the layer without activation), then the op
+            fused.forward_act(x, None).unwrap().unary(op).unwrap()
+        });
+        assert_eq!(got, want, "{}", op.name());
+    }
+    // Without a bias the activation is applied on its own.
+    let nobias = Linear::with_bias(12, 7, false, 4, &cpu())
+        .unwrap()
+        .with_activation(wgpipe_tensor::UnaryOp::Relu)
+        .unwrap();
+    let y = vals(&run(&nobias, &x));
+    let plain = vals(&run(
+        &Linear::with_bias(12, 7, false, 4, &cpu()).unwrap(),
+        &x,
+    ));
+    assert_eq!(y, plain.iter().map(|v| v.max(0.0)).collect::<Vec<_>>());
+    let err = Linear::new(2, 2, 0, &cpu())
+        .unwrap()
+        .with_activation(wgpipe_tensor::UnaryOp::Exp)
+        .err()
+        .expect("exp is not a fusable activation")
+        .to_string();
+    assert!(err.contains("exp"), "{err}");
+}
+
+#[test]
+fn mlp_fused_gelu_equals_the_unfused_layers_bit_for_bit() {
+    let ctx = ForwardCtx::train(1, 0, 0);
+    let x = rand(&[2, 5, 8], 6);
+    for gelu in [Gelu::Tanh, Gelu::Exact] {
+        let mut mlp = Mlp::new(8, 32, 9, &cpu()).unwrap();
+        mlp.gelu = gelu;
+        let got = output_and_grads(&mlp, &x, |x| mlp.forward(x, &ctx).unwrap());
+        let want = output_and_grads(&mlp, &x, |x| {
+            let h = gelu
+                .forward(&mlp.fc1.forward(x, &ctx).unwrap(), &ctx)
+                .unwrap();
+            mlp.fc2.forward(&h, &ctx).unwrap()
+        });
+        assert_eq!(got, want, "{gelu:?}");
     }
 }
 

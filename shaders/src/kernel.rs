@@ -71,6 +71,20 @@ impl SpatialKernel {
     }
 }
 
+/// The activations [`Kernel::BiasAct`] is built for (what `Tensor::bias_act` accepts).
+pub const BIAS_ACTIVATIONS: [UnaryOp; 3] = [UnaryOp::Relu, UnaryOp::Gelu, UnaryOp::GeluTanh];
+
+/// `body` (an elementwise kernel calling `act` / `act_grad`) with `op` and its derivative as
+/// those functions.
+fn with_act(op: UnaryOp, body: &str) -> String {
+    format!(
+        "{body}\nfn act(a: f32, s0: f32, s1: f32) -> f32 {{\n    return {};\n}}\n\
+         fn act_grad(a: f32, s0: f32, s1: f32) -> f32 {{\n    return {};\n}}\n",
+        op.wgsl(),
+        op.wgsl_grad()
+    )
+}
+
 /// One compute kernel variant: what the runtime compiles and caches a pipeline for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
@@ -96,6 +110,16 @@ pub enum Kernel {
     },
     /// `out = a != 0 ? b : c`.
     Where {
+        layout: EwLayout,
+    },
+    /// `out = op(a + b)`: a bias (`b`, broadcast) and an activation after a matmul, one pass.
+    BiasAct {
+        op: UnaryOp,
+        layout: EwLayout,
+    },
+    /// `out = c * op'(a + b)`: the backward of [`Kernel::BiasAct`] (`c` the output gradient).
+    BiasActGrad {
+        op: UnaryOp,
         layout: EwLayout,
     },
     /// Strided-to-strided copy (concat).
@@ -159,6 +183,13 @@ impl Kernel {
             }
             Kernel::Binary { op, layout } => elementwise::source(2, layout, op.wgsl()),
             Kernel::Where { layout } => elementwise::source(3, layout, "select(c, b, a != 0.0)"),
+            Kernel::BiasAct { op, layout } => {
+                with_act(op, &elementwise::source(2, layout, "act(a + b, s0, s1)"))
+            }
+            Kernel::BiasActGrad { op, layout } => with_act(
+                op,
+                &elementwise::source(3, layout, "c * act_grad(a + b, s0, s1)"),
+            ),
             Kernel::CopyStrided => plain(COPY_STRIDED),
             Kernel::Fill => plain(FILL),
             Kernel::Reduce { op, mode, wg } => rows::reduce(op, mode, wg),
@@ -184,7 +215,9 @@ impl Kernel {
             | Kernel::Unary { .. }
             | Kernel::UnaryGrad { .. }
             | Kernel::Binary { .. }
-            | Kernel::Where { .. } => EwParams::NAME,
+            | Kernel::Where { .. }
+            | Kernel::BiasAct { .. }
+            | Kernel::BiasActGrad { .. } => EwParams::NAME,
             Kernel::CopyStrided => CopyParams::NAME,
             Kernel::Fill => FillParams::NAME,
             Kernel::Reduce { .. } => ReduceParams::NAME,
@@ -229,6 +262,8 @@ impl Kernel {
             Kernel::Copy { .. } | Kernel::Unary { .. } => seq(1, 1),
             Kernel::UnaryGrad { .. } | Kernel::Binary { .. } => seq(2, 1),
             Kernel::Where { .. } => seq(3, 1),
+            Kernel::BiasAct { .. } => seq(2, 1),
+            Kernel::BiasActGrad { .. } => seq(3, 1),
             Kernel::CopyStrided => seq(1, 1),
             Kernel::Fill | Kernel::Dropout => seq(0, 1),
             Kernel::Reduce { mode, .. } => match mode {
@@ -274,6 +309,12 @@ impl Kernel {
             }
             v.extend(BinaryOp::ALL.map(|op| Kernel::Binary { op, layout }));
             v.push(Kernel::Where { layout });
+            for op in BIAS_ACTIVATIONS {
+                v.extend([
+                    Kernel::BiasAct { op, layout },
+                    Kernel::BiasActGrad { op, layout },
+                ]);
+            }
         }
         v.extend([Kernel::CopyStrided, Kernel::Fill]);
         for wg in ROW_WG_CHOICES {

@@ -116,6 +116,11 @@ pub(crate) trait Kernels: Send + Sync {
     /// `g * op'(x)`: the backward of a unary op, `x` its input and `g` the output gradient (views
     /// of one shape).
     fn unary_grad(&self, op: UnaryOp, x: &Tensor, g: &Tensor) -> Result<Tensor>;
+    /// `op(z + b)` for contiguous `z` `[rows, cols]` and a contiguous bias `b` `[cols]` added to
+    /// every row: a Linear layer's bias and activation in one pass.
+    fn bias_act(&self, op: UnaryOp, z: &Tensor, b: &Tensor) -> Result<Tensor>;
+    /// `g * op'(z + b)`, the backward of [`Kernels::bias_act`] (`g` contiguous like `z`).
+    fn bias_act_grad(&self, op: UnaryOp, z: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor>;
     /// `a` and `b` are views of the same shape (broadcast already applied as zero strides).
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor>;
     /// `cond != 0 ? a : b`, all three views of the same shape.

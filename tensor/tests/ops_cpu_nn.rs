@@ -4,7 +4,7 @@ mod common;
 
 use common::*;
 use proptest::prelude::*;
-use wgpipe_tensor::{Device, Error, Tensor};
+use wgpipe_tensor::{Device, Error, Tensor, UnaryOp};
 
 /// (log-)softmax along `axis` of `x`, in f64.
 fn softmax_ref(x: &Nd, axis: usize, log: bool) -> Nd {
@@ -159,6 +159,38 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(cases(32))]
+
+    /// The fused bias + activation and its backward bit for bit against the unfused ops (add,
+    /// then the activation; unary_grad at the sum), and near an f64 reference.
+    #[test]
+    fn bias_act_matches_the_unfused_ops(
+        shape in prop::collection::vec(1usize..9, 1..4),
+        variant in 0..VARIANTS,
+        which in 0usize..3,
+        seed in 0u64..1000,
+    ) {
+        let op = wgpipe_tensor::BIAS_ACTIVATIONS[which];
+        let n = *shape.last().unwrap();
+        let z = Nd::rand(&shape, seed, -3.0, 3.0);
+        let b = Nd::rand(&[n], seed ^ 3, -1.0, 1.0);
+        let g = Nd::rand(&shape, seed ^ 5, -1.0, 1.0);
+        let (zt, bt, gt) = (z.tensor_as(variant), b.tensor(), g.tensor_as(variant));
+        let y = zt.bias_act(&bt, op).unwrap();
+        let pre = zt.add(&bt).unwrap();
+        prop_assert_eq!(y.to_vec().unwrap(), pre.unary(op).unwrap().to_vec().unwrap());
+        let dz = Tensor::bias_act_grad(&zt, &bt, &gt, op).unwrap();
+        let unfused = pre.unary_grad(op, &gt).unwrap();
+        prop_assert_eq!(dz.to_vec().unwrap(), unfused.to_vec().unwrap());
+        let r = shape.len();
+        let want_y = Nd::from_fn(&shape, |i| op.eval(z.at(i) + b.at(&[i[r - 1]])));
+        let want_dz = Nd::from_fn(&shape, |i| g.at(i) * op.grad(z.at(i) + b.at(&[i[r - 1]])));
+        assert_nd(&y, &want_y, 1e-6, 1e-7);
+        assert_nd(&dz, &want_dz, 1e-6, 1e-7);
+    }
+}
+
 #[test]
 fn softmax_is_stable_and_handles_size_one_axes() {
     let dev = Device::cpu();
@@ -259,6 +291,15 @@ fn dropout_mask_is_the_counter_based_stream() {
 fn nn_errors_name_op_and_shapes() {
     let dev = Device::cpu();
     let x = Tensor::zeros(&[2, 3], &dev).unwrap();
+    let bias = Tensor::zeros(&[3], &dev).unwrap();
+    let msg = x.bias_act(&bias, UnaryOp::Exp).unwrap_err().to_string();
+    assert!(msg.contains("exp") && msg.contains("relu"), "{msg}");
+    let msg = x.bias_act(&x, UnaryOp::Relu).unwrap_err().to_string();
+    assert!(msg.contains("[2, 3]"), "{msg}");
+    let msg = Tensor::bias_act_grad(&x, &bias, &bias, UnaryOp::Relu)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("[3]") && msg.contains("[2, 3]"), "{msg}");
     let msg = x.causal_softmax(1.0).unwrap_err().to_string();
     assert!(
         msg.contains("causal_softmax") && msg.contains("[2, 3]"),

@@ -2,6 +2,7 @@
 //! [`Var::from_op`](crate::var::Var::from_op), the one place a node is made.
 
 mod attention;
+mod bias_act;
 mod elementwise;
 mod index;
 mod linalg;

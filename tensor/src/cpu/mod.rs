@@ -12,6 +12,7 @@ use crate::memory::Allocation;
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
+mod bias_act;
 mod conv;
 mod elementwise;
 pub(crate) mod host_pool;
@@ -145,6 +146,19 @@ impl Kernels for CpuKernels {
         let mut out = Out::for_overwrite(x.device(), x.numel())?;
         elementwise::unary_grad(op, &mut out.data, data(x), x.layout(), data(g), g.layout());
         Ok(out.into_tensor(x.shape(), x.device()))
+    }
+
+    fn bias_act(&self, op: UnaryOp, z: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let mut out = Out::for_overwrite(z.device(), z.numel())?;
+        bias_act::bias_act(op, &mut out.data, &contig(z), &contig(b), None);
+        Ok(out.into_tensor(z.shape(), z.device()))
+    }
+
+    fn bias_act_grad(&self, op: UnaryOp, z: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let mut out = Out::for_overwrite(z.device(), z.numel())?;
+        let g = contig(g);
+        bias_act::bias_act(op, &mut out.data, &contig(z), &contig(b), Some(&g));
+        Ok(out.into_tensor(z.shape(), z.device()))
     }
 
     fn sum_leading(&self, x: &Tensor, width: usize) -> Option<Result<Tensor>> {

@@ -426,6 +426,25 @@ impl Kernels for WgpuContext {
         self.map(|layout| Kernel::unary_grad(op, layout), &[x, g], s0, s1)
     }
 
+    fn bias_act(&self, op: UnaryOp, z: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let [s0, s1] = op.scalars();
+        let op = op.kernel_key();
+        let b = b.broadcast_to(z.shape())?;
+        self.map(|layout| Kernel::BiasAct { op, layout }, &[z, &b], s0, s1)
+    }
+
+    fn bias_act_grad(&self, op: UnaryOp, z: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let [s0, s1] = op.scalars();
+        let op = op.kernel_key();
+        let b = b.broadcast_to(z.shape())?;
+        self.map(
+            |layout| Kernel::BiasActGrad { op, layout },
+            &[z, &b, g],
+            s0,
+            s1,
+        )
+    }
+
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         self.map(|layout| Kernel::Binary { op, layout }, &[a, b], 0.0, 0.0)
     }
