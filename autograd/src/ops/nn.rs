@@ -8,11 +8,16 @@ use crate::module::ForwardCtx;
 use crate::var::Var;
 
 impl Var {
-    /// Softmax along `axis`: `dx = y * (g - sum(g * y))`.
+    /// Softmax along `axis`: `dx = y * (g - sum(g * y))`, in one fused kernel along the last
+    /// axis (the same arithmetic as the four ops used along the others).
     pub fn softmax(&self, axis: isize) -> Result<Var> {
         let y = self.value.softmax(axis)?;
         let yy = y.clone();
+        let last = axis == -1 || axis + 1 == self.value.rank() as isize;
         Var::from_op("softmax", &[self], y, move |g, _| {
+            if last {
+                return Ok(vec![Some(Tensor::softmax_backward(&yy, g, 1.0)?)]);
+            }
             let gy = g.mul(&yy)?;
             let s = gy.sum(&[axis], true)?;
             Ok(vec![Some(gy.sub(&yy.mul(&s)?)?)])
