@@ -24,11 +24,11 @@ use crate::autograd::{AdamW, ForwardCtx, Module, Sgd, Tape, Var};
 use crate::bail;
 use crate::error::{AppError, AppResult, Context};
 use crate::models::{
-    cross_entropy, finish_step_all, forward_all, mse, sequence_parameters, Gelu, Linear, Relu,
+    cross_entropy, finish_step_all, forward_all, mse, sequence_parameters, Gelu, Linear,
     TransformerBlock, TransformerLm,
 };
 use crate::pipeline::{CheckpointMode, Pipeline};
-use crate::tensor::{Device, Tensor};
+use crate::tensor::{Device, Tensor, UnaryOp};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Workload {
@@ -146,10 +146,12 @@ fn workload(w: Workload, dev: &Device) -> AppResult<Work> {
         Workload::Mlp => {
             let mut layers: Vec<Box<dyn Module>> = Vec::new();
             for i in 0..4 {
-                layers.push(Box::new(Linear::new(1024, 1024, i, dev)?));
-                if i < 3 {
-                    layers.push(Box::new(Relu));
-                }
+                let linear = Linear::new(1024, 1024, i, dev)?;
+                layers.push(Box::new(if i < 3 {
+                    linear.with_activation(UnaryOp::Relu)?
+                } else {
+                    linear
+                }));
             }
             let x = Tensor::rand_normal(&[256, 1024], 0.0, 1.0, 1, dev)?;
             let y = Tensor::rand_normal(&[256, 1024], 0.0, 1.0, 2, dev)?;

@@ -1,7 +1,7 @@
 //! The `Module` trait: what a layer must say so that it can run plain or inside a pipeline stage.
 
 use wgpipe_tensor::rng::{splitmix64, GOLDEN_GAMMA};
-use wgpipe_tensor::{Device, Result};
+use wgpipe_tensor::{Device, Result, Tensor};
 
 use crate::param::Param;
 use crate::skips::Skips;
@@ -66,6 +66,21 @@ impl ForwardCtx {
             h = splitmix64(h ^ v);
         }
         (self.seed, h)
+    }
+    /// The inverted-dropout multipliers of `shape` for random op `site` (see
+    /// [`Self::rng_stream`]), or `None` when nothing is dropped (`!train` or `p == 0`).
+    pub fn dropout_mask(
+        &self,
+        shape: &[usize],
+        p: f32,
+        site: u64,
+        dev: &Device,
+    ) -> Result<Option<Tensor>> {
+        if !self.train || p == 0.0 {
+            return Ok(None);
+        }
+        let (seed, offset) = self.rng_stream(site);
+        Tensor::dropout_mask(shape, p, seed, offset, dev).map(Some)
     }
 }
 

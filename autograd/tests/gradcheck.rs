@@ -436,6 +436,80 @@ fn grad_softmax() {
 }
 
 #[test]
+fn grad_bias_act() {
+    for op in wgpipe_autograd::tensor::BIAS_ACTIVATIONS {
+        // z at least 0.015 from 0 and |bias| < 0.005: no finite difference (eps 1e-3) moves
+        // z + bias across relu's kink.
+        let zb = [
+            spaced(&[&[2, 3, 4]], 41).remove(0),
+            uniform(&[4], -0.005, 0.005, 42),
+        ];
+        gradcheck(&format!("bias_act {}", op.name()), &zb, |v| {
+            v[0].bias_act(&v[1], op)
+        });
+        gradcheck(&format!("bias_act {} of a view", op.name()), &zb, |v| {
+            v[0].permute(&[1, 0, 2])?.bias_act(&v[1], op)
+        });
+    }
+}
+
+#[test]
+fn grad_causal_attention() {
+    // q, k, v [2, 2, 5, 3], scores scaled up so the softmax is far from uniform.
+    let qkv = [
+        randn(&[2, 2, 5, 3], 38),
+        randn(&[2, 2, 5, 3], 39),
+        randn(&[2, 2, 5, 3], 40),
+    ];
+    gradcheck("causal_attention", &qkv, |v| {
+        v[0].causal_attention(&v[1], &v[2], 1.7, None)
+    });
+    // Strided views as inputs (what the model passes: heads permuted out of [B, T, H, dh]).
+    gradcheck("causal_attention of views", &qkv, |v| {
+        let view = |x: &Var| x.permute(&[0, 2, 1, 3]);
+        view(&v[0])?.causal_attention(&view(&v[1])?, &view(&v[2])?, 0.6, None)
+    });
+    let ctx = ForwardCtx::train(3, 1, 0);
+    let mask = ctx
+        .dropout_mask(&[2, 2, 5, 5], 0.4, 1, &cpu())
+        .unwrap()
+        .expect("a training context drops");
+    gradcheck("causal_attention with dropout", &qkv, move |v| {
+        v[0].causal_attention(&v[1], &v[2], 0.8, Some(&mask))
+    });
+    // One input only needing a gradient (the others constants).
+    gradcheck("causal_attention grad of k only", &qkv[1..2], |v| {
+        let tape = v[0].tape();
+        let (q, vv) = (tape.constant(qkv[0].clone()), tape.constant(qkv[2].clone()));
+        q.causal_attention(&v[0], &vv, 1.3, None)
+    });
+}
+
+#[test]
+fn causal_attention_refuses_bad_shapes() {
+    let tape = wgpipe_autograd::Tape::new();
+    let a = tape.leaf(randn(&[2, 4, 3], 1));
+    let b = tape.leaf(randn(&[2, 5, 3], 2));
+    let msg = a
+        .causal_attention(&b, &a, 1.0, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("[2, 4, 3]") && msg.contains("[2, 5, 3]"),
+        "{msg}"
+    );
+    let wrong_mask = randn(&[2, 3, 3], 3);
+    let msg = a
+        .causal_attention(&a, &a, 1.0, Some(&wrong_mask))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("[2, 3, 3]") && msg.contains("[2, 4, 4]"),
+        "{msg}"
+    );
+}
+
+#[test]
 fn grad_layer_norm() {
     gradcheck(
         "layer_norm",
@@ -778,5 +852,28 @@ fn wgpu_gradients_match_cpu() {
     let ctx = ForwardCtx::train(1, 2, 3);
     same_on_wgpu("dropout", dev, &[randn(&[4, 8], 106)], move |v| {
         v[0].dropout(0.5, &ctx, 4)
+    });
+    for op in wgpipe_autograd::tensor::BIAS_ACTIVATIONS {
+        let zb = [randn(&[6, 5], 110), randn(&[5], 111)];
+        same_on_wgpu(&format!("bias_act {}", op.name()), dev, &zb, move |v| {
+            v[0].bias_act(&v[1], op)
+        });
+    }
+    // t = 70: rows longer than the row kernels' workgroup on lavapipe.
+    let qkv = [
+        randn(&[2, 70, 4], 107),
+        randn(&[2, 70, 4], 108),
+        randn(&[2, 70, 4], 109),
+    ];
+    same_on_wgpu("causal_attention", dev, &qkv, |v| {
+        v[0].causal_attention(&v[1], &v[2], 1.5, None)
+    });
+    let mask = ctx
+        .dropout_mask(&[2, 70, 70], 0.3, 5, dev)
+        .unwrap()
+        .unwrap();
+    same_on_wgpu("causal_attention with dropout", dev, &qkv, move |v| {
+        let m = mask.to_device(v[0].value().device())?;
+        v[0].causal_attention(&v[1], &v[2], 0.7, Some(&m))
     });
 }

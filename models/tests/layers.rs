@@ -3,7 +3,8 @@
 mod common;
 
 use common::*;
-use wgpipe_autograd::{ForwardCtx, Module, Tape};
+use wgpipe_autograd::{ForwardCtx, Module, Tape, Var};
+use wgpipe_models::layers::attention::MASK_VALUE;
 use wgpipe_models::layers::*;
 use wgpipe_tensor::ops::Conv2dParams;
 
@@ -179,6 +180,140 @@ fn causal_mask_blocks_the_future() {
     }
     let m = vals(&causal_mask(3, &dev).unwrap());
     assert_eq!(m, vec![0., 1., 1., 0., 0., 1., 0., 0., 0.]);
+}
+
+/// The attention as it was before `Var::causal_attention` fused it: scale, mask, softmax,
+/// dropout and the two matmuls as separate ops (the reference for the fused op).
+fn unfused_attention(a: &CausalSelfAttention, x: &Var, ctx: &ForwardCtx) -> Var {
+    let s = x.shape().to_vec();
+    let (b, t, h) = (s[0], s[1], a.heads());
+    let dh = s[2] / h;
+    let split = |y: Var| {
+        y.reshape(&[b, t, h, dh])
+            .unwrap()
+            .permute(&[0, 2, 1, 3])
+            .unwrap()
+    };
+    let q = split(a.q.forward(x, ctx).unwrap());
+    let k = split(a.k.forward(x, ctx).unwrap());
+    let v = split(a.v.forward(x, ctx).unwrap());
+    let scores = q
+        .matmul(&k.transpose(-2, -1).unwrap())
+        .unwrap()
+        .mul_scalar(1.0 / (dh as f32).sqrt())
+        .unwrap();
+    let mask = causal_mask(t, x.value().device()).unwrap();
+    let probs = scores
+        .masked_fill(&mask, MASK_VALUE)
+        .unwrap()
+        .softmax(-1)
+        .unwrap();
+    let probs = a.attn_dropout.forward(&probs, ctx).unwrap();
+    let y = probs
+        .matmul(&v)
+        .unwrap()
+        .permute(&[0, 2, 1, 3])
+        .unwrap()
+        .reshape(&[b, t, s[2]])
+        .unwrap();
+    a.out.forward(&y, ctx).unwrap()
+}
+
+/// Output, input gradient and parameter gradients of `f` on `x`, loss `sum(y * w)`.
+fn output_and_grads(
+    a: &dyn Module,
+    x: &wgpipe_tensor::Tensor,
+    f: impl Fn(&Var) -> Var,
+) -> Vec<Vec<f32>> {
+    let tape = Tape::new();
+    let xv = tape.leaf(x.clone());
+    let y = f(&xv);
+    let w = rand(y.shape(), 99);
+    let grads = tape.backward_with(&y, &w).unwrap();
+    let mut out = vec![vals(y.value()), vals(grads.get(&xv).unwrap())];
+    for (_, p) in a.parameters() {
+        out.push(vals(&p.grad().unwrap()));
+        p.zero_grad();
+    }
+    out
+}
+
+#[test]
+fn fused_attention_equals_the_unfused_chain_bit_for_bit() {
+    for (p, ctx) in [
+        (0.0, ForwardCtx::train(4, 0, 1)),
+        (0.3, ForwardCtx::train(4, 2, 1)),
+        (0.3, ForwardCtx::eval()),
+    ] {
+        let a = CausalSelfAttention::new(16, 4, p, 7, &cpu()).unwrap();
+        let x = rand(&[3, 9, 16], 8);
+        let fused = output_and_grads(&a, &x, |x| a.forward(x, &ctx).unwrap());
+        let unfused = output_and_grads(&a, &x, |x| unfused_attention(&a, x, &ctx));
+        let names = ["output", "input grad"];
+        let params: Vec<String> = a.parameters().into_iter().map(|(n, _)| n).collect();
+        for (i, (f, u)) in fused.iter().zip(&unfused).enumerate() {
+            let what = names
+                .get(i)
+                .copied()
+                .unwrap_or_else(|| params[i - 2].as_str());
+            assert_eq!(f, u, "{what} (dropout {p}, train {})", ctx.train);
+        }
+    }
+}
+
+#[test]
+fn linear_with_activation_equals_linear_then_activation_bit_for_bit() {
+    let ctx = ForwardCtx::train(1, 0, 0);
+    let x = rand(&[3, 4, 12], 3);
+    for op in wgpipe_tensor::BIAS_ACTIVATIONS {
+        let fused = Linear::new(12, 7, 4, &cpu())
+            .unwrap()
+            .with_activation(op)
+            .unwrap();
+        assert_eq!(fused.activation(), Some(op));
+        let got = output_and_grads(&fused, &x, |x| fused.forward(x, &ctx).unwrap());
+        let want = output_and_grads(&fused, &x, |x| {
+            // the unfused form: matmul + bias (the layer without activation), then the op
+            fused.forward_act(x, None).unwrap().unary(op).unwrap()
+        });
+        assert_eq!(got, want, "{}", op.name());
+    }
+    // Without a bias the activation is applied on its own.
+    let nobias = Linear::with_bias(12, 7, false, 4, &cpu())
+        .unwrap()
+        .with_activation(wgpipe_tensor::UnaryOp::Relu)
+        .unwrap();
+    let y = vals(&run(&nobias, &x));
+    let plain = vals(&run(
+        &Linear::with_bias(12, 7, false, 4, &cpu()).unwrap(),
+        &x,
+    ));
+    assert_eq!(y, plain.iter().map(|v| v.max(0.0)).collect::<Vec<_>>());
+    let err = Linear::new(2, 2, 0, &cpu())
+        .unwrap()
+        .with_activation(wgpipe_tensor::UnaryOp::Exp)
+        .err()
+        .expect("exp is not a fusable activation")
+        .to_string();
+    assert!(err.contains("exp"), "{err}");
+}
+
+#[test]
+fn mlp_fused_gelu_equals_the_unfused_layers_bit_for_bit() {
+    let ctx = ForwardCtx::train(1, 0, 0);
+    let x = rand(&[2, 5, 8], 6);
+    for gelu in [Gelu::Tanh, Gelu::Exact] {
+        let mut mlp = Mlp::new(8, 32, 9, &cpu()).unwrap();
+        mlp.gelu = gelu;
+        let got = output_and_grads(&mlp, &x, |x| mlp.forward(x, &ctx).unwrap());
+        let want = output_and_grads(&mlp, &x, |x| {
+            let h = gelu
+                .forward(&mlp.fc1.forward(x, &ctx).unwrap(), &ctx)
+                .unwrap();
+            mlp.fc2.forward(&h, &ctx).unwrap()
+        });
+        assert_eq!(got, want, "{gelu:?}");
+    }
 }
 
 #[test]

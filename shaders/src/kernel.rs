@@ -108,6 +108,20 @@ impl HalfFormat {
     }
 }
 
+/// The activations [`Kernel::BiasAct`] is built for (what `Tensor::bias_act` accepts).
+pub const BIAS_ACTIVATIONS: [UnaryOp; 3] = [UnaryOp::Relu, UnaryOp::Gelu, UnaryOp::GeluTanh];
+
+/// `body` (an elementwise kernel calling `act` / `act_grad`) with `op` and its derivative as
+/// those functions.
+fn with_act(op: UnaryOp, body: &str) -> String {
+    format!(
+        "{body}\nfn act(a: f32, s0: f32, s1: f32) -> f32 {{\n    return {};\n}}\n\
+         fn act_grad(a: f32, s0: f32, s1: f32) -> f32 {{\n    return {};\n}}\n",
+        op.wgsl(),
+        op.wgsl_grad()
+    )
+}
+
 /// One compute kernel variant: what the runtime compiles and caches a pipeline for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
@@ -135,6 +149,16 @@ pub enum Kernel {
     Where {
         layout: EwLayout,
     },
+    /// `out = op(a + b)`: a bias (`b`, broadcast) and an activation after a matmul, one pass.
+    BiasAct {
+        op: UnaryOp,
+        layout: EwLayout,
+    },
+    /// `out = c * op'(a + b)`: the backward of [`Kernel::BiasAct`] (`c` the output gradient).
+    BiasActGrad {
+        op: UnaryOp,
+        layout: EwLayout,
+    },
     /// Strided-to-strided copy (concat).
     CopyStrided,
     /// `out = value`.
@@ -151,6 +175,10 @@ pub enum Kernel {
     },
     Softmax {
         log: bool,
+        wg: u32,
+    },
+    /// The backward of a (scaled) softmax row.
+    SoftmaxBackward {
         wg: u32,
     },
     LayerNorm {
@@ -203,12 +231,20 @@ impl Kernel {
             }
             Kernel::Binary { op, layout } => elementwise::source(2, layout, op.wgsl()),
             Kernel::Where { layout } => elementwise::source(3, layout, "select(c, b, a != 0.0)"),
+            Kernel::BiasAct { op, layout } => {
+                with_act(op, &elementwise::source(2, layout, "act(a + b, s0, s1)"))
+            }
+            Kernel::BiasActGrad { op, layout } => with_act(
+                op,
+                &elementwise::source(3, layout, "c * act_grad(a + b, s0, s1)"),
+            ),
             Kernel::CopyStrided => plain(COPY_STRIDED),
             Kernel::Fill => plain(FILL),
             Kernel::Widen(f) => half(WIDEN, f),
             Kernel::Narrow(f) => half(NARROW, f),
             Kernel::Reduce { op, mode, wg } => rows::reduce(op, mode, wg),
             Kernel::Softmax { log, wg } => rows::softmax(log, wg),
+            Kernel::SoftmaxBackward { wg } => rows::softmax_backward(wg),
             Kernel::LayerNorm { wg } => rows::layer_norm(wg),
             Kernel::Matmul(cfg) => cfg.source(),
             Kernel::MatmulSubgroup(cfg) => cfg.source(),
@@ -230,12 +266,15 @@ impl Kernel {
             | Kernel::Unary { .. }
             | Kernel::UnaryGrad { .. }
             | Kernel::Binary { .. }
-            | Kernel::Where { .. } => EwParams::NAME,
+            | Kernel::Where { .. }
+            | Kernel::BiasAct { .. }
+            | Kernel::BiasActGrad { .. } => EwParams::NAME,
             Kernel::CopyStrided => CopyParams::NAME,
             Kernel::Fill => FillParams::NAME,
             Kernel::Widen(_) | Kernel::Narrow(_) => CastParams::NAME,
             Kernel::Reduce { .. } => ReduceParams::NAME,
             Kernel::Softmax { .. } => SoftmaxParams::NAME,
+            Kernel::SoftmaxBackward { .. } => SoftmaxBackwardParams::NAME,
             Kernel::LayerNorm { .. } => LayerNormParams::NAME,
             Kernel::Matmul(_) => MatmulParams::NAME,
             Kernel::MatmulSubgroup(_) => SubgroupMatmulParams::NAME,
@@ -275,6 +314,8 @@ impl Kernel {
             Kernel::Copy { .. } | Kernel::Unary { .. } => seq(1, 1),
             Kernel::UnaryGrad { .. } | Kernel::Binary { .. } => seq(2, 1),
             Kernel::Where { .. } => seq(3, 1),
+            Kernel::BiasAct { .. } => seq(2, 1),
+            Kernel::BiasActGrad { .. } => seq(3, 1),
             Kernel::CopyStrided | Kernel::Widen(_) | Kernel::Narrow(_) => seq(1, 1),
             Kernel::Fill | Kernel::Dropout => seq(0, 1),
             Kernel::Reduce { mode, .. } => match mode {
@@ -283,6 +324,7 @@ impl Kernel {
                 ReduceMode::Final => seq(2, 1),
             },
             Kernel::Softmax { .. } => seq(1, 1),
+            Kernel::SoftmaxBackward { .. } => seq(2, 1),
             Kernel::LayerNorm { .. } => seq(3, 3),
             Kernel::Matmul(_) | Kernel::MatmulSubgroup(_) => seq(2, 1),
             Kernel::Pack | Kernel::PackHalf(_) => seq(1, 1),
@@ -299,9 +341,10 @@ impl Kernel {
     /// Invocations per workgroup (the host sizes dispatches with it).
     pub fn workgroup_size(&self) -> u32 {
         match self {
-            Kernel::Reduce { wg, .. } | Kernel::Softmax { wg, .. } | Kernel::LayerNorm { wg } => {
-                *wg
-            }
+            Kernel::Reduce { wg, .. }
+            | Kernel::Softmax { wg, .. }
+            | Kernel::SoftmaxBackward { wg }
+            | Kernel::LayerNorm { wg } => *wg,
             Kernel::Matmul(cfg) => cfg.threads(),
             Kernel::MatmulSubgroup(cfg) => cfg.sg,
             _ => ELEMENTWISE_WG,
@@ -318,6 +361,12 @@ impl Kernel {
             }
             v.extend(BinaryOp::ALL.map(|op| Kernel::Binary { op, layout }));
             v.push(Kernel::Where { layout });
+            for op in BIAS_ACTIVATIONS {
+                v.extend([
+                    Kernel::BiasAct { op, layout },
+                    Kernel::BiasActGrad { op, layout },
+                ]);
+            }
         }
         v.extend([Kernel::CopyStrided, Kernel::Fill]);
         for f in HalfFormat::ALL {
@@ -330,6 +379,7 @@ impl Kernel {
             v.extend([
                 Kernel::Softmax { log: false, wg },
                 Kernel::Softmax { log: true, wg },
+                Kernel::SoftmaxBackward { wg },
                 Kernel::LayerNorm { wg },
             ]);
         }

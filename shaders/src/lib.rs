@@ -23,7 +23,7 @@ mod rows;
 mod wgsl;
 
 pub use elementwise::EwLayout;
-pub use kernel::{HalfFormat, IndexKernel, Kernel, SpatialKernel};
+pub use kernel::{HalfFormat, IndexKernel, Kernel, SpatialKernel, BIAS_ACTIVATIONS};
 pub use matmul::{MatmulConfig, OperandLoad, SubgroupMatmulConfig};
 pub use ops::{BinaryOp, ReduceOp, UnaryOp};
 pub use rows::ReduceMode;

@@ -102,7 +102,16 @@ param_block! {
 param_block! {
     /// `softmax.wgsl`.
     SoftmaxParams {
-        rows: u32, cols: u32, x_offset: u32,
+        rows: u32, cols: u32, x_offset: u32, scale: f32,
+        /// Nonzero: causal attention scores, row r sees columns `0..=r % cols`.
+        causal: u32,
+    }
+}
+
+param_block! {
+    /// `softmax_backward.wgsl`.
+    SoftmaxBackwardParams {
+        rows: u32, cols: u32, scale: f32, y_offset: u32, g_offset: u32,
     }
 }
 
@@ -186,8 +195,8 @@ macro_rules! all_blocks {
 }
 
 all_blocks! {
-    FillParams, CastParams, EwParams, CopyParams, ReduceParams, SoftmaxParams, LayerNormParams,
-    MatmulParams, SubgroupMatmulParams, PackParams, IndexParams, SpatialParams, DropoutParams,
+    FillParams, CastParams, EwParams, CopyParams, ReduceParams, SoftmaxParams, SoftmaxBackwardParams,
+    LayerNormParams, MatmulParams, SubgroupMatmulParams, PackParams, IndexParams, SpatialParams, DropoutParams,
     AdamParams,
 }
 

@@ -1,11 +1,12 @@
 //! The row family: one workgroup per row of a contiguous matrix (`reduce.wgsl` and its mode
-//! files, `softmax.wgsl`, `layer_norm.wgsl`).
+//! files, `softmax.wgsl`, `softmax_backward.wgsl`, `layer_norm.wgsl`).
 
 use crate::ops::ReduceOp;
 use crate::render;
 
 use crate::wgsl::{
     LAYER_NORM, REDUCE, REDUCE_DIRECT, REDUCE_FINAL, REDUCE_PARTIAL, ROW_TREE, SOFTMAX,
+    SOFTMAX_BACKWARD,
 };
 
 /// Which pass of a row reduction a variant is (see `reduce.wgsl`).
@@ -48,6 +49,10 @@ pub(crate) fn softmax(log: bool, wg: u32) -> String {
         ("LOG", if log { "true" } else { "false" }.to_string()),
     ];
     with_tree(SOFTMAX, &vars)
+}
+
+pub(crate) fn softmax_backward(wg: u32) -> String {
+    with_tree(SOFTMAX_BACKWARD, &[("WG", wg.to_string())])
 }
 
 pub(crate) fn layer_norm(wg: u32) -> String {

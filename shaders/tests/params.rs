@@ -91,6 +91,8 @@ fn float_members_are_floats() {
     let float_fields: &[(&str, &[&str])] = &[
         (FillParams::NAME, &["value"]),
         (EwParams::NAME, &["s0", "s1"]),
+        (SoftmaxParams::NAME, &["scale"]),
+        (SoftmaxBackwardParams::NAME, &["scale"]),
         (LayerNormParams::NAME, &["eps"]),
         (DropoutParams::NAME, &["p", "scale"]),
         (

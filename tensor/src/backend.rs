@@ -124,6 +124,11 @@ pub(crate) trait Kernels: Send + Sync {
     /// `g * op'(x)`: the backward of a unary op, `x` its input and `g` the output gradient (views
     /// of one shape).
     fn unary_grad(&self, op: UnaryOp, x: &Tensor, g: &Tensor) -> Result<Tensor>;
+    /// `op(z + b)` for contiguous `z` `[rows, cols]` and a contiguous bias `b` `[cols]` added to
+    /// every row: a Linear layer's bias and activation in one pass.
+    fn bias_act(&self, op: UnaryOp, z: &Tensor, b: &Tensor) -> Result<Tensor>;
+    /// `g * op'(z + b)`, the backward of [`Kernels::bias_act`] (`g` contiguous like `z`).
+    fn bias_act_grad(&self, op: UnaryOp, z: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor>;
     /// `a` and `b` are views of the same shape (broadcast already applied as zero strides).
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor>;
     /// `cond != 0 ? a : b`, all three views of the same shape.
@@ -143,6 +148,26 @@ pub(crate) trait Kernels: Send + Sync {
     fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor>;
     /// `x` contiguous `[rows, cols]`; numerically stable (log-)softmax of each row.
     fn softmax_rows(&self, x: &Tensor, rows: usize, cols: usize, log: bool) -> Result<Tensor>;
+    /// `x` contiguous `[rows, cols]`, seen as `[rows / cols, cols, cols]` attention scores (query
+    /// `r % cols` on row `r`): softmax of `scale * x` over the keys `0..=r % cols`, zeros on the
+    /// future keys. Bit for bit the scaled, `-1e9`-masked softmax it replaces.
+    fn causal_softmax_rows(
+        &self,
+        x: &Tensor,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<Tensor>;
+    /// `y` (softmaxed rows) and `g` (their gradient) contiguous `[rows, cols]`: the gradient of
+    /// the rows' inputs, `scale * y * (g - sum(g * y))`, for `y = softmax(scale * x)`.
+    fn softmax_backward_rows(
+        &self,
+        y: &Tensor,
+        g: &Tensor,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<Tensor>;
     /// Batched matmul on strided operands; output contiguous `[batch, m, n]`.
     fn matmul(
         &self,

@@ -130,6 +130,14 @@ impl Kernels for DTypeGuard {
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         self.compute1(op.name(), &[a, b], |k, xs| k.binary(op, xs[0], xs[1]))
     }
+    fn bias_act(&self, op: UnaryOp, z: &Tensor, b: &Tensor) -> Result<Tensor> {
+        self.compute1("bias_act", &[z, b], |k, xs| k.bias_act(op, xs[0], xs[1]))
+    }
+    fn bias_act_grad(&self, op: UnaryOp, z: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
+        self.compute1("bias_act_grad", &[z, b, g], |k, xs| {
+            k.bias_act_grad(op, xs[0], xs[1], xs[2])
+        })
+    }
     /// The condition is a mask read as "non-zero": it may have any dtype.
     fn where_cond(&self, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         let cond = if cond.dtype() == a.dtype() {
@@ -172,6 +180,29 @@ impl Kernels for DTypeGuard {
     fn softmax_rows(&self, x: &Tensor, rows: usize, cols: usize, log: bool) -> Result<Tensor> {
         let op = if log { "log_softmax" } else { "softmax" };
         self.compute1(op, &[x], |k, xs| k.softmax_rows(xs[0], rows, cols, log))
+    }
+    fn causal_softmax_rows(
+        &self,
+        x: &Tensor,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        self.compute1("causal_softmax", &[x], |k, xs| {
+            k.causal_softmax_rows(xs[0], rows, cols, scale)
+        })
+    }
+    fn softmax_backward_rows(
+        &self,
+        y: &Tensor,
+        g: &Tensor,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        self.compute1("softmax_backward", &[y, g], |k, xs| {
+            k.softmax_backward_rows(xs[0], xs[1], rows, cols, scale)
+        })
     }
     fn matmul(
         &self,

@@ -27,4 +27,5 @@ pub use error::{Error, Result};
 pub use layout::Layout;
 pub use memory::{MemoryStats, MemoryTracker, Tag, TagGuard};
 pub use tensor::Tensor;
+pub use wgpipe_shaders::BIAS_ACTIVATIONS;
 pub use wgpu::{AUTOTUNE_CACHE_ENV, AUTOTUNE_ENV};

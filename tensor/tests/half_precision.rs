@@ -558,6 +558,48 @@ fn softmax_and_layer_norm_match_f32() {
     }
 }
 
+/// The fused kernels (issue 15) take the same widening path as every other op.
+#[test]
+fn fused_attention_rows_and_bias_activation_match_f32() {
+    for dev in devices() {
+        for dtype in HALVES {
+            let scores = (vals(2 * 9 * 9, 51, -4.0, 4.0), vec![2, 9, 9]);
+            half_vs_f32(
+                "causal_softmax",
+                &dev,
+                dtype,
+                std::slice::from_ref(&scores),
+                |t| t[0].causal_softmax(0.5),
+            );
+            // The backward's inputs are given (one op, one rounding): softmaxed rows and a gradient.
+            let y = Tensor::from_vec(scores.0.clone(), &scores.1, &dev)
+                .and_then(|x| x.causal_softmax(0.5))
+                .and_then(|y| y.to_vec())
+                .unwrap();
+            let y = (y, scores.1.clone());
+            let g = (vals(2 * 9 * 9, 52, -1.0, 1.0), vec![2, 9, 9]);
+            half_vs_f32("softmax_backward", &dev, dtype, &[y, g], |t| {
+                Tensor::softmax_backward(&t[0], &t[1], 0.5)
+            });
+            let z = (vals(6 * 13, 53, -3.0, 3.0), vec![6, 13]);
+            let b = (vals(13, 54, -1.0, 1.0), vec![13]);
+            let gz = (vals(6 * 13, 55, -1.0, 1.0), vec![6, 13]);
+            for op in [UnaryOp::Relu, UnaryOp::Gelu, UnaryOp::GeluTanh] {
+                half_vs_f32("bias_act", &dev, dtype, &[z.clone(), b.clone()], |t| {
+                    t[0].bias_act(&t[1], op)
+                });
+                half_vs_f32(
+                    "bias_act_grad",
+                    &dev,
+                    dtype,
+                    &[z.clone(), b.clone(), gz.clone()],
+                    |t| Tensor::bias_act_grad(&t[0], &t[1], &t[2], op),
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn conv_and_pooling_match_f32() {
     let conv = Conv2dParams {

@@ -4,7 +4,7 @@ mod common;
 
 use common::*;
 use proptest::prelude::*;
-use wgpipe_tensor::{Device, Error, Tensor};
+use wgpipe_tensor::{Device, Error, Tensor, UnaryOp};
 
 /// (log-)softmax along `axis` of `x`, in f64.
 fn softmax_ref(x: &Nd, axis: usize, log: bool) -> Nd {
@@ -73,6 +73,121 @@ proptest! {
         assert_nd(&y, &Nd::new(&shape, wy), 1e-4, 1e-4);
         assert_nd(&mean, &Nd::new(&stat_shape, wm), 1e-5, 1e-5);
         assert_nd(&rstd, &Nd::new(&stat_shape, wr), 1e-3, 1e-3);
+    }
+}
+
+/// `[t, t]` with 1 where key `j` lies after query `i`.
+fn future(t: usize) -> Tensor {
+    let v = (0..t * t)
+        .map(|k| if k % t > k / t { 1.0 } else { 0.0 })
+        .collect();
+    Tensor::from_vec(v, &[t, t], &Device::cpu()).unwrap()
+}
+
+proptest! {
+    #![proptest_config(cases(32))]
+
+    /// The fused scaled causal softmax against an f64 reference, and bit for bit against the
+    /// chain it replaces in the attention (scale, `-1e9` mask, softmax).
+    #[test]
+    fn causal_softmax_matches_naive_and_the_unfused_chain(
+        batch in prop::collection::vec(1usize..4, 0..3),
+        t in 1usize..40,
+        variant in 0..VARIANTS,
+        scale in 0.05f32..3.0,
+        seed in 0u64..1000,
+    ) {
+        let mut shape = batch.clone();
+        shape.extend([t, t]);
+        let x = Nd::rand(&shape, seed, -4.0, 4.0);
+        let r = shape.len();
+        let want = Nd::from_fn(&shape, |idx| {
+            let (i, j) = (idx[r - 2], idx[r - 1]);
+            if j > i {
+                return 0.0;
+            }
+            let lane = |jj: usize| {
+                let mut k = idx.to_vec();
+                k[r - 1] = jj;
+                scale as f64 * x.at(&k) as f64
+            };
+            let m = (0..=i).map(lane).fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = (0..=i).map(|jj| (lane(jj) - m).exp()).sum();
+            ((lane(j) - m).exp() / z) as f32
+        });
+        let xt = x.tensor_as(variant);
+        let got = xt.causal_softmax(scale).unwrap();
+        assert_nd(&got, &want, 1e-5, 1e-6);
+        let chain = xt.mul_scalar(scale).unwrap().masked_fill(&future(t), -1e9).unwrap().softmax(-1).unwrap();
+        prop_assert_eq!(got.to_vec().unwrap(), chain.to_vec().unwrap());
+    }
+
+    /// The fused softmax backward against an f64 reference of `scale * y * (g - sum(g * y))`
+    /// and against the unfused ops (mul, sum, mul, sub, mul_scalar).
+    #[test]
+    fn softmax_backward_matches_naive_and_the_unfused_ops(
+        shape in prop::collection::vec(1usize..9, 1..4),
+        variant in 0..VARIANTS,
+        scale in 0.05f32..3.0,
+        seed in 0u64..1000,
+    ) {
+        let x = Nd::rand(&shape, seed, -4.0, 4.0);
+        let g = Nd::rand(&shape, seed ^ 7, -1.0, 1.0);
+        let y = x.tensor().softmax(-1).unwrap();
+        let yn = Nd::new(&shape, y.to_vec().unwrap());
+        let r = shape.len();
+        let want = Nd::from_fn(&shape, |idx| {
+            let dot: f64 = (0..shape[r - 1])
+                .map(|j| {
+                    let mut k = idx.to_vec();
+                    k[r - 1] = j;
+                    g.at(&k) as f64 * yn.at(&k) as f64
+                })
+                .sum();
+            (scale as f64 * yn.at(idx) as f64 * (g.at(idx) as f64 - dot)) as f32
+        });
+        let gt = g.tensor_as(variant);
+        let got = Tensor::softmax_backward(&y, &gt, scale).unwrap();
+        assert_nd(&got, &want, 1e-5, 1e-6);
+        let gy = gt.mul(&y).unwrap();
+        let unfused = gy
+            .sub(&y.mul(&gy.sum(&[-1], true).unwrap()).unwrap())
+            .unwrap()
+            .mul_scalar(scale)
+            .unwrap();
+        prop_assert_eq!(got.to_vec().unwrap(), unfused.to_vec().unwrap());
+    }
+}
+
+proptest! {
+    #![proptest_config(cases(32))]
+
+    /// The fused bias + activation and its backward bit for bit against the unfused ops (add,
+    /// then the activation; unary_grad at the sum), and near an f64 reference.
+    #[test]
+    fn bias_act_matches_the_unfused_ops(
+        shape in prop::collection::vec(1usize..9, 1..4),
+        variant in 0..VARIANTS,
+        which in 0usize..3,
+        seed in 0u64..1000,
+    ) {
+        let op = wgpipe_tensor::BIAS_ACTIVATIONS[which];
+        let n = *shape.last().unwrap();
+        let z = Nd::rand(&shape, seed, -3.0, 3.0);
+        let b = Nd::rand(&[n], seed ^ 3, -1.0, 1.0);
+        let g = Nd::rand(&shape, seed ^ 5, -1.0, 1.0);
+        let (zt, bt, gt) = (z.tensor_as(variant), b.tensor(), g.tensor_as(variant));
+        let y = zt.bias_act(&bt, op).unwrap();
+        let pre = zt.add(&bt).unwrap();
+        prop_assert_eq!(y.to_vec().unwrap(), pre.unary(op).unwrap().to_vec().unwrap());
+        let dz = Tensor::bias_act_grad(&zt, &bt, &gt, op).unwrap();
+        let unfused = pre.unary_grad(op, &gt).unwrap();
+        prop_assert_eq!(dz.to_vec().unwrap(), unfused.to_vec().unwrap());
+        let r = shape.len();
+        let want_y = Nd::from_fn(&shape, |i| op.eval(z.at(i) + b.at(&[i[r - 1]])));
+        let want_dz = Nd::from_fn(&shape, |i| g.at(i) * op.grad(z.at(i) + b.at(&[i[r - 1]])));
+        assert_nd(&y, &want_y, 1e-6, 1e-7);
+        assert_nd(&dz, &want_dz, 1e-6, 1e-7);
     }
 }
 
@@ -176,6 +291,27 @@ fn dropout_mask_is_the_counter_based_stream() {
 fn nn_errors_name_op_and_shapes() {
     let dev = Device::cpu();
     let x = Tensor::zeros(&[2, 3], &dev).unwrap();
+    let bias = Tensor::zeros(&[3], &dev).unwrap();
+    let msg = x.bias_act(&bias, UnaryOp::Exp).unwrap_err().to_string();
+    assert!(msg.contains("exp") && msg.contains("relu"), "{msg}");
+    let msg = x.bias_act(&x, UnaryOp::Relu).unwrap_err().to_string();
+    assert!(msg.contains("[2, 3]"), "{msg}");
+    let msg = Tensor::bias_act_grad(&x, &bias, &bias, UnaryOp::Relu)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("[3]") && msg.contains("[2, 3]"), "{msg}");
+    let msg = x.causal_softmax(1.0).unwrap_err().to_string();
+    assert!(
+        msg.contains("causal_softmax") && msg.contains("[2, 3]"),
+        "{msg}"
+    );
+    let sq = Tensor::zeros(&[3, 3], &dev).unwrap();
+    let msg = sq.causal_softmax(f32::NAN).unwrap_err().to_string();
+    assert!(msg.contains("scale"), "{msg}");
+    let msg = Tensor::softmax_backward(&x, &sq, 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("[2, 3]") && msg.contains("[3, 3]"), "{msg}");
     assert_err!(
         x.softmax(2),
         Error::Axis {

@@ -507,6 +507,75 @@ fn softmax_log_softmax_layer_norm() {
     );
 }
 
+#[test]
+fn bias_act_and_its_grad() {
+    let strat = (shape(3, 9), view(), view(), any::<u64>(), 0usize..3);
+    run(
+        "bias_act/bias_act_grad",
+        strat,
+        |dev, (shape, v, vg, seed, which)| {
+            let op = wgpipe_tensor::BIAS_ACTIVATIONS[which];
+            let n = *shape.last().unwrap();
+            let all = |dv: &Device| -> Vec<Tensor> {
+                let z = operand(dv, &shape, v, seed, false, |x| 3.0 * x);
+                let b = operand(dv, &[n], View::Offset, seed ^ 3, false, id);
+                let g = operand(dv, &shape, vg, seed ^ 5, false, id);
+                vec![
+                    z.bias_act(&b, op).unwrap(),
+                    Tensor::bias_act_grad(&z, &b, &g, op).unwrap(),
+                ]
+            };
+            for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(["y", "dz"]) {
+                close(g, &c, 1e-4, 1e-5, &format!("bias_act {} {name}", op.name()))?;
+            }
+            Ok(())
+        },
+    );
+}
+
+#[test]
+fn causal_softmax_and_softmax_backward() {
+    let strat = (
+        prop::collection::vec(1usize..4, 0..3),
+        1usize..40,
+        view(),
+        view(),
+        any::<u64>(),
+        any::<bool>(),
+    );
+    run(
+        "causal_softmax/softmax_backward",
+        strat,
+        |dev, (batch, mut t, v, vg, seed, long)| {
+            if long {
+                // now and then rows longer than one workgroup
+                t = 300 + (seed % 100) as usize;
+            }
+            let mut shape = batch;
+            shape.extend([t, t]);
+            let scale = 0.1 + (seed % 29) as f32 / 10.0;
+            let all = |dv: &Device| -> Vec<Tensor> {
+                let x = operand(dv, &shape, v, seed, false, |x| 3.0 * x);
+                let y = x.causal_softmax(scale).unwrap();
+                let g = operand(dv, &shape, vg, seed ^ 5, false, id);
+                let dx = Tensor::softmax_backward(&y, &g, scale).unwrap();
+                vec![y, dx]
+            };
+            let names = ["causal_softmax", "softmax_backward"];
+            for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(names) {
+                close(
+                    g,
+                    &c,
+                    1e-4,
+                    1e-5,
+                    &format!("{name} of {shape:?} scale {scale}"),
+                )?;
+            }
+            Ok(())
+        },
+    );
+}
+
 // ---------------------------------------------------------------- matmul
 
 #[test]

@@ -1,6 +1,8 @@
 //! The backward of every tensor op, as `Var` methods, by family. Every op records through
 //! [`Var::from_op`](crate::var::Var::from_op), the one place a node is made.
 
+mod attention;
+mod bias_act;
 mod elementwise;
 mod index;
 mod linalg;

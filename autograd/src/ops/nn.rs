@@ -8,11 +8,16 @@ use crate::module::ForwardCtx;
 use crate::var::Var;
 
 impl Var {
-    /// Softmax along `axis`: `dx = y * (g - sum(g * y))`.
+    /// Softmax along `axis`: `dx = y * (g - sum(g * y))`, in one fused kernel along the last
+    /// axis (the same arithmetic as the four ops used along the others).
     pub fn softmax(&self, axis: isize) -> Result<Var> {
         let y = self.value.softmax(axis)?;
         let yy = y.clone();
+        let last = axis == -1 || axis + 1 == self.value.rank() as isize;
         Var::from_op("softmax", &[self], y, move |g, _| {
+            if last {
+                return Ok(vec![Some(Tensor::softmax_backward(&yy, g, 1.0)?)]);
+            }
             let gy = g.mul(&yy)?;
             let s = gy.sum(&[axis], true)?;
             Ok(vec![Some(gy.sub(&yy.mul(&s)?)?)])
@@ -104,11 +109,9 @@ impl Var {
     /// stream `ctx.rng_stream(site)`, so a re-run (recompute) with the same `ctx` and `site`
     /// replays it bit for bit. The identity when `!ctx.train` or `p == 0`.
     pub fn dropout(&self, p: f32, ctx: &ForwardCtx, site: u64) -> Result<Var> {
-        if !ctx.train || p == 0.0 {
+        let Some(mask) = ctx.dropout_mask(self.shape(), p, site, self.device())? else {
             return Ok(self.clone());
-        }
-        let (seed, offset) = ctx.rng_stream(site);
-        let mask = Tensor::dropout_mask(self.shape(), p, seed, offset, self.device())?;
+        };
         let y = self.value.mul(&mask)?;
         Var::from_op("dropout", &[self], y, move |g, _| {
             Ok(vec![Some(g.mul(&mask)?)])

@@ -1,7 +1,7 @@
 //! Parameter-free activations: `Relu`, `Gelu`.
 
 use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Var};
-use wgpipe_tensor::Result;
+use wgpipe_tensor::{Result, UnaryOp};
 
 use super::f32_bytes;
 
@@ -40,6 +40,16 @@ pub enum Gelu {
     #[default]
     Exact,
     Tanh,
+}
+
+impl Gelu {
+    /// The tensor op of this form.
+    pub fn op(self) -> UnaryOp {
+        match self {
+            Gelu::Exact => UnaryOp::Gelu,
+            Gelu::Tanh => UnaryOp::GeluTanh,
+        }
+    }
 }
 
 impl Module for Gelu {

@@ -8,8 +8,9 @@ use wgpipe_tensor::{Device, Error, Result, Tensor};
 use super::{f32_bytes, prefix, shape_error, Dropout, Linear};
 use crate::init::sub_seed;
 
-/// Added where a query may not look: large and finite, so softmax gives an exact 0 there and no
-/// `inf - inf` can appear on any backend.
+/// Added where a query may not look in the unfused form of the attention (what
+/// `Var::causal_attention` replaces, kept as its reference): large and finite, so softmax gives an
+/// exact 0 there and no `inf - inf` can appear on any backend.
 pub const MASK_VALUE: f32 = -1e9;
 
 /// `[t, t]` with 1 where key `j` lies in the future of query `i` (`j > i`), else 0.
@@ -83,15 +84,14 @@ impl Module for CausalSelfAttention {
         let q = split(self.q.forward(x, ctx)?)?;
         let k = split(self.k.forward(x, ctx)?)?;
         let v = split(self.v.forward(x, ctx)?)?;
-        let scores = q
-            .matmul(&k.transpose(-2, -1)?)?
-            .mul_scalar(1.0 / (dh as f32).sqrt())?;
-        let mask = causal_mask(t, x.value().device())?;
-        let probs = scores.masked_fill(&mask, MASK_VALUE)?.softmax(-1)?;
-        let probs = self.attn_dropout.forward(&probs, ctx)?;
-        // [B, H, T, dh] -> [B, T, d]
-        let y = probs
-            .matmul(&v)?
+        // One fused op; it equals the unfused chain `(q k^T * scale).masked_fill(causal_mask,
+        // MASK_VALUE).softmax(-1)`, dropout, `@ v` (the reference the tests compare with).
+        let drop = self
+            .attn_dropout
+            .mask(&[b, h, t, t], ctx, x.value().device())?;
+        let y = q
+            .causal_attention(&k, &v, 1.0 / (dh as f32).sqrt(), drop.as_ref())?
+            // [B, H, T, dh] -> [B, T, d]
             .permute(&[0, 2, 1, 3])?
             .reshape(&[b, t, self.d_model])?;
         self.out.forward(&y, ctx)

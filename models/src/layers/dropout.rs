@@ -3,7 +3,7 @@
 //! micro-batch, layer) and this layer's `site`, so a recompute replays it bit for bit.
 
 use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Var};
-use wgpipe_tensor::{Error, Result};
+use wgpipe_tensor::{Device, Error, Result, Tensor};
 
 use super::f32_bytes;
 
@@ -36,6 +36,14 @@ impl Dropout {
     /// Whether this call drops anything.
     pub fn active(&self, ctx: &ForwardCtx) -> bool {
         self.p > 0.0 && self.train && ctx.train
+    }
+    /// The multipliers this layer would apply to an input of `shape` (for a fused op that
+    /// applies them itself), or `None` when it drops nothing.
+    pub fn mask(&self, shape: &[usize], ctx: &ForwardCtx, dev: &Device) -> Result<Option<Tensor>> {
+        if !self.active(ctx) {
+            return Ok(None);
+        }
+        ctx.dropout_mask(shape, self.p, self.site, dev)
     }
 }
 

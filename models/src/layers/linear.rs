@@ -1,7 +1,7 @@
 //! `Linear`: `y = x W^T + b` over the last axis, weight `[out, in]` as in PyTorch.
 
 use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Var};
-use wgpipe_tensor::{Device, Result, Tensor};
+use wgpipe_tensor::{Device, Result, Tensor, UnaryOp, BIAS_ACTIVATIONS};
 
 use super::{f32_bytes, shape_error};
 use crate::init::{kaiming_uniform, sub_seed};
@@ -11,6 +11,8 @@ pub struct Linear {
     pub bias: Option<Param>,
     in_features: usize,
     out_features: usize,
+    /// Applied to the output, fused with the bias (`Var::bias_act`) when there is one.
+    activation: Option<UnaryOp>,
 }
 
 impl Linear {
@@ -83,23 +85,30 @@ impl Linear {
             bias: bias_p,
             in_features,
             out_features,
+            activation: None,
         })
     }
 
-    pub fn in_features(&self) -> usize {
-        self.in_features
+    /// The same layer followed by `act` (one of `wgpipe_tensor::BIAS_ACTIVATIONS`: relu, gelu,
+    /// gelu_tanh), applied with the bias in one fused op.
+    pub fn with_activation(mut self, act: UnaryOp) -> Result<Self> {
+        if !BIAS_ACTIVATIONS.contains(&act) {
+            return Err(shape_error(
+                "Linear",
+                format!("{} is not an activation Linear can fuse", act.name()),
+            ));
+        }
+        self.activation = Some(act);
+        Ok(self)
     }
-    pub fn out_features(&self) -> usize {
-        self.out_features
-    }
-}
 
-impl Module for Linear {
-    fn name(&self) -> String {
-        format!("Linear({}->{})", self.in_features, self.out_features)
+    pub fn activation(&self) -> Option<UnaryOp> {
+        self.activation
     }
 
-    fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
+    /// `act(x W^T + b)`: the forward with `act` in place of this layer's own activation (an
+    /// MLP applies its GELU here, fused with the bias).
+    pub fn forward_act(&self, x: &Var, act: Option<UnaryOp>) -> Result<Var> {
         let shape = x.shape().to_vec();
         if shape.last() != Some(&self.in_features) {
             return Err(shape_error(
@@ -119,15 +128,41 @@ impl Module for Linear {
             x.reshape(&[rows, self.in_features])?
         };
         let mut y = x2.matmul(&w.t()?)?;
-        if let Some(b) = &self.bias {
-            y = y.add(&tape.param(b))?;
-        }
+        y = match (&self.bias, act) {
+            (Some(b), Some(act)) => y.bias_act(&tape.param(b), act)?,
+            (Some(b), None) => y.add(&tape.param(b))?,
+            (None, Some(act)) => y.unary(act)?,
+            (None, None) => y,
+        };
         if shape.len() == 2 {
             return Ok(y);
         }
         let mut out = shape;
         *out.last_mut().unwrap() = self.out_features;
         y.reshape(&out)
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+}
+
+impl Module for Linear {
+    fn name(&self) -> String {
+        let act = self.activation.map(|a| format!(" + {}", a.name()));
+        format!(
+            "Linear({}->{}){}",
+            self.in_features,
+            self.out_features,
+            act.unwrap_or_default()
+        )
+    }
+
+    fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
+        self.forward_act(x, self.activation)
     }
 
     fn parameters(&self) -> Vec<(String, Param)> {
@@ -155,13 +190,16 @@ impl Module for Linear {
         CostHint {
             param_bytes: 4 * nparams,
             flops: 2.0 * (rows * self.in_features * self.out_features) as f64
-                + if self.bias.is_some() {
-                    (rows * self.out_features) as f64
+                + (rows * self.out_features) as f64
+                    * (self.bias.is_some() as u8 + self.activation.is_some() as u8) as f64,
+            // The input is kept for the weight gradient, and the matmul's output for the
+            // activation's.
+            activation_bytes: f32_bytes(input_shape)
+                + if self.activation.is_some() {
+                    f32_bytes(&out)
                 } else {
-                    0.0
+                    0
                 },
-            // The input is kept for the weight gradient.
-            activation_bytes: f32_bytes(input_shape),
             output_shape: out,
         }
     }

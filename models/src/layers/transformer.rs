@@ -35,7 +35,8 @@ impl Module for Mlp {
         )
     }
     fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
-        let h = self.gelu.forward(&self.fc1.forward(x, ctx)?, ctx)?;
+        // fc1's bias and the GELU in one fused op.
+        let h = self.fc1.forward_act(x, Some(self.gelu.op()))?;
         self.fc2.forward(&h, ctx)
     }
     fn parameters(&self) -> Vec<(String, Param)> {

@@ -13,6 +13,7 @@ use crate::memory::Allocation;
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
+mod bias_act;
 mod conv;
 mod elementwise;
 mod half_cast;
@@ -178,6 +179,19 @@ impl Kernels for CpuKernels {
         Ok(out.into_tensor(x.shape(), x.device()))
     }
 
+    fn bias_act(&self, op: UnaryOp, z: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let mut out = Out::for_overwrite(z.device(), z.numel())?;
+        bias_act::bias_act(op, &mut out.data, &contig(z), &contig(b), None);
+        Ok(out.into_tensor(z.shape(), z.device()))
+    }
+
+    fn bias_act_grad(&self, op: UnaryOp, z: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let mut out = Out::for_overwrite(z.device(), z.numel())?;
+        let g = contig(g);
+        bias_act::bias_act(op, &mut out.data, &contig(z), &contig(b), Some(&g));
+        Ok(out.into_tensor(z.shape(), z.device()))
+    }
+
     fn sum_leading(&self, x: &Tensor, width: usize) -> Option<Result<Tensor>> {
         Some(sum_columns(x, width))
     }
@@ -216,6 +230,31 @@ impl Kernels for CpuKernels {
         let mut out = Out::for_overwrite(x.device(), rows * cols)?;
         reduce::softmax_rows(&mut out.data, &contig(x), cols, log);
         Ok(out.into_tensor(&[rows, cols], x.device()))
+    }
+
+    fn causal_softmax_rows(
+        &self,
+        x: &Tensor,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let mut out = Out::for_overwrite(x.device(), rows * cols)?;
+        reduce::causal_softmax_rows(&mut out.data, &contig(x), cols, scale);
+        Ok(out.into_tensor(&[rows, cols], x.device()))
+    }
+
+    fn softmax_backward_rows(
+        &self,
+        y: &Tensor,
+        g: &Tensor,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let mut out = Out::for_overwrite(y.device(), rows * cols)?;
+        reduce::softmax_backward_rows(&mut out.data, &contig(y), &contig(g), cols, scale);
+        Ok(out.into_tensor(&[rows, cols], y.device()))
     }
 
     fn matmul(

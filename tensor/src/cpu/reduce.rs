@@ -233,3 +233,66 @@ pub(crate) fn softmax_rows(out: &mut [f32], x: &[f32], cols: usize, log: bool) {
         }
     });
 }
+
+multiversion! {
+/// Softmax of `scale * x[..valid]` into `out[..valid]`, zeros after it: one row of causal
+/// attention scores, the future masked out. The same arithmetic as the scaled, masked
+/// (`-1e9`) and softmaxed row the unfused chain computed, so the two agree bit for bit.
+fn causal_softmax_row(out: &mut [f32], x: &[f32], scale: f32, valid: usize) {
+    let (head, tail) = out.split_at_mut(valid);
+    for (o, &v) in head.iter_mut().zip(x) {
+        *o = v * scale;
+    }
+    let m = max(head);
+    for o in head.iter_mut() {
+        *o = super::math::exp(*o - m);
+    }
+    tail.fill(0.0);
+    // Summed over the whole row (zeros included) so the lanes add as in the unfused row.
+    let inv = 1.0 / sum(out);
+    for o in out.iter_mut() {
+        *o *= inv;
+    }
+}
+}
+
+/// [`causal_softmax_row`] of each row of contiguous `x`, seen as `[rows / cols, cols, cols]`
+/// score matrices: row `r` is query `r % cols`, which may look at keys `0..=r % cols`.
+pub(crate) fn causal_softmax_rows(out: &mut [f32], x: &[f32], cols: usize, scale: f32) {
+    super::par::for_rows(out, cols, |r0, o| {
+        for (i, o) in o.chunks_mut(cols).enumerate() {
+            let r = r0 + i;
+            causal_softmax_row(o, &x[r * cols..(r + 1) * cols], scale, r % cols + 1);
+        }
+    });
+}
+
+multiversion! {
+/// `scale * (g * y - y * sum(g * y))`: the gradient of the scores of one softmaxed row `y`
+/// (the gradient of `softmax(scale * x)` with respect to `x`), in two passes.
+fn softmax_backward_row(out: &mut [f32], y: &[f32], g: &[f32], scale: f32) {
+    for ((o, &yv), &gv) in out.iter_mut().zip(y).zip(g) {
+        *o = gv * yv;
+    }
+    let s = sum(out);
+    for (o, &yv) in out.iter_mut().zip(y) {
+        *o = (*o - yv * s) * scale;
+    }
+}
+}
+
+/// [`softmax_backward_row`] of each row of contiguous `y` and `g`.
+pub(crate) fn softmax_backward_rows(
+    out: &mut [f32],
+    y: &[f32],
+    g: &[f32],
+    cols: usize,
+    scale: f32,
+) {
+    super::par::for_rows(out, cols, |r0, o| {
+        for (i, o) in o.chunks_mut(cols).enumerate() {
+            let r = (r0 + i) * cols;
+            softmax_backward_row(o, &y[r..r + cols], &g[r..r + cols], scale);
+        }
+    });
+}

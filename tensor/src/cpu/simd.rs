@@ -140,3 +140,63 @@ pub(crate) fn unary_grad<T: UnaryOpT>(o: &mut [f32], x: &[f32], g: &[f32], s: [f
     }
     unary_grad_imp::<T>(o, x, g, s)
 }
+
+#[inline(always)]
+fn bias_act_imp<T: UnaryOpT>(o: &mut [f32], z: &[f32], b: &[f32], s: [f32; 2]) {
+    for ((o, &z), &b) in o.iter_mut().zip(z).zip(b) {
+        *o = T::f(z + b, s);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn bias_act_avx2<T: UnaryOpT>(o: &mut [f32], z: &[f32], b: &[f32], s: [f32; 2]) {
+    bias_act_imp::<T>(o, z, b, s)
+}
+
+/// `o[i] = T(z[i] + b[i])`, the op inlined into the loop (as [`unary_grad`]).
+#[inline]
+pub(crate) fn bias_act<T: UnaryOpT>(o: &mut [f32], z: &[f32], b: &[f32], s: [f32; 2]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 and FMA were just detected.
+        return unsafe { bias_act_avx2::<T>(o, z, b, s) };
+    }
+    bias_act_imp::<T>(o, z, b, s)
+}
+
+#[inline(always)]
+fn bias_act_grad_imp<T: UnaryOpT>(o: &mut [f32], z: &[f32], b: &[f32], g: &[f32], s: [f32; 2]) {
+    for (((o, &z), &b), &g) in o.iter_mut().zip(z).zip(b).zip(g) {
+        *o = g * T::df(z + b, s);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn bias_act_grad_avx2<T: UnaryOpT>(
+    o: &mut [f32],
+    z: &[f32],
+    b: &[f32],
+    g: &[f32],
+    s: [f32; 2],
+) {
+    bias_act_grad_imp::<T>(o, z, b, g, s)
+}
+
+/// `o[i] = g[i] * T'(z[i] + b[i])`, the derivative inlined into the loop.
+#[inline]
+pub(crate) fn bias_act_grad<T: UnaryOpT>(
+    o: &mut [f32],
+    z: &[f32],
+    b: &[f32],
+    g: &[f32],
+    s: [f32; 2],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 and FMA were just detected.
+        return unsafe { bias_act_grad_avx2::<T>(o, z, b, g, s) };
+    }
+    bias_act_grad_imp::<T>(o, z, b, g, s)
+}

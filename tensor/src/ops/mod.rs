@@ -9,6 +9,7 @@
 //! `Tensor::zeros` of the right shape instead, so `fill` is the only kernel that must accept zero
 //! elements.
 
+mod bias_act;
 mod elementwise;
 mod index;
 mod matmul;

@@ -320,6 +320,44 @@ impl WgpuContext {
         Ok(())
     }
 
+    /// `softmax.wgsl` over the rows of `x` (`dims = [rows, cols]`): plain or causal, of
+    /// `scale * x`.
+    fn softmax_kernel(
+        &self,
+        op: &'static str,
+        x: &Tensor,
+        dims: [usize; 2],
+        log: bool,
+        scale: f32,
+        causal: bool,
+    ) -> Result<Tensor> {
+        let [rows, cols] = dims;
+        self.check_row_len(op, cols)?;
+        let x = self.packed(x)?;
+        let out = self.empty(x.device(), &[rows, cols])?;
+        if cols > 0 {
+            self.dispatch(
+                Kernel::Softmax {
+                    log,
+                    wg: self.row_wg(),
+                },
+                &SoftmaxParams {
+                    rows: u(rows),
+                    cols: u(cols),
+                    x_offset: u(x.layout().offset),
+                    scale,
+                    causal: causal.into(),
+                }
+                .words(&[]),
+                &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
+                rows as u64,
+                1,
+            )?;
+        }
+        self.check()?;
+        Ok(out)
+    }
+
     /// One index kernel over `dims = [outer, dim, inner, n]`, `src` and `idx` made dense. The
     /// selecting kernels (index_select, gather) write `[outer, n, inner]`, one invocation per
     /// element; the accumulating ones (index_add, scatter_add) start `[outer, dim, inner]` from
@@ -461,6 +499,25 @@ impl Kernels for WgpuContext {
         self.map(|layout| Kernel::unary_grad(op, layout), &[x, g], s0, s1)
     }
 
+    fn bias_act(&self, op: UnaryOp, z: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let [s0, s1] = op.scalars();
+        let op = op.kernel_key();
+        let b = b.broadcast_to(z.shape())?;
+        self.map(|layout| Kernel::BiasAct { op, layout }, &[z, &b], s0, s1)
+    }
+
+    fn bias_act_grad(&self, op: UnaryOp, z: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let [s0, s1] = op.scalars();
+        let op = op.kernel_key();
+        let b = b.broadcast_to(z.shape())?;
+        self.map(
+            |layout| Kernel::BiasActGrad { op, layout },
+            &[z, &b, g],
+            s0,
+            s1,
+        )
+    }
+
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         self.map(|layout| Kernel::Binary { op, layout }, &[a, b], 0.0, 0.0)
     }
@@ -542,22 +599,43 @@ impl Kernels for WgpuContext {
     }
 
     fn softmax_rows(&self, x: &Tensor, rows: usize, cols: usize, log: bool) -> Result<Tensor> {
-        self.check_row_len("softmax", cols)?;
-        let x = self.packed(x)?;
-        let out = self.empty(x.device(), x.shape())?;
+        self.softmax_kernel("softmax", x, [rows, cols], log, 1.0, false)
+    }
+
+    fn causal_softmax_rows(
+        &self,
+        x: &Tensor,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        self.softmax_kernel("causal_softmax", x, [rows, cols], false, scale, true)
+    }
+
+    fn softmax_backward_rows(
+        &self,
+        y: &Tensor,
+        g: &Tensor,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        self.check_row_len("softmax_backward", cols)?;
+        let y = self.packed(y)?;
+        let g = self.packed(g)?;
+        let out = self.empty(y.device(), &[rows, cols])?;
         if cols > 0 {
             self.dispatch(
-                Kernel::Softmax {
-                    log,
-                    wg: self.row_wg(),
-                },
-                &SoftmaxParams {
+                Kernel::SoftmaxBackward { wg: self.row_wg() },
+                &SoftmaxBackwardParams {
                     rows: u(rows),
                     cols: u(cols),
-                    x_offset: u(x.layout().offset),
+                    scale,
+                    y_offset: u(y.layout().offset),
+                    g_offset: u(g.layout().offset),
                 }
                 .words(&[]),
-                &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
+                &[Arg::of(gpu(&y)?), Arg::of(gpu(&g)?), Arg::of(gpu(&out)?)],
                 rows as u64,
                 1,
             )?;

@@ -1,6 +1,7 @@
 //! Neural-network ops: softmax, layer norm, dropout masks, and (in submodules) convolution and
 //! pooling with their adjoints.
 
+mod attention;
 mod conv;
 mod pool;
 
