@@ -26,7 +26,7 @@ pub enum DeviceChoice {
 pub struct Placement {
     pub devices: Vec<Device>,
     pub sim: Option<SimCluster>,
-    /// One line for the user, e.g. "4 stages on a simulated cluster of 4 virtual devices ...".
+    /// One line for the user, e.g. "a simulated cluster of 4 virtual devices ...".
     pub description: String,
 }
 
@@ -106,7 +106,7 @@ fn sim_placement(k: usize, sim: SimSpec, why: &str) -> Placement {
         devices: cluster.devices().to_vec(),
         sim: Some(cluster),
         description: format!(
-            "{why}{k} stages on a simulated cluster of {k} virtual devices ({} GFLOP/s, {} GiB, {} GB/s links; set with --sim-*) whose arithmetic runs on the CPU; step times and bubbles are simulated",
+            "{why}a simulated cluster of {k} virtual devices ({} GFLOP/s, {} GiB, {} GB/s links; set with --sim-*) whose arithmetic runs on the CPU; step times and bubbles are simulated",
             sim.gflops, sim.memory_gib, sim.link_gbs
         ),
     }

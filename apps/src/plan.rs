@@ -115,6 +115,9 @@ pub fn plan_pipeline(
     let options = PlanOptions {
         micro_batches: Some(vec![1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]),
         min_micro_batch: run.min_micro_batch,
+        // The examples show pipelining: pure data parallelism (K = 1) may be faster for a model
+        // this small, but it is not what they are for.
+        min_stages: placement.devices.len().min(2),
         ..PlanOptions::default()
     };
     let inputs = PlanInputs {

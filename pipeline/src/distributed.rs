@@ -733,15 +733,11 @@ pub(crate) fn exchange_tied(
         for p in copies.iter().filter_map(|c| c.here.as_ref()) {
             sums.push((p.clone(), sum.to_device(&p.device())?));
         }
-        let mut devices: Vec<(usize, usize)> = Vec::new();
-        for c in copies {
-            let d = schedule.placement[c.stage];
-            if !devices.iter().any(|(x, _)| *x == d) {
-                devices.push((d, c.stage));
-            }
-        }
         out.push(crate::tied::TiedExchange {
-            devices,
+            devices: crate::tied::holder_devices(
+                copies.iter().map(|c| c.stage),
+                &schedule.placement,
+            ),
             bytes: 4 * sum.numel() as u64,
             start,
             end: clock.elapsed().as_secs_f64(),

@@ -106,14 +106,7 @@ pub(crate) fn exchange(
         let Some((_, bytes)) = moved.iter().find(|(g, _)| *g == group) else {
             continue;
         };
-        let mut devices: Vec<(usize, usize)> = Vec::new();
-        for &i in &idx {
-            let stage = owner[i];
-            let device = schedule.placement[stage];
-            if !devices.iter().any(|(d, _)| *d == device) {
-                devices.push((device, stage));
-            }
-        }
+        let devices = holder_devices(idx.iter().map(|&i| owner[i]), &schedule.placement);
         if devices.len() > 1 {
             out.push(TiedExchange {
                 devices,
@@ -124,6 +117,22 @@ pub(crate) fn exchange(
         }
     }
     Ok(out)
+}
+
+/// The (device, first stage there) pairs of the stages holding a group's copies (given in
+/// stage order), one per device: the ring of the group's exchange.
+pub(crate) fn holder_devices(
+    stages: impl IntoIterator<Item = usize>,
+    placement: &[usize],
+) -> Vec<(usize, usize)> {
+    let mut devices: Vec<(usize, usize)> = Vec::new();
+    for stage in stages {
+        let device = placement[stage];
+        if !devices.iter().any(|(d, _)| *d == device) {
+            devices.push((device, stage));
+        }
+    }
+    devices
 }
 
 /// Adds the exchanges to a step's wall-clock and simulated timelines.
@@ -148,7 +157,7 @@ pub(crate) fn add_to_report(
 
 /// Adds the exchanges to a timeline: measured (`link` `None`), or simulated from when the last
 /// of the holders finished its work, as a ring all-reduce among them over `link`.
-fn add_to_timeline(
+pub(crate) fn add_to_timeline(
     t: &mut Timeline,
     schedule: &Schedule,
     exchanges: &[TiedExchange],

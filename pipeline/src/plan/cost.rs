@@ -25,6 +25,7 @@ use crate::partition::stage_ranges;
 use crate::replicas::replicated_timeline;
 use crate::schedule::{Action, ActionKind, CheckpointMode, Schedule, SkipLink};
 use crate::skips::{skip_links, SkipRoute};
+use crate::tied::{add_to_timeline, holder_devices, TiedExchange};
 use crate::timeline::{simulate_valid, ActionCost, DeviceSpec, LinkSpec, Timeline};
 use crate::ScheduleKind;
 
@@ -441,12 +442,19 @@ impl CostModel<'_> {
         schedule: &Schedule,
         facts: &ScheduleFacts,
     ) -> crate::Result<(f64, f64)> {
+        // The tied exchanges start when their holders' last work ends: that needs the events.
+        let ties = !self.profile.ties.is_empty();
         if c.replicas <= 1 {
-            let t = self.replay(c, &costs[0], schedule, facts, false)?;
+            let mut t = self.replay(c, &costs[0], schedule, facts, ties)?;
+            self.add_tied_exchanges(c, schedule, &mut t);
             return Ok((t.makespan, t.bubble_fraction()));
         }
         let timelines = (0..c.replicas)
-            .map(|r| self.replay(&c.replica(r), &costs[r], schedule, facts, true))
+            .map(|r| {
+                let mut t = self.replay(&c.replica(r), &costs[r], schedule, facts, true)?;
+                self.add_tied_exchanges(c, schedule, &mut t);
+                Ok(t)
+            })
             .collect::<crate::Result<Vec<Timeline>>>()?;
         let parts: Vec<&Timeline> = timelines.iter().collect();
         let t = replicated_timeline(
@@ -456,6 +464,30 @@ impl CostModel<'_> {
             &self.link,
         );
         Ok((t.makespan, t.bubble_fraction()))
+    }
+
+    /// Adds to one replica's timeline the exchanges of the tie groups that `c`'s balance puts
+    /// on more than one device, by the rule the pipeline's own step report uses.
+    fn add_tied_exchanges(&self, c: &Candidate, schedule: &Schedule, t: &mut Timeline) {
+        let ranges = stage_ranges(&c.balance);
+        let stage_of = |layer: usize| ranges.iter().position(|r| r.contains(&layer));
+        let exchanges: Vec<TiedExchange> = self
+            .profile
+            .ties
+            .iter()
+            .filter_map(|tie| {
+                let stages = tie.layers.iter().map(|&l| stage_of(l));
+                let devices =
+                    holder_devices(stages.collect::<Option<Vec<_>>>()?, &schedule.placement);
+                (devices.len() > 1).then_some(TiedExchange {
+                    devices,
+                    bytes: tie.bytes,
+                    start: 0.0,
+                    end: 0.0,
+                })
+            })
+            .collect();
+        add_to_timeline(t, schedule, &exchanges, Some(&self.link));
     }
 
     /// One replica's simulated step (`c` of one replica); its events kept when `record`.

@@ -19,6 +19,7 @@ use std::fmt;
 pub use cost::{Candidate, CostModel, Prediction};
 pub use profile::{
     profile_layers, profile_layers_timed, Affine, LayerProfile, LossProfile, Profile, SkipProfile,
+    TieProfile,
 };
 
 use wgpipe_tensor::{Device, Tensor};
@@ -43,6 +44,9 @@ pub struct PlanOptions {
     /// At most this many data-parallel replicas (default: as many as the devices allow;
     /// `PipelineBuilder::plan` uses 1, `plan_replicated` this).
     pub max_replicas: usize,
+    /// At least this many pipeline stages (devices per replica; default 1). With 1, pure data
+    /// parallelism (K = 1) competes; the examples ask for 2 so that they show a pipeline.
+    pub min_stages: usize,
     /// The fewest samples a micro-batch may hold (batch norm needs a few; default 1).
     pub min_micro_batch: usize,
     /// Every balance is tried when there are at most this many for a (K, chunks).
@@ -64,6 +68,7 @@ impl Default for PlanOptions {
             micro_batches: None,
             max_devices: None,
             max_replicas: usize::MAX,
+            min_stages: 1,
             min_micro_batch: 1,
             exhaustive_balances: 64,
             refine: 4,

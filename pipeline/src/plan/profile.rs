@@ -142,6 +142,40 @@ pub struct Profile {
     pub timed_reps: usize,
     /// The device the times were measured on.
     pub timed_on: String,
+    /// Tied parameters whose copies sit in more than one layer: after each step the stages
+    /// holding them exchange gradients (priced as the simulated cluster prices it).
+    pub ties: Vec<TieProfile>,
+}
+
+/// One tie group: the layers holding a copy (ascending) and the bytes of its gradient.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TieProfile {
+    pub layers: Vec<usize>,
+    pub bytes: u64,
+}
+
+/// The tie groups of `layers` with copies in more than one layer.
+fn tie_profiles(layers: &[Box<dyn Module>]) -> Vec<TieProfile> {
+    let mut params = Vec::new();
+    let mut owner = Vec::new();
+    for (i, l) in layers.iter().enumerate() {
+        for (n, p) in l.parameters() {
+            params.push((n, p));
+            owner.push(i);
+        }
+    }
+    wgpipe_autograd::tied_groups(&params)
+        .into_iter()
+        .filter_map(|(_, idx)| {
+            let mut holders: Vec<usize> = idx.iter().map(|&i| owner[i]).collect();
+            holders.dedup();
+            let bytes = (params[idx[0]].1.value().numel() * 4) as u64;
+            (holders.len() > 1).then_some(TieProfile {
+                layers: holders,
+                bytes,
+            })
+        })
+        .collect()
 }
 
 impl Profile {
@@ -336,6 +370,7 @@ pub fn profile_layers_timed(
         } else {
             String::new()
         },
+        ties: tie_profiles(layers),
     })
 }
 

@@ -57,6 +57,19 @@ pub fn search(model: &CostModel<'_>, options: &PlanOptions) -> Result<PlanReport
             model.batch
         )));
     }
+    let usable = options
+        .max_devices
+        .unwrap_or(model.specs.len())
+        .min(model.specs.len())
+        .min(n);
+    if options.min_stages > usable {
+        return Err(PlanError::Empty(format!(
+            "at least {} stages asked (PlanOptions::min_stages), but only {usable} fit: {n} \
+             layers on {} devices",
+            options.min_stages,
+            model.specs.len()
+        )));
+    }
     let mut s = Search {
         model,
         options,
@@ -76,7 +89,7 @@ pub fn search(model: &CostModel<'_>, options: &PlanOptions) -> Result<PlanReport
     for r in 1..=options.max_replicas.min(max_devices).min(model.batch) {
         // The smallest replica's share: every micro-batch of it needs its samples.
         let shard = model.batch / r;
-        for k in 1..=(max_devices / r).min(n) {
+        for k in options.min_stages.max(1)..=(max_devices / r).min(n) {
             for order in replica_orders(model, r, k) {
                 for (kind, v) in kinds_and_chunks(options, k) {
                     if k * v > n {

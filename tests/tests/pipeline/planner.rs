@@ -365,13 +365,24 @@ fn brute_force(
     ms: &[usize],
     remat_all: bool,
 ) -> (f64, Candidate, usize) {
+    brute_force_from(model, kinds, ms, remat_all, 1)
+}
+
+/// [`brute_force`] over pipelines of at least `min_stages` devices.
+fn brute_force_from(
+    model: &CostModel<'_>,
+    kinds: &[ScheduleKind],
+    ms: &[usize],
+    remat_all: bool,
+    min_stages: usize,
+) -> (f64, Candidate, usize) {
     let specs = model.specs;
     let layers = model.profile.layers.len();
     let mut best = f64::INFINITY;
     let mut best_c = None;
     let mut tried = 0usize;
     for r in 1..=specs.len() {
-        for k in 1..=specs.len() / r {
+        for k in min_stages..=specs.len() / r {
             for order in ordered_subsets(specs.len(), r * k) {
                 for &kind in kinds {
                     let v = if kind == ScheduleKind::Interleaved1F1B {
@@ -526,6 +537,34 @@ fn search_with_replicas_is_within_one_percent_of_exhaustive_enumeration() {
     let (best, best_c, tried) = brute_force(&model, &[ScheduleKind::OneFOneB], &[1, 2], false);
     eprintln!("exhaustive, 9 samples: {tried} configurations, best {best:.4e} s: {best_c:?}");
     check_search_against(&model, &[ScheduleKind::OneFOneB], &[1, 2], best);
+    // Pure data parallelism (K = 1) wins there; `min_stages` keeps a pipeline, and the search
+    // finds the best of those.
+    assert_eq!(best_c.pipeline_devices(), 1, "{best_c:?}");
+    let (best2, best2_c, _) =
+        brute_force_from(&model, &[ScheduleKind::OneFOneB], &[1, 2], false, 2);
+    let options = PlanOptions {
+        kinds: vec![ScheduleKind::OneFOneB],
+        micro_batches: Some(vec![1, 2]),
+        min_stages: 2,
+        ..PlanOptions::default()
+    };
+    let r = plan(&profile, &specs, link, 9, &options).unwrap();
+    let got = &r.best;
+    eprintln!("min_stages 2: best {best2:.4e} s {best2_c:?}; search {got:?}");
+    assert!(got.candidate.pipeline_devices() >= 2, "{:?}", got.candidate);
+    assert!(
+        got.prediction.step_secs <= best2 * 1.01,
+        "{} vs {best2}",
+        got.prediction.step_secs
+    );
+    let too_many = PlanOptions {
+        min_stages: 5,
+        ..options
+    };
+    let err = plan(&profile, &specs, link, 9, &too_many)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("at least 5 stages"), "{err}");
 }
 
 /// `builder.plan(..)` end to end on a Transformer LM and 4 unequal devices: the chosen plan
