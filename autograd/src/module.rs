@@ -1,7 +1,7 @@
 //! The `Module` trait: what a layer must say so that it can run plain or inside a pipeline stage.
 
 use wgpipe_tensor::rng::{splitmix64, GOLDEN_GAMMA};
-use wgpipe_tensor::{Device, Result, Tensor};
+use wgpipe_tensor::{DType, Device, Result, Tensor};
 
 use crate::param::Param;
 use crate::skips::Skips;
@@ -21,6 +21,10 @@ pub struct ForwardCtx {
     pub layer: u64,
     pub train: bool,
     pub recompute: bool,
+    /// The dtype matmul-like layers compute in (autocast): `F32` runs everything in f32;
+    /// `F16`/`BF16` let layers whose policy allows it cast their input and a half copy of their
+    /// f32 weights to it, while norms and losses stay in f32. Set by the pipeline's precision.
+    pub compute: DType,
 }
 
 /// The default context is [`ForwardCtx::eval`]: what deterministic layers (and inference) need.
@@ -42,6 +46,7 @@ impl ForwardCtx {
             layer: 0,
             train: false,
             recompute: false,
+            compute: DType::F32,
         }
     }
     /// Context for training step `step`, micro-batch `micro_batch`, with RNG seed `seed`.
@@ -53,10 +58,15 @@ impl ForwardCtx {
             layer: 0,
             train: true,
             recompute: false,
+            compute: DType::F32,
         }
     }
     pub fn at_layer(self, layer: u64) -> Self {
         ForwardCtx { layer, ..self }
+    }
+    /// The same context computing in `compute` (see [`ForwardCtx::compute`]).
+    pub fn with_compute(self, compute: DType) -> Self {
+        ForwardCtx { compute, ..self }
     }
     /// The RNG stream of random op number `site` inside this layer: `(seed, offset)` for
     /// `Tensor::dropout_mask`. Distinct for every (step, micro-batch, layer, site).
