@@ -72,6 +72,9 @@ pub struct StepReport {
     /// Under [`crate::NonFinite::SkipStep`]: where NaN or infinity first appeared, when it did;
     /// the step's gradients were then dropped and the optimizer step must be skipped.
     pub skipped: Option<NonFiniteAt>,
+    /// With loss scaling: the scale this step's backward was seeded with (its gradients carry
+    /// it until `clip_grad_norm` or `optimizer_step` unscales them).
+    pub loss_scale: Option<f32>,
 }
 
 impl StepReport {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use wgpipe_autograd::{ForwardCtx, Module, SkipRouter, Tape, Var, WeightGrads};
 use wgpipe_tensor::memory::{Tag, TagGuard};
-use wgpipe_tensor::{Device, Tensor};
+use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::error::{NonFinite, StageCause};
 use crate::schedule::{Action, ActionKind, Link};
@@ -83,6 +83,9 @@ pub(crate) struct StepInputs {
     pub abort: Arc<AtomicBool>,
     pub clock: Instant,
     pub non_finite: NonFinite,
+    /// The dtype the layers compute in ([`ForwardCtx::compute`]), for forwards and recomputes
+    /// alike, so that a recompute gives the values the forward gave.
+    pub compute: DType,
     pub loss: Sender<LossRequest>,
     /// The compute action running and since when, for the step's watchdog.
     pub running: Running,
@@ -311,6 +314,12 @@ pub(crate) fn run_device(
     Ok(w.out)
 }
 
+/// Bytes a tensor takes on a link: its elements at the size of its dtype (half tensors travel
+/// as their 16-bit patterns).
+pub(crate) fn wire_bytes(t: &Tensor) -> u64 {
+    (t.numel() * t.dtype().size_of()) as u64
+}
+
 /// Whether every value of `t` is finite: one reduction on its device (x·0 is 0 for finite x and
 /// NaN for NaN and ±inf, and the sum of zeros cannot overflow).
 fn all_finite(t: &Tensor) -> wgpipe_tensor::Result<bool> {
@@ -380,7 +389,7 @@ impl<'a> Worker<'a, '_> {
                     .skips_out
                     .remove(&key)
                     .ok_or_else(|| internal(format!("no outgoing skip for {action}")))?;
-                bytes = (t.numel() * std::mem::size_of::<f32>()) as u64;
+                bytes = wire_bytes(&t);
                 self.send(link, m, t, finite)?;
             }
             ActionKind::ExchangeTied => {
@@ -405,7 +414,7 @@ impl<'a> Worker<'a, '_> {
                     .to_send
                     .remove(&(s, m, grad))
                     .ok_or_else(|| internal(format!("no outgoing tensor for {action}")))?;
-                bytes = (t.numel() * std::mem::size_of::<f32>()) as u64;
+                bytes = wire_bytes(&t);
                 let finite = self.finite_out.remove(&(s, m, grad)).unwrap_or(true);
                 let link = self.link(action)?;
                 self.send(link, m, t, finite)?;
@@ -491,7 +500,7 @@ impl<'a> Worker<'a, '_> {
         let input_finite = input_finite && popped_finite;
         let input = input_var(&tape, &x, s);
         let skips_in: Vec<Var> = popped.iter().map(|t| tape.leaf(t.clone())).collect();
-        let ctx = ForwardCtx::train(io.seed, io.step, m as u64);
+        let ctx = ForwardCtx::train(io.seed, io.step, m as u64).with_compute(io.compute);
         let (output, skips_out) =
             stage.run_with_skips(&input, &skips_in, ctx, &mut self.pos.layer)?;
         // A skip leaves at once (sent right after this forward); its recompute is not sent
@@ -554,7 +563,7 @@ impl<'a> Worker<'a, '_> {
         };
         let ctx = ForwardCtx {
             recompute: true,
-            ..ForwardCtx::train(io.seed, io.step, m as u64)
+            ..ForwardCtx::train(io.seed, io.step, m as u64).with_compute(io.compute)
         };
         // Both signals, as `autograd::checkpoint` gives: `ctx.recompute` and a recompute tape,
         // so a layer may check either to skip side effects.

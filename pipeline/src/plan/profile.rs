@@ -436,7 +436,7 @@ impl<'a> Meter<'a> {
 }
 
 fn bytes_of(t: &Tensor) -> f64 {
-    (t.numel() * std::mem::size_of::<f32>()) as f64
+    crate::worker::wire_bytes(t) as f64
 }
 
 /// The tensors the layers stashed so far, by skip name.
