@@ -688,6 +688,7 @@ impl Pipeline {
         loss: f32,
         memory: Option<Vec<wgpipe_tensor::memory::MemoryStats>>,
     ) -> Result<StepReport> {
+        let messages: Vec<u64> = outcomes.iter().map(|o| o.messages_sent).collect();
         let records: Vec<Vec<ActionRecord>> = outcomes.into_iter().map(|o| o.records).collect();
         let timeline = wall_timeline(&self.schedule, &records, wall);
         let stages = self
@@ -712,6 +713,7 @@ impl Pipeline {
                     busy_secs: timeline.busy[d],
                     flops: recs.iter().map(|r| r.flops).sum(),
                     bytes_sent: recs.iter().map(|r| r.bytes).sum(),
+                    messages_sent: messages[d],
                     memory: memory
                         .as_ref()
                         .and_then(|m| m.get(d).cloned())

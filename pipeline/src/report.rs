@@ -28,6 +28,8 @@ pub struct StageReport {
     pub flops: f64,
     /// Bytes this stage sent to its neighbours.
     pub bytes_sent: u64,
+    /// Messages this stage sent to its neighbours (one per tensor).
+    pub messages_sent: u64,
     /// Memory counters of the stage's device, with peaks since the step began. By tag:
     /// `Activations` are forward values (stashed stage inputs, saved tensors of the tapes,
     /// recomputes, activations in flight); `Gradients` are the accumulated parameter gradients

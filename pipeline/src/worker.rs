@@ -129,6 +129,8 @@ enum Stash {
 pub(crate) struct StageOutcome {
     pub records: Vec<ActionRecord>,
     pub non_finite: Option<NonFiniteAt>,
+    /// Messages this device put on its links (activations, gradients, skips).
+    pub messages_sent: u64,
 }
 
 /// Where non-finite values first appeared.
@@ -435,7 +437,14 @@ impl<'a> Worker<'a, '_> {
         Ok(())
     }
 
-    fn send(&self, link: Link, m: usize, tensor: Tensor, finite: bool) -> Result<(), StageCause> {
+    fn send(
+        &mut self,
+        link: Link,
+        m: usize,
+        tensor: Tensor,
+        finite: bool,
+    ) -> Result<(), StageCause> {
+        self.out.messages_sent += 1;
         let tx = self
             .links
             .tx

@@ -11,10 +11,10 @@ use wgpipe_models::{
     finish_step_all, forward_all, sequence_parameters, Gelu, LayerNorm, Linear, Relu, TransformerLm,
 };
 use wgpipe_pipeline::{
-    Balance, CheckpointMode, LinkSpec, LossFn, Pipeline, ScheduleKind, SimCluster, SkipRoute,
-    StepReport, Transport,
+    Balance, CheckpointMode, LinkSpec, LossFn, LossScaling, Pipeline, ScheduleKind, SimCluster,
+    SkipRoute, StepReport, Transport,
 };
-use wgpipe_tensor::{Device, Error, Result, Tensor};
+use wgpipe_tensor::{DType, Device, Error, Result, Tensor};
 
 pub use wgpipe_models::{cross_entropy, mse};
 
@@ -199,6 +199,10 @@ pub struct PipeCfg {
     pub flops_per_sec: f64,
     pub transport: Transport,
     pub skip_route: SkipRoute,
+    /// The dtype the layers compute in (the pipeline's precision).
+    pub precision: DType,
+    /// Loss scaling: `None` keeps the precision's default.
+    pub loss_scaling: Option<Option<LossScaling>>,
 }
 
 impl PipeCfg {
@@ -214,6 +218,8 @@ impl PipeCfg {
             flops_per_sec: 1e9,
             transport: Transport::Channels,
             skip_route: SkipRoute::Direct,
+            precision: DType::F32,
+            loss_scaling: None,
         }
     }
     pub fn balance(mut self, b: Vec<usize>) -> Self {
@@ -251,7 +257,12 @@ fn sim_builder(
     cfg: &PipeCfg,
     n: usize,
 ) -> wgpipe_pipeline::PipelineBuilder {
-    Pipeline::builder(layers)
+    let builder = Pipeline::builder(layers).precision(cfg.precision);
+    let builder = match cfg.loss_scaling {
+        Some(scaling) => builder.loss_scaling(scaling),
+        None => builder,
+    };
+    builder
         .sim(cluster)
         .balance(Balance::Explicit(cfg.balance.clone().unwrap_or_else(
             || even_balance(n, cfg.k * cfg.schedule.default_chunks()),
