@@ -167,7 +167,7 @@ pub struct PipelineBuilder {
     transport: Transport,
     /// Data parallelism: R and the factory of the layers of replicas 1..R.
     replicas: Option<(usize, LayerFactory)>,
-    precision: DType,
+    pub(crate) precision: DType,
     /// `None`: the default of the precision ([`crate::scaler::default_for`]).
     loss_scaling: Option<Option<LossScaling>>,
 }

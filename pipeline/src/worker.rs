@@ -642,7 +642,7 @@ impl<'a> Worker<'a, '_> {
             // A popped skip the stage did not use gets a zero gradient.
             let g = match grads.take(v) {
                 Some(g) => g,
-                None => Tensor::zeros(v.shape(), self.device)?,
+                None => Tensor::zeros(v.shape(), self.device)?.to_dtype(v.value().dtype())?,
             };
             self.skips_out.insert((*id, m, true), (g, seed_finite));
         }

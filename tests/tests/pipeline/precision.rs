@@ -282,7 +282,11 @@ fn the_scale_grows_after_the_interval_of_good_steps() {
 #[test]
 fn scaled_f32_training_equals_unscaled_training() {
     let (x, y) = (normal_data(&[8, 6], 1), normal_data(&[8, 3], 2));
-    for schedule in [ScheduleKind::GPipe, ScheduleKind::Interleaved1F1B, ScheduleKind::ZbV] {
+    for schedule in [
+        ScheduleKind::GPipe,
+        ScheduleKind::Interleaved1F1B,
+        ScheduleKind::ZbV,
+    ] {
         let run = |scaling: Option<LossScaling>| {
             let cfg = PipeCfg {
                 loss_scaling: Some(scaling),
@@ -300,7 +304,11 @@ fn scaled_f32_training_equals_unscaled_training() {
                 }
                 pipe.optimizer_step().unwrap();
             }
-            (losses, snapshot(&pipe.named_parameters()), pipe.loss_scaler())
+            (
+                losses,
+                snapshot(&pipe.named_parameters()),
+                pipe.loss_scaler(),
+            )
         };
         let (plain_losses, plain, none) = run(None);
         assert!(none.is_none());
@@ -331,7 +339,11 @@ fn half_links_halve_the_bytes_sent_and_the_simulated_link_time() {
             link,
             transport,
             loss_scaling: Some(None),
-            ..cfg(ScheduleKind::OneFOneB, CheckpointMode::ExceptLast, precision)
+            ..cfg(
+                ScheduleKind::OneFOneB,
+                CheckpointMode::ExceptLast,
+                precision,
+            )
         };
         let mut pipe = sim_pipeline(model(&trigger), &cfg);
         let r = step(&mut pipe, &x, &y);
@@ -345,7 +357,11 @@ fn half_links_halve_the_bytes_sent_and_the_simulated_link_time() {
             .filter(|e| e.peer.is_some())
             .map(|e| e.end - e.start)
             .sum();
-        (r.bytes_sent(), link_secs, snapshot(&pipe.named_parameters()))
+        (
+            r.bytes_sent(),
+            link_secs,
+            snapshot(&pipe.named_parameters()),
+        )
     };
     let (bytes32, secs32, _) = run(DType::F32, Transport::Channels);
     // 8 rows x 8 floats, each way, per micro-batch... counted, not assumed:
@@ -393,7 +409,11 @@ fn loss_scaling_sends_no_extra_message() {
             messages
         };
         let off = run(None, false);
-        assert_eq!(run(Some(LossScaling::default()), false), off, "{schedule:?}");
+        assert_eq!(
+            run(Some(LossScaling::default()), false),
+            off,
+            "{schedule:?}"
+        );
         assert_eq!(run(Some(LossScaling::default()), true), off, "{schedule:?}");
     }
 }
@@ -452,4 +472,27 @@ fn accumulating_after_clipping_a_scaled_step_is_refused() {
     assert!(e.contains("call optimizer_step"), "{e}");
     pipe.optimizer_step().unwrap();
     pipe.train_step(&x, &y, &mse_f32).unwrap();
+}
+
+/// The planner profiles the layers in the pipeline's precision: layers that compute in half
+/// hand half outputs on, so the cost model's link bytes (and stashes) are half of f32's.
+#[test]
+fn the_planner_profiles_in_the_pipelines_precision() {
+    use wgpipe_pipeline::plan::{profile_layers_timed, ProfileRun};
+    let (x, y) = data();
+    let profile = |compute: DType| {
+        let trigger: Trigger = Arc::new(Mutex::new(None));
+        let mut layers = model(&trigger);
+        let run = ProfileRun { reps: 0, compute };
+        profile_layers_timed(&mut layers, &x, &y, &mse_f32, None, &Device::cpu(), run).unwrap()
+    };
+    let (full, half) = (profile(DType::F32), profile(DType::F16));
+    for (i, (f, h)) in full.layers.iter().zip(&half.layers).enumerate() {
+        assert!(f.output_bytes.bytes(4) > 0);
+        assert_eq!(
+            h.output_bytes.bytes(4) * 2,
+            f.output_bytes.bytes(4),
+            "layer {i}"
+        );
+    }
 }
