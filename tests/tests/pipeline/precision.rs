@@ -114,8 +114,11 @@ fn cfg(schedule: ScheduleKind, mode: CheckpointMode, precision: DType) -> PipeCf
     }
 }
 
+/// An optimizer's step count and its state tensors' bits, by name.
+type OptimizerBits = (u64, Vec<(String, Vec<u32>)>);
+
 /// Every optimizer's step count and state, bit for bit.
-fn optimizer_snapshot(pipe: &Pipeline) -> Vec<(u64, Vec<(String, Vec<u32>)>)> {
+fn optimizer_snapshot(pipe: &Pipeline) -> Vec<OptimizerBits> {
     pipe.optimizers()
         .iter()
         .map(|o| {
