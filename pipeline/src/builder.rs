@@ -210,7 +210,10 @@ impl PipelineBuilder {
     }
 
     /// Dynamic loss scaling (see [`crate::scaler`]): `Some(rule)` to turn it on (also in f32
-    /// or bf16), `None` to turn it off (also in f16).
+    /// or bf16), `None` to turn it off (also in f16). With it on, steps run under
+    /// [`NonFinite::SkipStep`] whatever [`PipelineBuilder::on_non_finite`] says: a step with
+    /// NaN or infinity is skipped by the next `optimizer_step` (which then changes nothing but
+    /// the scale) instead of failing.
     pub fn loss_scaling(mut self, scaling: Option<LossScaling>) -> Self {
         self.loss_scaling = Some(scaling);
         self
