@@ -499,3 +499,69 @@ fn the_planner_profiles_in_the_pipelines_precision() {
         );
     }
 }
+
+/// `y = x + 1e4 w` in `ctx.compute`, with `w` a zero vector: the identity in the forward, but
+/// the gradient of `w` is 1e4 x the summed output gradient, which overflows f16 under a loss
+/// scale of 2^16 while the input gradient does not.
+struct WeightGradBoost {
+    w: Param,
+}
+
+impl Module for WeightGradBoost {
+    fn name(&self) -> String {
+        "WeightGradBoost".into()
+    }
+    fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
+        let w = x.tape().param(&self.w).to_dtype(ctx.compute)?;
+        x.to_dtype(ctx.compute)?.add(&w.mul_scalar(1e4)?)
+    }
+    fn parameters(&self) -> Vec<(String, Param)> {
+        vec![("w".into(), self.w.clone())]
+    }
+    fn cost(&self, input_shape: &[usize]) -> CostHint {
+        CostHint {
+            param_bytes: 4 * WIDTH,
+            flops: input_shape.iter().product::<usize>() as f64,
+            activation_bytes: 0,
+            output_shape: input_shape.to_vec(),
+        }
+    }
+}
+
+/// An overflow only in a parameter gradient of stage 0: no gradient message leaves stage 0, and
+/// under split backward (zero-bubble schedules) its weight gradients finish after every input
+/// gradient was sent. The verdict reaches the step through the outcome each device reports at
+/// the end of the step: the step is skipped on every stage, naming the parameter.
+#[test]
+fn an_overflow_in_stage_0s_weight_gradients_alone_skips_the_step() {
+    let (x, y) = data();
+    for schedule in ScheduleKind::ALL {
+        if !runs(schedule, K, M, LAYERS + 1) {
+            continue;
+        }
+        let trigger: Trigger = Arc::new(Mutex::new(None));
+        let mut layers = model(&trigger);
+        layers.insert(
+            0,
+            Box::new(WeightGradBoost {
+                w: Param::new("w", Tensor::zeros(&[WIDTH], &Device::cpu()).unwrap()),
+            }),
+        );
+        let mut pipe = sim_pipeline(
+            layers,
+            &cfg(schedule, CheckpointMode::ExceptLast, DType::F16),
+        );
+        let params = snapshot(&pipe.named_parameters());
+        let r = step(&mut pipe, &x, &y);
+        let at = r.skipped.expect("the overflowed step is skipped");
+        assert_eq!(at.stage, 0, "{schedule:?}: {at:?}");
+        assert!(
+            at.what.contains("the gradient of w in layer 0"),
+            "{schedule:?}: {}",
+            at.what
+        );
+        assert_eq!(snapshot(&pipe.named_parameters()), params, "{schedule:?}");
+        assert!(pipe.optimizers().iter().all(|o| o.steps() == 0));
+        assert_eq!(pipe.loss_scaler().unwrap().scale, 32768.0, "{schedule:?}");
+    }
+}
