@@ -118,6 +118,24 @@ impl GradScaler {
     }
 }
 
+/// The state as checkpoint metadata: `"scale good_steps skipped_steps"` (Rust prints an f32
+/// so that it reads back to the same bits).
+pub(crate) fn encode_state(s: &ScalerState) -> String {
+    format!("{} {} {}", s.scale, s.good_steps, s.skipped_steps)
+}
+
+/// The inverse of [`encode_state`]; `None` when the text is not one.
+pub(crate) fn decode_state(text: &str) -> Option<ScalerState> {
+    let mut parts = text.split(' ');
+    let scale: f32 = parts.next()?.parse().ok()?;
+    let state = ScalerState {
+        scale: (scale.is_finite() && scale > 0.0).then_some(scale)?,
+        good_steps: parts.next()?.parse().ok()?,
+        skipped_steps: parts.next()?.parse().ok()?,
+    };
+    parts.next().is_none().then_some(state)
+}
+
 /// The scaling a pipeline in `precision` gets unless told otherwise: on for f16 (whose range
 /// is what underflows), off for bf16 (f32's range) and f32, as torch's autocast.
 pub fn default_for(precision: wgpipe_tensor::DType) -> Option<LossScaling> {
@@ -197,6 +215,19 @@ mod tests {
         ] {
             let e = GradScaler::new(cfg).unwrap_err().to_string();
             assert!(e.contains(field), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_state_reads_back_exactly() {
+        let s = ScalerState {
+            scale: 65536.0 * 0.5f32.powi(30),
+            good_steps: 17,
+            skipped_steps: 3,
+        };
+        assert_eq!(decode_state(&encode_state(&s)), Some(s));
+        for bad in ["", "1 2", "x 1 2", "0 1 2", "inf 1 2", "1 2 3 4"] {
+            assert_eq!(decode_state(bad), None, "{bad:?}");
         }
     }
 

@@ -565,3 +565,56 @@ fn an_overflow_in_stage_0s_weight_gradients_alone_skips_the_step() {
         assert_eq!(pipe.loss_scaler().unwrap().scale, 32768.0, "{schedule:?}");
     }
 }
+
+/// A checkpoint keeps the loss scaler's state: training resumed from it at step 4 (after an
+/// overflow, a growth and one more good step) continues exactly as the uninterrupted run, scale included.
+#[test]
+fn a_checkpoint_resumes_the_loss_scale_bit_exactly() {
+    use wgpipe_pipeline::{LoadOptions, SaveOptions};
+    let (x, y) = data();
+    let trigger: Trigger = Arc::new(Mutex::new(None));
+    let mut cfg = cfg(
+        ScheduleKind::OneFOneB,
+        CheckpointMode::ExceptLast,
+        DType::F16,
+    );
+    cfg.loss_scaling = Some(Some(LossScaling {
+        init_scale: 256.0,
+        growth_interval: 2,
+        ..LossScaling::default()
+    }));
+    let path = std::env::temp_dir().join(format!(
+        "wgpipe-precision-{}/scaler.safetensors",
+        std::process::id()
+    ));
+    let mut run = sim_pipeline(model(&trigger), &cfg);
+    for i in 0..6 {
+        if i == 4 {
+            run.save(&path, &SaveOptions::default()).unwrap();
+        }
+        *trigger.lock().unwrap() = (i == 0).then_some(3);
+        step(&mut run, &x, &y);
+    }
+    // Overflow at step 0 (128), two good steps (256), one more: the state saved before step 4
+    // has one good step counted, which the resumed run must know to grow after step 4.
+    let end = run.loss_scaler().unwrap();
+    assert_eq!((end.scale, end.skipped_steps), (512.0, 1));
+
+    let fresh: Trigger = Arc::new(Mutex::new(None));
+    let mut resumed = sim_pipeline(model(&fresh), &cfg);
+    resumed.load(&path, &LoadOptions::default()).unwrap();
+    let saved = resumed.loss_scaler().unwrap();
+    assert_eq!(
+        (saved.scale, saved.good_steps, saved.skipped_steps),
+        (256.0, 1, 1)
+    );
+    for _ in 4..6 {
+        step(&mut resumed, &x, &y);
+    }
+    assert_eq!(resumed.loss_scaler(), run.loss_scaler());
+    assert_eq!(
+        snapshot(&resumed.named_parameters()),
+        snapshot(&run.named_parameters())
+    );
+    let _ = std::fs::remove_dir_all(path.parent().unwrap());
+}
