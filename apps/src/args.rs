@@ -20,6 +20,26 @@ use crate::placement::{DeviceChoice, Placement, SimSpec};
 use crate::plan::PlanArg;
 use crate::tensor::Tensor;
 
+/// `--precision`: the dtype the layers compute in.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PrecisionArg {
+    F32,
+    /// Half precision with dynamic loss scaling.
+    F16,
+    /// bfloat16 (f32's range: no loss scaling).
+    Bf16,
+}
+
+impl From<PrecisionArg> for crate::tensor::DType {
+    fn from(p: PrecisionArg) -> crate::tensor::DType {
+        match p {
+            PrecisionArg::F32 => crate::tensor::DType::F32,
+            PrecisionArg::F16 => crate::tensor::DType::F16,
+            PrecisionArg::Bf16 => crate::tensor::DType::BF16,
+        }
+    }
+}
+
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum CheckpointArg {
     Always,
@@ -218,6 +238,11 @@ pub struct PipelineArgs {
     /// `mpirun -np K`, or R x K with --replicas; rank 0 prints and writes the files).
     #[arg(long, value_enum, default_value_t = TransportArg::Channels)]
     pub transport: TransportArg,
+    /// The dtype layers that allow it compute in (matmul-like layers; norms and losses stay
+    /// f32, weights and optimizer state stay f32). f16 adds dynamic loss scaling (the scale
+    /// and the skipped steps are printed at the end).
+    #[arg(long, value_enum, default_value_t = PrecisionArg::F32)]
+    pub precision: PrecisionArg,
 }
 
 impl PipelineArgs {
@@ -379,6 +404,7 @@ pub fn build_pipeline(
         .schedule(ScheduleKind::from(args.schedule))
         .chunks(args.chunks())
         .seed(args.seed)
+        .precision(args.precision.into())
         .optimizer(optimizer);
     b = match &placement.sim {
         Some(c) => b.sim(c.clone()),

@@ -92,7 +92,14 @@ pub fn build_or_plan(
                 args.replicas
             )));
         }
-        let (pipe, report) = plan_pipeline(layers, make_copy, placement, run, optimizer)?;
+        let (pipe, report) = plan_pipeline(
+            layers,
+            make_copy,
+            placement,
+            run,
+            args.precision.into(),
+            optimizer,
+        )?;
         Ok((pipe, Some(report)))
     } else {
         Ok((
@@ -104,12 +111,14 @@ pub fn build_or_plan(
 
 /// Plans `layers` on the placement's simulated cluster (data-parallel replicas made by
 /// `make_copy` included), or on its real devices from measured layer times; prints the plan
-/// table, and builds it.
+/// table, and builds it. The layers are profiled in `precision`, so the plan sees its half
+/// activations and links.
 pub fn plan_pipeline(
     layers: Vec<Box<dyn Module>>,
     make_copy: MakeCopy,
     placement: &Placement,
     run: &PlanRun<'_>,
+    precision: crate::tensor::DType,
     optimizer: impl Fn() -> Box<dyn Optimizer> + 'static,
 ) -> AppResult<(Pipeline, PlanReport)> {
     let options = PlanOptions {
@@ -128,7 +137,9 @@ pub fn plan_pipeline(
         options,
     };
     let started = std::time::Instant::now();
-    let builder = Pipeline::builder(layers).optimizer(optimizer);
+    let builder = Pipeline::builder(layers)
+        .precision(precision)
+        .optimizer(optimizer);
     let planned = match &placement.sim {
         Some(cluster) => builder.plan_replicated(cluster, &inputs, make_copy),
         None => builder.plan_devices(&placement.devices, &inputs),

@@ -117,6 +117,14 @@ pub fn train_loop(
                 " (measured)"
             }
         );
+        // With loss scaling an overflowed step is skipped, not an error.
+        let msg = match (&report.skipped, report.loss_scale) {
+            (Some(at), Some(scale)) => format!(
+                "{msg}  skipped: overflow at stage {} (scale {scale} halved)",
+                at.stage
+            ),
+            _ => msg,
+        };
         pb.set_message(msg.clone());
         pb.set_position(step + 1);
         if cfg.quiet && ((step + 1) % log_every == 0 || step + 1 == cfg.steps) {
@@ -138,6 +146,15 @@ pub fn train_loop(
         }
     }
     pb.finish();
+    if let Some(s) = pipe.loss_scaler() {
+        crate::say!(
+            "loss scaling ({}): scale {} at the end, {} of {} steps skipped (overflow)",
+            pipe.precision().name(),
+            s.scale,
+            s.skipped_steps,
+            r.losses.len()
+        );
+    }
     r.wall_secs = clock.elapsed().as_secs_f64();
     if r.wall_secs > 0.0 {
         r.items_per_sec = items as f64 / r.wall_secs;

@@ -6,11 +6,12 @@ use std::time::Instant;
 use wgpipe_autograd::optim::Optimizer;
 use wgpipe_autograd::{ForwardCtx, Module, Tape, Var};
 use wgpipe_tensor::memory::{with_tag, Tag};
-use wgpipe_tensor::{Device, Tensor};
+use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::error::{NonFinite, PipelineError, Result};
 use crate::partition::{balance_by_cost, stage_ranges, validate_balance_for};
 use crate::pipeline::Pipeline;
+use crate::scaler::{GradScaler, LossScaling};
 use crate::schedule::{CheckpointMode, Schedule};
 use crate::sim::SimCluster;
 use crate::skips::{plan_skips, popped_bytes, SkipRoute};
@@ -166,6 +167,9 @@ pub struct PipelineBuilder {
     transport: Transport,
     /// Data parallelism: R and the factory of the layers of replicas 1..R.
     replicas: Option<(usize, LayerFactory)>,
+    pub(crate) precision: DType,
+    /// `None`: the default of the precision ([`crate::scaler::default_for`]).
+    loss_scaling: Option<Option<LossScaling>>,
 }
 
 /// Makes a fresh copy of the model's layers (the structure; the values are copied from
@@ -190,7 +194,29 @@ impl PipelineBuilder {
             optimizer: None,
             transport: Transport::default(),
             replicas: None,
+            precision: DType::F32,
+            loss_scaling: None,
         }
+    }
+
+    /// The dtype the layers compute in (autocast, see `ForwardCtx::compute`): f32 (the
+    /// default), f16 or bf16, in forwards and recomputes alike. The model's inputs are given to
+    /// stage 0 as they are (token indices must stay f32); tensors cross stage boundaries in the
+    /// dtype the layers produce them in. f16 turns on dynamic loss scaling unless
+    /// [`PipelineBuilder::loss_scaling`] says otherwise.
+    pub fn precision(mut self, dtype: DType) -> Self {
+        self.precision = dtype;
+        self
+    }
+
+    /// Dynamic loss scaling (see [`crate::scaler`]): `Some(rule)` to turn it on (also in f32
+    /// or bf16), `None` to turn it off (also in f16). With it on, steps run under
+    /// [`NonFinite::SkipStep`] whatever [`PipelineBuilder::on_non_finite`] says: a step with
+    /// NaN or infinity is skipped by the next `optimizer_step` (which then changes nothing but
+    /// the scale) instead of failing.
+    pub fn loss_scaling(mut self, scaling: Option<LossScaling>) -> Self {
+        self.loss_scaling = Some(scaling);
+        self
     }
 
     /// One device per stage (the same device may appear several times, but then those stages
@@ -383,6 +409,11 @@ impl PipelineBuilder {
             Some(f) => stages.iter().map(|_| f()).collect(),
             None => Vec::new(),
         };
+        let scaler = self
+            .loss_scaling
+            .unwrap_or_else(|| crate::scaler::default_for(self.precision))
+            .map(GradScaler::new)
+            .transpose()?;
         Ok(Pipeline {
             stages,
             schedule,
@@ -396,6 +427,11 @@ impl PipelineBuilder {
             round: 0,
             stuck: None,
             replicas: Vec::new(),
+            precision: self.precision,
+            scaler,
+            loss_scale: None,
+            grads_scale: std::cell::Cell::new(None),
+            overflowed: false,
         })
     }
 
@@ -434,6 +470,9 @@ impl PipelineBuilder {
                 optimizer: None,
                 transport: b.transport.clone(),
                 replicas: None,
+                precision: b.precision,
+                // Replica 0 keeps the one scaler; the others are told each step's scale.
+                loss_scaling: if i == 0 { b.loss_scaling } else { Some(None) },
             }
         };
         let layers = std::mem::take(&mut self.layers);

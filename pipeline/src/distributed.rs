@@ -331,7 +331,8 @@ fn status_of(
             let skipped = o
                 .and_then(|o| o.non_finite.as_ref())
                 .map(|at| json!([at.stage, at.micro_batch, at.what]));
-            json!({"ok": true, "loss": loss, "weight": weight, "records": records, "skipped": skipped})
+            let messages = o.map_or(0, |o| o.messages_sent);
+            json!({"ok": true, "loss": loss, "weight": weight, "records": records, "skipped": skipped, "messages": messages})
         }
         Err(e) => error_status(e, me),
     }
@@ -384,6 +385,7 @@ fn outcome_of(status: &Value, actions: &[crate::schedule::Action]) -> StageOutco
     StageOutcome {
         records,
         non_finite,
+        messages_sent: status["messages"].as_u64().unwrap_or(0),
     }
 }
 

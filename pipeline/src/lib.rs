@@ -27,6 +27,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod replicas;
 pub mod report;
+pub mod scaler;
 pub mod schedule;
 pub mod sim;
 pub mod skips;
@@ -44,6 +45,7 @@ pub use persist::{LoadOptions, PersistError, Restored, SaveOptions};
 pub use pipeline::Pipeline;
 pub use plan::{PlanInputs, PlanOptions, PlanReport};
 pub use report::{SimReport, StageReport, StepReport};
+pub use scaler::{LossScaling, ScalerState};
 pub use schedule::{
     Action, ActionKind, CheckpointMode, Link, Schedule, ScheduleError, SkipLink, SkipPort,
 };

@@ -33,6 +33,9 @@ use wgpipe_tensor::{Device, Tag, Tensor};
 
 use crate::pipeline::Pipeline;
 
+/// The loss scaler's state in the metadata (see [`crate::scaler::encode_state`]).
+const SCALER_KEY: &str = "wgpipe.loss_scaler";
+
 /// The format written in the metadata under [`FORMAT_KEY`].
 pub const FORMAT: &str = "checkpoint/1";
 /// Per-parameter optimizer slots that are counters (shape `[2]`), not parameter-shaped.
@@ -194,6 +197,9 @@ impl Pipeline {
             (FORMAT_KEY.to_string(), FORMAT.to_string()),
             (STEP_KEY.to_string(), self.step_count().to_string()),
         ];
+        if let Some(s) = self.loss_scaler() {
+            meta.push((SCALER_KEY.to_string(), crate::scaler::encode_state(&s)));
+        }
         for (k, v) in &opts.metadata {
             if k.starts_with("wgpipe.") {
                 return Err(io(format!(
@@ -263,6 +269,16 @@ impl Pipeline {
             Some((_, v)) => v
                 .parse::<u64>()
                 .map_err(|_| unreadable(format!("'{STEP_KEY}' is '{v}', not a step number")))?,
+        };
+        // A checkpoint of a run with loss scaling resumes at its scale (a pipeline without
+        // scaling ignores it; a file without it leaves the scaler as built).
+        let scaler = match metadata.iter().find(|(k, _)| k == SCALER_KEY) {
+            Some((_, v)) => Some(crate::scaler::decode_state(v).ok_or_else(|| {
+                unreadable(format!(
+                    "'{SCALER_KEY}' is '{v}', not 'scale good_steps skipped_steps'"
+                ))
+            })?),
+            None => None,
         };
         metadata.retain(|(k, _)| !k.starts_with("wgpipe."));
 
@@ -457,6 +473,9 @@ impl Pipeline {
             p.zero_grad();
         }
         self.set_step(step);
+        if let (Some(state), Some(s)) = (scaler, &mut self.scaler) {
+            s.state = state;
+        }
         // Data-parallel replicas load the same file (the same structure, so it cannot fail
         // where replica 0's load did not), which also gives each its own optimizer state on
         // its own devices.

@@ -15,12 +15,13 @@ use std::time::{Duration, Instant};
 use wgpipe_autograd::optim::Optimizer;
 use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, SkipRouter, Tape};
 use wgpipe_tensor::memory::{Tag, TagGuard};
-use wgpipe_tensor::{Device, Tensor};
+use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::builder::PipelineBuilder;
 use crate::error::{NonFinite, PipelineError, Result, StageCause};
 use crate::microbatch::split_batch;
 use crate::report::{wall_timeline, SimReport, StageReport, StepReport};
+use crate::scaler::{GradScaler, ScalerState};
 use crate::schedule::{Action, Schedule};
 use crate::sim::SimCluster;
 use crate::threads::{self, spawn_stage};
@@ -50,6 +51,19 @@ pub struct Pipeline {
     /// whose parameters stay bit-identical to this one's (see [`crate::replicas`]). The
     /// accessors (parameters, stages, devices, reports of K) describe replica 0.
     pub(crate) replicas: Vec<Pipeline>,
+    /// The dtype the layers compute in (see [`wgpipe_autograd::ForwardCtx::compute`]).
+    pub(crate) precision: DType,
+    /// Dynamic loss scaling (replica 0 keeps it for every replica).
+    pub(crate) scaler: Option<GradScaler>,
+    /// The seed of this step's backward when loss scaling is on (set on every replica before
+    /// its step): the step then runs under `NonFinite::SkipStep`, whatever the policy.
+    pub(crate) loss_scale: Option<f32>,
+    /// The factor the accumulated gradients carry since the last optimizer step (`None`: no
+    /// scaled gradients; 1 once [`Pipeline::clip_grad_norm`] has unscaled them).
+    /// A cell so that `clip_grad_norm` and `zero_grad` keep taking `&self`.
+    pub(crate) grads_scale: std::cell::Cell<Option<f32>>,
+    /// A step since the last optimizer step overflowed: that optimizer step is skipped.
+    pub(crate) overflowed: bool,
 }
 
 impl Pipeline {
@@ -202,10 +216,57 @@ impl Pipeline {
         targets: &Tensor,
         loss_fn: &LossFn,
     ) -> Result<StepReport> {
-        if self.replicas.is_empty() {
+        let scale = self.scaler.as_ref().map(|s| s.state.scale);
+        if let (Some(scale), Some(carried)) = (scale, self.grads_scale.get()) {
+            if carried != scale {
+                return Err(PipelineError::Config(format!(
+                    "train_step: the gradients accumulated so far carry a loss scale of {carried} \
+                     (clip_grad_norm unscales them), this step's would carry {scale}: call \
+                     optimizer_step (or zero_grad) before the next train_step"
+                )));
+            }
+        }
+        self.set_loss_scale(scale);
+        let mut report = if self.replicas.is_empty() {
             self.train_step_one(inputs, targets, loss_fn)
         } else {
             crate::replicas::train_step(self, inputs, targets, loss_fn)
+        }?;
+        if let Some(scale) = scale {
+            if report.skipped.is_some() {
+                self.overflowed = true;
+            } else {
+                self.grads_scale.set(Some(scale));
+            }
+            report.loss_scale = Some(scale);
+        }
+        Ok(report)
+    }
+
+    /// The seed of the next step's backward on this pipeline and its replicas.
+    fn set_loss_scale(&mut self, scale: Option<f32>) {
+        self.loss_scale = scale;
+        for r in &mut self.replicas {
+            r.set_loss_scale(scale);
+        }
+    }
+
+    /// The dtype the layers compute in (set by [`PipelineBuilder::precision`]).
+    pub fn precision(&self) -> DType {
+        self.precision
+    }
+
+    /// The loss scaler's state (`None` without loss scaling).
+    pub fn loss_scaler(&self) -> Option<ScalerState> {
+        self.scaler.as_ref().map(|s| s.state)
+    }
+
+    /// The policy a step runs under: loss scaling needs to find overflows and skip.
+    fn step_policy(&self) -> NonFinite {
+        if self.loss_scale.is_some() {
+            NonFinite::SkipStep
+        } else {
+            self.non_finite
         }
     }
 
@@ -252,7 +313,8 @@ impl Pipeline {
             scales: &scales,
             loss_fn,
             device: self.stages[self.stages.len() - 1].device.clone(),
-            non_finite: self.non_finite,
+            non_finite: self.step_policy(),
+            seed: self.loss_scale.unwrap_or(1.0),
         };
         let ran = self.run_workers(xs, &loss, clock);
         let wall = clock.elapsed().as_secs_f64();
@@ -481,7 +543,8 @@ impl Pipeline {
                 inputs: inputs.clone(),
                 abort: abort.clone(),
                 clock,
-                non_finite: self.non_finite,
+                non_finite: self.step_policy(),
+                compute: self.precision,
                 loss: loss_tx.clone(),
                 running: running[device].clone(),
             };
@@ -625,6 +688,7 @@ impl Pipeline {
         loss: f32,
         memory: Option<Vec<wgpipe_tensor::memory::MemoryStats>>,
     ) -> Result<StepReport> {
+        let messages: Vec<u64> = outcomes.iter().map(|o| o.messages_sent).collect();
         let records: Vec<Vec<ActionRecord>> = outcomes.into_iter().map(|o| o.records).collect();
         let timeline = wall_timeline(&self.schedule, &records, wall);
         let stages = self
@@ -649,6 +713,7 @@ impl Pipeline {
                     busy_secs: timeline.busy[d],
                     flops: recs.iter().map(|r| r.flops).sum(),
                     bytes_sent: recs.iter().map(|r| r.bytes).sum(),
+                    messages_sent: messages[d],
                     memory: memory
                         .as_ref()
                         .and_then(|m| m.get(d).cloned())
@@ -688,6 +753,7 @@ impl Pipeline {
             stages,
             simulated,
             skipped: None,
+            loss_scale: None,
         })
     }
 
@@ -711,9 +777,14 @@ impl Pipeline {
                             skips.insert(name.clone(), t);
                         }
                     }
-                    Ok(s.run_layers(&v, &mut skips, ForwardCtx::eval(), &mut None)?
-                        .value()
-                        .clone())
+                    Ok(s.run_layers(
+                        &v,
+                        &mut skips,
+                        ForwardCtx::eval().with_compute(self.precision),
+                        &mut None,
+                    )?
+                    .value()
+                    .clone())
                 };
                 h = match catch_unwind(AssertUnwindSafe(run)) {
                     Ok(Ok(t)) => t,
@@ -812,30 +883,41 @@ impl Pipeline {
             }
             sq += part;
         }
-        let norm = sq.sqrt() as f32;
-        let factor = wgpipe_autograd::optim::clip_factor(norm, max_norm);
+        // Gradients of a loss-scaled step are unscaled here, in the same pass as the clipping.
+        let unscale = self.grads_scale.get().map_or(1.0, |g| 1.0 / g);
+        let norm = (sq.sqrt() * unscale as f64) as f32;
+        let factor = wgpipe_autograd::optim::clip_factor(norm, max_norm) * unscale;
         if factor != 1.0 {
-            let mut scaled = Vec::new();
-            for s in &self.stages {
-                scaled.push(
-                    wgpipe_autograd::optim::scaled_grads(&stage_params(s), factor)
-                        .map_err(|e| stage_error(s, 0, "clip_grad_norm", StageCause::Tensor(e)))?,
-                );
-            }
-            for (p, g) in scaled.into_iter().flatten() {
-                p.set_grad(Some(g));
-            }
-            // The replicas hold the same gradients: they get replica 0's clipped ones.
-            for r in &self.replicas {
-                for ((_, src), (_, dst)) in self.named_parameters().iter().zip(r.named_parameters())
-                {
-                    if let Some(g) = src.grad() {
-                        dst.set_grad(Some(g.to_device(dst.value().device())?));
-                    }
+            self.scale_grads_everywhere(factor, "clip_grad_norm")?;
+        }
+        if self.grads_scale.get().is_some() {
+            self.grads_scale.set(Some(1.0));
+        }
+        Ok(norm)
+    }
+
+    /// Multiplies every gradient by `factor`, all or nothing: every stage's scaled gradients
+    /// are computed before any is stored; the replicas (which hold the same gradients) get
+    /// replica 0's.
+    fn scale_grads_everywhere(&self, factor: f32, what: &str) -> Result<()> {
+        let mut scaled = Vec::new();
+        for s in &self.stages {
+            scaled.push(
+                wgpipe_autograd::optim::scaled_grads(&stage_params(s), factor)
+                    .map_err(|e| stage_error(s, 0, what, StageCause::Tensor(e)))?,
+            );
+        }
+        for (p, g) in scaled.into_iter().flatten() {
+            p.set_grad(Some(g));
+        }
+        for r in &self.replicas {
+            for ((_, src), (_, dst)) in self.named_parameters().iter().zip(r.named_parameters()) {
+                if let Some(g) = src.grad() {
+                    dst.set_grad(Some(g.to_device(dst.value().device())?));
                 }
             }
         }
-        Ok(norm)
+        Ok(())
     }
 
     /// Applies each stage's optimizer to its parameters on its own device (stages in parallel,
@@ -860,6 +942,22 @@ impl Pipeline {
             return Err(PipelineError::Config(
                 "no optimizer set: call set_optimizer (or the builder's optimizer) first".into(),
             ));
+        }
+        if self.scaler.is_some() {
+            // Every stage, replica and rank learned of the overflow with the step's outcome,
+            // so all skip here alike, with no further message: parameters and optimizer state
+            // stay as they are, the gradients are dropped, the scale backs off.
+            if std::mem::take(&mut self.overflowed) {
+                if let Some(s) = &mut self.scaler {
+                    s.overflowed();
+                }
+                self.zero_grad();
+                return Ok(());
+            }
+            if let Some(g) = self.grads_scale.get().filter(|&g| g != 1.0) {
+                self.scale_grads_everywhere(1.0 / g, "optimizer step (unscaling)")?;
+                self.grads_scale.set(Some(1.0));
+            }
         }
         // Over MPI, a round of its own for the ranks' agreement on the outcome.
         #[cfg(feature = "mpi")]
@@ -941,10 +1039,14 @@ impl Pipeline {
         drop(kept);
         drop(pairs);
         self.zero_grad();
+        if let Some(s) = &mut self.scaler {
+            s.stepped();
+        }
         Ok(())
     }
 
     pub fn zero_grad(&self) {
+        self.grads_scale.set(None);
         for (_, p) in self.named_parameters() {
             p.zero_grad();
         }
@@ -1144,6 +1246,8 @@ struct LossSide<'a> {
     loss_fn: &'a LossFn,
     device: Device,
     non_finite: NonFinite,
+    /// What the backward is seeded with (the loss scale; 1 without loss scaling).
+    seed: f32,
 }
 
 impl LossSide<'_> {
@@ -1173,7 +1277,12 @@ impl LossSide<'_> {
                 )));
             }
             let _tag = TagGuard::new(Tag::Gradients);
-            let grads = tape.backward(&loss)?;
+            // Seeding with the loss scale: a power of two scales every gradient exactly.
+            let grads = if self.seed == 1.0 {
+                tape.backward(&loss)?
+            } else {
+                tape.backward(&loss.mul_scalar(self.seed)?)?
+            };
             let g = grads.get(&output).cloned().ok_or_else(|| {
                 StageCause::Disconnected(format!(
                     "the loss of micro-batch {m} does not depend on the last stage's output"

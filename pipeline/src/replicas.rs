@@ -302,6 +302,7 @@ fn merge_reports(
         stages,
         simulated,
         skipped: None,
+        loss_scale: None,
     }
 }
 

@@ -28,6 +28,8 @@ pub struct StageReport {
     pub flops: f64,
     /// Bytes this stage sent to its neighbours.
     pub bytes_sent: u64,
+    /// Messages this stage sent to its neighbours (one per tensor).
+    pub messages_sent: u64,
     /// Memory counters of the stage's device, with peaks since the step began. By tag:
     /// `Activations` are forward values (stashed stage inputs, saved tensors of the tapes,
     /// recomputes, activations in flight); `Gradients` are the accumulated parameter gradients
@@ -72,6 +74,9 @@ pub struct StepReport {
     /// Under [`crate::NonFinite::SkipStep`]: where NaN or infinity first appeared, when it did;
     /// the step's gradients were then dropped and the optimizer step must be skipped.
     pub skipped: Option<NonFiniteAt>,
+    /// With loss scaling: the scale this step's backward was seeded with (its gradients carry
+    /// it until `clip_grad_norm` or `optimizer_step` unscales them).
+    pub loss_scale: Option<f32>,
 }
 
 impl StepReport {

@@ -6,8 +6,8 @@
 //! link of every message it takes, so a late message of another step is an error rather than
 //! a silently wrong activation.
 
-use half::f16;
-use wgpipe_tensor::{Device, Tensor};
+use half::{bf16, f16};
+use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::schedule::Link;
 
@@ -46,19 +46,34 @@ impl MsgKind {
     }
 }
 
-/// Element type on the wire. Values are computed in f32; f16 halves the bytes of a hand-off
-/// when a caller asks for it (decoding widens back to f32).
+/// Element type on the wire: a tensor's own dtype (a half tensor travels as its 16-bit
+/// patterns and arrives as a half tensor).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WireDtype {
     F32 = 0,
     F16 = 1,
+    BF16 = 2,
 }
 
 impl WireDtype {
     pub fn size(self) -> usize {
+        self.dtype().size_of()
+    }
+
+    /// The tensor dtype this wire dtype carries.
+    pub fn dtype(self) -> DType {
         match self {
-            WireDtype::F32 => 4,
-            WireDtype::F16 => 2,
+            WireDtype::F32 => DType::F32,
+            WireDtype::F16 => DType::F16,
+            WireDtype::BF16 => DType::BF16,
+        }
+    }
+
+    pub fn of(dtype: DType) -> WireDtype {
+        match dtype {
+            DType::F32 => WireDtype::F32,
+            DType::F16 => WireDtype::F16,
+            DType::BF16 => WireDtype::BF16,
         }
     }
 }
@@ -127,9 +142,16 @@ pub fn encode(header: &Header, values: &[f32]) -> Vec<u8> {
                 out.extend_from_slice(&v.to_le_bytes());
             }
         }
+        // Values read back from a half tensor are widened exactly, so narrowing them again
+        // gives the tensor's own bits.
         WireDtype::F16 => {
             for v in values {
                 out.extend_from_slice(&f16::from_f32(*v).to_le_bytes());
+            }
+        }
+        WireDtype::BF16 => {
+            for v in values {
+                out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes());
             }
         }
     }
@@ -221,6 +243,7 @@ fn fixed(bytes: &[u8]) -> Result<Fixed, WireError> {
     let dtype = match bytes[5] {
         0 => WireDtype::F32,
         1 => WireDtype::F16,
+        2 => WireDtype::BF16,
         code => {
             return Err(WireError::BadCode {
                 what: "dtype",
@@ -297,6 +320,10 @@ pub fn decode(bytes: &[u8]) -> Result<(Header, Vec<f32>), WireError> {
             .chunks_exact(2)
             .map(|c| f16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
             .collect(),
+        WireDtype::BF16 => body[..want]
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
+            .collect(),
     };
     let header = Header {
         kind,
@@ -326,7 +353,8 @@ pub fn text_of(bytes: &[u8]) -> String {
         .unwrap_or_default()
 }
 
-/// A tensor as one message: read back to host memory (from any device), then encoded.
+/// A tensor as one message: read back to host memory (from any device), then encoded in its
+/// own dtype.
 pub fn encode_tensor(
     kind: MsgKind,
     step: u64,
@@ -341,15 +369,16 @@ pub fn encode_tensor(
         link,
         micro_batch,
         finite,
-        dtype: WireDtype::F32,
+        dtype: WireDtype::of(tensor.dtype()),
         shape: tensor.shape().to_vec(),
     };
     Ok(encode(&header, &tensor.to_vec()?))
 }
 
-/// The tensor of a decoded message, in host memory (the receiver moves it to its device).
+/// The tensor of a decoded message, in host memory and in the dtype it was sent in (the
+/// receiver moves it to its device).
 pub fn tensor_of(header: &Header, values: Vec<f32>) -> wgpipe_tensor::Result<Tensor> {
-    Tensor::from_vec(values, &header.shape, &Device::cpu())
+    Tensor::from_vec_in(values, &header.shape, header.dtype.dtype(), &Device::cpu())
 }
 
 #[cfg(test)]
@@ -398,6 +427,34 @@ mod tests {
         assert_eq!(v[1], f16::from_f32(0.1).to_f32());
         assert!((v[1] - 0.1).abs() < 1e-4);
         assert_eq!(v[2], -65504.0);
+    }
+
+    /// Half tensors cross as their 16-bit patterns (half the bytes) and arrive bit-identical,
+    /// in their own dtype; overflowed values stay infinite.
+    #[test]
+    fn half_tensors_travel_as_their_own_bits() {
+        let link = Link {
+            from: 0,
+            to: 1,
+            grad: false,
+            skip: None,
+        };
+        let values = vec![1.0f32, 0.1, -3.0e4, 1.0e-6, f32::INFINITY, -0.0];
+        for dtype in DType::ALL {
+            let t = Tensor::from_vec(values.clone(), &[2, 3], &Device::cpu())
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let bytes = encode_tensor(MsgKind::Activation, 1, link, 0, true, &t).unwrap();
+            assert_eq!(bytes.len(), FIXED + 16 + 6 * dtype.size_of(), "{dtype:?}");
+            let (h, v) = decode(&bytes).unwrap();
+            let back = tensor_of(&h, v).unwrap();
+            assert_eq!(back.dtype(), dtype);
+            let bits = |t: &Tensor| -> Vec<u32> {
+                t.to_vec().unwrap().iter().map(|x| x.to_bits()).collect()
+            };
+            assert_eq!(bits(&back), bits(&t), "{dtype:?}");
+        }
     }
 
     #[test]

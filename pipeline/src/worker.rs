@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use wgpipe_autograd::{ForwardCtx, Module, SkipRouter, Tape, Var, WeightGrads};
 use wgpipe_tensor::memory::{Tag, TagGuard};
-use wgpipe_tensor::{Device, Tensor};
+use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::error::{NonFinite, StageCause};
 use crate::schedule::{Action, ActionKind, Link};
@@ -83,6 +83,9 @@ pub(crate) struct StepInputs {
     pub abort: Arc<AtomicBool>,
     pub clock: Instant,
     pub non_finite: NonFinite,
+    /// The dtype the layers compute in ([`ForwardCtx::compute`]), for forwards and recomputes
+    /// alike, so that a recompute gives the values the forward gave.
+    pub compute: DType,
     pub loss: Sender<LossRequest>,
     /// The compute action running and since when, for the step's watchdog.
     pub running: Running,
@@ -126,6 +129,8 @@ enum Stash {
 pub(crate) struct StageOutcome {
     pub records: Vec<ActionRecord>,
     pub non_finite: Option<NonFiniteAt>,
+    /// Messages this device put on its links (activations, gradients, skips).
+    pub messages_sent: u64,
 }
 
 /// Where non-finite values first appeared.
@@ -311,6 +316,12 @@ pub(crate) fn run_device(
     Ok(w.out)
 }
 
+/// Bytes a tensor takes on a link: its elements at the size of its dtype (half tensors travel
+/// as their 16-bit patterns).
+pub(crate) fn wire_bytes(t: &Tensor) -> u64 {
+    (t.numel() * t.dtype().size_of()) as u64
+}
+
 /// Whether every value of `t` is finite: one reduction on its device (x·0 is 0 for finite x and
 /// NaN for NaN and ±inf, and the sum of zeros cannot overflow).
 fn all_finite(t: &Tensor) -> wgpipe_tensor::Result<bool> {
@@ -380,7 +391,7 @@ impl<'a> Worker<'a, '_> {
                     .skips_out
                     .remove(&key)
                     .ok_or_else(|| internal(format!("no outgoing skip for {action}")))?;
-                bytes = (t.numel() * std::mem::size_of::<f32>()) as u64;
+                bytes = wire_bytes(&t);
                 self.send(link, m, t, finite)?;
             }
             ActionKind::ExchangeTied => {
@@ -405,7 +416,7 @@ impl<'a> Worker<'a, '_> {
                     .to_send
                     .remove(&(s, m, grad))
                     .ok_or_else(|| internal(format!("no outgoing tensor for {action}")))?;
-                bytes = (t.numel() * std::mem::size_of::<f32>()) as u64;
+                bytes = wire_bytes(&t);
                 let finite = self.finite_out.remove(&(s, m, grad)).unwrap_or(true);
                 let link = self.link(action)?;
                 self.send(link, m, t, finite)?;
@@ -426,7 +437,14 @@ impl<'a> Worker<'a, '_> {
         Ok(())
     }
 
-    fn send(&self, link: Link, m: usize, tensor: Tensor, finite: bool) -> Result<(), StageCause> {
+    fn send(
+        &mut self,
+        link: Link,
+        m: usize,
+        tensor: Tensor,
+        finite: bool,
+    ) -> Result<(), StageCause> {
+        self.out.messages_sent += 1;
         let tx = self
             .links
             .tx
@@ -491,7 +509,7 @@ impl<'a> Worker<'a, '_> {
         let input_finite = input_finite && popped_finite;
         let input = input_var(&tape, &x, s);
         let skips_in: Vec<Var> = popped.iter().map(|t| tape.leaf(t.clone())).collect();
-        let ctx = ForwardCtx::train(io.seed, io.step, m as u64);
+        let ctx = ForwardCtx::train(io.seed, io.step, m as u64).with_compute(io.compute);
         let (output, skips_out) =
             stage.run_with_skips(&input, &skips_in, ctx, &mut self.pos.layer)?;
         // A skip leaves at once (sent right after this forward); its recompute is not sent
@@ -554,7 +572,7 @@ impl<'a> Worker<'a, '_> {
         };
         let ctx = ForwardCtx {
             recompute: true,
-            ..ForwardCtx::train(io.seed, io.step, m as u64)
+            ..ForwardCtx::train(io.seed, io.step, m as u64).with_compute(io.compute)
         };
         // Both signals, as `autograd::checkpoint` gives: `ctx.recompute` and a recompute tape,
         // so a layer may check either to skip side effects.
@@ -624,7 +642,7 @@ impl<'a> Worker<'a, '_> {
             // A popped skip the stage did not use gets a zero gradient.
             let g = match grads.take(v) {
                 Some(g) => g,
-                None => Tensor::zeros(v.shape(), self.device)?,
+                None => Tensor::zeros(v.shape(), self.device)?.to_dtype(v.value().dtype())?,
             };
             self.skips_out.insert((*id, m, true), (g, seed_finite));
         }

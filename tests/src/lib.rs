@@ -11,10 +11,10 @@ use wgpipe_models::{
     finish_step_all, forward_all, sequence_parameters, Gelu, LayerNorm, Linear, Relu, TransformerLm,
 };
 use wgpipe_pipeline::{
-    Balance, CheckpointMode, LinkSpec, LossFn, Pipeline, ScheduleKind, SimCluster, SkipRoute,
-    StepReport, Transport,
+    Balance, CheckpointMode, LinkSpec, LossFn, LossScaling, Pipeline, ScheduleKind, SimCluster,
+    SkipRoute, StepReport, Transport,
 };
-use wgpipe_tensor::{Device, Error, Result, Tensor};
+use wgpipe_tensor::{DType, Device, Error, Result, Tensor};
 
 pub use wgpipe_models::{cross_entropy, mse};
 
@@ -199,6 +199,10 @@ pub struct PipeCfg {
     pub flops_per_sec: f64,
     pub transport: Transport,
     pub skip_route: SkipRoute,
+    /// The dtype the layers compute in (the pipeline's precision).
+    pub precision: DType,
+    /// Loss scaling: `None` keeps the precision's default.
+    pub loss_scaling: Option<Option<LossScaling>>,
 }
 
 impl PipeCfg {
@@ -214,6 +218,8 @@ impl PipeCfg {
             flops_per_sec: 1e9,
             transport: Transport::Channels,
             skip_route: SkipRoute::Direct,
+            precision: DType::F32,
+            loss_scaling: None,
         }
     }
     pub fn balance(mut self, b: Vec<usize>) -> Self {
@@ -251,7 +257,12 @@ fn sim_builder(
     cfg: &PipeCfg,
     n: usize,
 ) -> wgpipe_pipeline::PipelineBuilder {
-    Pipeline::builder(layers)
+    let builder = Pipeline::builder(layers).precision(cfg.precision);
+    let builder = match cfg.loss_scaling {
+        Some(scaling) => builder.loss_scaling(scaling),
+        None => builder,
+    };
+    builder
         .sim(cluster)
         .balance(Balance::Explicit(cfg.balance.clone().unwrap_or_else(
             || even_balance(n, cfg.k * cfg.schedule.default_chunks()),
@@ -383,6 +394,9 @@ pub enum FaultKind {
     /// Stops the whole process (SIGSTOP to itself, every thread frozen until a SIGCONT or a
     /// kill): a rank of an MPI job that hangs without dying.
     Stop,
+    /// Multiplies its output by 1e30 twice, in the forward and its recompute alike: values that
+    /// overflow to infinity (what loss scaling must skip).
+    Overflow,
     /// Asks its device for a tensor larger than any it can hold (2^40 elements: on wgpu past
     /// u32 indexing and every adapter's `max_buffer_size`), so the device reports the error.
     DeviceError,
@@ -478,6 +492,10 @@ impl Module for Fault {
                         msg: format!("injected backward error at micro-batch {m}"),
                     })
                 })
+            }
+            FaultKind::Overflow => {
+                fire(&self.state);
+                gated()?.mul_scalar(1e30)?.mul_scalar(1e30)
             }
             FaultKind::Slow(d) if !ctx.recompute => {
                 fire(&self.state);
@@ -715,16 +733,20 @@ pub enum MpiFault {
     Optimizer,
     /// The Fault layer stops the whole process at micro-batch 1 (SIGSTOP): a rank that hangs.
     Stop,
+    /// The Fault layer's output overflows at micro-batch 1; the job runs with loss scaling
+    /// (see [`MpiJob::cfg`]), so the step is skipped on every rank.
+    Overflow,
 }
 
 impl MpiFault {
-    pub const ALL: [MpiFault; 6] = [
+    pub const ALL: [MpiFault; 7] = [
         MpiFault::Error,
         MpiFault::Panic,
         MpiFault::OutOfMemory,
         MpiFault::Abort,
         MpiFault::Optimizer,
         MpiFault::Stop,
+        MpiFault::Overflow,
     ];
 }
 
@@ -826,6 +848,16 @@ impl MpiJob {
     }
 
     pub fn cfg(&self) -> PipeCfg {
-        PipeCfg::new(self.k, self.m, CheckpointMode::ExceptLast, self.schedule)
+        let overflow = matches!(self.fault, Some((_, _, MpiFault::Overflow)));
+        PipeCfg {
+            // f32 with a power-of-two scale: exact, so the ranks still match one process bit
+            // for bit; growth after 2 good steps so that both moves of the scale show.
+            loss_scaling: overflow.then_some(Some(LossScaling {
+                init_scale: 1024.0,
+                growth_interval: 2,
+                ..LossScaling::default()
+            })),
+            ..PipeCfg::new(self.k, self.m, CheckpointMode::ExceptLast, self.schedule)
+        }
     }
 }

@@ -275,6 +275,53 @@ fn a_fault_on_one_rank_fails_every_rank_at_once_and_changes_nothing() {
     }
 }
 
+/// Loss scaling across processes: an overflow on the last rank (the Fault layer's output at
+/// step 1, micro-batch 1) skips that step on every rank, learned from the step's outcome the
+/// ranks already exchange (no further message): every rank lists the same skipped step, ends
+/// at the same scale (1024, halved at step 1, doubled after steps 2 and 3), and holds the
+/// parameters of the same run in one process, bit for bit.
+#[test]
+fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
+    for schedule in [ScheduleKind::OneFOneB, ScheduleKind::ZbH1] {
+        let k = 2;
+        let job = MpiJob {
+            steps: 4,
+            fault: Some((k - 1, 1, MpiFault::Overflow)),
+            ..MpiJob::new(schedule, k)
+        };
+        let tag = format!("overflow-{schedule:?}-np{k}");
+        let ranks = mpirun(&job, k, &tag);
+        for (r, v) in ranks.iter().enumerate() {
+            assert_eq!(v["skipped"], serde_json::json!([1]), "{tag}: rank {r}");
+            assert_eq!(v["loss_scale"], 1024.0, "{tag}: rank {r}");
+        }
+        let got = gather(&ranks, &tag);
+
+        // The same run in one process, with the same overflow.
+        let (x, y) = MpiJob::data();
+        let (layers, fault) = MpiJob::model();
+        let mut pipe = sim_pipeline(layers, &job.cfg());
+        let mut losses = Vec::new();
+        for step in 0..job.steps {
+            fault.lock().unwrap().armed = (step == 1).then_some((FaultKind::Overflow, 1));
+            let r = pipe.train_step(&x, &y, &mse).unwrap();
+            pipe.optimizer_step().unwrap();
+            assert_eq!(r.skipped.is_some(), step == 1, "{tag}: step {step}");
+            if r.skipped.is_none() {
+                losses.push(r.loss);
+            }
+        }
+        let scaler = pipe.loss_scaler().unwrap();
+        assert_eq!((scaler.scale, scaler.skipped_steps), (1024.0, 1), "{tag}");
+        let want = RunResult {
+            losses,
+            params: snapshot(&pipe.named_parameters()),
+        };
+        assert!(got == want, "{tag}: the ranks differ from one process");
+        println!("{tag}: step 1 skipped on every rank, 3 steps bit-identical to one process");
+    }
+}
+
 #[test]
 fn an_optimizer_failure_on_one_rank_fails_every_rank_and_changes_nothing() {
     // Step 1's optimizer step finds no room on rank 1's device; the worker retries it.

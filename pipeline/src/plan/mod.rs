@@ -18,8 +18,8 @@ use std::fmt;
 
 pub use cost::{Candidate, CostModel, Prediction};
 pub use profile::{
-    profile_layers, profile_layers_timed, Affine, LayerProfile, LossProfile, Profile, SkipProfile,
-    TieProfile,
+    profile_layers, profile_layers_timed, Affine, LayerProfile, LossProfile, Profile, ProfileRun,
+    SkipProfile, TieProfile,
 };
 
 use wgpipe_tensor::{Device, Tensor};
@@ -306,7 +306,10 @@ impl PipelineBuilder {
             plan_inputs.loss,
             self.optimizer.as_deref(),
             &backing,
-            reps,
+            ProfileRun {
+                reps,
+                compute: self.precision,
+            },
         )?;
         if make_layers.is_none() {
             options.max_replicas = 1;

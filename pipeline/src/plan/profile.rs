@@ -15,7 +15,7 @@
 
 use wgpipe_autograd::optim::Optimizer;
 use wgpipe_autograd::{resolve_skips, ForwardCtx, Module, SkipEdge, Tape, Var};
-use wgpipe_tensor::{Device, Tensor};
+use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::error::{PipelineError, Result};
 use crate::worker::LossFn;
@@ -255,11 +255,39 @@ pub fn profile_layers(
     optimizer: Option<&dyn Fn() -> Box<dyn Optimizer>>,
     on: &Device,
 ) -> Result<Profile> {
-    profile_layers_timed(layers, inputs, targets, loss_fn, optimizer, on, 0)
+    profile_layers_timed(
+        layers,
+        inputs,
+        targets,
+        loss_fn,
+        optimizer,
+        on,
+        ProfileRun::default(),
+    )
 }
 
-/// [`profile_layers`], and with `reps > 0` each layer's and the loss's times too, measured on
-/// `on`'s backend (the median of `reps` runs, after the measurements that warm it up).
+/// How [`profile_layers_timed`] runs the layers.
+#[derive(Debug, Clone, Copy)]
+pub struct ProfileRun {
+    /// Timed repetitions of each measurement (0: FLOPs and bytes only).
+    pub reps: usize,
+    /// The dtype the layers compute in (the pipeline's precision): half activations make
+    /// half stashes and half links in the profile, as in the pipeline.
+    pub compute: DType,
+}
+
+impl Default for ProfileRun {
+    fn default() -> Self {
+        ProfileRun {
+            reps: 0,
+            compute: DType::F32,
+        }
+    }
+}
+
+/// [`profile_layers`] in `run.compute`, and with `run.reps > 0` each layer's and the loss's
+/// times too, measured on `on`'s backend (the median of `reps` runs, after the measurements
+/// that warm it up).
 pub fn profile_layers_timed(
     layers: &mut [Box<dyn Module>],
     inputs: &Tensor,
@@ -267,7 +295,7 @@ pub fn profile_layers_timed(
     loss_fn: &LossFn,
     optimizer: Option<&dyn Fn() -> Box<dyn Optimizer>>,
     on: &Device,
-    reps: usize,
+    run: ProfileRun,
 ) -> Result<Profile> {
     let n = inputs.shape().first().copied().unwrap_or(0);
     if n < 2 || targets.shape().first().copied().unwrap_or(0) < 2 {
@@ -292,7 +320,7 @@ pub fn profile_layers_timed(
     let at = |b: usize| -> Result<(Vec<Point>, LossPoint, f64, Stashed)> {
         let x = inputs.narrow(0, 0, b)?.to_device(&dev)?;
         let y = targets.narrow(0, 0, b)?;
-        run_at(layers, &x, &y, loss_fn, first_trainable, &dev, reps)
+        run_at(layers, &x, &y, loss_fn, first_trainable, &dev, run)
     };
     let (small, loss_small, in_small, skips_small) = at(b1)?;
     let (large, loss_large, in_large, skips_large) = at(2 * b1)?;
@@ -364,8 +392,8 @@ pub fn profile_layers_timed(
         input_bytes: Affine::fit(b1, in_small, 2 * b1, in_large),
         first_trainable,
         profiled_at: b1,
-        timed_reps: reps,
-        timed_on: if reps > 0 {
+        timed_reps: run.reps,
+        timed_on: if run.reps > 0 {
             on.name().to_string()
         } else {
             String::new()
@@ -436,7 +464,7 @@ impl<'a> Meter<'a> {
 }
 
 fn bytes_of(t: &Tensor) -> f64 {
-    (t.numel() * std::mem::size_of::<f32>()) as f64
+    crate::worker::wire_bytes(t) as f64
 }
 
 /// The tensors the layers stashed so far, by skip name.
@@ -451,8 +479,9 @@ fn run_at(
     loss_fn: &LossFn,
     first_trainable: usize,
     dev: &Device,
-    reps: usize,
+    run: ProfileRun,
 ) -> Result<(Vec<Point>, LossPoint, f64, Stashed)> {
+    let reps = run.reps;
     let input_bytes = bytes_of(x);
     let mut h = x.clone();
     let mut stashed: Stashed = Vec::new();
@@ -482,8 +511,15 @@ fn run_at(
             .iter()
             .filter_map(|n| stashed.iter().find(|(s, _)| s == n).map(|(_, t)| t.clone()))
             .collect();
-        let (point, out, stashes) =
-            measure_layer(l.as_ref(), &h, &popped, i, i <= first_trainable, dev, reps);
+        let (point, out, stashes) = measure_layer(
+            l.as_ref(),
+            &h,
+            &popped,
+            ctx(i, run.compute),
+            i <= first_trainable,
+            dev,
+            reps,
+        );
         stashed.extend(l.skips().stashes.into_iter().zip(stashes));
         for (p, g) in saved {
             p.set_grad(g);
@@ -506,8 +542,16 @@ fn run_at(
     Ok((points, loss, input_bytes, stashed))
 }
 
-fn ctx(i: usize) -> ForwardCtx {
-    ForwardCtx::train(0, 0, 0).at_layer(i as u64)
+/// A backward seed for `v`: ones in its dtype (a half output gets a half gradient, as the
+/// pipeline's next stage sends it).
+fn seed_for(v: &Tensor, dev: &Device) -> wgpipe_tensor::Result<Tensor> {
+    Tensor::ones(v.shape(), dev)?.to_dtype(v.dtype())
+}
+
+fn ctx(i: usize, compute: DType) -> ForwardCtx {
+    ForwardCtx::train(0, 0, 0)
+        .at_layer(i as u64)
+        .with_compute(compute)
 }
 
 /// A recorded forward of layer `i` on `x` and its popped skips (tape leaves, as the worker
@@ -516,7 +560,7 @@ fn recorded(
     l: &dyn Module,
     x: &Tensor,
     popped: &[Tensor],
-    i: usize,
+    ctx: ForwardCtx,
     from_data: bool,
 ) -> wgpipe_tensor::Result<(Tape, Var, Vec<Var>)> {
     let tape = Tape::new();
@@ -526,7 +570,7 @@ fn recorded(
         tape.leaf(x.clone())
     };
     let popped: Vec<Var> = popped.iter().map(|t| tape.leaf(t.clone())).collect();
-    let (y, stashed) = l.forward_skips(&input, &popped, &ctx(i))?;
+    let (y, stashed) = l.forward_skips(&input, &popped, &ctx)?;
     Ok((tape, y, stashed))
 }
 
@@ -534,7 +578,7 @@ fn measure_layer(
     l: &dyn Module,
     x: &Tensor,
     popped: &[Tensor],
-    i: usize,
+    ctx: ForwardCtx,
     from_data: bool,
     dev: &Device,
     reps: usize,
@@ -552,7 +596,7 @@ fn measure_layer(
         };
         // Forward recording: FLOPs, what stays, the transient above it.
         let m = Meter::mark(dev);
-        let (tape, y, stashed) = recorded(l, x, popped, i, false)?;
+        let (tape, y, stashed) = recorded(l, x, popped, ctx, false)?;
         p.forward_flops = m.flops();
         p.stash = m.grown();
         p.forward_extra = m.peak() - m.grown();
@@ -563,10 +607,10 @@ fn measure_layer(
         // the pipeline receives from the consumers).
         let skip_seeds = stashed
             .iter()
-            .map(|v| Tensor::ones(v.value().shape(), dev))
+            .map(|v| seed_for(v.value(), dev))
             .collect::<wgpipe_tensor::Result<Vec<_>>>()?;
         // First full backward: stores the parameter gradients (no sum yet).
-        let seed = Tensor::ones(y.value().shape(), dev)?;
+        let seed = seed_for(y.value(), dev)?;
         let m = Meter::mark(dev);
         drop(tape.backward_roots(&roots(&y, &seed, &stashed, &skip_seeds))?);
         let first_flops = m.flops();
@@ -578,7 +622,7 @@ fn measure_layer(
             .map(|g| bytes_of(&g) as u64)
             .sum();
         // Second: adds to them, as every later micro-batch does.
-        let (tape, y, stashed) = recorded(l, x, popped, i, false)?;
+        let (tape, y, stashed) = recorded(l, x, popped, ctx, false)?;
         let m = Meter::mark(dev);
         drop(tape.backward_roots(&roots(&y, &seed, &stashed, &skip_seeds))?);
         p.backward_flops = m.flops();
@@ -586,10 +630,10 @@ fn measure_layer(
         p.accumulate_flops = (p.backward_flops - first_flops).max(0.0);
         drop((tape, y, stashed));
         // Split backward: input part, what it keeps, weight part.
-        let (tape, y, stashed) = recorded(l, x, popped, i, false)?;
+        let (tape, y, stashed) = recorded(l, x, popped, ctx, false)?;
         let base = Meter::mark(dev);
         // Its own output gradient, dropped after the input part: the weight part may keep it.
-        let own_seed = Tensor::ones(y.value().shape(), dev)?;
+        let own_seed = seed_for(y.value(), dev)?;
         let m = Meter::mark(dev);
         let (grads, weights) =
             tape.backward_split_roots(&roots(&y, &own_seed, &stashed, &skip_seeds))?;
@@ -608,17 +652,17 @@ fn measure_layer(
             let tape = Tape::no_grad();
             let input = tape.constant(x.clone());
             let popped: Vec<Var> = popped.iter().map(|t| tape.constant(t.clone())).collect();
-            let (y, _) = l.forward_skips(&input, &popped, &ctx(i))?;
+            let (y, _) = l.forward_skips(&input, &popped, &ctx)?;
             p.no_grad_peak = m.peak().max(bytes_of(y.value()));
         }
         p.forward_residue = m.grown().max(0.0);
         // From data (stage 0's first layers): no input gradient.
         if from_data {
-            let (tape, y, stashed) = recorded(l, x, popped, i, true)?;
+            let (tape, y, stashed) = recorded(l, x, popped, ctx, true)?;
             let m = Meter::mark(dev);
             drop(tape.backward_roots(&roots(&y, &seed, &stashed, &skip_seeds))?);
             p.backward_flops_from_data = m.flops();
-            let (tape, y, stashed) = recorded(l, x, popped, i, true)?;
+            let (tape, y, stashed) = recorded(l, x, popped, ctx, true)?;
             let m = Meter::mark(dev);
             let (grads, weights) =
                 tape.backward_split_roots(&roots(&y, &seed, &stashed, &skip_seeds))?;
@@ -630,7 +674,7 @@ fn measure_layer(
             p.backward_input_flops_from_data = p.backward_input_flops;
         }
         if reps > 0 {
-            p.times = time_layer(l, (x, popped), i, (&seed, &skip_seeds), reps, dev)?;
+            p.times = time_layer(l, (x, popped), ctx, (&seed, &skip_seeds), reps, dev)?;
         }
         Ok(p)
     })();
@@ -644,7 +688,7 @@ fn measure_layer(
 fn time_layer(
     l: &dyn Module,
     (x, popped): (&Tensor, &[Tensor]),
-    i: usize,
+    ctx: ForwardCtx,
     (seed, skip_seeds): (&Tensor, &[Tensor]),
     reps: usize,
     dev: &Device,
@@ -653,7 +697,7 @@ fn time_layer(
     for _ in 0..reps {
         dev.synchronize()?;
         let clock = std::time::Instant::now();
-        let (tape, y, stashed) = recorded(l, x, popped, i, false)?;
+        let (tape, y, stashed) = recorded(l, x, popped, ctx, false)?;
         dev.synchronize()?;
         t[0].push(clock.elapsed().as_secs_f64());
         let clock = std::time::Instant::now();
@@ -661,7 +705,7 @@ fn time_layer(
         dev.synchronize()?;
         t[1].push(clock.elapsed().as_secs_f64());
         drop((tape, y, stashed));
-        let (tape, y, stashed) = recorded(l, x, popped, i, false)?;
+        let (tape, y, stashed) = recorded(l, x, popped, ctx, false)?;
         dev.synchronize()?;
         let clock = std::time::Instant::now();
         let (grads, weights) = tape.backward_split_roots(&roots(&y, seed, &stashed, skip_seeds))?;

@@ -78,6 +78,7 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
     let (x, y) = MpiJob::data();
     let mut losses = Vec::new();
     let mut errors = Vec::new();
+    let mut skipped = Vec::new();
     let mut rows = 0;
     // Each device's parameter bytes as the last step's report shows them.
     let mut report_param_bytes = Vec::new();
@@ -100,6 +101,7 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
             Some(MpiFault::Panic) => Some((FaultKind::Panic, 1)),
             Some(MpiFault::Abort) => Some((FaultKind::Abort, 1)),
             Some(MpiFault::Stop) => Some((FaultKind::Stop, 1)),
+            Some(MpiFault::Overflow) => Some((FaultKind::Overflow, 1)),
             _ => None,
         };
         // A memory cap on this rank's device: room for what lives now plus 192 bytes.
@@ -112,7 +114,12 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
         my_device.memory().set_capacity(None);
         match trained {
             Ok(report) => {
-                losses.push(report.loss);
+                // A skipped step's loss is not finite (no JSON number): its step is listed.
+                if report.skipped.is_some() {
+                    skipped.push(step);
+                } else {
+                    losses.push(report.loss);
+                }
                 rows = report.stages.len();
                 report_param_bytes = report
                     .stages
@@ -153,6 +160,8 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
         "rank": comm.rank(),
         "size": comm.size(),
         "losses": losses,
+        "skipped": skipped,
+        "loss_scale": pipe.loss_scaler().map(|s| s.scale),
         "errors": errors,
         "params": held_values(&pipe, me)?,
         "report_rows": rows,

@@ -7,6 +7,7 @@ mod faults;
 mod memory;
 mod persist;
 mod planner;
+mod precision;
 mod replicas;
 mod reports;
 mod schedules;
