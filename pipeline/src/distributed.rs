@@ -125,25 +125,35 @@ pub(crate) fn agree(
 
 /// A device's memory counters as a status carries them.
 fn memory_json(m: &MemoryStats) -> Value {
-    json!([m.live, m.peak, m.capacity, m.live_by_tag, m.peak_by_tag])
+    json!([
+        m.live,
+        m.peak,
+        m.capacity,
+        m.live_by_tag,
+        m.peak_by_tag,
+        m.live_by_dtype,
+        m.peak_by_dtype
+    ])
 }
 
 /// [`memory_json`] read back (zeros for what is missing).
 fn memory_of(v: &Value) -> MemoryStats {
     let n = |v: &Value| v.as_u64().unwrap_or(0) as usize;
-    let tags = |v: &Value| {
-        let mut t = [0usize; 5];
-        for (i, x) in v.as_array().into_iter().flatten().take(5).enumerate() {
-            t[i] = n(x);
+    fn counts<const N: usize>(v: &Value) -> [usize; N] {
+        let mut t = [0usize; N];
+        for (i, x) in v.as_array().into_iter().flatten().take(N).enumerate() {
+            t[i] = x.as_u64().unwrap_or(0) as usize;
         }
         t
-    };
+    }
     MemoryStats {
         live: n(&v[0]),
         peak: n(&v[1]),
         capacity: v[2].as_u64().map(|c| c as usize),
-        live_by_tag: tags(&v[3]),
-        peak_by_tag: tags(&v[4]),
+        live_by_tag: counts(&v[3]),
+        peak_by_tag: counts(&v[4]),
+        live_by_dtype: counts(&v[5]),
+        peak_by_dtype: counts(&v[6]),
     }
 }
 

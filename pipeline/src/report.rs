@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 use std::ops::Range;
 
-use wgpipe_tensor::{MemoryStats, Tag};
+use wgpipe_tensor::{DType, MemoryStats, Tag};
 
 use crate::schedule::Schedule;
 use crate::timeline::{Event, Timeline};
@@ -117,11 +117,19 @@ impl StepReport {
         let sim = self.simulated.is_some();
         let _ = writeln!(
             s,
-            "| stage | device | layers | params | busy % (wall) | peak params MiB | peak grads MiB | peak optim MiB | peak activations MiB | sent MiB |"
+            "| stage | device | layers | params | busy % (wall) | peak params MiB | peak grads MiB | peak optim MiB | peak activations MiB | peak f32 / f16 / bf16 MiB | sent MiB |"
         );
-        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
         for st in &self.stages {
             let mib = |t: Tag| st.memory.peak_of(t) as f64 / (1 << 20) as f64;
+            let by_dtype = DType::ALL
+                .map(|d| {
+                    format!(
+                        "{:.2}",
+                        st.memory.peak_of_dtype(d) as f64 / (1 << 20) as f64
+                    )
+                })
+                .join(" / ");
             let busy = if self.wall_secs > 0.0 {
                 100.0 * st.busy_secs / self.wall_secs
             } else {
@@ -129,7 +137,7 @@ impl StepReport {
             };
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                "| {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.2} |",
                 st.stage,
                 st.device,
                 st.layers
@@ -143,6 +151,7 @@ impl StepReport {
                 mib(Tag::Gradients),
                 mib(Tag::OptimizerState),
                 mib(Tag::Activations),
+                by_dtype,
                 st.bytes_sent as f64 / (1 << 20) as f64
             );
         }

@@ -9,6 +9,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// What an allocation is for; the pipeline reports peak memory split by these.
@@ -77,6 +78,10 @@ pub struct MemoryStats {
     pub live_by_tag: [usize; 5],
     /// Peak bytes per tag (each tag's own high-water mark since the last reset).
     pub peak_by_tag: [usize; 5],
+    /// Live bytes per element dtype, in the order of [`DType::ALL`] (f32, f16, bf16).
+    pub live_by_dtype: [usize; 3],
+    /// Peak bytes per dtype (each dtype's own high-water mark since the last reset).
+    pub peak_by_dtype: [usize; 3],
 }
 
 impl MemoryStats {
@@ -86,6 +91,20 @@ impl MemoryStats {
     pub fn peak_of(&self, tag: Tag) -> usize {
         self.peak_by_tag[tag.index()]
     }
+    pub fn live_of_dtype(&self, dtype: DType) -> usize {
+        self.live_by_dtype[dtype_index(dtype)]
+    }
+    pub fn peak_of_dtype(&self, dtype: DType) -> usize {
+        self.peak_by_dtype[dtype_index(dtype)]
+    }
+}
+
+fn dtype_index(dtype: DType) -> usize {
+    match dtype {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+    }
 }
 
 #[derive(Default)]
@@ -94,6 +113,8 @@ struct Counters {
     peak: usize,
     live_by_tag: [usize; 5],
     peak_by_tag: [usize; 5],
+    live_by_dtype: [usize; 3],
+    peak_by_dtype: [usize; 3],
 }
 
 /// Live/peak accounting of one device. Cheap to clone (shared).
@@ -133,12 +154,18 @@ impl MemoryTracker {
         }
     }
 
-    /// Reserves `bytes` under the thread's current tag, or fails with `OutOfMemory`.
+    /// Reserves `bytes` of f32 values under the thread's current tag, or fails with
+    /// `OutOfMemory`.
     pub fn alloc(&self, bytes: usize) -> Result<Allocation> {
-        self.alloc_tagged(bytes, current_tag())
+        self.alloc_as(bytes, current_tag(), DType::F32)
     }
 
     pub fn alloc_tagged(&self, bytes: usize, tag: Tag) -> Result<Allocation> {
+        self.alloc_as(bytes, tag, DType::F32)
+    }
+
+    /// Reserves `bytes` holding values of `dtype` under `tag` (counted by both).
+    pub fn alloc_as(&self, bytes: usize, tag: Tag, dtype: DType) -> Result<Allocation> {
         let cap = self.inner.capacity.load(Ordering::SeqCst);
         let mut c = self
             .inner
@@ -158,14 +185,18 @@ impl MemoryTracker {
         let t = tag.index();
         c.live_by_tag[t] += bytes;
         c.peak_by_tag[t] = c.peak_by_tag[t].max(c.live_by_tag[t]);
+        let d = dtype_index(dtype);
+        c.live_by_dtype[d] += bytes;
+        c.peak_by_dtype[d] = c.peak_by_dtype[d].max(c.live_by_dtype[d]);
         Ok(Allocation {
             tracker: self.clone(),
             bytes,
             tag,
+            dtype,
         })
     }
 
-    fn free(&self, bytes: usize, tag: Tag) {
+    fn free(&self, bytes: usize, tag: Tag, dtype: DType) {
         let mut c = self
             .inner
             .counters
@@ -173,6 +204,7 @@ impl MemoryTracker {
             .unwrap_or_else(|p| p.into_inner());
         c.live -= bytes;
         c.live_by_tag[tag.index()] -= bytes;
+        c.live_by_dtype[dtype_index(dtype)] -= bytes;
     }
 
     pub fn stats(&self) -> MemoryStats {
@@ -187,6 +219,8 @@ impl MemoryTracker {
             capacity: self.capacity(),
             live_by_tag: c.live_by_tag,
             peak_by_tag: c.peak_by_tag,
+            live_by_dtype: c.live_by_dtype,
+            peak_by_dtype: c.peak_by_dtype,
         }
     }
 
@@ -199,6 +233,7 @@ impl MemoryTracker {
             .unwrap_or_else(|p| p.into_inner());
         c.peak = c.live;
         c.peak_by_tag = c.live_by_tag;
+        c.peak_by_dtype = c.live_by_dtype;
     }
 }
 
@@ -207,6 +242,7 @@ pub struct Allocation {
     tracker: MemoryTracker,
     bytes: usize,
     tag: Tag,
+    dtype: DType,
 }
 
 impl Allocation {
@@ -236,13 +272,17 @@ impl Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        self.tracker.free(self.bytes, self.tag);
+        self.tracker.free(self.bytes, self.tag, self.dtype);
     }
 }
 
 impl std::fmt::Debug for Allocation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Allocation({} bytes, {:?})", self.bytes, self.tag)
+        write!(
+            f,
+            "Allocation({} bytes, {:?}, {})",
+            self.bytes, self.tag, self.dtype
+        )
     }
 }
 
@@ -265,6 +305,25 @@ mod tests {
         drop(b);
         assert_eq!(m.stats().live, 0);
         assert_eq!(m.stats().peak_of(Tag::Activations), 50);
+    }
+
+    #[test]
+    fn bytes_are_counted_by_dtype_too() {
+        let m = MemoryTracker::new("t");
+        let a = m.alloc(400).unwrap();
+        let h = m.alloc_as(200, Tag::Activations, DType::F16).unwrap();
+        let b = m.alloc_as(60, Tag::Activations, DType::BF16).unwrap();
+        let s = m.stats();
+        assert_eq!(s.live_by_dtype, [400, 200, 60]);
+        assert_eq!(s.live_of(Tag::Activations), 260);
+        drop(h);
+        let s = m.stats();
+        assert_eq!(s.live_of_dtype(DType::F16), 0);
+        assert_eq!(s.peak_of_dtype(DType::F16), 200);
+        m.reset_peak();
+        assert_eq!(m.stats().peak_by_dtype, [400, 0, 60]);
+        drop((a, b));
+        assert_eq!(m.stats().live_by_dtype, [0, 0, 0]);
     }
 
     #[test]

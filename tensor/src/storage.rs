@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::memory::{Allocation, Tag};
+use crate::memory::{current_tag, Allocation, Tag};
 
 /// Backend data. Immutable once built: ops make new storage, so views can share it freely.
 pub(crate) enum StorageData {
@@ -43,7 +43,8 @@ impl Storage {
 
     /// Charges `elements` values of `dtype` to `dev` under the thread's current tag.
     pub(crate) fn reserve_dtype(dev: &Device, elements: usize, dtype: DType) -> Result<Allocation> {
-        dev.memory().alloc(elements * dtype.size_of())
+        let bytes = elements * dtype.size_of();
+        dev.memory().alloc_as(bytes, current_tag(), dtype)
     }
 
     /// A host storage of half `dtype` holding the bit patterns `bits`.
