@@ -426,8 +426,8 @@ fn layer_gradients_in_half_match_f32() {
                 let e = grad_err(h, f, largest);
                 eprintln!("{name} {dtype:?} gradient {i}: {:.2} ulp", e / ulp);
                 assert!(
-                    e <= 8.0 * ulp,
-                    "{name} {dtype:?}: gradient {i} off by {e} (> 8 ulp)"
+                    e <= 4.0 * ulp,
+                    "{name} {dtype:?}: gradient {i} off by {e} (> 4 ulp)"
                 );
             }
         }

@@ -672,3 +672,37 @@ fn t_shape(
     let t = |v: &(Vec<f32>, Vec<usize>)| Tensor::from_vec(v.0.clone(), &v.1, dev).unwrap();
     t(x).conv2d(&t(w), None, p).unwrap().shape().to_vec()
 }
+
+/// Results that need no kernel (empty ones) and the fill helpers keep the operands' dtype, so a
+/// half graph never meets an f32 zero it did not ask for; indices stay f32.
+#[test]
+fn empty_results_and_fills_keep_the_dtype() {
+    for dev in devices() {
+        for dtype in HALVES {
+            let x = Tensor::from_vec_in(vec![], &[0, 3], dtype, &dev).unwrap();
+            let w = Tensor::from_vec_in(vec![0.5; 6], &[3, 2], dtype, &dev).unwrap();
+            let results = [
+                ("exp", x.exp()),
+                ("add", x.add(&x)),
+                ("sum", x.sum(&[0], false)),
+                ("matmul", x.matmul(&w)),
+                ("softmax", x.softmax(-1)),
+                ("concat", Tensor::concat(&[&x, &x], 0)),
+                ("narrow", w.narrow(0, 0, 0).and_then(|n| n.mul_scalar(2.0))),
+            ];
+            for (what, y) in results {
+                let y = y.unwrap();
+                assert_eq!(y.dtype(), dtype, "{what} of an empty {dtype} tensor");
+            }
+            assert_eq!(x.argmax(1, false).unwrap().dtype(), DType::F32, "indices");
+            let z = Tensor::zeros_in(&[2, 3], dtype, &dev).unwrap();
+            assert_eq!((z.dtype(), z.to_vec().unwrap()), (dtype, vec![0.0; 6]));
+            assert_eq!(w.zeros_like().unwrap().dtype(), dtype);
+            // `full_like` rounds its value once, as a cast does: 65520 overflows f16.
+            let f = w.full_like(65520.0).unwrap();
+            assert_eq!(f.dtype(), dtype);
+            let want = dtype.round(65520.0);
+            assert!(f.to_vec().unwrap().iter().all(|&v| v == want), "{dtype}");
+        }
+    }
+}
