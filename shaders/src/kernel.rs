@@ -100,7 +100,7 @@ impl HalfFormat {
     pub const ALL: [HalfFormat; 2] = [HalfFormat::F16, HalfFormat::Bf16];
 
     /// The name `half.wgsl`'s conversion functions use.
-    fn wgsl(self) -> &'static str {
+    pub(crate) fn wgsl(self) -> &'static str {
         match self {
             HalfFormat::F16 => "f16",
             HalfFormat::Bf16 => "bf16",
@@ -396,7 +396,26 @@ impl Kernel {
                             a,
                             b,
                             c_vec,
+                            half: None,
                         }));
+                        // Half operands take scalar loads only.
+                        let scalar =
+                            |l: OperandLoad| !matches!(l, OperandLoad::VecK | OperandLoad::VecMn);
+                        if scalar(a) && scalar(b) {
+                            for f in HalfFormat::ALL {
+                                v.push(Kernel::Matmul(MatmulConfig {
+                                    bm,
+                                    bn,
+                                    bk,
+                                    tm,
+                                    tn,
+                                    a,
+                                    b,
+                                    c_vec,
+                                    half: Some(f),
+                                }));
+                            }
+                        }
                     }
                 }
             }
