@@ -1,7 +1,8 @@
 //! Matmul: the variant for each problem and adapter. GPUs take the workgroup- and
 //! register-tiled kernel (`matmul.wgsl`) reading the strided operands directly, with vec4 loads
-//! where the layout allows; CPU-backed adapters (lavapipe) pack both operands and run the
-//! subgroup kernel (`matmul_subgroup.wgsl`), which suits how llvmpipe executes shaders.
+//! where the layout allows (half operands: scalar loads unpacking two halves per word);
+//! CPU-backed adapters (lavapipe) pack both operands and run the subgroup kernel
+//! (`matmul_subgroup.wgsl`), which suits how llvmpipe executes shaders.
 
 use wgpipe_shaders::params::{MatmulParams, PackParams, ParamBlock, SubgroupMatmulParams};
 use wgpipe_shaders::{HalfFormat, Kernel, MatmulConfig, OperandLoad, SubgroupMatmulConfig};
