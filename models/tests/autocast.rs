@@ -208,6 +208,14 @@ fn compare_half_with_f32(what: &str, layers: &Layers, x: &Tensor, y: &Tensor) {
     }
 }
 
+/// `sum(y^2)` in f32: a loss on a half output.
+fn sum_of_squares(y: &Var) -> Var {
+    y.to_dtype(DType::F32)
+        .and_then(|v| v.square())
+        .and_then(|v| v.sum_all())
+        .unwrap()
+}
+
 fn devices() -> Vec<Device> {
     let mut v = vec![cpu()];
     match Device::software_wgpu() {
@@ -511,14 +519,7 @@ fn the_half_copy_of_a_master_weight_is_never_stale() {
             vals(fresh.value()),
             "step {step}: stale weights"
         );
-        let loss = y
-            .to_dtype(DType::F32)
-            .unwrap()
-            .square()
-            .unwrap()
-            .sum_all()
-            .unwrap();
-        tape.backward(&loss).unwrap();
+        tape.backward(&sum_of_squares(&y)).unwrap();
         assert_eq!(w.grad().unwrap().dtype(), DType::F32);
         opt.step(&params).unwrap();
         assert_eq!(w.value().dtype(), DType::F32, "the master weight stays f32");
@@ -735,14 +736,7 @@ fn recompute_in_half_gives_the_same_bits() {
                 block.forward(&xv, &ctx).unwrap()
             };
             assert_eq!(y.value().dtype(), dtype);
-            let loss = y
-                .to_dtype(DType::F32)
-                .unwrap()
-                .square()
-                .unwrap()
-                .sum_all()
-                .unwrap();
-            let g = tape.backward(&loss).unwrap();
+            let g = tape.backward(&sum_of_squares(&y)).unwrap();
             let mut out = vec![vals(y.value()), vals(g.get(&xv).unwrap())];
             out.extend(params.iter().map(|(_, p)| vals(&p.grad().unwrap())));
             out

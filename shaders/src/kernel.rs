@@ -387,33 +387,21 @@ impl Kernel {
             for a in OperandLoad::ALL {
                 for b in OperandLoad::ALL {
                     for c_vec in [false, true] {
-                        v.push(Kernel::Matmul(MatmulConfig {
-                            bm,
-                            bn,
-                            bk,
-                            tm,
-                            tn,
-                            a,
-                            b,
-                            c_vec,
-                            half: None,
-                        }));
-                        // Half operands take scalar loads only.
-                        let scalar =
-                            |l: OperandLoad| !matches!(l, OperandLoad::VecK | OperandLoad::VecMn);
-                        if scalar(a) && scalar(b) {
-                            for f in HalfFormat::ALL {
-                                v.push(Kernel::Matmul(MatmulConfig {
-                                    bm,
-                                    bn,
-                                    bk,
-                                    tm,
-                                    tn,
-                                    a,
-                                    b,
-                                    c_vec,
-                                    half: Some(f),
-                                }));
+                        // f32 operands, and half ones where the loads are scalar (`is_valid`).
+                        for half in std::iter::once(None).chain(HalfFormat::ALL.map(Some)) {
+                            let cfg = MatmulConfig {
+                                bm,
+                                bn,
+                                bk,
+                                tm,
+                                tn,
+                                a,
+                                b,
+                                c_vec,
+                                half,
+                            };
+                            if cfg.is_valid() {
+                                v.push(Kernel::Matmul(cfg));
                             }
                         }
                     }
