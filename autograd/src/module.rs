@@ -21,9 +21,10 @@ pub struct ForwardCtx {
     pub layer: u64,
     pub train: bool,
     pub recompute: bool,
-    /// The dtype matmul-like layers compute in (autocast): `F32` runs everything in f32;
-    /// `F16`/`BF16` let layers whose policy allows it cast their input and a half copy of their
-    /// f32 weights to it, while norms and losses stay in f32. Set by the pipeline's precision.
+    /// The dtype layers compute in (autocast): `F32` runs everything in f32; with `F16`/`BF16`
+    /// matmul-like layers cast their input and a cached half copy of their f32 master weights
+    /// to it, norms run on the half stream, losses in f32 (the policy table is in
+    /// `wgpipe_models::autocast`). Set by the pipeline's precision.
     pub compute: DType,
 }
 

@@ -6,7 +6,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use wgpipe_tensor::{Device, Result, Tag, Tensor};
+use wgpipe_tensor::{DType, Device, Result, Tag, Tensor};
 
 #[derive(Clone)]
 pub struct Param {
@@ -20,6 +20,9 @@ struct ParamInner {
     trainable: bool,
     /// The tie group: copies of one parameter used in several places (see [`crate::tied`]).
     tie: Option<String>,
+    /// The value cast to a compute dtype (see [`Param::value_in`]); dropped whenever `value`
+    /// changes, so it can never be stale.
+    cast: Option<Tensor>,
 }
 
 impl Param {
@@ -33,6 +36,7 @@ impl Param {
                 grad: None,
                 trainable: true,
                 tie: None,
+                cast: None,
             })),
         }
     }
@@ -61,7 +65,27 @@ impl Param {
     /// Replaces the value (optimizer step, load). The new tensor is accounted as a parameter.
     pub fn set_value(&self, value: Tensor) {
         value.retag(Tag::Parameters);
-        self.lock().value = value;
+        let mut inner = self.lock();
+        inner.value = value;
+        inner.cast = None;
+    }
+    /// The value in `dtype`: the value itself when it has that dtype, else a copy cast to it
+    /// (autocast's half copy of an f32 master weight). The copy is made once and kept until the
+    /// value changes (`set_value`: optimizer step, load, tie sync; `to_device`), so every
+    /// micro-batch of a step shares one copy instead of casting (and keeping for its backward)
+    /// its own. It is accounted as a parameter.
+    pub fn value_in(&self, dtype: DType) -> Result<Tensor> {
+        let mut inner = self.lock();
+        if inner.value.dtype() == dtype {
+            return Ok(inner.value.clone());
+        }
+        if let Some(c) = inner.cast.as_ref().filter(|c| c.dtype() == dtype) {
+            return Ok(c.clone());
+        }
+        let c = inner.value.to_dtype(dtype)?;
+        c.retag(Tag::Parameters);
+        inner.cast = Some(c.clone());
+        Ok(c)
     }
     pub fn grad(&self) -> Option<Tensor> {
         self.lock().grad.clone()
@@ -98,6 +122,7 @@ impl Param {
         let mut inner = self.lock();
         let v = wgpipe_tensor::memory::with_tag(Tag::Parameters, || inner.value.to_device(device))?;
         inner.value = v;
+        inner.cast = None;
         if let Some(g) = inner.grad.take() {
             inner.grad = Some(wgpipe_tensor::memory::with_tag(Tag::Gradients, || {
                 g.to_device(device)

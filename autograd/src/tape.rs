@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use wgpipe_tensor::{Error, Result, Tensor};
+use wgpipe_tensor::{DType, Error, Result, Tensor};
 
 use crate::param::Param;
 use crate::var::Var;
@@ -167,6 +167,18 @@ impl Tape {
             self.inner.borrow_mut().params.push((v.id, param.clone()));
         }
         v
+    }
+
+    /// The value of `param` in `dtype` (autocast's compute copy of an f32 master weight): the
+    /// param's var cast to `dtype`, the cast being the param's cached copy
+    /// ([`Param::value_in`]), so the gradient is cast back and accumulates in the param's own
+    /// dtype. Exactly [`Tape::param`] when the param already has `dtype`.
+    pub fn param_in(&self, param: &Param, dtype: DType) -> Result<Var> {
+        let v = self.param(param);
+        if v.value().dtype() == dtype {
+            return Ok(v);
+        }
+        v.cast_to(param.value_in(dtype)?)
     }
 
     /// Records the result `value` of op `op` on `inputs` (all on this tape) with its backward.

@@ -209,3 +209,18 @@ fn conv_and_pooling_gradients_in_half_match_f32() {
     });
     check("avg_pool2d", &[x], |v| v[0].avg_pool2d(pool));
 }
+
+/// The backwards that build a tensor rather than compute one: `narrow` pads its gradient with
+/// zeros (in the gradient's dtype), dropout multiplies by its mask (cast to the input's dtype).
+#[test]
+fn narrow_and_dropout_gradients_in_half_match_f32() {
+    let x = (vals(24, 5, -2.0, 2.0), vec![2, 3, 4]);
+    check("narrow", std::slice::from_ref(&x), |v| v[0].narrow(2, 1, 2));
+    check("narrow twice", std::slice::from_ref(&x), |v| {
+        v[0].narrow(1, 1, 2)?.narrow(2, 0, 3)
+    });
+    let ctx = wgpipe_autograd::ForwardCtx::train(1, 0, 0);
+    check("dropout", std::slice::from_ref(&x), |v| {
+        v[0].dropout(0.25, &ctx, 0)
+    });
+}

@@ -8,6 +8,7 @@
 //! Initialisation follows PyTorch's defaults and is a pure function of a `seed`, equal on
 //! every backend (see [`init`]).
 
+pub mod autocast;
 pub mod data;
 pub mod init;
 pub mod layers;

@@ -1,9 +1,13 @@
 //! Losses as plain functions on a tape: each returns a 0-d `Var`, the mean over all positions,
 //! so the gradient of a mini-batch's loss is the same however it was split into micro-batches
 //! (when each micro-batch's loss is scaled by its share of the mini-batch).
+//! Losses compute in f32: a half model's logits or predictions are cast first (see
+//! [`crate::autocast`]).
 
 use wgpipe_autograd::Var;
 use wgpipe_tensor::{Error, Result, Tensor};
+
+use crate::autocast::loss_input;
 
 /// Cross-entropy of `logits [.., C]` against integer class ids `targets [..]` (f32 values
 /// holding integers in `0..C`), averaged over every position:
@@ -21,7 +25,7 @@ pub fn cross_entropy(logits: &Var, targets: &Tensor) -> Result<Var> {
     }
     let c = s[s.len() - 1];
     let n = targets.numel();
-    let lp = logits.reshape(&[n, c])?.log_softmax(-1)?;
+    let lp = loss_input(logits)?.reshape(&[n, c])?.log_softmax(-1)?;
     let idx = targets.reshape(&[n, 1])?;
     lp.gather(1, &idx)?.mean(&[], false)?.neg()
 }
@@ -39,5 +43,5 @@ pub fn mse(pred: &Var, target: &Tensor) -> Result<Var> {
         });
     }
     let t = pred.tape().constant(target.clone());
-    pred.sub(&t)?.square()?.mean(&[], false)
+    loss_input(pred)?.sub(&t)?.square()?.mean(&[], false)
 }

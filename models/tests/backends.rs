@@ -58,12 +58,7 @@ fn models_agree_across_backends() {
     let Some(dev) = gpu() else { return };
     let lm = TransformerLm {
         vocab: 13,
-        d_model: 16,
-        heads: 2,
-        layers: 2,
-        seq_len: 8,
-        dropout: 0.1,
-        tie_embeddings: true,
+        ..tiny_lm()
     };
     let ids: Vec<f32> = (0..16).map(|i| ((i * 5 + 3) % 13) as f32).collect();
     let tg: Vec<f32> = (0..16).map(|i| ((i * 3 + 1) % 13) as f32).collect();

@@ -53,22 +53,7 @@ fn transformer_block_with_dropout() {
 
 #[test]
 fn conv2d_stride_padding_groups() {
-    let dev = cpu();
-    let c = Conv2d::with_params(
-        4,
-        6,
-        (3, 2),
-        Conv2dParams {
-            stride: (2, 1),
-            padding: (1, 1),
-            dilation: (1, 1),
-            groups: 2,
-        },
-        true,
-        3,
-        &dev,
-    )
-    .unwrap();
+    let c = grouped_strided_conv((3, 2), 3);
     grad_check_module(&c, &rand(&[2, 4, 5, 4], 8), &eval(), true);
     let d = Conv2d::with_params(
         3,
@@ -82,7 +67,7 @@ fn conv2d_stride_padding_groups() {
         },
         false,
         4,
-        &dev,
+        &cpu(),
     )
     .unwrap();
     grad_check_module(&d, &rand(&[1, 3, 4, 4], 9), &eval(), true);

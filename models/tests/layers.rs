@@ -274,7 +274,11 @@ fn linear_with_activation_equals_linear_then_activation_bit_for_bit() {
         let got = output_and_grads(&fused, &x, |x| fused.forward(x, &ctx).unwrap());
         let want = output_and_grads(&fused, &x, |x| {
             // the unfused form: matmul + bias (the layer without activation), then the op
-            fused.forward_act(x, None).unwrap().unary(op).unwrap()
+            fused
+                .forward_act(x, None, &ForwardCtx::eval())
+                .unwrap()
+                .unary(op)
+                .unwrap()
         });
         assert_eq!(got, want, "{}", op.name());
     }

@@ -8,7 +8,7 @@ use wgpipe_autograd::optim::zero_grad;
 use wgpipe_autograd::{ForwardCtx, Module, Optimizer, Sgd, Tape};
 use wgpipe_models::{
     cross_entropy, finish_step_all, forward_all, replace_head, sequence_buffers,
-    sequence_parameters, AmoebaNet, ResNet, TransformerLm,
+    sequence_parameters, AmoebaNet, ResNet,
 };
 use wgpipe_tensor::Tensor;
 
@@ -93,22 +93,10 @@ fn assert_falls(losses: &[f32], factor: f32) {
     );
 }
 
-fn lm() -> TransformerLm {
-    TransformerLm {
-        vocab: 11,
-        d_model: 16,
-        heads: 2,
-        layers: 2,
-        seq_len: 8,
-        dropout: 0.1,
-        tie_embeddings: true,
-    }
-}
-
 #[test]
 fn transformer_lm_builds_and_runs() {
     let dev = cpu();
-    let layers = lm().build(7, &dev).unwrap();
+    let layers = tiny_lm().build(7, &dev).unwrap();
     assert_eq!(layers.len(), 2 + 3);
     let names: Vec<String> = sequence_parameters(&layers)
         .into_iter()
@@ -134,7 +122,7 @@ fn transformer_lm_builds_and_runs() {
     assert_eq!(y.shape(), &[2, 6, 11]);
     check_costs(&layers, &x);
     // Same seed: same model; dropout in training replays with the same ctx.
-    let again = lm().build(7, &dev).unwrap();
+    let again = tiny_lm().build(7, &dev).unwrap();
     assert_eq!(vals(&y), vals(&logits(&again, &x, &ForwardCtx::eval())));
     let ctx = ForwardCtx::train(3, 1, 2);
     assert_eq!(
@@ -154,7 +142,7 @@ fn transformer_lm_builds_and_runs() {
 
 #[test]
 fn transformer_lm_is_causal() {
-    let layers = lm().build(3, &cpu()).unwrap();
+    let layers = tiny_lm().build(3, &cpu()).unwrap();
     let x = ids(8, 11, 2, &[1, 8]);
     let mut v = vals(&x);
     v[5] = (v[5] + 1.0) % 11.0;
@@ -166,7 +154,7 @@ fn transformer_lm_is_causal() {
 
 #[test]
 fn transformer_lm_learns_a_fixed_batch() {
-    let layers = lm().build(1, &cpu()).unwrap();
+    let layers = tiny_lm().build(1, &cpu()).unwrap();
     let x = ids(4 * 8, 11, 3, &[4, 8]);
     // Next-token targets: x shifted by one (the last predicts token 0).
     let v = vals(&x);
@@ -279,7 +267,7 @@ fn replace_head_for_transfer() {
         body_before,
         vals(&sequence_parameters(&layers)[0].1.value())
     );
-    let mut lm_layers = lm().build(1, &dev).unwrap();
+    let mut lm_layers = tiny_lm().build(1, &dev).unwrap();
     replace_head(&mut lm_layers, 5, 1, &dev).unwrap();
     let y = logits(&lm_layers, &ids(4, 11, 1, &[1, 4]), &ForwardCtx::eval());
     assert_eq!(y.shape(), &[1, 4, 5]);

@@ -100,7 +100,7 @@ impl HalfFormat {
     pub const ALL: [HalfFormat; 2] = [HalfFormat::F16, HalfFormat::Bf16];
 
     /// The name `half.wgsl`'s conversion functions use.
-    fn wgsl(self) -> &'static str {
+    pub(crate) fn wgsl(self) -> &'static str {
         match self {
             HalfFormat::F16 => "f16",
             HalfFormat::Bf16 => "bf16",
@@ -387,16 +387,23 @@ impl Kernel {
             for a in OperandLoad::ALL {
                 for b in OperandLoad::ALL {
                     for c_vec in [false, true] {
-                        v.push(Kernel::Matmul(MatmulConfig {
-                            bm,
-                            bn,
-                            bk,
-                            tm,
-                            tn,
-                            a,
-                            b,
-                            c_vec,
-                        }));
+                        // f32 operands, and half ones where the loads are scalar (`is_valid`).
+                        for half in std::iter::once(None).chain(HalfFormat::ALL.map(Some)) {
+                            let cfg = MatmulConfig {
+                                bm,
+                                bn,
+                                bk,
+                                tm,
+                                tn,
+                                a,
+                                b,
+                                c_vec,
+                                half,
+                            };
+                            if cfg.is_valid() {
+                                v.push(Kernel::Matmul(cfg));
+                            }
+                        }
                     }
                 }
             }

@@ -5,10 +5,11 @@
 //! accumulator declaration, one FMA line and one `store4` call per (row, vec4 column) of the
 //! tile. Everything else is in the `.wgsl` files.
 
+use crate::kernel::HalfFormat;
 use crate::render;
 
 use crate::wgsl::{
-    MATMUL, MATMUL_LOAD_SCALAR as LOAD_SCALAR, MATMUL_LOAD_VEC_K as LOAD_VEC_K,
+    HALF, MATMUL, MATMUL_LOAD_SCALAR as LOAD_SCALAR, MATMUL_LOAD_VEC_K as LOAD_VEC_K,
     MATMUL_LOAD_VEC_MN as LOAD_VEC_MN, MATMUL_STORE_SCALAR as STORE_SCALAR,
     MATMUL_STORE_VEC as STORE_VEC, MATMUL_SUBGROUP,
 };
@@ -56,6 +57,10 @@ pub struct MatmulConfig {
     pub b: OperandLoad,
     /// vec4 stores of c (n a multiple of 4).
     pub c_vec: bool,
+    /// A and B hold packed halves of this format (two per u32 word), unpacked by the scalar
+    /// loads as they stage the slabs: half the bytes read, while the slabs, the FMAs and c stay
+    /// f32 (the caller rounds c once). Scalar loads only.
+    pub half: Option<HalfFormat>,
 }
 
 impl MatmulConfig {
@@ -83,6 +88,7 @@ impl MatmulConfig {
             && self.bm >= self.tm
             && self.bn >= self.tn
             && (self.bm * self.bk / 4) >= 1
+            && (self.half.is_none() || !(self.a.is_vec() || self.b.is_vec()))
     }
 
     /// The tile shapes the runtime picks from (see the tensor crate's matmul dispatch).
@@ -95,7 +101,12 @@ impl MatmulConfig {
 
     pub(crate) fn source(&self) -> String {
         assert!(self.is_valid(), "invalid matmul tile {self:?}");
-        let ty = |v: bool| if v { "vec4<f32>" } else { "f32" };
+        // The operands' element type; c is always f32.
+        let ty = |v: bool| match (v, self.half) {
+            (_, Some(_)) => "u32",
+            (true, None) => "vec4<f32>",
+            (false, None) => "f32",
+        };
         let (tm, tn4) = (self.tm, self.tn / 4);
         let comp = ["x", "y", "z", "w"];
         let (mut acc, mut inner, mut store) = (String::new(), String::new(), String::new());
@@ -121,7 +132,7 @@ impl MatmulConfig {
                 );
             }
         }
-        render(
+        let src = render(
             MATMUL,
             &[
                 ("BM", &self.bm.to_string()),
@@ -132,15 +143,19 @@ impl MatmulConfig {
                 ("NT", &self.threads().to_string()),
                 ("A_TYPE", ty(self.a.is_vec())),
                 ("B_TYPE", ty(self.b.is_vec())),
-                ("C_TYPE", ty(self.c_vec)),
-                ("LOAD_A", &self.a.load(Operand::A)),
-                ("LOAD_B", &self.b.load(Operand::B)),
+                ("C_TYPE", if self.c_vec { "vec4<f32>" } else { "f32" }),
+                ("LOAD_A", &self.a.load(Operand::A, self.half)),
+                ("LOAD_B", &self.b.load(Operand::B, self.half)),
                 ("STORE", store_fn(self.c_vec)),
                 ("ACC", acc.trim_end()),
                 ("INNER", inner.trim_end()),
                 ("STORE_ALL", store.trim_end()),
             ],
-        )
+        );
+        match self.half {
+            Some(_) => format!("{HALF}\n{src}"),
+            None => src,
+        }
     }
 }
 
@@ -152,8 +167,9 @@ enum Operand {
 }
 
 impl OperandLoad {
-    /// The `load_a` / `load_b` function of this staging for `x`.
-    fn load(self, x: Operand) -> String {
+    /// The `load_a` / `load_b` function of this staging for `x` (with `read_a` / `read_b`
+    /// for the scalar loads: an f32 element, or one half of a packed word).
+    fn load(self, x: Operand, half: Option<HalfFormat>) -> String {
         // (name, slab, extent, limit, stride along o, stride along k)
         let (name, slab, ext, limit, o_stride, k_stride) = match x {
             Operand::A => ("a", "As", "BM", "params.m", "params.a_rs", "params.a_cs"),
@@ -169,6 +185,14 @@ impl OperandLoad {
         ];
         // The scalar loads' step order: k fastest, or o fastest.
         let (o_o, k_o) = (format!("l % {ext}"), format!("l / {ext}"));
+        let read = match half {
+            None => format!("fn read_{name}(i: u32) -> f32 {{\n    return {name}[i];\n}}\n"),
+            Some(f) => format!(
+                "fn read_{name}(i: u32) -> f32 {{\n    let word = {name}[i >> 1u];\n    \
+                 return {}_to_f32((word >> ((i & 1u) * 16u)) & 0xFFFFu);\n}}\n",
+                f.wgsl()
+            ),
+        };
         let template = match self {
             OperandLoad::ScalarK => {
                 vars.extend([("O", "l / BK"), ("KK", "l % BK")]);
@@ -186,7 +210,12 @@ impl OperandLoad {
             .into_iter()
             .filter(|(k, _)| template.contains(&format!("{{{{{k}}}}}")))
             .collect();
-        render(template, &used)
+        let load = render(template, &used);
+        if template == LOAD_SCALAR {
+            format!("{read}{load}")
+        } else {
+            load
+        }
     }
 }
 

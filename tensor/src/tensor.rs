@@ -88,6 +88,24 @@ impl Tensor {
     pub fn ones(shape: &[usize], device: &Device) -> Result<Tensor> {
         Tensor::full(shape, 1.0, device)
     }
+    /// [`Tensor::full`] in `dtype` (`value` rounded once): what a result of an op on `dtype`
+    /// operands is made of when it needs no kernel (an empty result, a gradient's padding), so
+    /// half graphs stay half and never meet an f32 zero they did not ask for.
+    pub fn full_in(shape: &[usize], value: f32, dtype: DType, device: &Device) -> Result<Tensor> {
+        Tensor::full(shape, value, device)?.to_dtype(dtype)
+    }
+    /// Zeros of `shape` in `dtype` (see [`Tensor::full_in`]).
+    pub fn zeros_in(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        Tensor::full_in(shape, 0.0, dtype, device)
+    }
+    /// Zeros shaped like this tensor, in its dtype and on its device.
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Tensor::zeros_in(self.shape(), self.dtype(), self.device())
+    }
+    /// `value` everywhere, shaped like this tensor, in its dtype and on its device.
+    pub fn full_like(&self, value: f32) -> Result<Tensor> {
+        Tensor::full_in(self.shape(), value, self.dtype(), self.device())
+    }
 
     /// `[start, start + step, ...]` below `end` (1-D).
     pub fn arange(start: f32, end: f32, step: f32, device: &Device) -> Result<Tensor> {

@@ -672,3 +672,83 @@ fn t_shape(
     let t = |v: &(Vec<f32>, Vec<usize>)| Tensor::from_vec(v.0.clone(), &v.1, dev).unwrap();
     t(x).conv2d(&t(w), None, p).unwrap().shape().to_vec()
 }
+
+/// Results that need no kernel (empty ones) and the fill helpers keep the operands' dtype, so a
+/// half graph never meets an f32 zero it did not ask for; indices stay f32.
+#[test]
+fn empty_results_and_fills_keep_the_dtype() {
+    for dev in devices() {
+        for dtype in HALVES {
+            let x = Tensor::from_vec_in(vec![], &[0, 3], dtype, &dev).unwrap();
+            let w = Tensor::from_vec_in(vec![0.5; 6], &[3, 2], dtype, &dev).unwrap();
+            let results = [
+                ("exp", x.exp()),
+                ("add", x.add(&x)),
+                ("sum", x.sum(&[0], false)),
+                ("matmul", x.matmul(&w)),
+                ("softmax", x.softmax(-1)),
+                ("concat", Tensor::concat(&[&x, &x], 0)),
+                ("narrow", w.narrow(0, 0, 0).and_then(|n| n.mul_scalar(2.0))),
+            ];
+            for (what, y) in results {
+                let y = y.unwrap();
+                assert_eq!(y.dtype(), dtype, "{what} of an empty {dtype} tensor");
+            }
+            assert_eq!(x.argmax(1, false).unwrap().dtype(), DType::F32, "indices");
+            let z = Tensor::zeros_in(&[2, 3], dtype, &dev).unwrap();
+            assert_eq!((z.dtype(), z.to_vec().unwrap()), (dtype, vec![0.0; 6]));
+            assert_eq!(w.zeros_like().unwrap().dtype(), dtype);
+            // `full_like` rounds its value once, as a cast does: 65520 overflows f16.
+            let f = w.full_like(65520.0).unwrap();
+            assert_eq!(f.dtype(), dtype);
+            let want = dtype.round(65520.0);
+            assert!(f.to_vec().unwrap().iter().all(|&v| v == want), "{dtype}");
+        }
+    }
+}
+
+/// Unary ops, reductions, softmax, layer norm and matmul on random shapes (proptest, 12 cases
+/// per device), each within the tolerance of the module doc: one half ulp of the f32 result,
+/// plus the accumulation terms for matmul ([`check_matmul`]).
+#[test]
+fn row_ops_and_matmul_match_f32_on_random_shapes() {
+    let cases = (1usize..6, 1usize..90, 1usize..9, 0usize..2, any::<u64>());
+    for dev in devices() {
+        let mut runner = TestRunner::new(Config {
+            cases: 12,
+            failure_persistence: None,
+            ..Config::default()
+        });
+        runner
+            .run(&cases, |(rows, cols, n, axis, seed)| {
+                let axis = axis as isize;
+                for dtype in HALVES {
+                    let x = (vals(rows * cols, seed, -3.0, 3.0), vec![rows, cols]);
+                    let one = std::slice::from_ref(&x);
+                    for op in [
+                        UnaryOp::Exp,
+                        UnaryOp::Tanh,
+                        UnaryOp::GeluTanh,
+                        UnaryOp::Recip,
+                    ] {
+                        half_vs_f32(op.name(), &dev, dtype, one, |t| t[0].unary(op));
+                    }
+                    half_vs_f32("sum", &dev, dtype, one, |t| t[0].sum(&[axis], false));
+                    half_vs_f32("mean", &dev, dtype, one, |t| t[0].mean(&[axis], true));
+                    half_vs_f32("max", &dev, dtype, one, |t| t[0].max(&[axis], false));
+                    half_vs_f32("var", &dev, dtype, one, |t| t[0].var(&[axis], false));
+                    half_vs_f32("softmax", &dev, dtype, one, |t| t[0].softmax(axis));
+                    half_vs_f32("log_softmax", &dev, dtype, one, |t| t[0].log_softmax(-1));
+                    let g = (vals(cols, seed ^ 2, 0.5, 1.5), vec![cols]);
+                    let b = (vals(cols, seed ^ 3, -0.5, 0.5), vec![cols]);
+                    half_vs_f32("layer_norm", &dev, dtype, &[x.clone(), g, b], |t| {
+                        Ok(t[0].layer_norm(&t[1], &t[2], 1e-5)?.0)
+                    });
+                    let w = (vals(cols * n, seed ^ 4, -1.0, 1.0), vec![cols, n]);
+                    check_matmul(&dev, dtype, &[&x, &w], |t| t[0].matmul(&t[1]));
+                }
+                Ok::<(), TestCaseError>(())
+            })
+            .unwrap();
+    }
+}

@@ -112,6 +112,9 @@ impl Var {
         let Some(mask) = ctx.dropout_mask(self.shape(), p, site, self.device())? else {
             return Ok(self.clone());
         };
+        // The multipliers in this var's dtype: `1 / (1 - p)` rounded once for a half var,
+        // within the rounding its product gets anyway.
+        let mask = mask.to_dtype(self.value.dtype())?;
         let y = self.value.mul(&mask)?;
         Var::from_op("dropout", &[self], y, move |g, _| {
             Ok(vec![Some(g.mul(&mask)?)])

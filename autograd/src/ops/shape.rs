@@ -26,6 +26,13 @@ impl Var {
             return Ok(self.clone());
         }
         let y = self.value.to_dtype(dtype)?;
+        self.cast_to(y)
+    }
+
+    /// Records `y`, this var's value already cast to another dtype (e.g. a param's cached half
+    /// copy), as [`Var::to_dtype`] does: the gradient is cast back to this var's dtype.
+    pub(crate) fn cast_to(&self, y: Tensor) -> Result<Var> {
+        let from = self.value.dtype();
         view("to_dtype", self, y, move |g| g.to_dtype(from))
     }
 
@@ -66,10 +73,11 @@ impl Var {
             if start == 0 && after == 0 {
                 return Ok(g.clone());
             }
+            // In the gradient's dtype, so a half graph's narrow back-propagates in half.
             let zeros = |n: usize| {
                 let mut s = shape.clone();
                 s[a] = n;
-                Tensor::zeros(&s, g.device())
+                Tensor::zeros_in(&s, g.dtype(), g.device())
             };
             let mut parts = Vec::with_capacity(3);
             if start > 0 {

@@ -86,9 +86,12 @@ impl Module for CausalSelfAttention {
         let v = split(self.v.forward(x, ctx)?)?;
         // One fused op; it equals the unfused chain `(q k^T * scale).masked_fill(causal_mask,
         // MASK_VALUE).softmax(-1)`, dropout, `@ v` (the reference the tests compare with).
+        // The multipliers in the scores' dtype (autocast), `1 / (1 - p)` rounded once.
         let drop = self
             .attn_dropout
-            .mask(&[b, h, t, t], ctx, x.value().device())?;
+            .mask(&[b, h, t, t], ctx, x.value().device())?
+            .map(|m| m.to_dtype(q.value().dtype()))
+            .transpose()?;
         let y = q
             .causal_attention(&k, &v, 1.0 / (dh as f32).sqrt(), drop.as_ref())?
             // [B, H, T, dh] -> [B, T, d]

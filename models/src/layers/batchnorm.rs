@@ -17,7 +17,7 @@
 use std::sync::Mutex;
 
 use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Var};
-use wgpipe_tensor::{Device, Result, Tensor};
+use wgpipe_tensor::{DType, Device, Result, Tensor};
 
 use super::{f32_bytes, shape_error};
 
@@ -98,13 +98,15 @@ impl Module for BatchNorm2d {
                 format!("input {shape:?} must be [N, {}, ...]", self.channels),
             ));
         }
-        let t = x.tape();
+        // On the stream's dtype (autocast): parameters and running statistics are f32 and used
+        // through copies in the input's dtype; means accumulate in f32 in the kernels.
+        let (t, d) = (x.tape(), x.value().dtype());
         let cs = self.channel_shape(shape.len());
-        let gamma = t.param(&self.weight).reshape(&cs)?;
-        let beta = t.param(&self.bias).reshape(&cs)?;
+        let gamma = t.param_in(&self.weight, d)?.reshape(&cs)?;
+        let beta = t.param_in(&self.bias, d)?.reshape(&cs)?;
         if !(ctx.train && self.train) {
-            let rm = t.constant(self.running_mean.value().reshape(&cs)?);
-            let rv = t.constant(self.running_var.value().reshape(&cs)?);
+            let rm = t.constant(self.running_mean.value_in(d)?.reshape(&cs)?);
+            let rv = t.constant(self.running_var.value_in(d)?.reshape(&cs)?);
             let scale = rv.add_scalar(self.eps)?.rsqrt()?.mul(&gamma)?;
             return x.sub(&rm)?.mul(&scale)?.add(&beta);
         }
@@ -118,10 +120,17 @@ impl Module for BatchNorm2d {
             .add(&beta)?;
         if !(ctx.recompute || t.is_recompute()) {
             let count = shape.iter().product::<usize>() / self.channels;
+            // The running statistics stay f32 whatever the stream's dtype.
             self.lock().push(Piece {
                 count,
-                mean: mean.value().reshape(&[self.channels])?,
-                var: var.value().reshape(&[self.channels])?,
+                mean: mean
+                    .value()
+                    .to_dtype(DType::F32)?
+                    .reshape(&[self.channels])?,
+                var: var
+                    .value()
+                    .to_dtype(DType::F32)?
+                    .reshape(&[self.channels])?,
             });
         }
         Ok(y)

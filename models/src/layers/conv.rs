@@ -7,6 +7,7 @@ use wgpipe_tensor::ops::Conv2dParams;
 use wgpipe_tensor::{Device, Error, Result, Tensor};
 
 use super::{f32_bytes, shape_error};
+use crate::autocast::compute_input;
 use crate::init::{kaiming_uniform, sub_seed};
 
 pub struct Conv2d {
@@ -144,7 +145,7 @@ impl Module for Conv2d {
         )
     }
 
-    fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
+    fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
         if x.shape().len() != 4 || x.shape()[1] != self.c_in {
             return Err(shape_error(
                 "Conv2d",
@@ -152,8 +153,12 @@ impl Module for Conv2d {
             ));
         }
         let t = x.tape();
-        let w = t.param(&self.weight);
-        let b = self.bias.as_ref().map(|b| t.param(b));
+        let x = compute_input(x, ctx)?;
+        let w = t.param_in(&self.weight, ctx.compute)?;
+        let b = match &self.bias {
+            Some(b) => Some(t.param_in(b, ctx.compute)?),
+            None => None,
+        };
         x.conv2d(&w, b.as_ref(), self.params)
     }
 

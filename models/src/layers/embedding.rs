@@ -64,8 +64,11 @@ impl Module for Embedding {
     fn name(&self) -> String {
         format!("Embedding({}x{})", self.num, self.dim)
     }
-    fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
-        self.lookup(x, x.value())
+    /// The lookup runs in the f32 table and its rows are cast to `ctx.compute` (see
+    /// [`crate::autocast`]): repeated ids then add their gradients up in f32 (`index_add`), no
+    /// half copy of the table is kept, and the f32 rows live only until the cast.
+    fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
+        self.lookup(x, x.value())?.to_dtype(ctx.compute)
     }
     fn parameters(&self) -> Vec<(String, Param)> {
         vec![("weight".into(), self.weight.clone())]
@@ -121,7 +124,7 @@ impl Module for PositionalEmbedding {
             ));
         }
         let t = s[s.len() - 2];
-        let w = x.tape().param(&self.weight);
+        let w = x.tape().param_in(&self.weight, x.value().dtype())?;
         x.add(&w.narrow(0, 0, t)?)
     }
     fn parameters(&self) -> Vec<(String, Param)> {

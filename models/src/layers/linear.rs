@@ -4,6 +4,7 @@ use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Var};
 use wgpipe_tensor::{Device, Result, Tensor, UnaryOp, BIAS_ACTIVATIONS};
 
 use super::{f32_bytes, shape_error};
+use crate::autocast::compute_input;
 use crate::init::{kaiming_uniform, sub_seed};
 
 pub struct Linear {
@@ -107,8 +108,9 @@ impl Linear {
     }
 
     /// `act(x W^T + b)`: the forward with `act` in place of this layer's own activation (an
-    /// MLP applies its GELU here, fused with the bias).
-    pub fn forward_act(&self, x: &Var, act: Option<UnaryOp>) -> Result<Var> {
+    /// MLP applies its GELU here, fused with the bias), in `ctx.compute` (see
+    /// [`crate::autocast`]).
+    pub fn forward_act(&self, x: &Var, act: Option<UnaryOp>, ctx: &ForwardCtx) -> Result<Var> {
         let shape = x.shape().to_vec();
         if shape.last() != Some(&self.in_features) {
             return Err(shape_error(
@@ -120,7 +122,8 @@ impl Linear {
             ));
         }
         let tape = x.tape();
-        let w = tape.param(&self.weight);
+        let x = &compute_input(x, ctx)?;
+        let w = tape.param_in(&self.weight, ctx.compute)?;
         let rows: usize = shape[..shape.len() - 1].iter().product();
         let x2 = if shape.len() == 2 {
             x.clone()
@@ -129,8 +132,8 @@ impl Linear {
         };
         let mut y = x2.matmul(&w.t()?)?;
         y = match (&self.bias, act) {
-            (Some(b), Some(act)) => y.bias_act(&tape.param(b), act)?,
-            (Some(b), None) => y.add(&tape.param(b))?,
+            (Some(b), Some(act)) => y.bias_act(&tape.param_in(b, ctx.compute)?, act)?,
+            (Some(b), None) => y.add(&tape.param_in(b, ctx.compute)?)?,
             (None, Some(act)) => y.unary(act)?,
             (None, None) => y,
         };
@@ -161,8 +164,8 @@ impl Module for Linear {
         )
     }
 
-    fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
-        self.forward_act(x, self.activation)
+    fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
+        self.forward_act(x, self.activation, ctx)
     }
 
     fn parameters(&self) -> Vec<(String, Param)> {

@@ -40,8 +40,13 @@ impl Module for LayerNorm {
                 format!("input {:?} does not end in dim = {}", x.shape(), self.dim),
             ));
         }
-        let t = x.tape();
-        x.layer_norm(&t.param(&self.weight), &t.param(&self.bias), self.eps)
+        // On the stream's dtype (autocast); the statistics accumulate in f32 in the kernel.
+        let (t, d) = (x.tape(), x.value().dtype());
+        x.layer_norm(
+            &t.param_in(&self.weight, d)?,
+            &t.param_in(&self.bias, d)?,
+            self.eps,
+        )
     }
     fn parameters(&self) -> Vec<(String, Param)> {
         vec![

@@ -36,7 +36,7 @@ impl Module for Mlp {
     }
     fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
         // fc1's bias and the GELU in one fused op.
-        let h = self.fc1.forward_act(x, Some(self.gelu.op()))?;
+        let h = self.fc1.forward_act(x, Some(self.gelu.op()), ctx)?;
         self.fc2.forward(&h, ctx)
     }
     fn parameters(&self) -> Vec<(String, Param)> {

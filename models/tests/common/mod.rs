@@ -4,6 +4,8 @@
 
 use wgpipe_autograd::gradcheck::{uniform_weights, unit_weights, GradCheck, Weights};
 use wgpipe_autograd::{ForwardCtx, Module, Var};
+use wgpipe_models::{Conv2d, TransformerLm};
+use wgpipe_tensor::ops::Conv2dParams;
 use wgpipe_tensor::{Device, Result, Tensor};
 
 pub fn cpu() -> Device {
@@ -69,4 +71,30 @@ pub fn grad_check_module_eps(
 #[track_caller]
 pub fn grad_check_fn(f: impl Fn(&Var) -> Result<Var>, x: &Tensor) {
     checker(1e-2, 32, unit_weights).check("loss", std::slice::from_ref(x), |v| f(&v[0]));
+}
+
+/// A two-block LM small enough for debug-build tests: vocab 11, d 16, 2 heads, sequences of 8,
+/// dropout 0.1, tied embeddings.
+pub fn tiny_lm() -> TransformerLm {
+    TransformerLm {
+        vocab: 11,
+        d_model: 16,
+        heads: 2,
+        layers: 2,
+        seq_len: 8,
+        dropout: 0.1,
+        tie_embeddings: true,
+    }
+}
+
+/// A `4 -> 6` convolution with every option: kernel `kernel`, stride (2, 1), padding 1, two
+/// groups, a bias.
+pub fn grouped_strided_conv(kernel: (usize, usize), seed: u64) -> Conv2d {
+    let p = Conv2dParams {
+        stride: (2, 1),
+        padding: (1, 1),
+        dilation: (1, 1),
+        groups: 2,
+    };
+    Conv2d::with_params(4, 6, kernel, p, true, seed, &cpu()).unwrap()
 }

@@ -15,7 +15,7 @@ impl Tensor {
         check(OP, self, bias, op)?;
         let dev = self.device();
         if self.numel() == 0 {
-            return Tensor::zeros(self.shape(), dev);
+            return self.zeros_like();
         }
         let y = dev
             .kernels()
@@ -43,7 +43,7 @@ impl Tensor {
         }
         let dev = z.device();
         if z.numel() == 0 {
-            return Tensor::zeros(z.shape(), dev);
+            return z.zeros_like();
         }
         let dz = dev.kernels().bias_act_grad(
             op,

@@ -11,7 +11,7 @@ impl Tensor {
     /// Any unary op (including the scalar-carrying ones), elementwise.
     pub fn unary(&self, op: UnaryOp) -> Result<Tensor> {
         if self.numel() == 0 {
-            return Tensor::zeros(self.shape(), self.device());
+            return self.zeros_like();
         }
         let out = self.device().kernels().unary(op, self)?;
         self.device().add_flops(self.numel() as u64);
@@ -33,7 +33,7 @@ impl Tensor {
             ));
         }
         if self.numel() == 0 {
-            return Tensor::zeros(self.shape(), self.device());
+            return self.zeros_like();
         }
         let out = self.device().kernels().unary_grad(op, self, grad)?;
         self.device().add_flops(2 * self.numel() as u64);
@@ -47,7 +47,7 @@ impl Tensor {
         let shape = broadcast_shapes(name, self.shape(), other.shape())?;
         let dev = self.device();
         if shape.iter().product::<usize>() == 0 {
-            return Tensor::zeros(&shape, dev);
+            return Tensor::zeros_in(&shape, self.dtype(), dev);
         }
         let a = self.broadcast_to(&shape)?;
         let b = other.broadcast_to(&shape)?;
@@ -88,7 +88,7 @@ fn select(op: &'static str, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Ten
         })?;
     let dev = cond.device();
     if shape.iter().product::<usize>() == 0 {
-        return Tensor::zeros(&shape, dev);
+        return Tensor::zeros_in(&shape, a.dtype(), dev);
     }
     let out = dev.kernels().where_cond(
         &cond.broadcast_to(&shape)?,

@@ -43,7 +43,7 @@ impl Tensor {
         let shape = with_axis(self.shape(), a, idx.numel());
         let dev = self.device();
         if shape.iter().product::<usize>() == 0 {
-            return Tensor::zeros(&shape, dev);
+            return Tensor::zeros_in(&shape, self.dtype(), dev);
         }
         let out = dev.kernels().index_select(
             &self.contiguous()?,
@@ -100,7 +100,7 @@ impl Tensor {
         check_indices(OP, idx, dim)?;
         let dev = self.device();
         if idx.numel() == 0 {
-            return Tensor::zeros(idx.shape(), dev);
+            return Tensor::zeros_in(idx.shape(), self.dtype(), dev);
         }
         let mut x = self.clone();
         for d in (0..self.rank()).filter(|&d| d != a) {
@@ -193,7 +193,7 @@ fn join(op: &'static str, xs: &[&Tensor], axis: isize, new_axis: bool) -> Result
     }
     let dev = first.device();
     if out_shape.iter().product::<usize>() == 0 {
-        return Tensor::zeros(&out_shape, dev);
+        return Tensor::zeros_in(&out_shape, first.dtype(), dev);
     }
     let refs: Vec<&Tensor> = xs.iter().filter(|x| x.numel() > 0).collect();
     dev.kernels().concat(&refs, a, &out_shape)
@@ -218,7 +218,7 @@ fn add_along(
     let shape = with_axis(src.shape(), a, dim_size);
     let dev = src.device();
     if src.numel() == 0 {
-        return Tensor::zeros(&shape, dev);
+        return Tensor::zeros_in(&shape, src.dtype(), dev);
     }
     let (outer, _, inner) = split_at_axis(src.shape(), a);
     let (src, idx) = (src.contiguous()?, idx.contiguous()?);

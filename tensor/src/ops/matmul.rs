@@ -39,7 +39,7 @@ impl Tensor {
         out_shape.extend([m, n]);
         let dev = self.device();
         if batch * m * n == 0 || k == 0 {
-            return Tensor::zeros(&out_shape, dev);
+            return Tensor::zeros_in(&out_shape, self.dtype(), dev);
         }
         let (a, la) = as_matrix(self, &batch_shape, m, k)?;
         let (b, lb) = as_matrix(other, &batch_shape, k, n)?;

@@ -42,10 +42,15 @@ impl Tensor {
                     ),
                 ));
             }
-            return Tensor::zeros(&out_shape, dev);
+            return Tensor::zeros_in(&out_shape, self.dtype(), dev);
         }
         if rows == 0 {
-            return Tensor::zeros(&out_shape, dev);
+            // Indices stay f32 whatever the input's dtype (as the dtype guard keeps them).
+            let dtype = match op {
+                ReduceOp::ArgMax | ReduceOp::ArgMin => crate::DType::F32,
+                _ => self.dtype(),
+            };
+            return Tensor::zeros_in(&out_shape, dtype, dev);
         }
         let leading = axes.iter().enumerate().all(|(i, &a)| a == i);
         if op == ReduceOp::Sum && leading && !kept.is_empty() && self.is_contiguous() {

@@ -663,7 +663,10 @@ impl Kernels for WgpuContext {
         lb: MatLayout,
         dims: MatDims,
     ) -> Option<Result<Tensor>> {
+        // The subgroup kernel where it applies (CPU-backed adapters, large enough problems),
+        // else the tiled kernel with half loads.
         self.matmul_half_subgroup(a, la, b, lb, dims)
+            .or_else(|| Some(self.matmul_half_tiled(a, la, b, lb, dims, None)))
     }
 
     fn layer_norm_rows(

@@ -1,7 +1,8 @@
 //! Matmul: the variant for each problem and adapter. GPUs take the workgroup- and
 //! register-tiled kernel (`matmul.wgsl`) reading the strided operands directly, with vec4 loads
-//! where the layout allows; CPU-backed adapters (lavapipe) pack both operands and run the
-//! subgroup kernel (`matmul_subgroup.wgsl`), which suits how llvmpipe executes shaders.
+//! where the layout allows (half operands: scalar loads unpacking two halves per word);
+//! CPU-backed adapters (lavapipe) pack both operands and run the subgroup kernel
+//! (`matmul_subgroup.wgsl`), which suits how llvmpipe executes shaders.
 
 use wgpipe_shaders::params::{MatmulParams, PackParams, ParamBlock, SubgroupMatmulParams};
 use wgpipe_shaders::{HalfFormat, Kernel, MatmulConfig, OperandLoad, SubgroupMatmulConfig};
@@ -60,6 +61,7 @@ impl WgpuContext {
             a,
             b,
             c_vec: d.n.is_multiple_of(4),
+            half: None,
         }
     }
 
@@ -74,6 +76,7 @@ impl WgpuContext {
             a: OperandLoad::ScalarK,
             b: OperandLoad::ScalarK,
             c_vec: false,
+            half: None,
         };
         let limits = &self.limits;
         cfg.threads() <= limits.max_compute_invocations_per_workgroup
@@ -355,9 +358,45 @@ impl WgpuContext {
         Ok(out)
     }
 
+    /// The tiled kernel on half operands (`a`, `b` of one half dtype): their scalar loads
+    /// unpack the packed words as they stage the slabs (half the bytes read), the slabs and
+    /// FMAs are f32, and the f32 result is rounded once. `forced` (tests) picks the variant;
+    /// by default the tile of [`Self::matmul_config`] with its vec4 loads made scalar.
+    pub(super) fn matmul_half_tiled(
+        &self,
+        a: &Tensor,
+        la: MatLayout,
+        b: &Tensor,
+        lb: MatLayout,
+        dims: MatDims,
+        forced: Option<MatmulConfig>,
+    ) -> Result<Tensor> {
+        let format = match a.dtype() {
+            DType::F16 => HalfFormat::F16,
+            DType::BF16 => HalfFormat::Bf16,
+            DType::F32 => return Err(self.err("matmul_half_tiled needs half operands")),
+        };
+        let scalar = |l: OperandLoad| match l {
+            OperandLoad::VecK => OperandLoad::ScalarK,
+            OperandLoad::VecMn => OperandLoad::ScalarMn,
+            other => other,
+        };
+        let cfg = forced.unwrap_or_else(|| {
+            let auto = self.matmul_config(&la, &lb, &dims);
+            MatmulConfig {
+                a: scalar(auto.a),
+                b: scalar(auto.b),
+                half: Some(format),
+                ..auto
+            }
+        });
+        let c = self.matmul_with(a, la, b, lb, dims, Some(cfg))?;
+        self.narrow(&c, a.dtype())
+    }
+
     /// The native half matmul: on adapters that take the subgroup kernel, half operands are
     /// widened by the packing pass itself (reading half the bytes) and accumulate in f32; the
-    /// f32 result is rounded once. `None` elsewhere (the tiled kernel has no half loads yet).
+    /// f32 result is rounded once. `None` elsewhere (see [`Self::matmul_half_tiled`]).
     pub(super) fn matmul_half_subgroup(
         &self,
         a: &Tensor,

@@ -9,6 +9,7 @@ use super::runtime::Arg;
 use super::WgpuContext;
 use crate::backend::*;
 use crate::device::Device;
+use crate::dtype::DType;
 use crate::error::Error;
 use crate::layout::Layout;
 use crate::tensor::Tensor;
@@ -1173,4 +1174,84 @@ fn autotune_keeps_the_fastest_timed_candidate_on_a_real_adapter() {
     let kept = c.tuner().unwrap().chosen(&shape_class(&dims));
     assert!(kept.is_some_and(|k| candidates.contains(&k)), "{kept:?}");
     c.set_tuner(None);
+}
+
+/// The tiled kernel's half loads, forced on lavapipe (which otherwise takes the subgroup kernel
+/// for large products): two tiles, three staging orders, transposed operands, an odd offset
+/// (elements in the high half of a word), both half formats, against the f64 product of the
+/// same rounded values. The result is rounded once to the half dtype: within one half ulp of
+/// `|c|`, plus the f32 accumulation over k terms of magnitude at most 1.
+#[test]
+fn matmul_half_loads_match_the_rounded_product() {
+    let Some(d) = device() else { return };
+    let c = ctx(&d);
+    for (dtype, format) in [
+        (DType::F16, wgpipe_shaders::HalfFormat::F16),
+        (DType::BF16, wgpipe_shaders::HalfFormat::Bf16),
+    ] {
+        let rel = if dtype == DType::F16 {
+            2f32.powi(-10)
+        } else {
+            2f32.powi(-7)
+        };
+        for (batch, m, kk, n) in [(2, 68, 40, 72), (1, 33, 17, 9), (3, 5, 8, 12)] {
+            for (ta, tb, offset) in [
+                (false, false, 0),
+                (true, false, 1),
+                (false, true, 1),
+                (true, true, 0),
+            ] {
+                let data = |len: usize, seed: u64| -> Vec<f32> {
+                    vals(len, seed).iter().map(|&x| dtype.round(x)).collect()
+                };
+                let (a_data, b_data) =
+                    (data(offset + batch * m * kk, 11), data(offset + kk * n, 12));
+                let la = layout(m, kk, ta, offset, true);
+                let lb = layout(kk, n, tb, offset, false);
+                let dims = MatDims { batch, m, k: kk, n };
+                let half =
+                    |v: &[f32]| Tensor::from_vec_in(v.to_vec(), &[v.len()], dtype, &d).unwrap();
+                let (a, b) = (half(&a_data), half(&b_data));
+                let want = matmul_ref(&a_data, la, &b_data, lb, dims);
+                let tol = rel + kk as f32 * 2f32.powi(-22);
+                let auto = c.matmul_config(&la, &lb, &dims);
+                // Two tiles (lavapipe compiles each variant slowly); f16 takes every staging
+                // order, bf16 (the same loads with another conversion) one.
+                let [t64, _, t32, _] = MatmulConfig::TILES;
+                let orders: &[(OperandLoad, OperandLoad)] = if dtype == DType::F16 {
+                    &[
+                        (OperandLoad::ScalarK, OperandLoad::ScalarK),
+                        (OperandLoad::ScalarMn, OperandLoad::ScalarMn),
+                        (OperandLoad::ScalarK, OperandLoad::ScalarMn),
+                    ]
+                } else {
+                    &[(OperandLoad::ScalarK, OperandLoad::ScalarMn)]
+                };
+                for (bm, bn, bk, tm, tn) in [t64, t32] {
+                    for &(a_load, b_load) in orders {
+                        let cfg = MatmulConfig {
+                            bm,
+                            bn,
+                            bk,
+                            tm,
+                            tn,
+                            a: a_load,
+                            b: b_load,
+                            half: Some(format),
+                            ..auto
+                        };
+                        let got = c
+                            .matmul_half_tiled(&a, la, &b, lb, dims, Some(cfg))
+                            .unwrap();
+                        assert_eq!(got.dtype(), dtype);
+                        close(&host(&d, &got), &want, tol, &format!("{dims:?} {cfg:?}"));
+                    }
+                }
+                // The default half variant (what `matmul_half` takes when the subgroup kernel
+                // does not apply).
+                let got = c.matmul_half_tiled(&a, la, &b, lb, dims, None).unwrap();
+                close(&host(&d, &got), &want, tol, &format!("{dims:?} default"));
+            }
+        }
+    }
 }

@@ -20,7 +20,7 @@ impl Tensor {
         }
         let dev = self.device();
         if self.numel() == 0 {
-            return Tensor::zeros(self.shape(), dev);
+            return self.zeros_like();
         }
         let rows = self.numel() / t;
         let y = dev
@@ -55,7 +55,7 @@ impl Tensor {
         };
         let dev = y.device();
         if y.numel() == 0 {
-            return Tensor::zeros(y.shape(), dev);
+            return y.zeros_like();
         }
         let rows = y.numel() / cols;
         let dx = dev.kernels().softmax_backward_rows(

@@ -152,7 +152,7 @@ impl Tensor {
         }
         let shape = out_shape(&g);
         let y = if shape.iter().product::<usize>() == 0 || g.col_rows() == 0 {
-            Tensor::zeros(&shape, self.device())?
+            Tensor::zeros_in(&shape, self.dtype(), self.device())?
         } else {
             grouped_weight(weight, &g)?
                 .matmul(&columns(self, &g)?)?
@@ -178,7 +178,7 @@ impl Tensor {
         let dy = grouped_dy(OP, dy, &g)?;
         let dev = dy.device();
         if input_shape.iter().product::<usize>() == 0 || g.c_out == 0 {
-            return Tensor::zeros(input_shape, dev);
+            return Tensor::zeros_in(input_shape, dy.dtype(), dev);
         }
         let dcols = grouped_weight(weight, &g)?.t()?.matmul(&dy)?;
         dev.kernels().col2im(&dcols, &g)?.reshape(input_shape)
@@ -197,7 +197,7 @@ impl Tensor {
         let g = geometry(OP, x.shape(), weight_shape, p)?;
         let dy = grouped_dy(OP, dy, &g)?;
         if weight_shape.iter().product::<usize>() == 0 || g.n == 0 {
-            return Tensor::zeros(weight_shape, x.device());
+            return Tensor::zeros_in(weight_shape, x.dtype(), x.device());
         }
         dy.matmul(&columns(x, &g)?.t()?)?
             .sum(&[0], false)?

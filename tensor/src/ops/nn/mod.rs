@@ -31,7 +31,7 @@ impl Tensor {
         let a = resolve_axis(op, axis, r)?;
         let dev = self.device();
         if self.numel() == 0 {
-            return Tensor::zeros(self.shape(), dev);
+            return self.zeros_like();
         }
         let mut perm: Vec<usize> = (0..r).filter(|&i| i != a).collect();
         perm.push(a);
@@ -81,9 +81,9 @@ impl Tensor {
         let dev = self.device();
         if self.numel() == 0 {
             return Ok((
-                Tensor::zeros(shape, dev)?,
-                Tensor::zeros(&stat_shape, dev)?,
-                Tensor::zeros(&stat_shape, dev)?,
+                self.zeros_like()?,
+                Tensor::zeros_in(&stat_shape, self.dtype(), dev)?,
+                Tensor::zeros_in(&stat_shape, self.dtype(), dev)?,
             ));
         }
         let rows = self.numel() / d;

@@ -80,7 +80,7 @@ impl Tensor {
         let g = geometry("max_pool2d", self.shape(), p)?;
         let dev = self.device();
         if self.numel() == 0 {
-            let z = Tensor::zeros(&out_shape(&g), dev)?;
+            let z = Tensor::zeros_in(&out_shape(&g), self.dtype(), dev)?;
             return Ok((z.clone(), z));
         }
         let (y, argmax) = dev.kernels().max_pool2d(&self.contiguous()?, &g)?;
@@ -103,7 +103,7 @@ impl Tensor {
         check_out(OP, "argmax", argmax, &g)?;
         let dev = dy.device();
         if dy.numel() == 0 {
-            return Tensor::zeros(input_shape, dev);
+            return Tensor::zeros_in(input_shape, dy.dtype(), dev);
         }
         let dx = dev
             .kernels()
@@ -117,7 +117,7 @@ impl Tensor {
         let g = geometry("avg_pool2d", self.shape(), p)?;
         let dev = self.device();
         if self.numel() == 0 {
-            return Tensor::zeros(&out_shape(&g), dev);
+            return Tensor::zeros_in(&out_shape(&g), self.dtype(), dev);
         }
         let y = dev.kernels().avg_pool2d(&self.contiguous()?, &g)?;
         dev.add_flops((y.numel() * g.kh * g.kw) as u64);
@@ -135,7 +135,7 @@ impl Tensor {
         check_out(OP, "dy", dy, &g)?;
         let dev = dy.device();
         if dy.numel() == 0 {
-            return Tensor::zeros(input_shape, dev);
+            return Tensor::zeros_in(input_shape, dy.dtype(), dev);
         }
         let dx = dev.kernels().avg_pool2d_backward(&dy.contiguous()?, &g)?;
         dev.add_flops(dy.numel() as u64);
