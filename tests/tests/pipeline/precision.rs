@@ -618,3 +618,32 @@ fn a_checkpoint_resumes_the_loss_scale_bit_exactly() {
     );
     let _ = std::fs::remove_dir_all(path.parent().unwrap());
 }
+
+/// The per-stage report counts memory by dtype: a half run's stages hold f16 (or bf16) bytes
+/// and no bytes of the other half dtype; an f32 run holds none in half. The table shows them.
+#[test]
+fn the_stage_report_shows_memory_by_dtype() {
+    let (x, y) = data();
+    let run = |precision: DType| {
+        let trigger: Trigger = Arc::new(Mutex::new(None));
+        let cfg = cfg(ScheduleKind::OneFOneB, CheckpointMode::Never, precision);
+        let mut pipe = sim_pipeline(model(&trigger), &cfg);
+        step(&mut pipe, &x, &y)
+    };
+    let r32 = run(DType::F32);
+    for st in &r32.stages {
+        assert!(st.memory.peak_of_dtype(DType::F32) > 0, "stage {}", st.stage);
+        assert_eq!(st.memory.peak_of_dtype(DType::F16), 0, "stage {}", st.stage);
+        assert_eq!(st.memory.peak_of_dtype(DType::BF16), 0, "stage {}", st.stage);
+    }
+    for (half, other) in [(DType::F16, DType::BF16), (DType::BF16, DType::F16)] {
+        let r = run(half);
+        for st in &r.stages {
+            assert!(st.memory.peak_of_dtype(half) > 0, "{half:?} stage {}", st.stage);
+            assert_eq!(st.memory.peak_of_dtype(other), 0, "{half:?} stage {}", st.stage);
+            // Master weights and optimizer state stay f32.
+            assert!(st.memory.peak_of_dtype(DType::F32) > 0, "{half:?} stage {}", st.stage);
+        }
+        assert!(r.stage_table().contains("peak f32 / f16 / bf16 MiB"));
+    }
+}
