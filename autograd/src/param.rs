@@ -72,16 +72,38 @@ impl Param {
         }
         self.lock().grad = grad;
     }
-    /// Adds `g` to the accumulated gradient (the first call stores it).
+    /// Adds `g` to the accumulated gradient (the first call stores it). The sum is written into
+    /// the accumulated gradient's memory when nothing else holds it (see
+    /// [`Tensor::add_assign`]), as it does from the second micro-batch of a step on.
     pub fn accumulate_grad(&self, g: &Tensor) -> Result<()> {
         let mut inner = self.lock();
-        let sum = match &inner.grad {
-            Some(old) => old.add(g)?,
+        let sum = match inner.grad.take() {
+            Some(mut acc) => match acc.add_assign(g) {
+                Ok(()) => acc,
+                Err(e) => {
+                    // `add_assign` leaves `acc` as it was when it fails.
+                    inner.grad = Some(acc);
+                    return Err(e);
+                }
+            },
             None => g.contiguous()?,
         };
         sum.retag(Tag::Gradients);
         inner.grad = Some(sum);
         Ok(())
+    }
+    /// True when the value could be updated in place: nothing but this parameter holds its
+    /// memory ([`Tensor::is_exclusive`]; a clone taken with [`Param::value`] makes it false).
+    pub fn value_is_exclusive(&self) -> bool {
+        self.lock().value.is_exclusive()
+    }
+    /// Runs `f` on the value under the parameter's lock (an optimizer's in-place update); the
+    /// value, replaced or not, is accounted as a parameter afterwards.
+    pub fn update_value<R>(&self, f: impl FnOnce(&mut Tensor) -> R) -> R {
+        let mut inner = self.lock();
+        let r = f(&mut inner.value);
+        inner.value.retag(Tag::Parameters);
+        r
     }
     pub fn zero_grad(&self) {
         self.lock().grad = None;
