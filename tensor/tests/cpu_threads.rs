@@ -1,22 +1,16 @@
 //! `share_cpu_threads`: kernels called by threads that share the CPU split their work over fewer
 //! threads, and give the same bits as when they use the whole pool.
 
+use wgpipe_tensor::rng::uniform_vec;
 use wgpipe_tensor::{share_cpu_threads, Device, Tensor};
 
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed ^ 0x9E37_79B9_7F4A_7C15;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32) / (1u64 << 24) as f32 * 2.0 - 1.0
-        })
-        .collect()
-}
-
 fn t(shape: &[usize], seed: u64) -> Tensor {
-    Tensor::from_vec(values(shape.iter().product(), seed), shape, &Device::cpu()).unwrap()
+    Tensor::from_vec(
+        uniform_vec(seed, 0, shape.iter().product(), -1.0, 1.0),
+        shape,
+        &Device::cpu(),
+    )
+    .unwrap()
 }
 
 /// Ops whose CPU kernels choose how to split by the thread count: one big matmul (gemm's own

@@ -3,23 +3,16 @@
 //! tensor is exclusive, and never a write another tensor (a clone or a view taken before) sees.
 
 use wgpipe_tensor::backend::AdamStep;
+use wgpipe_tensor::rng::uniform_vec;
 use wgpipe_tensor::{BinaryOp, DType, Device, Tensor};
 
-/// Deterministic values in [-2, 2) from `seed`.
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed ^ 0x9E37_79B9_7F4A_7C15;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32) / (1u64 << 24) as f32 * 4.0 - 2.0
-        })
-        .collect()
-}
-
 fn tensor(shape: &[usize], seed: u64, dev: &Device) -> Tensor {
-    Tensor::from_vec(values(shape.iter().product(), seed), shape, dev).unwrap()
+    Tensor::from_vec(
+        uniform_vec(seed, 0, shape.iter().product(), -2.0, 2.0),
+        shape,
+        dev,
+    )
+    .unwrap()
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {
