@@ -72,20 +72,13 @@ impl Param {
         }
         self.lock().grad = grad;
     }
-    /// Adds `g` to the accumulated gradient (the first call stores it). The sum is written into
-    /// the accumulated gradient's memory when nothing else holds it (see
-    /// [`Tensor::add_assign`]), as it does from the second micro-batch of a step on.
+    /// Adds `g` to the accumulated gradient (the first call stores it). Out of place on purpose:
+    /// the planner's memory model (`pipeline::plan::profile`) prices this sum as a new buffer,
+    /// and an in-place sum here made its predicted peaks fall below the measured ones.
     pub fn accumulate_grad(&self, g: &Tensor) -> Result<()> {
         let mut inner = self.lock();
-        let sum = match inner.grad.take() {
-            Some(mut acc) => match acc.add_assign(g) {
-                Ok(()) => acc,
-                Err(e) => {
-                    // `add_assign` leaves `acc` as it was when it fails.
-                    inner.grad = Some(acc);
-                    return Err(e);
-                }
-            },
+        let sum = match &inner.grad {
+            Some(old) => old.add(g)?,
             None => g.contiguous()?,
         };
         sum.retag(Tag::Gradients);
