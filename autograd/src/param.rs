@@ -96,7 +96,9 @@ impl Param {
         }
         self.lock().grad = grad;
     }
-    /// Adds `g` to the accumulated gradient (the first call stores it).
+    /// Adds `g` to the accumulated gradient (the first call stores it). Out of place on purpose:
+    /// the planner's memory model (`pipeline::plan::profile`) prices this sum as a new buffer,
+    /// and an in-place sum here made its predicted peaks fall below the measured ones.
     pub fn accumulate_grad(&self, g: &Tensor) -> Result<()> {
         let mut inner = self.lock();
         let sum = match &inner.grad {
@@ -106,6 +108,19 @@ impl Param {
         sum.retag(Tag::Gradients);
         inner.grad = Some(sum);
         Ok(())
+    }
+    /// True when the value could be updated in place: nothing but this parameter holds its
+    /// memory ([`Tensor::is_exclusive`]; a clone taken with [`Param::value`] makes it false).
+    pub fn value_is_exclusive(&self) -> bool {
+        self.lock().value.is_exclusive()
+    }
+    /// Runs `f` on the value under the parameter's lock (an optimizer's in-place update); the
+    /// value, replaced or not, is accounted as a parameter afterwards.
+    pub fn update_value<R>(&self, f: impl FnOnce(&mut Tensor) -> R) -> R {
+        let mut inner = self.lock();
+        let r = f(&mut inner.value);
+        inner.value.retag(Tag::Parameters);
+        r
     }
     pub fn zero_grad(&self) {
         self.lock().grad = None;

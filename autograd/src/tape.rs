@@ -578,8 +578,12 @@ fn run_nodes(
             if grads.len() <= input.id {
                 grads.resize(input.id + 1, None);
             }
+            // Written into the running sum's memory when no other tensor holds it.
             grads[input.id] = Some(match grads[input.id].take() {
-                Some(acc) => acc.add(&gi)?,
+                Some(mut acc) => {
+                    acc.add_assign(&gi)?;
+                    acc
+                }
                 None => gi,
             });
         }

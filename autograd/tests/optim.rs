@@ -985,3 +985,112 @@ fn adam_on_wgpu_matches_cpu() {
     let want: Vec<f64> = results[0].iter().map(|&v| v as f64).collect();
     assert_close("wgpu vs cpu", &results[1], &want, 1e-5);
 }
+
+/// Two micro-batch backwards (the second adds into the first's gradient), then a step.
+fn accumulate_and_step(
+    params: &[(String, Param)],
+    opt: &mut dyn Optimizer,
+    x: &Tensor,
+    y: &Tensor,
+) -> Result<()> {
+    zero_grad(params);
+    let half = B / 2;
+    for k in 0..2 {
+        loss_backward(
+            params,
+            &x.narrow(0, k * half, half)?,
+            &y.narrow(0, k * half, half)?,
+        )?;
+    }
+    opt.step(params)
+}
+
+fn bits_of(params: &[(String, Param)]) -> Vec<Vec<u32>> {
+    params
+        .iter()
+        .map(|(_, p)| {
+            p.value()
+                .to_vec()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        })
+        .collect()
+}
+
+/// The optimizers update parameters (and Adam's moments) in place when nothing else holds them:
+/// bit for bit the out-of-place steps taken when a copy of everything is kept (as a pipeline
+/// keeps one to roll back), those copies keep their values, and the in-place steps add no
+/// parameter or optimizer-state bytes.
+#[test]
+fn steps_in_place_equal_steps_out_of_place_and_spare_kept_copies() {
+    type MakeOpt = fn() -> Box<dyn Optimizer>;
+    let makers: [(&str, MakeOpt); 4] = [
+        ("adam", || Box::new(Adam::new(0.05))),
+        ("adamw", || {
+            Box::new(AdamW::new(0.05).with_weight_decay(0.1))
+        }),
+        ("sgd", || Box::new(Sgd::new(0.1))),
+        ("sgd momentum", || {
+            Box::new(Sgd::new(0.1).with_momentum(0.9))
+        }),
+    ];
+    let (xv, yv) = data();
+    for (what, make) in makers {
+        let dev = Device::cpu().virtual_device(&format!("in-place {what}"), None);
+        let x = Tensor::from_vec(xv.iter().map(|&v| v as f32).collect(), &[B, I], &dev).unwrap();
+        let y = Tensor::from_vec(yv.iter().map(|&v| v as f32).collect(), &[B, O], &dev).unwrap();
+        let (fast, slow) = (model(&dev), model(&dev));
+        let (mut fast_opt, mut slow_opt) = (make(), make());
+        for step in 0..4 {
+            // The reference keeps every value and the optimizer state across its step.
+            let kept_values: Vec<Tensor> = slow.iter().map(|(_, p)| p.value()).collect();
+            let kept_bits = bits_of(&slow);
+            let kept_state = slow_opt.state();
+            let state_bits: Vec<Vec<u32>> = kept_state
+                .iter()
+                .map(|(_, t)| t.to_vec().unwrap().iter().map(|v| v.to_bits()).collect())
+                .collect();
+            accumulate_and_step(&slow, slow_opt.as_mut(), &x, &y).unwrap();
+            let still: Vec<Vec<u32>> = kept_values
+                .iter()
+                .map(|t| t.to_vec().unwrap().iter().map(|v| v.to_bits()).collect())
+                .collect();
+            assert_eq!(
+                still, kept_bits,
+                "{what}: a kept value changed at step {step}"
+            );
+            let state_now: Vec<Vec<u32>> = kept_state
+                .iter()
+                .map(|(_, t)| t.to_vec().unwrap().iter().map(|v| v.to_bits()).collect())
+                .collect();
+            assert_eq!(
+                state_now, state_bits,
+                "{what}: kept state changed at step {step}"
+            );
+
+            dev.memory().reset_peak();
+            let before = dev.memory_stats();
+            accumulate_and_step(&fast, fast_opt.as_mut(), &x, &y).unwrap();
+            let after = dev.memory_stats();
+            assert_eq!(bits_of(&fast), bits_of(&slow), "{what}, step {step}");
+            // From the second step on (moments exist), nothing new is allocated for parameters
+            // or moments (SGD with momentum makes its new buffer out of place).
+            if step > 0 {
+                assert_eq!(
+                    after.peak_of(Tag::Parameters),
+                    before.live_of(Tag::Parameters),
+                    "{what}: a parameter was copied at step {step}"
+                );
+                if what.starts_with("adam") {
+                    assert_eq!(
+                        after.peak_of(Tag::OptimizerState),
+                        before.live_of(Tag::OptimizerState),
+                        "{what}: the moments were copied at step {step}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -556,8 +556,11 @@ impl Pipeline {
                 let mut pos = Position::default();
                 let r = {
                     let refs: Vec<&Stage> = stages.iter().collect();
+                    // Device threads run side by side: their kernels share the CPU's threads.
                     catch_unwind(AssertUnwindSafe(|| {
-                        run_device(&refs, &links, &io, &mut pos)
+                        wgpipe_tensor::share_cpu_threads(|| {
+                            run_device(&refs, &links, &io, &mut pos)
+                        })
                     }))
                 };
                 let r = match r {
@@ -986,7 +989,8 @@ impl Pipeline {
                 .map(|(s, o)| {
                     let params = stage_params(s);
                     let h = spawn_stage(scope, s.index, move || {
-                        match catch_unwind(AssertUnwindSafe(|| o.step(&params))) {
+                        let step = || wgpipe_tensor::share_cpu_threads(|| o.step(&params));
+                        match catch_unwind(AssertUnwindSafe(step)) {
                             Ok(r) => r.map_err(StageCause::Tensor),
                             Err(p) => Err(StageCause::Panic(threads::panic_message(p))),
                         }

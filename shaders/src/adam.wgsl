@@ -2,6 +2,8 @@
 // g' = g + wd * p unless decoupled; m' = b1 m + (1 - b1) g'; v' = b2 v + (1 - b2) g'^2;
 // p' = p - lr (m' / bc1) / (sqrt(v' / bc2) + eps) - (decoupled ? lr wd p : 0).
 //
+// Placeholders: <BINDINGS> declare param, grad, m_in and v_in (read) and the outputs <P_OUT>,
+// <M_OUT>, <V_OUT>; the in-place variant binds param, m_in and v_in read-write and writes them.
 
 struct AdamParams {
     numel: u32, lr: f32, beta1: f32, beta2: f32, eps: f32,
@@ -14,13 +16,7 @@ struct AdamParams {
 
 @group(0) @binding(0) var<storage, read> params: AdamParams;
 
-@group(0) @binding(1) var<storage, read> param: array<f32>;
-@group(0) @binding(2) var<storage, read> grad: array<f32>;
-@group(0) @binding(3) var<storage, read> m_in: array<f32>;
-@group(0) @binding(4) var<storage, read> v_in: array<f32>;
-@group(0) @binding(5) var<storage, read_write> param_out: array<f32>;
-@group(0) @binding(6) var<storage, read_write> m_out: array<f32>;
-@group(0) @binding(7) var<storage, read_write> v_out: array<f32>;
+{{BINDINGS}}
 
 @compute @workgroup_size({{WG}})
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
@@ -40,7 +36,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     if (decoupled) {
         np = np - lr * wd * p;
     }
-    param_out[i] = np;
-    m_out[i] = m;
-    v_out[i] = v;
+    {{P_OUT}}[i] = np;
+    {{M_OUT}}[i] = m;
+    {{V_OUT}}[i] = v;
 }

@@ -25,11 +25,29 @@ const NAMES: [&str; 3] = ["a", "b", "c"];
 
 /// The elementwise kernel over `arity` inputs (named a, b, c in `expr`).
 pub(crate) fn source(arity: usize, layout: EwLayout, expr: &str) -> String {
+    source_with(arity, layout, expr, false)
+}
+
+/// The binary kernel `out = op(out, b)`: input `a` is the output itself, read before it is
+/// written (the runtime passes input `a`'s layout as contiguous from 0, so `out[i]` is element i).
+pub(crate) fn source_assign(layout: EwLayout, expr: &str) -> String {
+    source_with(2, layout, expr, true)
+}
+
+/// [`source`], with input `a` read from `out` when `a_is_out`.
+fn source_with(arity: usize, layout: EwLayout, expr: &str, a_is_out: bool) -> String {
     let vec = layout == EwLayout::Vec4;
     let ty = if vec { "vec4<f32>" } else { "f32" };
     let mut inputs = String::new();
     let mut loads = String::new();
     for (k, name) in NAMES.iter().enumerate().take(arity) {
+        if a_is_out && k == 0 {
+            loads += &match layout {
+                EwLayout::Vec4 => "    let va = out[i];\n".to_string(),
+                _ => "    let a = out[i];\n".to_string(),
+            };
+            continue;
+        }
         inputs += &format!(
             "@group(0) @binding({}) var<storage, read> in_{name}: array<{ty}>;\n",
             k + 1

@@ -122,6 +122,51 @@ fn with_act(op: UnaryOp, body: &str) -> String {
     )
 }
 
+/// The Adam kernel reading `param`, `grad`, `m_in`, `v_in`, writing either separate outputs or
+/// (`in_place`) the parameter and moments it read.
+fn adam(in_place: bool) -> String {
+    let decl = |b: u32, name: &str, rw: bool| {
+        let access = if rw { "read_write" } else { "read" };
+        format!("@group(0) @binding({b}) var<storage, {access}> {name}: array<f32>;")
+    };
+    let (bindings, outs) = if in_place {
+        (
+            [
+                decl(1, "grad", false),
+                decl(2, "param", true),
+                decl(3, "m_in", true),
+                decl(4, "v_in", true),
+            ]
+            .join("\n"),
+            ["param", "m_in", "v_in"],
+        )
+    } else {
+        (
+            [
+                decl(1, "param", false),
+                decl(2, "grad", false),
+                decl(3, "m_in", false),
+                decl(4, "v_in", false),
+                decl(5, "param_out", true),
+                decl(6, "m_out", true),
+                decl(7, "v_out", true),
+            ]
+            .join("\n"),
+            ["param_out", "m_out", "v_out"],
+        )
+    };
+    render(
+        ADAM,
+        &[
+            ("WG", &ELEMENTWISE_WG.to_string()),
+            ("BINDINGS", &bindings),
+            ("P_OUT", outs[0]),
+            ("M_OUT", outs[1]),
+            ("V_OUT", outs[2]),
+        ],
+    )
+}
+
 /// One compute kernel variant: what the runtime compiles and caches a pipeline for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
@@ -142,6 +187,13 @@ pub enum Kernel {
     },
     /// `out = op(a, b)` over inputs of one shape.
     Binary {
+        op: BinaryOp,
+        layout: EwLayout,
+    },
+    /// `out = op(out, b)`: [`Kernel::Binary`] with its first input read from the output it
+    /// writes (an in-place update of a buffer no other tensor sees; `b` at binding 2, as in
+    /// `Binary`, and no binding 1).
+    BinaryAssign {
         op: BinaryOp,
         layout: EwLayout,
     },
@@ -195,6 +247,8 @@ pub enum Kernel {
     Spatial(SpatialKernel),
     Dropout,
     Adam,
+    /// [`Kernel::Adam`] writing the new parameter and moments over the old ones.
+    AdamInPlace,
 }
 
 impl Kernel {
@@ -230,6 +284,7 @@ impl Kernel {
                 elementwise::source(2, layout, &format!("b * ({})", op.wgsl_grad()))
             }
             Kernel::Binary { op, layout } => elementwise::source(2, layout, op.wgsl()),
+            Kernel::BinaryAssign { op, layout } => elementwise::source_assign(layout, op.wgsl()),
             Kernel::Where { layout } => elementwise::source(3, layout, "select(c, b, a != 0.0)"),
             Kernel::BiasAct { op, layout } => {
                 with_act(op, &elementwise::source(2, layout, "act(a + b, s0, s1)"))
@@ -253,7 +308,8 @@ impl Kernel {
             Kernel::Index(_) => plain(INDEX),
             Kernel::Spatial(_) => plain(SPATIAL),
             Kernel::Dropout => format!("{PHILOX}\n{}", plain(DROPOUT)),
-            Kernel::Adam => plain(ADAM),
+            Kernel::Adam => adam(false),
+            Kernel::AdamInPlace => adam(true),
         };
         format!("{COMMON}\n{body}")
     }
@@ -266,6 +322,7 @@ impl Kernel {
             | Kernel::Unary { .. }
             | Kernel::UnaryGrad { .. }
             | Kernel::Binary { .. }
+            | Kernel::BinaryAssign { .. }
             | Kernel::Where { .. }
             | Kernel::BiasAct { .. }
             | Kernel::BiasActGrad { .. } => EwParams::NAME,
@@ -282,7 +339,7 @@ impl Kernel {
             Kernel::Index(_) => IndexParams::NAME,
             Kernel::Spatial(_) => SpatialParams::NAME,
             Kernel::Dropout => DropoutParams::NAME,
-            Kernel::Adam => AdamParams::NAME,
+            Kernel::Adam | Kernel::AdamInPlace => AdamParams::NAME,
         }
     }
 
@@ -313,6 +370,7 @@ impl Kernel {
         match self {
             Kernel::Copy { .. } | Kernel::Unary { .. } => seq(1, 1),
             Kernel::UnaryGrad { .. } | Kernel::Binary { .. } => seq(2, 1),
+            Kernel::BinaryAssign { .. } => vec![(2, R), (3, W)],
             Kernel::Where { .. } => seq(3, 1),
             Kernel::BiasAct { .. } => seq(2, 1),
             Kernel::BiasActGrad { .. } => seq(3, 1),
@@ -335,6 +393,7 @@ impl Kernel {
                 _ => vec![(1, R), (3, W)],
             },
             Kernel::Adam => seq(4, 3),
+            Kernel::AdamInPlace => seq(1, 3),
         }
     }
 
@@ -360,6 +419,7 @@ impl Kernel {
                 v.extend([Kernel::unary(op, layout), Kernel::unary_grad(op, layout)]);
             }
             v.extend(BinaryOp::ALL.map(|op| Kernel::Binary { op, layout }));
+            v.extend(BinaryOp::ALL.map(|op| Kernel::BinaryAssign { op, layout }));
             v.push(Kernel::Where { layout });
             for op in BIAS_ACTIVATIONS {
                 v.extend([
@@ -423,7 +483,7 @@ impl Kernel {
         v.push(Kernel::Pack);
         v.extend(IndexKernel::ALL.map(Kernel::Index));
         v.extend(SpatialKernel::ALL.map(Kernel::Spatial));
-        v.extend([Kernel::Dropout, Kernel::Adam]);
+        v.extend([Kernel::Dropout, Kernel::Adam, Kernel::AdamInPlace]);
         v
     }
 }

@@ -144,6 +144,20 @@ pub(crate) trait Kernels: Send + Sync {
     fn sgd_update(&self, _param: &Tensor, _grad: &Tensor, _lr: f32) -> Option<Result<Tensor>> {
         None
     }
+    /// `acc = op(acc, x)` written into `acc`'s storage. The front-end checked that `acc` is
+    /// f32, of `x`'s shape and exclusive ([`Tensor::is_exclusive`]: no other tensor sees its
+    /// storage, so `x` cannot alias it); `x` is any view. The values are [`Kernels::binary`]'s.
+    fn binary_assign(&self, op: BinaryOp, acc: &mut Tensor, x: &Tensor) -> Result<()>;
+    /// [`Kernels::sgd_update`] written into exclusive `param`, or `None` when the backend has no
+    /// fused step (the front-end then subtracts `grad * lr` with [`Kernels::binary_assign`]).
+    fn sgd_update_in_place(
+        &self,
+        _param: &mut Tensor,
+        _grad: &Tensor,
+        _lr: f32,
+    ) -> Option<Result<()>> {
+        None
+    }
     /// `x` contiguous, seen as `[rows, cols]`; reduces each row, giving `[rows]`.
     fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor>;
     /// `x` contiguous `[rows, cols]`; numerically stable (log-)softmax of each row.
@@ -282,6 +296,16 @@ pub(crate) trait Kernels: Send + Sync {
         v: &Tensor,
         hp: &AdamStep,
     ) -> Result<(Tensor, Tensor, Tensor)>;
+    /// [`Kernels::adam_update`] written into `param`, `m` and `v`, which the front-end checked
+    /// are exclusive ([`Tensor::is_exclusive`]); bit for bit the values it would return.
+    fn adam_update_in_place(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        hp: &AdamStep,
+    ) -> Result<()>;
     /// Waits until all queued work of this device is done (no-op on CPU).
     fn synchronize(&self) -> Result<()>;
 }

@@ -165,6 +165,26 @@ impl Kernels for DTypeGuard {
         }
         self.inner.sgd_update(param, grad, lr)
     }
+    /// In-place ops are f32 only: the front-ends take the out-of-place path for half tensors.
+    fn binary_assign(&self, op: BinaryOp, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+        Self::common(op.name(), &[acc, x])?;
+        self.f32_only(op.name(), &[acc])?;
+        self.inner.binary_assign(op, acc, x)
+    }
+    fn sgd_update_in_place(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        lr: f32,
+    ) -> Option<Result<()>> {
+        if let Err(e) = Self::common("sgd_update", &[param, grad]) {
+            return Some(Err(e));
+        }
+        if param.dtype().is_half() {
+            return None;
+        }
+        self.inner.sgd_update_in_place(param, grad, lr)
+    }
     /// Indices (argmax, argmin) stay f32 whatever the input's dtype: f16 holds integers exactly
     /// only up to 2048.
     fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
@@ -350,6 +370,17 @@ impl Kernels for DTypeGuard {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         self.f32_only("adam_update", &[param, grad, m, v])?;
         self.inner.adam_update(param, grad, m, v, hp)
+    }
+    fn adam_update_in_place(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        hp: &AdamStep,
+    ) -> Result<()> {
+        self.f32_only("adam_update", &[param, grad, m, v])?;
+        self.inner.adam_update_in_place(param, grad, m, v, hp)
     }
     fn synchronize(&self) -> Result<()> {
         self.inner.synchronize()

@@ -7,7 +7,8 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::memory::{current_tag, Allocation, Tag};
 
-/// Backend data. Immutable once built: ops make new storage, so views can share it freely.
+/// Backend data. Immutable while shared: ops make new storage, so views can share it freely;
+/// only the one holder of a storage may write into it (see `Tensor::exclusive_storage`).
 pub(crate) enum StorageData {
     Cpu(Vec<f32>),
     /// f16 or bf16 values as their bit patterns (the storage's dtype says which).
@@ -87,6 +88,19 @@ impl Storage {
             StorageData::Cpu(v) => Some(v),
             _ => None,
         }
+    }
+
+    /// The host values, for writing (the caller holds this storage exclusively).
+    pub(crate) fn as_cpu_mut(&mut self) -> Option<&mut [f32]> {
+        match &mut self.data {
+            StorageData::Cpu(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Number of elements (of its dtype) the storage holds.
+    pub(crate) fn elements(&self) -> usize {
+        self.bytes() / self.dtype.size_of()
     }
 
     pub(crate) fn as_cpu_half(&self) -> Option<&[u16]> {

@@ -204,6 +204,25 @@ impl Tensor {
     pub fn shares_storage(&self, other: &Tensor) -> bool {
         Arc::ptr_eq(&self.storage, &other.storage)
     }
+    /// True when writing into this tensor's storage could change no other tensor: this handle
+    /// is the storage's only holder (no clone or view of it exists) and it views every element of
+    /// it densely from the start. The in-place ops (`add_assign`, the optimizer steps) write only
+    /// then, and otherwise make new storage, with the same values either way.
+    pub fn is_exclusive(&mut self) -> bool {
+        self.exclusive_storage().is_some()
+    }
+
+    /// This tensor's storage for writing, when [`Tensor::is_exclusive`]. `&mut self` makes the
+    /// check race-free: no other thread can clone this handle while it is borrowed.
+    pub(crate) fn exclusive_storage(&mut self) -> Option<&mut Storage> {
+        if self.layout.offset != 0 || !self.layout.is_contiguous() {
+            return None;
+        }
+        let n = self.layout.numel();
+        let storage = Arc::get_mut(&mut self.storage)?;
+        (storage.elements() == n).then_some(storage)
+    }
+
     /// Bytes of the storage behind this tensor (what the device's accounting charged).
     pub fn storage_bytes(&self) -> usize {
         self.storage.bytes()

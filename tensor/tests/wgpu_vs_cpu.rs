@@ -832,6 +832,88 @@ fn adam_update_matches() {
     });
 }
 
+/// The in-place ops on wgpu: bit for bit the out-of-place kernels on the same device (every
+/// elementwise layout: vec4, contiguous, strided operand) and within the usual tolerance of
+/// the CPU; a clone taken before keeps its values.
+#[test]
+fn in_place_updates_match_and_spare_shared_buffers() {
+    let devs = match gpus() {
+        Ok(d) => d,
+        Err(reason) => {
+            eprintln!("SKIPPED: no wgpu adapter ({reason})");
+            return;
+        }
+    };
+    let to_bits =
+        |t: &Tensor| -> Vec<u32> { t.to_vec().unwrap().iter().map(|v| v.to_bits()).collect() };
+    for dev in devs {
+        // [8, 12] runs the vec4 layout, [7, 5] the scalar one; the transposed operand the
+        // strided one.
+        for shape in [[8usize, 12], [7, 5]] {
+            let n = shape[0] * shape[1];
+            let make = |seed: u64| Tensor::from_vec(values(n, seed, false), &shape, dev).unwrap();
+            let xt = Tensor::from_vec(values(n, 5, false), &[shape[1], shape[0]], dev)
+                .unwrap()
+                .t()
+                .unwrap();
+            for op in [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul] {
+                for x in [make(2), xt.clone()] {
+                    let want = make(1).binary(op, &x).unwrap();
+                    let mut acc = make(1);
+                    assert!(acc.is_exclusive());
+                    acc.binary_assign(op, &x).unwrap();
+                    assert_eq!(to_bits(&acc), to_bits(&want), "{op:?} {shape:?} on {dev}");
+                    let on_cpu = make(1)
+                        .to_device(&cpu())
+                        .unwrap()
+                        .binary(op, &x.to_device(&cpu()).unwrap())
+                        .unwrap();
+                    close(&acc, &on_cpu, 1e-6, 1e-6, "binary_assign vs cpu").unwrap();
+                }
+                let mut acc = make(1);
+                let kept = acc.clone();
+                acc.binary_assign(op, &make(2)).unwrap();
+                assert_eq!(
+                    to_bits(&kept),
+                    to_bits(&make(1)),
+                    "a clone changed on {dev}"
+                );
+            }
+            for decoupled in [false, true] {
+                let hp = AdamStep {
+                    lr: 1e-2,
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    eps: 1e-8,
+                    weight_decay: 0.05,
+                    decoupled,
+                    bias_correction1: 1.0 - 0.9f32.powi(3),
+                    bias_correction2: 1.0 - 0.999f32.powi(3),
+                };
+                let g = make(11);
+                let moments = || (make(12).mul_scalar(0.1).unwrap(), make(13).abs().unwrap());
+                let (m0, v0) = moments();
+                let want = Tensor::adam_update(&make(10), &g, &m0, &v0, &hp).unwrap();
+                let (mut p, (mut m, mut v)) = (make(10), moments());
+                assert!(Tensor::adam_update_in_place(&mut p, &g, &mut m, &mut v, &hp).unwrap());
+                for (got, want, name) in
+                    [(&p, &want.0, "p"), (&m, &want.1, "m"), (&v, &want.2, "v")]
+                {
+                    assert_eq!(to_bits(got), to_bits(want), "adam {name} on {dev}");
+                }
+                let kept = p.clone();
+                assert!(!Tensor::adam_update_in_place(&mut p, &g, &mut m, &mut v, &hp).unwrap());
+                assert_eq!(
+                    to_bits(&kept),
+                    to_bits(&want.0),
+                    "a kept param changed on {dev}"
+                );
+            }
+        }
+        dev.synchronize().unwrap();
+    }
+}
+
 // ---------------------------------------------------------------- transfers and errors
 
 #[test]

@@ -17,7 +17,7 @@ use wgpipe_tensor::{Result, Tag, Tensor};
 
 use super::{
     check_state_shape, counter_tensor, invalid, on_device, read_counter, read_lr, split_key,
-    updatable, Optimizer, LR_KEY, STEPS_KEY,
+    updatable, Item, Optimizer, LR_KEY, STEPS_KEY,
 };
 use crate::param::Param;
 
@@ -92,23 +92,13 @@ impl AdamCore {
             }
         }
         let c = self.cfg;
-        // Every update is computed before any is applied: a failure (e.g. out of memory for
-        // the moments of the third parameter) leaves parameters and state as they were.
-        let mut updates = Vec::with_capacity(items.len());
-        for it in &items {
+        // Every update that needs new memory is computed before any is applied: a failure (e.g.
+        // out of memory for the moments of the third parameter) leaves parameters and state as
+        // they were. The rest are made in place afterwards, which allocates nothing.
+        let mut planned = Vec::with_capacity(items.len());
+        for it in items {
             let dev = it.value.device().clone();
-            let (step, m, v) = match self.state.get(it.name) {
-                Some(s) => (
-                    s.step,
-                    on_device(&s.exp_avg, &dev)?,
-                    on_device(&s.exp_avg_sq, &dev)?,
-                ),
-                None => with_tag(Tag::OptimizerState, || -> Result<_> {
-                    let z = Tensor::zeros(it.value.shape(), &dev)?;
-                    Ok((0, z.clone(), z))
-                })?,
-            };
-            let t = step + 1;
+            let t = self.state.get(it.name).map_or(0, |s| s.step) + 1;
             let hp = AdamStep {
                 lr: c.lr,
                 beta1: c.beta1,
@@ -119,23 +109,79 @@ impl AdamCore {
                 bias_correction1: (1.0 - (c.beta1 as f64).powf(t as f64)) as f32,
                 bias_correction2: (1.0 - (c.beta2 as f64).powf(t as f64)) as f32,
             };
-            let (p, m, v) = with_tag(Tag::OptimizerState, || {
-                Tensor::adam_update(&it.value, &it.grad, &m, &v, &hp)
-            })?;
-            m.retag(Tag::OptimizerState);
-            v.retag(Tag::OptimizerState);
-            updates.push((
-                p,
-                Moments {
-                    step: t,
-                    exp_avg: m,
-                    exp_avg_sq: v,
-                },
-            ));
+            let Item {
+                name,
+                param,
+                value,
+                grad,
+            } = it;
+            // In place when nothing but the parameter holds its value and nothing but this
+            // optimizer holds the moments (kept on the parameter's device). A clone kept
+            // elsewhere (a pipeline's rollback copy, a checkpoint being written) keeps its
+            // values: the step is then made out of place.
+            drop(value);
+            let in_place = param.value_is_exclusive()
+                && self.state.get_mut(name).is_some_and(|s| {
+                    s.exp_avg.device() == &dev
+                        && s.exp_avg.is_exclusive()
+                        && s.exp_avg_sq.is_exclusive()
+                });
+            let update = if in_place {
+                None
+            } else {
+                let (m, v) = match self.state.get(name) {
+                    Some(s) => (
+                        on_device(&s.exp_avg, &dev)?,
+                        on_device(&s.exp_avg_sq, &dev)?,
+                    ),
+                    None => with_tag(Tag::OptimizerState, || -> Result<_> {
+                        let z = Tensor::zeros(param.value().shape(), &dev)?;
+                        Ok((z.clone(), z))
+                    })?,
+                };
+                let (p, m, v) = with_tag(Tag::OptimizerState, || {
+                    Tensor::adam_update(&param.value(), &grad, &m, &v, &hp)
+                })?;
+                m.retag(Tag::OptimizerState);
+                v.retag(Tag::OptimizerState);
+                Some((p, m, v))
+            };
+            planned.push((name, param, grad, t, hp, update));
         }
-        for (it, (p, moments)) in items.iter().zip(updates) {
-            it.param.set_value(p);
-            self.state.insert(it.name.to_string(), moments);
+        for (name, param, grad, t, hp, update) in planned {
+            match update {
+                Some((p, m, v)) => {
+                    param.set_value(p);
+                    self.state.insert(
+                        name.to_string(),
+                        Moments {
+                            step: t,
+                            exp_avg: m,
+                            exp_avg_sq: v,
+                        },
+                    );
+                }
+                None => {
+                    let s = self
+                        .state
+                        .get_mut(name)
+                        .expect("in-place updates are planned for kept moments only");
+                    with_tag(Tag::OptimizerState, || {
+                        param.update_value(|value| {
+                            Tensor::adam_update_in_place(
+                                value,
+                                &grad,
+                                &mut s.exp_avg,
+                                &mut s.exp_avg_sq,
+                                &hp,
+                            )
+                        })
+                    })?;
+                    s.exp_avg.retag(Tag::OptimizerState);
+                    s.exp_avg_sq.retag(Tag::OptimizerState);
+                    s.step = t;
+                }
+            }
         }
         self.steps += 1;
         Ok(())

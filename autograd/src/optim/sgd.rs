@@ -17,7 +17,7 @@ use wgpipe_tensor::{Result, Tag, Tensor};
 
 use super::{
     check_state_shape, counter_tensor, invalid, on_device, read_counter, read_lr, split_key,
-    updatable, Optimizer, LR_KEY, STEPS_KEY,
+    updatable, Item, Optimizer, LR_KEY, STEPS_KEY,
 };
 use crate::param::Param;
 
@@ -124,10 +124,11 @@ impl Optimizer for Sgd {
                 }
             }
         }
-        // Every update (and momentum buffer) is computed before any is applied: a failure
-        // leaves parameters and buffers as they were.
+        // Every update that needs new memory (and every momentum buffer) is computed before
+        // any is applied: a failure leaves parameters and buffers as they were. A parameter that
+        // nothing else holds is then stepped in place, which allocates nothing.
         let mut updates = Vec::with_capacity(items.len());
-        for it in &items {
+        for it in items {
             let dev = it.value.device().clone();
             // Temporaries and new buffers count as optimizer state; the new value is retagged
             // as a parameter by `set_value`.
@@ -160,15 +161,35 @@ impl Optimizer for Sgd {
                         };
                         new_buf = Some(buf);
                     }
-                    Ok((Tensor::sgd_update(&it.value, &d_p, lr)?, new_buf))
+                    Ok((d_p, new_buf))
                 },
             )?;
-            updates.push(update);
+            let (d_p, new_buf) = update;
+            let Item {
+                name, param, value, ..
+            } = it;
+            drop(value);
+            let value = if param.value_is_exclusive() {
+                None
+            } else {
+                let v = with_tag(Tag::OptimizerState, || {
+                    Tensor::sgd_update(&param.value(), &d_p, lr)
+                })?;
+                Some(v)
+            };
+            updates.push((name, param, d_p, value, new_buf));
         }
-        for (it, (value, buf)) in items.iter().zip(updates) {
-            it.param.set_value(value);
+        for (name, param, d_p, value, buf) in updates {
+            match value {
+                Some(v) => param.set_value(v),
+                None => {
+                    with_tag(Tag::OptimizerState, || {
+                        param.update_value(|v| Tensor::sgd_update_in_place(v, &d_p, lr))
+                    })?;
+                }
+            }
             if let Some(buf) = buf {
-                self.buffers.insert(it.name.to_string(), buf);
+                self.buffers.insert(name.to_string(), buf);
             }
         }
         self.steps += 1;

@@ -76,6 +76,36 @@ where
     });
 }
 
+/// `acc[i] = f(acc[i], b[i])`, `b` a view of `acc.len()` elements: [`map2`] writing into its
+/// first operand (which the caller holds exclusively), with the same `f` per element.
+pub(crate) fn map2_assign<F>(acc: &mut [f32], b: &[f32], lb: &Layout, f: F)
+where
+    F: Fn(f32, f32) -> f32 + Sync + Send,
+{
+    if lb.is_contiguous() {
+        let bs = &b[lb.offset..lb.offset + acc.len()];
+        for_rows(acc, 1, |s, o| {
+            let e = s + o.len();
+            simd::zip_assign(o, &bs[s..e], &f)
+        });
+        return;
+    }
+    let w = Walk::new(&lb.shape, [lb]);
+    for_rows(acc, 1, |s, o| {
+        w.runs(s, o.len(), |p, [bb], c| {
+            let o = &mut o[p..p + c];
+            match w.inner_stride[0] {
+                1 => simd::zip_assign(o, &b[bb..bb + c], &f),
+                st => {
+                    for (j, o) in o.iter_mut().enumerate() {
+                        *o = f(*o, b[bb + j * st]);
+                    }
+                }
+            }
+        })
+    });
+}
+
 /// `out[i] = f(x[i], y[i], z[i])` for three views of `out.len()` elements.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn map3<F>(
@@ -345,6 +375,18 @@ pub(crate) fn binary(
     lb: &Layout,
 ) {
     op.visit(Map2(out, a, la, b, lb))
+}
+
+/// `acc = acc op b`, written into `acc`; `b` a view of its shape.
+pub(crate) fn binary_assign(op: BinaryOp, acc: &mut [f32], b: &[f32], lb: &Layout) {
+    struct Run<'a>(&'a mut [f32], &'a [f32], &'a Layout);
+    impl BinaryVisitor for Run<'_> {
+        type Out = ();
+        fn visit<T: BinaryOpT>(self) {
+            map2_assign(self.0, self.1, self.2, T::f)
+        }
+    }
+    op.visit(Run(acc, b, lb))
 }
 
 /// `out = cond != 0 ? a : b` on three views of the same shape.

@@ -31,7 +31,7 @@ pub(crate) fn index_add(out: &mut [f32], src: &[f32], idx: &[f32], dim: usize, i
     if out.len() == slab
         && inner >= 128
         && n * inner >= super::par::PAR_THRESHOLD
-        && rayon::current_num_threads() > 1
+        && super::par::kernel_threads() > 1
     {
         // One outer slice (an embedding's gradient): split the columns instead (same sums, in
         // the same order, as the loop below; one thread runs that loop instead).
@@ -55,7 +55,7 @@ pub(crate) fn index_add(out: &mut [f32], src: &[f32], idx: &[f32], dim: usize, i
 /// `index_add` for `outer == 1`, threads taking disjoint column ranges of every row.
 fn index_add_by_columns(out: &mut [f32], src: &[f32], idx: &[f32], inner: usize) {
     use rayon::prelude::*;
-    let threads = rayon::current_num_threads().max(1);
+    let threads = super::par::kernel_threads().max(1);
     let width = inner.div_ceil(threads).max(64);
     // View `out` as rows; hand each task a column band through disjoint row pieces.
     let mut bands: Vec<Vec<&mut [f32]>> = (0..inner.div_ceil(width)).map(|_| vec![]).collect();

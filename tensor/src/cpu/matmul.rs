@@ -95,7 +95,7 @@ pub(crate) fn matmul(
             );
         }
     };
-    let threads = rayon::current_num_threads();
+    let threads = super::par::kernel_threads();
     if macs >= GEMM_PAR_MACS && (batch < threads || macs >= 4 * GEMM_PAR_MACS) {
         // Big products: one after another, each spread over every core by gemm.
         let par = if threads > 1 {

@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use crate::backend::*;
 use crate::device::Device;
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::layout::{numel, Layout};
 use crate::memory::Allocation;
 use crate::storage::Storage;
@@ -78,6 +78,29 @@ fn sgd_update(param: &Tensor, grad: &Tensor, lr: f32) -> Result<Tensor> {
         move |p, g| p - (g * lr + 0.0),
     );
     Ok(out.into_tensor(param.shape(), param.device()))
+}
+
+/// The host values of `t` for writing in place: the front-ends call in-place kernels only on
+/// exclusive tensors, so the error is a broken contract, reported rather than written through.
+fn exclusive_host<'a>(op: &'static str, t: &'a mut Tensor) -> Result<&'a mut [f32]> {
+    let shape = t.shape().to_vec();
+    t.exclusive_storage()
+        .and_then(Storage::as_cpu_mut)
+        .ok_or_else(|| {
+            Error::invalid(
+                op,
+                format!(
+                    "the tensor of shape {shape:?} to update in place is shared, a view or not f32 on the host"
+                ),
+            )
+        })
+}
+
+/// [`sgd_update`] written into exclusive `param`: `p = p - (g * lr + 0.0)`.
+fn sgd_update_in_place(param: &mut Tensor, grad: &Tensor, lr: f32) -> Result<()> {
+    let p = exclusive_host("sgd_update", param)?;
+    elementwise::map2_assign(p, data(grad), grad.layout(), move |p, g| p - (g * lr + 0.0));
+    Ok(())
 }
 
 /// Sums contiguous CPU tensor `x`, seen as `[x.numel() / width, width]`, over its rows: `[width]`.
@@ -198,6 +221,21 @@ impl Kernels for CpuKernels {
 
     fn sgd_update(&self, param: &Tensor, grad: &Tensor, lr: f32) -> Option<Result<Tensor>> {
         Some(sgd_update(param, grad, lr))
+    }
+
+    fn binary_assign(&self, op: BinaryOp, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+        let out = exclusive_host(op.name(), acc)?;
+        elementwise::binary_assign(op, out, data(x), x.layout());
+        Ok(())
+    }
+
+    fn sgd_update_in_place(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        lr: f32,
+    ) -> Option<Result<()>> {
+        Some(sgd_update_in_place(param, grad, lr))
     }
 
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -481,10 +519,8 @@ impl Kernels for CpuKernels {
             &mut p2,
             &mut m2,
             &mut v2,
-            &contig(param),
+            Some((&contig(param), &contig(m), &contig(v))),
             &contig(grad),
-            &contig(m),
-            &contig(v),
             hp,
         );
         let shape = param.shape();
@@ -505,6 +541,24 @@ impl Kernels for CpuKernels {
             }
             .into_tensor(shape, dev),
         ))
+    }
+
+    fn adam_update_in_place(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        hp: &AdamStep,
+    ) -> Result<()> {
+        let g = contig(grad);
+        let (p, m, v) = (
+            exclusive_host("adam_update", param)?,
+            exclusive_host("adam_update", m)?,
+            exclusive_host("adam_update", v)?,
+        );
+        optim::adam(p, m, v, None, &g, hp);
+        Ok(())
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -25,21 +25,24 @@ pub(crate) fn adam_scalar(p: f32, g: f32, m: f32, v: f32, hp: &AdamStep) -> (f32
     (p2, m, v)
 }
 
-/// Fills `(p_out, m_out, v_out)` from `(p, g, m, v)`, all of one length.
-#[allow(clippy::too_many_arguments)]
+/// The values an Adam step reads `p`, `m` and `v` from: the outputs themselves (an in-place
+/// update), or separate inputs of the outputs' length.
+pub(crate) type AdamInputs<'a> = Option<(&'a [f32], &'a [f32], &'a [f32])>;
+
+/// Fills `(p_out, m_out, v_out)` from `inputs` (or updates them in place when `None`) and
+/// `g`, all of one length.
 pub(crate) fn adam(
     p_out: &mut [f32],
     m_out: &mut [f32],
     v_out: &mut [f32],
-    p: &[f32],
+    inputs: AdamInputs<'_>,
     g: &[f32],
-    m: &[f32],
-    v: &[f32],
     hp: &AdamStep,
 ) {
     let run = |s: usize, po: &mut [f32], mo: &mut [f32], vo: &mut [f32]| {
         let e = s + po.len();
-        adam_block(po, mo, vo, &p[s..e], &g[s..e], &m[s..e], &v[s..e], hp);
+        let src = inputs.map(|(p, m, v)| (&p[s..e], &m[s..e], &v[s..e]));
+        adam_block(po, mo, vo, src, &g[s..e], hp);
     };
     match rows_per_chunk(p_out.len(), 1) {
         None => run(0, p_out, m_out, v_out),
@@ -54,16 +57,15 @@ pub(crate) fn adam(
 
 multiversion! {
 /// [`adam_scalar`] over slices of one length, in fixed-size blocks through local arrays (no
-/// aliasing for LLVM to check, so the arithmetic vectorises).
-#[allow(clippy::too_many_arguments)]
+/// aliasing for LLVM to check, so the arithmetic vectorises). `src` holds the old `(p, m, v)`,
+/// or is `None` when they are the outputs' current values: both read the same values into the
+/// blocks, so the in-place step is bit for bit the other.
 fn adam_block(
     po: &mut [f32],
     mo: &mut [f32],
     vo: &mut [f32],
-    p: &[f32],
+    src: AdamInputs<'_>,
     g: &[f32],
-    m: &[f32],
-    v: &[f32],
     hp: &AdamStep,
 ) {
     const B: usize = 16;
@@ -71,10 +73,14 @@ fn adam_block(
     while i < po.len() {
         let n = B.min(po.len() - i);
         let (mut pb, mut gb, mut mb, mut vb) = ([0f32; B], [0f32; B], [0f32; B], [0f32; B]);
-        pb[..n].copy_from_slice(&p[i..i + n]);
+        let (p, m, v) = match src {
+            Some((p, m, v)) => (&p[i..i + n], &m[i..i + n], &v[i..i + n]),
+            None => (&po[i..i + n], &mo[i..i + n], &vo[i..i + n]),
+        };
+        pb[..n].copy_from_slice(p);
+        mb[..n].copy_from_slice(m);
+        vb[..n].copy_from_slice(v);
         gb[..n].copy_from_slice(&g[i..i + n]);
-        mb[..n].copy_from_slice(&m[i..i + n]);
-        vb[..n].copy_from_slice(&v[i..i + n]);
         for k in 0..B {
             (pb[k], mb[k], vb[k]) = adam_scalar(pb[k], gb[k], mb[k], vb[k], hp);
         }

@@ -1,6 +1,9 @@
 //! Work splitting: big outputs are cut into chunks of whole rows that rayon runs in parallel;
 //! small ones stay on the calling thread (spawning costs more than the work).
 
+use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
@@ -30,6 +33,46 @@ pub fn cpu_threads() -> usize {
     rayon::current_num_threads()
 }
 
+static SHARING_THREADS: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// Whether this thread is inside [`share_cpu_threads`].
+    static SHARING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` as one of several threads that issue CPU kernels side by side (a pipeline's device
+/// threads): while `n` such threads run, the kernels each calls split their work over
+/// `pool threads / n` threads (at least 1, which runs them on the calling thread) instead of
+/// every pool thread. Without it, four device threads on two cores each hand every mid-sized op
+/// to the rayon pool and block until it is done: the cores are already busy with the other
+/// devices' work, so the split buys nothing and costs a sleep and a wake-up per op (the main
+/// job spent a quarter of its CPU time switching threads). The split never changes a result:
+/// it only decides how rows and independent products are shared out.
+pub fn share_cpu_threads<R>(f: impl FnOnce() -> R) -> R {
+    struct Leave(bool);
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            SHARING_THREADS.fetch_sub(1, Ordering::SeqCst);
+            SHARING.with(|s| s.set(self.0));
+        }
+    }
+    let was = SHARING.with(|s| s.replace(true));
+    SHARING_THREADS.fetch_add(1, Ordering::SeqCst);
+    let _leave = Leave(was);
+    f()
+}
+
+/// The threads a kernel called on this thread may split its work over (see
+/// [`share_cpu_threads`]).
+pub(crate) fn kernel_threads() -> usize {
+    let pool = rayon::current_num_threads();
+    if !SHARING.with(Cell::get) {
+        return pool;
+    }
+    let sharing = SHARING_THREADS.load(Ordering::SeqCst).max(1);
+    (pool / sharing).max(1)
+}
+
 /// Below this many output elements a kernel runs single-threaded.
 pub(crate) const PAR_THRESHOLD: usize = 32 * 1024;
 /// The smallest chunk handed to one rayon task.
@@ -39,7 +82,7 @@ const MIN_CHUNK: usize = 8 * 1024;
 /// job is small enough to run in one go.
 pub(crate) fn rows_per_chunk(rows: usize, work_per_row: usize) -> Option<usize> {
     let work_per_row = work_per_row.max(1);
-    let threads = rayon::current_num_threads();
+    let threads = kernel_threads();
     if threads <= 1 || rows <= 1 || rows.saturating_mul(work_per_row) < PAR_THRESHOLD {
         return None;
     }

@@ -92,6 +92,30 @@ pub(crate) fn zip<F: Fn(f32, f32) -> f32>(o: &mut [f32], a: &[f32], b: &[f32], f
 }
 
 #[inline(always)]
+fn zip_assign_imp<F: Fn(f32, f32) -> f32>(o: &mut [f32], b: &[f32], f: &F) {
+    for (o, &y) in o.iter_mut().zip(b) {
+        *o = f(*o, y);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn zip_assign_avx2<F: Fn(f32, f32) -> f32>(o: &mut [f32], b: &[f32], f: &F) {
+    zip_assign_imp(o, b, f)
+}
+
+/// `o[i] = f(o[i], b[i])`: [`zip`] with its first operand and its output in one slice.
+#[inline]
+pub(crate) fn zip_assign<F: Fn(f32, f32) -> f32>(o: &mut [f32], b: &[f32], f: &F) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 and FMA were just detected.
+        return unsafe { zip_assign_avx2(o, b, f) };
+    }
+    zip_assign_imp(o, b, f)
+}
+
+#[inline(always)]
 fn zip_scalar_imp<F: Fn(f32, f32) -> f32>(o: &mut [f32], a: &[f32], y: f32, f: &F) {
     for (o, &x) in o.iter_mut().zip(a) {
         *o = f(x, y);

@@ -907,7 +907,7 @@ fn bench_kernels() {
     time("into buffers: adam", 28 * n, &|| {
         let mut b = bufs.borrow_mut();
         let (p, m, v) = &mut *b;
-        super::optim::adam(p, m, v, &xs, &xs, &xs, &xs, &hp0);
+        super::optim::adam(p, m, v, Some((&xs, &xs, &xs)), &xs, &hp0);
     });
     time("into buffers: dropout", 4 * n, &|| {
         let mut b = bufs.borrow_mut();

@@ -3,6 +3,7 @@
 //! of the output shape, so the kernels only ever see equal shapes. FLOPs: one per output element.
 
 use crate::backend::{BinaryOp, UnaryOp};
+use crate::dtype::DType;
 use crate::error::Result;
 use crate::layout::broadcast_shapes;
 use crate::tensor::Tensor;
@@ -54,6 +55,36 @@ impl Tensor {
         let out = dev.kernels().binary(op, &a, &b)?;
         dev.add_flops(out.numel() as u64);
         Ok(out)
+    }
+
+    /// `self = self op other`, `other` broadcast to `self`'s shape. Written into `self`'s
+    /// storage when `self` [is exclusive](Tensor::is_exclusive) and f32 (no other tensor can see
+    /// the write), else a new tensor as [`Tensor::binary`] makes; the values are the same either
+    /// way. When the broadcast result is larger than `self`, `self` becomes that result.
+    pub fn binary_assign(&mut self, op: BinaryOp, other: &Tensor) -> Result<()> {
+        let name = op.name();
+        self.same_device(name, other)?;
+        let shape = broadcast_shapes(name, self.shape(), other.shape())?;
+        let f32s = self.dtype() == DType::F32 && other.dtype() == DType::F32;
+        if shape == self.shape() && self.numel() > 0 && f32s && self.is_exclusive() {
+            let b = other.broadcast_to(&shape)?;
+            let dev = self.device().clone();
+            dev.kernels().binary_assign(op, self, &b)?;
+            dev.add_flops(self.numel() as u64);
+            return Ok(());
+        }
+        *self = self.binary(op, other)?;
+        Ok(())
+    }
+
+    /// `self += other` (see [`Tensor::binary_assign`]): in place when `self` is exclusive.
+    pub fn add_assign(&mut self, other: &Tensor) -> Result<()> {
+        self.binary_assign(BinaryOp::Add, other)
+    }
+
+    /// `self -= other` (see [`Tensor::binary_assign`]): in place when `self` is exclusive.
+    pub fn sub_assign(&mut self, other: &Tensor) -> Result<()> {
+        self.binary_assign(BinaryOp::Sub, other)
     }
 
     /// `cond != 0 ? a : b`, the three shapes broadcast together.

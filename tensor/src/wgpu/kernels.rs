@@ -29,6 +29,36 @@ pub(super) fn gpu(x: &Tensor) -> Result<&GpuBuffer> {
     }
 }
 
+/// Fails unless `t` [is exclusive](Tensor::is_exclusive): the in-place kernels' contract,
+/// checked so that a broken one is an error rather than a write into a shared buffer.
+fn exclusive(op: &'static str, t: &mut Tensor) -> Result<()> {
+    if t.exclusive_storage().is_none() {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "the tensor of shape {:?} to update in place is shared or a view",
+                t.shape()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The parameter block of both Adam kernels for `n` elements.
+fn adam_params(n: usize, hp: &AdamStep) -> AdamParams {
+    AdamParams {
+        numel: u(n),
+        lr: hp.lr,
+        beta1: hp.beta1,
+        beta2: hp.beta2,
+        eps: hp.eps,
+        weight_decay: hp.weight_decay,
+        decoupled: u32::from(hp.decoupled),
+        bc1: hp.bias_correction1,
+        bc2: hp.bias_correction2,
+    }
+}
+
 /// The packed format of half `dtype`.
 fn half_format(dtype: DType) -> HalfFormat {
     match dtype {
@@ -154,9 +184,25 @@ impl WgpuContext {
     ) -> Result<Tensor> {
         let x0 = inputs[0];
         let out = self.empty(x0.device(), x0.shape())?;
+        self.map_into(kernel, inputs, s0, s1, gpu(&out)?, false)?;
+        Ok(out)
+    }
+
+    /// Records [`WgpuContext::map`]'s kernel writing into `out`. With `first_is_out`, input 0 is
+    /// `out` itself (contiguous from 0), read by the kernel through its output binding.
+    fn map_into(
+        &self,
+        kernel: impl Fn(EwLayout) -> Kernel,
+        inputs: &[&Tensor],
+        s0: f32,
+        s1: f32,
+        out: &GpuBuffer,
+        first_is_out: bool,
+    ) -> Result<()> {
+        let x0 = inputs[0];
         let n = x0.numel();
         if n == 0 {
-            return Ok(out);
+            return Ok(());
         }
         let strides: Vec<&[usize]> = inputs.iter().map(|t| t.strides()).collect();
         let (shape, cstrides) = collapse(x0.shape(), &strides);
@@ -189,15 +235,13 @@ impl WgpuContext {
         let params = block.words(&dims);
         let count = block.count as usize;
         let mut bufs = Vec::with_capacity(inputs.len() + 1);
-        for t in inputs {
+        for t in &inputs[usize::from(first_is_out)..] {
             bufs.push(gpu(t)?);
         }
-        let o = gpu(&out)?;
         let mut args: Vec<Arg<'_>> = bufs.iter().map(|b| Arg::of(b)).collect();
-        args.push(Arg::of(o));
+        args.push(Arg::of(out));
         self.dispatch(kernel(layout), &params, &args, groups_for(count), 1)?;
-        self.check()?;
-        Ok(out)
+        self.check()
     }
 
     /// Records the strided copy of `src` into `dst` at (`out_offset`, `out_strides`).
@@ -520,6 +564,20 @@ impl Kernels for WgpuContext {
 
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         self.map(|layout| Kernel::Binary { op, layout }, &[a, b], 0.0, 0.0)
+    }
+
+    fn binary_assign(&self, op: BinaryOp, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+        exclusive(op.name(), acc)?;
+        let acc = &*acc;
+        let out = gpu(acc)?;
+        self.map_into(
+            |layout| Kernel::BinaryAssign { op, layout },
+            &[acc, x],
+            0.0,
+            0.0,
+            out,
+            true,
+        )
     }
 
     fn where_cond(&self, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -880,20 +938,9 @@ impl Kernels for WgpuContext {
             self.empty(dev, shape)?,
         );
         let n = po.numel();
-        let params = AdamParams {
-            numel: u(n),
-            lr: hp.lr,
-            beta1: hp.beta1,
-            beta2: hp.beta2,
-            eps: hp.eps,
-            weight_decay: hp.weight_decay,
-            decoupled: u32::from(hp.decoupled),
-            bc1: hp.bias_correction1,
-            bc2: hp.bias_correction2,
-        };
         self.dispatch(
             Kernel::Adam,
-            &params.words(&[]),
+            &adam_params(n, hp).words(&[]),
             &[
                 Arg::of(gpu(&p)?),
                 Arg::of(gpu(&g)?),
@@ -908,6 +955,34 @@ impl Kernels for WgpuContext {
         )?;
         self.check()?;
         Ok((po, mo, vo))
+    }
+
+    fn adam_update_in_place(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        hp: &AdamStep,
+    ) -> Result<()> {
+        for t in [&mut *param, &mut *m, &mut *v] {
+            exclusive("adam_update", t)?;
+        }
+        let g = self.dense(grad)?;
+        let n = param.numel();
+        self.dispatch(
+            Kernel::AdamInPlace,
+            &adam_params(n, hp).words(&[]),
+            &[
+                Arg::of(gpu(&g)?),
+                Arg::of(gpu(param)?),
+                Arg::of(gpu(m)?),
+                Arg::of(gpu(v)?),
+            ],
+            groups_for(n),
+            1,
+        )?;
+        self.check()
     }
 
     fn synchronize(&self) -> Result<()> {
