@@ -115,11 +115,13 @@ impl Param {
         self.lock().value.is_exclusive()
     }
     /// Runs `f` on the value under the parameter's lock (an optimizer's in-place update); the
-    /// value, replaced or not, is accounted as a parameter afterwards.
+    /// value, replaced or not, is accounted as a parameter afterwards, and its cached compute
+    /// copy is dropped (an in-place write changes the value as `set_value` does).
     pub fn update_value<R>(&self, f: impl FnOnce(&mut Tensor) -> R) -> R {
         let mut inner = self.lock();
         let r = f(&mut inner.value);
         inner.value.retag(Tag::Parameters);
+        inner.cast = None;
         r
     }
     pub fn zero_grad(&self) {
