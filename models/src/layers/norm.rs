@@ -27,6 +27,24 @@ impl LayerNorm {
     pub fn eps(&self) -> f32 {
         self.eps
     }
+
+    /// `(x + r, self(x + r))` in one fused pass (a pre-LN block's residual add and the norm
+    /// after it), bit for bit the add and then [`Module::forward`].
+    pub fn forward_residual(&self, x: &Var, r: &Var) -> Result<(Var, Var)> {
+        self.check_input(x)?;
+        let t = x.tape();
+        x.add_layer_norm(r, &t.param(&self.weight), &t.param(&self.bias), self.eps)
+    }
+
+    fn check_input(&self, x: &Var) -> Result<()> {
+        if x.shape().last() != Some(&self.dim) {
+            return Err(shape_error(
+                "LayerNorm",
+                format!("input {:?} does not end in dim = {}", x.shape(), self.dim),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Module for LayerNorm {
@@ -34,12 +52,7 @@ impl Module for LayerNorm {
         format!("LayerNorm({})", self.dim)
     }
     fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
-        if x.shape().last() != Some(&self.dim) {
-            return Err(shape_error(
-                "LayerNorm",
-                format!("input {:?} does not end in dim = {}", x.shape(), self.dim),
-            ));
-        }
+        self.check_input(x)?;
         let t = x.tape();
         x.layer_norm(&t.param(&self.weight), &t.param(&self.bias), self.eps)
     }
