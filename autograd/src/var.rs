@@ -82,7 +82,14 @@ impl Var {
         let tape = inputs.first().map(|v| v.tape.clone()).ok_or_else(|| {
             crate::tape::invalid(op, "an op needs at least one input var".to_string())
         })?;
-        tape.record(op, inputs, value, false, Box::new(backward) as BackwardFn, None)
+        tape.record(
+            op,
+            inputs,
+            value,
+            false,
+            Box::new(backward) as BackwardFn,
+            None,
+        )
     }
 
     /// [`Var::from_op`] for an op whose backward adds its gradient for input `carried` to the

@@ -298,9 +298,15 @@ fn block_with_fused_residual_norm_equals_the_unfused_block_bit_for_bit() {
         let x = rand(&[2, 7, 16], 4);
         let fused = output_and_grads(&b, &x, |x| b.forward(x, &ctx).unwrap());
         let unfused = output_and_grads(&b, &x, |x| {
-            let a = b.attn.forward(&composed_layer_norm(&b.ln1, x), &ctx).unwrap();
+            let a = b
+                .attn
+                .forward(&composed_layer_norm(&b.ln1, x), &ctx)
+                .unwrap();
             let x = x.add(&b.drop1.forward(&a, &ctx).unwrap()).unwrap();
-            let m = b.mlp.forward(&composed_layer_norm(&b.ln2, &x), &ctx).unwrap();
+            let m = b
+                .mlp
+                .forward(&composed_layer_norm(&b.ln2, &x), &ctx)
+                .unwrap();
             x.add(&b.drop2.forward(&m, &ctx).unwrap()).unwrap()
         });
         let params: Vec<String> = b.parameters().into_iter().map(|(n, _)| n).collect();

@@ -37,7 +37,9 @@ fn fused_cross_entropy_equals_the_composed_ops_bit_for_bit() {
     // ops `cross_entropy` was made of), with a non-unit seed as a pipeline's scaled loss has.
     let logits = rand(&[4, 6, 11], 5).mul_scalar(3.0).unwrap();
     let targets = t(
-        &(0..24).map(|i| ((i * 7 + 3) % 11) as f32).collect::<Vec<_>>(),
+        &(0..24)
+            .map(|i| ((i * 7 + 3) % 11) as f32)
+            .collect::<Vec<_>>(),
         &[4, 6],
     );
     let run = |f: &dyn Fn(&wgpipe_autograd::Var) -> wgpipe_autograd::Var| {

@@ -275,7 +275,10 @@ impl Kernels for DTypeGuard {
         rows: usize,
         cols: usize,
     ) -> Result<Tensor> {
-        self.f32_only("cross_entropy backward (targets, statistics)", &[targets, max, logsum])?;
+        self.f32_only(
+            "cross_entropy backward (targets, statistics)",
+            &[targets, max, logsum],
+        )?;
         self.compute1("cross_entropy backward", &[x, g], |k, xs| {
             k.cross_entropy_backward_rows(xs[0], targets, max, logsum, xs[1], rows, cols)
         })
@@ -290,10 +293,12 @@ impl Kernels for DTypeGuard {
         cols: usize,
         eps: f32,
     ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
-        let [s, y, mean, rstd] = self.compute("add_layer_norm", &[x, r, gamma, beta], |k, xs| {
-            let (s, y, m, v) = k.add_layer_norm_rows(xs[0], xs[1], xs[2], xs[3], rows, cols, eps)?;
-            Ok([s, y, m, v])
-        })?;
+        let [s, y, mean, rstd] =
+            self.compute("add_layer_norm", &[x, r, gamma, beta], |k, xs| {
+                let (s, y, m, v) =
+                    k.add_layer_norm_rows(xs[0], xs[1], xs[2], xs[3], rows, cols, eps)?;
+                Ok([s, y, m, v])
+            })?;
         Ok((s, y, mean, rstd))
     }
     fn layer_norm_backward_rows(
@@ -310,7 +315,16 @@ impl Kernels for DTypeGuard {
         let mut inputs = vec![x, mean, rstd, gamma, g];
         inputs.extend(carry);
         self.compute1("layer_norm backward", &inputs, |k, xs| {
-            k.layer_norm_backward_rows(xs[0], xs[1], xs[2], xs[3], xs[4], xs.get(5).copied(), rows, cols)
+            k.layer_norm_backward_rows(
+                xs[0],
+                xs[1],
+                xs[2],
+                xs[3],
+                xs[4],
+                xs.get(5).copied(),
+                rows,
+                cols,
+            )
         })
     }
     fn index_select(

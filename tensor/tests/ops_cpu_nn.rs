@@ -503,6 +503,8 @@ fn fused_loss_and_norm_errors_name_op_and_shapes() {
         .add_layer_norm(&Tensor::zeros(&[3, 2], &dev).unwrap(), &ones, &ones, 1e-5)
         .map(|_| ()));
     assert!(e.contains("add_layer_norm") && e.contains("[3, 2]"), "{e}");
-    let e = err(x.add_layer_norm(&x, &short.reshape(&[1, 3]).unwrap(), &ones, 1e-5).map(|_| ()));
+    let e = err(x
+        .add_layer_norm(&x, &short.reshape(&[1, 3]).unwrap(), &ones, 1e-5)
+        .map(|_| ()));
     assert!(e.contains("gamma"), "{e}");
 }

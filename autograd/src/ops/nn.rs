@@ -46,13 +46,7 @@ impl Var {
 
     /// `(s, s.layer_norm(gamma, beta, eps))` with `s = self + r`, both computed in one pass: a
     /// pre-LN block's residual add and the layer norm after it. Bit for bit the two ops.
-    pub fn add_layer_norm(
-        &self,
-        r: &Var,
-        gamma: &Var,
-        beta: &Var,
-        eps: f32,
-    ) -> Result<(Var, Var)> {
+    pub fn add_layer_norm(&self, r: &Var, gamma: &Var, beta: &Var, eps: f32) -> Result<(Var, Var)> {
         same_tape("add_layer_norm", &[self, r, gamma, beta])?;
         let (s, y, mean, rstd) =
             self.value

@@ -113,7 +113,9 @@ impl Module for TransformerBlock {
         let a = self.attn.forward(&self.ln1.forward(x, ctx)?, ctx)?;
         // The first residual add and ln2 in one pass. The second add stays plain: the next
         // block's ln1 is in another layer (a pipeline stage may end here).
-        let (x, h) = self.ln2.forward_residual(x, &self.drop1.forward(&a, ctx)?)?;
+        let (x, h) = self
+            .ln2
+            .forward_residual(x, &self.drop1.forward(&a, ctx)?)?;
         let m = self.mlp.forward(&h, ctx)?;
         x.add(&self.drop2.forward(&m, ctx)?)
     }

@@ -20,9 +20,9 @@ impl Tensor {
             let z = || Tensor::zeros(&[0], dev);
             return Ok((z()?, z()?, z()?));
         }
-        let out = dev
-            .kernels()
-            .cross_entropy_rows(&self.contiguous()?, &targets.contiguous()?, n, c)?;
+        let out =
+            dev.kernels()
+                .cross_entropy_rows(&self.contiguous()?, &targets.contiguous()?, n, c)?;
         // max, exp, sum per element.
         dev.add_flops(3 * self.numel() as u64);
         Ok(out)
