@@ -144,9 +144,9 @@ fn layer_norm_backward_row(
         *o = ((*o - m1) - xh * m2) * rstd;
     }
     if let Some(c) = carry {
-        // The tape adds a new gradient to the one already there: `carry + dx`.
+        // The tape's `carry + dx` (IEEE addition commutes exactly).
         for (o, &cv) in out.iter_mut().zip(c) {
-            *o = cv + *o;
+            *o += cv;
         }
     }
 }
