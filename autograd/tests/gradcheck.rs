@@ -454,17 +454,18 @@ fn grad_bias_act() {
 }
 
 #[test]
-fn grad_layer_norm_with_a_carried_gradient_and_add_layer_norm() {
+fn grad_add_layer_norm_with_a_carried_gradient() {
     let inputs = [
         randn(&[2, 3, 5], 60),
         randn(&[2, 3, 5], 61),
         uniform(&[5], 0.5, 1.5, 62),
         randn(&[5], 63),
     ];
-    // x's other consumer (sin) is recorded after the norm, so its gradient is already there
-    // when the norm's backward runs and is carried into the fused pass.
-    gradcheck("layer_norm with a carried gradient", &inputs, |v| {
-        v[0].layer_norm(&v[2], &v[3], 1e-5)?.mul(&v[0].sin()?)
+    // The sum's other consumer (sin) is recorded after the norm, so its gradient is already
+    // there when the norm's backward runs and is carried into the fused pass.
+    gradcheck("add_layer_norm with a carried gradient", &inputs, |v| {
+        let (s, y) = v[0].add_layer_norm(&v[1], &v[2], &v[3], 1e-5)?;
+        y.mul(&s.sin()?)
     });
     gradcheck("add_layer_norm", &inputs, |v| {
         let (s, y) = v[0].add_layer_norm(&v[1], &v[2], &v[3], 1e-5)?;

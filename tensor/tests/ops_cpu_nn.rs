@@ -508,3 +508,29 @@ fn fused_loss_and_norm_errors_name_op_and_shapes() {
         .map(|_| ()));
     assert!(e.contains("gamma"), "{e}");
 }
+
+/// Inputs big enough to be cut into row chunks run on several threads (when there are several):
+/// the same bits as the unfused ops.
+#[test]
+fn fused_loss_and_norm_split_over_threads_match_the_unfused_ops() {
+    let (n, d) = (300, 200);
+    let x = Nd::rand(&[n, d], 1, -4.0, 4.0).tensor();
+    let r = Nd::rand(&[n, d], 2, -4.0, 4.0).tensor();
+    let gamma = Nd::rand(&[d], 3, 0.5, 1.5).tensor();
+    let beta = Nd::rand(&[d], 4, -1.0, 1.0).tensor();
+    let (s, y, mean, rstd) = x.add_layer_norm(&r, &gamma, &beta, 1e-5).unwrap();
+    let s2 = x.add(&r).unwrap();
+    let (y2, mean2, rstd2) = s2.layer_norm(&gamma, &beta, 1e-5).unwrap();
+    for (a, b) in [(&s, &s2), (&y, &y2), (&mean, &mean2), (&rstd, &rstd2)] {
+        assert_eq!(a.to_vec().unwrap(), b.to_vec().unwrap());
+    }
+    let t = Nd::rand_index(&[n], 5, d).tensor();
+    let (loss, _, _) = x.cross_entropy_rows(&t).unwrap();
+    let lp = x.log_softmax(-1).unwrap();
+    let unfused = lp
+        .gather(1, &t.reshape(&[n, 1]).unwrap())
+        .unwrap()
+        .neg()
+        .unwrap();
+    assert_eq!(loss.to_vec().unwrap(), unfused.to_vec().unwrap());
+}

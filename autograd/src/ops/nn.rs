@@ -36,16 +36,35 @@ impl Var {
     }
 
     /// Layer norm over the last axis with scale `gamma` and shift `beta`. The backward uses the
-    /// mean and `rstd` saved by the forward; the input's gradient is one fused pass that also adds
-    /// the gradient the input already has (a residual stream's), as the tape would have.
+    /// mean and `rstd` saved by the forward, in composed ops. (The fused input gradient of
+    /// [`Var::add_layer_norm`] would serve here too, but it changes the FLOPs and temporaries the
+    /// planner profiles, and on the planner test's MLP the heuristic search then misses the
+    /// exhaustive optimum by 7%: left until the planner copes.)
     pub fn layer_norm(&self, gamma: &Var, beta: &Var, eps: f32) -> Result<Var> {
         same_tape("layer_norm", &[self, gamma, beta])?;
         let (y, mean, rstd) = self.value.layer_norm(&gamma.value, &beta.value, eps)?;
-        layer_norm_node(self, gamma, beta, y, mean, rstd)
+        let x = self.value.clone();
+        let gm = gamma.value.clone();
+        let (sg, sb) = (gamma.shape().to_vec(), beta.shape().to_vec());
+        Var::from_op("layer_norm", &[self, gamma, beta], y, move |g, w| {
+            let xhat = x.sub(&mean)?.mul(&rstd)?;
+            let gx = when(w[0], || {
+                // dx = rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat))
+                let gxhat = g.mul(&gm)?;
+                let m1 = gxhat.mean(&[-1], true)?;
+                let m2 = gxhat.mul(&xhat)?.mean(&[-1], true)?;
+                gxhat.sub(&m1)?.sub(&xhat.mul(&m2)?)?.mul(&rstd)
+            })?;
+            let ggamma = when(w[1], || g.mul(&xhat)?.sum_to_shape(&sg))?;
+            let gbeta = when(w[2], || g.sum_to_shape(&sb))?;
+            Ok(vec![gx, ggamma, gbeta])
+        })
     }
 
     /// `(s, s.layer_norm(gamma, beta, eps))` with `s = self + r`, both computed in one pass: a
-    /// pre-LN block's residual add and the layer norm after it. Bit for bit the two ops.
+    /// pre-LN block's residual add and the layer norm after it. Bit for bit the two ops. In the
+    /// backward, the norm's input gradient is one pass that also adds the gradient `s` already
+    /// has (the residual stream's, from the block's second add), as the tape would have.
     pub fn add_layer_norm(&self, r: &Var, gamma: &Var, beta: &Var, eps: f32) -> Result<(Var, Var)> {
         same_tape("add_layer_norm", &[self, r, gamma, beta])?;
         let (s, y, mean, rstd) =
@@ -120,7 +139,8 @@ impl Var {
     }
 }
 
-/// Records the layer norm of `x` whose forward gave `(y, mean, rstd)`. The input's gradient
+/// Records the layer norm of `x` (the sum of [`Var::add_layer_norm`]) whose forward gave
+/// `(y, mean, rstd)`. The input's gradient
 /// comes from [`Tensor::layer_norm_backward`] with the gradient `x` has so far carried in (see
 /// [`Var::from_op_carrying`]); gamma's and beta's from the composed ops.
 fn layer_norm_node(

@@ -2,10 +2,8 @@
 //! and its backward, each one pass per row where log_softmax, gather, scatter and the log-softmax
 //! backward made several over the whole matrix.
 
-use rayon::prelude::*;
-
 use super::math::exp;
-use super::par::rows_per_chunk;
+use super::par::for_row_chunks;
 use super::reduce::{max, sum};
 use super::simd::multiversion;
 
@@ -35,23 +33,20 @@ pub(crate) fn cross_entropy_rows(
         return;
     }
     let cols = x.len() / rows;
-    let run = |r0: usize, l: &mut [f32], m: &mut [f32], s: &mut [f32]| {
-        let mut scratch = vec![0f32; cols];
-        for i in 0..l.len() {
-            let r = r0 + i;
-            let row = &x[r * cols..(r + 1) * cols];
-            (l[i], m[i], s[i]) = row_loss(row, targets[r] as usize, &mut scratch);
-        }
-    };
-    match rows_per_chunk(rows, cols) {
-        None => run(0, loss, max_out, logsum),
-        Some(rpc) => loss
-            .par_chunks_mut(rpc)
-            .zip(max_out.par_chunks_mut(rpc))
-            .zip(logsum.par_chunks_mut(rpc))
-            .enumerate()
-            .for_each(|(c, ((l, m), s))| run(c * rpc, l, m, s)),
-    }
+    for_row_chunks(
+        [loss, max_out, logsum],
+        [1, 1, 1],
+        rows,
+        cols,
+        |r0, [l, m, s]| {
+            let mut scratch = vec![0f32; cols];
+            for i in 0..l.len() {
+                let r = r0 + i;
+                let row = &x[r * cols..(r + 1) * cols];
+                (l[i], m[i], s[i]) = row_loss(row, targets[r] as usize, &mut scratch);
+            }
+        },
+    );
 }
 
 multiversion! {

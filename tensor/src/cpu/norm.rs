@@ -1,8 +1,6 @@
 //! Layer normalisation over the rows of a contiguous `[rows, cols]` matrix.
 
-use rayon::prelude::*;
-
-use super::par::rows_per_chunk;
+use super::par::for_row_chunks;
 use super::reduce::sum;
 use super::simd::multiversion;
 
@@ -24,6 +22,23 @@ fn layer_norm_row(y: &mut [f32], x: &[f32], gamma: &[f32], beta: &[f32], eps: f3
 }
 }
 
+/// The length of the rows of `y_len` values over `mean.len()` rows, or `None` when there is
+/// nothing to normalise: no rows, or empty rows (whose statistics are then those of a zero
+/// variance).
+fn row_len(y_len: usize, mean: &mut [f32], rstd: &mut [f32], eps: f32) -> Option<usize> {
+    let rows = mean.len();
+    if rows == 0 {
+        return None;
+    }
+    let cols = y_len / rows;
+    if cols == 0 {
+        mean.fill(0.0);
+        rstd.fill(1.0 / eps.sqrt());
+        return None;
+    }
+    Some(cols)
+}
+
 /// Fills `y [rows, cols]`, `mean [rows]`, `rstd [rows]` from contiguous `x`.
 pub(crate) fn layer_norm_rows(
     y: &mut [f32],
@@ -35,33 +50,21 @@ pub(crate) fn layer_norm_rows(
     eps: f32,
 ) {
     let rows = mean.len();
-    if rows == 0 {
+    let Some(cols) = row_len(y.len(), mean, rstd, eps) else {
         return;
-    }
-    let cols = y.len() / rows;
-    if cols == 0 {
-        mean.fill(0.0);
-        rstd.fill(1.0 / eps.sqrt());
-        return;
-    }
-    let run = |r0: usize, y: &mut [f32], mean: &mut [f32], rstd: &mut [f32]| {
-        for (i, yr) in y.chunks_mut(cols).enumerate() {
-            let r = r0 + i;
-            let xr = &x[r * cols..(r + 1) * cols];
-            let (m, s) = layer_norm_row(yr, xr, gamma, beta, eps);
-            mean[i] = m;
-            rstd[i] = s;
-        }
     };
-    match rows_per_chunk(rows, cols) {
-        None => run(0, y, mean, rstd),
-        Some(rpc) => y
-            .par_chunks_mut(rpc * cols)
-            .zip(mean.par_chunks_mut(rpc))
-            .zip(rstd.par_chunks_mut(rpc))
-            .enumerate()
-            .for_each(|(c, ((y, m), s))| run(c * rpc, y, m, s)),
-    }
+    for_row_chunks(
+        [y, mean, rstd],
+        [cols, 1, 1],
+        rows,
+        cols,
+        |r0, [y, mean, rstd]| {
+            for (i, yr) in y.chunks_mut(cols).enumerate() {
+                let at = (r0 + i) * cols;
+                (mean[i], rstd[i]) = layer_norm_row(yr, &x[at..at + cols], gamma, beta, eps);
+            }
+        },
+    );
 }
 
 /// [`layer_norm_rows`] of `x + r`, the sum written to `s` first (the normalisation then reads
@@ -79,32 +82,22 @@ pub(crate) fn add_layer_norm_rows(
     eps: f32,
 ) {
     let rows = mean.len();
-    if rows == 0 {
+    let Some(cols) = row_len(y.len(), mean, rstd, eps) else {
         return;
-    }
-    let cols = y.len() / rows;
-    if cols == 0 {
-        mean.fill(0.0);
-        rstd.fill(1.0 / eps.sqrt());
-        return;
-    }
-    let run = |r0: usize, s: &mut [f32], y: &mut [f32], mean: &mut [f32], rstd: &mut [f32]| {
-        for (i, (sr, yr)) in s.chunks_mut(cols).zip(y.chunks_mut(cols)).enumerate() {
-            let at = (r0 + i) * cols;
-            add_row(sr, &x[at..at + cols], &r[at..at + cols]);
-            (mean[i], rstd[i]) = layer_norm_row(yr, sr, gamma, beta, eps);
-        }
     };
-    match rows_per_chunk(rows, cols) {
-        None => run(0, s, y, mean, rstd),
-        Some(rpc) => s
-            .par_chunks_mut(rpc * cols)
-            .zip(y.par_chunks_mut(rpc * cols))
-            .zip(mean.par_chunks_mut(rpc))
-            .zip(rstd.par_chunks_mut(rpc))
-            .enumerate()
-            .for_each(|(c, (((s, y), m), v))| run(c * rpc, s, y, m, v)),
-    }
+    for_row_chunks(
+        [s, y, mean, rstd],
+        [cols, cols, 1, 1],
+        rows,
+        cols,
+        |r0, [s, y, mean, rstd]| {
+            for (i, (sr, yr)) in s.chunks_mut(cols).zip(y.chunks_mut(cols)).enumerate() {
+                let at = (r0 + i) * cols;
+                add_row(sr, &x[at..at + cols], &r[at..at + cols]);
+                (mean[i], rstd[i]) = layer_norm_row(yr, sr, gamma, beta, eps);
+            }
+        },
+    );
 }
 
 multiversion! {
