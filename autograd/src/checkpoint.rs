@@ -45,5 +45,5 @@ pub fn checkpoint(x: &Var, f: impl Fn(&Var) -> Result<Var> + 'static) -> Result<
         Ok(vec![if wants[0] { grads.take(&xl) } else { None }])
     });
     // `force`: the segment may hold trainable parameters even when `x` wants no gradient.
-    tape.record("checkpoint", &[x], y, true, backward)
+    tape.record("checkpoint", &[x], y, true, backward, None)
 }

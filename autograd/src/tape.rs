@@ -24,6 +24,10 @@ use crate::var::Var;
 /// each input's gradient must not depend on which other inputs were asked for.
 pub type BackwardFn = Box<dyn FnMut(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>>>;
 
+/// Where a node that folds the gradient sum into its own backward (see
+/// [`Var::from_op_carrying`]) finds the gradient its input already has when the backward runs.
+pub(crate) type CarrySlot = Rc<RefCell<Option<Tensor>>>;
+
 static NEXT_TAPE: AtomicU64 = AtomicU64::new(1);
 
 /// A tape handle. Clones share the tape.
@@ -40,6 +44,9 @@ struct Node {
     /// For each input that wants a gradient: its var id, shape and whether it depends on data.
     inputs: Vec<Option<NodeInput>>,
     backward: BackwardFn,
+    /// `(input index, slot)`: before the backward runs, the gradient accumulated so far for that
+    /// input moves into the slot; the backward returns the sum (see [`Var::from_op_carrying`]).
+    carry: Option<(usize, CarrySlot)>,
 }
 
 struct NodeInput {
@@ -192,6 +199,7 @@ impl Tape {
         value: Tensor,
         force: bool,
         backward: BackwardFn,
+        carry: Option<(usize, CarrySlot)>,
     ) -> Result<Var> {
         if let Some(other) = inputs.iter().find(|v| !v.tape.same(self)) {
             return Err(invalid(
@@ -225,6 +233,7 @@ impl Tape {
                 })
                 .collect(),
             backward,
+            carry,
         };
         self.inner.borrow_mut().nodes.push(node);
         Ok(out)
@@ -546,11 +555,19 @@ fn run_nodes(
         // The weight part skips nodes it has nothing to ask of; the other walks always call
         // the backward, which may have effects of its own (`checkpoint` accumulates the
         // gradients of its segment's parameters, even when its input wants none).
-        let input_grads = if part != Part::Weight || wants.iter().any(|w| *w) {
+        let carried = take_carry(&node, &wants, grads);
+        let mut input_grads = if part != Part::Weight || wants.iter().any(|w| *w) {
             (node.backward)(&g, &wants)?
         } else {
             vec![None; wants.len()]
         };
+        if let Some((k, left)) = carried.and_then(|(k, slot)| slot.take().map(|t| (k, t))) {
+            // The backward did not fold the carried gradient in: add it back as the walk would.
+            input_grads[k] = Some(match input_grads[k].take() {
+                Some(gi) => left.add(&gi)?,
+                None => left,
+            });
+        }
         if input_grads.len() != node.inputs.len() {
             return Err(invalid(
                 node.op,
@@ -592,6 +609,22 @@ fn run_nodes(
         }
     }
     Ok(())
+}
+
+/// For a carrying node whose carried input wants a gradient: moves the gradient that input has
+/// so far into the node's slot (the backward adds its own to it) and returns the slot.
+fn take_carry(
+    node: &Node,
+    wants: &[bool],
+    grads: &mut [Option<Tensor>],
+) -> Option<(usize, CarrySlot)> {
+    let (k, slot) = node.carry.as_ref()?;
+    let input = node.inputs.get(*k)?.as_ref()?;
+    if !wants[*k] {
+        return None;
+    }
+    *slot.borrow_mut() = grads.get_mut(input.id).and_then(Option::take);
+    Some((*k, slot.clone()))
 }
 
 pub(crate) fn invalid(op: &'static str, msg: String) -> Error {

@@ -3,7 +3,7 @@
 
 use wgpipe_tensor::{Device, Result, Tensor};
 
-use crate::tape::{BackwardFn, Tape};
+use crate::tape::{BackwardFn, CarrySlot, Tape};
 
 /// A value on a [`Tape`]. Cloning is cheap (the value's storage is shared).
 #[derive(Clone)]
@@ -82,7 +82,33 @@ impl Var {
         let tape = inputs.first().map(|v| v.tape.clone()).ok_or_else(|| {
             crate::tape::invalid(op, "an op needs at least one input var".to_string())
         })?;
-        tape.record(op, inputs, value, false, Box::new(backward) as BackwardFn)
+        tape.record(
+            op,
+            inputs,
+            value,
+            false,
+            Box::new(backward) as BackwardFn,
+            None,
+        )
+    }
+
+    /// [`Var::from_op`] for an op whose backward adds its gradient for input `carried` to the
+    /// gradient that input already has, in the same pass: when the backward runs, `slot` holds
+    /// that gradient (or `None`), taken out of the tape's running sum, and the backward returns
+    /// the total for that input. The tape would otherwise add the two in a pass of its own.
+    pub(crate) fn from_op_carrying(
+        op: &'static str,
+        inputs: &[&Var],
+        value: Tensor,
+        carried: usize,
+        slot: CarrySlot,
+        backward: impl FnMut(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + 'static,
+    ) -> Result<Var> {
+        let tape = inputs.first().map(|v| v.tape.clone()).ok_or_else(|| {
+            crate::tape::invalid(op, "an op needs at least one input var".to_string())
+        })?;
+        let backward = Box::new(backward) as BackwardFn;
+        tape.record(op, inputs, value, false, backward, Some((carried, slot)))
     }
 }
 

@@ -454,6 +454,51 @@ fn grad_bias_act() {
 }
 
 #[test]
+fn grad_add_layer_norm_with_a_carried_gradient() {
+    let inputs = [
+        randn(&[2, 3, 5], 60),
+        randn(&[2, 3, 5], 61),
+        uniform(&[5], 0.5, 1.5, 62),
+        randn(&[5], 63),
+    ];
+    // The sum's other consumer (sin) is recorded after the norm, so its gradient is already
+    // there when the norm's backward runs and is carried into the fused pass.
+    gradcheck("add_layer_norm with a carried gradient", &inputs, |v| {
+        let (s, y) = v[0].add_layer_norm(&v[1], &v[2], &v[3], 1e-5)?;
+        y.mul(&s.sin()?)
+    });
+    gradcheck("add_layer_norm", &inputs, |v| {
+        let (s, y) = v[0].add_layer_norm(&v[1], &v[2], &v[3], 1e-5)?;
+        y.mul(&s.tanh()?)?.add(&s)
+    });
+    gradcheck("add_layer_norm of views", &inputs, |v| {
+        let view = |x: &Var| x.permute(&[1, 0, 2]);
+        let (s, y) = view(&v[0])?.add_layer_norm(&view(&v[1])?, &v[2], &v[3], 1e-5)?;
+        y.mul(&s)
+    });
+}
+
+/// Class ids for `n` rows of `c` classes.
+fn class_ids(n: usize, c: usize) -> Tensor {
+    let ids = (0..n).map(|i| ((i * 5 + 2) % c) as f32).collect();
+    Tensor::from_vec(ids, &[n], &cpu()).unwrap()
+}
+
+#[test]
+fn grad_cross_entropy() {
+    let x = [uniform(&[6, 7], -3.0, 3.0, 64), randn(&[6], 65)];
+    let t = class_ids(6, 7);
+    // Each row's loss weighted differently, so a wrong per-row factor shows.
+    gradcheck("cross_entropy_rows", &x, |v| {
+        v[0].cross_entropy_rows(&t)?.mul(&v[1])
+    });
+    let tt = class_ids(7, 6);
+    gradcheck("cross_entropy_rows of a view", &x, |v| {
+        v[0].t()?.cross_entropy_rows(&tt)?.sum(&[], false)
+    });
+}
+
+#[test]
 fn grad_causal_attention() {
     // q, k, v [2, 2, 5, 3], scores scaled up so the softmax is far from uniform.
     let qkv = [
@@ -813,6 +858,30 @@ fn wgpu_gradients_match_cpu() {
             randn(&[5], 99),
         ],
         |v| v[0].layer_norm(&v[1], &v[2], 1e-5),
+    );
+    same_on_wgpu(
+        "add_layer_norm and a carried layer-norm gradient",
+        dev,
+        &[
+            randn(&[3, 70], 110),
+            randn(&[3, 70], 111),
+            uniform(&[70], 0.5, 1.5, 112),
+            randn(&[70], 113),
+        ],
+        |v| {
+            let (s, y) = v[0].add_layer_norm(&v[1], &v[2], &v[3], 1e-5)?;
+            let z = s.layer_norm(&v[2], &v[3], 1e-5)?;
+            y.mul(&s)?.add(&z)
+        },
+    );
+    same_on_wgpu(
+        "cross_entropy",
+        dev,
+        &[uniform(&[5, 70], -3.0, 3.0, 114), randn(&[5], 115)],
+        |v| {
+            let t = class_ids(5, 70).to_device(v[0].device())?;
+            v[0].cross_entropy_rows(&t)?.mul(&v[1])
+        },
     );
     same_on_wgpu(
         "conv2d + pools",

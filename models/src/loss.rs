@@ -11,7 +11,8 @@ use crate::autocast::loss_input;
 
 /// Cross-entropy of `logits [.., C]` against integer class ids `targets [..]` (f32 values
 /// holding integers in `0..C`), averaged over every position:
-/// `-mean(log_softmax(logits)[target])`.
+/// `-mean(log_softmax(logits)[target])`, with the softmax and the loss fused in one row kernel
+/// (and the backward in one), bit for bit the composed ops.
 pub fn cross_entropy(logits: &Var, targets: &Tensor) -> Result<Var> {
     let s = logits.shape().to_vec();
     if s.is_empty() || s[..s.len() - 1] != *targets.shape() {
@@ -25,9 +26,10 @@ pub fn cross_entropy(logits: &Var, targets: &Tensor) -> Result<Var> {
     }
     let c = s[s.len() - 1];
     let n = targets.numel();
-    let lp = loss_input(logits)?.reshape(&[n, c])?.log_softmax(-1)?;
-    let idx = targets.reshape(&[n, 1])?;
-    lp.gather(1, &idx)?.mean(&[], false)?.neg()
+    loss_input(logits)?
+        .reshape(&[n, c])?
+        .cross_entropy_rows(&targets.reshape(&[n])?)?
+        .mean(&[], false)
 }
 
 /// Mean squared error `mean((pred - target)^2)` over every element.

@@ -261,6 +261,65 @@ fn fused_attention_equals_the_unfused_chain_bit_for_bit() {
     }
 }
 
+/// `ln` with the layer norm's composed backward, as `Var::layer_norm` recorded it before the
+/// fused input gradient (the tape then added it to the input's other gradients).
+fn composed_layer_norm(ln: &LayerNorm, x: &Var) -> Var {
+    let t = x.tape();
+    let (gamma, beta) = (t.param(&ln.weight), t.param(&ln.bias));
+    let (y, mean, rstd) = x
+        .value()
+        .layer_norm(gamma.value(), beta.value(), ln.eps())
+        .unwrap();
+    let xv = x.value().clone();
+    let gm = gamma.value().clone();
+    Var::from_op("layer_norm", &[x, &gamma, &beta], y, move |g, _| {
+        let xhat = xv.sub(&mean)?.mul(&rstd)?;
+        let gxhat = g.mul(&gm)?;
+        let m1 = gxhat.mean(&[-1], true)?;
+        let m2 = gxhat.mul(&xhat)?.mean(&[-1], true)?;
+        let gx = gxhat.sub(&m1)?.sub(&xhat.mul(&m2)?)?.mul(&rstd)?;
+        let d = *xv.shape().last().unwrap();
+        Ok(vec![
+            Some(gx),
+            Some(g.mul(&xhat)?.sum_to_shape(&[d])?),
+            Some(g.sum_to_shape(&[d])?),
+        ])
+    })
+    .unwrap()
+}
+
+#[test]
+fn block_with_fused_residual_norm_equals_the_unfused_block_bit_for_bit() {
+    for (p, ctx) in [
+        (0.0, ForwardCtx::train(4, 0, 1)),
+        (0.3, ForwardCtx::train(4, 2, 1)),
+    ] {
+        let b = TransformerBlock::new(16, 4, p, 5, &cpu()).unwrap();
+        let x = rand(&[2, 7, 16], 4);
+        let fused = output_and_grads(&b, &x, |x| b.forward(x, &ctx).unwrap());
+        let unfused = output_and_grads(&b, &x, |x| {
+            let a = b
+                .attn
+                .forward(&composed_layer_norm(&b.ln1, x), &ctx)
+                .unwrap();
+            let x = x.add(&b.drop1.forward(&a, &ctx).unwrap()).unwrap();
+            let m = b
+                .mlp
+                .forward(&composed_layer_norm(&b.ln2, &x), &ctx)
+                .unwrap();
+            x.add(&b.drop2.forward(&m, &ctx).unwrap()).unwrap()
+        });
+        let params: Vec<String> = b.parameters().into_iter().map(|(n, _)| n).collect();
+        for (i, (f, u)) in fused.iter().zip(&unfused).enumerate() {
+            let what = ["output", "input grad"]
+                .get(i)
+                .copied()
+                .unwrap_or_else(|| params[i - 2].as_str());
+            assert_eq!(f, u, "{what} (dropout {p})");
+        }
+    }
+}
+
 #[test]
 fn linear_with_activation_equals_linear_then_activation_bit_for_bit() {
     let ctx = ForwardCtx::train(1, 0, 0);

@@ -30,3 +30,35 @@ fn mse_values() {
     assert!((l.to_scalar().unwrap() - 13.0 / 4.0).abs() < 1e-6);
     assert!(mse(&p, &t(&[1., 0.], &[2])).is_err());
 }
+
+#[test]
+fn fused_cross_entropy_equals_the_composed_ops_bit_for_bit() {
+    // Loss and logits gradient of the fused op against log_softmax, gather, mean and neg (the
+    // ops `cross_entropy` was made of), with a non-unit seed as a pipeline's scaled loss has.
+    let logits = rand(&[4, 6, 11], 5).mul_scalar(3.0).unwrap();
+    let targets = t(
+        &(0..24)
+            .map(|i| ((i * 7 + 3) % 11) as f32)
+            .collect::<Vec<_>>(),
+        &[4, 6],
+    );
+    let run = |f: &dyn Fn(&wgpipe_autograd::Var) -> wgpipe_autograd::Var| {
+        let tape = Tape::new();
+        let x = tape.leaf(logits.clone());
+        let l = f(&x);
+        let seed = t(&[0.37], &[]);
+        let g = tape.backward_with(&l, &seed).unwrap();
+        (vals(l.value()), vals(g.get(&x).unwrap()))
+    };
+    let fused = run(&|x| cross_entropy(x, &targets).unwrap());
+    let composed = run(&|x| {
+        let lp = x.reshape(&[24, 11]).unwrap().log_softmax(-1).unwrap();
+        lp.gather(1, &targets.reshape(&[24, 1]).unwrap())
+            .unwrap()
+            .mean(&[], false)
+            .unwrap()
+            .neg()
+            .unwrap()
+    });
+    assert_eq!(fused, composed);
+}

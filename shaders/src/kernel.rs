@@ -236,6 +236,23 @@ pub enum Kernel {
     LayerNorm {
         wg: u32,
     },
+    /// The layer norm of `x + r`, which also writes the sum; mean and rstd in one `[2, rows]`
+    /// output.
+    AddLayerNorm {
+        wg: u32,
+    },
+    /// The gradient of a layer norm's input, optionally added to a carried gradient.
+    LayerNormBackward {
+        wg: u32,
+    },
+    /// Softmax + cross-entropy of each row: the loss, the max and the log of the sum.
+    CrossEntropy {
+        wg: u32,
+    },
+    /// The backward of [`Kernel::CrossEntropy`].
+    CrossEntropyBackward {
+        wg: u32,
+    },
     Matmul(MatmulConfig),
     /// Needs the `SUBGROUP` feature and a fixed subgroup size of `sg`.
     MatmulSubgroup(SubgroupMatmulConfig),
@@ -300,7 +317,11 @@ impl Kernel {
             Kernel::Reduce { op, mode, wg } => rows::reduce(op, mode, wg),
             Kernel::Softmax { log, wg } => rows::softmax(log, wg),
             Kernel::SoftmaxBackward { wg } => rows::softmax_backward(wg),
-            Kernel::LayerNorm { wg } => rows::layer_norm(wg),
+            Kernel::LayerNorm { wg } => rows::layer_norm(wg, false),
+            Kernel::AddLayerNorm { wg } => rows::layer_norm(wg, true),
+            Kernel::LayerNormBackward { wg } => rows::layer_norm_backward(wg),
+            Kernel::CrossEntropy { wg } => rows::cross_entropy(wg),
+            Kernel::CrossEntropyBackward { wg } => rows::cross_entropy_backward(wg),
             Kernel::Matmul(cfg) => cfg.source(),
             Kernel::MatmulSubgroup(cfg) => cfg.source(),
             Kernel::Pack => render(PACK, &[("WG", &wg), ("SRC", PACK_SRC_F32)]),
@@ -332,7 +353,10 @@ impl Kernel {
             Kernel::Reduce { .. } => ReduceParams::NAME,
             Kernel::Softmax { .. } => SoftmaxParams::NAME,
             Kernel::SoftmaxBackward { .. } => SoftmaxBackwardParams::NAME,
-            Kernel::LayerNorm { .. } => LayerNormParams::NAME,
+            Kernel::LayerNorm { .. } | Kernel::AddLayerNorm { .. } => LayerNormParams::NAME,
+            Kernel::LayerNormBackward { .. } => LayerNormBackwardParams::NAME,
+            Kernel::CrossEntropy { .. } => CrossEntropyParams::NAME,
+            Kernel::CrossEntropyBackward { .. } => CrossEntropyBackwardParams::NAME,
             Kernel::Matmul(_) => MatmulParams::NAME,
             Kernel::MatmulSubgroup(_) => SubgroupMatmulParams::NAME,
             Kernel::Pack | Kernel::PackHalf(_) => PackParams::NAME,
@@ -384,6 +408,13 @@ impl Kernel {
             Kernel::Softmax { .. } => seq(1, 1),
             Kernel::SoftmaxBackward { .. } => seq(2, 1),
             Kernel::LayerNorm { .. } => seq(3, 3),
+            // x, gamma, beta, r; then y, the stats, the sum (binding numbers of the template).
+            Kernel::AddLayerNorm { .. } => {
+                vec![(1, R), (2, R), (3, R), (6, R), (4, W), (5, W), (7, W)]
+            }
+            Kernel::LayerNormBackward { .. } => seq(6, 1),
+            Kernel::CrossEntropy { .. } => seq(2, 3),
+            Kernel::CrossEntropyBackward { .. } => seq(5, 1),
             Kernel::Matmul(_) | Kernel::MatmulSubgroup(_) => seq(2, 1),
             Kernel::Pack | Kernel::PackHalf(_) => seq(1, 1),
             Kernel::Index(_) => seq(2, 1),
@@ -403,7 +434,11 @@ impl Kernel {
             Kernel::Reduce { wg, .. }
             | Kernel::Softmax { wg, .. }
             | Kernel::SoftmaxBackward { wg }
-            | Kernel::LayerNorm { wg } => *wg,
+            | Kernel::LayerNorm { wg }
+            | Kernel::AddLayerNorm { wg }
+            | Kernel::LayerNormBackward { wg }
+            | Kernel::CrossEntropy { wg }
+            | Kernel::CrossEntropyBackward { wg } => *wg,
             Kernel::Matmul(cfg) => cfg.threads(),
             Kernel::MatmulSubgroup(cfg) => cfg.sg,
             _ => ELEMENTWISE_WG,
@@ -441,6 +476,10 @@ impl Kernel {
                 Kernel::Softmax { log: true, wg },
                 Kernel::SoftmaxBackward { wg },
                 Kernel::LayerNorm { wg },
+                Kernel::AddLayerNorm { wg },
+                Kernel::LayerNormBackward { wg },
+                Kernel::CrossEntropy { wg },
+                Kernel::CrossEntropyBackward { wg },
             ]);
         }
         for (bm, bn, bk, tm, tn) in MatmulConfig::TILES {

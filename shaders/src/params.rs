@@ -120,6 +120,33 @@ param_block! {
     LayerNormParams {
         rows: u32, cols: u32, eps: f32, x_offset: u32, gamma_offset: u32,
         beta_offset: u32,
+        /// The residual's offset (the fused residual add only).
+        r_offset: u32,
+    }
+}
+
+param_block! {
+    /// `layer_norm_backward.wgsl`.
+    LayerNormBackwardParams {
+        rows: u32, cols: u32, x_offset: u32, mean_offset: u32, rstd_offset: u32,
+        gamma_offset: u32, g_offset: u32, carry_offset: u32,
+        /// Nonzero: add `carry` (otherwise the host binds `g` in its place).
+        has_carry: u32,
+    }
+}
+
+param_block! {
+    /// `cross_entropy.wgsl`.
+    CrossEntropyParams {
+        rows: u32, cols: u32, x_offset: u32, t_offset: u32,
+    }
+}
+
+param_block! {
+    /// `cross_entropy_backward.wgsl`.
+    CrossEntropyBackwardParams {
+        rows: u32, cols: u32, x_offset: u32, t_offset: u32, max_offset: u32,
+        logsum_offset: u32, g_offset: u32,
     }
 }
 
@@ -196,7 +223,8 @@ macro_rules! all_blocks {
 
 all_blocks! {
     FillParams, CastParams, EwParams, CopyParams, ReduceParams, SoftmaxParams, SoftmaxBackwardParams,
-    LayerNormParams, MatmulParams, SubgroupMatmulParams, PackParams, IndexParams, SpatialParams, DropoutParams,
+    LayerNormParams, LayerNormBackwardParams, CrossEntropyParams, CrossEntropyBackwardParams,
+    MatmulParams, SubgroupMatmulParams, PackParams, IndexParams, SpatialParams, DropoutParams,
     AdamParams,
 }
 

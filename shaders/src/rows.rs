@@ -1,11 +1,13 @@
 //! The row family: one workgroup per row of a contiguous matrix (`reduce.wgsl` and its mode
-//! files, `softmax.wgsl`, `softmax_backward.wgsl`, `layer_norm.wgsl`).
+//! files, `softmax.wgsl`, `softmax_backward.wgsl`, `layer_norm.wgsl` and its backward,
+//! `cross_entropy.wgsl` and its backward).
 
 use crate::ops::ReduceOp;
 use crate::render;
 
 use crate::wgsl::{
-    LAYER_NORM, REDUCE, REDUCE_DIRECT, REDUCE_FINAL, REDUCE_PARTIAL, ROW_TREE, SOFTMAX,
+    CROSS_ENTROPY, CROSS_ENTROPY_BACKWARD, LAYER_NORM, LAYER_NORM_BACKWARD, LAYER_NORM_INPUT,
+    LAYER_NORM_RESIDUAL, REDUCE, REDUCE_DIRECT, REDUCE_FINAL, REDUCE_PARTIAL, ROW_TREE, SOFTMAX,
     SOFTMAX_BACKWARD,
 };
 
@@ -55,8 +57,27 @@ pub(crate) fn softmax_backward(wg: u32) -> String {
     with_tree(SOFTMAX_BACKWARD, &[("WG", wg.to_string())])
 }
 
-pub(crate) fn layer_norm(wg: u32) -> String {
-    with_tree(LAYER_NORM, &[("WG", wg.to_string())])
+/// The layer norm; with `residual`, of `x + r`, the sum written out too.
+pub(crate) fn layer_norm(wg: u32, residual: bool) -> String {
+    let input = if residual {
+        LAYER_NORM_RESIDUAL
+    } else {
+        LAYER_NORM_INPUT
+    };
+    let vars = [("WG", wg.to_string()), ("INPUT", input.to_string())];
+    with_tree(LAYER_NORM, &vars)
+}
+
+pub(crate) fn layer_norm_backward(wg: u32) -> String {
+    with_tree(LAYER_NORM_BACKWARD, &[("WG", wg.to_string())])
+}
+
+pub(crate) fn cross_entropy(wg: u32) -> String {
+    with_tree(CROSS_ENTROPY, &[("WG", wg.to_string())])
+}
+
+pub(crate) fn cross_entropy_backward(wg: u32) -> String {
+    render(CROSS_ENTROPY_BACKWARD, &[("WG", &wg.to_string())])
 }
 
 /// `template` after the workgroup tree reductions (`row_tree.wgsl`), both rendered with `vars`.

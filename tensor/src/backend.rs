@@ -182,6 +182,31 @@ pub(crate) trait Kernels: Send + Sync {
         cols: usize,
         scale: f32,
     ) -> Result<Tensor>;
+    /// `x` contiguous `[rows, cols]` logits and `targets` contiguous `[rows]` (class ids as f32,
+    /// already checked to be in `0..cols`). Returns `(loss, max, logsum)`, each `[rows]`:
+    /// `loss = -((x[t] - max) - logsum)` with `logsum = ln(sum(exp(x - max)))`, the log-softmax's
+    /// own arithmetic, so the loss is bit for bit `-log_softmax(x)[t]`.
+    fn cross_entropy_rows(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)>;
+    /// The backward of [`Kernels::cross_entropy_rows`], given `g [rows]` (the gradient of each
+    /// row's loss) and the saved `max`, `logsum`: `dx = g * exp((x - max) - logsum)`, minus `g`
+    /// at the target. All contiguous.
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_backward_rows(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        max: &Tensor,
+        logsum: &Tensor,
+        g: &Tensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Tensor>;
     /// Batched matmul on strided operands; output contiguous `[batch, m, n]`.
     fn matmul(
         &self,
@@ -215,6 +240,36 @@ pub(crate) trait Kernels: Send + Sync {
         cols: usize,
         eps: f32,
     ) -> Result<(Tensor, Tensor, Tensor)>;
+    /// [`Kernels::layer_norm_rows`] of `x + r` (both contiguous `[rows, cols]`) that also returns
+    /// the sum: `(s, y, mean, rstd)`. A residual add and the layer norm after it in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn add_layer_norm_rows(
+        &self,
+        x: &Tensor,
+        r: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor)>;
+    /// The gradient of layer norm's input, all contiguous (`mean`, `rstd` `[rows]`, `gamma`
+    /// `[cols]`, the rest `[rows, cols]`): `rstd * ((gxhat - mean(gxhat)) - xhat *
+    /// mean(gxhat * xhat))` with `gxhat = g * gamma`, `xhat = (x - mean) * rstd`, plus `carry`
+    /// when given (the gradient `x` already has from its other consumers, added in the same
+    /// pass), with the arithmetic of the composed ops and the tape's sum.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_backward_rows(
+        &self,
+        x: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        gamma: &Tensor,
+        g: &Tensor,
+        carry: Option<&Tensor>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Tensor>;
     /// `x` contiguous `[outer, dim, inner]`, `idx` contiguous `[n]` (f32 holding integers,
     /// already checked to be in `0..dim`). Output `[outer, n, inner]`.
     fn index_select(

@@ -267,6 +267,86 @@ impl Kernels for DTypeGuard {
         })?;
         Ok((y, mean, rstd))
     }
+    /// The targets and the saved row statistics stay f32 (indices, and what the backward
+    /// recomputes the probabilities from); half logits are widened and the loss rounded back.
+    fn cross_entropy_rows(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        self.f32_only("cross_entropy (targets)", &[targets])?;
+        if !x.dtype().is_half() {
+            return self.inner.cross_entropy_rows(x, targets, rows, cols);
+        }
+        let (loss, max, logsum) =
+            self.inner
+                .cross_entropy_rows(&self.inner.widen(x)?, targets, rows, cols)?;
+        Ok((self.inner.narrow(&loss, x.dtype())?, max, logsum))
+    }
+    fn cross_entropy_backward_rows(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        max: &Tensor,
+        logsum: &Tensor,
+        g: &Tensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Tensor> {
+        self.f32_only(
+            "cross_entropy backward (targets, statistics)",
+            &[targets, max, logsum],
+        )?;
+        self.compute1("cross_entropy backward", &[x, g], |k, xs| {
+            k.cross_entropy_backward_rows(xs[0], targets, max, logsum, xs[1], rows, cols)
+        })
+    }
+    fn add_layer_norm_rows(
+        &self,
+        x: &Tensor,
+        r: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let [s, y, mean, rstd] =
+            self.compute("add_layer_norm", &[x, r, gamma, beta], |k, xs| {
+                let (s, y, m, v) =
+                    k.add_layer_norm_rows(xs[0], xs[1], xs[2], xs[3], rows, cols, eps)?;
+                Ok([s, y, m, v])
+            })?;
+        Ok((s, y, mean, rstd))
+    }
+    fn layer_norm_backward_rows(
+        &self,
+        x: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        gamma: &Tensor,
+        g: &Tensor,
+        carry: Option<&Tensor>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Tensor> {
+        let mut inputs = vec![x, mean, rstd, gamma, g];
+        inputs.extend(carry);
+        self.compute1("layer_norm backward", &inputs, |k, xs| {
+            k.layer_norm_backward_rows(
+                xs[0],
+                xs[1],
+                xs[2],
+                xs[3],
+                xs[4],
+                xs.get(5).copied(),
+                rows,
+                cols,
+            )
+        })
+    }
     fn index_select(
         &self,
         x: &Tensor,

@@ -600,6 +600,63 @@ fn fused_attention_rows_and_bias_activation_match_f32() {
     }
 }
 
+/// The fused loss and residual norm take the widening path too; targets and the loss's row
+/// statistics stay f32 (they are given here as exactly representable values).
+#[test]
+fn fused_cross_entropy_and_residual_layer_norm_match_f32() {
+    let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+    for dev in devices() {
+        for dtype in HALVES {
+            let x = (vals(6 * 13, 61, -4.0, 4.0), vec![6, 13]);
+            let ids = ((0..6).map(|i| ((i * 5) % 13) as f32).collect(), vec![6]);
+            half_vs_f32(
+                "cross_entropy",
+                &dev,
+                dtype,
+                &[x.clone(), ids.clone()],
+                |t| Ok(t[0].cross_entropy_rows(&f32_of(&t[1])?)?.0),
+            );
+            let stats = Tensor::from_vec(x.0.clone(), &x.1, &dev)
+                .and_then(|t| t.cross_entropy_rows(&Tensor::from_vec(ids.0.clone(), &[6], &dev)?))
+                .unwrap();
+            let max = (stats.1.to_vec().unwrap(), vec![6]);
+            let logsum = (stats.2.to_vec().unwrap(), vec![6]);
+            let g = (vals(6, 62, -1.0, 1.0), vec![6]);
+            half_vs_f32(
+                "cross_entropy backward",
+                &dev,
+                dtype,
+                &[x.clone(), ids.clone(), max, logsum, g],
+                |t| {
+                    let [tt, m, l] = [&t[1], &t[2], &t[3]].map(f32_of);
+                    Tensor::cross_entropy_backward(&t[0], &tt?, &m?, &l?, &t[4])
+                },
+            );
+            let r = (vals(6 * 13, 63, -4.0, 4.0), vec![6, 13]);
+            let gamma = (vals(13, 64, 0.5, 1.5), vec![13]);
+            let beta = (vals(13, 65, -1.0, 1.0), vec![13]);
+            let norm_inputs = [x.clone(), r, gamma.clone(), beta];
+            half_vs_f32("add_layer_norm (sum)", &dev, dtype, &norm_inputs, |t| {
+                Ok(t[0].add_layer_norm(&t[1], &t[2], &t[3], 1e-5)?.0)
+            });
+            half_vs_f32("add_layer_norm (norm)", &dev, dtype, &norm_inputs, |t| {
+                Ok(t[0].add_layer_norm(&t[1], &t[2], &t[3], 1e-5)?.1)
+            });
+            let mean = (vals(6, 66, -0.5, 0.5), vec![6, 1]);
+            let rstd = (vals(6, 67, 0.5, 2.0), vec![6, 1]);
+            let gy = (vals(6 * 13, 68, -1.0, 1.0), vec![6, 13]);
+            let carry = (vals(6 * 13, 69, -1.0, 1.0), vec![6, 13]);
+            half_vs_f32(
+                "layer_norm backward",
+                &dev,
+                dtype,
+                &[x.clone(), mean, rstd, gamma.clone(), gy, carry],
+                |t| Tensor::layer_norm_backward(&t[0], &t[1], &t[2], &t[3], &t[4], Some(&t[5])),
+            );
+        }
+    }
+}
+
 #[test]
 fn conv_and_pooling_match_f32() {
     let conv = Conv2dParams {

@@ -371,3 +371,166 @@ fn nn_errors_name_op_and_shapes() {
         );
     }
 }
+
+/// The composed layer-norm input gradient (the ops `Var::layer_norm` used before the fused
+/// kernel), plus `carry` as the tape added it.
+fn layer_norm_grad_unfused(
+    x: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    gamma: &Tensor,
+    g: &Tensor,
+    carry: Option<&Tensor>,
+) -> Tensor {
+    let xhat = x.sub(mean).unwrap().mul(rstd).unwrap();
+    let gxhat = g.mul(gamma).unwrap();
+    let m1 = gxhat.mean(&[-1], true).unwrap();
+    let m2 = gxhat.mul(&xhat).unwrap().mean(&[-1], true).unwrap();
+    let d = gxhat
+        .sub(&m1)
+        .unwrap()
+        .sub(&xhat.mul(&m2).unwrap())
+        .unwrap()
+        .mul(rstd)
+        .unwrap();
+    match carry {
+        Some(c) => c.add(&d).unwrap(),
+        None => d,
+    }
+}
+
+proptest! {
+    #![proptest_config(cases(32))]
+
+    #[test]
+    fn cross_entropy_matches_naive_and_the_unfused_ops(
+        n in 1usize..9,
+        c in 1usize..40,
+        variant in 0..VARIANTS,
+        seed in 0u64..1000,
+    ) {
+        let x = Nd::rand(&[n, c], seed, -6.0, 6.0);
+        let t = Nd::rand_index(&[n], seed ^ 9, c);
+        let g = Nd::rand(&[n], seed ^ 4, -1.0, 1.0);
+        let (xt, tt, gt) = (x.tensor_as(variant), t.tensor(), g.tensor());
+        let (loss, max, logsum) = xt.cross_entropy_rows(&tt).unwrap();
+        let idx = tt.reshape(&[n, 1]).unwrap();
+        let lp = xt.log_softmax(-1).unwrap();
+        let unfused = lp.gather(1, &idx).unwrap().neg().unwrap();
+        prop_assert_eq!(loss.to_vec().unwrap(), unfused.to_vec().unwrap());
+        let dx = Tensor::cross_entropy_backward(&xt, &tt, &max, &logsum, &gt).unwrap();
+        // The composed backward: gather's scatter of the log-prob's gradient (-g), then
+        // log_softmax's `G - exp(y) * sum(G)`.
+        let scattered = Tensor::scatter_add(1, &idx, &gt.neg().unwrap().reshape(&[n, 1]).unwrap(), c)
+            .unwrap();
+        let s = scattered.sum(&[-1], true).unwrap();
+        let composed = scattered.sub(&lp.exp().unwrap().mul(&s).unwrap()).unwrap();
+        prop_assert_eq!(dx.to_vec().unwrap(), composed.to_vec().unwrap());
+        let p = softmax_ref(&x, 1, false);
+        let want_loss = Nd::from_fn(&[n], |i| {
+            -softmax_ref(&x, 1, true).at(&[i[0], t.at(i) as usize])
+        });
+        let want_dx = Nd::from_fn(&[n, c], |i| {
+            let hot = if i[1] == t.at(&[i[0]]) as usize { 1.0 } else { 0.0 };
+            g.at(&[i[0]]) * (p.at(i) - hot)
+        });
+        assert_nd(&loss, &want_loss, 1e-5, 1e-5);
+        assert_nd(&dx, &want_dx, 1e-5, 1e-6);
+    }
+
+    #[test]
+    fn add_layer_norm_and_its_backward_match_naive_and_the_unfused_ops(
+        shape in prop::collection::vec(1usize..9, 1..4),
+        variant in 0..VARIANTS,
+        seed in 0u64..1000,
+    ) {
+        let d = *shape.last().unwrap();
+        let x = Nd::rand(&shape, seed, -3.0, 3.0);
+        let r = Nd::rand(&shape, seed ^ 1, -3.0, 3.0);
+        let gamma = Nd::rand(&[d], seed ^ 2, 0.5, 1.5);
+        let beta = Nd::rand(&[d], seed ^ 3, -1.0, 1.0);
+        let g = Nd::rand(&shape, seed ^ 4, -1.0, 1.0);
+        let carry = Nd::rand(&shape, seed ^ 5, -1.0, 1.0);
+        let (xt, rt) = (x.tensor_as(variant), r.tensor_as(variant));
+        let (gm, bt, gt, ct) = (gamma.tensor(), beta.tensor(), g.tensor_as(variant), carry.tensor());
+        let (s, y, mean, rstd) = xt.add_layer_norm(&rt, &gm, &bt, 1e-5).unwrap();
+        let s2 = xt.add(&rt).unwrap();
+        let (y2, mean2, rstd2) = s2.layer_norm(&gm, &bt, 1e-5).unwrap();
+        for (a, b) in [(&s, &s2), (&y, &y2), (&mean, &mean2), (&rstd, &rstd2)] {
+            prop_assert_eq!(a.shape(), b.shape());
+            prop_assert_eq!(a.to_vec().unwrap(), b.to_vec().unwrap());
+        }
+        for carry in [None, Some(&ct)] {
+            let dx = Tensor::layer_norm_backward(&s, &mean, &rstd, &gm, &gt, carry).unwrap();
+            let unfused = layer_norm_grad_unfused(&s, &mean, &rstd, &gm, &gt, carry);
+            prop_assert_eq!(dx.to_vec().unwrap(), unfused.to_vec().unwrap());
+        }
+        // An f64 reference of the gradient: dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)).
+        let dx = Tensor::layer_norm_backward(&s, &mean, &rstd, &gm, &gt, Some(&ct)).unwrap();
+        let rows = x.data.len() / d;
+        let mut want = vec![0f32; x.data.len()];
+        for row in 0..rows {
+            let sv: Vec<f64> = (0..d).map(|j| (x.data[row * d + j] + r.data[row * d + j]) as f64).collect();
+            let mu = sv.iter().sum::<f64>() / d as f64;
+            let var = sv.iter().map(|v| (v - mu).powi(2)).sum::<f64>() / d as f64;
+            let rs = 1.0 / (var + 1e-5).sqrt();
+            let xh: Vec<f64> = sv.iter().map(|v| (v - mu) * rs).collect();
+            let gh: Vec<f64> = (0..d).map(|j| (g.data[row * d + j] * gamma.data[j]) as f64).collect();
+            let m1 = gh.iter().sum::<f64>() / d as f64;
+            let m2 = gh.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>() / d as f64;
+            for j in 0..d {
+                let v = rs * (gh[j] - m1 - xh[j] * m2) + carry.data[row * d + j] as f64;
+                want[row * d + j] = v as f32;
+            }
+        }
+        assert_close(&dx.to_vec().unwrap(), &want, 1e-4, 1e-4);
+    }
+}
+
+#[test]
+fn fused_loss_and_norm_errors_name_op_and_shapes() {
+    let dev = Device::cpu();
+    let x = Tensor::zeros(&[2, 3], &dev).unwrap();
+    let err = |r: Result<_, Error>| r.err().map(|e| e.to_string()).unwrap_or_default();
+    let bad_t = Tensor::from_slice(&[0.0, 3.0], &[2], &dev).unwrap();
+    let e = err(x.cross_entropy_rows(&bad_t).map(|_| ()));
+    assert!(e.contains("cross_entropy") && e.contains("index 3"), "{e}");
+    let short = Tensor::zeros(&[3], &dev).unwrap();
+    let e = err(x.cross_entropy_rows(&short).map(|_| ()));
+    assert!(e.contains("[2, 3]") && e.contains("[3]"), "{e}");
+    let ones = Tensor::ones(&[3], &dev).unwrap();
+    let e = err(x
+        .add_layer_norm(&Tensor::zeros(&[3, 2], &dev).unwrap(), &ones, &ones, 1e-5)
+        .map(|_| ()));
+    assert!(e.contains("add_layer_norm") && e.contains("[3, 2]"), "{e}");
+    let e = err(x
+        .add_layer_norm(&x, &short.reshape(&[1, 3]).unwrap(), &ones, 1e-5)
+        .map(|_| ()));
+    assert!(e.contains("gamma"), "{e}");
+}
+
+/// Inputs big enough to be cut into row chunks run on several threads (when there are several):
+/// the same bits as the unfused ops.
+#[test]
+fn fused_loss_and_norm_split_over_threads_match_the_unfused_ops() {
+    let (n, d) = (300, 200);
+    let x = Nd::rand(&[n, d], 1, -4.0, 4.0).tensor();
+    let r = Nd::rand(&[n, d], 2, -4.0, 4.0).tensor();
+    let gamma = Nd::rand(&[d], 3, 0.5, 1.5).tensor();
+    let beta = Nd::rand(&[d], 4, -1.0, 1.0).tensor();
+    let (s, y, mean, rstd) = x.add_layer_norm(&r, &gamma, &beta, 1e-5).unwrap();
+    let s2 = x.add(&r).unwrap();
+    let (y2, mean2, rstd2) = s2.layer_norm(&gamma, &beta, 1e-5).unwrap();
+    for (a, b) in [(&s, &s2), (&y, &y2), (&mean, &mean2), (&rstd, &rstd2)] {
+        assert_eq!(a.to_vec().unwrap(), b.to_vec().unwrap());
+    }
+    let t = Nd::rand_index(&[n], 5, d).tensor();
+    let (loss, _, _) = x.cross_entropy_rows(&t).unwrap();
+    let lp = x.log_softmax(-1).unwrap();
+    let unfused = lp
+        .gather(1, &t.reshape(&[n, 1]).unwrap())
+        .unwrap()
+        .neg()
+        .unwrap();
+    assert_eq!(loss.to_vec().unwrap(), unfused.to_vec().unwrap());
+}

@@ -576,6 +576,83 @@ fn causal_softmax_and_softmax_backward() {
     );
 }
 
+#[test]
+fn cross_entropy_and_its_backward() {
+    let strat = (1usize..9, 1usize..40, view(), any::<u64>(), any::<bool>());
+    run(
+        "cross_entropy/backward",
+        strat,
+        |dev, (n, mut c, v, seed, long)| {
+            if long {
+                // now and then rows longer than one workgroup
+                c = 300 + (seed % 100) as usize;
+            }
+            let ids: Vec<f32> = (0..n)
+                .map(|i| ((seed as usize + i * 7) % c) as f32)
+                .collect();
+            let all = |dv: &Device| -> Vec<Tensor> {
+                let x = operand(dv, &[n, c], v, seed, false, |x| 4.0 * x);
+                let t = Tensor::from_slice(&ids, &[n], dv).unwrap();
+                let g = operand(dv, &[n], View::Contiguous, seed ^ 5, false, id);
+                let (loss, max, logsum) = x.cross_entropy_rows(&t).unwrap();
+                let dx = Tensor::cross_entropy_backward(&x, &t, &max, &logsum, &g).unwrap();
+                vec![loss, max, logsum, dx]
+            };
+            let names = ["loss", "max", "logsum", "dx"];
+            for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(names) {
+                close(
+                    g,
+                    &c,
+                    1e-4,
+                    1e-5,
+                    &format!("cross_entropy {name} of [{n}, {c:?}]"),
+                )?;
+            }
+            Ok(())
+        },
+    );
+}
+
+#[test]
+fn add_layer_norm_and_layer_norm_backward() {
+    let strat = (
+        shape(3, 5),
+        1usize..40,
+        view(),
+        view(),
+        any::<u64>(),
+        any::<bool>(),
+    );
+    run(
+        "add_layer_norm/layer_norm_backward",
+        strat,
+        |dev, (mut shape, mut d, v, vr, seed, long)| {
+            if long {
+                d = 300 + (seed % 100) as usize;
+            }
+            shape.push(d);
+            let all = |dv: &Device| -> Vec<Tensor> {
+                let x = operand(dv, &shape, v, seed, false, |x| 2.0 * x);
+                let r = operand(dv, &shape, vr, seed ^ 1, false, id);
+                let gamma = operand(dv, &[d], View::Contiguous, seed ^ 2, false, positive);
+                let beta = operand(dv, &[d], View::Offset, seed ^ 3, false, id);
+                let g = operand(dv, &shape, vr, seed ^ 4, false, id);
+                let carry = operand(dv, &shape, v, seed ^ 6, false, id);
+                let (s, y, mean, rstd) = x.add_layer_norm(&r, &gamma, &beta, 1e-5).unwrap();
+                let dx = Tensor::layer_norm_backward(&s, &mean, &rstd, &gamma, &g, None).unwrap();
+                let dxc = Tensor::layer_norm_backward(&s, &mean, &rstd, &gamma, &g, Some(&carry))
+                    .unwrap();
+                vec![s, y, mean, rstd, dx, dxc]
+            };
+            let names = ["sum", "y", "mean", "rstd", "dx", "dx + carry"];
+            for ((g, c), name) in all(dev).iter().zip(all(&cpu())).zip(names) {
+                close(g, &c, 1e-4, 1e-4, &format!("{name} of {shape:?}"))?;
+            }
+            Ok(())
+        },
+    );
+}
+
 // ---------------------------------------------------------------- matmul
 
 #[test]

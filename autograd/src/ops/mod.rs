@@ -3,6 +3,7 @@
 
 mod attention;
 mod bias_act;
+mod cross_entropy;
 mod elementwise;
 mod index;
 mod linalg;

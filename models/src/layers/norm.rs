@@ -27,6 +27,29 @@ impl LayerNorm {
     pub fn eps(&self) -> f32 {
         self.eps
     }
+
+    /// `(x + r, self(x + r))` in one fused pass (a pre-LN block's residual add and the norm
+    /// after it), bit for bit the add and then [`Module::forward`].
+    pub fn forward_residual(&self, x: &Var, r: &Var) -> Result<(Var, Var)> {
+        self.check_input(x)?;
+        let (t, d) = (x.tape(), x.value().dtype());
+        x.add_layer_norm(
+            r,
+            &t.param_in(&self.weight, d)?,
+            &t.param_in(&self.bias, d)?,
+            self.eps,
+        )
+    }
+
+    fn check_input(&self, x: &Var) -> Result<()> {
+        if x.shape().last() != Some(&self.dim) {
+            return Err(shape_error(
+                "LayerNorm",
+                format!("input {:?} does not end in dim = {}", x.shape(), self.dim),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Module for LayerNorm {
@@ -34,12 +57,7 @@ impl Module for LayerNorm {
         format!("LayerNorm({})", self.dim)
     }
     fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
-        if x.shape().last() != Some(&self.dim) {
-            return Err(shape_error(
-                "LayerNorm",
-                format!("input {:?} does not end in dim = {}", x.shape(), self.dim),
-            ));
-        }
+        self.check_input(x)?;
         // On the stream's dtype (autocast); the statistics accumulate in f32 in the kernel.
         let (t, d) = (x.tape(), x.value().dtype());
         x.layer_norm(

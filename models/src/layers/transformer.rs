@@ -111,8 +111,12 @@ impl Module for TransformerBlock {
     }
     fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
         let a = self.attn.forward(&self.ln1.forward(x, ctx)?, ctx)?;
-        let x = x.add(&self.drop1.forward(&a, ctx)?)?;
-        let m = self.mlp.forward(&self.ln2.forward(&x, ctx)?, ctx)?;
+        // The first residual add and ln2 in one pass. The second add stays plain: the next
+        // block's ln1 is in another layer (a pipeline stage may end here).
+        let (x, h) = self
+            .ln2
+            .forward_residual(x, &self.drop1.forward(&a, ctx)?)?;
+        let m = self.mlp.forward(&h, ctx)?;
         x.add(&self.drop2.forward(&m, ctx)?)
     }
     fn parameters(&self) -> Vec<(String, Param)> {

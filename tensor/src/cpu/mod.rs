@@ -15,6 +15,7 @@ use crate::tensor::Tensor;
 
 mod bias_act;
 mod conv;
+mod cross_entropy;
 mod elementwise;
 mod half_cast;
 pub(crate) mod host_pool;
@@ -350,6 +351,113 @@ impl Kernels for CpuKernels {
             }
             .into_tensor(&[rows], dev),
         ))
+    }
+
+    fn cross_entropy_rows(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        debug_assert_eq!(x.numel(), rows * cols);
+        let dev = x.device();
+        let mut loss = Out::for_overwrite(dev, rows)?;
+        let mut max = Out::for_overwrite(dev, rows)?;
+        let mut logsum = Out::for_overwrite(dev, rows)?;
+        cross_entropy::cross_entropy_rows(
+            &mut loss.data,
+            &mut max.data,
+            &mut logsum.data,
+            &contig(x),
+            &contig(targets),
+        );
+        Ok((
+            loss.into_tensor(&[rows], dev),
+            max.into_tensor(&[rows], dev),
+            logsum.into_tensor(&[rows], dev),
+        ))
+    }
+
+    fn cross_entropy_backward_rows(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        max: &Tensor,
+        logsum: &Tensor,
+        g: &Tensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Tensor> {
+        let mut out = Out::for_overwrite(x.device(), rows * cols)?;
+        cross_entropy::cross_entropy_backward_rows(
+            &mut out.data,
+            &contig(x),
+            &contig(targets),
+            &contig(max),
+            &contig(logsum),
+            &contig(g),
+        );
+        Ok(out.into_tensor(&[rows, cols], x.device()))
+    }
+
+    fn add_layer_norm_rows(
+        &self,
+        x: &Tensor,
+        r: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let dev = x.device();
+        let mut s = Out::for_overwrite(dev, rows * cols)?;
+        let mut y = Out::for_overwrite(dev, rows * cols)?;
+        let mut mean = Out::for_overwrite(dev, rows)?;
+        let mut rstd = Out::for_overwrite(dev, rows)?;
+        norm::add_layer_norm_rows(
+            &mut s.data,
+            &mut y.data,
+            &mut mean.data,
+            &mut rstd.data,
+            &contig(x),
+            &contig(r),
+            &contig(gamma),
+            &contig(beta),
+            eps,
+        );
+        Ok((
+            s.into_tensor(&[rows, cols], dev),
+            y.into_tensor(&[rows, cols], dev),
+            mean.into_tensor(&[rows], dev),
+            rstd.into_tensor(&[rows], dev),
+        ))
+    }
+
+    fn layer_norm_backward_rows(
+        &self,
+        x: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        gamma: &Tensor,
+        g: &Tensor,
+        carry: Option<&Tensor>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Tensor> {
+        let mut out = Out::for_overwrite(x.device(), rows * cols)?;
+        let carry = carry.map(contig);
+        norm::layer_norm_backward_rows(
+            &mut out.data,
+            &contig(x),
+            &contig(mean),
+            &contig(rstd),
+            &contig(gamma),
+            &contig(g),
+            carry.as_deref(),
+        );
+        Ok(out.into_tensor(&[rows, cols], x.device()))
     }
 
     fn index_select(

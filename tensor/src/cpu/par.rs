@@ -109,3 +109,33 @@ where
             .for_each(|(c, chunk)| f(c * rpc, chunk)),
     }
 }
+
+/// Runs `f(first_row, parts)` over `outs` cut into chunks of whole rows, output `k` holding
+/// `widths[k]` values per row (`rows` rows of `work_per_row` elements of work), in parallel when
+/// the job is big: for kernels with several outputs per row (a value row and per-row statistics).
+pub(crate) fn for_row_chunks<const N: usize>(
+    outs: [&mut [f32]; N],
+    widths: [usize; N],
+    rows: usize,
+    work_per_row: usize,
+    f: impl Fn(usize, [&mut [f32]; N]) + Sync + Send,
+) {
+    let Some(rpc) = rows_per_chunk(rows, work_per_row) else {
+        return f(0, outs);
+    };
+    let mut chunks: Vec<Vec<&mut [f32]>> = Vec::new();
+    for (out, w) in outs.into_iter().zip(widths) {
+        for (c, part) in out.chunks_mut(rpc * w).enumerate() {
+            if chunks.len() <= c {
+                chunks.push(Vec::with_capacity(N));
+            }
+            chunks[c].push(part);
+        }
+    }
+    chunks.into_par_iter().enumerate().for_each(|(c, parts)| {
+        let parts: [&mut [f32]; N] = parts
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("every output has the same number of row chunks"));
+        f(c * rpc, parts)
+    });
+}

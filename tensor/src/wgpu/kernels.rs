@@ -753,6 +753,7 @@ impl Kernels for WgpuContext {
                 x_offset: u(x.layout().offset),
                 gamma_offset: u(gamma.layout().offset),
                 beta_offset: u(beta.layout().offset),
+                r_offset: 0,
             }
             .words(&[]),
             &[
@@ -768,6 +769,184 @@ impl Kernels for WgpuContext {
         )?;
         self.check()?;
         Ok((y, mean, rstd))
+    }
+
+    fn cross_entropy_rows(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        self.check_row_len("cross_entropy", cols)?;
+        let x = self.packed(x)?;
+        let t = self.packed(targets)?;
+        let dev = x.device();
+        let loss = self.empty(dev, &[rows])?;
+        let max = self.empty(dev, &[rows])?;
+        let logsum = self.empty(dev, &[rows])?;
+        self.dispatch(
+            Kernel::CrossEntropy { wg: self.row_wg() },
+            &CrossEntropyParams {
+                rows: u(rows),
+                cols: u(cols),
+                x_offset: u(x.layout().offset),
+                t_offset: u(t.layout().offset),
+            }
+            .words(&[]),
+            &[
+                Arg::of(gpu(&x)?),
+                Arg::of(gpu(&t)?),
+                Arg::of(gpu(&loss)?),
+                Arg::of(gpu(&max)?),
+                Arg::of(gpu(&logsum)?),
+            ],
+            rows as u64,
+            1,
+        )?;
+        self.check()?;
+        Ok((loss, max, logsum))
+    }
+
+    fn cross_entropy_backward_rows(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        max: &Tensor,
+        logsum: &Tensor,
+        g: &Tensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Tensor> {
+        self.check_row_len("cross_entropy backward", cols)?;
+        let [x, t, max, logsum, g] = [x, targets, max, logsum, g].map(|v| self.packed(v));
+        let (x, t, max, logsum, g) = (x?, t?, max?, logsum?, g?);
+        let out = self.empty(x.device(), &[rows, cols])?;
+        let off = |v: &Tensor| u(v.layout().offset);
+        self.dispatch(
+            Kernel::CrossEntropyBackward { wg: self.row_wg() },
+            &CrossEntropyBackwardParams {
+                rows: u(rows),
+                cols: u(cols),
+                x_offset: off(&x),
+                t_offset: off(&t),
+                max_offset: off(&max),
+                logsum_offset: off(&logsum),
+                g_offset: off(&g),
+            }
+            .words(&[]),
+            &[
+                Arg::of(gpu(&x)?),
+                Arg::of(gpu(&t)?),
+                Arg::of(gpu(&max)?),
+                Arg::of(gpu(&logsum)?),
+                Arg::of(gpu(&g)?),
+                Arg::of(gpu(&out)?),
+            ],
+            rows as u64,
+            1,
+        )?;
+        self.check()?;
+        Ok(out)
+    }
+
+    /// Mean and rstd come back as views of one `[2, rows]` buffer (the kernel's binding budget).
+    fn add_layer_norm_rows(
+        &self,
+        x: &Tensor,
+        r: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        self.check_row_len("add_layer_norm", cols)?;
+        let x = self.packed(x)?;
+        let r = self.packed(r)?;
+        let gamma = self.packed(gamma)?;
+        let beta = self.packed(beta)?;
+        let dev = x.device();
+        let s = self.empty(dev, &[rows, cols])?;
+        let y = self.empty(dev, &[rows, cols])?;
+        let stats = self.empty(dev, &[2, rows])?;
+        self.dispatch(
+            Kernel::AddLayerNorm { wg: self.row_wg() },
+            &LayerNormParams {
+                rows: u(rows),
+                cols: u(cols),
+                eps,
+                x_offset: u(x.layout().offset),
+                gamma_offset: u(gamma.layout().offset),
+                beta_offset: u(beta.layout().offset),
+                r_offset: u(r.layout().offset),
+            }
+            .words(&[]),
+            &[
+                Arg::of(gpu(&x)?),
+                Arg::of(gpu(&gamma)?),
+                Arg::of(gpu(&beta)?),
+                Arg::of(gpu(&r)?),
+                Arg::of(gpu(&y)?),
+                Arg::of(gpu(&stats)?),
+                Arg::of(gpu(&s)?),
+            ],
+            rows as u64,
+            1,
+        )?;
+        self.check()?;
+        let mean = stats.narrow(0, 0, 1)?.reshape(&[rows])?;
+        let rstd = stats.narrow(0, 1, 1)?.reshape(&[rows])?;
+        Ok((s, y, mean, rstd))
+    }
+
+    fn layer_norm_backward_rows(
+        &self,
+        x: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        gamma: &Tensor,
+        g: &Tensor,
+        carry: Option<&Tensor>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Tensor> {
+        self.check_row_len("layer_norm backward", cols)?;
+        let [x, mean, rstd, gamma, g] = [x, mean, rstd, gamma, g].map(|v| self.packed(v));
+        let (x, mean, rstd, gamma, g) = (x?, mean?, rstd?, gamma?, g?);
+        let carry = carry.map(|c| self.packed(c)).transpose()?;
+        let out = self.empty(x.device(), &[rows, cols])?;
+        let off = |v: &Tensor| u(v.layout().offset);
+        // Without a carry, g is bound in its place and not read.
+        let c = carry.as_ref().unwrap_or(&g);
+        self.dispatch(
+            Kernel::LayerNormBackward { wg: self.row_wg() },
+            &LayerNormBackwardParams {
+                rows: u(rows),
+                cols: u(cols),
+                x_offset: off(&x),
+                mean_offset: off(&mean),
+                rstd_offset: off(&rstd),
+                gamma_offset: off(&gamma),
+                g_offset: off(&g),
+                carry_offset: off(c),
+                has_carry: carry.is_some().into(),
+            }
+            .words(&[]),
+            &[
+                Arg::of(gpu(&x)?),
+                Arg::of(gpu(&mean)?),
+                Arg::of(gpu(&rstd)?),
+                Arg::of(gpu(&gamma)?),
+                Arg::of(gpu(&g)?),
+                Arg::of(gpu(c)?),
+                Arg::of(gpu(&out)?),
+            ],
+            rows as u64,
+            1,
+        )?;
+        self.check()?;
+        Ok(out)
     }
 
     fn index_select(

@@ -632,17 +632,39 @@ fn the_stage_report_shows_memory_by_dtype() {
     };
     let r32 = run(DType::F32);
     for st in &r32.stages {
-        assert!(st.memory.peak_of_dtype(DType::F32) > 0, "stage {}", st.stage);
+        assert!(
+            st.memory.peak_of_dtype(DType::F32) > 0,
+            "stage {}",
+            st.stage
+        );
         assert_eq!(st.memory.peak_of_dtype(DType::F16), 0, "stage {}", st.stage);
-        assert_eq!(st.memory.peak_of_dtype(DType::BF16), 0, "stage {}", st.stage);
+        assert_eq!(
+            st.memory.peak_of_dtype(DType::BF16),
+            0,
+            "stage {}",
+            st.stage
+        );
     }
     for (half, other) in [(DType::F16, DType::BF16), (DType::BF16, DType::F16)] {
         let r = run(half);
         for st in &r.stages {
-            assert!(st.memory.peak_of_dtype(half) > 0, "{half:?} stage {}", st.stage);
-            assert_eq!(st.memory.peak_of_dtype(other), 0, "{half:?} stage {}", st.stage);
+            assert!(
+                st.memory.peak_of_dtype(half) > 0,
+                "{half:?} stage {}",
+                st.stage
+            );
+            assert_eq!(
+                st.memory.peak_of_dtype(other),
+                0,
+                "{half:?} stage {}",
+                st.stage
+            );
             // Master weights and optimizer state stay f32.
-            assert!(st.memory.peak_of_dtype(DType::F32) > 0, "{half:?} stage {}", st.stage);
+            assert!(
+                st.memory.peak_of_dtype(DType::F32) > 0,
+                "{half:?} stage {}",
+                st.stage
+            );
         }
         assert!(r.stage_table().contains("peak f32 / f16 / bf16 MiB"));
     }

@@ -3,6 +3,8 @@
 
 mod attention;
 mod conv;
+mod cross_entropy;
+mod norm;
 mod pool;
 
 pub use conv::Conv2dParams;
