@@ -99,12 +99,10 @@ impl MemoryStats {
     }
 }
 
+/// The dtype's slot in the by-dtype counters: its place in [`DType::ALL`], which lists the
+/// variants in declaration order.
 fn dtype_index(dtype: DType) -> usize {
-    match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::BF16 => 2,
-    }
+    dtype as usize
 }
 
 #[derive(Default)]
@@ -305,6 +303,13 @@ mod tests {
         drop(b);
         assert_eq!(m.stats().live, 0);
         assert_eq!(m.stats().peak_of(Tag::Activations), 50);
+    }
+
+    #[test]
+    fn dtype_slots_follow_dtype_all() {
+        for (i, d) in DType::ALL.into_iter().enumerate() {
+            assert_eq!(dtype_index(d), i, "{d}");
+        }
     }
 
     #[test]
