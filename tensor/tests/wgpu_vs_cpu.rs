@@ -633,7 +633,14 @@ fn add_layer_norm_and_layer_norm_backward() {
             shape.push(d);
             let all = |dv: &Device| -> Vec<Tensor> {
                 let x = operand(dv, &shape, v, seed, false, |x| 2.0 * x);
-                let r = operand(dv, &shape, vr, seed ^ 1, false, id);
+                // Two views both broadcast along the row sum to a constant row: zero variance,
+                // so y would be rounding noise times 1/sqrt(eps) (CI met it). The residual gets a
+                // view whose rows vary; constant rows have their own exact test below.
+                let vr_sum = match vr {
+                    View::Broadcast(_) => View::Offset,
+                    other => other,
+                };
+                let r = operand(dv, &shape, vr_sum, seed ^ 1, false, id);
                 let gamma = operand(dv, &[d], View::Contiguous, seed ^ 2, false, positive);
                 let beta = operand(dv, &[d], View::Offset, seed ^ 3, false, id);
                 let g = operand(dv, &shape, vr, seed ^ 4, false, id);
@@ -651,6 +658,35 @@ fn add_layer_norm_and_layer_norm_backward() {
             Ok(())
         },
     );
+}
+
+/// A constant row has zero variance: y must be exactly beta on every backend (the sum and the
+/// mean of equal, representable values are exact when the row length is a power of two).
+#[test]
+fn add_layer_norm_of_a_constant_row_is_beta() {
+    let devs = match gpus() {
+        Ok(d) => d,
+        Err(reason) => {
+            eprintln!("SKIPPED: no wgpu adapter ({reason})");
+            return;
+        }
+    };
+    for d in [8usize, 256, 512] {
+        let beta_vals: Vec<f32> = values(d, 11, false);
+        let all = |dv: &Device| -> Vec<f32> {
+            let x = Tensor::from_vec(vec![1.0; 2 * d], &[2, d], dv).unwrap();
+            let r = Tensor::from_vec(vec![0.5; 2 * d], &[2, d], dv).unwrap();
+            let gamma = Tensor::from_vec(values(d, 7, false), &[d], dv).unwrap();
+            let beta = Tensor::from_slice(&beta_vals, &[d], dv).unwrap();
+            let (_, y, _, _) = x.add_layer_norm(&r, &gamma, &beta, 1e-5).unwrap();
+            y.to_vec().unwrap()
+        };
+        let want: Vec<f32> = beta_vals.iter().chain(&beta_vals).copied().collect();
+        assert_eq!(all(&cpu()), want, "cpu, row of {d}");
+        for dev in devs {
+            assert_eq!(all(dev), want, "{dev}, row of {d}");
+        }
+    }
 }
 
 // ---------------------------------------------------------------- matmul
