@@ -14,27 +14,31 @@ use wgpipe_tensor::{BinaryOp, Device, Error, Tensor, UnaryOp};
 /// Cases per property (each case runs on every adapter).
 const CASES: u32 = 32;
 
+/// The wgpu devices every test shares (opened once).
 fn gpus() -> &'static Result<Vec<Device>, String> {
     static GPUS: OnceLock<Result<Vec<Device>, String>> = OnceLock::new();
-    GPUS.get_or_init(|| {
-        let mut devs = Vec::new();
-        let mut reason = String::new();
-        match Device::software_wgpu() {
+    GPUS.get_or_init(open_gpus)
+}
+
+/// Opens a new device on lavapipe and on every hardware adapter, or says why there is none.
+fn open_gpus() -> Result<Vec<Device>, String> {
+    let mut devs = Vec::new();
+    let mut reason = String::new();
+    match Device::software_wgpu() {
+        Ok(d) => devs.push(d),
+        Err(e) => reason = e.to_string(),
+    }
+    for a in Device::adapters().iter().filter(|a| !a.is_software) {
+        match Device::wgpu(a.index) {
             Ok(d) => devs.push(d),
-            Err(e) => reason = e.to_string(),
+            Err(e) => reason = format!("{reason}; {}: {e}", a.name),
         }
-        for a in Device::adapters().iter().filter(|a| !a.is_software) {
-            match Device::wgpu(a.index) {
-                Ok(d) => devs.push(d),
-                Err(e) => reason = format!("{reason}; {}: {e}", a.name),
-            }
-        }
-        if devs.is_empty() {
-            Err(reason)
-        } else {
-            Ok(devs)
-        }
-    })
+    }
+    if devs.is_empty() {
+        Err(reason)
+    } else {
+        Ok(devs)
+    }
 }
 
 /// Runs `check` on `CASES` random values of `strategy` for every wgpu device, or says why not.
@@ -1046,14 +1050,15 @@ fn transfers_between_devices() {
 
 #[test]
 fn oversized_allocations_are_errors_not_panics() {
-    let devs = match gpus() {
+    // Devices of its own: the shared ones' live bytes move with the tests running beside it.
+    let devs = match open_gpus() {
         Ok(d) => d,
         Err(reason) => {
             eprintln!("SKIPPED: no wgpu adapter ({reason})");
             return;
         }
     };
-    for dev in devs {
+    for dev in &devs {
         // 2^33 elements: past every adapter's u32 indexing and buffer limits.
         let before = dev.memory_stats().live;
         match Tensor::zeros(&[1 << 33], dev) {
