@@ -226,20 +226,24 @@ fn time_steps(
     Ok((n as f64 / t0.elapsed().as_secs_f64(), loss))
 }
 
+/// A plain training loop, run on the CPU backend's threads (`on_cpu_pool`) as PyTorch's runs on
+/// its OpenMP threads.
 fn bench_plain(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<(f64, f32)> {
     let Work { layers, x, y } = workload(w, dev)?;
     let params = sequence_parameters(&layers);
     let mut opt = optimizer_of(w);
-    time_steps(args, |step| {
-        let tape = Tape::new();
-        let input = tape.constant(x.clone());
-        let out = forward_all(&layers, &input, &ForwardCtx::train(0, step, 0))?;
-        let loss = loss_of(w, &out, &y)?;
-        tape.backward(&loss)?;
-        finish_step_all(&layers)?;
-        opt.step(&params)?;
-        zero_grad(&params);
-        Ok(loss.to_scalar()?)
+    crate::tensor::on_cpu_pool(move || {
+        time_steps(args, |step| {
+            let tape = Tape::new();
+            let input = tape.constant(x.clone());
+            let out = forward_all(&layers, &input, &ForwardCtx::train(0, step, 0))?;
+            let loss = loss_of(w, &out, &y)?;
+            tape.backward(&loss)?;
+            finish_step_all(&layers)?;
+            opt.step(&params)?;
+            zero_grad(&params);
+            Ok(loss.to_scalar()?)
+        })
     })
 }
 

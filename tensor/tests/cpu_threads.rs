@@ -2,7 +2,7 @@
 //! threads, and give the same bits as when they use the whole pool.
 
 use wgpipe_tensor::rng::uniform_vec;
-use wgpipe_tensor::{share_cpu_threads, Device, Tensor};
+use wgpipe_tensor::{on_cpu_pool, share_cpu_threads, Device, Tensor};
 
 fn t(shape: &[usize], seed: u64) -> Tensor {
     Tensor::from_vec(
@@ -73,4 +73,48 @@ fn kernels_give_the_same_bits_whatever_threads_they_share() {
             assert_eq!(one, whole, "one of {pool_threads} threads");
         });
     }
+}
+
+/// A global pool of at least two threads, so `on_cpu_pool` really moves to another thread
+/// (this binary's other test uses pools of its own).
+fn two_thread_global_pool() {
+    // Already built (by an earlier call) is fine: it is built here or with one thread per core.
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build_global();
+    assert!(
+        rayon::current_num_threads() >= 2,
+        "the global pool runs {} thread(s); this test needs 2",
+        rayon::current_num_threads()
+    );
+}
+
+#[test]
+fn on_cpu_pool_runs_on_a_pool_thread_and_gives_the_same_bits() {
+    two_thread_global_pool();
+    assert_eq!(
+        rayon::current_thread_index(),
+        None,
+        "the test thread is outside the pool"
+    );
+    let outside = workload();
+    let (index, inside) = on_cpu_pool(|| (rayon::current_thread_index(), workload()));
+    assert!(index.is_some(), "f ran outside the pool");
+    assert_eq!(inside, outside);
+    // Nested: already on a pool thread, f runs right there.
+    let nested = on_cpu_pool(|| {
+        let here = rayon::current_thread_index();
+        on_cpu_pool(move || rayon::current_thread_index() == here)
+    });
+    assert!(nested);
+}
+
+#[test]
+fn a_panic_in_on_cpu_pool_reaches_the_caller() {
+    two_thread_global_pool();
+    let r = std::panic::catch_unwind(|| on_cpu_pool(|| -> u32 { panic!("boom in the pool") }));
+    let msg = r.expect_err("the panic was lost");
+    assert_eq!(msg.downcast_ref::<&str>(), Some(&"boom in the pool"));
+    // The pool still works.
+    assert_eq!(on_cpu_pool(|| 7), 7);
 }

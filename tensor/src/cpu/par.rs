@@ -62,6 +62,34 @@ pub fn share_cpu_threads<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Runs `f` on one of the CPU backend's own threads and returns its result (a panic in `f` is
+/// resumed on the caller). A training loop run this way issues its kernels from inside the pool,
+/// as an OpenMP program's main thread does: a parallel op pushes work onto the calling thread's
+/// own queue for the other threads to steal and runs its share itself, rather than handing the
+/// whole op to the pool and sleeping until it is done (a wake-up on each side of every op).
+/// Results are bit-identical either way.
+///
+/// `f` must not wait for another thread that runs CPU kernels (a pipeline's device threads, say):
+/// while it waits it holds one of the pool's threads. With a one-thread pool, or when already on
+/// a pool thread, `f` simply runs here.
+pub fn on_cpu_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_num_threads() <= 1 || rayon::current_thread_index().is_some() {
+        return f();
+    }
+    // A caller inside `share_cpu_threads` keeps its share on the pool thread.
+    let sharing = SHARING.with(Cell::get);
+    rayon::scope(move |_| {
+        struct Restore(bool);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                SHARING.with(|s| s.set(self.0));
+            }
+        }
+        let _restore = Restore(SHARING.with(|s| s.replace(sharing)));
+        f()
+    })
+}
+
 /// The threads a kernel called on this thread may split its work over (see
 /// [`share_cpu_threads`]).
 pub(crate) fn kernel_threads() -> usize {
@@ -138,4 +166,21 @@ pub(crate) fn for_row_chunks<const N: usize>(
             .unwrap_or_else(|_| unreachable!("every output has the same number of row chunks"));
         f(c * rpc, parts)
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn on_cpu_pool_keeps_the_callers_share_of_the_threads() {
+        let pool = rayon::current_num_threads();
+        let (outside, inside) = share_cpu_threads(|| {
+            share_cpu_threads(|| (kernel_threads(), on_cpu_pool(kernel_threads)))
+        });
+        // Two sharing threads (nested calls count as two) leave each half the pool.
+        assert_eq!(outside, (pool / 2).max(1));
+        assert_eq!(inside, outside, "the share was lost on the pool thread");
+        assert_eq!(on_cpu_pool(kernel_threads), pool);
+    }
 }
