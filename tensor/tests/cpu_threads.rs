@@ -15,7 +15,8 @@ fn t(shape: &[usize], seed: u64) -> Tensor {
 
 /// Ops whose CPU kernels choose how to split by the thread count: one big matmul (gemm's own
 /// threads), many small ones (one per task), a transposed operand, elementwise work over the
-/// parallel threshold, layer norm rows, an embedding gradient (index_add by columns).
+/// parallel threshold, layer norm rows, an embedding gradient (index_add by columns), a bias
+/// gradient (column sums).
 fn workload() -> Vec<Vec<u32>> {
     let a = t(&[256, 200], 1);
     let b = t(&[200, 300], 2);
@@ -41,6 +42,8 @@ fn workload() -> Vec<Vec<u32>> {
             .unwrap(),
         x.layer_norm(&g, &g, 1e-5).unwrap().0,
         Tensor::index_add(0, &idx, &t(&[600, 256], 8), 50).unwrap(),
+        // a bias gradient: column sums, in bands of columns
+        t(&[600, 256], 9).sum(&[0], false).unwrap(),
     ];
     outs.iter()
         .map(|o| o.to_vec().unwrap().iter().map(|v| v.to_bits()).collect())

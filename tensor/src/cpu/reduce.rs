@@ -34,14 +34,32 @@ pub(crate) fn sum(xs: &[f32]) -> f32 {
 
 /// `out[j] = sum_i x[i * out.len() + j]`: the sums of the columns of contiguous
 /// `[x.len() / out.len(), out.len()]` data (a bias gradient), row after row into f64 running sums
-/// (vectorised across the columns; no transposing copy; at least as accurate as [`sum`]).
+/// (vectorised across the columns; no transposing copy; at least as accurate as [`sum`]). Big
+/// inputs are cut into bands of columns, one per task: each column is still summed row after
+/// row, so the bits do not depend on the threads.
 pub(crate) fn sum_columns(out: &mut [f32], x: &[f32]) {
-    let mut acc = vec![0f64; out.len()];
-    for row in x.chunks_exact(out.len()) {
-        add_row_f64(&mut acc, row);
+    let width = out.len();
+    if width == 0 {
+        return;
     }
-    for (o, a) in out.iter_mut().zip(acc) {
-        *o = a as f32;
+    let band = |first: usize, o: &mut [f32]| {
+        let mut acc = vec![0f64; o.len()];
+        for row in x.chunks_exact(width) {
+            add_row_f64(&mut acc, &row[first..first + o.len()]);
+        }
+        for (o, a) in o.iter_mut().zip(acc) {
+            *o = a as f32;
+        }
+    };
+    // Columns per band: at least 16, so each row's piece is a few whole vectors.
+    match super::par::rows_per_chunk(width, x.len() / width) {
+        None => band(0, out),
+        Some(cols) => {
+            let cols = cols.max(16);
+            out.par_chunks_mut(cols)
+                .enumerate()
+                .for_each(|(c, o)| band(c * cols, o));
+        }
     }
 }
 
