@@ -135,12 +135,20 @@ fn compare(
         vec![0.0; want.numel()]
     };
     let what = format!("{what} ({dtype} on {})", dev.name());
-    assert_close(
-        &what,
-        &got.to_vec().unwrap(),
-        &want.to_vec().unwrap(),
-        |i, w| ulp_tol(dtype, w) + extra[i],
-    );
+    // A result past the half range must overflow as rounding the f32 result does (the recip of
+    // a value near 0: f32 -74898, f16 -inf; met in a rerun of the proptest).
+    let want: Vec<f32> = want
+        .to_vec()
+        .unwrap()
+        .into_iter()
+        .map(|w| match dtype.round(w) {
+            r if r.is_infinite() => r,
+            _ => w,
+        })
+        .collect();
+    assert_close(&what, &got.to_vec().unwrap(), &want, |i, w| {
+        ulp_tol(dtype, w) + extra[i]
+    });
 }
 
 #[test]
