@@ -76,8 +76,10 @@ pub fn on_cpu_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if rayon::current_num_threads() <= 1 || rayon::current_thread_index().is_some() {
         return f();
     }
-    // A caller inside `share_cpu_threads` keeps its share on the pool thread.
+    // The caller's per-thread settings go with it: its share of the threads (inside
+    // `share_cpu_threads`) and the memory tag its allocations get.
     let sharing = SHARING.with(Cell::get);
+    let tag = crate::memory::current_tag();
     rayon::scope(move |_| {
         struct Restore(bool);
         impl Drop for Restore {
@@ -86,6 +88,7 @@ pub fn on_cpu_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
             }
         }
         let _restore = Restore(SHARING.with(|s| s.replace(sharing)));
+        let _tag = crate::memory::TagGuard::new(tag);
         f()
     })
 }
@@ -182,5 +185,15 @@ mod tests {
         assert_eq!(outside, (pool / 2).max(1));
         assert_eq!(inside, outside, "the share was lost on the pool thread");
         assert_eq!(on_cpu_pool(kernel_threads), pool);
+    }
+
+    #[test]
+    fn on_cpu_pool_keeps_the_callers_memory_tag() {
+        use crate::memory::{current_tag, Tag, TagGuard};
+        let _g = TagGuard::new(Tag::Activations);
+        assert_eq!(on_cpu_pool(current_tag), Tag::Activations);
+        // and the pool thread's own tag is restored afterwards
+        let after = rayon::scope(|_| current_tag());
+        assert_eq!(after, Tag::Other);
     }
 }
