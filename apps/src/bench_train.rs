@@ -226,13 +226,13 @@ fn time_steps(
     Ok((n as f64 / t0.elapsed().as_secs_f64(), loss))
 }
 
-/// A plain training loop, run on the CPU backend's threads (`on_cpu_pool`) as PyTorch's runs on
-/// its OpenMP threads.
+/// A plain training loop; on the CPU it runs on the backend's threads (`on_cpu_pool`), as
+/// PyTorch's runs on its OpenMP threads.
 fn bench_plain(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<(f64, f32)> {
     let Work { layers, x, y } = workload(w, dev)?;
     let params = sequence_parameters(&layers);
     let mut opt = optimizer_of(w);
-    crate::tensor::on_cpu_pool(move || {
+    let mut run = move || {
         time_steps(args, |step| {
             let tape = Tape::new();
             let input = tape.constant(x.clone());
@@ -244,7 +244,12 @@ fn bench_plain(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<(f64, f
             zero_grad(&params);
             Ok(loss.to_scalar()?)
         })
-    })
+    };
+    if dev.is_cpu() {
+        crate::tensor::on_cpu_pool(run)
+    } else {
+        run()
+    }
 }
 
 fn bench_pipelined(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<(f64, f32)> {
