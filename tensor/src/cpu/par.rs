@@ -72,8 +72,8 @@ pub fn share_cpu_threads<R>(f: impl FnOnce() -> R) -> R {
 ///   after each and being woken by a system call for the next; each stops after
 ///   [`SPIN_IDLE_LIMIT`] without work (a long serial stretch), and they keep the cores busy.
 ///
-/// Two threads, `bench_train`: a decoder block's step and the main job's model 25-30% faster.
-/// Results are bit-identical either way.
+/// README's "Where speed stands" has what it gains (`bench_train`, two threads). Results are
+/// bit-identical either way.
 ///
 /// Run one such loop at a time, on the CPU device only (spinning threads take the cores a
 /// software GPU adapter would use), and do not wait in `f` for another thread that runs CPU

@@ -52,7 +52,7 @@ pub(crate) fn sum_columns(out: &mut [f32], x: &[f32]) {
         }
     };
     // A pass over memory with one add per value: only big inputs repay the hand-off (measured,
-    // 2 threads: [1024, 1024] 209 -> 149 us, but [1024, 256] 33 -> 43 us). Four bands per
+    // 2 threads: [1024, 1024] 209 -> 132 us, but [1024, 256] 33 -> 43 us). Four bands per
     // thread (one each balanced worse: 183 us), each a whole number of 16-column pieces.
     let threads = super::par::kernel_threads();
     if threads <= 1 || x.len() < COLUMN_SUM_PAR_VALUES || width < 128 {
