@@ -1,6 +1,12 @@
 //! Branch-free scalar math that LLVM vectorises (std's `expf` is a libm call per element):
 //! `exp` (Cephes-style, within 2 ulp of the true value), and sigmoid, `erfc` and the two GELUs
 //! (exact, through `erfc`, and the tanh approximation) built on it.
+//!
+//! Polynomials and reductions are written with `mul_add`: Rust never contracts `a * b + c`, and a
+//! fused multiply-add halves their instructions and the latency of their chains (the exact GELU
+//! 2.0 -> 1.5 ns per value forward on AVX2). Every CPU loop that calls these runs under
+//! `avx2,fma` (`cpu::simd`); on a target without FMA, `mul_add` is a libm call: the same
+//! correctly rounded result, only slower.
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
@@ -16,17 +22,17 @@ const LO: f32 = -87.336_55;
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     let xc = x.clamp(LO, HI); // NaN stays NaN
-    let t = xc * LOG2E + MAGIC;
+    let t = xc.mul_add(LOG2E, MAGIC);
     let n = t - MAGIC;
-    let r = xc - n * LN2_HI - n * LN2_LO;
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, xc));
     // e^r - 1 - r = r^2 (0.5 + c3 r + ... + c7 r^5), the polynomial in Estrin's form (three
     // levels of products instead of a chain of five: vectorised loops are latency bound).
     let r2 = r * r;
-    let p01 = 0.5 + 1.666_666_5e-1 * r;
-    let p23 = 4.166_579_6e-2 + 8.333_452e-3 * r;
-    let p45 = 1.398_2e-3 + 1.987_569_1e-4 * r;
-    let p = p01 + p23 * r2 + p45 * (r2 * r2);
-    let er = p * r2 + r + 1.0;
+    let p01 = r.mul_add(1.666_666_5e-1, 0.5);
+    let p23 = r.mul_add(8.333_452e-3, 4.166_579_6e-2);
+    let p45 = r.mul_add(1.987_569_1e-4, 1.398_2e-3);
+    let p = p45.mul_add(r2 * r2, p23.mul_add(r2, p01));
+    let er = p.mul_add(r2, r) + 1.0;
     // 2^n from the integer in t's mantissa, as 2^h * 2^(n - h) with h = n / 2, so that both
     // factors are normal floats for every n in -126..=128.
     let n_i = t.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
@@ -84,18 +90,18 @@ pub fn gelu_tanh_grad2(x: f32) -> f32 {
 /// hides the chain's latency behind other invocations).
 #[inline(always)]
 pub fn erfc_pos(z: f32) -> f32 {
-    let t = 1.0 / (1.0 + 0.5 * z);
+    let t = 1.0 / z.mul_add(0.5, 1.0);
     // The degree-9 polynomial in Estrin's form: four levels of products instead of Horner's
     // chain of nine, so vectorised loops are not bound by the chain's latency.
     let t2 = t * t;
     let t4 = t2 * t2;
-    let a0 = -1.265_512_2 + 1.000_023_7 * t;
-    let a1 = 0.374_091_96 + 0.096_784_18 * t;
-    let a2 = -0.186_288_06 + 0.278_868_07 * t;
-    let a3 = -1.135_204 + 1.488_515_9 * t;
-    let a4 = -0.822_152_23 + 0.170_872_77 * t;
-    let p = (a0 + a1 * t2) + (a2 + a3 * t2) * t4 + a4 * (t4 * t4);
-    t * exp(p - z * z)
+    let a0 = t.mul_add(1.000_023_7, -1.265_512_2);
+    let a1 = t.mul_add(0.096_784_18, 0.374_091_96);
+    let a2 = t.mul_add(0.278_868_07, -0.186_288_06);
+    let a3 = t.mul_add(1.488_515_9, -1.135_204);
+    let a4 = t.mul_add(0.170_872_77, -0.822_152_23);
+    let p = a4.mul_add(t4 * t4, a3.mul_add(t2, a2).mul_add(t4, a1.mul_add(t2, a0)));
+    t * exp((-z).mul_add(z, p))
 }
 
 /// `1 / sqrt(2)`.
@@ -130,7 +136,7 @@ pub fn gelu(x: f32) -> f32 {
 /// d/dx of [`gelu`]: `Phi(x) + x phi(x)`.
 #[inline(always)]
 pub fn gelu_grad(x: f32) -> f32 {
-    normal_cdf(x) + x * normal_pdf(x)
+    x.mul_add(normal_pdf(x), normal_cdf(x))
 }
 
 /// d/dx of [`gelu_grad`]: `phi(x) (2 - x^2)`.

@@ -31,11 +31,7 @@ where
             match w.inner_stride[0] {
                 1 => simd::map(o, &x[b..b + c], &f),
                 0 => o.fill(f(x[b])),
-                st => {
-                    for (j, o) in o.iter_mut().enumerate() {
-                        *o = f(x[b + j * st]);
-                    }
-                }
+                st => simd::fill_with(o, &|j| f(x[b + j * st])),
             }
         })
     });
@@ -66,11 +62,7 @@ where
                     let x = a[ba];
                     simd::zip_scalar(o, &b[bb..bb + c], x, &|y, x| f(x, y))
                 }
-                [sa, sb] => {
-                    for (j, o) in o.iter_mut().enumerate() {
-                        *o = f(a[ba + j * sa], b[bb + j * sb]);
-                    }
-                }
+                [sa, sb] => simd::fill_with(o, &|j| f(a[ba + j * sa], b[bb + j * sb])),
             }
         })
     });
@@ -126,14 +118,10 @@ pub(crate) fn map3<F>(
             let o = &mut o[p..p + c];
             if w.inner_stride == [1, 1, 1] {
                 let (xs, ys, zs) = (&x[bx..bx + c], &y[by..by + c], &z[bz..bz + c]);
-                for (j, o) in o.iter_mut().enumerate() {
-                    *o = f(xs[j], ys[j], zs[j]);
-                }
+                simd::fill_with(o, &|j| f(xs[j], ys[j], zs[j]));
             } else {
                 let [sx, sy, sz] = w.inner_stride;
-                for (j, o) in o.iter_mut().enumerate() {
-                    *o = f(x[bx + j * sx], y[by + j * sy], z[bz + j * sz]);
-                }
+                simd::fill_with(o, &|j| f(x[bx + j * sx], y[by + j * sy], z[bz + j * sz]));
             }
         })
     });

@@ -68,6 +68,32 @@ pub(crate) fn map<F: Fn(f32) -> f32>(o: &mut [f32], x: &[f32], f: &F) {
 }
 
 #[inline(always)]
+fn fill_with_imp<F: Fn(usize) -> f32>(o: &mut [f32], f: &F) {
+    for (j, o) in o.iter_mut().enumerate() {
+        *o = f(j);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fill_with_avx2<F: Fn(usize) -> f32>(o: &mut [f32], f: &F) {
+    fill_with_imp(o, f)
+}
+
+/// `o[j] = f(j)`: the loops over strided views, whose `f` gathers its operands, compiled like
+/// [`map`] (an op's `mul_add`s are FMA instructions here; outside AVX2 + FMA code they are libm
+/// calls).
+#[inline]
+pub(crate) fn fill_with<F: Fn(usize) -> f32>(o: &mut [f32], f: &F) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 and FMA were just detected.
+        return unsafe { fill_with_avx2(o, f) };
+    }
+    fill_with_imp(o, f)
+}
+
+#[inline(always)]
 fn zip_imp<F: Fn(f32, f32) -> f32>(o: &mut [f32], a: &[f32], b: &[f32], f: &F) {
     for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
         *o = f(x, y);
