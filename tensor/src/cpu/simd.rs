@@ -10,14 +10,45 @@
 //! 2.3 -> 1.2-1.55 backward, exp 0.52 -> 0.36-0.45. Every variant runs the same operations on each
 //! element (no reassociation), so all three give the same bits.
 
+use std::sync::atomic::{AtomicU8, Ordering};
+
 use wgpipe_shaders::ops::UnaryOpT;
+
+/// The builds of the hot loops, narrowest first.
+#[cfg_attr(not(test), allow(dead_code))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Level {
+    Baseline = 0,
+    Avx2 = 1,
+    Avx512 = 2,
+}
+
+/// The widest build the dispatch may pick. Only tests lower it: on a machine with AVX-512 the
+/// AVX2 and baseline builds would otherwise never run, and they must give the same bits.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+static MAX_LEVEL: AtomicU8 = AtomicU8::new(Level::Avx512 as u8);
+
+/// Caps the build the dispatch picks (tests only; every build gives the same bits, so other
+/// threads running kernels meanwhile see no difference but speed).
+#[cfg(test)]
+pub(crate) fn set_max_level(level: Level) {
+    MAX_LEVEL.store(level as u8, Ordering::Relaxed);
+}
+
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[inline(always)]
+fn allowed(level: Level) -> bool {
+    MAX_LEVEL.load(Ordering::Relaxed) >= level as u8
+}
 
 /// True when the AVX2 + FMA variants may run (the check is cached by std).
 #[inline(always)]
 pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        allowed(Level::Avx2)
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -30,7 +61,7 @@ pub(crate) fn has_avx2() -> bool {
 pub(crate) fn has_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512f") && has_avx2()
+        allowed(Level::Avx512) && std::arch::is_x86_feature_detected!("avx512f") && has_avx2()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -1038,3 +1038,81 @@ fn transposed_copies_match_elementwise_reads_for_whole_partial_and_batch_spannin
         );
     }
 }
+
+/// Restores the widest SIMD build when dropped, also when an assertion fails.
+struct WidestBuildAfter;
+
+impl Drop for WidestBuildAfter {
+    fn drop(&mut self) {
+        simd::set_max_level(simd::Level::Avx512);
+    }
+}
+
+/// The baseline, AVX2 + FMA and AVX-512 builds of the hot loops run the same operations on each
+/// element (no reassociation, `mul_add` fused in all three), so every op gives the same bits in
+/// each. On a machine with AVX-512 this is also what runs the two narrower builds at all.
+#[test]
+fn every_simd_build_gives_the_same_bits() {
+    let d = dev();
+    let (rows, cols) = (67, 131); // odd sizes: every loop has a tail
+    let x = t(rand(rows * cols, 11), &[rows, cols], &d);
+    let g = t(rand(rows * cols, 12), &[rows, cols], &d);
+    let bias = t(rand(cols, 13), &[cols], &d);
+    let gamma = t(rand(cols, 14), &[cols], &d);
+    let beta = t(rand(cols, 15), &[cols], &d);
+    let targets: Vec<f32> = (0..rows).map(|r| (r * 7 % cols) as f32).collect();
+    let targets = t(targets, &[rows], &d);
+    let row_g = t(rand(rows, 16), &[rows], &d);
+    let run = || -> Vec<(String, Vec<f32>)> {
+        let mut out = Vec::new();
+        let mut keep = |name: String, y: Tensor| out.push((name, K.to_host(&y).unwrap()));
+        for op in UnaryOp::ALL {
+            keep(format!("{op:?}"), x.unary(op).unwrap());
+            keep(format!("{op:?} grad"), x.unary_grad(op, &g).unwrap());
+            keep(
+                format!("{op:?} on a transposed view"),
+                x.t().unwrap().unary(op).unwrap(),
+            );
+        }
+        for op in [UnaryOp::Gelu, UnaryOp::GeluTanh, UnaryOp::Relu] {
+            keep(format!("bias_act {op:?}"), x.bias_act(&bias, op).unwrap());
+            let gb = Tensor::bias_act_grad(&x, &bias, &g, op).unwrap();
+            keep(format!("bias_act_grad {op:?}"), gb);
+        }
+        keep("softmax".into(), x.softmax(-1).unwrap());
+        keep("log_softmax".into(), x.log_softmax(-1).unwrap());
+        let p = x.narrow(1, 0, rows).unwrap().causal_softmax(0.3).unwrap();
+        let gp = g.narrow(1, 0, rows).unwrap();
+        keep(
+            "softmax backward".into(),
+            Tensor::softmax_backward(&p, &gp, 0.3).unwrap(),
+        );
+        keep("causal_softmax".into(), p);
+        keep("column sums".into(), x.sum(&[0], false).unwrap());
+        keep("row sums".into(), x.sum(&[1], false).unwrap());
+        keep("row max".into(), x.max(&[1], false).unwrap());
+        let (y, mean, rstd) = x.layer_norm(&gamma, &beta, 1e-5).unwrap();
+        keep("layer_norm".into(), y);
+        let gx = Tensor::layer_norm_backward(&x, &mean, &rstd, &gamma, &g, None).unwrap();
+        keep("layer_norm backward".into(), gx);
+        let (s, y, _, _) = x.add_layer_norm(&g, &gamma, &beta, 1e-5).unwrap();
+        keep("add_layer_norm sum".into(), s);
+        keep("add_layer_norm".into(), y);
+        let (loss, max, logsum) = x.cross_entropy_rows(&targets).unwrap();
+        keep("cross_entropy".into(), loss.clone());
+        let gl = Tensor::cross_entropy_backward(&x, &targets, &max, &logsum, &row_g).unwrap();
+        keep("cross_entropy backward".into(), gl);
+        out
+    };
+    let _restore = WidestBuildAfter;
+    let want = run();
+    for level in [simd::Level::Avx2, simd::Level::Baseline] {
+        simd::set_max_level(level);
+        for ((name, got), (_, want)) in run().iter().zip(&want) {
+            assert!(
+                same(got, want),
+                "{name}: the {level:?} build differs from the widest"
+            );
+        }
+    }
+}
