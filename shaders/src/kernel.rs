@@ -10,7 +10,8 @@ use crate::rows::{self, ReduceMode};
 use crate::{render, Access, ELEMENTWISE_WG, ROW_WG_CHOICES};
 
 use crate::wgsl::{
-    ADAM, COMMON, COPY_STRIDED, DROPOUT, FILL, HALF, INDEX, NARROW, PACK, PHILOX, SPATIAL, WIDEN,
+    ADAM, COMMON, COPY_STRIDED, DROPOUT, FILL, HALF, INDEX, NARROW, PACK, PHILOX, SPATIAL,
+    SUM_LEADING, WIDEN,
 };
 
 /// Entry points of `index.wgsl`.
@@ -260,6 +261,8 @@ pub enum Kernel {
     Pack,
     /// `Pack` of packed half operands (widened to the f32 tiles).
     PackHalf(HalfFormat),
+    /// Column sums of a contiguous matrix over chunks of its rows (`Backend::sum_leading`).
+    SumLeading,
     Index(IndexKernel),
     Spatial(SpatialKernel),
     Dropout,
@@ -326,6 +329,7 @@ impl Kernel {
             Kernel::MatmulSubgroup(cfg) => cfg.source(),
             Kernel::Pack => render(PACK, &[("WG", &wg), ("SRC", PACK_SRC_F32)]),
             Kernel::PackHalf(f) => half(PACK, f),
+            Kernel::SumLeading => plain(SUM_LEADING),
             Kernel::Index(_) => plain(INDEX),
             Kernel::Spatial(_) => plain(SPATIAL),
             Kernel::Dropout => format!("{PHILOX}\n{}", plain(DROPOUT)),
@@ -360,6 +364,7 @@ impl Kernel {
             Kernel::Matmul(_) => MatmulParams::NAME,
             Kernel::MatmulSubgroup(_) => SubgroupMatmulParams::NAME,
             Kernel::Pack | Kernel::PackHalf(_) => PackParams::NAME,
+            Kernel::SumLeading => SumLeadingParams::NAME,
             Kernel::Index(_) => IndexParams::NAME,
             Kernel::Spatial(_) => SpatialParams::NAME,
             Kernel::Dropout => DropoutParams::NAME,
@@ -417,6 +422,7 @@ impl Kernel {
             Kernel::CrossEntropyBackward { .. } => seq(5, 1),
             Kernel::Matmul(_) | Kernel::MatmulSubgroup(_) => seq(2, 1),
             Kernel::Pack | Kernel::PackHalf(_) => seq(1, 1),
+            Kernel::SumLeading => seq(1, 1),
             Kernel::Index(_) => seq(2, 1),
             Kernel::Spatial(k) => match k {
                 SpatialKernel::MaxPool2d => vec![(1, R), (3, W), (4, W)],
@@ -519,7 +525,7 @@ impl Kernel {
                 }
             }
         }
-        v.push(Kernel::Pack);
+        v.extend([Kernel::Pack, Kernel::SumLeading]);
         v.extend(IndexKernel::ALL.map(Kernel::Index));
         v.extend(SpatialKernel::ALL.map(Kernel::Spatial));
         v.extend([Kernel::Dropout, Kernel::Adam, Kernel::AdamInPlace]);

@@ -179,6 +179,13 @@ param_block! {
 }
 
 param_block! {
+    /// `sum_leading.wgsl`.
+    SumLeadingParams {
+        rows: u32, width: u32, chunk: u32, chunks: u32, x_offset: u32,
+    }
+}
+
+param_block! {
     /// `index.wgsl`: tensors `[outer, dim, inner]`, `n` indices, this dispatch's `j` range.
     IndexParams {
         outer: u32, dim: u32, inner: u32, n: u32,
@@ -224,7 +231,7 @@ macro_rules! all_blocks {
 all_blocks! {
     FillParams, CastParams, EwParams, CopyParams, ReduceParams, SoftmaxParams, SoftmaxBackwardParams,
     LayerNormParams, LayerNormBackwardParams, CrossEntropyParams, CrossEntropyBackwardParams,
-    MatmulParams, SubgroupMatmulParams, PackParams, IndexParams, SpatialParams, DropoutParams,
+    MatmulParams, SubgroupMatmulParams, PackParams, SumLeadingParams, IndexParams, SpatialParams, DropoutParams,
     AdamParams,
 }
 

@@ -18,6 +18,7 @@ wgsl_files! {
     LAYER_NORM_BACKWARD = "layer_norm_backward.wgsl", ROW_TREE = "row_tree.wgsl",
     CROSS_ENTROPY = "cross_entropy.wgsl", CROSS_ENTROPY_BACKWARD = "cross_entropy_backward.wgsl",
     MATMUL = "matmul.wgsl", MATMUL_SUBGROUP = "matmul_subgroup.wgsl", PACK = "pack.wgsl",
+    SUM_LEADING = "sum_leading.wgsl",
     MATMUL_LOAD_SCALAR = "matmul_load_scalar.wgsl", MATMUL_LOAD_VEC_K = "matmul_load_vec_k.wgsl",
     MATMUL_LOAD_VEC_MN = "matmul_load_vec_mn.wgsl",
     MATMUL_STORE_SCALAR = "matmul_store_scalar.wgsl", MATMUL_STORE_VEC = "matmul_store_vec.wgsl",

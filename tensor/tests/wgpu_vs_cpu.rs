@@ -693,6 +693,48 @@ fn add_layer_norm_of_a_constant_row_is_beta() {
     }
 }
 
+/// Column sums (`sum` over leading axes of a contiguous tensor: bias gradients) go through
+/// `sum_leading`, which sums chunks of rows and then the chunks' partials, pass after pass. Tall,
+/// narrow matrices take several passes; a view with an offset reads from it. Half-integer values
+/// make every partial sum exact, so any order of summation gives the f64 result exactly.
+#[test]
+fn column_sums_over_several_passes_and_offsets() {
+    let devs = match gpus() {
+        Ok(d) => d,
+        Err(reason) => {
+            eprintln!("SKIPPED: no wgpu adapter ({reason})");
+            return;
+        }
+    };
+    for (rows, width, skip) in [
+        (70_000usize, 3usize, 0usize),
+        (1, 5, 0),
+        (300, 1000, 0),
+        (2, 65_536, 0),
+        (1000, 17, 3),
+    ] {
+        let total = (rows + skip) * width;
+        let vals = values(total, rows as u64, true);
+        let want: Vec<f32> = (0..width)
+            .map(|j| {
+                (skip..rows + skip)
+                    .map(|i| f64::from(vals[i * width + j]))
+                    .sum::<f64>() as f32
+            })
+            .collect();
+        for dev in devs.iter().chain([&cpu()]) {
+            let all = Tensor::from_slice(&vals, &[rows + skip, width], dev).unwrap();
+            let x = all.narrow(0, skip, rows).unwrap();
+            assert!(x.is_contiguous());
+            let got = x.sum(&[0], false).unwrap().to_vec().unwrap();
+            assert_eq!(
+                got, want,
+                "{dev}: columns of [{rows}, {width}] after {skip} rows"
+            );
+        }
+    }
+}
+
 // ---------------------------------------------------------------- matmul
 
 #[test]

@@ -114,7 +114,48 @@ pub(super) fn groups_for(n: usize) -> u64 {
     (n as u64).div_ceil(u64::from(ELEMENTWISE_WG))
 }
 
+/// Invocations a column-sum pass aims for, so that a narrow matrix still fills the adapter.
+const COLUMN_SUM_PARALLEL: usize = 16384;
+/// Fewest rows per chunk of a column-sum pass: fewer would only move the work to the next pass.
+const COLUMN_SUM_MIN_CHUNK: usize = 32;
+
 impl WgpuContext {
+    /// `[width]` sums of the columns of contiguous `x` seen as `[rows, width]` (`sum_leading`):
+    /// passes of `sum_leading.wgsl`, each summing chunks of rows into partials, until one chunk
+    /// is left. Chunks are at most `LOOP_BUDGET` rows (lavapipe's loop limit).
+    fn column_sums(&self, x: &Tensor, width: usize) -> Result<Tensor> {
+        let dev = x.device();
+        let (mut src, mut offset) = (x.clone(), x.layout().offset);
+        let mut rows = x.numel() / width.max(1);
+        loop {
+            let wanted = COLUMN_SUM_PARALLEL.div_ceil(width.max(1));
+            let chunk = rows
+                .div_ceil(wanted)
+                .clamp(COLUMN_SUM_MIN_CHUNK, LOOP_BUDGET);
+            let chunks = rows.div_ceil(chunk).max(1);
+            let out = self.empty(dev, &[chunks * width])?;
+            let params = SumLeadingParams {
+                rows: u(rows),
+                width: u(width),
+                chunk: u(chunk),
+                chunks: u(chunks),
+                x_offset: u(offset),
+            };
+            self.dispatch(
+                Kernel::SumLeading,
+                &params.words(&[]),
+                &[Arg::of(gpu(&src)?), Arg::of(gpu(&out)?)],
+                groups_for(chunks * width),
+                1,
+            )?;
+            self.check()?;
+            if chunks == 1 {
+                return Ok(out);
+            }
+            (src, offset, rows) = (out, 0, chunks);
+        }
+    }
+
     /// A fresh contiguous tensor of `shape` on `dev` (charged to `dev`'s tracker first).
     pub(super) fn empty(&self, dev: &Device, shape: &[usize]) -> Result<Tensor> {
         let n = numel(shape);
@@ -582,6 +623,10 @@ impl Kernels for WgpuContext {
 
     fn where_cond(&self, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         self.map(|layout| Kernel::Where { layout }, &[cond, a, b], 0.0, 0.0)
+    }
+
+    fn sum_leading(&self, x: &Tensor, width: usize) -> Option<Result<Tensor>> {
+        Some(self.column_sums(x, width))
     }
 
     fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
