@@ -20,6 +20,17 @@ fn gpus() -> &'static Result<Vec<Device>, String> {
     GPUS.get_or_init(open_gpus)
 }
 
+/// The shared devices, or `None` after printing why the test is skipped.
+fn gpus_or_skip() -> Option<&'static [Device]> {
+    match gpus() {
+        Ok(d) => Some(d),
+        Err(reason) => {
+            eprintln!("SKIPPED: no wgpu adapter ({reason})");
+            None
+        }
+    }
+}
+
 /// Opens a new device on lavapipe and on every hardware adapter, or says why there is none.
 fn open_gpus() -> Result<Vec<Device>, String> {
     let mut devs = Vec::new();
@@ -49,12 +60,8 @@ fn run<S: Strategy>(
 ) where
     S::Value: Clone,
 {
-    let devs = match gpus() {
-        Ok(d) => d,
-        Err(reason) => {
-            eprintln!("SKIPPED: no wgpu adapter ({reason})");
-            return;
-        }
+    let Some(devs) = gpus_or_skip() else {
+        return;
     };
     for dev in devs {
         let mut runner = TestRunner::new(Config {
@@ -668,12 +675,8 @@ fn add_layer_norm_and_layer_norm_backward() {
 /// mean of equal, representable values are exact when the row length is a power of two).
 #[test]
 fn add_layer_norm_of_a_constant_row_is_beta() {
-    let devs = match gpus() {
-        Ok(d) => d,
-        Err(reason) => {
-            eprintln!("SKIPPED: no wgpu adapter ({reason})");
-            return;
-        }
+    let Some(devs) = gpus_or_skip() else {
+        return;
     };
     for d in [8usize, 256, 512] {
         let beta_vals: Vec<f32> = values(d, 11, false);
@@ -699,12 +702,8 @@ fn add_layer_norm_of_a_constant_row_is_beta() {
 /// make every partial sum exact, so any order of summation gives the f64 result exactly.
 #[test]
 fn column_sums_over_several_passes_and_offsets() {
-    let devs = match gpus() {
-        Ok(d) => d,
-        Err(reason) => {
-            eprintln!("SKIPPED: no wgpu adapter ({reason})");
-            return;
-        }
+    let Some(devs) = gpus_or_skip() else {
+        return;
     };
     for (rows, width, skip) in [
         (70_000usize, 3usize, 0usize),
@@ -996,12 +995,8 @@ fn adam_update_matches() {
 /// the CPU; a clone taken before keeps its values.
 #[test]
 fn in_place_updates_match_and_spare_shared_buffers() {
-    let devs = match gpus() {
-        Ok(d) => d,
-        Err(reason) => {
-            eprintln!("SKIPPED: no wgpu adapter ({reason})");
-            return;
-        }
+    let Some(devs) = gpus_or_skip() else {
+        return;
     };
     let to_bits =
         |t: &Tensor| -> Vec<u32> { t.to_vec().unwrap().iter().map(|v| v.to_bits()).collect() };
