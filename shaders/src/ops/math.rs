@@ -4,9 +4,9 @@
 //!
 //! Polynomials and reductions are written with `mul_add`: Rust never contracts `a * b + c`, and a
 //! fused multiply-add halves their instructions and the latency of their chains (the exact GELU
-//! 2.0 -> 1.5 ns per value forward on AVX2). Every CPU loop that calls these runs under
-//! `avx2,fma` (`cpu::simd`); on a target without FMA, `mul_add` is a libm call: the same
-//! correctly rounded result, only slower.
+//! 2.0 -> 1.5 ns per value forward on AVX2). Every CPU loop that calls these is built for
+//! AVX2 + FMA and AVX-512 (`cpu::simd`); in the baseline build, or on a target without FMA,
+//! `mul_add` is a libm call: the same correctly rounded result, only slower.
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
