@@ -13,6 +13,8 @@
 //! - elementwise add of two 16M-float tensors: GB/s counting 12 bytes per element (two reads,
 //!   one write);
 //! - softmax over the rows of a 4096 x 1024 matrix: rows per second;
+//! - on the CPU, its f32 FMA peak: every thread running chains of vector multiply-adds on
+//!   registers (`wgpipe_apps::peak`), the ceiling for the matmul rows;
 //! - cores busy: CPU time of this process over wall time during the queued runs (on a shared
 //!   machine, how much of it the CPU backend or a software adapter really got).
 
@@ -100,6 +102,19 @@ fn main() {
             ),
         };
         eprintln!("benchmarking {kind}");
+        if dev.is_cpu() {
+            // The ceiling the CPU rows are read against (matmul's GFLOP/s as a share of it).
+            let threads = wgpipe::tensor::cpu_threads();
+            let peak = wgpipe_apps::peak::cpu_fma_peak_gflops(threads, budget);
+            rows.push(Row {
+                device: kind.clone(),
+                op: format!("f32 FMA peak ({threads} threads, registers only)"),
+                size: "-".into(),
+                queued: format!("{peak:.1} GFLOP/s"),
+                cores: "-".into(),
+                readback: "-".into(),
+            });
+        }
 
         for n in [256usize, 512, 1024, 2048] {
             let mut f32_queued = None;

@@ -228,10 +228,29 @@ fn bench_example_measures_every_workload() {
     for r in &rows {
         assert!(r.plain > 0.0 && r.pipelined.unwrap() > 0.0 && r.loss.is_finite());
         assert!(r.torch.is_none(), "no torch Python was given");
+        let ceiling = r.steps_at_peak().expect("a CPU row has the FMA peak");
+        assert!(ceiling.is_finite() && ceiling > 0.0, "{r:?}");
+    }
+    // The FLOPs per step the device counted, against the matmuls' 2 m k n counted by hand; the
+    // elementwise ops (activations, norms, loss, SGD) add under 1%.
+    // - MLP: 4 forward products, 4 weight gradients, 3 input gradients (the input needs none),
+    //   each 256 x 1024 x 1024.
+    // - Block (8 x 128 tokens, d 256, 4 heads of 64): the Q/K/V, output and two FFN linears
+    //   (256 x 768, 256 x 256, 256 x 1024, 1024 x 256 per token), forward and both gradients;
+    //   scores and scores @ V (32 heads of 128 x 128 x 64), forward and two gradients each.
+    let mlp = 11.0 * 2.0 * 256.0 * 1024.0 * 1024.0;
+    let linears = 3.0 * 2.0 * 1024.0 * 256.0 * (768.0 + 256.0 + 1024.0 + 1024.0);
+    let attention = 3.0 * 2.0 * 2.0 * 32.0 * 128.0 * 128.0 * 64.0;
+    for (r, by_hand) in rows.iter().zip([mlp, linears + attention]) {
+        let ratio = r.flops_per_step / by_hand;
+        assert!((1.0..1.01).contains(&ratio), "{:?}: {ratio}", r.workload);
     }
     let t = bench_train::table(&rows);
     assert!(
-        t.contains("PyTorch CPU, this run") && t.contains("main job's LM") && t.contains("| - |"),
+        t.contains("PyTorch CPU, this run")
+            && t.contains("main job's LM")
+            && t.contains("| - |")
+            && t.contains("FMA peak"),
         "{t}"
     );
 }

@@ -132,6 +132,20 @@ pub struct BenchRow {
     pub torch: Option<f64>,
     /// Every round's plain figure (their spread is the run-to-run noise).
     pub plain_rounds: Vec<f64>,
+    /// FLOPs of one plain training step, as the device's counter saw them (matmuls at 2 m k n,
+    /// elementwise ops at their own counts).
+    pub flops_per_step: f64,
+    /// The CPU's f32 FMA peak on the backend's threads, measured in this run (CPU rows).
+    pub fma_peak_gflops: Option<f64>,
+}
+
+impl BenchRow {
+    /// Steps/s at the FMA peak: the ceiling no implementation of these FLOPs can pass here.
+    pub fn steps_at_peak(&self) -> Option<f64> {
+        self.fma_peak_gflops
+            .filter(|_| self.flops_per_step > 0.0)
+            .map(|p| p * 1e9 / self.flops_per_step)
+    }
 }
 
 /// A workload: its layers, input and target (deterministic).
@@ -207,33 +221,48 @@ fn optimizer_of(w: Workload) -> Box<dyn Optimizer> {
     }
 }
 
-/// Times `step` for `warmup` steps, then for up to `seconds` / `max_steps`: steps/s and the
-/// last loss. Every step reads its loss back, so the device has finished when the clock stops.
+/// What [`time_steps`] measured.
+struct Timed {
+    steps_per_sec: f64,
+    /// The last step's loss.
+    loss: f32,
+    /// FLOPs per measured step, from `dev`'s counter.
+    flops_per_step: f64,
+}
+
+/// Times `step` for `warmup` steps, then for up to `seconds` / `max_steps`. Every step reads its
+/// loss back, so the device has finished when the clock stops.
 fn time_steps(
     args: &BenchArgs,
+    dev: &Device,
     mut step: impl FnMut(u64) -> AppResult<f32>,
-) -> AppResult<(f64, f32)> {
+) -> AppResult<Timed> {
     let mut loss = 0.0;
     for i in 0..args.warmup {
         loss = step(i as u64)?;
     }
+    let flops0 = dev.flops();
     let t0 = Instant::now();
     let mut n = 0;
     while n < args.max_steps.max(1) && (n == 0 || t0.elapsed().as_secs_f64() < args.seconds) {
         loss = step((args.warmup + n) as u64)?;
         n += 1;
     }
-    Ok((n as f64 / t0.elapsed().as_secs_f64(), loss))
+    Ok(Timed {
+        steps_per_sec: n as f64 / t0.elapsed().as_secs_f64(),
+        loss,
+        flops_per_step: (dev.flops() - flops0) as f64 / n as f64,
+    })
 }
 
 /// A plain training loop; on the CPU it runs on the backend's threads (`on_cpu_pool`), as
 /// PyTorch's runs on its OpenMP threads.
-fn bench_plain(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<(f64, f32)> {
+fn bench_plain(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<Timed> {
     let Work { layers, x, y } = workload(w, dev)?;
     let params = sequence_parameters(&layers);
     let mut opt = optimizer_of(w);
     let mut run = move || {
-        time_steps(args, |step| {
+        time_steps(args, dev, |step| {
             let tape = Tape::new();
             let input = tape.constant(x.clone());
             let out = forward_all(&layers, &input, &ForwardCtx::train(0, step, 0))?;
@@ -252,7 +281,7 @@ fn bench_plain(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<(f64, f
     }
 }
 
-fn bench_pipelined(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<(f64, f32)> {
+fn bench_pipelined(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<Timed> {
     let Work { layers, x, y } = workload(w, dev)?;
     let mut pipe = Pipeline::builder(layers)
         .devices(vec![dev.clone()])
@@ -261,7 +290,7 @@ fn bench_pipelined(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<(f6
         .optimizer(move || optimizer_of(w))
         .build()?;
     let loss_fn = move |o: &Var, t: &Tensor| loss_of(w, o, t);
-    time_steps(args, |_| {
+    time_steps(args, dev, |_| {
         let r = pipe.train_step(&x, &y, &loss_fn)?;
         pipe.optimizer_step()?;
         Ok(r.loss)
@@ -400,6 +429,20 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
         eprintln!("no wgpu adapter found (install mesa-vulkan-drivers for lavapipe): CPU only");
     }
     let py = torch_python(&args);
+    // The ceiling the CPU rows are quoted against, measured once per run.
+    let fma_peak = devs
+        .iter()
+        .any(|(_, d)| d.as_ref().is_ok_and(Device::is_cpu))
+        .then(|| {
+            let budget = std::time::Duration::from_secs_f64(args.seconds.min(1.5));
+            crate::peak::cpu_fma_peak_gflops(crate::tensor::cpu_threads(), budget)
+        });
+    if let Some(p) = fma_peak {
+        eprintln!(
+            "CPU f32 FMA peak: {p:.0} GFLOP/s on {} threads",
+            crate::tensor::cpu_threads()
+        );
+    }
     let mut rows = Vec::new();
     for w in &workloads {
         for (label, dev) in &devs {
@@ -411,18 +454,18 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
                 }
             };
             let with_torch = py.as_deref().filter(|_| dev.is_cpu());
-            let (mut plain, mut piped, mut torch, mut loss) = (vec![], vec![], vec![], 0.0);
+            let (mut plain, mut piped, mut torch) = (vec![], vec![], vec![]);
+            let (mut loss, mut flops_per_step) = (0.0, 0.0);
             for round in 0..args.rounds {
                 eprintln!("measuring {w:?} on {label} (round {}) ...", round + 1);
-                let (p, l) =
-                    bench_plain(&args, *w, dev).context(format!("{w:?} on {label}, plain"))?;
-                plain.push(p);
-                loss = l;
+                let t = bench_plain(&args, *w, dev).context(format!("{w:?} on {label}, plain"))?;
+                plain.push(t.steps_per_sec);
+                (loss, flops_per_step) = (t.loss, t.flops_per_step);
                 if !args.no_pipeline {
                     piped.push(
                         bench_pipelined(&args, *w, dev)
                             .context(format!("{w:?} on {label}, 1-stage pipeline"))?
-                            .0,
+                            .steps_per_sec,
                     );
                 }
                 if let Some(py) = with_torch {
@@ -437,6 +480,8 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
                 loss,
                 torch: (!torch.is_empty()).then(|| median(&torch)),
                 plain_rounds: plain,
+                flops_per_step,
+                fma_peak_gflops: fma_peak.filter(|_| dev.is_cpu()),
             });
         }
     }
@@ -444,27 +489,34 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
     Ok(rows)
 }
 
-/// The rows as a markdown table: wgpipe's figures, PyTorch's from this run and the ratio, and
-/// Burn's as issue 15 quotes them.
+/// The rows as a markdown table: wgpipe's figures, PyTorch's from this run and the ratio, the
+/// FLOPs of a step and, on the CPU, the steps/s the FMA peak would allow and the share of it
+/// wgpipe and PyTorch reach, and Burn's figures as issue 15 quotes them.
 pub fn table(rows: &[BenchRow]) -> String {
     let mut s = String::from(
-        "| workload | device | wgpipe plain (steps/s) | wgpipe 1-stage pipeline (steps/s) | PyTorch CPU, this run (steps/s) | wgpipe / PyTorch | Burn wgpu lavapipe (from issue 15) |\n|---|---|---|---|---|---|---|\n",
+        "| workload | device | wgpipe plain (steps/s) | wgpipe 1-stage pipeline (steps/s) | PyTorch CPU, this run (steps/s) | wgpipe / PyTorch | GFLOP per step | steps/s at the CPU's FMA peak | wgpipe / PyTorch, % of that | Burn wgpu lavapipe (from issue 15) |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let opt = |v: Option<f64>| v.map_or("-".into(), |p| format!("{p:.2}"));
+    let pct = |v: Option<f64>| v.map_or("-".into(), |p| format!("{:.0}%", 100.0 * p));
     for r in rows {
         let burn = if r.device.contains("lavapipe") || r.device.contains("llvmpipe") {
             r.workload.burn_lavapipe_from_issue()
         } else {
             None
         };
+        let ceiling = r.steps_at_peak();
         s.push_str(&format!(
-            "| {} | {} | {:.2} | {} | {} | {} | {} |\n",
+            "| {} | {} | {:.2} | {} | {} | {} | {:.3} | {} | {} / {} | {} |\n",
             r.workload.describe(),
             r.device,
             r.plain,
             opt(r.pipelined),
             opt(r.torch),
             opt(r.torch.map(|t| r.plain / t)),
+            r.flops_per_step / 1e9,
+            opt(ceiling),
+            pct(ceiling.map(|c| r.plain / c)),
+            pct(ceiling.zip(r.torch).map(|(c, t)| t / c)),
             opt(burn),
         ));
     }

@@ -25,6 +25,7 @@ pub mod error;
 pub mod files;
 pub mod limits;
 pub mod output;
+pub mod peak;
 pub mod placement;
 pub mod plan;
 pub mod train;
