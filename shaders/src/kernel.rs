@@ -406,7 +406,7 @@ impl Kernel {
             Kernel::CopyStrided | Kernel::Widen(_) | Kernel::Narrow(_) => seq(1, 1),
             Kernel::Fill | Kernel::Dropout => seq(0, 1),
             Kernel::Reduce { mode, .. } => match mode {
-                ReduceMode::Direct => seq(1, 1),
+                ReduceMode::Direct | ReduceMode::Thin => seq(1, 1),
                 ReduceMode::Partial => seq(1, 2),
                 ReduceMode::Final => seq(2, 1),
             },

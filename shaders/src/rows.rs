@@ -7,8 +7,8 @@ use crate::render;
 
 use crate::wgsl::{
     CROSS_ENTROPY, CROSS_ENTROPY_BACKWARD, LAYER_NORM, LAYER_NORM_BACKWARD, LAYER_NORM_INPUT,
-    LAYER_NORM_RESIDUAL, REDUCE, REDUCE_DIRECT, REDUCE_FINAL, REDUCE_PARTIAL, ROW_TREE, SOFTMAX,
-    SOFTMAX_BACKWARD,
+    LAYER_NORM_RESIDUAL, REDUCE, REDUCE_DIRECT, REDUCE_FINAL, REDUCE_PARTIAL, REDUCE_THIN,
+    ROW_TREE, SOFTMAX, SOFTMAX_BACKWARD,
 };
 
 /// Which pass of a row reduction a variant is (see `reduce.wgsl`).
@@ -20,10 +20,17 @@ pub enum ReduceMode {
     Partial,
     /// The partials of each row: (values, indices) -> out.
     Final,
+    /// Whole short rows, one invocation each (`reduce_thin.wgsl`): x -> out.
+    Thin,
 }
 
 impl ReduceMode {
-    pub const ALL: [ReduceMode; 3] = [ReduceMode::Direct, ReduceMode::Partial, ReduceMode::Final];
+    pub const ALL: [ReduceMode; 4] = [
+        ReduceMode::Direct,
+        ReduceMode::Partial,
+        ReduceMode::Final,
+        ReduceMode::Thin,
+    ];
 }
 
 pub(crate) fn reduce(op: ReduceOp, mode: ReduceMode, wg: u32) -> String {
@@ -32,6 +39,17 @@ pub(crate) fn reduce(op: ReduceOp, mode: ReduceMode, wg: u32) -> String {
         ReduceMode::Direct => REDUCE_DIRECT,
         ReduceMode::Partial => REDUCE_PARTIAL,
         ReduceMode::Final => REDUCE_FINAL,
+        ReduceMode::Thin => {
+            return render(
+                REDUCE_THIN,
+                &[
+                    ("WG", &wg.to_string()),
+                    ("IDENTITY", identity),
+                    ("COMBINE", combine),
+                    ("RESULT", result),
+                ],
+            )
+        }
     };
     render(
         REDUCE,

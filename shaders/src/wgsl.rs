@@ -12,6 +12,7 @@ wgsl_files! {
     ELEMENTWISE = "elementwise.wgsl", COPY_STRIDED = "copy_strided.wgsl", FILL = "fill.wgsl",
     REDUCE = "reduce.wgsl", REDUCE_DIRECT = "reduce_direct.wgsl",
     REDUCE_PARTIAL = "reduce_partial.wgsl", REDUCE_FINAL = "reduce_final.wgsl",
+    REDUCE_THIN = "reduce_thin.wgsl",
     SOFTMAX = "softmax.wgsl", SOFTMAX_BACKWARD = "softmax_backward.wgsl",
     LAYER_NORM = "layer_norm.wgsl", LAYER_NORM_INPUT = "layer_norm_input.wgsl",
     LAYER_NORM_RESIDUAL = "layer_norm_residual.wgsl",

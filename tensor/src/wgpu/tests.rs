@@ -962,6 +962,63 @@ fn wgpu_validation_errors_come_back_as_errors() {
     assert_eq!(host(&d, &y), vec![3.0; 4]);
 }
 
+/// Row reductions of short rows (one invocation per row), of rows just past that length (a
+/// workgroup per row) and of longer ones, against a sequential loop on the host, ties included.
+#[test]
+fn short_and_mid_rows_reduce_like_a_plain_loop() {
+    let Some(d) = device() else { return };
+    let thin = super::kernels::thin_row_cols(ctx(&d).info.is_software);
+    let plain = |op: ReduceOp, row: &[f32]| -> f32 {
+        let first = |better: fn(f32, f32) -> bool| {
+            let mut best = 0;
+            for (j, &v) in row.iter().enumerate() {
+                if better(v, row[best]) {
+                    best = j;
+                }
+            }
+            best
+        };
+        match op {
+            ReduceOp::Sum => row.iter().sum(),
+            ReduceOp::Max => row.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+            ReduceOp::Min => row.iter().copied().fold(f32::INFINITY, f32::min),
+            ReduceOp::ArgMax => first(|v, b| v > b) as f32,
+            ReduceOp::ArgMin => first(|v, b| v < b) as f32,
+        }
+    };
+    for cols in [1, 2, 7, 32, 33, thin, thin + 1, 1000] {
+        for rows in [1, 3, 700] {
+            // Eighths in [-1, 1]: many ties for the arg-reductions, and every partial sum of a
+            // row is exact in f32, whatever the order.
+            let data: Vec<f32> = vals(rows * cols, (rows * 7919 + cols) as u64)
+                .iter()
+                .map(|v| (v * 8.0).round() / 8.0)
+                .collect();
+            // A view 5 values into its buffer.
+            let buf: Vec<f32> = [9.0; 5].iter().chain(&data).copied().collect();
+            let x = t(&d, &buf, &[buf.len()])
+                .narrow(0, 5, rows * cols)
+                .unwrap()
+                .reshape(&[rows, cols])
+                .unwrap();
+            for op in [
+                ReduceOp::Sum,
+                ReduceOp::Max,
+                ReduceOp::Min,
+                ReduceOp::ArgMax,
+                ReduceOp::ArgMin,
+            ] {
+                let got = host(&d, &k(&d).reduce_rows(op, &x, rows, cols).unwrap());
+                let want: Vec<f32> = data.chunks(cols).map(|r| plain(op, r)).collect();
+                assert_eq!(
+                    got, want,
+                    "{op:?} over [{rows}, {cols}] (thin up to {thin})"
+                );
+            }
+        }
+    }
+}
+
 /// Lavapipe ends an invocation after 65535 loop iterations in all; long rows, long k and long
 /// index lists must still come out right.
 #[test]
