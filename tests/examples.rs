@@ -221,6 +221,8 @@ fn bench_example_measures_every_workload() {
         "0",
         "--torch-python",
         "",
+        "--rounds",
+        "2",
     ])
     .unwrap();
     let rows = bench_train::run(args).unwrap();
@@ -228,6 +230,13 @@ fn bench_example_measures_every_workload() {
     for r in &rows {
         assert!(r.plain > 0.0 && r.pipelined.unwrap() > 0.0 && r.loss.is_finite());
         assert!(r.torch.is_none(), "no torch Python was given");
+        let (own, torch) = r.spreads();
+        let (lo, hi) = r
+            .plain_rounds
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        assert_eq!(own, Some(hi / lo - 1.0), "two rounds: {:?}", r.plain_rounds);
+        assert_eq!(torch, None, "no PyTorch rounds");
         let ceiling = r.steps_at_peak().expect("a CPU row has the FMA peak");
         assert!(ceiling.is_finite() && ceiling > 0.0, "{r:?}");
     }
@@ -250,7 +259,8 @@ fn bench_example_measures_every_workload() {
         t.contains("PyTorch CPU, this run")
             && t.contains("main job's LM")
             && t.contains("| - |")
-            && t.contains("FMA peak"),
+            && t.contains("FMA peak")
+            && t.contains("spread over rounds"),
         "{t}"
     );
 }

@@ -132,6 +132,8 @@ pub struct BenchRow {
     pub torch: Option<f64>,
     /// Every round's plain figure (their spread is the run-to-run noise).
     pub plain_rounds: Vec<f64>,
+    /// Every round's PyTorch figure (its spread is the machine's noise, for comparison).
+    pub torch_rounds: Vec<f64>,
     /// FLOPs of one plain training step, as the device's counter saw them (matmuls at 2 m k n,
     /// elementwise ops at their own counts).
     pub flops_per_step: f64,
@@ -140,6 +142,11 @@ pub struct BenchRow {
 }
 
 impl BenchRow {
+    /// The spread of wgpipe's and PyTorch's rounds: `max / min - 1` (with 2 rounds or more).
+    pub fn spreads(&self) -> (Option<f64>, Option<f64>) {
+        (spread(&self.plain_rounds), spread(&self.torch_rounds))
+    }
+
     /// Steps/s at the FMA peak: the ceiling no implementation of these FLOPs can pass here.
     pub fn steps_at_peak(&self) -> Option<f64> {
         self.fma_peak_gflops
@@ -367,6 +374,13 @@ fn bench_torch(args: &BenchArgs, py: &str, w: Workload) -> AppResult<f64> {
         })
 }
 
+/// `max / min - 1` over `v`, with 2 values or more.
+fn spread(v: &[f64]) -> Option<f64> {
+    let min = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (v.len() >= 2 && min > 0.0).then(|| max / min - 1.0)
+}
+
 /// The median of `v` (non-empty).
 fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
@@ -480,6 +494,7 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
                 loss,
                 torch: (!torch.is_empty()).then(|| median(&torch)),
                 plain_rounds: plain,
+                torch_rounds: torch,
                 flops_per_step,
                 fma_peak_gflops: fma_peak.filter(|_| dev.is_cpu()),
             });
@@ -491,10 +506,11 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
 
 /// The rows as a markdown table: wgpipe's figures, PyTorch's from this run and the ratio, the
 /// FLOPs of a step and, on the CPU, the steps/s the FMA peak would allow and the share of it
-/// wgpipe and PyTorch reach, and Burn's figures as issue 15 quotes them.
+/// wgpipe and PyTorch reach, the spread of each over the rounds (`max / min - 1`), and Burn's
+/// figures as issue 15 quotes them.
 pub fn table(rows: &[BenchRow]) -> String {
     let mut s = String::from(
-        "| workload | device | wgpipe plain (steps/s) | wgpipe 1-stage pipeline (steps/s) | PyTorch CPU, this run (steps/s) | wgpipe / PyTorch | GFLOP per step | steps/s at the CPU's FMA peak | wgpipe / PyTorch, % of that | Burn wgpu lavapipe (from issue 15) |\n|---|---|---|---|---|---|---|---|---|---|\n",
+        "| workload | device | wgpipe plain (steps/s) | wgpipe 1-stage pipeline (steps/s) | PyTorch CPU, this run (steps/s) | wgpipe / PyTorch | GFLOP per step | steps/s at the CPU's FMA peak | wgpipe / PyTorch, % of that | spread over rounds, wgpipe / PyTorch | Burn wgpu lavapipe (from issue 15) |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let opt = |v: Option<f64>| v.map_or("-".into(), |p| format!("{p:.2}"));
     let pct = |v: Option<f64>| v.map_or("-".into(), |p| format!("{:.0}%", 100.0 * p));
@@ -505,8 +521,9 @@ pub fn table(rows: &[BenchRow]) -> String {
             None
         };
         let ceiling = r.steps_at_peak();
+        let (own_spread, torch_spread) = r.spreads();
         s.push_str(&format!(
-            "| {} | {} | {:.2} | {} | {} | {} | {:.3} | {} | {} / {} | {} |\n",
+            "| {} | {} | {:.2} | {} | {} | {} | {:.3} | {} | {} / {} | {} / {} | {} |\n",
             r.workload.describe(),
             r.device,
             r.plain,
@@ -517,6 +534,8 @@ pub fn table(rows: &[BenchRow]) -> String {
             opt(ceiling),
             pct(ceiling.map(|c| r.plain / c)),
             pct(ceiling.zip(r.torch).map(|(c, t)| t / c)),
+            pct(own_spread),
+            pct(torch_spread),
             opt(burn),
         ));
     }
