@@ -237,6 +237,7 @@ fn bench_example_measures_every_workload() {
             .fold((f64::MAX, 0.0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
         assert_eq!(own, Some(hi / lo - 1.0), "two rounds: {:?}", r.plain_rounds);
         assert_eq!(torch, None, "no PyTorch rounds");
+        assert_eq!(r.torch_ratio(), None);
         let ceiling = r.steps_at_peak().expect("a CPU row has the FMA peak");
         assert!(ceiling.is_finite() && ceiling > 0.0, "{r:?}");
     }

@@ -142,6 +142,18 @@ pub struct BenchRow {
 }
 
 impl BenchRow {
+    /// wgpipe / PyTorch: the median of each round's own ratio (a round runs wgpipe, then
+    /// PyTorch), which a slow stretch of the machine moves less than a ratio of medians.
+    pub fn torch_ratio(&self) -> Option<f64> {
+        let ratios: Vec<f64> = self
+            .plain_rounds
+            .iter()
+            .zip(&self.torch_rounds)
+            .map(|(w, t)| w / t)
+            .collect();
+        (!ratios.is_empty()).then(|| median(&ratios))
+    }
+
     /// The spread of wgpipe's and PyTorch's rounds: `max / min - 1` (with 2 rounds or more).
     pub fn spreads(&self) -> (Option<f64>, Option<f64>) {
         (spread(&self.plain_rounds), spread(&self.torch_rounds))
@@ -510,7 +522,7 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
 /// figures as issue 15 quotes them.
 pub fn table(rows: &[BenchRow]) -> String {
     let mut s = String::from(
-        "| workload | device | wgpipe plain (steps/s) | wgpipe 1-stage pipeline (steps/s) | PyTorch CPU, this run (steps/s) | wgpipe / PyTorch | GFLOP per step | steps/s at the CPU's FMA peak | wgpipe / PyTorch, % of that | spread over rounds, wgpipe / PyTorch | Burn wgpu lavapipe (from issue 15) |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| workload | device | wgpipe plain (steps/s) | wgpipe 1-stage pipeline (steps/s) | PyTorch CPU, this run (steps/s) | wgpipe / PyTorch (median of the rounds' ratios) | GFLOP per step | steps/s at the CPU's FMA peak | wgpipe / PyTorch, % of that | spread over rounds, wgpipe / PyTorch | Burn wgpu lavapipe (from issue 15) |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let opt = |v: Option<f64>| v.map_or("-".into(), |p| format!("{p:.2}"));
     let pct = |v: Option<f64>| v.map_or("-".into(), |p| format!("{:.0}%", 100.0 * p));
@@ -529,7 +541,7 @@ pub fn table(rows: &[BenchRow]) -> String {
             r.plain,
             opt(r.pipelined),
             opt(r.torch),
-            opt(r.torch.map(|t| r.plain / t)),
+            opt(r.torch_ratio()),
             r.flops_per_step / 1e9,
             opt(ceiling),
             pct(ceiling.map(|c| r.plain / c)),
@@ -540,4 +552,38 @@ pub fn table(rows: &[BenchRow]) -> String {
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratio_is_the_median_of_the_rounds_ratios_and_spread_is_max_over_min() {
+        let row = BenchRow {
+            workload: Workload::Mlp,
+            device: "cpu".into(),
+            plain: 30.0,
+            pipelined: None,
+            loss: 0.0,
+            torch: Some(30.0),
+            plain_rounds: vec![30.0, 20.0, 33.0],
+            torch_rounds: vec![30.0, 25.0, 30.0],
+            flops_per_step: 3e9,
+            fma_peak_gflops: Some(300.0),
+        };
+        // Rounds' ratios 1.0, 0.8, 1.1; the ratio of the medians would be 30 / 30 = 1.0 too,
+        // so a fourth round tells the two apart below.
+        assert_eq!(row.torch_ratio(), Some(1.0));
+        let (own, torch) = row.spreads();
+        assert!((own.unwrap() - 0.65).abs() < 1e-12 && (torch.unwrap() - 0.2).abs() < 1e-12);
+        assert_eq!(row.steps_at_peak(), Some(100.0));
+        let skewed = BenchRow {
+            plain_rounds: vec![10.0, 20.0, 30.0, 40.0],
+            torch_rounds: vec![40.0, 10.0, 30.0, 20.0],
+            ..row
+        };
+        // Ratios 0.25, 2, 1, 2: median 1.5, where the medians (25 / 25) give 1.
+        assert_eq!(skewed.torch_ratio(), Some(1.5));
+    }
 }
