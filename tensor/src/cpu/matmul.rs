@@ -109,11 +109,18 @@ pub(crate) fn matmul(
 /// One product (`d.batch == 1`) whose right operand is column-major: a panel of its columns at
 /// a time is copied to row-major and multiplied into those columns of `out`.
 ///
-/// A panel of [`PANEL_VALUES`] is still in L2 when gemm reads it. Copying the whole operand
-/// first (as this did before) wrote it out past L2 and read it back: 256 x 1024 x 1024 (an MLP
-/// layer's `x @ w.t()`) ran at ~207 GFLOP/s that way against ~242 by panels, on 2 threads of
-/// this machine's AVX-512 Xeon, and 1024 x 256 x 768 (a decoder block's Q/K/V) at ~285 against
-/// ~298 (4 alternating runs of each, `gemm` at ~287 on row-major operands of these shapes).
+/// A panel of at most [`PANEL_VALUES`] is still in L2 when gemm reads it. Copying the whole
+/// operand first (as this did before) wrote it out past L2 and read it back. Where each thread
+/// can have panels of at least [`MIN_PANEL_COLUMNS`], the threads share the panels out, each
+/// copying and multiplying its own on one thread: the panel never leaves that core's L2, and
+/// there is no fork and join per panel. On 2 threads of this machine's AVX-512 Xeon (4
+/// alternating runs of each; `gemm` runs row-major operands of these shapes at ~287 GFLOP/s):
+///
+/// | m x k x n | whole copy | panels, each over all threads | panels shared out |
+/// |---|---|---|---|
+/// | 256 x 1024 x 1024 (an MLP layer's `x @ w.t()`) | ~207 | ~240 | ~270 |
+/// | 1024 x 256 x 768 (a decoder block's Q/K/V) | ~285 | ~298 | ~314 |
+/// | 1024 x 1024 x 256 (its second FFN layer) | ~282 | ~297 | ~295-311 |
 fn matmul_by_panels(
     out: &mut [f32],
     a: &[f32],
@@ -123,17 +130,12 @@ fn matmul_by_panels(
     d: MatDims,
 ) {
     let MatDims { m, k, n, .. } = d;
-    let width = ((PANEL_VALUES / k).max(MIN_PANEL_COLUMNS) / 16 * 16).min(n);
-    // From the host pool: the copies write every value, and each step asks for the same length.
-    let mut panel = super::host_pool::take_for_overwrite(k * width);
-    let par = if super::par::kernel_threads() > 1 {
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
-    };
-    for j0 in (0..n).step_by(width) {
-        let w = width.min(n - j0);
-        let panel = &mut panel[..k * w];
+    let threads = super::par::kernel_threads();
+    let widest = (PANEL_VALUES / k).max(MIN_PANEL_COLUMNS);
+    let out_ptr = SharedOut(out.as_mut_ptr());
+    // Copies columns j0..j0 + w of `b` into a row-major panel and multiplies it into the same
+    // columns of `out`.
+    let panel_product = |j0: usize, w: usize, panel: &mut [f32], par: Parallelism| {
         let columns = Layout {
             shape: vec![k, w],
             strides: vec![1, lb.col_stride],
@@ -141,13 +143,14 @@ fn matmul_by_panels(
         };
         super::elementwise::copy(panel, b, &columns);
         // SAFETY: `matmul` checked that `a` covers m x k through `la`; the panel is k x w
-        // row-major; the destination is columns j0..j0 + w of the m x n row-major `out`.
+        // row-major; the destination is columns j0..j0 + w of the m x n row-major output,
+        // which no other panel writes.
         unsafe {
             gemm::gemm(
                 m,
                 w,
                 k,
-                out.as_mut_ptr().add(j0),
+                out_ptr.at(j0),
                 1,
                 n as isize,
                 false,
@@ -165,8 +168,51 @@ fn matmul_by_panels(
                 par,
             );
         }
+    };
+    if threads > 1 && n / threads >= MIN_PANEL_COLUMNS {
+        // As many panels as fit the size, rounded up to a multiple of the threads, so that
+        // the threads get equal shares.
+        let panels = n.div_ceil(widest).next_multiple_of(threads);
+        let width = n.div_ceil(panels).next_multiple_of(16);
+        let starts: Vec<usize> = (0..n).step_by(width).collect();
+        starts.par_iter().for_each(|&j0| {
+            let w = width.min(n - j0);
+            // From the host pool: the copy writes every value, and each step asks again.
+            let mut panel = super::host_pool::take_for_overwrite(k * w);
+            panel_product(j0, w, &mut panel, Parallelism::None);
+            super::host_pool::give(panel);
+        });
+    } else {
+        let width = (widest / 16 * 16).min(n);
+        let mut panel = super::host_pool::take_for_overwrite(k * width);
+        let par = if threads > 1 {
+            Parallelism::Rayon(0)
+        } else {
+            Parallelism::None
+        };
+        for j0 in (0..n).step_by(width) {
+            let w = width.min(n - j0);
+            panel_product(j0, w, &mut panel[..k * w], par);
+        }
+        super::host_pool::give(panel);
     }
-    super::host_pool::give(panel);
+}
+
+/// The output of [`matmul_by_panels`], shared by the threads that write its panels.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: each thread writes only its own panels' columns (see `matmul_by_panels`).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The element `j` values in.
+    ///
+    /// # Safety
+    /// `j` must be inside the output.
+    unsafe fn at(self, j: usize) -> *mut f32 {
+        self.0.add(j)
+    }
 }
 
 /// Panics unless the last element of every batch of an operand is inside `data`.

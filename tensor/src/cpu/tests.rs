@@ -408,12 +408,15 @@ fn matmul_transposed_and_broadcast_operands() {
         (3, 130, 70, 150),
         (64, 8, 9, 10),
         (1, 200, 200, 200),
-        // Big enough for a transposed right operand to be copied to row-major first: in one
-        // panel; in 128-column panels and a last one of 44; in 64-column panels (the narrowest)
-        // and a last one of 16.
+        // Big enough for a transposed right operand to be copied to row-major a panel at a
+        // time. On 2 threads: panels shared out over the threads (144 + 116 columns; 3 x 80 +
+        // 60; 6 x 64 + 16), then panels one after another, each over all threads (one panel;
+        // 64 + 36 columns), where the threads' shares would be under 64 columns.
         (1, 130, 256, 260),
         (1, 40, 1024, 300),
         (1, 9, 2500, 400),
+        (1, 100, 1000, 100),
+        (1, 30, 3000, 100),
         (2, 0, 3, 4),
         (2, 3, 0, 4),
     ];
