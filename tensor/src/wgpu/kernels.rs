@@ -652,13 +652,16 @@ impl Kernels for WgpuContext {
         let off = u(x.layout().offset);
         let wg = self.row_wg();
         let segment = wg as usize * REDUCE_SEGMENT_STEPS;
-        if cols <= thin_row_cols(self.info.is_software) {
+        let thin = cols <= thin_row_cols(self.info.is_software);
+        if thin || cols <= 2 * segment {
+            // Whole rows: short ones one invocation each, the others a workgroup each.
+            let (mode, wg, groups) = if thin {
+                (ReduceMode::Thin, ELEMENTWISE_WG, groups_for(rows))
+            } else {
+                (ReduceMode::Direct, wg, rows as u64)
+            };
             self.dispatch(
-                Kernel::Reduce {
-                    op,
-                    mode: ReduceMode::Thin,
-                    wg: ELEMENTWISE_WG,
-                },
+                Kernel::Reduce { op, mode, wg },
                 &ReduceParams {
                     rows: u(rows),
                     cols: u(cols),
@@ -668,26 +671,7 @@ impl Kernels for WgpuContext {
                 }
                 .words(&[]),
                 &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
-                groups_for(rows),
-                1,
-            )?;
-        } else if cols <= 2 * segment {
-            self.dispatch(
-                Kernel::Reduce {
-                    op,
-                    mode: ReduceMode::Direct,
-                    wg,
-                },
-                &ReduceParams {
-                    rows: u(rows),
-                    cols: u(cols),
-                    x_offset: off,
-                    segments: 1,
-                    seg_len: u(cols.max(1)),
-                }
-                .words(&[]),
-                &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
-                rows as u64,
+                groups,
                 1,
             )?;
         } else {
