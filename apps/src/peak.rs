@@ -13,7 +13,8 @@ pub fn cpu_fma_peak_gflops(threads: usize, budget: Duration) -> f64 {
     let threads = threads.max(1);
     // Iterations per call of the kernel: long enough that the call overhead vanishes.
     const ITERS: u64 = 200_000;
-    let flops_per_call = ITERS as f64 * Kernel::best().flops_per_iter();
+    let kernel = Kernel::best();
+    let flops_per_call = ITERS as f64 * kernel.flops_per_iter();
     let trial = budget / 3;
     let mut best = 0.0f64;
     for _ in 0..3 {
@@ -24,7 +25,7 @@ pub fn cpu_fma_peak_gflops(threads: usize, budget: Duration) -> f64 {
                     s.spawn(move || {
                         let mut calls = 0u64;
                         while calls == 0 || start.elapsed() < trial {
-                            std::hint::black_box(Kernel::best().run(ITERS));
+                            std::hint::black_box(kernel.run(ITERS));
                             calls += 1;
                         }
                         calls

@@ -35,24 +35,15 @@ impl ReduceMode {
 
 pub(crate) fn reduce(op: ReduceOp, mode: ReduceMode, wg: u32) -> String {
     let (identity, combine, result) = op.wgsl();
-    let mode = match mode {
-        ReduceMode::Direct => REDUCE_DIRECT,
-        ReduceMode::Partial => REDUCE_PARTIAL,
-        ReduceMode::Final => REDUCE_FINAL,
-        ReduceMode::Thin => {
-            return render(
-                REDUCE_THIN,
-                &[
-                    ("WG", &wg.to_string()),
-                    ("IDENTITY", identity),
-                    ("COMBINE", combine),
-                    ("RESULT", result),
-                ],
-            )
-        }
+    // The workgroup tree takes its mode's file; the one-invocation-per-row kernel has none.
+    let (template, mode) = match mode {
+        ReduceMode::Direct => (REDUCE, REDUCE_DIRECT),
+        ReduceMode::Partial => (REDUCE, REDUCE_PARTIAL),
+        ReduceMode::Final => (REDUCE, REDUCE_FINAL),
+        ReduceMode::Thin => (REDUCE_THIN, ""),
     };
     render(
-        REDUCE,
+        template,
         &[
             ("WG", &wg.to_string()),
             ("IDENTITY", identity),

@@ -131,6 +131,7 @@ pub(super) fn thin_row_cols(is_software: bool) -> usize {
         THIN_ROW_COLS
     }
 }
+
 /// Invocations a column-sum pass aims for, so that a narrow matrix still fills the adapter.
 const COLUMN_SUM_PARALLEL: usize = 16384;
 /// Fewest rows per chunk of a column-sum pass: fewer would only move the work to the next pass.
