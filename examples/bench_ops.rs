@@ -21,6 +21,21 @@
 use std::time::{Duration, Instant};
 
 use wgpipe::tensor::{DType, Device, Tensor};
+use wgpipe_apps::Parser;
+
+/// Op throughput on the CPU backend and every wgpu adapter, as a Markdown table.
+#[derive(Parser)]
+struct Args {
+    /// Print the wgpu adapters, one per line, and exit (scripts/gpu-check.sh reads it)
+    #[arg(long)]
+    list_adapters: bool,
+    /// Time each op for 0.3 s instead of 1.5 s
+    #[arg(long)]
+    quick: bool,
+    /// Only the matmul rows (and the CPU's FMA peak)
+    #[arg(long)]
+    matmul_only: bool,
+}
 
 /// CPU seconds this process has used (all threads), from /proc on Linux.
 fn cpu_seconds() -> Option<f64> {
@@ -66,7 +81,8 @@ struct Row {
 }
 
 fn main() {
-    if std::env::args().any(|a| a == "--list-adapters") {
+    let args = Args::parse();
+    if args.list_adapters {
         // `index: name (backend, driver[, software])`, one per line (scripts/gpu-check.sh).
         for a in Device::adapters() {
             let sw = if a.is_software { ", software" } else { "" };
@@ -74,8 +90,7 @@ fn main() {
         }
         return;
     }
-    let quick = std::env::args().any(|a| a == "--quick");
-    let matmul_only = std::env::args().any(|a| a == "--matmul-only");
+    let (quick, matmul_only) = (args.quick, args.matmul_only);
     let budget = Duration::from_millis(if quick { 300 } else { 1500 });
 
     let mut devices = vec![Device::cpu()];

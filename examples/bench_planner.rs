@@ -22,6 +22,7 @@ use wgpipe::pipeline::{
     ScheduleKind, SimCluster,
 };
 use wgpipe::tensor::{Device, Tensor};
+use wgpipe_apps::Parser;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 type Layers = Vec<Box<dyn Module>>;
@@ -250,8 +251,16 @@ fn search_speed(profile: &Profile) -> Res<()> {
     Ok(())
 }
 
+/// The planner against hand-picked configurations on a heterogeneous simulated cluster.
+#[derive(Parser)]
+struct Args {
+    /// Only the search-speed row (100 layers on 16 devices)
+    #[arg(long)]
+    speed: bool,
+}
+
 fn main() -> Res<()> {
-    let only_speed = std::env::args().any(|a| a == "--speed");
+    let only_speed = Args::parse().speed;
     let specs = cluster_specs(64 << 20, 16 << 20);
     let lm_model = Model {
         name: "Transformer LM (24 blocks, d_model 64, seq 32, batch 64)",

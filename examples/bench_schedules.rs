@@ -27,6 +27,7 @@ use wgpipe::pipeline::{
     ActionKind, Balance, CheckpointMode, Pipeline, Schedule, ScheduleKind, SimCluster,
 };
 use wgpipe::tensor::{Device, Tag, Tensor};
+use wgpipe_apps::Parser;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -152,13 +153,22 @@ fn thread_times() -> Res<Vec<(ScheduleKind, f64, f64)>> {
         .collect())
 }
 
+/// Every schedule side by side: simulated bubbles and memory, and real-thread step times.
+#[derive(Parser)]
+struct Args {
+    /// Skip the real-thread runs (simulated columns only)
+    #[arg(long)]
+    quick: bool,
+}
+
 fn main() -> Res<()> {
+    let args = Args::parse();
     let t0 = Instant::now();
     // One-thread rayon pool: each stage computes on its own thread only (see bench_pipeline_cpu).
     rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build_global()?;
-    let threads = if std::env::args().any(|a| a == "--quick") {
+    let threads = if args.quick {
         Vec::new()
     } else {
         thread_times()?
