@@ -111,9 +111,10 @@ fn main() {
                 if i.is_software { ", software" } else { "" }
             ),
             None => format!(
-                "{} [{} threads]",
+                "{} [{} threads, {}]",
                 dev.name(),
-                std::thread::available_parallelism().map_or(1, |n| n.get())
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+                wgpipe_apps::peak::cpu_model().unwrap_or_else(|| "model unknown".into())
             ),
         };
         eprintln!("benchmarking {kind}");

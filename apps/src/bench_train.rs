@@ -324,13 +324,29 @@ fn torch_python(args: &BenchArgs) -> Option<String> {
         .clone()
         .or_else(|| std::env::var(TORCH_PYTHON_ENV).ok())
         .filter(|p| !p.trim().is_empty())?;
-    let ok = std::process::Command::new(&py)
-        .args(["-c", "import torch"])
-        .output()
-        .map(|o| o.status.success());
-    match ok {
-        Ok(true) => Some(py),
-        Ok(false) => {
+    let probe = std::process::Command::new(&py)
+        .args([
+            "-c",
+            "import torch; print(int(torch.backends.mkl.is_available()))",
+        ])
+        .output();
+    match probe
+        .as_ref()
+        .map(|o| (o.status.success(), o.stdout.starts_with(b"1")))
+    {
+        Ok((true, uses_mkl)) => {
+            let amd = crate::peak::cpu_model().is_some_and(|m| m.starts_with("AuthenticAMD"));
+            if uses_mkl && amd && std::env::var_os("LD_PRELOAD").is_none() {
+                // MKL picks its kernels by vendor: on AMD it runs its AVX2 path even where the
+                // CPU has AVX-512 (here it gave ~200 against ~470 GFLOP/s on 1024^3).
+                eprintln!(
+                    "note: this PyTorch uses MKL on an AMD CPU, where MKL runs its slower \
+                     generic kernels; README (bench_train) shows how to measure it at full speed"
+                );
+            }
+            Some(py)
+        }
+        Ok((false, _)) => {
             eprintln!("no PyTorch column: `{py} -c \"import torch\"` failed");
             None
         }
@@ -513,6 +529,14 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
         }
     }
     println!("{}", table(&rows));
+    if let Some(p) = fma_peak {
+        // The table's "% of peak" columns depend on the CPU: name it beside them.
+        println!(
+            "CPU: {}; f32 FMA peak {p:.0} GFLOP/s on {} threads",
+            crate::peak::cpu_model().unwrap_or_else(|| "model unknown".into()),
+            crate::tensor::cpu_threads()
+        );
+    }
     Ok(rows)
 }
 

@@ -7,6 +7,22 @@
 
 use std::time::{Duration, Instant};
 
+/// The CPU's vendor and model as Linux names them (`AuthenticAMD: AMD EPYC`), so that a figure
+/// quoted against the peak says which CPU it came from; `None` where /proc/cpuinfo is missing.
+pub fn cpu_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let field = |key: &str| {
+        info.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == key))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    };
+    match (field("vendor_id"), field("model name")) {
+        (Some(v), Some(m)) => Some(format!("{v}: {m}")),
+        (v, m) => v.or(m),
+    }
+}
+
 /// GFLOP/s (2 per multiply-add) of `threads` threads running FMA chains together: the best of a
 /// few trials, each about `budget / 3` long.
 pub fn cpu_fma_peak_gflops(threads: usize, budget: Duration) -> f64 {
