@@ -516,12 +516,16 @@ impl Kernel {
         for sg in [8, 16] {
             for (s, q) in SubgroupMatmulConfig::SHAPES {
                 for c_vec in [false, true] {
-                    v.push(Kernel::MatmulSubgroup(SubgroupMatmulConfig {
-                        sg,
-                        s,
-                        q,
-                        c_vec,
-                    }));
+                    for (a_direct, b_direct) in [(false, false), (true, false), (false, true)] {
+                        v.push(Kernel::MatmulSubgroup(SubgroupMatmulConfig {
+                            sg,
+                            s,
+                            q,
+                            c_vec,
+                            a_direct,
+                            b_direct,
+                        }));
+                    }
                 }
             }
         }

@@ -237,6 +237,10 @@ pub struct SubgroupMatmulConfig {
     pub q: u32,
     /// vec4 stores of c (n a multiple of 4).
     pub c_vec: bool,
+    /// A read where it lies (row-major, see `matmul_subgroup.wgsl`), else packed.
+    pub a_direct: bool,
+    /// B read where it lies, else packed.
+    pub b_direct: bool,
 }
 
 impl SubgroupMatmulConfig {
@@ -252,22 +256,74 @@ impl SubgroupMatmulConfig {
         4 * self.sg * self.q
     }
 
+    /// A's index set-up, one k4 step's loads (`av0..`) and the step: packed or in place.
+    fn a_reads(&self) -> (String, String, String) {
+        let (sg, tm) = (self.sg, self.rows());
+        let (mut init, mut loads) = (String::new(), String::new());
+        if self.a_direct {
+            init += "    var ai = params.a_off + batch * params.a_bs + k4_begin;\n";
+            for ss in 0..self.s {
+                let r0 = ss * sg;
+                init +=
+                    &format!("    let ar{ss} = min(row0 + {r0}u + lane, M - 1u) * params.a_rs;\n");
+                loads += &format!("        let av{ss} = a[ai + ar{ss}];\n");
+            }
+            (init, loads, "        ai = ai + 1u;".into())
+        } else {
+            init += &format!(
+                "    var ai = batch * params.a_bs + (wid.y * K4 + k4_begin) * {tm}u + lane;\n"
+            );
+            for ss in 0..self.s {
+                loads += &format!("        let av{ss} = a[ai + {}u];\n", ss * sg);
+            }
+            (init, loads, format!("        ai = ai + {tm}u;"))
+        }
+    }
+
+    /// B's index set-up, one k4 step's loads (`b{e}_{q}`: row k + e, lane's vec4 of panel q)
+    /// and the step: packed or in place.
+    fn b_reads(&self) -> (String, String, String) {
+        let (sg, w) = (self.sg, self.sg * self.q);
+        let (mut init, mut loads) = (String::new(), String::new());
+        if self.b_direct {
+            init +=
+                "    var bi = params.b_off + batch * params.b_bs + k4_begin * 4u * params.b_rs;\n";
+            for qq in 0..self.q {
+                let c0 = qq * sg;
+                init += &format!(
+                    "    let bc{qq} = min(wid.x * {w}u + {c0}u + lane, (N >> 2u) - 1u);\n"
+                );
+            }
+            for e in 0..4 {
+                for qq in 0..self.q {
+                    loads +=
+                        &format!("        let b{e}_{qq} = b[bi + {e}u * params.b_rs + bc{qq}];\n");
+                }
+            }
+            (init, loads, "        bi = bi + 4u * params.b_rs;".into())
+        } else {
+            init += &format!(
+                "    var bi = batch * params.b_bs + (wid.x * K4 * 4u + k4_begin * 4u) * {w}u + lane;\n"
+            );
+            for e in 0..4 {
+                for qq in 0..self.q {
+                    loads += &format!("        let b{e}_{qq} = b[bi + {}u];\n", e * w + qq * sg);
+                }
+            }
+            (init, loads, format!("        bi = bi + {}u;", 4 * w))
+        }
+    }
+
     pub(crate) fn source(&self) -> String {
         let (sg, s, q) = (self.sg, self.s, self.q);
         assert!(sg.is_power_of_two() && s >= 1 && q >= 1, "invalid {self:?}");
         let tm = s * sg;
         let w = sg * q;
         let comp = ["x", "y", "z", "w"];
-        let (mut acc, mut loads, mut inner, mut store) =
-            (String::new(), String::new(), String::new(), String::new());
-        for e in 0..4 {
-            for qq in 0..q {
-                loads += &format!("        let b{e}_{qq} = b[bi + {}u];\n", e * w + qq * sg);
-            }
-        }
-        for ss in 0..s {
-            loads += &format!("        let av{ss} = a[ai + {}u];\n", ss * sg);
-        }
+        let (mut acc, mut inner, mut store) = (String::new(), String::new(), String::new());
+        let (a_init, a_loads, a_step) = self.a_reads();
+        let (b_init, b_loads, b_step) = self.b_reads();
+        let loads = a_loads + &b_loads;
         for r in 0..tm {
             inner += &format!(
                 "        let a{r} = subgroupBroadcast(av{}, {}u);\n",
@@ -298,6 +354,10 @@ impl SubgroupMatmulConfig {
                 ("C_TYPE", if self.c_vec { "vec4<f32>" } else { "f32" }),
                 ("STORE", store_fn(self.c_vec)),
                 ("ACC", acc.trim_end()),
+                ("A_INIT", a_init.trim_end()),
+                ("B_INIT", b_init.trim_end()),
+                ("A_STEP", &a_step),
+                ("B_STEP", &b_step),
                 ("LOADS", loads.trim_end()),
                 ("INNER", inner.trim_end()),
                 ("STORE_ALL", store.trim_end()),

@@ -10,15 +10,23 @@
 // Packed A: [batch, Mb, K4, TM] vec4 (k in groups of four); packed B: [batch, Nb, 4 * K4, SG * Q]
 // vec4 (a panel of 4 * SG * Q columns, row by row). Both zero-padded.
 //
+// A direct operand is read where it lies instead (row-major, k and its row stride multiples of
+// four, offsets in vec4s): a lane-varying load costs the same wherever it points, so packing
+// only pays where the layout forbids vec4 loads. Rows and columns past the edge read the last
+// one (clamped, never out of bounds); their results are never stored.
+//
 // Placeholders: <SG> <TM> <W> (= SG * Q), <C_TYPE>; <STORE> the file that defines `store4`
 // (matmul_store_{scalar,vec}.wgsl); <ACC> declares the TM x Q vec4 accumulators acc_r_q;
-// <LOADS> one k4 step's loads; <INNER> its broadcasts and FMAs; <STORE_ALL> calls `store4`
-// for each accumulator.
+// <A_INIT>, <B_INIT> set up each operand's index (packed or direct), <A_STEP>, <B_STEP> advance
+// it by one k4; <LOADS> one k4 step's loads; <INNER> its broadcasts and FMAs; <STORE_ALL> calls
+// `store4` for each accumulator.
 
-// Batch strides in vec4s of the packed arrays (0 for an operand shared by the batch).
+// Batch strides in vec4s of the packed arrays or direct operands (0 for an operand shared by the
+// batch); a direct operand's offset and row stride in vec4s.
 struct SubgroupMatmulParams {
     m: u32, n: u32, k4_begin: u32, k4_end: u32, accumulate: u32,
     a_bs: u32, b_bs: u32, batch_base: u32, k4: u32,
+    a_off: u32, a_rs: u32, b_off: u32, b_rs: u32,
 }
 
 @group(0) @binding(0) var<storage, read> params: SubgroupMatmulParams;
@@ -42,13 +50,13 @@ fn main(
     let batch = params.batch_base + wid.z;
     let K4 = params.k4;
     let row0 = wid.y * {{TM}}u;
-    var ai = batch * params.a_bs + (wid.y * K4 + k4_begin) * {{TM}}u + lane;
-    var bi = batch * params.b_bs + (wid.x * K4 * 4u + k4_begin * 4u) * {{W}}u + lane;
+{{A_INIT}}
+{{B_INIT}}
 {{ACC}}
     for (var k4 = k4_begin; k4 < k4_end; k4 = k4 + 1u) {
 {{LOADS}}
-        ai = ai + {{TM}}u;
-        bi = bi + 4u * {{W}}u;
+{{A_STEP}}
+{{B_STEP}}
 {{INNER}}
     }
     let c_base = batch * M * N;

@@ -166,15 +166,15 @@ param_block! {
     SubgroupMatmulParams {
         m: u32, n: u32, k4_begin: u32, k4_end: u32, accumulate: u32,
         a_bs: u32, b_bs: u32, batch_base: u32, k4: u32,
+        a_off: u32, a_rs: u32, b_off: u32, b_rs: u32,
     }
 }
 
 param_block! {
     /// `pack.wgsl`.
     PackParams {
-        total: u32, rows: u32, cols: u32,
-        t0: u32, t1: u32, n_t0: u32, n_t1: u32, col_outer: u32,
-        off: u32, bs: u32, rs: u32, cs: u32,
+        rows: u32, cols: u32, t0: u32, lg_t1: u32, n_t0: u32, n_t1: u32, col_outer: u32,
+        off: u32, bs: u32, rs: u32, cs: u32, y_base: u32,
     }
 }
 

@@ -16,6 +16,36 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
+/// The most elements of B the subgroup matmul reads in place (1 MiB of f32, about a core's L2):
+/// larger ones are packed (see `direct_operands`).
+const DIRECT_B_MAX: usize = 1 << 18;
+
+/// Which operands of the subgroup matmul are read where they lie (A, B): row-major f32 ones with
+/// k (and B's n) in whole vec4s; B only while it is small: walking down a large B's columns
+/// strides a whole row per k, which thrashes the cache where its packed panel streams (at 1024^2
+/// the direct read took 2.6x as long as packing and reading the panel on llvmpipe; at 256^2
+/// packing cost more than it saved).
+pub(super) fn direct_operands(
+    (a_dtype, la): (DType, &MatLayout),
+    (b_dtype, lb): (DType, &MatLayout),
+    d: &MatDims,
+) -> (bool, bool) {
+    let a4 = |v: usize| v.is_multiple_of(4);
+    let vec4_rows = |dtype: DType, l: &MatLayout, cols: usize| {
+        dtype == DType::F32
+            && l.col_stride == 1
+            && a4(d.k)
+            && a4(cols)
+            && a4(l.row_stride)
+            && a4(l.offset)
+            && a4(l.batch_stride)
+    };
+    (
+        vec4_rows(a_dtype, la, d.k),
+        vec4_rows(b_dtype, lb, d.n) && d.k * d.n <= DIRECT_B_MAX,
+    )
+}
+
 /// How to stage one operand (see `OperandLoad`): vec4 loads along the axis of stride 1 when
 /// offsets, strides and that extent allow, else scalar loads walking the smaller stride.
 /// `ks`, `os` are its strides along k and along its other axis, `k`, `o` those extents.
@@ -308,6 +338,9 @@ impl WgpuContext {
             s,
             q: 1,
             c_vec: d.n.is_multiple_of(4),
+            // `matmul_subgroup` reads an operand in place where its layout allows.
+            a_direct: false,
+            b_direct: false,
         };
         let max = self.limits.max_compute_workgroups_per_dimension as usize;
         let fits =
@@ -315,7 +348,9 @@ impl WgpuContext {
         fits.then_some(cfg)
     }
 
-    /// Packs `x` (a strided batch of r x c matrices) into tiles of t0 x t1 (see `pack.wgsl`).
+    /// Packs `x` (a strided batch of r x c matrices) into tiles of t0 x t1, t1 a power of two of
+    /// at least 4 (see `pack.wgsl`): one workgroup row per (matrix, padded row), in dispatches of
+    /// at most the adapter's grid height.
     #[allow(clippy::too_many_arguments)]
     fn pack(
         &self,
@@ -327,34 +362,53 @@ impl WgpuContext {
         (n0, n1): (usize, usize),
         col_outer: bool,
     ) -> Result<Tensor> {
-        let total = batch * n0 * n1 * t0 * t1;
-        let out = self.empty(x.device(), &[total])?;
-        let params = PackParams {
-            total: u(total),
-            rows: u(r),
-            cols: u(c),
-            t0: u(t0),
-            t1: u(t1),
-            n_t0: u(n0),
-            n_t1: u(n1),
-            col_outer: u32::from(col_outer),
-            off: u(l.offset),
-            bs: u(l.batch_stride),
-            rs: u(l.row_stride),
-            cs: u(l.col_stride),
-        };
+        if !t1.is_power_of_two() || t1 < 4 {
+            return Err(self.err(format!(
+                "pack: tile {t0} x {t1}: its width must be a power of two of at least 4"
+            )));
+        }
+        let (padded_rows, padded_cols) = (n0 * t0, n1 * t1);
+        let out = self.empty(x.device(), &[batch * padded_rows * padded_cols])?;
         let kernel = match x.dtype() {
             DType::F32 => Kernel::Pack,
             DType::F16 => Kernel::PackHalf(HalfFormat::F16),
             DType::BF16 => Kernel::PackHalf(HalfFormat::Bf16),
         };
-        self.dispatch(
-            kernel,
-            &params.words(&[]),
-            &[Arg::of(gpu(x)?), Arg::of(gpu(&out)?)],
-            groups_for(total),
-            1,
-        )?;
+        let (bx, bo) = (gpu(x)?, gpu(&out)?);
+        let max = self.limits.max_compute_workgroups_per_dimension as usize;
+        let groups_x = groups_for(padded_cols / 4) as usize;
+        if groups_x > max {
+            return Err(self.err(format!(
+                "pack: {padded_cols} columns need {groups_x} workgroups across, over the limit {max}"
+            )));
+        }
+        let groups_x = u(groups_x);
+        let rows = batch * padded_rows;
+        let mut y0 = 0;
+        while y0 < rows {
+            let ys = (rows - y0).min(max);
+            let params = PackParams {
+                rows: u(r),
+                cols: u(c),
+                t0: u(t0),
+                lg_t1: t1.trailing_zeros(),
+                n_t0: u(n0),
+                n_t1: u(n1),
+                col_outer: u32::from(col_outer),
+                off: u(l.offset),
+                bs: u(l.batch_stride),
+                rs: u(l.row_stride),
+                cs: u(l.col_stride),
+                y_base: u(y0),
+            };
+            self.dispatch_grid(
+                kernel,
+                &params.words(&[]),
+                &[Arg::of(bx), Arg::of(bo)],
+                [groups_x, u(ys), 1],
+            )?;
+            y0 += ys;
+        }
         Ok(out)
     }
 
@@ -429,14 +483,33 @@ impl WgpuContext {
         }
         let (tm, cw) = (cfg.rows() as usize, cfg.cols() as usize);
         let (mb, nb, k4) = (m.div_ceil(tm), n.div_ceil(cw), k.div_ceil(4));
+        let (a_direct, b_direct) = direct_operands((a.dtype(), &la), (b.dtype(), &lb), &dims);
+        let cfg = SubgroupMatmulConfig {
+            a_direct,
+            b_direct,
+            ..cfg
+        };
         let a_batch = if la.batch_stride == 0 { 1 } else { batch };
         let b_batch = if lb.batch_stride == 0 { 1 } else { batch };
-        let ap = self.pack(a, &la, a_batch, (m, k), (tm, 4), (mb, k4), false)?;
-        let bp = self.pack(b, &lb, b_batch, (k, n), (1, cw), (k4 * 4, nb), true)?;
-        let a_bs = if a_batch == 1 { 0 } else { mb * k4 * tm };
-        let b_bs = if b_batch == 1 { 0 } else { nb * k4 * cw };
+        // (buffer, batch stride, offset, row stride), the last three in vec4s
+        let a_op = if cfg.a_direct {
+            (None, la.batch_stride / 4, la.offset / 4, la.row_stride / 4)
+        } else {
+            let ap = self.pack(a, &la, a_batch, (m, k), (tm, 4), (mb, k4), false)?;
+            let bs = if a_batch == 1 { 0 } else { mb * k4 * tm };
+            (Some(ap), bs, 0, 0)
+        };
+        let b_op = if cfg.b_direct {
+            (None, lb.batch_stride / 4, lb.offset / 4, lb.row_stride / 4)
+        } else {
+            let bp = self.pack(b, &lb, b_batch, (k, n), (1, cw), (k4 * 4, nb), true)?;
+            let bs = if b_batch == 1 { 0 } else { nb * k4 * cw };
+            (Some(bp), bs, 0, 0)
+        };
+        let bap = gpu(a_op.0.as_ref().unwrap_or(a))?;
+        let bbp = gpu(b_op.0.as_ref().unwrap_or(b))?;
+        let bo = gpu(&out)?;
         let max = self.limits.max_compute_workgroups_per_dimension as usize;
-        let (bap, bbp, bo) = (gpu(&ap)?, gpu(&bp)?, gpu(&out)?);
         let mut base = 0;
         while base < batch {
             let z = (batch - base).min(max);
@@ -449,10 +522,14 @@ impl WgpuContext {
                     k4_begin: u(k0),
                     k4_end: u(k1),
                     accumulate: u32::from(k0 > 0),
-                    a_bs: u(a_bs),
-                    b_bs: u(b_bs),
+                    a_bs: u(a_op.1),
+                    b_bs: u(b_op.1),
                     batch_base: u(base),
                     k4: u(k4),
+                    a_off: u(a_op.2),
+                    a_rs: u(a_op.3),
+                    b_off: u(b_op.2),
+                    b_rs: u(b_op.3),
                 };
                 self.dispatch_grid(
                     Kernel::MatmulSubgroup(cfg),

@@ -502,7 +502,14 @@ fn matmul_every_tile_and_operand_layout() {
                     if let Some(sg) = c.subgroup_size {
                         for (s, q) in wgpipe_shaders::SubgroupMatmulConfig::SHAPES {
                             for c_vec in [false, n % 4 == 0] {
-                                let cfg = wgpipe_shaders::SubgroupMatmulConfig { sg, s, q, c_vec };
+                                let cfg = wgpipe_shaders::SubgroupMatmulConfig {
+                                    sg,
+                                    s,
+                                    q,
+                                    c_vec,
+                                    a_direct: false,
+                                    b_direct: false,
+                                };
                                 let got = c.matmul_subgroup(&a, la, &b, lb, dims, cfg).unwrap();
                                 close(&host(&d, &got), &want, 1e-4, &format!("{dims:?} {cfg:?}"));
                             }
@@ -547,6 +554,69 @@ fn matmul_every_tile_and_operand_layout() {
         )
         .unwrap();
     assert_eq!(host(&d, &z), vec![0.0; 6]);
+}
+
+/// The subgroup matmul reads row-major operands in place and packs the rest (strided, offset
+/// off a vec4, ragged k, a large B); every mix gives the reference product.
+#[test]
+fn subgroup_matmul_direct_and_packed_operands() {
+    let Some(d) = device() else { return };
+    let c = ctx(&d);
+    let Some(sg) = c.subgroup_size.filter(|_| c.info.is_software) else {
+        eprintln!("SKIPPED: the subgroup matmul runs on CPU-backed adapters with subgroups only");
+        return;
+    };
+    let f32 = DType::F32;
+    // (batch, m, k, n), A transposed, A's offset, B transposed, and the (A, B) reads expected
+    let cases = [
+        ((2, 37, 24, 20), false, 0, false, (true, true)),
+        ((2, 37, 24, 20), false, 1, false, (false, true)),
+        ((1, 9, 16, 44), true, 0, false, (false, true)),
+        ((1, 40, 12, 8), false, 4, true, (true, false)),
+        ((2, 8, 18, 12), false, 0, false, (false, false)),
+        // B of 2^18 + 512 elements: packed, though row-major
+        ((1, 5, 516, 512), false, 0, false, (true, false)),
+    ];
+    for ((batch, m, kk, n), ta, a_off, tb, want_direct) in cases {
+        let dims = MatDims { batch, m, k: kk, n };
+        let la = layout(m, kk, ta, a_off, batch > 1);
+        let lb = layout(kk, n, tb, 0, false);
+        assert_eq!(
+            super::matmul::direct_operands((f32, &la), (f32, &lb), &dims),
+            want_direct,
+            "{dims:?}"
+        );
+        let a_data = vals(a_off + batch * m * kk, 31);
+        let b_data = vals(kk * n, 32);
+        let want = matmul_ref(&a_data, la, &b_data, lb, dims);
+        let a = t(&d, &a_data, &[a_data.len()]);
+        let b = t(&d, &b_data, &[b_data.len()]);
+        for (s, q) in wgpipe_shaders::SubgroupMatmulConfig::SHAPES {
+            let cfg = wgpipe_shaders::SubgroupMatmulConfig {
+                sg,
+                s,
+                q,
+                c_vec: n % 4 == 0,
+                a_direct: false,
+                b_direct: false,
+            };
+            let got = c.matmul_subgroup(&a, la, &b, lb, dims, cfg).unwrap();
+            close(&host(&d, &got), &want, 1e-4, &format!("{dims:?} {cfg:?}"));
+        }
+    }
+    // half operands are always packed (the pass widens them)
+    let l = layout(8, 8, false, 0, false);
+    let dims = MatDims {
+        batch: 1,
+        m: 8,
+        k: 8,
+        n: 8,
+    };
+    let half = DType::F16;
+    assert_eq!(
+        super::matmul::direct_operands((half, &l), (half, &l), &dims),
+        (false, false)
+    );
 }
 
 #[test]
@@ -1116,6 +1186,8 @@ fn tune_matmul_tiles() {
                 s,
                 q,
                 c_vec: true,
+                a_direct: false,
+                b_direct: false,
             };
             let _ = c.matmul_subgroup(&a, l, &b, l, dims, cfg).unwrap();
             d.synchronize().unwrap();
