@@ -1,10 +1,12 @@
 // Elementwise template: out[i] = op(a, b, c) over up to three inputs.
 //
-// Three layouts share it: strided inputs (each read through its shape, strides and offset, so
-// views need no copy), contiguous inputs (offset + i), and aligned contiguous inputs read and
-// written as vec4 (four elements per invocation).
+// Four layouts share it: strided inputs (each read through its shape, strides and offset, so
+// views need no copy), the same over rank-4 shapes by rows (below), contiguous inputs
+// (offset + i), and aligned contiguous inputs read and written as vec4 (four elements per
+// invocation).
 //
-// Placeholders: <WG> workgroup size; <TY> f32 or vec4<f32> (the vec4 layout); <INPUTS> the
+// Placeholders: <WG> workgroup size; <INDEX> sets the output element `i` (and returns past the
+// end); <TY> f32 or vec4<f32> (the vec4 layout); <INPUTS> the
 // input bindings in_a, in_b, in_c (at 1..) and <OUT> the output binding's number; <EXPR> the op
 // over a, b, c and the scalars s0, s1; <LOADS> the layout's loads of a, b, c (through
 // `input_offset` or `strided_index`); <STORE> the write of out[i].
@@ -41,6 +43,18 @@ fn strided_index(i: u32, k: u32) -> u32 {
         idx = idx + coord * params.dims[base + 1u + j];
     }
     return idx;
+}
+
+// The rows layout: the shape is [d0, d1, d2, d3] (shorter shapes padded with leading 1s, d3 a
+// multiple of 4), x (four elements per invocation) runs along d3, the workgroup's y along d2 and
+// its z over d0 x d1. Only x differs between an invocation's lanes, so the index needs no
+// division per lane (llvmpipe has no vector integer division and divides lane by lane), and an
+// input contiguous along d3 is read a vec4 at a time (on llvmpipe each load whose address
+// differs between lanes is a loop over the lanes: four elements per load, not one).
+fn rows_index(k: u32, c0: u32, c1: u32, c2: u32, x: u32) -> u32 {
+    let base = 4u + k * 5u;
+    return params.dims[base] + c0 * params.dims[base + 1u] + c1 * params.dims[base + 2u]
+        + c2 * params.dims[base + 3u] + x * params.dims[base + 4u];
 }
 
 fn op(a: f32, b: f32, c: f32, s0: f32, s1: f32) -> f32 {
@@ -141,9 +155,12 @@ fn flag(b: bool) -> f32 {
 }
 
 @compute @workgroup_size({{WG}})
-fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let i = linear_index(gid, nwg, {{WG}}u);
-    if (i >= params.count) { return; }
+fn main(
+    @builtin(global_invocation_id) gid: vec3<u32>,
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
+{{INDEX}}
     let s0 = params.s0;
     let s1 = params.s1;
 {{LOADS}}

@@ -109,6 +109,22 @@ pub(super) const LOOP_BUDGET: usize = 16384;
 /// are this many times the row workgroup size).
 const REDUCE_SEGMENT_STEPS: usize = 64;
 
+/// The grid of the rows layout (`EwLayout::StridedRows`) for a collapsed `shape`, when it
+/// applies: at most 4 dims, a last dim of whole vec4s that fills a workgroup, and each grid
+/// dimension within `max`. Workgroups: x along the last dim, y the dim before, z the two before
+/// that.
+pub(super) fn rows_grid(shape: &[usize], max: usize) -> Option<[u32; 3]> {
+    let wg = EwLayout::ROWS_WG as usize;
+    let (&inner, outer) = shape.split_last()?;
+    if outer.len() > 3 || inner < 4 * wg || !inner.is_multiple_of(4) {
+        return None;
+    }
+    let d2 = outer.last().copied().unwrap_or(1);
+    let d01: usize = outer.iter().rev().skip(1).product();
+    let x = (inner / 4).div_ceil(wg);
+    (x <= max && d2 <= max && d01 <= max).then(|| [u(x), u(d2), u(d01)])
+}
+
 /// Workgroups for `n` invocations of the one-invocation-per-element kernels.
 pub(super) fn groups_for(n: usize) -> u64 {
     (n as u64).div_ceil(u64::from(ELEMENTWISE_WG))
@@ -264,9 +280,33 @@ impl WgpuContext {
             return Ok(());
         }
         let strides: Vec<&[usize]> = inputs.iter().map(|t| t.strides()).collect();
-        let (shape, cstrides) = collapse(x0.shape(), &strides);
+        let (mut shape, mut cstrides) = collapse(x0.shape(), &strides);
         let contiguous = cstrides.iter().all(|s| s.is_empty() || s == &[1]);
-        let layout = if !contiguous {
+        let max = self.limits.max_compute_workgroups_per_dimension as usize;
+        let mut bufs = Vec::with_capacity(inputs.len() + 1);
+        for t in &inputs[usize::from(first_is_out)..] {
+            bufs.push(gpu(t)?);
+        }
+        // The rows layout serves llvmpipe (see `elementwise.wgsl`); GPUs keep full workgroups. It
+        // binds its buffers as whole vec4s, which the (pooled, rounded-up) buffers must hold.
+        let vec4_bindable = bufs
+            .iter()
+            .chain([&out])
+            .all(|b| b.bytes().div_ceil(16) * 16 <= b.buffer().size());
+        let rows = if contiguous || !self.info.is_software || !vec4_bindable {
+            None
+        } else {
+            rows_grid(&shape, max)
+        };
+        let layout = if rows.is_some() {
+            // rank 4: leading dims of size 1 (stride 0) where the shape is shorter
+            let pad = 4 - shape.len();
+            shape.splice(0..0, std::iter::repeat_n(1, pad));
+            for s in &mut cstrides {
+                s.splice(0..0, std::iter::repeat_n(0, pad));
+            }
+            EwLayout::StridedRows
+        } else if !contiguous {
             EwLayout::Strided
         } else if n.is_multiple_of(4) && inputs.iter().all(|t| t.layout().offset.is_multiple_of(4))
         {
@@ -274,7 +314,7 @@ impl WgpuContext {
         } else {
             EwLayout::Contiguous
         };
-        let strided = layout == EwLayout::Strided;
+        let strided = !contiguous;
         let block = EwParams {
             count: u(if layout == EwLayout::Vec4 { n / 4 } else { n }),
             rank: if strided { u(shape.len()) } else { 0 },
@@ -293,13 +333,16 @@ impl WgpuContext {
         }
         let params = block.words(&dims);
         let count = block.count as usize;
-        let mut bufs = Vec::with_capacity(inputs.len() + 1);
-        for t in &inputs[usize::from(first_is_out)..] {
-            bufs.push(gpu(t)?);
+        let mut args: Vec<Arg<'_>> = bufs.iter().chain([&out]).map(|b| Arg::of(b)).collect();
+        if rows.is_some() {
+            for a in &mut args {
+                a.bytes = a.bytes.div_ceil(16) * 16;
+            }
         }
-        let mut args: Vec<Arg<'_>> = bufs.iter().map(|b| Arg::of(b)).collect();
-        args.push(Arg::of(out));
-        self.dispatch(kernel(layout), &params, &args, groups_for(count), 1)?;
+        match rows {
+            Some(grid) => self.dispatch_grid(kernel(layout), &params, &args, grid)?,
+            None => self.dispatch(kernel(layout), &params, &args, groups_for(count), 1)?,
+        }
         self.check()
     }
 

@@ -242,6 +242,126 @@ fn every_unary_op() {
     }
 }
 
+/// Strided elementwise ops over views whose last dim is long enough for the rows layout
+/// (`EwLayout::StridedRows`, lavapipe): contiguous and aligned along it, offset off a vec4,
+/// broadcast (stride 0), transposed; ranks 1 to 4 and one over 4 (the linear layout); binary,
+/// in-place, three-input and copy kernels; each against the CPU backend on the same views.
+#[test]
+fn strided_rows_layout_matches_the_cpu() {
+    let Some(d) = device() else { return };
+    let cpu = Device::cpu();
+    let max = ctx(&d).limits.max_compute_workgroups_per_dimension as usize;
+    assert!(super::kernels::rows_grid(&[6, 256], max).is_some());
+    assert!(
+        super::kernels::rows_grid(&[2, 2, 2, 2, 128], max).is_none(),
+        "rank 5"
+    );
+    assert!(
+        super::kernels::rows_grid(&[6, 66], max).is_none(),
+        "not whole vec4s"
+    );
+    assert!(
+        super::kernels::rows_grid(&[6, 32], max).is_none(),
+        "under a workgroup"
+    );
+    let on = |dev: &Device, data: &[f32], shape: &[usize]| {
+        Tensor::from_vec(data.to_vec(), shape, dev).unwrap()
+    };
+    // (name, a view, b view) built from the same storage on either device
+    type View = Box<dyn Fn(&Device) -> (Tensor, Tensor)>;
+    let x = vals(2 * 3 * 5 * 128 + 8, 40);
+    let y = vals(2 * 3 * 5 * 128 + 8, 41);
+    let (x1, y1) = (x.clone(), y.clone());
+    let (x2, y2) = (x.clone(), y.clone());
+    let (x3, y3) = (x.clone(), y.clone());
+    let (x4, y4) = (x.clone(), y.clone());
+    let (x5, y5) = (x.clone(), y.clone());
+    let cases: Vec<(&str, View)> = vec![
+        (
+            "rows + bias (stride 0 rows)",
+            Box::new(move |dv| {
+                let a = on(dv, &x1[..30 * 128], &[30, 128]);
+                let b = on(dv, &y1[..128], &[128]).broadcast_to(&[30, 128]).unwrap();
+                (a, b)
+            }),
+        ),
+        (
+            "column broadcast (stride 0 along the row), offset 1",
+            Box::new(move |dv| {
+                let a = on(dv, &x2[..30 * 128 + 1], &[30 * 128 + 1]);
+                let a = a
+                    .narrow(0, 1, 30 * 128)
+                    .unwrap()
+                    .reshape(&[30, 128])
+                    .unwrap();
+                let b = on(dv, &y2[..30], &[30, 1])
+                    .broadcast_to(&[30, 128])
+                    .unwrap();
+                (a, b)
+            }),
+        ),
+        (
+            "rank 4 head split (permuted), plus a transposed rank 3",
+            Box::new(move |dv| {
+                let a = on(dv, &x3[..2 * 3 * 5 * 128], &[2, 5, 3, 128]);
+                let a = a.permute(&[0, 2, 1, 3]).unwrap();
+                let b = on(dv, &y3[..2 * 3 * 5 * 128], &[2, 3, 128, 5]);
+                let b = b.transpose(2, 3).unwrap();
+                (a, b)
+            }),
+        ),
+        (
+            "rank 1 scalar broadcast",
+            Box::new(move |dv| {
+                let a = on(dv, &x4[..640], &[640]);
+                let b = on(dv, &y4[..1], &[1]).broadcast_to(&[640]).unwrap();
+                (a, b)
+            }),
+        ),
+        (
+            "rank 5 (linear layout)",
+            Box::new(move |dv| {
+                let a = on(dv, &x5[..2 * 3 * 2 * 2 * 128], &[2, 3, 2, 2, 128]);
+                let a = a.permute(&[1, 0, 2, 3, 4]).unwrap();
+                let b = on(dv, &y5[..2 * 2 * 2 * 3 * 128], &[2, 2, 2, 3, 128]);
+                let b = b.permute(&[3, 2, 1, 0, 4]).unwrap();
+                (a, b)
+            }),
+        ),
+    ];
+    for (name, view) in &cases {
+        let (ga, gb) = view(&d);
+        let (ca, cb) = view(&cpu);
+        let cmp = |g: Tensor, c: Tensor, what: &str| {
+            close(
+                &g.to_vec().unwrap(),
+                &c.to_vec().unwrap(),
+                1e-5,
+                &format!("{name}: {what}"),
+            );
+        };
+        for op in [BinaryOp::Add, BinaryOp::Mul, BinaryOp::Sub] {
+            cmp(
+                ga.binary(op, &gb).unwrap(),
+                ca.binary(op, &cb).unwrap(),
+                &format!("{op:?}"),
+            );
+        }
+        cmp(ga.contiguous().unwrap(), ca.contiguous().unwrap(), "copy a");
+        cmp(gb.contiguous().unwrap(), cb.contiguous().unwrap(), "copy b");
+        let cond = |a: &Tensor| a.gt_scalar(0.0).unwrap();
+        cmp(
+            Tensor::where_cond(&cond(&ga), &ga, &gb).unwrap(),
+            Tensor::where_cond(&cond(&ca), &ca, &cb).unwrap(),
+            "where (three strided inputs)",
+        );
+        let (mut gs, mut cs) = (ga.contiguous().unwrap(), ca.contiguous().unwrap());
+        gs.binary_assign(BinaryOp::Sub, &gb).unwrap();
+        cs.binary_assign(BinaryOp::Sub, &cb).unwrap();
+        cmp(gs, cs, "in-place sub");
+    }
+}
+
 #[test]
 fn every_binary_op_with_broadcast() {
     let Some(d) = device() else { return };
