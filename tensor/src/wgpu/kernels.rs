@@ -288,12 +288,10 @@ impl WgpuContext {
             bufs.push(gpu(t)?);
         }
         // The rows layout serves llvmpipe (see `elementwise.wgsl`); GPUs keep full workgroups. It
-        // binds its buffers as whole vec4s, which the (pooled, rounded-up) buffers must hold.
-        let vec4_bindable = bufs
-            .iter()
-            .chain([&out])
-            .all(|b| b.bytes().div_ceil(16) * 16 <= b.buffer().size());
-        let rows = if contiguous || !self.info.is_software || !vec4_bindable {
+        // binds its buffers as whole vec4s.
+        let vec4_args: Option<Vec<Arg<'_>>> =
+            bufs.iter().chain([&out]).map(|b| Arg::vec4(b)).collect();
+        let rows = if contiguous || !self.info.is_software || vec4_args.is_none() {
             None
         } else {
             rows_grid(&shape, max)
@@ -333,15 +331,12 @@ impl WgpuContext {
         }
         let params = block.words(&dims);
         let count = block.count as usize;
-        let mut args: Vec<Arg<'_>> = bufs.iter().chain([&out]).map(|b| Arg::of(b)).collect();
-        if rows.is_some() {
-            for a in &mut args {
-                a.bytes = a.bytes.div_ceil(16) * 16;
+        match (rows, vec4_args) {
+            (Some(grid), Some(args)) => self.dispatch_grid(kernel(layout), &params, &args, grid)?,
+            _ => {
+                let args: Vec<Arg<'_>> = bufs.iter().chain([&out]).map(|b| Arg::of(b)).collect();
+                self.dispatch(kernel(layout), &params, &args, groups_for(count), 1)?
             }
-        }
-        match rows {
-            Some(grid) => self.dispatch_grid(kernel(layout), &params, &args, grid)?,
-            None => self.dispatch(kernel(layout), &params, &args, groups_for(count), 1)?,
         }
         self.check()
     }

@@ -58,11 +58,14 @@ impl BufferPool {
 
     /// The bucket a request of `bytes` is served from: the next power of two (at least
     /// [`MIN_BUCKET`]); a request whose power of two would pass the adapter's largest buffer gets
-    /// its exact size (rounded to 4 bytes).
+    /// its exact size, rounded to 16 bytes where that fits (so that kernels can bind any buffer
+    /// as whole vec4s, see `Arg::vec4`), else to 4.
     pub(crate) fn bucket(&self, bytes: u64) -> u64 {
         let p = bytes.max(MIN_BUCKET).next_power_of_two();
         if p <= self.max_buffer_size {
             p
+        } else if bytes.div_ceil(16) * 16 <= self.max_buffer_size {
+            bytes.div_ceil(16) * 16
         } else {
             bytes.div_ceil(4) * 4
         }

@@ -83,6 +83,16 @@ impl<'a> Arg<'a> {
             bytes: b.bytes(),
         }
     }
+
+    /// `b` bound as whole vec4s (its size rounded up to 16 bytes), for a kernel that declares it
+    /// `array<vec4<f32>>`; `None` where the buffer does not hold the rounded size.
+    pub(crate) fn vec4(b: &'a GpuBuffer) -> Option<Self> {
+        let bytes = b.bytes().div_ceil(16) * 16;
+        (bytes <= b.buffer().size()).then_some(Arg {
+            buffer: b.buffer(),
+            bytes,
+        })
+    }
 }
 
 /// Splits `groups` workgroups into an (x, y) grid with both sides at most `max`; kernels
