@@ -105,6 +105,7 @@ fn source_with(arity: usize, layout: EwLayout, expr: &str, a_is_out: bool) -> St
                 format!("    let {name} = in_{name}[input_offset({k}u) + i];\n")
             }
             EwLayout::Strided => format!("    let {name} = in_{name}[strided_index(i, {k}u)];\n"),
+            // dims: shape[4], then per input its offset and strides[4]; the last is along d3
             EwLayout::StridedRows => format!(
                 "    let v{name} = rows_load_{name}(rows_index({k}u, c0, c1, c2, x), \
                  params.dims[{}u]);\n",

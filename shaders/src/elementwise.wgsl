@@ -6,10 +6,10 @@
 // invocation).
 //
 // Placeholders: <WG> workgroup size; <INDEX> sets the output element `i` (and returns past the
-// end); <TY> f32 or vec4<f32> (the vec4 layout); <INPUTS> the
-// input bindings in_a, in_b, in_c (at 1..) and <OUT> the output binding's number; <EXPR> the op
-// over a, b, c and the scalars s0, s1; <LOADS> the layout's loads of a, b, c (through
-// `input_offset` or `strided_index`); <STORE> the write of out[i].
+// end); <TY> f32 or vec4<f32> (the vec4 and rows layouts); <INPUTS> the input bindings in_a,
+// in_b, in_c (at 1..) and <OUT> the output binding's number; <EXPR> the op over a, b, c and the
+// scalars s0, s1; <LOADS> the layout's loads of a, b, c (through `input_offset`,
+// `strided_index` or `rows_index`); <STORE> the write of out[i].
 
 struct EwParams {
     // Elements, or vec4s for the vec4 layout.
