@@ -242,6 +242,11 @@ fn optimizer_of(w: Workload) -> Box<dyn Optimizer> {
 
 /// What [`time_steps`] measured.
 struct Timed {
+    /// One over the median step time: as the PyTorch reference (`torch_reference.py`) times its
+    /// steps, so that both columns use one estimator. The median also leaves out the stretches
+    /// of a fraction of a second where a shared machine runs slower (on the 2-core VM of
+    /// README's sitting, MLP steps went from ~35 to ~60 ms for half a second now and then, in
+    /// wgpipe's and PyTorch's step times alike), which a total-time mean counts in.
     steps_per_sec: f64,
     /// The last step's loss.
     loss: f32,
@@ -249,8 +254,8 @@ struct Timed {
     flops_per_step: f64,
 }
 
-/// Times `step` for `warmup` steps, then for up to `seconds` / `max_steps`. Every step reads its
-/// loss back, so the device has finished when the clock stops.
+/// Runs `step` for `warmup` steps, then times it step by step for up to `seconds` /
+/// `max_steps`. Every step reads its loss back, so the device has finished when its clock stops.
 fn time_steps(
     args: &BenchArgs,
     dev: &Device,
@@ -262,15 +267,18 @@ fn time_steps(
     }
     let flops0 = dev.flops();
     let t0 = Instant::now();
-    let mut n = 0;
-    while n < args.max_steps.max(1) && (n == 0 || t0.elapsed().as_secs_f64() < args.seconds) {
-        loss = step((args.warmup + n) as u64)?;
-        n += 1;
+    let mut times = Vec::new();
+    while times.len() < args.max_steps.max(1)
+        && (times.is_empty() || t0.elapsed().as_secs_f64() < args.seconds)
+    {
+        let ts = Instant::now();
+        loss = step((args.warmup + times.len()) as u64)?;
+        times.push(ts.elapsed().as_secs_f64());
     }
     Ok(Timed {
-        steps_per_sec: n as f64 / t0.elapsed().as_secs_f64(),
+        steps_per_sec: 1.0 / median(&times),
         loss,
-        flops_per_step: (dev.flops() - flops0) as f64 / n as f64,
+        flops_per_step: (dev.flops() - flops0) as f64 / times.len() as f64,
     })
 }
 
