@@ -2,7 +2,7 @@
 //! small ones stay on the calling thread (spawning costs more than the work).
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 
@@ -64,19 +64,20 @@ pub fn share_cpu_threads<R>(f: impl FnOnce() -> R) -> R {
 
 /// Runs `f` on one of the CPU backend's own threads and returns its result (a panic in `f` is
 /// resumed on the caller): a training loop on the CPU run the way PyTorch's runs on its OpenMP
-/// threads. While `f` runs:
-/// - its kernels are issued from inside the pool, so a parallel op pushes work onto the calling
-///   thread's own queue for the other threads to steal and runs its share itself, rather than
-///   handing the whole op to the pool and sleeping until it is done;
-/// - the pool's other threads spin between ops (OpenMP's spin-wait) instead of going to sleep
-///   after each and being woken by a system call for the next; each stops after
-///   [`SPIN_IDLE_LIMIT`] without work (a long serial stretch), and they keep the cores busy.
-///
-/// README's "Where speed stands" has what it gains (`bench_train`, two threads). Results are
+/// threads. Its kernels are issued from inside the pool, so a parallel op pushes work onto the
+/// calling thread's own queue for the other threads to steal and runs its share itself, rather
+/// than handing the whole op to the pool and sleeping until it is done. Results are
 /// bit-identical either way.
 ///
-/// Run one such loop at a time, on the CPU device only (spinning threads take the cores a
-/// software GPU adapter would use), and do not wait in `f` for another thread that runs CPU
+/// Between ops the other pool threads wait as rayon's do (a short spin, then sleep). Keeping
+/// them spinning through the loop (OpenMP's spin-wait, as this did before) gained a few percent
+/// on a quiet 2-core machine and lost up to 2.2x when another process wanted a core: a spinning
+/// thread competes with it for whole time slices, holding a stolen share of an op while it
+/// waits to be scheduled, where a sleeping one is woken straight onto the core; two spinning
+/// threads could also stay stuck on one core for seconds (`bench_train`'s LM then ran 1.6x
+/// slower). README's "Where speed stands" has the figures.
+///
+/// Run one such loop at a time, and do not wait in `f` for another thread that runs CPU
 /// kernels (a pipeline's device threads, say): `f` holds one of the pool's threads. With a
 /// one-thread pool, or when already on a pool thread, `f` simply runs here.
 pub fn on_cpu_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
@@ -87,72 +88,19 @@ pub fn on_cpu_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     // `share_cpu_threads`) and the memory tag its allocations get.
     let sharing = SHARING.with(Cell::get);
     let tag = crate::memory::current_tag();
-    let done = AtomicBool::new(false);
-    let done = &done;
-    rayon::scope(move |s| {
-        // Undone on every way out of `f`, a panic included: `done` ends the spinners, so that
-        // the scope can return.
-        struct Finish<'a>(&'a AtomicBool, bool);
-        impl Drop for Finish<'_> {
+    // Called from outside the pool, `rayon::scope` runs its closure on a pool thread.
+    rayon::scope(move |_| {
+        // Undone on every way out of `f`, a panic included.
+        struct Restore(bool);
+        impl Drop for Restore {
             fn drop(&mut self) {
-                self.0.store(true, Ordering::Release);
-                SHARING.with(|s| s.set(self.1));
-                IN_LOOP.with(|l| l.set(false));
+                SHARING.with(|s| s.set(self.0));
             }
         }
-        let _finish = Finish(done, SHARING.with(|s| s.replace(sharing)));
-        IN_LOOP.with(|l| l.set(true));
+        let _restore = Restore(SHARING.with(|s| s.replace(sharing)));
         let _tag = crate::memory::TagGuard::new(tag);
-        for _ in 1..rayon::current_num_threads() {
-            s.spawn(move |_| spin_for_work(done));
-        }
         f()
     })
-}
-
-/// How long a spinning pool thread (see [`on_cpu_pool`]) waits without work before it stops
-/// spinning and leaves the rest of the loop to rayon's usual sleep and wake-up.
-pub const SPIN_IDLE_LIMIT: std::time::Duration = std::time::Duration::from_millis(100);
-
-/// Pool threads spinning for an [`on_cpu_pool`] loop right now.
-static SPINNING: AtomicUsize = AtomicUsize::new(0);
-
-thread_local! {
-    /// Whether this pool thread is running an [`on_cpu_pool`] loop.
-    static IN_LOOP: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Runs the pool's pending jobs as they come, spinning between them (no sleep, no system call),
-/// until `done` or [`SPIN_IDLE_LIMIT`] without work. A thread that is itself running an
-/// [`on_cpu_pool`] loop (the loop's own thread, waiting inside an op, may pick this job up)
-/// returns at once: spinning there would stall its loop.
-fn spin_for_work(done: &AtomicBool) {
-    if IN_LOOP.with(Cell::get) {
-        return;
-    }
-    struct Spinning;
-    impl Drop for Spinning {
-        fn drop(&mut self) {
-            SPINNING.fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-    SPINNING.fetch_add(1, Ordering::SeqCst);
-    let _spinning = Spinning;
-    let mut idle_since: Option<std::time::Instant> = None;
-    let mut idle_rounds = 0u32;
-    while !done.load(Ordering::Acquire) {
-        if rayon::yield_now() == Some(rayon::Yield::Executed) {
-            idle_since = None;
-            continue;
-        }
-        let since = *idle_since.get_or_insert_with(std::time::Instant::now);
-        idle_rounds = idle_rounds.wrapping_add(1);
-        // The clock is read now and then only: a spin round is much shorter than a clock read.
-        if idle_rounds.is_multiple_of(256) && since.elapsed() >= SPIN_IDLE_LIMIT {
-            return;
-        }
-        std::hint::spin_loop();
-    }
 }
 
 /// The threads a kernel called on this thread may split its work over (see
@@ -250,38 +198,6 @@ mod tests {
         assert_eq!(on_cpu_pool(kernel_threads), pool);
     }
 
-    /// Polls `cond` for up to 30 s (other tests' jobs keep the pool busy now and then).
-    fn eventually(cond: impl Fn() -> bool) -> bool {
-        let start = std::time::Instant::now();
-        while start.elapsed() < std::time::Duration::from_secs(30) {
-            if cond() {
-                return true;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        false
-    }
-
-    #[test]
-    fn the_other_pool_threads_spin_while_the_loop_runs_and_stop_when_idle_or_done() {
-        let pool = rayon::current_num_threads();
-        if pool < 2 {
-            eprintln!("SKIPPED: a one-thread pool has no other thread to spin");
-            return;
-        }
-        let _one_loop = LOOPS.lock().unwrap_or_else(|e| e.into_inner());
-        on_cpu_pool(|| {
-            // The loop's thread is busy elsewhere (here: polling), so the others pick up the
-            // spinners and spin.
-            assert!(eventually(|| SPINNING.load(Ordering::SeqCst) == pool - 1));
-            // Idle past the limit: they stop.
-            assert!(eventually(|| SPINNING.load(Ordering::SeqCst) == 0));
-        });
-        on_cpu_pool(|| assert!(eventually(|| SPINNING.load(Ordering::SeqCst) == pool - 1)));
-        // The loop's end stops them (on_cpu_pool returned, so its scope's jobs are done).
-        assert_eq!(SPINNING.load(Ordering::SeqCst), 0);
-    }
-
     #[test]
     fn loops_side_by_side_both_finish() {
         let _one_loop = LOOPS.lock().unwrap_or_else(|e| e.into_inner());
@@ -317,7 +233,7 @@ mod tests {
         );
     }
 
-    /// The spinning tests count pool-wide spinners: one of them at a time.
+    /// The tests of pool-wide state (the sharing count, the pool's threads) run one at a time.
     static LOOPS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     #[test]
