@@ -71,10 +71,10 @@ pub fn share_cpu_threads<R>(f: impl FnOnce() -> R) -> R {
 ///
 /// Between ops the other pool threads wait as rayon's do (a short spin, then sleep). Keeping
 /// them spinning through the loop (OpenMP's spin-wait, as this did before) gained a few percent
-/// on a quiet 2-core machine and lost up to 2.2x when another process wanted a core: a spinning
+/// on a quiet 2-core machine and lost up to 2.8x when another process wanted a core: a spinning
 /// thread competes with it for whole time slices, holding a stolen share of an op while it
-/// waits to be scheduled, where a sleeping one is woken straight onto the core; two spinning
-/// threads could also stay stuck on one core for seconds (`bench_train`'s LM then ran 1.6x
+/// waits to be scheduled, where a sleeping one is woken straight onto the core. Two spinning
+/// threads were also seen sharing one core for seconds (`bench_train`'s LM then ran 1.6x
 /// slower). README's "Where speed stands" has the figures.
 ///
 /// Run one such loop at a time, and do not wait in `f` for another thread that runs CPU
