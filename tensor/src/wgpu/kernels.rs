@@ -288,14 +288,15 @@ impl WgpuContext {
             bufs.push(gpu(t)?);
         }
         // The rows layout serves llvmpipe (see `elementwise.wgsl`); GPUs keep full workgroups. It
-        // binds its buffers as whole vec4s.
-        let vec4_args: Option<Vec<Arg<'_>>> =
-            bufs.iter().chain([&out]).map(|b| Arg::vec4(b)).collect();
-        let rows = if contiguous || !self.info.is_software || vec4_args.is_none() {
+        // binds its buffers as whole vec4s (only looked at where the layout applies).
+        let rows = if contiguous || !self.info.is_software {
             None
         } else {
             rows_grid(&shape, max)
         };
+        let vec4_args: Option<Vec<Arg<'_>>> =
+            rows.and_then(|_| bufs.iter().chain([&out]).map(|b| Arg::vec4(b)).collect());
+        let rows = rows.filter(|_| vec4_args.is_some());
         let layout = if rows.is_some() {
             // rank 4: leading dims of size 1 (stride 0) where the shape is shorter
             let pad = 4 - shape.len();
