@@ -789,7 +789,7 @@ fn grad_checkpointed_segment() {
 
 fn wgpu_device() -> Option<&'static Device> {
     static DEV: OnceLock<std::result::Result<Device, String>> = OnceLock::new();
-    match DEV.get_or_init(|| Device::software_wgpu().map_err(|e| e.to_string())) {
+    match DEV.get_or_init(|| Device::test_wgpu().map_err(|e| e.to_string())) {
         Ok(d) => Some(d),
         Err(why) => {
             eprintln!("SKIPPED: gradients on wgpu vs CPU ({why})");

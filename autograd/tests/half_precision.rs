@@ -5,16 +5,17 @@
 //! the last place of the half dtype at the largest gradient magnitude of that input (backward
 //! chains of a few rounded ops, with cancellation in softmax and layer norm). The cast's own
 //! gradient is checked exactly: it is the output gradient rounded to the half dtype.
-//! On the CPU and, when there is one, on lavapipe (else `SKIPPED`).
+//! On the CPU and, when there is one, on `Device::test_wgpu()` (lavapipe, or the adapter
+//! `WGPIPE_TEST_WGPU` names; else `SKIPPED`).
 
 use wgpipe_autograd::tensor::{DType, Device, Result, Tensor};
 use wgpipe_autograd::{Tape, Var};
 
 fn devices() -> Vec<Device> {
     let mut v = vec![Device::cpu()];
-    match Device::software_wgpu() {
+    match Device::test_wgpu() {
         Ok(d) => v.push(d),
-        Err(e) => eprintln!("SKIPPED (wgpu part): no software wgpu adapter ({e})"),
+        Err(e) => eprintln!("SKIPPED (wgpu part): no wgpu device to test on ({e})"),
     }
     v
 }

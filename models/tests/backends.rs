@@ -12,7 +12,7 @@ use wgpipe_models::{
 use wgpipe_tensor::{Device, Tensor};
 
 fn gpu() -> Option<Device> {
-    match Device::software_wgpu().or_else(|_| Device::wgpu(0)) {
+    match Device::test_wgpu().or_else(|_| Device::wgpu(0)) {
         Ok(d) => {
             eprintln!("comparing the CPU with {}", d.name());
             Some(d)

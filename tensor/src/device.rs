@@ -43,6 +43,10 @@ static CPU: OnceLock<Device> = OnceLock::new();
 /// adapter, else any), `wgpu:N` (adapter N of [`Device::adapters`]), or `auto`.
 pub const DEVICE_ENV: &str = "WGPIPE_DEVICE";
 
+/// The environment variable that moves the tests' wgpu kernels off lavapipe (see
+/// [`Device::test_wgpu`]): a spec as [`Device::parse`] reads it, e.g. `gpu` or `wgpu:1`.
+pub const TEST_WGPU_ENV: &str = "WGPIPE_TEST_WGPU";
+
 impl Device {
     fn make(name: String, backend: Backend) -> Device {
         let memory = MemoryTracker::new(&name);
@@ -124,6 +128,32 @@ impl Device {
                 "no software wgpu adapter (install mesa-vulkan-drivers for lavapipe); adapters: [{}]",
                 all.iter().map(|a| a.name.as_str()).collect::<Vec<_>>().join(", ")
             ))),
+        }
+    }
+
+    /// The wgpu device the tests run their kernels on: the first software adapter (lavapipe), so
+    /// that `cargo test` runs every WGSL kernel on any machine with Mesa, or the adapter that
+    /// `WGPIPE_TEST_WGPU` names, so that the same tests run on a real GPU
+    /// (`scripts/gpu-check.sh` sets it to the GPU's `wgpu:N`). Each call opens a new device.
+    /// `Err` says why there is none.
+    pub fn test_wgpu() -> Result<Device> {
+        Device::test_wgpu_from(std::env::var(TEST_WGPU_ENV).ok())
+    }
+
+    /// [`Device::test_wgpu`] with the variable's value given (tests can't set it: other tests
+    /// of the process read it at the same time).
+    fn test_wgpu_from(spec: Option<String>) -> Result<Device> {
+        let Some(spec) = spec else {
+            return Device::software_wgpu();
+        };
+        let d = Device::parse(&spec)
+            .map_err(|e| Error::Device(format!("{TEST_WGPU_ENV}={spec}: {e}")))?;
+        if d.is_wgpu() {
+            Ok(d)
+        } else {
+            Err(Error::Device(format!(
+                "{TEST_WGPU_ENV}={spec} names the CPU; it must name a wgpu adapter (gpu, wgpu:N, wgpu:NAME)"
+            )))
         }
     }
 
@@ -265,5 +295,31 @@ impl std::fmt::Debug for Device {
 impl std::fmt::Display for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.inner.name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Unset, the tests' device is the software adapter; set, it is the adapter named, and a
+    /// value that names no wgpu adapter is an error that quotes the variable.
+    #[test]
+    fn test_wgpu_follows_its_variable() {
+        match (Device::test_wgpu_from(None), Device::software_wgpu()) {
+            (Ok(a), Ok(b)) => assert_eq!(a.name(), b.name()),
+            (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+            (a, b) => panic!("unset: {a:?}, software adapter: {b:?}"),
+        }
+        for bad in ["cpu", "wgpu:999", "nonsense"] {
+            let e = Device::test_wgpu_from(Some(bad.into()))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("{TEST_WGPU_ENV}={bad}")), "{e}");
+        }
+        for a in Device::adapters() {
+            let d = Device::test_wgpu_from(Some(format!("wgpu:{}", a.index))).unwrap();
+            assert_eq!(d.name(), format!("wgpu:{} ({})", a.index, a.name));
+        }
     }
 }

@@ -1,4 +1,5 @@
-//! f16 and bf16 tensors on the CPU and on lavapipe: storage, casts, memory accounting, the
+//! f16 and bf16 tensors on the CPU and on wgpu (lavapipe, or the adapter
+//! `WGPIPE_TEST_WGPU` names): storage, casts, memory accounting, the
 //! dtype errors, and every half kernel against the f32 kernel of the same device on the same
 //! (already rounded) inputs.
 //!
@@ -23,21 +24,21 @@ use wgpipe_tensor::{DType, Device, Error, Tensor, UnaryOp};
 
 const HALVES: [DType; 2] = [DType::F16, DType::BF16];
 
-fn lavapipe() -> Option<&'static Device> {
+fn wgpu_device() -> Option<&'static Device> {
     static DEV: OnceLock<Result<Device, String>> = OnceLock::new();
-    match DEV.get_or_init(|| Device::software_wgpu().map_err(|e| e.to_string())) {
+    match DEV.get_or_init(|| Device::test_wgpu().map_err(|e| e.to_string())) {
         Ok(d) => Some(d),
         Err(e) => {
-            eprintln!("SKIPPED (wgpu part): no software wgpu adapter ({e})");
+            eprintln!("SKIPPED (wgpu part): no wgpu device to test on ({e})");
             None
         }
     }
 }
 
-/// The CPU, then lavapipe when there is one.
+/// The CPU, then the wgpu test device (lavapipe, or `WGPIPE_TEST_WGPU`) when there is one.
 fn devices() -> Vec<Device> {
     let mut v = vec![Device::cpu()];
-    v.extend(lavapipe().cloned());
+    v.extend(wgpu_device().cloned());
     v
 }
 

@@ -582,16 +582,17 @@ impl Module for ShiftLinear {
     }
 }
 
-/// A wgpu device for the tests, or why there is none: `SKIPPED: <reason>` on stderr.
-pub fn software_wgpu_or_skip(test: &str) -> Option<Device> {
-    match std::panic::catch_unwind(Device::software_wgpu) {
+/// A wgpu device for the tests ([`Device::test_wgpu`]: lavapipe unless `WGPIPE_TEST_WGPU` names
+/// another adapter), or why there is none: `SKIPPED: <reason>` on stderr.
+pub fn test_wgpu_or_skip(test: &str) -> Option<Device> {
+    match std::panic::catch_unwind(Device::test_wgpu) {
         Ok(Ok(d)) => Some(d),
         Ok(Err(e)) => {
-            eprintln!("SKIPPED: {test}: no software wgpu device: {e}");
+            eprintln!("SKIPPED: {test}: no wgpu device to test on: {e}");
             None
         }
         Err(_) => {
-            eprintln!("SKIPPED: {test}: opening a software wgpu device panicked");
+            eprintln!("SKIPPED: {test}: opening the wgpu test device panicked");
             None
         }
     }

@@ -1,6 +1,7 @@
 //! Crate-internal tests of the wgpu kernels, through the `Kernels` trait, against values
-//! computed here in plain Rust (independent of the CPU backend). Each test runs on the first
-//! software adapter (lavapipe) and prints `SKIPPED: ...` when there is none.
+//! computed here in plain Rust (independent of the CPU backend). Each test runs on
+//! `Device::test_wgpu()` (lavapipe, or the adapter `WGPIPE_TEST_WGPU` names) and prints
+//! `SKIPPED: ...` when there is none.
 
 use wgpipe_shaders::{Kernel, MatmulConfig, OperandLoad};
 
@@ -15,7 +16,7 @@ use crate::layout::Layout;
 use crate::tensor::Tensor;
 
 fn device() -> Option<Device> {
-    match Device::software_wgpu() {
+    match Device::test_wgpu() {
         Ok(d) => Some(d),
         Err(e) => {
             eprintln!("SKIPPED: no wgpu adapter ({e})");

@@ -943,7 +943,7 @@ fn measured_layer_times_plan_real_cpu_devices() {
 #[test]
 fn measured_layer_times_plan_wgpu_devices() {
     let test = "measured_layer_times_plan_wgpu_devices";
-    let (Some(a), Some(b)) = (software_wgpu_or_skip(test), software_wgpu_or_skip(test)) else {
+    let (Some(a), Some(b)) = (test_wgpu_or_skip(test), test_wgpu_or_skip(test)) else {
         return;
     };
     let x = normal_data(&[N, WIDTH], 87);

@@ -78,11 +78,11 @@ fn run(
 }
 
 fn devices_or_skip(test: &str, mixed: bool) -> Option<Vec<Device>> {
-    let a = software_wgpu_or_skip(test)?;
+    let a = test_wgpu_or_skip(test)?;
     if mixed {
         return Some(vec![Device::new_cpu("cpu-stage0"), a]);
     }
-    let b = software_wgpu_or_skip(test)?;
+    let b = test_wgpu_or_skip(test)?;
     Some(vec![a, b])
 }
 
@@ -133,7 +133,7 @@ fn cpu_and_lavapipe_stages_equal_plain_cpu_training() {
 /// runs (the simulated cluster backed by lavapipe).
 #[test]
 fn lavapipe_backed_sim_cluster_trains_and_fails_cleanly() {
-    let Some(backing) = software_wgpu_or_skip("lavapipe_backed_sim_cluster") else {
+    let Some(backing) = test_wgpu_or_skip("lavapipe_backed_sim_cluster") else {
         return;
     };
     let x = normal_data(&[8, 6], 1);
