@@ -8,8 +8,11 @@ Workloads (definitions as /work/shared/reference/torch_bench.py and torch_mainjo
   lm    the main job's TransformerLm (vocab 28, d 64, 4 heads, 4 blocks, context 64, tanh GELU,
         untied head), batch 32, cross-entropy, AdamW lr 3e-4
 
-Prints one line per workload: `<workload> <steps/s>` (median step time after warm-up).
+Prints one line per workload: `<workload> <steps/s>` (median step time after warm-up; each step
+ends with `loss.item()`, which waits for the device). `--device cuda` runs them on a GPU, f32 as
+on the CPU (PyTorch keeps TF32 off for f32 matmuls by default): scripts/gpu-check.sh's reference.
 usage: torch_reference.py --workloads mlp,block,lm [--threads 2] [--seconds 3] [--max-steps 200]
+       [--device cpu|cuda]
 """
 import argparse
 import math
@@ -86,26 +89,26 @@ class Lm(nn.Module):
         return self.head(self.ln(self.blocks(h)))
 
 
-def workload(name):
+def workload(name, device):
     torch.manual_seed(0)
     if name == "mlp":
-        m = Mlp()
-        x, y = torch.randn(256, 1024), torch.randn(256, 1024)
+        m = Mlp().to(device)
+        x, y = torch.randn(256, 1024, device=device), torch.randn(256, 1024, device=device)
         return m, torch.optim.SGD(m.parameters(), lr=1e-3), lambda: F.mse_loss(m(x), y)
     if name == "block":
-        m = Block()
-        x, y = torch.randn(8, 128, 256), torch.randn(8, 128, 256)
+        m = Block().to(device)
+        x, y = torch.randn(8, 128, 256, device=device), torch.randn(8, 128, 256, device=device)
         return m, torch.optim.SGD(m.parameters(), lr=1e-3), lambda: F.mse_loss(m(x), y)
     if name == "lm":
-        m = Lm()
-        x, y = torch.randint(0, 28, (32, 64)), torch.randint(0, 28, (32, 64))
+        m = Lm().to(device)
+        x, y = (torch.randint(0, 28, (32, 64), device=device) for _ in range(2))
         loss = lambda: F.cross_entropy(m(x).reshape(-1, 28), y.reshape(-1))
         return m, torch.optim.AdamW(m.parameters(), lr=3e-4), loss
     raise SystemExit(f"unknown workload {name!r} (mlp, block, lm)")
 
 
-def steps_per_second(name, seconds, max_steps, warmup):
-    _, opt, loss_fn = workload(name)
+def steps_per_second(name, seconds, max_steps, warmup, device):
+    _, opt, loss_fn = workload(name, device)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -132,10 +135,11 @@ def main():
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--max-steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     for name in a.workloads.split(","):
-        print(f"{name} {steps_per_second(name, a.seconds, a.max_steps, a.warmup):.4f}", flush=True)
+        print(f"{name} {steps_per_second(name, a.seconds, a.max_steps, a.warmup, a.device):.4f}", flush=True)
 
 
 if __name__ == "__main__":
