@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Packs what scripts/gpu-check.sh runs, for a GPU machine without Rust: the lent NVIDIA H200 has
-# no cargo and reaches no package registry, and its image has no Vulkan loader. Run it here:
+# no cargo and reaches no package registry, and its image may lack a Vulkan loader. Run it here:
 #
 #   scripts/gpu-bundle.sh             # writes .gpu/bundle.tar.xz and .gpu/debs/ (git-ignored)
 #
-# then, with the device tool: run(carry [".gpu"], command "GPU_PEAK_TFLOPS=67 scripts/gpu-check.sh").
+# then, with the device tool: run(carry [".gpu"], timeout_s 540, command "GPU_PEAK_TFLOPS=67
+# scripts/gpu-check.sh").
 #
 # The bundle holds the examples gpu-check.sh runs and every test binary that runs wgpu kernels,
 # built in release and stripped, each under the folder of its package (test binaries run from

@@ -3,7 +3,7 @@
 # kernels, on the GPU; bench_ops with the matmul autotune; bench_train and the main job on the
 # GPU; then one summary table.
 #
-# On the lent NVIDIA H200 (no Rust, no package registry, no Vulkan loader there), pack the
+# On the lent NVIDIA H200 (no Rust, no package registry, maybe no Vulkan loader there), pack the
 # binaries and loaders here first, then run it there in one call of the device tool:
 #
 #   scripts/gpu-bundle.sh                       # here: .gpu/bundle.tar.xz + .gpu/debs (~10 MB)
