@@ -86,7 +86,9 @@ if [ ! -f .gpu/bundle.tar.xz ]; then
     say "SKIPPED: no cargo here and no .gpu/bundle.tar.xz: run scripts/gpu-bundle.sh where there is cargo and carry .gpu"
     exit 2
 fi
-bin="$root/.gpu/run"
+# Unpacked outside the checkout: .gpu/ travels with the device tool (64 MiB at most), the
+# unpacked binaries (~110 MB) must not.
+bin=/tmp/wgpipe-gpu-check
 rm -rf "$bin" && mkdir -p "$bin"
 # tar needs the xz program, which a slim image may lack; Python's tarfile reads xz itself.
 if ! tar -C "$bin" -xJf .gpu/bundle.tar.xz 2>/dev/null; then
