@@ -513,7 +513,7 @@ impl Kernel {
                 }
             }
         }
-        for sg in [8, 16] {
+        for sg in SubgroupMatmulConfig::SUBGROUP_SIZES {
             for (s, q) in SubgroupMatmulConfig::SHAPES {
                 for c_vec in [false, true] {
                     for (a_direct, b_direct) in [(false, false), (true, false), (false, true)] {

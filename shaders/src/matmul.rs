@@ -246,6 +246,9 @@ pub struct SubgroupMatmulConfig {
 impl SubgroupMatmulConfig {
     /// The (s, q) shapes the runtime picks from.
     pub const SHAPES: [(u32, u32); 2] = [(4, 1), (2, 1)];
+    /// The subgroup sizes the runtime uses it with (a CPU-backed adapter's fixed size; lavapipe
+    /// has 8 or 16 by vector width).
+    pub const SUBGROUP_SIZES: [u32; 5] = [4, 8, 16, 32, 64];
 
     /// Rows of c per workgroup.
     pub fn rows(&self) -> u32 {

@@ -329,7 +329,10 @@ impl WgpuContext {
     /// subgroup size and a problem big enough to repay packing the operands.
     fn subgroup_matmul_config(&self, d: &MatDims) -> Option<SubgroupMatmulConfig> {
         let sg = self.subgroup_size?;
-        if !self.info.is_software || !(4..=64).contains(&sg) || d.m * d.n * d.k < 16 * 16 * 16 {
+        if !self.info.is_software
+            || !SubgroupMatmulConfig::SUBGROUP_SIZES.contains(&sg)
+            || d.m * d.n * d.k < 16 * 16 * 16
+        {
             return None;
         }
         let s = if d.m <= 2 * sg as usize { 2 } else { 4 };
