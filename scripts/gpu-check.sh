@@ -23,6 +23,7 @@ cd "$(dirname "$0")/.."
 root=$PWD
 out="${OUT:-gpu-check-out}"
 mkdir -p "$out"
+out=$(cd "$out" && pwd) # absolute: the tests run from their packages' folders
 rm -f "$out/autotune.tsv" "$out/summary.log" "$out/tests.log"
 peak="${GPU_PEAK_TFLOPS:-}"
 deadline=$((SECONDS + 86400)) # the budget starts once the binaries are there (below)
@@ -36,25 +37,32 @@ limit() { # seconds asked -> seconds granted: at most what is left of the budget
     echo $((left < $1 ? left : $1))
 }
 
-step() { # name, limit in seconds, command...: runs it, logs it, records pass/fail
-    local name=$1 limit
-    limit=$(limit "$2")
+bounded() { # seconds asked, log, command...: runs it within the budget, its output in log;
+    # returns its exit status (124: timed out), or 125 without running it once the budget is spent
+    local granted log=$2
+    granted=$(limit "$1")
+    shift 2
+    [ "$granted" -le 5 ] && return 125
+    timeout "$granted" "$@" >"$log" 2>&1
+}
+
+verdict() { # what, exit status, start time, note: one line in the summary; a failure marks the check
+    case $2 in
+        0) say "   $1ok ($((SECONDS - $3)) s) ${4:-}" ;;
+        124) say "   $1TIMED OUT ($((SECONDS - $3)) s) ${4:-}" ;;
+        125) say "   $1NOT RUN: the check's time budget is spent" ;;
+        *) say "   $1FAILED (exit $2, $((SECONDS - $3)) s) ${4:-}" ;;
+    esac
+    [ "$2" = 0 ] || status=1
+}
+
+step() { # name, limit in seconds, command...: runs it into $out/name.log and says how it went
+    local name=$1 limit=$2 t0=$SECONDS rc=0
     shift 2
     say "== $name: $*"
-    if [ "$limit" -le 5 ]; then
-        say "   NOT RUN: the check's time budget is spent"
-        status=1
-        return
-    fi
-    local t0=$SECONDS rc=0
-    timeout "$limit" "$@" >"$out/$name.log" 2>&1 || rc=$?
-    if [ $rc = 0 ]; then
-        say "   ok ($((SECONDS - t0)) s)"
-    else
-        [ $rc = 124 ] && say "   TIMED OUT after $limit s" || say "   FAILED (exit $rc, $((SECONDS - t0)) s)"
-        tail -20 "$out/$name.log" | tee -a "$out/summary.log"
-        status=1
-    fi
+    bounded "$limit" "$out/$name.log" "$@" || rc=$?
+    verdict "" $rc $t0
+    case $rc in 0 | 125) ;; *) tail -20 "$out/$name.log" | tee -a "$out/summary.log" ;; esac
 }
 
 # The Vulkan loader: the bundle's packages where the machine has none (unpacked into /, as the
@@ -132,23 +140,13 @@ for exe in "$bin"/*/*; do
     dir=$(basename "$(dirname "$exe")")
     [ "$dir" = examples ] && continue
     name="$dir/$(basename "$exe")"
-    t0=$SECONDS rc=0 granted=$(limit 150)
-    if [ "$granted" -le 5 ]; then
-        say "   $name: NOT RUN: the check's time budget is spent"
-        status=1
-        continue
-    fi
-    (cd "$root/$dir" && env -u WGPIPE_AUTOTUNE WGPIPE_AUTOTUNE_CACHE="$tests_cache" \
-        timeout "$granted" "$exe") >"$out/test.tmp" 2>&1 || rc=$?
-    result=$(grep -E '^test result:' "$out/test.tmp" | tail -1)
-    { echo "==== $name (exit $rc)"; cat "$out/test.tmp"; } >>"$out/tests.log"
+    t0=$SECONDS rc=0
+    (cd "$root/$dir" && bounded 150 "$out/test.tmp" \
+        env -u WGPIPE_AUTOTUNE WGPIPE_AUTOTUNE_CACHE="$tests_cache" "$exe") || rc=$?
+    result=$(grep -E '^test result:' "$out/test.tmp" 2>/dev/null | tail -1)
+    { echo "==== $name (exit $rc)"; cat "$out/test.tmp" 2>/dev/null; } >>"$out/tests.log"
     rm -f "$out/test.tmp"
-    if [ $rc = 0 ]; then
-        say "   $name: ok ($((SECONDS - t0)) s) $result"
-    else
-        say "   $name: FAILED (exit $rc, $((SECONDS - t0)) s) $result"
-        status=1
-    fi
+    verdict "$name: " $rc $t0 "$result"
 done
 skipped=$(grep -c 'SKIPPED' "$out/tests.log")
 say "   lines saying SKIPPED: $skipped"
@@ -159,15 +157,17 @@ step bench_train 180 "$bin/examples/bench_train" --devices "wgpu:$gpu_index" --n
 # The reference beside it: the same three steps in PyTorch on CUDA (f32), where there is one
 # (on the CPU in a dry run). WGPIPE_TORCH_PYTHON: the Python that has torch (default python3).
 py="${WGPIPE_TORCH_PYTHON:-python3}"
-torch_device=cuda
-if [ "${GPU_CHECK_SOFTWARE:-0}" = 1 ] && ! "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+if "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+    torch_device=cuda
+elif [ "${GPU_CHECK_SOFTWARE:-0}" = 1 ] && "$py" -c 'import torch' >/dev/null 2>&1; then
     torch_device=cpu
-fi
-if "$py" -c "import sys, torch; sys.exit(0 if '$torch_device' == 'cpu' or torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
-    step torch 180 "$py" scripts/torch_reference.py --device "$torch_device" --seconds 3
 else
-    say "no PyTorch reference: $py has no torch with CUDA"
+    torch_device="none: $py has no torch with CUDA"
 fi
+case $torch_device in
+    cuda | cpu) step torch 180 "$py" scripts/torch_reference.py --device "$torch_device" --seconds 3 ;;
+    *) say "no PyTorch reference ($torch_device)" ;;
+esac
 step train_transformer 180 "$bin/examples/train_transformer" --device gpu --quiet "${train_args[@]}"
 
 # One row per figure; % of the f32 peak where GPU_PEAK_TFLOPS is given (f32 rows only).
@@ -175,7 +175,7 @@ pct() { # GFLOP/s -> % of the peak, or -
     if [ -n "$peak" ] && [ -n "$1" ]; then awk -v g="$1" -v p="$peak" 'BEGIN{printf "%.1f%%", 100*g/(p*1000)}'; else echo -; fi
 }
 {
-    echo "| check | wgpipe | PyTorch ($torch_device) | % of f32 peak |"
+    echo "| check | wgpipe | PyTorch (${torch_device%%:*}) | % of f32 peak |"
     echo "|---|---|---|---|"
     grep -E "^\| wgpu:$gpu_index .*\| matmul f(32|16) \|" "$out/bench_ops.log" 2>/dev/null | while IFS='|' read -r _ _dev op size queued _rest; do
         gf=$(echo "$queued" | grep -oE '[0-9.]+' | head -1)
