@@ -127,14 +127,36 @@ pub(crate) fn map3<F>(
     });
 }
 
-/// Copies the elements `start..start + out.len()` (row-major logical positions) of view `x`.
-pub(crate) fn copy_range(out: &mut [f32], x: &[f32], lx: &Layout, start: usize) {
-    if lx.is_contiguous() {
-        let b = lx.offset + start;
-        out.copy_from_slice(&x[b..b + out.len()]);
-        return;
+/// Copies ranges of one view: the walk over its strides is worked out once, not per range
+/// (`concat` copies each input row by row: a walk per row cost more than its copy).
+pub(crate) enum ViewReader {
+    Contiguous(usize),
+    Strided(Walk<1>),
+}
+
+impl ViewReader {
+    pub(crate) fn new(lx: &Layout) -> ViewReader {
+        if lx.is_contiguous() {
+            ViewReader::Contiguous(lx.offset)
+        } else {
+            ViewReader::Strided(Walk::new(&lx.shape, [lx]))
+        }
     }
-    let w = Walk::new(&lx.shape, [lx]);
+
+    /// Copies the elements `start..start + out.len()` (row-major logical positions) of the view
+    /// (whose storage is `x`).
+    pub(crate) fn copy_range(&self, out: &mut [f32], x: &[f32], start: usize) {
+        match self {
+            ViewReader::Contiguous(offset) => {
+                let b = offset + start;
+                out.copy_from_slice(&x[b..b + out.len()]);
+            }
+            ViewReader::Strided(w) => copy_runs(out, x, w, start),
+        }
+    }
+}
+
+fn copy_runs(out: &mut [f32], x: &[f32], w: &Walk<1>, start: usize) {
     w.runs(start, out.len(), |p, [b], c| {
         let o = &mut out[p..p + c];
         match w.inner_stride[0] {
@@ -160,7 +182,8 @@ pub(crate) fn copy(out: &mut [f32], x: &[f32], lx: &Layout) {
             }
         }
     }
-    for_rows(out, 1, |s, o| copy_range(o, x, lx, s));
+    let reader = ViewReader::new(lx);
+    for_rows(out, 1, |s, o| reader.copy_range(o, x, s));
 }
 
 /// A view whose two innermost dims are swapped (the dim above the innermost has stride 1):

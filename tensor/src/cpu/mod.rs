@@ -520,13 +520,17 @@ impl Kernels for CpuKernels {
         let mut out = Out::for_overwrite(dev, numel(out_shape))?;
         let inner: usize = out_shape[axis + 1..].iter().product();
         let row = out_shape[axis] * inner;
+        let readers: Vec<_> = xs
+            .iter()
+            .map(|x| elementwise::ViewReader::new(x.layout()))
+            .collect();
         par::for_rows(&mut out.data, row, |o0, chunk| {
             for (k, dst) in chunk.chunks_mut(row).enumerate() {
                 let o = o0 + k;
                 let mut at = 0;
-                for x in xs {
+                for (x, r) in xs.iter().zip(&readers) {
                     let len = x.shape()[axis] * inner;
-                    elementwise::copy_range(&mut dst[at..at + len], data(x), x.layout(), o * len);
+                    r.copy_range(&mut dst[at..at + len], data(x), o * len);
                     at += len;
                 }
             }
