@@ -531,6 +531,100 @@ fn grad_causal_attention() {
 }
 
 #[test]
+fn grad_causal_attention_packed() {
+    // [2, 5, 3 * 6]: 2 heads of 3.
+    let x = [randn(&[2, 5, 18], 41)];
+    gradcheck("causal_attention_packed", &x, |v| {
+        v[0].causal_attention_packed(2, 1.7, None)
+    });
+    let ctx = ForwardCtx::train(3, 1, 0);
+    let mask = ctx
+        .dropout_mask(&[2, 2, 5, 5], 0.4, 1, &cpu())
+        .unwrap()
+        .expect("a training context drops");
+    gradcheck("causal_attention_packed with dropout", &x, move |v| {
+        v[0].causal_attention_packed(2, 0.8, Some(&mask))
+    });
+    // No leading axes: [t, 3 d].
+    gradcheck(
+        "causal_attention_packed of [t, 3 d]",
+        &[randn(&[4, 12], 42)],
+        |v| v[0].causal_attention_packed(4, 1.1, None),
+    );
+}
+
+/// Heads split out of a packed `[b, t, 3 d]` by views, as a model without the packed op does.
+fn split_packed(x: &Var, heads: usize) -> Result<[Var; 3]> {
+    let s = x.shape().to_vec();
+    let (b, t, d) = (s[0], s[1], s[2] / 3);
+    let part = |i: usize| {
+        x.narrow(-1, i * d, d)?
+            .reshape(&[b, t, heads, d / heads])?
+            .permute(&[0, 2, 1, 3])
+    };
+    Ok([part(0)?, part(1)?, part(2)?])
+}
+
+#[test]
+fn causal_attention_packed_equals_the_split_heads_bit_for_bit() {
+    let x = randn(&[3, 7, 24], 43);
+    let ctx = ForwardCtx::train(2, 0, 0);
+    let mask = ctx.dropout_mask(&[3, 4, 7, 7], 0.3, 2, &cpu()).unwrap();
+    for m in [None, mask] {
+        let run = |packed: bool| -> (Vec<f32>, Vec<f32>) {
+            let tape = wgpipe_autograd::Tape::new();
+            let xv = tape.leaf(x.clone());
+            let y = if packed {
+                xv.causal_attention_packed(4, 0.9, m.as_ref()).unwrap()
+            } else {
+                let [q, k, v] = split_packed(&xv, 4).unwrap();
+                q.causal_attention(&k, &v, 0.9, m.as_ref())
+                    .unwrap()
+                    .permute(&[0, 2, 1, 3])
+                    .unwrap()
+                    .reshape(&[3, 7, 8])
+                    .unwrap()
+            };
+            let w = randn(y.shape(), 44);
+            let g = tape.backward_with(&y, &w).unwrap();
+            (
+                y.value().to_vec().unwrap(),
+                g.get(&xv).unwrap().to_vec().unwrap(),
+            )
+        };
+        assert_eq!(run(true), run(false), "dropout: {}", m.is_some());
+    }
+}
+
+#[test]
+fn causal_attention_packed_refuses_bad_shapes() {
+    let tape = wgpipe_autograd::Tape::new();
+    let x = tape.leaf(randn(&[2, 4, 12], 1));
+    for (heads, bad) in [(0, "heads = 0"), (3, "heads = 3"), (5, "heads = 5")] {
+        let msg = x
+            .causal_attention_packed(heads, 1.0, None)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("[2, 4, 12]") && msg.contains(bad), "{msg}");
+    }
+    let msg = tape
+        .leaf(randn(&[12], 2))
+        .causal_attention_packed(1, 1.0, None)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("[12]"), "{msg}");
+    let wrong_mask = randn(&[2, 4, 4], 3);
+    let msg = x
+        .causal_attention_packed(2, 1.0, Some(&wrong_mask))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("[2, 4, 4]") && msg.contains("[2, 2, 4, 4]"),
+        "{msg}"
+    );
+}
+
+#[test]
 fn causal_attention_refuses_bad_shapes() {
     let tape = wgpipe_autograd::Tape::new();
     let a = tape.leaf(randn(&[2, 4, 3], 1));
@@ -945,4 +1039,22 @@ fn wgpu_gradients_match_cpu() {
         let m = mask.to_device(v[0].value().device())?;
         v[0].causal_attention(&v[1], &v[2], 0.7, Some(&m))
     });
+    // Two heads of 3 over t = 70, packed.
+    let packed = [randn(&[2, 70, 18], 112)];
+    same_on_wgpu("causal_attention_packed", dev, &packed, |v| {
+        v[0].causal_attention_packed(2, 1.5, None)
+    });
+    let mask = ctx
+        .dropout_mask(&[2, 2, 70, 70], 0.3, 6, dev)
+        .unwrap()
+        .unwrap();
+    same_on_wgpu(
+        "causal_attention_packed with dropout",
+        dev,
+        &packed,
+        move |v| {
+            let m = mask.to_device(v[0].value().device())?;
+            v[0].causal_attention_packed(2, 0.7, Some(&m))
+        },
+    );
 }

@@ -9,7 +9,7 @@
 
 use wgpipe_tensor::{Error, Result, Tensor};
 
-use super::{same_tape, when};
+use super::when;
 use crate::var::Var;
 
 impl Var {
@@ -29,7 +29,7 @@ impl Var {
         dropout: Option<&Tensor>,
     ) -> Result<Var> {
         const OP: &str = "causal_attention";
-        same_tape(OP, &[self, k, v])?;
+        super::same_tape(OP, &[self, k, v])?;
         let (sq, sk, sv) = (self.shape(), k.shape(), v.shape());
         if sq.len() < 2 || sq != sk || sq != sv {
             return Err(Error::Shape {
@@ -50,28 +50,141 @@ impl Var {
                 });
             }
         }
-        let (q, kv, vv) = (self.value.clone(), k.value.clone(), v.value.clone());
-        let p = q.matmul(&kv.t()?)?.causal_softmax(scale)?;
+        let (y, saved) = Attended::forward(&self.value, &k.value, &v.value, scale, dropout)?;
+        Var::from_op(OP, &[self, k, v], y, move |g, w| {
+            let [gq, gk, gv] = saved.backward(g, [w[0], w[1], w[2]])?;
+            Ok(vec![gq, gk, gv])
+        })
+    }
+
+    /// Causal attention over `heads` heads whose queries, keys and values come packed in one
+    /// tensor: `self` is `[..., t, 3 d]`, each position's row its queries, then its keys, then
+    /// its values, each `d = heads * d_head` values head after head (the output of one
+    /// `Linear(d, 3 d)`: nanoGPT's `c_attn`, PyTorch's `in_proj`, FlashAttention's
+    /// `qkvpacked`). Returns `[..., t, d]`, the heads merged back head after head. `dropout`, if
+    /// any, holds the multipliers on the probabilities, `[..., heads, t, t]`.
+    ///
+    /// The values are those of splitting the heads out (`narrow`, `reshape`, `permute`) and
+    /// calling [`Var::causal_attention`]; the backward writes the three gradients into one
+    /// `[..., t, 3 d]` in one pass, where the split's three slices would each be padded with
+    /// zeros to the full width and summed.
+    pub fn causal_attention_packed(
+        &self,
+        heads: usize,
+        scale: f32,
+        dropout: Option<&Tensor>,
+    ) -> Result<Var> {
+        const OP: &str = "causal_attention_packed";
+        let s = self.shape().to_vec();
+        let r = s.len();
+        if r < 2 || heads == 0 || s[r - 1] == 0 || !s[r - 1].is_multiple_of(3 * heads) {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "input {s:?} must be [..., t, 3 d] with d a multiple of heads = {heads}"
+                ),
+            });
+        }
+        let (t, d) = (s[r - 2], s[r - 1] / 3);
+        let dh = d / heads;
+        let n: usize = s[..r - 2].iter().product();
+        let mut score_shape = s[..r - 2].to_vec();
+        score_shape.extend([heads, t, t]);
+        let dropout = match dropout {
+            Some(m) if m.shape() != score_shape.as_slice() => {
+                return Err(Error::Shape {
+                    op: OP,
+                    msg: format!(
+                        "dropout multipliers {:?} must match the scores {score_shape:?} (input {s:?}, {heads} heads)",
+                        m.shape()
+                    ),
+                });
+            }
+            Some(m) => Some(m.reshape(&[n, heads, t, t])?),
+            None => None,
+        };
+        // [n, t, 3, heads, dh]; part i is [n, heads, t, dh], a view (`squeeze`, not
+        // `reshape`: a reshape of the strided slice would copy it).
+        let packed = self.value.reshape(&[n, t, 3, heads, dh])?;
+        let part = |i: usize| -> Result<Tensor> {
+            packed.narrow(2, i, 1)?.squeeze(2)?.permute(&[0, 2, 1, 3])
+        };
+        let (y, saved) =
+            Attended::forward(&part(0)?, &part(1)?, &part(2)?, scale, dropout.as_ref())?;
+        let mut out_shape = s.clone();
+        out_shape[r - 1] = d;
+        // [n, heads, t, dh] -> [..., t, d]
+        let y = y.permute(&[0, 2, 1, 3])?.reshape(&out_shape)?;
+        Var::from_op(OP, &[self], y, move |g, _| {
+            let g = g.reshape(&[n, t, heads, dh])?.permute(&[0, 2, 1, 3])?;
+            let grads = saved.backward(&g, [true; 3])?;
+            // Each [n, heads, t, dh] read as [n, t, heads, dh] and stacked into the packed row.
+            let rows = grads
+                .into_iter()
+                .map(|gi| {
+                    gi.expect("every gradient was asked for")
+                        .permute(&[0, 2, 1, 3])
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let gx = Tensor::stack(&rows.iter().collect::<Vec<_>>(), 2)?.reshape(&s)?;
+            Ok(vec![Some(gx)])
+        })
+    }
+}
+
+/// What the backward of causal attention keeps: the operands and `p` (no recompute).
+struct Attended {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: f32,
+    /// The probabilities.
+    p: Tensor,
+    /// The probabilities after dropout (`p` without it).
+    pd: Tensor,
+    mask: Option<Tensor>,
+}
+
+impl Attended {
+    fn forward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f32,
+        dropout: Option<&Tensor>,
+    ) -> Result<(Tensor, Attended)> {
+        let p = q.matmul(&k.t()?)?.causal_softmax(scale)?;
         let pd = match dropout {
             Some(m) => p.mul(m)?,
             None => p.clone(),
         };
-        let y = pd.matmul(&vv)?;
-        let mask = dropout.cloned();
-        Var::from_op(OP, &[self, k, v], y, move |g, w| {
-            let gv = when(w[2], || pd.t()?.matmul(g))?;
-            if !w[0] && !w[1] {
-                return Ok(vec![None, None, gv]);
-            }
-            let mut gp = g.matmul(&vv.t()?)?;
-            if let Some(m) = &mask {
-                gp = gp.mul(m)?;
-            }
-            let gs = Tensor::softmax_backward(&p, &gp, scale)?;
-            let gq = when(w[0], || gs.matmul(&kv))?;
-            // `(q^T gs)^T`, the product the unfused chain took through `k^T`'s transpose.
-            let gk = when(w[1], || q.t()?.matmul(&gs)?.t())?;
-            Ok(vec![gq, gk, gv])
-        })
+        let y = pd.matmul(v)?;
+        let saved = Attended {
+            q: q.clone(),
+            k: k.clone(),
+            v: v.clone(),
+            scale,
+            p,
+            pd,
+            mask: dropout.cloned(),
+        };
+        Ok((y, saved))
+    }
+
+    /// The gradients of q, k and v (each where `want` asks) for the output gradient `g`.
+    fn backward(&self, g: &Tensor, want: [bool; 3]) -> Result<[Option<Tensor>; 3]> {
+        let gv = when(want[2], || self.pd.t()?.matmul(g))?;
+        if !want[0] && !want[1] {
+            return Ok([None, None, gv]);
+        }
+        let mut gp = g.matmul(&self.v.t()?)?;
+        if let Some(m) = &self.mask {
+            gp = gp.mul(m)?;
+        }
+        let gs = Tensor::softmax_backward(&self.p, &gp, self.scale)?;
+        let gq = when(want[0], || gs.matmul(&self.k))?;
+        // `(q^T gs)^T`, the product the unfused chain took through `k^T`'s transpose.
+        let gk = when(want[1], || self.q.t()?.matmul(&gs)?.t())?;
+        Ok([gq, gk, gv])
     }
 }
