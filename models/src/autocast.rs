@@ -3,10 +3,10 @@
 //!
 //! | layer kind | input | weights | output |
 //! |---|---|---|---|
-//! | `Linear` (also attention's q/k/v/out, the MLP, the LM head), `Conv2d` | cast to `compute` | the param's cached `compute` copy ([`Param::value_in`](wgpipe_autograd::Param::value_in)) | `compute` |
+//! | `Linear` (also attention's q/k/v or packed qkv and out, the MLP, the LM head), `Conv2d` | cast to `compute` | the param's cached `compute` copy ([`Param::value_in`](wgpipe_autograd::Param::value_in)) | `compute` |
 //! | `Embedding` | ids (f32) | looked up in the f32 table | cast to `compute` |
 //! | `PositionalEmbedding` | its dtype | cached copy in the input's dtype | input's dtype |
-//! | fused `causal_attention` | q, k, v in `compute` | dropout multipliers in `compute` | `compute` |
+//! | fused `causal_attention` (and `causal_attention_packed`) | q, k, v in `compute` | dropout multipliers in `compute` | `compute` |
 //! | `LayerNorm`, `BatchNorm2d` | its dtype (the half stream) | cached copy in the input's dtype | input's dtype |
 //! | activations, pooling, dropout, flatten, residual adds, concat, skips | its dtype | - | input's dtype |
 //! | losses (`cross_entropy`, `mse`) | cast to f32 | - | f32 |

@@ -329,6 +329,16 @@ fn layer_gradients_in_half_match_f32() {
             rand(&[2, 4, 8], 5),
         ),
         (
+            "Attention, packed qkv",
+            Box::new(
+                CausalSelfAttention::new(8, 2, 0.0, 5, &dev)
+                    .unwrap()
+                    .packed()
+                    .unwrap(),
+            ),
+            rand(&[2, 4, 8], 5),
+        ),
+        (
             "TokenPositionEmbedding",
             Box::new(TokenPositionEmbedding::new(7, 6, 4, 0.0, 6, &dev).unwrap()),
             t(&[0., 3., 3., 6., 1., 0.], &[2, 3]),

@@ -135,7 +135,10 @@ fn dropout_replays_and_scales() {
 fn attention_one_head_identity_projections() {
     let dev = cpu();
     let a = CausalSelfAttention::new(2, 1, 0.0, 1, &dev).unwrap();
-    for l in [&a.q, &a.k, &a.v, &a.out] {
+    let QkvProjection::Separate { q, k, v } = &a.qkv else {
+        panic!("new gives separate projections")
+    };
+    for l in [q, k, v, &a.out] {
         l.weight.set_value(t(&[1., 0., 0., 1.], &[2, 2]));
         l.bias.as_ref().unwrap().set_value(t(&[0., 0.], &[2]));
     }
@@ -194,9 +197,20 @@ fn unfused_attention(a: &CausalSelfAttention, x: &Var, ctx: &ForwardCtx) -> Var 
             .permute(&[0, 2, 1, 3])
             .unwrap()
     };
-    let q = split(a.q.forward(x, ctx).unwrap());
-    let k = split(a.k.forward(x, ctx).unwrap());
-    let v = split(a.v.forward(x, ctx).unwrap());
+    let (q, k, v) = match &a.qkv {
+        QkvProjection::Separate { q, k, v } => (
+            q.forward(x, ctx).unwrap(),
+            k.forward(x, ctx).unwrap(),
+            v.forward(x, ctx).unwrap(),
+        ),
+        QkvProjection::Packed(qkv) => {
+            let y = qkv.forward(x, ctx).unwrap();
+            let d = s[2];
+            let part = |i| y.narrow(-1, i * d, d).unwrap();
+            (part(0), part(1), part(2))
+        }
+    };
+    let (q, k, v) = (split(q), split(k), split(v));
     let scores = q
         .matmul(&k.transpose(-2, -1).unwrap())
         .unwrap()
@@ -245,20 +259,84 @@ fn fused_attention_equals_the_unfused_chain_bit_for_bit() {
         (0.3, ForwardCtx::train(4, 2, 1)),
         (0.3, ForwardCtx::eval()),
     ] {
-        let a = CausalSelfAttention::new(16, 4, p, 7, &cpu()).unwrap();
-        let x = rand(&[3, 9, 16], 8);
-        let fused = output_and_grads(&a, &x, |x| a.forward(x, &ctx).unwrap());
-        let unfused = output_and_grads(&a, &x, |x| unfused_attention(&a, x, &ctx));
-        let names = ["output", "input grad"];
-        let params: Vec<String> = a.parameters().into_iter().map(|(n, _)| n).collect();
-        for (i, (f, u)) in fused.iter().zip(&unfused).enumerate() {
-            let what = names
-                .get(i)
-                .copied()
-                .unwrap_or_else(|| params[i - 2].as_str());
-            assert_eq!(f, u, "{what} (dropout {p}, train {})", ctx.train);
+        let separate = CausalSelfAttention::new(16, 4, p, 7, &cpu()).unwrap();
+        let packed = CausalSelfAttention::new(16, 4, p, 7, &cpu())
+            .unwrap()
+            .packed()
+            .unwrap();
+        for (a, form) in [(separate, "separate q, k, v"), (packed, "packed qkv")] {
+            let x = rand(&[3, 9, 16], 8);
+            let fused = output_and_grads(&a, &x, |x| a.forward(x, &ctx).unwrap());
+            let unfused = output_and_grads(&a, &x, |x| unfused_attention(&a, x, &ctx));
+            let names = ["output", "input grad"];
+            let params: Vec<String> = a.parameters().into_iter().map(|(n, _)| n).collect();
+            for (i, (f, u)) in fused.iter().zip(&unfused).enumerate() {
+                let what = names
+                    .get(i)
+                    .copied()
+                    .unwrap_or_else(|| params[i - 2].as_str());
+                assert_eq!(f, u, "{form}: {what} (dropout {p}, train {})", ctx.train);
+            }
         }
     }
+}
+
+#[test]
+fn packed_qkv_computes_the_separate_projections_function() {
+    // `packed` stacks q's, k's and v's weights: the same function, with the input gradient
+    // from one product where the separate form sums three (so equal to rounding, not bits).
+    for (p, ctx) in [
+        (0.0, ForwardCtx::train(4, 0, 1)),
+        (0.3, ForwardCtx::train(4, 2, 1)),
+    ] {
+        let separate = TransformerBlock::new(16, 4, p, 5, &cpu()).unwrap();
+        let packed = TransformerBlock::new(16, 4, p, 5, &cpu())
+            .unwrap()
+            .with_packed_qkv()
+            .unwrap();
+        let x = rand(&[2, 7, 16], 4);
+        let s = output_and_grads(&separate, &x, |x| separate.forward(x, &ctx).unwrap());
+        let k = output_and_grads(&packed, &x, |x| packed.forward(x, &ctx).unwrap());
+        assert_close(&k[0], &s[0], 1e-5);
+        assert_close(&k[1], &s[1], 1e-5);
+        // Parameter gradients by name; the packed ones are q's, k's and v's joined.
+        let grads = |b: &TransformerBlock, g: &[Vec<f32>]| -> Vec<(String, Vec<f32>)> {
+            b.parameters()
+                .into_iter()
+                .map(|(n, _)| n)
+                .zip(g[2..].iter().cloned())
+                .collect()
+        };
+        let (gs, gk) = (grads(&separate, &s), grads(&packed, &k));
+        let by_name = |g: &[(String, Vec<f32>)], n: &str| -> Vec<f32> {
+            g.iter()
+                .find(|(m, _)| m == n)
+                .unwrap_or_else(|| panic!("no gradient for {n}"))
+                .1
+                .clone()
+        };
+        for part in ["weight", "bias"] {
+            let joined: Vec<f32> = ["q", "k", "v"]
+                .iter()
+                .flat_map(|w| by_name(&gs, &format!("attn.{w}.{part}")))
+                .collect();
+            assert_close(&by_name(&gk, &format!("attn.qkv.{part}")), &joined, 1e-5);
+        }
+        for (n, g) in &gk {
+            if !n.starts_with("attn.qkv") {
+                assert_close(g, &by_name(&gs, n), 1e-5);
+            }
+        }
+        assert_eq!(gk.len(), gs.len() - 4, "qkv.* replaces q.*, k.*, v.*");
+    }
+    // A packed attention stays packed, with the same weights.
+    let a = CausalSelfAttention::new(8, 2, 0.0, 1, &cpu())
+        .unwrap()
+        .packed()
+        .unwrap();
+    let w = vals(&a.parameters()[0].1.value());
+    let again = a.packed().unwrap();
+    assert_eq!(vals(&again.parameters()[0].1.value()), w);
 }
 
 /// `ln` with the layer norm's composed backward, as `Var::layer_norm` recorded it before the
@@ -402,6 +480,20 @@ fn transformer_block_shapes_and_names() {
     assert_eq!(names.len(), 16);
     let mlp = &b.mlp;
     assert_eq!(mlp.fc1.out_features(), 32);
+    let packed = b.with_packed_qkv().unwrap();
+    let names: Vec<String> = packed.parameters().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(
+        names[2..6],
+        [
+            "attn.qkv.weight",
+            "attn.qkv.bias",
+            "attn.out.weight",
+            "attn.out.bias"
+        ],
+        "{names:?}"
+    );
+    assert_eq!(packed.parameters()[2].1.value().shape(), &[24, 8]);
+    assert_eq!(run(&packed, &rand(&[2, 3, 8], 2)).shape(), &[2, 3, 8]);
 }
 
 #[test]

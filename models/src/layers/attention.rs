@@ -1,4 +1,5 @@
-//! Causal multi-head self-attention: `q, k, v, out` projections (`Linear(d, d)` each), scores
+//! Causal multi-head self-attention: `q, k, v, out` projections (`Linear(d, d)` each; q, k and v
+//! may be joined into one `Linear(d, 3 d)`, see [`QkvProjection`]), scores
 //! `q k^T / sqrt(d_head)`, the future masked out, softmax, optional dropout on the
 //! probabilities, heads merged and projected. Input and output `[B, T, d]`.
 
@@ -21,10 +22,21 @@ pub fn causal_mask(t: usize, dev: &Device) -> Result<Tensor> {
     Tensor::from_vec(v, &[t, t], dev)
 }
 
+/// How [`CausalSelfAttention`] projects its input to queries, keys and values.
+pub enum QkvProjection {
+    /// Three `Linear(d, d)`; parameters `q.*`, `k.*`, `v.*` (the layout of the main job's
+    /// model and of its PyTorch reference).
+    Separate { q: Linear, k: Linear, v: Linear },
+    /// One `Linear(d, 3 d)` whose outputs are the queries, keys and values in that order;
+    /// parameters `qkv.*` (nanoGPT's `c_attn`, the fused QKV of `bench_train`'s PyTorch block).
+    /// One product where `Separate` makes three, both forward and backward, and the input's
+    /// gradient comes out of one product instead of three summed
+    /// ([`Var::causal_attention_packed`] takes the packed output as it is).
+    Packed(Linear),
+}
+
 pub struct CausalSelfAttention {
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
+    pub qkv: QkvProjection,
     pub out: Linear,
     heads: usize,
     d_model: usize,
@@ -33,6 +45,7 @@ pub struct CausalSelfAttention {
 }
 
 impl CausalSelfAttention {
+    /// With separate q, k and v projections ([`CausalSelfAttention::packed`] joins them).
     pub fn new(
         d_model: usize,
         heads: usize,
@@ -47,15 +60,36 @@ impl CausalSelfAttention {
             });
         }
         Ok(CausalSelfAttention {
-            q: Linear::new(d_model, d_model, sub_seed(seed, 0), dev)?,
-            k: Linear::new(d_model, d_model, sub_seed(seed, 1), dev)?,
-            v: Linear::new(d_model, d_model, sub_seed(seed, 2), dev)?,
+            qkv: QkvProjection::Separate {
+                q: Linear::new(d_model, d_model, sub_seed(seed, 0), dev)?,
+                k: Linear::new(d_model, d_model, sub_seed(seed, 1), dev)?,
+                v: Linear::new(d_model, d_model, sub_seed(seed, 2), dev)?,
+            },
             out: Linear::new(d_model, d_model, sub_seed(seed, 3), dev)?,
             heads,
             d_model,
             attn_dropout: Dropout::new(attn_dropout, 0)?,
         })
     }
+
+    /// The same attention with its q, k and v projections joined into one `Linear(d, 3 d)`
+    /// ([`QkvProjection::Packed`]): its weight is q's, k's and v's stacked (rows `0..d` q's),
+    /// its bias theirs concatenated, so it computes the same function. A packed one stays so.
+    pub fn packed(mut self) -> Result<Self> {
+        if let QkvProjection::Separate { q, k, v } = &self.qkv {
+            let joined = |get: fn(&Linear) -> Option<Tensor>| -> Result<Option<Tensor>> {
+                match (get(q), get(k), get(v)) {
+                    (Some(a), Some(b), Some(c)) => Tensor::concat(&[&a, &b, &c], 0).map(Some),
+                    _ => Ok(None),
+                }
+            };
+            let weight = joined(|l| Some(l.weight.value()))?.expect("every Linear has a weight");
+            let bias = joined(|l| l.bias.as_ref().map(|b| b.value()))?;
+            self.qkv = QkvProjection::Packed(Linear::from_tensors(weight, bias)?);
+        }
+        Ok(self)
+    }
+
     pub fn heads(&self) -> usize {
         self.heads
     }
@@ -79,31 +113,50 @@ impl Module for CausalSelfAttention {
         }
         let (b, t, h) = (s[0], s[1], self.heads);
         let dh = self.d_model / h;
-        // [B, T, d] -> [B, H, T, dh]
-        let split = |y: Var| -> Result<Var> { y.reshape(&[b, t, h, dh])?.permute(&[0, 2, 1, 3]) };
-        let q = split(self.q.forward(x, ctx)?)?;
-        let k = split(self.k.forward(x, ctx)?)?;
-        let v = split(self.v.forward(x, ctx)?)?;
-        // One fused op; it equals the unfused chain `(q k^T * scale).masked_fill(causal_mask,
-        // MASK_VALUE).softmax(-1)`, dropout, `@ v` (the reference the tests compare with).
+        let scale = 1.0 / (dh as f32).sqrt();
         // The multipliers in the scores' dtype (autocast), `1 / (1 - p)` rounded once.
-        let drop = self
-            .attn_dropout
-            .mask(&[b, h, t, t], ctx, x.value().device())?
-            .map(|m| m.to_dtype(q.value().dtype()))
-            .transpose()?;
-        let y = q
-            .causal_attention(&k, &v, 1.0 / (dh as f32).sqrt(), drop.as_ref())?
-            // [B, H, T, dh] -> [B, T, d]
-            .permute(&[0, 2, 1, 3])?
-            .reshape(&[b, t, self.d_model])?;
+        let drop = |dtype| -> Result<Option<Tensor>> {
+            self.attn_dropout
+                .mask(&[b, h, t, t], ctx, x.value().device())?
+                .map(|m| m.to_dtype(dtype))
+                .transpose()
+        };
+        // Each fused attention op equals the unfused chain `(q k^T * scale)
+        // .masked_fill(causal_mask, MASK_VALUE).softmax(-1)`, dropout, `@ v` (the reference the
+        // tests compare with).
+        let y = match &self.qkv {
+            QkvProjection::Separate { q, k, v } => {
+                // [B, T, d] -> [B, H, T, dh]
+                let split =
+                    |y: Var| -> Result<Var> { y.reshape(&[b, t, h, dh])?.permute(&[0, 2, 1, 3]) };
+                let q = split(q.forward(x, ctx)?)?;
+                let k = split(k.forward(x, ctx)?)?;
+                let v = split(v.forward(x, ctx)?)?;
+                let drop = drop(q.value().dtype())?;
+                q.causal_attention(&k, &v, scale, drop.as_ref())?
+                    // [B, H, T, dh] -> [B, T, d]
+                    .permute(&[0, 2, 1, 3])?
+                    .reshape(&[b, t, self.d_model])?
+            }
+            QkvProjection::Packed(qkv) => {
+                let qkv = qkv.forward(x, ctx)?;
+                let drop = drop(qkv.value().dtype())?;
+                qkv.causal_attention_packed(h, scale, drop.as_ref())?
+            }
+        };
         self.out.forward(&y, ctx)
     }
 
     fn parameters(&self) -> Vec<(String, Param)> {
-        let mut p = prefix("q", self.q.parameters());
-        p.extend(prefix("k", self.k.parameters()));
-        p.extend(prefix("v", self.v.parameters()));
+        let mut p = match &self.qkv {
+            QkvProjection::Separate { q, k, v } => {
+                let mut p = prefix("q", q.parameters());
+                p.extend(prefix("k", k.parameters()));
+                p.extend(prefix("v", v.parameters()));
+                p
+            }
+            QkvProjection::Packed(qkv) => prefix("qkv", qkv.parameters()),
+        };
         p.extend(prefix("out", self.out.parameters()));
         p
     }
@@ -113,7 +166,7 @@ impl Module for CausalSelfAttention {
     }
 
     fn cost(&self, input_shape: &[usize]) -> CostHint {
-        let proj = self.q.cost(input_shape);
+        let proj = self.out.cost(input_shape);
         let (b, t) = match input_shape {
             [b, t, _] => (*b, *t),
             _ => (1, 1),

@@ -14,7 +14,7 @@ pub mod pool;
 pub mod transformer;
 
 pub use activation::{Gelu, Relu};
-pub use attention::{causal_mask, CausalSelfAttention};
+pub use attention::{causal_mask, CausalSelfAttention, QkvProjection};
 pub use batchnorm::BatchNorm2d;
 pub use container::{Residual, Sequential};
 pub use conv::Conv2d;

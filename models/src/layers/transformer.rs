@@ -65,7 +65,8 @@ pub(crate) fn chain(mods: &[&dyn Module], input_shape: &[usize]) -> CostHint {
     total
 }
 
-/// Parameters `ln1.*`, `attn.{q,k,v,out}.*`, `ln2.*`, `mlp.{fc1,fc2}.*`.
+/// Parameters `ln1.*`, `attn.{q,k,v,out}.*` (`attn.{qkv,out}.*` once
+/// [packed](TransformerBlock::with_packed_qkv)), `ln2.*`, `mlp.{fc1,fc2}.*`.
 /// Dropout sites: 0 attention probabilities, 1 after attention, 2 after the MLP.
 pub struct TransformerBlock {
     pub ln1: LayerNorm,
@@ -98,6 +99,13 @@ impl TransformerBlock {
     pub fn with_gelu(mut self, gelu: Gelu) -> Self {
         self.mlp.gelu = gelu;
         self
+    }
+
+    /// The same block with its attention's q, k and v projections joined into one
+    /// `Linear(d, 3 d)` ([`CausalSelfAttention::packed`]: the same function, fewer passes).
+    pub fn with_packed_qkv(mut self) -> Result<Self> {
+        self.attn = self.attn.packed()?;
+        Ok(self)
     }
 }
 
