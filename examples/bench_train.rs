@@ -1,5 +1,6 @@
-//! Training-step throughput of two fixed workloads (an MLP and a decoder block) on every device
-//! found, plain and through a 1-stage pipeline, with PyTorch and Burn reference columns.
+//! Training-step throughput of three fixed workloads (an MLP, a decoder block and the main job's
+//! model) on every device found, plain and through a 1-stage pipeline, with a PyTorch column
+//! measured in the same run (given a Python with torch) and Burn's lavapipe figures quoted.
 //! Run in release: `cargo run --release --example bench_train`.
 
 use wgpipe_apps::bench_train::{run, BenchArgs};

@@ -3,9 +3,9 @@
 //!
 //! * `mlp`: 4 Linear layers of width 1024 with ReLU between them, batch 256, MSE loss,
 //!   forward + backward + SGD;
-//! * `block`: one pre-LayerNorm decoder block (d_model 256, 4 heads, causal attention, MLP 4x
-//!   with exact GELU), batch 8, sequence 128, MSE loss against a random target, forward +
-//!   backward + SGD;
+//! * `block`: one pre-LayerNorm decoder block (d_model 256, 4 heads, causal attention with q, k
+//!   and v from one projection, MLP 4x with exact GELU), batch 8, sequence 128, MSE loss against
+//!   a random target, forward + backward + SGD;
 //! * `lm`: the main job's model on one device (TransformerLm vocab 28, d_model 64, 4 heads, 4
 //!   blocks, context 64, tanh GELU), batch 32, cross-entropy, AdamW lr 3e-4.
 //!
@@ -43,7 +43,9 @@ impl Workload {
     pub fn describe(self) -> &'static str {
         match self {
             Workload::Mlp => "MLP 4x Linear(1024) + ReLU, batch 256, MSE, SGD",
-            Workload::Block => "pre-LN decoder block d256 h4, batch 8 x seq 128, exact GELU, SGD",
+            Workload::Block => {
+                "pre-LN decoder block d256 h4 (fused QKV), batch 8 x seq 128, exact GELU, SGD"
+            }
             Workload::Lm => "main job's LM (d64, 4 blocks, ctx 64), batch 32, AdamW",
         }
     }
@@ -191,7 +193,10 @@ fn workload(w: Workload, dev: &Device) -> AppResult<Work> {
             Work { layers, x, y }
         }
         Workload::Block => {
-            let block = TransformerBlock::new(256, 4, 0.0, 3, dev)?.with_gelu(Gelu::Exact);
+            // q, k and v in one projection, as the PyTorch reference's block.
+            let block = TransformerBlock::new(256, 4, 0.0, 3, dev)?
+                .with_gelu(Gelu::Exact)
+                .with_packed_qkv()?;
             let layers: Vec<Box<dyn Module>> = vec![Box::new(block)];
             let x = Tensor::rand_normal(&[8, 128, 256], 0.0, 1.0, 4, dev)?;
             let y = Tensor::rand_normal(&[8, 128, 256], 0.0, 1.0, 5, dev)?;
@@ -521,6 +526,20 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
                 if let Some(py) = with_torch {
                     torch.push(bench_torch(&args, py, *w)?);
                 }
+                // Each round's figures, so that a wide spread can be traced to its rounds.
+                eprintln!(
+                    "  round {}: wgpipe {:.2}{}{} steps/s",
+                    round + 1,
+                    t.steps_per_sec,
+                    piped
+                        .last()
+                        .filter(|_| piped.len() == round + 1)
+                        .map_or(String::new(), |p| format!(", 1-stage pipeline {p:.2}")),
+                    torch
+                        .last()
+                        .filter(|_| torch.len() == round + 1)
+                        .map_or(String::new(), |p| format!(", PyTorch {p:.2}")),
+                );
             }
             rows.push(BenchRow {
                 workload: *w,
