@@ -337,6 +337,14 @@ fn packed_qkv_computes_the_separate_projections_function() {
     let w = vals(&a.parameters()[0].1.value());
     let again = a.packed().unwrap();
     assert_eq!(vals(&again.parameters()[0].1.value()), w);
+    // Biases on some projections only cannot be packed into one Linear.
+    let mut mixed = CausalSelfAttention::new(8, 2, 0.0, 1, &cpu()).unwrap();
+    let QkvProjection::Separate { k, .. } = &mut mixed.qkv else {
+        panic!("new gives separate projections")
+    };
+    *k = Linear::with_bias(8, 8, false, 2, &cpu()).unwrap();
+    let err = mixed.packed().err().expect("mixed biases").to_string();
+    assert!(err.contains("bias"), "{err}");
 }
 
 /// `ln` with the layer norm's composed backward, as `Var::layer_norm` recorded it before the

@@ -9,7 +9,7 @@
 
 use wgpipe_tensor::{Error, Result, Tensor};
 
-use super::when;
+use super::{same_tape, when};
 use crate::var::Var;
 
 impl Var {
@@ -29,7 +29,7 @@ impl Var {
         dropout: Option<&Tensor>,
     ) -> Result<Var> {
         const OP: &str = "causal_attention";
-        super::same_tape(OP, &[self, k, v])?;
+        same_tape(OP, &[self, k, v])?;
         let (sq, sk, sv) = (self.shape(), k.shape(), v.shape());
         if sq.len() < 2 || sq != sk || sq != sv {
             return Err(Error::Shape {

@@ -77,14 +77,18 @@ impl CausalSelfAttention {
     /// its bias theirs concatenated, so it computes the same function. A packed one stays so.
     pub fn packed(mut self) -> Result<Self> {
         if let QkvProjection::Separate { q, k, v } = &self.qkv {
-            let joined = |get: fn(&Linear) -> Option<Tensor>| -> Result<Option<Tensor>> {
-                match (get(q), get(k), get(v)) {
-                    (Some(a), Some(b), Some(c)) => Tensor::concat(&[&a, &b, &c], 0).map(Some),
-                    _ => Ok(None),
+            let stacked = |ts: [Tensor; 3]| Tensor::concat(&[&ts[0], &ts[1], &ts[2]], 0);
+            let weight = stacked([q.weight.value(), k.weight.value(), v.weight.value()])?;
+            let bias = match (&q.bias, &k.bias, &v.bias) {
+                (Some(a), Some(b), Some(c)) => Some(stacked([a.value(), b.value(), c.value()])?),
+                (None, None, None) => None,
+                _ => {
+                    return Err(Error::Invalid {
+                        op: "CausalSelfAttention::packed",
+                        msg: "q, k and v must all have a bias or all have none".into(),
+                    })
                 }
             };
-            let weight = joined(|l| Some(l.weight.value()))?.expect("every Linear has a weight");
-            let bias = joined(|l| l.bias.as_ref().map(|b| b.value()))?;
             self.qkv = QkvProjection::Packed(Linear::from_tensors(weight, bias)?);
         }
         Ok(self)
