@@ -151,24 +151,20 @@ impl ViewReader {
                 let b = offset + start;
                 out.copy_from_slice(&x[b..b + out.len()]);
             }
-            ViewReader::Strided(w) => copy_runs(out, x, w, start),
+            ViewReader::Strided(w) => w.runs(start, out.len(), |p, [b], c| {
+                let o = &mut out[p..p + c];
+                match w.inner_stride[0] {
+                    1 => o.copy_from_slice(&x[b..b + c]),
+                    0 => o.fill(x[b]),
+                    st => {
+                        for (j, o) in o.iter_mut().enumerate() {
+                            *o = x[b + j * st];
+                        }
+                    }
+                }
+            }),
         }
     }
-}
-
-fn copy_runs(out: &mut [f32], x: &[f32], w: &Walk<1>, start: usize) {
-    w.runs(start, out.len(), |p, [b], c| {
-        let o = &mut out[p..p + c];
-        match w.inner_stride[0] {
-            1 => o.copy_from_slice(&x[b..b + c]),
-            0 => o.fill(x[b]),
-            st => {
-                for (j, o) in o.iter_mut().enumerate() {
-                    *o = x[b + j * st];
-                }
-            }
-        }
-    });
 }
 
 /// Materialises view `x` into `out` (in parallel when big).
