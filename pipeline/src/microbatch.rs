@@ -47,13 +47,7 @@ pub fn split_batch(what: &str, t: &Tensor, m: usize) -> Result<Vec<Tensor>> {
     // One prefix: the typed cause has none of its own.
     let sizes = micro_batch_sizes(t.shape()[0], m)
         .map_err(|e| PipelineError::Config(format!("{what} of shape {:?}: {e}", t.shape())))?;
-    let mut start = 0;
-    let mut out = Vec::with_capacity(m);
-    for s in sizes {
-        out.push(t.narrow(0, start, s)?);
-        start += s;
-    }
-    Ok(out)
+    Ok(t.split_sizes(&sizes, 0)?)
 }
 
 #[cfg(test)]

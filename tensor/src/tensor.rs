@@ -358,6 +358,45 @@ impl Tensor {
         Ok(self.with_layout(self.layout.narrow("narrow", a, start, len)?))
     }
 
+    /// Views of consecutive pieces of `axis` with the given lengths, which must add up to the
+    /// axis's length (PyTorch's `split` with a list of sizes).
+    pub fn split_sizes(&self, sizes: &[usize], axis: isize) -> Result<Vec<Tensor>> {
+        let a = resolve_axis("split", axis, self.rank())?;
+        let n = self.shape()[a];
+        if sizes.iter().sum::<usize>() != n {
+            return Err(Error::shape(
+                "split",
+                format!(
+                    "the sizes {sizes:?} add up to {}, not to the length {n} of axis {a} of shape {:?}",
+                    sizes.iter().sum::<usize>(),
+                    self.shape()
+                ),
+            ));
+        }
+        let mut start = 0;
+        let mut out = Vec::with_capacity(sizes.len());
+        for &len in sizes {
+            out.push(self.narrow(a as isize, start, len)?);
+            start += len;
+        }
+        Ok(out)
+    }
+
+    /// Views of `axis` in pieces of `size` (the last may be shorter; PyTorch's `split` with an
+    /// int). An empty axis gives one empty piece; `size` 0 is an error on a non-empty axis.
+    pub fn split(&self, size: usize, axis: isize) -> Result<Vec<Tensor>> {
+        let a = resolve_axis("split", axis, self.rank())?;
+        self.split_sizes(&split_lengths(self.shape(), a, size)?, a as isize)
+    }
+
+    /// `chunks` views along `axis` as PyTorch's `chunk`: pieces of `ceil(len / chunks)`, so
+    /// there may be fewer than `chunks` (an axis of 5 in 4 chunks gives 2, 2, 1); an empty axis
+    /// gives `chunks` empty pieces.
+    pub fn chunk(&self, chunks: usize, axis: isize) -> Result<Vec<Tensor>> {
+        let a = resolve_axis("chunk", axis, self.rank())?;
+        self.split_sizes(&chunk_lengths(self.shape(), a, chunks)?, a as isize)
+    }
+
     /// A view broadcast to `shape` (numpy rules; stretched axes get stride 0).
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor> {
         Ok(self.with_layout(self.layout.broadcast_to("broadcast_to", shape)?))
@@ -464,6 +503,38 @@ fn infer_shape(op: &'static str, shape: &[usize], n: usize, from: &[usize]) -> R
         ));
     }
     Ok(out)
+}
+
+/// The piece lengths of [`Tensor::split`]: `size` each, the last shorter.
+fn split_lengths(shape: &[usize], axis: usize, size: usize) -> Result<Vec<usize>> {
+    let n = shape[axis];
+    if n == 0 {
+        return Ok(vec![0]);
+    }
+    if size == 0 {
+        return Err(Error::shape(
+            "split",
+            format!("a piece size of 0 cannot split axis {axis} of shape {shape:?} (length {n})"),
+        ));
+    }
+    Ok((0..n)
+        .step_by(size)
+        .map(|start| size.min(n - start))
+        .collect())
+}
+
+/// The piece lengths of [`Tensor::chunk`].
+fn chunk_lengths(shape: &[usize], axis: usize, chunks: usize) -> Result<Vec<usize>> {
+    if chunks == 0 {
+        return Err(Error::shape(
+            "chunk",
+            format!("needs at least 1 chunk, got 0 (shape {shape:?}, axis {axis})"),
+        ));
+    }
+    if shape[axis] == 0 {
+        return Ok(vec![0; chunks]);
+    }
+    split_lengths(shape, axis, shape[axis].div_ceil(chunks))
 }
 
 impl std::fmt::Debug for Tensor {

@@ -218,6 +218,69 @@ fn concat_stack_edge_cases() {
     );
 }
 
+/// Piece lengths as PyTorch 2.15 gives them (`torch.split` / `torch.chunk` on the same shapes),
+/// each piece a view holding its own elements.
+#[test]
+fn split_and_chunk_give_pytorchs_pieces() {
+    let dev = Device::cpu();
+    let lens =
+        |ts: Vec<Tensor>, axis: usize| ts.iter().map(|t| t.shape()[axis]).collect::<Vec<_>>();
+    let x = Tensor::arange(0.0, 10.0, 1.0, &dev)
+        .unwrap()
+        .reshape(&[2, 5])
+        .unwrap();
+    assert_eq!(lens(x.split(2, 1).unwrap(), 1), vec![2, 2, 1]);
+    assert_eq!(lens(x.split(5, -1).unwrap(), 1), vec![5]);
+    assert_eq!(lens(x.split(7, 1).unwrap(), 1), vec![5]);
+    assert_eq!(lens(x.chunk(3, 1).unwrap(), 1), vec![2, 2, 1]);
+    assert_eq!(lens(x.chunk(4, 1).unwrap(), 1), vec![2, 2, 1]);
+    assert_eq!(lens(x.chunk(1, 0).unwrap(), 0), vec![2]);
+    let six = Tensor::zeros(&[6], &dev).unwrap();
+    assert_eq!(lens(six.chunk(4, 0).unwrap(), 0), vec![2, 2, 2]);
+    let pieces = x.split_sizes(&[2, 0, 3], 1).unwrap();
+    assert_eq!(lens(pieces.clone(), 1), vec![2, 0, 3]);
+    assert_eq!(pieces[0].to_vec().unwrap(), vec![0.0, 1.0, 5.0, 6.0]);
+    assert_eq!(
+        pieces[2].to_vec().unwrap(),
+        vec![2.0, 3.0, 4.0, 7.0, 8.0, 9.0]
+    );
+    assert!(pieces.iter().all(|p| p.shares_storage(&x)));
+    let empty = Tensor::zeros(&[0, 3], &dev).unwrap();
+    assert_eq!(lens(empty.split(2, 0).unwrap(), 0), vec![0]);
+    assert_eq!(lens(empty.split(0, 0).unwrap(), 0), vec![0]);
+    assert_eq!(lens(empty.chunk(2, 0).unwrap(), 0), vec![0, 0]);
+
+    assert_err!(
+        x.split(0, 1),
+        Error::Shape { op: "split", .. },
+        "[2, 5]",
+        "size of 0"
+    );
+    assert_err!(
+        x.chunk(0, 1),
+        Error::Shape { op: "chunk", .. },
+        "[2, 5]",
+        "0"
+    );
+    assert_err!(
+        x.split_sizes(&[2, 2], 1),
+        Error::Shape { op: "split", .. },
+        "[2, 2]",
+        "add up to 4",
+        "length 5"
+    );
+    assert_err!(
+        x.split(1, 2),
+        Error::Axis {
+            op: "split",
+            axis: 2,
+            rank: 2
+        },
+        "split"
+    );
+    assert_err!(x.chunk(2, -3), Error::Axis { op: "chunk", .. }, "chunk");
+}
+
 #[test]
 fn index_errors_name_op_and_shapes() {
     let dev = Device::cpu();
