@@ -9,6 +9,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::ops::Range;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -24,6 +25,11 @@ use crate::var::Var;
 /// each input's gradient must not depend on which other inputs were asked for.
 pub type BackwardFn = Box<dyn FnMut(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>>>;
 
+/// The backward of a node with several outputs ([`Var::from_op_multi`]): as [`BackwardFn`], given
+/// each output's gradient, `None` for the outputs no gradient reached (at least one did).
+pub type MultiBackwardFn =
+    Box<dyn FnMut(&[Option<Tensor>], &[bool]) -> Result<Vec<Option<Tensor>>>>;
+
 /// Where a node that folds the gradient sum into its own backward (see
 /// [`Var::from_op_carrying`]) finds the gradient its input already has when the backward runs.
 pub(crate) type CarrySlot = Rc<RefCell<Option<Tensor>>>;
@@ -38,12 +44,14 @@ pub struct Tape {
 
 struct Node {
     op: &'static str,
-    output: usize,
-    /// Whether the output depends on data (see [`Var::is_data`]).
+    /// The ids of the output vars (consecutive: one for most ops).
+    outputs: Range<usize>,
+    /// Whether the outputs depend on data (see [`Var::is_data`]).
     data_output: bool,
     /// For each input that wants a gradient: its var id, shape and whether it depends on data.
     inputs: Vec<Option<NodeInput>>,
-    backward: BackwardFn,
+    /// A single-output op's [`BackwardFn`] is wrapped into this form when recorded.
+    backward: MultiBackwardFn,
     /// `(input index, slot)`: before the backward runs, the gradient accumulated so far for that
     /// input moves into the slot; the backward returns the sum (see [`Var::from_op_carrying`]).
     carry: Option<(usize, CarrySlot)>,
@@ -198,9 +206,29 @@ impl Tape {
         inputs: &[&Var],
         value: Tensor,
         force: bool,
-        backward: BackwardFn,
+        mut backward: BackwardFn,
         carry: Option<(usize, CarrySlot)>,
     ) -> Result<Var> {
+        // The walk runs a single-output node only when its output has a gradient.
+        let backward = Box::new(move |g: &[Option<Tensor>], w: &[bool]| match g {
+            [Some(g)] => backward(g, w),
+            _ => Err(invalid(op, "no output gradient".to_string())),
+        }) as MultiBackwardFn;
+        let mut out = self.record_many(op, inputs, vec![value], force, backward, carry)?;
+        Ok(out.pop().expect("one value, one var"))
+    }
+
+    /// [`Tape::record`] for an op with one var per value in `values` (the node's outputs); its
+    /// backward gets each output's gradient.
+    pub(crate) fn record_many(
+        &self,
+        op: &'static str,
+        inputs: &[&Var],
+        values: Vec<Tensor>,
+        force: bool,
+        backward: MultiBackwardFn,
+        carry: Option<(usize, CarrySlot)>,
+    ) -> Result<Vec<Var>> {
         if let Some(other) = inputs.iter().find(|v| !v.tape.same(self)) {
             return Err(invalid(
                 op,
@@ -215,12 +243,19 @@ impl Tape {
         let wants = inputs.iter().any(|v| v.requires_grad);
         let data = inputs.iter().any(|v| v.data);
         if !self.is_recording() || !(wants || force) {
-            return Ok(self.new_var(value, false, data));
+            return Ok(values
+                .into_iter()
+                .map(|v| self.new_var(v, false, data))
+                .collect());
         }
-        let out = self.new_var(value, true, data);
+        let out: Vec<Var> = values
+            .into_iter()
+            .map(|v| self.new_var(v, true, data))
+            .collect();
+        let first = out.first().map_or(self.inner.borrow().next_var, |v| v.id);
         let node = Node {
             op,
-            output: out.id,
+            outputs: first..first + out.len(),
             data_output: data,
             inputs: inputs
                 .iter()
@@ -419,8 +454,9 @@ struct Taken {
 /// The weight part of a split backward (zero-bubble pipelines' "W"): the nodes with
 /// parameter-side inputs, each with its output gradient when that was computed by the input part.
 pub struct WeightGrads {
-    /// In reverse recording order (the order the walk visits them).
-    deferred: Vec<(Node, Option<Tensor>)>,
+    /// In reverse recording order (the order the walk visits them); the output gradients are
+    /// empty when the input part did not compute them.
+    deferred: Vec<(Node, Vec<Option<Tensor>>)>,
     /// Gradients of parameter-only vars left by the input part (by var id).
     carried: Vec<(usize, Tensor)>,
     params: Vec<(usize, Param)>,
@@ -435,7 +471,9 @@ impl WeightGrads {
             carried,
             mut params,
         } = self;
-        let top = deferred.first().map_or(0, |(n, _)| n.output);
+        let top = deferred
+            .first()
+            .map_or(0, |(n, _)| n.outputs.end.saturating_sub(1));
         let top = params.last().map_or(top, |(id, _)| top.max(*id));
         let top = carried.iter().map(|(id, _)| *id).fold(top, usize::max);
         let mut grads: Vec<Option<Tensor>> = vec![None; top + 1];
@@ -445,9 +483,9 @@ impl WeightGrads {
         let mut nodes = Vec::with_capacity(deferred.len());
         // `run_nodes` pops from the back: give it recording order, with the output gradients
         // the input part computed placed in the slots of their vars.
-        for (node, g) in deferred.into_iter().rev() {
-            if let Some(g) = g {
-                grads[node.output] = Some(g);
+        for (node, gs) in deferred.into_iter().rev() {
+            for (id, g) in node.outputs.clone().zip(gs) {
+                grads[id] = g;
             }
             nodes.push(node);
         }
@@ -534,19 +572,23 @@ fn run_nodes(
     grads: &mut Vec<Option<Tensor>>,
     params: &mut Vec<(usize, Param)>,
     part: Part,
-    deferred: &mut Vec<(Node, Option<Tensor>)>,
+    deferred: &mut Vec<(Node, Vec<Option<Tensor>>)>,
 ) -> Result<()> {
     while let Some(mut node) = nodes.pop() {
-        flush_params(params, grads, Some(node.output))?;
+        flush_params(params, grads, Some(node.outputs.start))?;
         let has_weight_side = node.inputs.iter().flatten().any(|i| !i.data);
         if part == Part::Input && !node.data_output {
-            deferred.push((node, None));
+            deferred.push((node, Vec::new()));
             continue;
         }
-        let g = match grads.get_mut(node.output).and_then(Option::take) {
-            Some(g) => g,
-            None => continue, // no gradient reaches this node: drop it unrun
-        };
+        let g: Vec<Option<Tensor>> = node
+            .outputs
+            .clone()
+            .map(|id| grads.get_mut(id).and_then(Option::take))
+            .collect();
+        if g.iter().all(Option::is_none) {
+            continue; // no gradient reaches this node: drop it unrun
+        }
         let wants: Vec<bool> = node
             .inputs
             .iter()
@@ -605,7 +647,7 @@ fn run_nodes(
             });
         }
         if part == Part::Input && has_weight_side {
-            deferred.push((node, Some(g)));
+            deferred.push((node, g));
         }
     }
     Ok(())

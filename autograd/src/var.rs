@@ -3,7 +3,7 @@
 
 use wgpipe_tensor::{Device, Result, Tensor};
 
-use crate::tape::{BackwardFn, CarrySlot, Tape};
+use crate::tape::{BackwardFn, CarrySlot, MultiBackwardFn, Tape};
 
 /// A value on a [`Tape`]. Cloning is cheap (the value's storage is shared).
 #[derive(Clone)]
@@ -90,6 +90,22 @@ impl Var {
             Box::new(backward) as BackwardFn,
             None,
         )
+    }
+
+    /// [`Var::from_op`] for an op with several results, one var per value in `values` (all
+    /// recorded as one node): its `backward` gets each output's gradient (`None` for those no
+    /// gradient reached; it runs when at least one did) and returns one gradient per input.
+    pub fn from_op_multi(
+        op: &'static str,
+        inputs: &[&Var],
+        values: Vec<Tensor>,
+        backward: impl FnMut(&[Option<Tensor>], &[bool]) -> Result<Vec<Option<Tensor>>> + 'static,
+    ) -> Result<Vec<Var>> {
+        let tape = inputs.first().map(|v| v.tape.clone()).ok_or_else(|| {
+            crate::tape::invalid(op, "an op needs at least one input var".to_string())
+        })?;
+        let backward = Box::new(backward) as MultiBackwardFn;
+        tape.record_many(op, inputs, values, false, backward, None)
     }
 
     /// [`Var::from_op`] for an op whose backward adds its gradient for input `carried` to the

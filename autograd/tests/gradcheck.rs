@@ -801,6 +801,84 @@ fn grad_concat_stack() {
     });
 }
 
+#[test]
+fn grad_split_chunk() {
+    let x = [randn(&[3, 7], 66)];
+    // Each piece through its own op; one piece (the middle) unused: its slice gets zeros.
+    gradcheck("split", &x, |v| {
+        let p = v[0].split(3, 1)?;
+        assert_eq!(p.len(), 3);
+        p[0].square()?.sum(&[1], true)?.add(&p[2].sin()?)
+    });
+    gradcheck("split_sizes of a view", &x, |v| {
+        let p = v[0].t()?.split_sizes(&[2, 0, 4, 1], 0)?;
+        Var::concat(&[&p[3], &p[2].exp()?, &p[0]], 0)
+    });
+    gradcheck("chunk, a piece used twice", &x, |v| {
+        let p = v[0].chunk(2, 0)?;
+        p[1].mul(&p[1].sin()?)?.add(&p[0].narrow(0, 0, 1)?)
+    });
+    gradcheck("one piece", &x, |v| v[0].chunk(1, -1)?[0].square());
+}
+
+/// `split` gives the gradient the `narrow`s it replaces give (each slice written once, zeros
+/// elsewhere, where the narrows pad and sum), bit for bit, in one backward node.
+#[test]
+fn split_backward_equals_narrows_bit_for_bit() {
+    let x = randn(&[4, 10, 6], 67);
+    let w = randn(&[4, 3, 6], 68);
+    let run = |by_split: bool| -> (Vec<f32>, usize) {
+        let tape = wgpipe_autograd::Tape::new();
+        let xv = tape.leaf(x.clone());
+        let pieces = if by_split {
+            xv.split_sizes(&[3, 4, 3], 1).unwrap()
+        } else {
+            vec![
+                xv.narrow(1, 0, 3).unwrap(),
+                xv.narrow(1, 3, 4).unwrap(),
+                xv.narrow(1, 7, 3).unwrap(),
+            ]
+        };
+        // The last piece is left out, the first two meet the same weights.
+        let y = pieces[0]
+            .mul(&tape.constant(w.clone()))
+            .unwrap()
+            .add(&pieces[1].narrow(1, 1, 3).unwrap().tanh().unwrap())
+            .unwrap()
+            .sum(&[0, 1, 2], false)
+            .unwrap();
+        let nodes = tape.len();
+        let g = tape.backward(&y).unwrap();
+        (g.get(&xv).unwrap().to_vec().unwrap(), nodes)
+    };
+    let (by_split, split_nodes) = run(true);
+    let (by_narrow, narrow_nodes) = run(false);
+    assert_eq!(by_split, by_narrow);
+    assert_eq!(
+        split_nodes + 2,
+        narrow_nodes,
+        "one split node for three narrows"
+    );
+    // The left-out piece's slice is zero, the others are not.
+    let g = Tensor::from_vec(by_split, &[4, 10, 6], &cpu()).unwrap();
+    let sum_abs = |t: Tensor| t.abs().unwrap().sum_all().unwrap().to_scalar().unwrap();
+    assert_eq!(sum_abs(g.narrow(1, 7, 3).unwrap()), 0.0);
+    assert!(sum_abs(g.narrow(1, 0, 7).unwrap()) > 1.0);
+}
+
+#[test]
+fn split_refuses_bad_sizes_naming_the_shape() {
+    let tape = wgpipe_autograd::Tape::new();
+    let x = tape.leaf(randn(&[2, 5], 69));
+    let msg = x.split_sizes(&[2, 2], 1).unwrap_err().to_string();
+    assert!(msg.contains("[2, 5]") && msg.contains("[2, 2]"), "{msg}");
+    let msg = x.split(0, 0).unwrap_err().to_string();
+    assert!(msg.contains("[2, 5]"), "{msg}");
+    let msg = x.chunk(0, 1).unwrap_err().to_string();
+    assert!(msg.contains("chunk") && msg.contains("[2, 5]"), "{msg}");
+    assert!(x.split(1, 2).is_err());
+}
+
 // ---------------------------------------------------------------------------------------------
 // indexing and masking
 
@@ -939,6 +1017,10 @@ fn wgpu_gradients_match_cpu() {
         v[0].sum(&[1], true)?
             .add(&v[0].var(&[-1], true)?)?
             .add(&v[0].max(&[0], true)?)
+    });
+    same_on_wgpu("split", dev, &[randn(&[3, 9], 116)], |v| {
+        let p = v[0].split_sizes(&[4, 2, 3], -1)?;
+        Var::concat(&[&p[2].exp()?, &p[0].square()?], 1)
     });
     same_on_wgpu("softmax", dev, &[randn(&[3, 5], 96)], |v| {
         v[0].softmax(-1)?.add(&v[0].log_softmax(0)?)

@@ -212,13 +212,18 @@ fn conv_and_pooling_gradients_in_half_match_f32() {
 }
 
 /// The backwards that build a tensor rather than compute one: `narrow` pads its gradient with
-/// zeros (in the gradient's dtype), dropout multiplies by its mask (cast to the input's dtype).
+/// zeros and `split` fills the pieces that got none with them (in the gradient's dtype), dropout
+/// multiplies by its mask (cast to the input's dtype).
 #[test]
 fn narrow_and_dropout_gradients_in_half_match_f32() {
     let x = (vals(24, 5, -2.0, 2.0), vec![2, 3, 4]);
     check("narrow", std::slice::from_ref(&x), |v| v[0].narrow(2, 1, 2));
     check("narrow twice", std::slice::from_ref(&x), |v| {
         v[0].narrow(1, 1, 2)?.narrow(2, 0, 3)
+    });
+    check("split, a piece unused", std::slice::from_ref(&x), |v| {
+        let p = v[0].split(3, -1)?;
+        Var::concat(&[&p[1], &p[1]], 1)
     });
     let ctx = wgpipe_autograd::ForwardCtx::train(1, 0, 0);
     check("dropout", std::slice::from_ref(&x), |v| {

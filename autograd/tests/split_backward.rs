@@ -107,6 +107,18 @@ fn parameter_transformed_before_use() {
 }
 
 #[test]
+fn split_of_a_packed_weight_and_of_the_data() {
+    // Multi-output nodes on both sides: the weight's split (parameter-only) runs in the weight
+    // part, the data's in the input part; one piece of each goes unused.
+    check("split", &[2, 9], &[&[3, 9]], |t, x, p| {
+        let w = t.param(&p[0]).split(3, 1)?;
+        let xs = x.chunk(3, 1)?;
+        let h = xs[0].matmul(&w[0])?.add(&xs[2].matmul(&w[2])?)?.tanh()?;
+        h.matmul(&w[0].t()?)
+    });
+}
+
+#[test]
 fn parameter_used_twice_and_times_itself() {
     check("tied", &[2, 4], &[&[4, 4], &[4]], |t, x, p| {
         let w = t.param(&p[0]);

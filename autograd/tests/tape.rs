@@ -37,6 +37,66 @@ fn scalar_backward_sums_reused_vars() {
     assert_eq!(g.len(), 2);
 }
 
+/// A custom op with two results (`x * 2`, `x * x`): its backward runs once, after every use of
+/// either output, with `None` for an output no gradient reached, and the tape sums its outputs'
+/// uses before calling it (hand-computed values).
+#[test]
+fn a_multi_output_node_gets_each_outputs_gradient_once() {
+    let tape = Tape::new();
+    let x = tape.leaf(t(&[1.0, 2.0, 3.0], &[3]));
+    let calls = Rc::new(Cell::new(0));
+    let seen = Rc::new(std::cell::RefCell::new(Vec::new()));
+    let two_results = |x: &Var| {
+        let (calls, seen) = (calls.clone(), seen.clone());
+        let xv = x.value().clone();
+        let values = vec![
+            x.value().mul_scalar(2.0).unwrap(),
+            x.value().square().unwrap(),
+        ];
+        Var::from_op_multi("twice_and_square", &[x], values, move |gs, _| {
+            calls.set(calls.get() + 1);
+            seen.borrow_mut()
+                .push(gs.iter().map(Option::is_some).collect::<Vec<_>>());
+            let mut g = xv.zeros_like()?;
+            if let Some(g0) = &gs[0] {
+                g = g.add(&g0.mul_scalar(2.0)?)?;
+            }
+            if let Some(g1) = &gs[1] {
+                g = g.add(&g1.mul(&xv.mul_scalar(2.0)?)?)?;
+            }
+            Ok(vec![Some(g)])
+        })
+        .unwrap()
+    };
+    // Both outputs, the second used twice: loss = sum(2x) + 2 sum(x^2); dx = 2 + 4x.
+    let [a, b] = <[Var; 2]>::try_from(two_results(&x)).unwrap();
+    let loss = a.add(&b).unwrap().add(&b).unwrap().sum_all().unwrap();
+    let g = tape.backward(&loss).unwrap();
+    assert_eq!(vals(g.get(&x).unwrap()), vec![6.0, 10.0, 14.0]);
+    assert_eq!(
+        (calls.get(), seen.borrow().clone()),
+        (1, vec![vec![true, true]])
+    );
+
+    // Only the second output used: loss = sum(x^2); dx = 2x, and the first output's gradient is
+    // None.
+    let tape = Tape::new();
+    let x = tape.leaf(t(&[1.0, 2.0, 3.0], &[3]));
+    let outs = two_results(&x);
+    let g = tape.backward(&outs[1].sum_all().unwrap()).unwrap();
+    assert_eq!(vals(g.get(&x).unwrap()), vec![2.0, 4.0, 6.0]);
+    assert_eq!(calls.get(), 2);
+    assert_eq!(seen.borrow()[1], vec![false, true]);
+
+    // Neither used: the node never runs.
+    let tape = Tape::new();
+    let x = tape.leaf(t(&[1.0, 2.0, 3.0], &[3]));
+    let _ = two_results(&x);
+    let g = tape.backward(&x.sum_all().unwrap()).unwrap();
+    assert_eq!(vals(g.get(&x).unwrap()), vec![1.0, 1.0, 1.0]);
+    assert_eq!(calls.get(), 2);
+}
+
 #[test]
 fn backward_with_seeds_a_non_scalar_output() {
     let tape = Tape::new();

@@ -91,6 +91,59 @@ impl Var {
         })
     }
 
+    /// Consecutive pieces of `axis` with the given lengths (PyTorch's `split` with a list): views
+    /// recorded as one node, whose backward writes each piece's gradient into its slice of the
+    /// input's gradient in one pass (zeros where a piece got none), where one `narrow` per piece
+    /// would pad each gradient to the input's size and sum them.
+    pub fn split_sizes(&self, sizes: &[usize], axis: isize) -> Result<Vec<Var>> {
+        let pieces = self.value.split_sizes(sizes, axis)?;
+        self.record_split(pieces, axis)
+    }
+
+    /// Pieces of `size` along `axis`, the last shorter (PyTorch's `split` with an int); see
+    /// [`Var::split_sizes`].
+    pub fn split(&self, size: usize, axis: isize) -> Result<Vec<Var>> {
+        let pieces = self.value.split(size, axis)?;
+        self.record_split(pieces, axis)
+    }
+
+    /// `chunks` pieces along `axis` as PyTorch's `chunk` ([`Tensor::chunk`]); see
+    /// [`Var::split_sizes`].
+    pub fn chunk(&self, chunks: usize, axis: isize) -> Result<Vec<Var>> {
+        let pieces = self.value.chunk(chunks, axis)?;
+        self.record_split(pieces, axis)
+    }
+
+    /// Records `pieces`, views of this var's value along `axis` that cover it in order.
+    fn record_split(&self, pieces: Vec<Tensor>, axis: isize) -> Result<Vec<Var>> {
+        let a = resolve_axis("split", axis, self.rank())?;
+        let shapes: Vec<Vec<usize>> = pieces.iter().map(|p| p.shape().to_vec()).collect();
+        Var::from_op_multi("split", &[self], pieces, move |gs, _| {
+            let like = gs.iter().flatten().next().ok_or_else(|| {
+                crate::tape::invalid("split", "backward run without a gradient".to_string())
+            })?;
+            // In the gradients' dtype, so a half graph's split back-propagates in half.
+            let zeros: Vec<Option<Tensor>> = gs
+                .iter()
+                .zip(&shapes)
+                .map(|(g, s)| match g {
+                    Some(_) => Ok(None),
+                    None => Tensor::zeros_in(s, like.dtype(), like.device()).map(Some),
+                })
+                .collect::<Result<_>>()?;
+            let parts: Vec<&Tensor> = gs
+                .iter()
+                .zip(&zeros)
+                .map(|(g, z)| g.as_ref().or(z.as_ref()).expect("a gradient or zeros"))
+                .collect();
+            Ok(vec![Some(if parts.len() == 1 {
+                parts[0].clone()
+            } else {
+                Tensor::concat(&parts, a as isize)?
+            })])
+        })
+    }
+
     /// A view broadcast to `shape`; the gradient is summed back.
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Var> {
         let y = self.value.broadcast_to(shape)?;
