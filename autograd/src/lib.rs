@@ -19,7 +19,7 @@ pub use module::{layer_param_name, CostHint, ForwardCtx, Module};
 pub use optim::{Adam, AdamW, LrSchedule, Optimizer, Sgd};
 pub use param::Param;
 pub use skips::{resolve_skips, SkipEdge, SkipError, SkipRouter, Skips};
-pub use tape::{BackwardFn, Grads, Tape, WeightGrads};
+pub use tape::{BackwardFn, Grads, MultiBackwardFn, Tape, WeightGrads};
 pub use tied::{check_tied, sum_tied_grads, tied_groups};
 pub use var::Var;
 pub use wgpipe_tensor as tensor;

@@ -11,10 +11,13 @@
 //! Where asked ([`profile_layers_timed`]), each layer's forward, full backward and the two
 //! parts of a split backward (and the loss) are also timed on the profiling device, a few
 //! repetitions each, median: [`Profile::with_measured_times`] then plans with those times
-//! instead of FLOPs over a rate (real devices, whose rates nobody gave).
+//! instead of FLOPs over a rate (real devices, whose rates nobody gave). The repetitions run in
+//! rounds over all the layers (each layer's input is kept until they are done), so that a burst
+//! of other work on a shared machine falls on one repetition of several layers, which the
+//! medians drop, rather than on every repetition of one layer.
 
 use wgpipe_autograd::optim::Optimizer;
-use wgpipe_autograd::{resolve_skips, ForwardCtx, Module, SkipEdge, Tape, Var};
+use wgpipe_autograd::{resolve_skips, ForwardCtx, Module, Param, SkipEdge, Tape, Var};
 use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::error::{PipelineError, Result};
@@ -481,29 +484,13 @@ fn run_at(
     dev: &Device,
     run: ProfileRun,
 ) -> Result<(Vec<Point>, LossPoint, f64, Stashed)> {
-    let reps = run.reps;
     let input_bytes = bytes_of(x);
     let mut h = x.clone();
     let mut stashed: Stashed = Vec::new();
     let mut points = Vec::with_capacity(layers.len());
+    let mut cases = Vec::with_capacity(layers.len());
     for (i, l) in layers.iter().enumerate() {
-        let saved: Vec<_> = l
-            .parameters()
-            .into_iter()
-            .map(|(_, p)| {
-                let g = p.grad();
-                p.zero_grad();
-                (p, g)
-            })
-            .collect();
-        let buffers: Vec<_> = l
-            .buffers()
-            .into_iter()
-            .map(|(_, b)| {
-                let v = b.value();
-                (b, v)
-            })
-            .collect();
+        let kept = LayerState::take(l.as_ref());
         // `resolve_skips` checked that each pop has an earlier stash.
         let popped: Vec<Tensor> = l
             .skips()
@@ -511,35 +498,137 @@ fn run_at(
             .iter()
             .filter_map(|n| stashed.iter().find(|(s, _)| s == n).map(|(_, t)| t.clone()))
             .collect();
-        let (point, out, stashes) = measure_layer(
-            l.as_ref(),
-            &h,
-            &popped,
-            ctx(i, run.compute),
-            i <= first_trainable,
-            dev,
-            reps,
-        );
+        let ctx = ctx(i, run.compute);
+        let (point, out, stashes) =
+            measure_layer(l.as_ref(), &h, &popped, ctx, i <= first_trainable, dev);
         stashed.extend(l.skips().stashes.into_iter().zip(stashes));
-        for (p, g) in saved {
+        kept.restore(l.as_ref());
+        let (point, seeds) = point.map_err(|e| layer_error(i, l.as_ref(), e))?;
+        points.push(point);
+        if run.reps > 0 {
+            cases.push(TimedCase {
+                x: h,
+                popped,
+                ctx,
+                seeds,
+            });
+        }
+        h = out;
+    }
+    let mut loss = measure_loss(&h, y, loss_fn, dev)?;
+    if run.reps > 0 {
+        let (times, loss_secs) = time_interleaved(layers, &cases, (&h, y, loss_fn), run.reps, dev)?;
+        for (p, t) in points.iter_mut().zip(times) {
+            p.times = t;
+        }
+        loss.secs = loss_secs;
+    }
+    Ok((points, loss, input_bytes, stashed))
+}
+
+fn layer_error(i: usize, l: &dyn Module, e: wgpipe_tensor::Error) -> PipelineError {
+    PipelineError::Config(format!("profiling layer {i} ({}): {e}", l.name()))
+}
+
+/// A layer's parameter gradients and buffers, taken before its dry runs (which leave the
+/// gradients zeroed) and put back after them.
+struct LayerState {
+    grads: Vec<(Param, Option<Tensor>)>,
+    buffers: Vec<(Param, Tensor)>,
+}
+
+impl LayerState {
+    fn take(l: &dyn Module) -> LayerState {
+        LayerState {
+            grads: l
+                .parameters()
+                .into_iter()
+                .map(|(_, p)| {
+                    let g = p.grad();
+                    p.zero_grad();
+                    (p, g)
+                })
+                .collect(),
+            buffers: l
+                .buffers()
+                .into_iter()
+                .map(|(_, b)| {
+                    let v = b.value();
+                    (b, v)
+                })
+                .collect(),
+        }
+    }
+
+    fn restore(self, l: &dyn Module) {
+        for (p, g) in self.grads {
             p.set_grad(g);
         }
         // Statistics the dry runs recorded (batch norm) are applied, then undone.
         let _ = l.finish_step();
-        for (b, v) in buffers {
+        for (b, v) in self.buffers {
             b.set_value(v);
         }
-        let point = point.map_err(|e| {
-            PipelineError::Config(format!("profiling layer {i} ({}): {e}", l.name()))
-        })?;
-        points.push(point);
-        h = out;
     }
-    let mut loss = measure_loss(&h, y, loss_fn, dev)?;
-    if reps > 0 {
-        loss.secs = median_secs(reps, dev, || measure_loss(&h, y, loss_fn, dev).map(drop))?;
+}
+
+/// What timing a layer runs on: its input, popped skips, context and backward seeds.
+struct TimedCase {
+    x: Tensor,
+    popped: Vec<Tensor>,
+    ctx: ForwardCtx,
+    seeds: Seeds,
+}
+
+/// The backward seeds of a layer: its output's and its stashed skips'.
+struct Seeds {
+    output: Tensor,
+    skips: Vec<Tensor>,
+}
+
+/// Median seconds of each layer's four timed parts ([`time_layer_once`]) and of the loss over
+/// `reps` rounds, each round timing every layer once and then the loss: a burst of other work
+/// on a shared machine lands on one round of several layers, which the medians drop, instead of
+/// on every repetition of one layer.
+fn time_interleaved(
+    layers: &[Box<dyn Module>],
+    cases: &[TimedCase],
+    (out, y, loss_fn): (&Tensor, &Tensor, &LossFn),
+    reps: usize,
+    dev: &Device,
+) -> Result<(Vec<[f64; 4]>, f64)> {
+    let kept: Vec<LayerState> = layers
+        .iter()
+        .map(|l| LayerState::take(l.as_ref()))
+        .collect();
+    let mut layer_times = vec![[const { Vec::new() }; 4]; cases.len()];
+    let mut loss_times = Vec::with_capacity(reps);
+    let timed = (|| -> Result<()> {
+        for _ in 0..reps {
+            for (i, (l, case)) in layers.iter().zip(cases).enumerate() {
+                let t = time_layer_once(l.as_ref(), case, dev)
+                    .map_err(|e| layer_error(i, l.as_ref(), e))?;
+                for (all, t) in layer_times[i].iter_mut().zip(t) {
+                    all.push(t);
+                }
+            }
+            dev.synchronize()?;
+            let clock = std::time::Instant::now();
+            measure_loss(out, y, loss_fn, dev)?;
+            dev.synchronize()?;
+            loss_times.push(clock.elapsed().as_secs_f64());
+        }
+        Ok(())
+    })();
+    for (l, k) in layers.iter().zip(kept) {
+        k.restore(l.as_ref());
     }
-    Ok((points, loss, input_bytes, stashed))
+    timed?;
+    let times = layer_times
+        .into_iter()
+        .map(|t| t.map(|mut v| median(&mut v)))
+        .collect();
+    Ok((times, median(&mut loss_times)))
 }
 
 /// A backward seed for `v`: ones in its dtype (a half output gets a half gradient, as the
@@ -581,11 +670,10 @@ fn measure_layer(
     ctx: ForwardCtx,
     from_data: bool,
     dev: &Device,
-    reps: usize,
-) -> (wgpipe_tensor::Result<Point>, Tensor, Vec<Tensor>) {
+) -> (wgpipe_tensor::Result<(Point, Seeds)>, Tensor, Vec<Tensor>) {
     let mut out = x.clone();
     let mut stashes = Vec::new();
-    let r = (|| -> wgpipe_tensor::Result<Point> {
+    let r = (|| -> wgpipe_tensor::Result<(Point, Seeds)> {
         let mut p = Point {
             param_bytes: l
                 .parameters()
@@ -673,64 +761,53 @@ fn measure_layer(
             p.backward_flops_from_data = p.backward_flops;
             p.backward_input_flops_from_data = p.backward_input_flops;
         }
-        if reps > 0 {
-            p.times = time_layer(l, (x, popped), ctx, (&seed, &skip_seeds), reps, dev)?;
-        }
-        Ok(p)
+        let seeds = Seeds {
+            output: seed,
+            skips: skip_seeds,
+        };
+        Ok((p, seeds))
     })();
     (r, out, stashes)
 }
 
-/// Median seconds of `reps` runs of each of: a recorded forward, a full backward, the input
-/// part and the weight part of a split backward (each timed alone, the device synchronized
-/// around it so a GPU's queued work is counted). `seeds`: the output's and the stashed
-/// skips' backward seeds.
-fn time_layer(
+/// Seconds of one run of each of: a recorded forward, a full backward, the input part and
+/// the weight part of a split backward (each timed alone, the device synchronized around it so
+/// a GPU's queued work is counted).
+fn time_layer_once(
     l: &dyn Module,
-    (x, popped): (&Tensor, &[Tensor]),
-    ctx: ForwardCtx,
-    (seed, skip_seeds): (&Tensor, &[Tensor]),
-    reps: usize,
+    case: &TimedCase,
     dev: &Device,
 ) -> wgpipe_tensor::Result<[f64; 4]> {
-    let mut t = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
-    for _ in 0..reps {
-        dev.synchronize()?;
-        let clock = std::time::Instant::now();
-        let (tape, y, stashed) = recorded(l, x, popped, ctx, false)?;
-        dev.synchronize()?;
-        t[0].push(clock.elapsed().as_secs_f64());
-        let clock = std::time::Instant::now();
-        drop(tape.backward_roots(&roots(&y, seed, &stashed, skip_seeds))?);
-        dev.synchronize()?;
-        t[1].push(clock.elapsed().as_secs_f64());
-        drop((tape, y, stashed));
-        let (tape, y, stashed) = recorded(l, x, popped, ctx, false)?;
-        dev.synchronize()?;
-        let clock = std::time::Instant::now();
-        let (grads, weights) = tape.backward_split_roots(&roots(&y, seed, &stashed, skip_seeds))?;
-        dev.synchronize()?;
-        t[2].push(clock.elapsed().as_secs_f64());
-        drop((grads, tape, y, stashed));
-        let clock = std::time::Instant::now();
-        weights.run()?;
-        dev.synchronize()?;
-        t[3].push(clock.elapsed().as_secs_f64());
-    }
-    Ok(t.map(|mut v| median(&mut v)))
-}
-
-/// Median seconds of `reps` runs of `f` on `dev` (synchronized around each).
-fn median_secs(reps: usize, dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    let mut v = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        dev.synchronize()?;
-        let clock = std::time::Instant::now();
-        f()?;
-        dev.synchronize()?;
-        v.push(clock.elapsed().as_secs_f64());
-    }
-    Ok(median(&mut v))
+    let TimedCase {
+        x,
+        popped,
+        ctx,
+        seeds,
+    } = case;
+    let mut t = [0.0; 4];
+    dev.synchronize()?;
+    let clock = std::time::Instant::now();
+    let (tape, y, stashed) = recorded(l, x, popped, *ctx, false)?;
+    dev.synchronize()?;
+    t[0] = clock.elapsed().as_secs_f64();
+    let clock = std::time::Instant::now();
+    drop(tape.backward_roots(&roots(&y, &seeds.output, &stashed, &seeds.skips))?);
+    dev.synchronize()?;
+    t[1] = clock.elapsed().as_secs_f64();
+    drop((tape, y, stashed));
+    let (tape, y, stashed) = recorded(l, x, popped, *ctx, false)?;
+    dev.synchronize()?;
+    let clock = std::time::Instant::now();
+    let (grads, weights) =
+        tape.backward_split_roots(&roots(&y, &seeds.output, &stashed, &seeds.skips))?;
+    dev.synchronize()?;
+    t[2] = clock.elapsed().as_secs_f64();
+    drop((grads, tape, y, stashed));
+    let clock = std::time::Instant::now();
+    weights.run()?;
+    dev.synchronize()?;
+    t[3] = clock.elapsed().as_secs_f64();
+    Ok(t)
 }
 
 fn median(v: &mut [f64]) -> f64 {

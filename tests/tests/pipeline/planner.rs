@@ -655,12 +655,13 @@ fn check_planned(
     }
 }
 
-/// A ResNet with batch norm (statistics kept from each forward until the step ends), planned on
-/// 3 devices of two speeds; every schedule kind forced in turn, so the memory walk meets each.
-#[test]
-fn planned_resnet_runs_as_predicted_under_every_schedule() {
-    use wgpipe_models::ResNet;
-    let net = ResNet {
+/// A small ResNet (with batch norm) and 16 images of 5 classes for it.
+fn small_resnet() -> (
+    wgpipe_models::ResNet,
+    wgpipe_tensor::Tensor,
+    wgpipe_tensor::Tensor,
+) {
+    let net = wgpipe_models::ResNet {
         blocks: vec![1, 1],
         width: 4,
         num_classes: 5,
@@ -673,6 +674,14 @@ fn planned_resnet_runs_as_predicted_under_every_schedule() {
         &Device::cpu(),
     )
     .unwrap();
+    (net, x, y)
+}
+
+/// A ResNet with batch norm (statistics kept from each forward until the step ends), planned on
+/// 3 devices of two speeds; every schedule kind forced in turn, so the memory walk meets each.
+#[test]
+fn planned_resnet_runs_as_predicted_under_every_schedule() {
+    let (net, x, y) = small_resnet();
     let loss = |out: &wgpipe_autograd::Var, t: &wgpipe_tensor::Tensor| cross_entropy(out, t);
     let specs = vec![
         DeviceSpec {
@@ -708,6 +717,80 @@ fn planned_resnet_runs_as_predicted_under_every_schedule() {
             .unwrap();
         check_planned(builder, &report, &x, &y, &loss, &format!("{kind:?}"));
     }
+}
+
+/// Timed profiling (rounds over all layers) times every layer and the loss, and leaves what it
+/// found: parameter gradients (one set beforehand, the others none) and batch-norm statistics,
+/// bit for bit; on a model with batch norm and on one whose layers pop skips.
+#[test]
+fn timed_profiling_measures_every_layer_and_leaves_the_model_as_it_was() {
+    let (resnet, x, y) = small_resnet();
+    let ce = |out: &wgpipe_autograd::Var, t: &wgpipe_tensor::Tensor| cross_entropy(out, t);
+    check_timed_profile(
+        "resnet",
+        resnet.build(3, &Device::cpu()).unwrap(),
+        &x,
+        &y,
+        &ce,
+    );
+    let (x, y) = (normal_data(&[N, 6], 94), normal_data(&[N, 3], 95));
+    check_timed_profile("skips", skip_model(7), &x, &y, &mse);
+}
+
+fn check_timed_profile(
+    name: &str,
+    mut layers: Vec<Box<dyn Module>>,
+    x: &wgpipe_tensor::Tensor,
+    y: &wgpipe_tensor::Tensor,
+    loss: &wgpipe_pipeline::LossFn,
+) {
+    use wgpipe_pipeline::plan::{profile_layers_timed, ProfileRun};
+    let bits = |t: &wgpipe_tensor::Tensor| -> Vec<u32> {
+        t.to_vec().unwrap().into_iter().map(f32::to_bits).collect()
+    };
+    let state = |layers: &[Box<dyn Module>]| -> Vec<(String, Option<Vec<u32>>)> {
+        layers
+            .iter()
+            .flat_map(|l| {
+                let grads = l
+                    .parameters()
+                    .into_iter()
+                    .map(|(n, p)| (format!("grad {n}"), p.grad().map(|g| bits(&g))));
+                let buffers = l
+                    .buffers()
+                    .into_iter()
+                    .map(|(n, b)| (format!("buffer {n}"), Some(bits(&b.value()))));
+                grads.chain(buffers).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let (_, p) = layers.iter().flat_map(|l| l.parameters()).nth(1).unwrap();
+    p.set_grad(Some(normal_data(p.value().shape(), 96)));
+    let before = state(&layers);
+    assert!(before
+        .iter()
+        .any(|(n, g)| n.starts_with("grad") && g.is_some()));
+    let run = ProfileRun {
+        reps: 3,
+        ..ProfileRun::default()
+    };
+    let profile = profile_layers_timed(&mut layers, x, y, loss, None, &Device::cpu(), run).unwrap();
+    let after = state(&layers);
+    assert_eq!(after.len(), before.len());
+    for (a, b) in after.iter().zip(&before) {
+        assert!(a == b, "{name}: {} changed", b.0);
+    }
+    let b = 2 * profile.profiled_at;
+    for (i, l) in profile.layers.iter().enumerate() {
+        let t = [
+            l.forward_secs.at(b),
+            l.backward_secs.at(b),
+            l.backward_input_secs.at(b),
+            l.backward_weight_secs.at(b),
+        ];
+        assert!(t.iter().all(|t| *t > 0.0), "{name} layer {i}: {t:?}");
+    }
+    assert!(profile.loss.secs.at(b) > 0.0, "{name}: loss not timed");
 }
 
 /// A model with skips across stages (spans of 1 to 3 stages, one identity, two linear), planned
@@ -937,14 +1020,13 @@ fn measured_layer_times_plan_real_cpu_devices() {
         );
         assert!(report.best.prediction.step_secs > 0.0 && wall > 0.0);
     }
-    // Not strictly fewer: the plain model's first layer measures 3-9x its second too (its
-    // forward at the profile's 4-row size, ~40 us against ~7 us for each other layer in every
-    // rep; not noise, cause not found yet), so its plan may also give that layer a stage of
-    // one or two.
+    // The slow layer is 8 of the 13 units of work: its stage holds it alone or with one more
+    // ([1, 5] or [2, 4] are within a few percent). The plain model's layers measure alike, so
+    // any balance of it is as good as another when the plan takes one micro-batch: nothing to
+    // check there.
     assert!(
-        first_stage[1] <= 2 && first_stage[1] <= first_stage[0],
-        "the slow layer's stage should hold at most 2 layers and no more than the plain \
-         model's first stage: {first_stage:?}"
+        first_stage[1] <= 2,
+        "the slow layer's stage should hold at most 2 layers: {first_stage:?} (plain, slow)"
     );
 }
 
