@@ -802,7 +802,7 @@ fn grad_concat_stack() {
 }
 
 #[test]
-fn grad_split_chunk() {
+fn grad_split_chunk_unbind() {
     let x = [randn(&[3, 7], 66)];
     // Each piece through its own op; one piece (the middle) unused: its slice gets zeros.
     gradcheck("split", &x, |v| {
@@ -819,6 +819,11 @@ fn grad_split_chunk() {
         p[1].mul(&p[1].sin()?)?.add(&p[0].narrow(0, 0, 1)?)
     });
     gradcheck("one piece", &x, |v| v[0].chunk(1, -1)?[0].square());
+    gradcheck("unbind, two slices unused", &x, |v| {
+        let cols = v[0].unbind(1)?;
+        assert_eq!((cols.len(), cols[0].shape()), (7, &[3][..]));
+        cols[0].mul(&cols[4])?.add(&cols[6].sin()?)?.add(&cols[0])
+    });
 }
 
 /// `split` gives the gradient the `narrow`s it replaces give (each slice written once, zeros
@@ -1021,6 +1026,10 @@ fn wgpu_gradients_match_cpu() {
     same_on_wgpu("split", dev, &[randn(&[3, 9], 116)], |v| {
         let p = v[0].split_sizes(&[4, 2, 3], -1)?;
         Var::concat(&[&p[2].exp()?, &p[0].square()?], 1)
+    });
+    same_on_wgpu("unbind", dev, &[randn(&[3, 4], 117)], |v| {
+        let rows = v[0].unbind(0)?;
+        rows[2].mul(&rows[0])
     });
     same_on_wgpu("softmax", dev, &[randn(&[3, 5], 96)], |v| {
         v[0].softmax(-1)?.add(&v[0].log_softmax(0)?)

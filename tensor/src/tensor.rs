@@ -389,6 +389,15 @@ impl Tensor {
         self.split_sizes(&split_lengths(self.shape(), a, size)?, a as isize)
     }
 
+    /// The slices of `axis` as views without that axis (PyTorch's `unbind`): `[2, 3]` along 1
+    /// gives three `[2]`; an empty axis gives none.
+    pub fn unbind(&self, axis: isize) -> Result<Vec<Tensor>> {
+        let a = resolve_axis("unbind", axis, self.rank())?;
+        (0..self.shape()[a])
+            .map(|i| self.narrow(a as isize, i, 1)?.squeeze(a as isize))
+            .collect()
+    }
+
     /// `chunks` views along `axis` as PyTorch's `chunk`: pieces of `ceil(len / chunks)`, so
     /// there may be fewer than `chunks` (an axis of 5 in 4 chunks gives 2, 2, 1); an empty axis
     /// gives `chunks` empty pieces.

@@ -219,7 +219,7 @@ fn concat_stack_edge_cases() {
 }
 
 /// Piece lengths as PyTorch 2.15 gives them (`torch.split` / `torch.chunk` on the same shapes),
-/// each piece a view holding its own elements.
+/// each piece a view holding its own elements; `unbind`'s slices.
 #[test]
 fn split_and_chunk_give_pytorchs_pieces() {
     let dev = Device::cpu();
@@ -249,6 +249,16 @@ fn split_and_chunk_give_pytorchs_pieces() {
     assert_eq!(lens(empty.split(2, 0).unwrap(), 0), vec![0]);
     assert_eq!(lens(empty.split(0, 0).unwrap(), 0), vec![0]);
     assert_eq!(lens(empty.chunk(2, 0).unwrap(), 0), vec![0, 0]);
+
+    let rows = x.unbind(0).unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[1].shape(), &[5]);
+    assert_eq!(rows[1].to_vec().unwrap(), vec![5.0, 6.0, 7.0, 8.0, 9.0]);
+    let cols = x.unbind(-1).unwrap();
+    assert_eq!(cols.len(), 5);
+    assert_eq!(cols[3].to_vec().unwrap(), vec![3.0, 8.0]);
+    assert!(empty.unbind(0).unwrap().is_empty());
+    assert_err!(x.unbind(2), Error::Axis { op: "unbind", .. }, "unbind");
 
     assert_err!(
         x.split(0, 1),

@@ -114,32 +114,47 @@ impl Var {
         self.record_split(pieces, axis)
     }
 
-    /// Records `pieces`, views of this var's value along `axis` that cover it in order.
+    /// The slices of `axis` with that axis removed (PyTorch's `unbind`): views recorded as one
+    /// node, whose backward stacks the slices' gradients in one pass, as `split`'s does.
+    pub fn unbind(&self, axis: isize) -> Result<Vec<Var>> {
+        let pieces = self.value.unbind(axis)?;
+        self.record_pieces("unbind", pieces, axis, true)
+    }
+
+    /// Records `pieces`, views of this var's value that cover `axis` in order (each without the
+    /// axis when `stacked`): the input's gradient joins the pieces' (zeros for those that got
+    /// none) along `axis`.
     fn record_split(&self, pieces: Vec<Tensor>, axis: isize) -> Result<Vec<Var>> {
-        let a = resolve_axis("split", axis, self.rank())?;
+        self.record_pieces("split", pieces, axis, false)
+    }
+
+    fn record_pieces(
+        &self,
+        op: &'static str,
+        pieces: Vec<Tensor>,
+        axis: isize,
+        stacked: bool,
+    ) -> Result<Vec<Var>> {
+        let a = resolve_axis(op, axis, self.rank())? as isize;
         let shapes: Vec<Vec<usize>> = pieces.iter().map(|p| p.shape().to_vec()).collect();
-        Var::from_op_multi("split", &[self], pieces, move |gs, _| {
+        Var::from_op_multi(op, &[self], pieces, move |gs, _| {
             let like = gs.iter().flatten().next().ok_or_else(|| {
-                crate::tape::invalid("split", "backward run without a gradient".to_string())
+                crate::tape::invalid(op, "backward run without a gradient".to_string())
             })?;
             // In the gradients' dtype, so a half graph's split back-propagates in half.
-            let zeros: Vec<Option<Tensor>> = gs
+            let parts: Vec<Tensor> = gs
                 .iter()
                 .zip(&shapes)
                 .map(|(g, s)| match g {
-                    Some(_) => Ok(None),
-                    None => Tensor::zeros_in(s, like.dtype(), like.device()).map(Some),
+                    Some(g) => Ok(g.clone()),
+                    None => Tensor::zeros_in(s, like.dtype(), like.device()),
                 })
                 .collect::<Result<_>>()?;
-            let parts: Vec<&Tensor> = gs
-                .iter()
-                .zip(&zeros)
-                .map(|(g, z)| g.as_ref().or(z.as_ref()).expect("a gradient or zeros"))
-                .collect();
-            Ok(vec![Some(if parts.len() == 1 {
-                parts[0].clone()
-            } else {
-                Tensor::concat(&parts, a as isize)?
+            let parts: Vec<&Tensor> = parts.iter().collect();
+            Ok(vec![Some(match (stacked, parts.as_slice()) {
+                (false, [one]) => (*one).clone(),
+                (false, _) => Tensor::concat(&parts, a)?,
+                (true, _) => Tensor::stack(&parts, a)?,
             })])
         })
     }
