@@ -238,6 +238,16 @@ impl Kernels for DTypeGuard {
                 return out;
             }
         }
+        // The widened copies start at the views' first element: the layouts move with them.
+        let rebased = |l: MatLayout, x: &Tensor| MatLayout {
+            offset: l.offset - x.layout().offset,
+            ..l
+        };
+        let (la, lb) = if dtype.is_half() {
+            (rebased(la, a), rebased(lb, b))
+        } else {
+            (la, lb)
+        };
         self.compute1("matmul", &[a, b], |k, xs| {
             k.matmul(xs[0], la, xs[1], lb, dims)
         })

@@ -515,6 +515,11 @@ fn matmul_matches_f32() {
                 let bt = (vals(k * n, 23, -1.0, 1.0), vec![n, k]);
                 check_matmul(&dev, dtype, &[&a, &b], |t| t[0].matmul(&t[1]));
                 check_matmul(&dev, dtype, &[&a, &bt], |t| t[0].matmul(&t[1].t()?));
+                // Views that start inside their storage (the widened copy starts at 0).
+                check_matmul(&dev, dtype, &[&a, &bt], |t| {
+                    t[0].narrow(0, 1, 1)?
+                        .matmul(&t[1].narrow(0, n / 2, n - n / 2)?.t()?)
+                });
             }
         }
     }
