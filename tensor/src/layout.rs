@@ -219,17 +219,50 @@ impl Layout {
         Ok(l)
     }
 
-    /// A reshape that keeps the storage when possible (contiguous layouts always can).
-    /// Returns None when the data would have to be copied first.
+    /// A reshape to `shape` (same element count) that keeps the storage when possible, as
+    /// PyTorch's `view` finds strides: contiguous layouts always can; a strided one can when
+    /// each run of its axes that is contiguous in memory (stride = next stride x next size) is
+    /// split or merged only within itself (a slice of the last axis split into heads, a
+    /// broadcast axis split in two). Returns None when the data would have to be copied first.
     pub fn reshape(&self, shape: &[usize]) -> Option<Layout> {
-        if self.is_contiguous() {
-            return Some(Layout {
+        let view = |strides| {
+            Some(Layout {
                 shape: shape.to_vec(),
-                strides: contiguous_strides(shape),
+                strides,
                 offset: self.offset,
-            });
+            })
+        };
+        if self.is_contiguous() || self.numel() == 0 {
+            return view(contiguous_strides(shape));
         }
-        None
+        // Walk the old axes from the last, in chunks that are contiguous in memory; the new
+        // axes that multiply to each chunk's size take strides from that chunk's base stride.
+        let mut strides = vec![0; shape.len()];
+        let mut view_d = shape.len();
+        let mut base = *self.strides.last()?;
+        let (mut chunk_numel, mut view_numel) = (1, 1);
+        for d in (0..self.rank()).rev() {
+            chunk_numel *= self.shape[d];
+            let chunk_ends =
+                d == 0 || (self.shape[d - 1] != 1 && self.strides[d - 1] != chunk_numel * base);
+            if !chunk_ends {
+                continue;
+            }
+            while view_d > 0 && (view_numel < chunk_numel || shape[view_d - 1] == 1) {
+                view_d -= 1;
+                strides[view_d] = view_numel * base;
+                view_numel *= shape[view_d];
+            }
+            if view_numel != chunk_numel {
+                return None;
+            }
+            if d > 0 {
+                base = self.strides[d - 1];
+                (chunk_numel, view_numel) = (1, 1);
+            }
+        }
+        (view_d == 0).then_some(())?;
+        view(strides)
     }
 }
 
@@ -307,6 +340,77 @@ mod tests {
             .unwrap()
             .is_contiguous());
         assert_eq!(contiguous_strides(&[2, 0, 3]), vec![3, 3, 1]);
+    }
+
+    /// Every shape with `n` elements of rank 1 to 4 (factor orders and size-1 axes included).
+    fn shapes_of(n: usize) -> Vec<Vec<usize>> {
+        let mut out = vec![vec![n]];
+        for r in 2..=4 {
+            let mut next = Vec::new();
+            for s in out.iter().filter(|s| s.len() == r - 1) {
+                let last = *s.last().unwrap();
+                for f in (1..=last).filter(|f| last % f == 0) {
+                    let mut t = s.clone();
+                    *t.last_mut().unwrap() = last / f;
+                    t.push(f);
+                    next.push(t);
+                }
+            }
+            out.extend(next);
+        }
+        out
+    }
+
+    /// A view reshape walks the same storage elements in the same row-major order as the view
+    /// it came from, for every target shape of views made by narrowing, permuting and
+    /// broadcasting; and the views PyTorch gives are found.
+    #[test]
+    fn reshape_views_keep_the_element_order() {
+        let base = Layout::contiguous(&[4, 6, 8]);
+        let views = [
+            base.narrow("t", 2, 2, 4).unwrap(),
+            base.narrow("t", 1, 1, 4).unwrap(),
+            base.permute("t", &[0, 2, 1]).unwrap(),
+            base.permute("t", &[1, 0, 2]).unwrap(),
+            base.narrow("t", 0, 1, 2)
+                .unwrap()
+                .permute("t", &[2, 0, 1])
+                .unwrap(),
+            Layout::contiguous(&[3, 1])
+                .broadcast_to("t", &[3, 4])
+                .unwrap(),
+            Layout::contiguous(&[6]).broadcast_to("t", &[2, 6]).unwrap(),
+        ];
+        let mut found = 0;
+        for v in &views {
+            for shape in shapes_of(v.numel()) {
+                if let Some(r) = v.reshape(&shape) {
+                    found += 1;
+                    assert_eq!(r.shape, shape);
+                    let (a, b): (Vec<usize>, Vec<usize>) =
+                        (r.indices().collect(), v.indices().collect());
+                    assert_eq!(a, b, "{v:?} as {shape:?} gave {r:?}");
+                }
+            }
+        }
+        assert!(found > 40, "only {found} views");
+        // The cases models meet: a slice of the last axis split into heads is a view; the
+        // heads permuted back and merged are not; a broadcast axis splits.
+        let qkv = Layout::contiguous(&[2, 5, 24])
+            .narrow("t", 2, 8, 8)
+            .unwrap();
+        let heads = qkv.reshape(&[2, 5, 2, 4]).unwrap();
+        assert_eq!((heads.strides, heads.offset), (vec![120, 24, 4, 1], 8));
+        let merged = Layout::contiguous(&[2, 2, 5, 4])
+            .permute("t", &[0, 2, 1, 3])
+            .unwrap();
+        assert!(merged.reshape(&[2, 5, 8]).is_none());
+        assert!(merged.reshape(&[2, 5, 2, 2, 2]).is_some());
+        let b = Layout::contiguous(&[3, 1])
+            .broadcast_to("t", &[3, 4])
+            .unwrap();
+        assert_eq!(b.reshape(&[3, 2, 2]).unwrap().strides, vec![1, 0, 0]);
+        assert!(b.reshape(&[12]).is_none());
     }
 
     #[test]

@@ -312,7 +312,8 @@ impl Tensor {
     }
 
     /// The same elements in a new shape; one dimension may be given as `usize::MAX` to be
-    /// inferred. Copies only when the layout cannot be reshaped in place.
+    /// inferred. A view (strided, as PyTorch's `reshape` gives, see [`Layout::reshape`]) where
+    /// the strides allow one; a contiguous copy only where they do not.
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
         let shape = infer_shape("reshape", shape, self.numel(), self.shape())?;
         match self.layout.reshape(&shape) {
