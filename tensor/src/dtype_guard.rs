@@ -239,12 +239,20 @@ impl Kernels for DTypeGuard {
             }
         }
         // The widened copies start at the views' first element: the layouts move with them.
-        let rebased = |l: MatLayout, x: &Tensor| MatLayout {
-            offset: l.offset - x.layout().offset,
-            ..l
+        let rebased = |l: MatLayout, x: &Tensor| -> Result<MatLayout> {
+            let offset = l.offset.checked_sub(x.layout().offset).ok_or_else(|| {
+                Error::invalid(
+                    "matmul",
+                    format!(
+                        "an operand layout {l:?} starts before its tensor's view (offset {})",
+                        x.layout().offset
+                    ),
+                )
+            })?;
+            Ok(MatLayout { offset, ..l })
         };
         let (la, lb) = if dtype.is_half() {
-            (rebased(la, a), rebased(lb, b))
+            (rebased(la, a)?, rebased(lb, b)?)
         } else {
             (la, lb)
         };
