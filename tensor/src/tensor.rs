@@ -363,13 +363,12 @@ impl Tensor {
     /// axis's length (PyTorch's `split` with a list of sizes).
     pub fn split_sizes(&self, sizes: &[usize], axis: isize) -> Result<Vec<Tensor>> {
         let a = resolve_axis("split", axis, self.rank())?;
-        let n = self.shape()[a];
-        if sizes.iter().sum::<usize>() != n {
+        let (n, total) = (self.shape()[a], sizes.iter().sum::<usize>());
+        if total != n {
             return Err(Error::shape(
                 "split",
                 format!(
-                    "the sizes {sizes:?} add up to {}, not to the length {n} of axis {a} of shape {:?}",
-                    sizes.iter().sum::<usize>(),
+                    "the sizes {sizes:?} add up to {total}, not to the length {n} of axis {a} of shape {:?}",
                     self.shape()
                 ),
             ));
