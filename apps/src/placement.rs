@@ -112,7 +112,7 @@ fn sim_placement(k: usize, sim: SimSpec, why: &str) -> Placement {
     }
 }
 
-/// The stage devices of the flags: [`place`], or [`place_rank`] under `--transport mpi`.
+/// The stage devices of the flags: [`place`], or `place_rank` under `--transport mpi`.
 pub fn place_job(p: &crate::args::PipelineArgs) -> AppResult<Placement> {
     match p.transport {
         crate::args::TransportArg::Mpi => place_rank(p.device, p.num_devices(), p.sim_spec()),

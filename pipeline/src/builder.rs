@@ -37,7 +37,7 @@ pub enum Balance {
     },
 }
 
-/// Which generated schedule to run (see [`crate::schedule::generators`] for each one's bubble,
+/// Which generated schedule to run (see `schedule::generators` for each one's bubble,
 /// memory and source).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScheduleKind {

@@ -1,4 +1,4 @@
-//! How the links of a step carry tensors. The worker sends through a [`LinkSend`] and receives
+//! How the links of a step carry tensors. The worker sends through a `LinkSend` and receives
 //! from a channel; which transport is behind them is decided here, when the executor wires a
 //! step's links, and the worker never knows.
 

@@ -1,7 +1,7 @@
 //! The planner's cost model: what a candidate configuration would do on the simulated cluster,
 //! without running its arithmetic.
 //!
-//! Time: the candidate's schedule is replayed by the simulator itself ([`timeline::simulate`]),
+//! Time: the candidate's schedule is replayed by the simulator itself (`timeline::simulate`),
 //! each action costing the FLOPs and bytes the profile predicts for its stage and micro-batch
 //! size, so the two use the same timing rules by construction; what can differ is only the
 //! profile's prediction of each action's FLOPs.

@@ -12,7 +12,7 @@
 //! into its input part (I) and its deferred weight part (W), and sends and receives of
 //! activations and gradients, each naming its virtual stage and micro-batch. The peer of a
 //! transfer is the neighbouring stage (s+1 for activations, s-1 for gradients), wherever it is
-//! placed: a [`Link`] names the channel. Generators ([`generators`]) build the usual schedules;
+//! placed: a [`Link`] names the channel. Generators (`generators`) build the usual schedules;
 //! users can build their own, from compute-only lists ([`Schedule::from_compute`]) or from a
 //! text listing ([`Schedule::parse`]).
 

@@ -56,7 +56,7 @@ macro_rules! binary_ops {
     ($($op:ident),* $(,)?) => {
         /// Elementwise binary ops on two operands of the same (broadcast) shape.
         /// Comparisons give 1.0 for true and 0.0 for false. Each variant is described by the
-        /// descriptor of the same name in [`desc`].
+        /// descriptor of the same name in `desc`.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         pub enum BinaryOp {
             $($op,)*

@@ -141,7 +141,7 @@ pub mod desc {
 macro_rules! unary_ops {
     (plain: $($op:ident),* ; scalar: $($sop:ident),* $(;)?) => {
         /// Elementwise unary ops; each variant is described by the descriptor of the same name
-        /// in [`desc`] (e.g. [`desc::Gelu`]). The scalar-carrying variants implement `x op s`
+        /// in `desc` (e.g. `desc::Gelu`). The scalar-carrying variants implement `x op s`
         /// without a second tensor: `Affine { mul, add }` is `x * mul + add`, `Powf(p)` is
         /// `x ^ p`, `RDiv(s)` is `s / x`, `RSub(s)` is `s - x`, `GtScalar(s)` / `EqScalar(s)`
         /// give 1.0 where `x > s` / `x == s`. Equality and hashing compare the op and the bits

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 /// One wgpu adapter as discovered on this machine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdapterInfo {
-    /// Position in [`list_adapters`] (what `Device::wgpu(index)` takes).
+    /// Position in `list_adapters` (what `Device::wgpu(index)` takes).
     pub index: usize,
     pub name: String,
     /// `Vulkan`, `Metal` or `Dx12`.
