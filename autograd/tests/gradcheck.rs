@@ -514,11 +514,7 @@ fn grad_causal_attention() {
         let view = |x: &Var| x.permute(&[0, 2, 1, 3]);
         view(&v[0])?.causal_attention(&view(&v[1])?, &view(&v[2])?, 0.6, None)
     });
-    let ctx = ForwardCtx::train(3, 1, 0);
-    let mask = ctx
-        .dropout_mask(&[2, 2, 5, 5], 0.4, 1, &cpu())
-        .unwrap()
-        .expect("a training context drops");
+    let mask = attention_dropout_mask();
     gradcheck("causal_attention with dropout", &qkv, move |v| {
         v[0].causal_attention(&v[1], &v[2], 0.8, Some(&mask))
     });
@@ -530,6 +526,14 @@ fn grad_causal_attention() {
     });
 }
 
+/// A dropout mask (p = 0.4) for attention weights of 2 samples, 2 heads, 5 positions.
+fn attention_dropout_mask() -> Tensor {
+    ForwardCtx::train(3, 1, 0)
+        .dropout_mask(&[2, 2, 5, 5], 0.4, 1, &cpu())
+        .unwrap()
+        .expect("a training context drops")
+}
+
 #[test]
 fn grad_causal_attention_packed() {
     // [2, 5, 3 * 6]: 2 heads of 3.
@@ -537,11 +541,7 @@ fn grad_causal_attention_packed() {
     gradcheck("causal_attention_packed", &x, |v| {
         v[0].causal_attention_packed(2, 1.7, None)
     });
-    let ctx = ForwardCtx::train(3, 1, 0);
-    let mask = ctx
-        .dropout_mask(&[2, 2, 5, 5], 0.4, 1, &cpu())
-        .unwrap()
-        .expect("a training context drops");
+    let mask = attention_dropout_mask();
     gradcheck("causal_attention_packed with dropout", &x, move |v| {
         v[0].causal_attention_packed(2, 0.8, Some(&mask))
     });

@@ -281,14 +281,19 @@ fn fused_attention_equals_the_unfused_chain_bit_for_bit() {
     }
 }
 
+/// Dropout off and on, each with its training context.
+fn training_cases() -> [(f32, ForwardCtx); 2] {
+    [
+        (0.0, ForwardCtx::train(4, 0, 1)),
+        (0.3, ForwardCtx::train(4, 2, 1)),
+    ]
+}
+
 #[test]
 fn packed_qkv_computes_the_separate_projections_function() {
     // `packed` stacks q's, k's and v's weights: the same function, with the input gradient
     // from one product where the separate form sums three (so equal to rounding, not bits).
-    for (p, ctx) in [
-        (0.0, ForwardCtx::train(4, 0, 1)),
-        (0.3, ForwardCtx::train(4, 2, 1)),
-    ] {
+    for (p, ctx) in training_cases() {
         let separate = TransformerBlock::new(16, 4, p, 5, &cpu()).unwrap();
         let packed = TransformerBlock::new(16, 4, p, 5, &cpu())
             .unwrap()
@@ -376,10 +381,7 @@ fn composed_layer_norm(ln: &LayerNorm, x: &Var) -> Var {
 
 #[test]
 fn block_with_fused_residual_norm_equals_the_unfused_block_bit_for_bit() {
-    for (p, ctx) in [
-        (0.0, ForwardCtx::train(4, 0, 1)),
-        (0.3, ForwardCtx::train(4, 2, 1)),
-    ] {
+    for (p, ctx) in training_cases() {
         let b = TransformerBlock::new(16, 4, p, 5, &cpu()).unwrap();
         let x = rand(&[2, 7, 16], 4);
         let fused = output_and_grads(&b, &x, |x| b.forward(x, &ctx).unwrap());
