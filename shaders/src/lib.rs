@@ -34,8 +34,9 @@ pub const ELEMENTWISE_WG: u32 = 256;
 /// on GPUs. CPU-backed adapters take one subgroup per row instead (see `ROW_WG_CHOICES`).
 pub const ROW_WG: u32 = 256;
 
-/// The row-kernel workgroup sizes the runtime may ask for (powers of two).
-pub const ROW_WG_CHOICES: [u32; 5] = [8, 16, 32, 64, 256];
+/// The row-kernel workgroup sizes the runtime may ask for (powers of two): the autotune's
+/// candidates, the first four the subgroup sizes a CPU-backed adapter may take as its own.
+pub const ROW_WG_CHOICES: [u32; 6] = [8, 16, 32, 64, 128, 256];
 
 /// Fills the `{{KEY}}` placeholders of `template`; panics if one is left (a bug caught by the
 /// validation test).

@@ -258,9 +258,10 @@ impl Device {
             Backend::Cpu => None,
         }
     }
-    /// Forgets the matmul autotune's choices for this adapter (in memory and in its cache file;
-    /// see `WGPIPE_AUTOTUNE`) and turns the autotune on: the next matmul of each shape class is
-    /// timed again. Nothing to do on the CPU.
+    /// Forgets the kernel autotune's choices for this adapter (matmul variants, the row
+    /// kernels' workgroup sizes; in memory and in its cache file; see `WGPIPE_AUTOTUNE`) and
+    /// turns the autotune on: the next use of each kernel's shape class is timed again. Nothing
+    /// to do on the CPU.
     pub fn reset_autotune(&self) {
         if let Backend::Wgpu(c) = &self.inner.backend {
             c.reset_autotune();

@@ -1,7 +1,10 @@
-//! Matmul autotune: on the first matmul of a shape class, every candidate variant (the tile
-//! shapes of `MatmulConfig::TILES` that fit the adapter, and the subgroup kernel where the adapter
-//! has a fixed subgroup size) is timed on the op's own operands and the fastest is kept, in
-//! memory and in a small file keyed by adapter and driver, so later processes skip the trial.
+//! Kernel autotune: on the first use of a shape class, every candidate variant of a hot kernel is
+//! timed on the op's own operands and the fastest is kept, in memory and in a small file keyed by
+//! adapter and driver, so later processes skip the trial. The kernels tuned: the f32 matmul (the
+//! tile shapes of `MatmulConfig::TILES` that fit the adapter, and the subgroup kernel where the
+//! adapter has a fixed subgroup size), the half matmul (the same tiles with half loads), and the
+//! one-workgroup-per-row kernels (reductions, softmax and its backward, layer norm and its
+//! backward, cross-entropy): their workgroup size, among `ROW_WG_CHOICES`.
 //!
 //! `WGPIPE_AUTOTUNE`: `on` / `off` (default: on for hardware adapters; off for software ones,
 //! whose heuristic is tuned already and where a trial costs CPU time in every test process),
@@ -10,6 +13,7 @@
 //! `Device::reset_autotune` forgets them at run time.
 
 use std::collections::HashMap;
+use std::fmt::Debug;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -21,6 +25,12 @@ pub const AUTOTUNE_ENV: &str = "WGPIPE_AUTOTUNE";
 /// The file of saved choices.
 pub const AUTOTUNE_CACHE_ENV: &str = "WGPIPE_AUTOTUNE_CACHE";
 
+/// A variant the tuner can pick, written to the file as its label.
+pub(crate) trait Choice: Copy + PartialEq + Debug {
+    fn label(&self) -> String;
+    fn parse(s: &str) -> Option<Self>;
+}
+
 /// One matmul variant the tuner can pick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum MatmulChoice {
@@ -30,7 +40,7 @@ pub(crate) enum MatmulChoice {
     Subgroup,
 }
 
-impl MatmulChoice {
+impl Choice for MatmulChoice {
     fn label(&self) -> String {
         match self {
             MatmulChoice::Tile(bm, bn, bk, tm, tn) => format!("tile {bm}x{bn}x{bk} {tm}x{tn}"),
@@ -54,17 +64,40 @@ impl MatmulChoice {
     }
 }
 
-/// The shape class a choice is kept for: each of m, n, k rounded up to a power of two, and
-/// whether the product is batched.
-pub(crate) fn shape_class(d: &MatDims) -> String {
+/// The workgroup size (invocations per row) of a one-workgroup-per-row kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct RowWg(pub(crate) u32);
+
+impl Choice for RowWg {
+    fn label(&self) -> String {
+        format!("row wg {}", self.0)
+    }
+
+    fn parse(s: &str) -> Option<RowWg> {
+        s.strip_prefix("row wg ")?.parse().ok().map(RowWg)
+    }
+}
+
+/// The shape class a matmul choice is kept for: each of m, n, k rounded up to a power of two,
+/// and whether the product is batched; `half` names the operands' dtype when they are not f32.
+pub(crate) fn shape_class(d: &MatDims, half: Option<&str>) -> String {
     let p = |v: usize| v.max(1).next_power_of_two();
     format!(
-        "{} m{} n{} k{}",
+        "{}{} m{} n{} k{}",
+        half.map(|h| format!("{h} ")).unwrap_or_default(),
         if d.batch > 1 { "batched" } else { "single" },
         p(d.m),
         p(d.n),
         p(d.k)
     )
+}
+
+/// The shape class a row kernel's choice is kept for: the op, and its rows and columns each
+/// rounded up to a power of two (short rows want few invocations each, long ones many; few rows
+/// leave the adapter idle unless each has many).
+pub(crate) fn row_class(op: &str, rows: usize, cols: usize) -> String {
+    let p = |v: usize| v.max(1).next_power_of_two();
+    format!("{op} rows{} cols{}", p(rows), p(cols))
 }
 
 /// Whether the tuner runs for an adapter (`software`: a CPU-backed one), and whether its saved
@@ -90,11 +123,10 @@ pub(crate) fn default_cache_path() -> Option<PathBuf> {
     Some(base.join("wgpipe").join("autotune.tsv"))
 }
 
-/// One line of the file: adapter key, shape class, choice, tab-separated.
-fn parse_line(line: &str) -> Option<(&str, &str, MatmulChoice)> {
+/// One line of the file: adapter key, shape class, choice label, tab-separated.
+fn parse_line(line: &str) -> Option<(&str, &str, &str)> {
     let mut f = line.split('\t');
-    let (key, class, choice) = (f.next()?, f.next()?, f.next()?);
-    Some((key, class, MatmulChoice::parse(choice)?))
+    Some((f.next()?, f.next()?, f.next()?))
 }
 
 /// The choices of one adapter: measured on first use of a shape class, then looked up.
@@ -102,7 +134,8 @@ pub(crate) struct Tuner {
     /// Adapter name, backend and driver: what a choice is valid for.
     key: String,
     path: Option<PathBuf>,
-    chosen: Mutex<HashMap<String, MatmulChoice>>,
+    /// Shape class -> the label of its choice (parsed by the kernel family that asks).
+    chosen: Mutex<HashMap<String, String>>,
 }
 
 impl Tuner {
@@ -128,29 +161,29 @@ impl Tuner {
             let mut chosen = t.lock();
             for (key, class, choice) in text.lines().filter_map(parse_line) {
                 if key == t.key {
-                    chosen.insert(class.to_string(), choice);
+                    chosen.insert(class.to_string(), choice.to_string());
                 }
             }
         }
         t
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, MatmulChoice>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
         self.chosen.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The saved choice for `class` if it is among `candidates`; else each candidate is timed by
     /// `measure` (seconds) and the fastest is kept and saved.
-    pub(crate) fn choose(
+    pub(crate) fn choose<C: Choice>(
         &self,
         class: &str,
-        candidates: &[MatmulChoice],
-        mut measure: impl FnMut(MatmulChoice) -> Result<f64>,
-    ) -> Result<MatmulChoice> {
-        if let Some(c) = self.lock().get(class).filter(|c| candidates.contains(c)) {
-            return Ok(*c);
+        candidates: &[C],
+        mut measure: impl FnMut(C) -> Result<f64>,
+    ) -> Result<C> {
+        if let Some(c) = self.chosen(class).filter(|c| candidates.contains(c)) {
+            return Ok(c);
         }
-        let mut best: Option<(MatmulChoice, f64)> = None;
+        let mut best: Option<(C, f64)> = None;
         for &c in candidates {
             let t = measure(c)?;
             if best.is_none_or(|(_, bt)| t < bt) {
@@ -160,10 +193,10 @@ impl Tuner {
         let Some((choice, _)) = best else {
             return Err(crate::error::Error::invalid(
                 "autotune",
-                format!("no matmul candidate for {class}"),
+                format!("no candidate for {class}"),
             ));
         };
-        self.lock().insert(class.to_string(), choice);
+        self.lock().insert(class.to_string(), choice.label());
         if let Some(p) = &self.path {
             // Best effort: a read-only cache directory only means tuning again next time.
             let _ = append_line(p, &format!("{}\t{class}\t{}\n", self.key, choice.label()));
@@ -171,10 +204,9 @@ impl Tuner {
         Ok(choice)
     }
 
-    /// The choice kept for `class`, if any.
-    #[cfg(test)]
-    pub(crate) fn chosen(&self, class: &str) -> Option<MatmulChoice> {
-        self.lock().get(class).copied()
+    /// The choice kept for `class`, if any (and if it reads as a `C`).
+    pub(crate) fn chosen<C: Choice>(&self, class: &str) -> Option<C> {
+        self.lock().get(class).and_then(|l| C::parse(l))
     }
 
     /// Forgets this adapter's choices, in memory and in the file (other adapters' lines stay).
@@ -259,22 +291,31 @@ mod tests {
         assert_eq!(calls.get(), 3);
         // A saved choice that is not a candidate now (another limit) is measured again.
         assert_eq!(t.choose("c1", &[A, S], fake(&times, &calls)).unwrap(), S);
-        // Another process on the same adapter reads it back; another adapter does not.
+        // A row kernel's choice lives in the same file, under its own class.
+        let row = "softmax rows64 cols128";
+        let wg = t.choose(row, &[RowWg(256), RowWg(32)], |c| {
+            Ok(if c.0 == 32 { 1.0 } else { 2.0 })
+        });
+        assert_eq!(wg.unwrap(), RowWg(32));
+        // Another process on the same adapter reads them back; another adapter does not.
         let again = Tuner::new("gpu one|Vulkan|driver 1", Some(path.clone()), false);
-        assert_eq!(again.chosen("c1"), Some(S));
+        assert_eq!(again.chosen::<MatmulChoice>("c1"), Some(S));
+        assert_eq!(again.chosen::<RowWg>(row), Some(RowWg(32)));
+        // A label of another family does not read as this one's choice.
+        assert_eq!(again.chosen::<MatmulChoice>(row), None);
         let other = Tuner::new("gpu one|Vulkan|driver 2", Some(path.clone()), false);
-        assert_eq!(other.chosen("c1"), None);
+        assert_eq!(other.chosen::<MatmulChoice>("c1"), None);
         assert_eq!(other.choose("c1", &[A], fake(&times, &calls)).unwrap(), A);
         // Reset forgets this adapter's choices only.
         again.reset();
-        assert_eq!(again.chosen("c1"), None);
+        assert_eq!(again.chosen::<MatmulChoice>("c1"), None);
         let fresh = Tuner::new("gpu one|Vulkan|driver 1", Some(path.clone()), false);
-        assert_eq!(fresh.chosen("c1"), None);
+        assert_eq!(fresh.chosen::<MatmulChoice>("c1"), None);
         let other2 = Tuner::new("gpu one|Vulkan|driver 2", Some(path.clone()), false);
-        assert_eq!(other2.chosen("c1"), Some(A));
+        assert_eq!(other2.chosen::<MatmulChoice>("c1"), Some(A));
         // `reset` at construction (WGPIPE_AUTOTUNE=reset) does the same.
         let reset = Tuner::new("gpu one|Vulkan|driver 2", Some(path.clone()), true);
-        assert_eq!(reset.chosen("c1"), None);
+        assert_eq!(reset.chosen::<MatmulChoice>("c1"), None);
         let _ = std::fs::remove_file(&path);
     }
 
@@ -289,7 +330,7 @@ mod tests {
             }
         });
         assert!(e.is_err());
-        assert_eq!(t.chosen("c"), None);
+        assert_eq!(t.chosen::<MatmulChoice>("c"), None);
     }
 
     #[test]
@@ -298,13 +339,24 @@ mod tests {
             assert_eq!(MatmulChoice::parse(&c.label()), Some(c));
         }
         assert_eq!(MatmulChoice::parse("tile 1x2"), None);
+        assert_eq!(RowWg::parse(&RowWg(64).label()), Some(RowWg(64)));
+        assert_eq!(RowWg::parse(&A.label()), None);
+        assert_eq!(MatmulChoice::parse(&RowWg(64).label()), None);
         assert_eq!(mode_from(None, false), (true, false));
         assert_eq!(mode_from(None, true), (false, false));
         assert_eq!(mode_from(Some("on"), true), (true, false));
         assert_eq!(mode_from(Some("OFF"), false), (false, false));
         assert_eq!(mode_from(Some("reset"), true), (true, true));
         let d = |batch, m, n, k| MatDims { batch, m, k, n };
-        assert_eq!(shape_class(&d(1, 200, 256, 1000)), "single m256 n256 k1024");
-        assert_eq!(shape_class(&d(8, 64, 64, 16)), "batched m64 n64 k16");
+        assert_eq!(
+            shape_class(&d(1, 200, 256, 1000), None),
+            "single m256 n256 k1024"
+        );
+        assert_eq!(shape_class(&d(8, 64, 64, 16), None), "batched m64 n64 k16");
+        assert_eq!(
+            shape_class(&d(8, 64, 64, 16), Some("bf16")),
+            "bf16 batched m64 n64 k16"
+        );
+        assert_eq!(row_class("softmax", 1000, 128), "softmax rows1024 cols128");
     }
 }

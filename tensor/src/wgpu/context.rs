@@ -61,7 +61,7 @@ pub(crate) struct WgpuContext {
     /// Invocations per row of the row kernels (reduce, softmax, layer norm): 256 on GPUs; one
     /// subgroup on CPU-backed adapters, where workgroup barriers are expensive.
     row_wg: AtomicU32,
-    /// The matmul autotune (None when off; see `autotune`).
+    /// The kernel autotune (None when off; see `autotune`).
     tuner: Mutex<Option<Arc<Tuner>>>,
 }
 
@@ -172,9 +172,26 @@ impl WgpuContext {
         })
     }
 
-    /// The matmul autotune, when it is on.
+    /// The kernel autotune, when it is on.
     pub(super) fn tuner(&self) -> Option<Arc<Tuner>> {
         self.tuner.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Seconds one run of `run` takes on this adapter, as the autotune times a candidate: the
+    /// best of 3 after a warm-up run (which compiles its pipelines), each waited for, with
+    /// earlier queued work finished before the clock starts.
+    pub(super) fn time_op<R>(&self, mut run: impl FnMut() -> Result<R>) -> Result<f64> {
+        self.sync()?;
+        drop(run()?);
+        self.sync()?;
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let t0 = std::time::Instant::now();
+            drop(run()?);
+            self.sync()?;
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        Ok(best)
     }
 
     /// Turns the autotune on with `tuner`, or off with `None`.

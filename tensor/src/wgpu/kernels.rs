@@ -5,8 +5,10 @@
 use wgpipe_shaders::params::*;
 use wgpipe_shaders::{
     EwLayout, HalfFormat, IndexKernel, Kernel, ReduceMode, SpatialKernel, ELEMENTWISE_WG,
+    ROW_WG_CHOICES,
 };
 
+use super::autotune::{row_class, RowWg};
 use super::context::WgpuContext;
 use super::pool::GpuBuffer;
 use super::runtime::Arg;
@@ -445,21 +447,144 @@ impl WgpuContext {
         }
     }
 
-    /// Rows longer than this many columns exceed lavapipe's loop limit in the one-workgroup-per-
-    /// row kernels (softmax, layer norm: three passes over the row per invocation).
+    /// Whether rows of `cols` columns stay within lavapipe's loop limit in the one-workgroup-
+    /// per-row kernels of `wg` invocations (softmax, layer norm: three passes over the row per
+    /// invocation). Always on hardware adapters.
+    fn row_fits(&self, cols: usize, wg: u32) -> bool {
+        !self.info.is_software || cols <= 20_000 * wg as usize
+    }
+
+    /// An error naming the software adapter when its rows are too long for its own row
+    /// workgroup size (see [`Self::row_fits`]).
     fn check_row_len(&self, op: &'static str, cols: usize) -> Result<()> {
-        let max = 20_000 * self.row_wg() as usize;
-        if self.info.is_software && cols > max {
+        let wg = self.row_wg();
+        if !self.row_fits(cols, wg) {
             return Err(Error::invalid(
                 op,
                 format!(
-                    "rows of {cols} columns are longer than the {max} this software adapter \
+                    "rows of {cols} columns are longer than the {} this software adapter \
                      ({}) can process per row",
+                    20_000 * wg as usize,
                     self.info.name
                 ),
             ));
         }
         Ok(())
+    }
+
+    /// Runs row kernel `op` as `run(wg)`, `wg` its invocations per row: the size the autotune
+    /// keeps for the op's shape class when it is on (each candidate that fits the adapter timed
+    /// on first use), else the adapter's own ([`WgpuContext::row_wg`]).
+    fn with_row_wg<R>(
+        &self,
+        op: &str,
+        [rows, cols]: [usize; 2],
+        run: impl Fn(u32) -> Result<R>,
+    ) -> Result<R> {
+        let own = self.row_wg();
+        let Some(tuner) = self.tuner().filter(|_| rows > 0 && cols > 0) else {
+            return run(own);
+        };
+        let candidates = self.row_wg_candidates(cols);
+        if candidates.len() < 2 {
+            return run(own);
+        }
+        let class = row_class(op, rows, cols);
+        let RowWg(wg) = tuner.choose(&class, &candidates, |c| self.time_op(|| run(c.0)))?;
+        run(wg)
+    }
+
+    /// The row workgroup sizes the autotune times for rows of `cols` columns: those within the
+    /// adapter's workgroup limits (and, on a software adapter, its loop limit).
+    pub(super) fn row_wg_candidates(&self, cols: usize) -> Vec<RowWg> {
+        let l = &self.limits;
+        ROW_WG_CHOICES
+            .into_iter()
+            .filter(|&wg| {
+                wg <= l.max_compute_invocations_per_workgroup
+                    && wg <= l.max_compute_workgroup_size_x
+                    && self.row_fits(cols, wg)
+            })
+            .map(RowWg)
+            .collect()
+    }
+
+    /// `reduce_rows` of packed `x` (`[rows, cols]`, rows longer than the thin kernel's) with
+    /// `wg` invocations per row: whole rows a workgroup each; long rows in segments of
+    /// `wg * REDUCE_SEGMENT_STEPS` columns into (value, index) partials, then one workgroup per
+    /// row over its partials.
+    fn reduce_rows_in_groups(
+        &self,
+        op: ReduceOp,
+        x: &Tensor,
+        [rows, cols]: [usize; 2],
+        wg: u32,
+    ) -> Result<Tensor> {
+        let out = self.empty(x.device(), &[rows])?;
+        let off = u(x.layout().offset);
+        let segment = wg as usize * REDUCE_SEGMENT_STEPS;
+        if cols <= 2 * segment {
+            self.dispatch(
+                Kernel::Reduce {
+                    op,
+                    mode: ReduceMode::Direct,
+                    wg,
+                },
+                &ReduceParams {
+                    rows: u(rows),
+                    cols: u(cols),
+                    x_offset: off,
+                    segments: 1,
+                    seg_len: u(cols.max(1)),
+                }
+                .words(&[]),
+                &[Arg::of(gpu(x)?), Arg::of(gpu(&out)?)],
+                rows as u64,
+                1,
+            )?;
+        } else {
+            let segs = cols.div_ceil(segment);
+            let pv = self.empty(x.device(), &[rows, segs])?;
+            let pi = self.empty(x.device(), &[rows, segs])?;
+            self.dispatch(
+                Kernel::Reduce {
+                    op,
+                    mode: ReduceMode::Partial,
+                    wg,
+                },
+                &ReduceParams {
+                    rows: u(rows),
+                    cols: u(cols),
+                    x_offset: off,
+                    segments: u(segs),
+                    seg_len: u(segment),
+                }
+                .words(&[]),
+                &[Arg::of(gpu(x)?), Arg::of(gpu(&pv)?), Arg::of(gpu(&pi)?)],
+                (rows * segs) as u64,
+                1,
+            )?;
+            self.dispatch(
+                Kernel::Reduce {
+                    op,
+                    mode: ReduceMode::Final,
+                    wg,
+                },
+                &ReduceParams {
+                    rows: u(rows),
+                    cols: u(segs),
+                    x_offset: 0,
+                    segments: 1,
+                    seg_len: u(segs),
+                }
+                .words(&[]),
+                &[Arg::of(gpu(&pv)?), Arg::of(gpu(&pi)?), Arg::of(gpu(&out)?)],
+                rows as u64,
+                1,
+            )?;
+        }
+        self.check()?;
+        Ok(out)
     }
 
     /// `softmax.wgsl` over the rows of `x` (`dims = [rows, cols]`): plain or causal, of
@@ -476,28 +601,27 @@ impl WgpuContext {
         let [rows, cols] = dims;
         self.check_row_len(op, cols)?;
         let x = self.packed(x)?;
-        let out = self.empty(x.device(), &[rows, cols])?;
-        if cols > 0 {
-            self.dispatch(
-                Kernel::Softmax {
-                    log,
-                    wg: self.row_wg(),
-                },
-                &SoftmaxParams {
-                    rows: u(rows),
-                    cols: u(cols),
-                    x_offset: u(x.layout().offset),
-                    scale,
-                    causal: causal.into(),
-                }
-                .words(&[]),
-                &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
-                rows as u64,
-                1,
-            )?;
-        }
-        self.check()?;
-        Ok(out)
+        self.with_row_wg(op, dims, |wg| {
+            let out = self.empty(x.device(), &[rows, cols])?;
+            if cols > 0 {
+                self.dispatch(
+                    Kernel::Softmax { log, wg },
+                    &SoftmaxParams {
+                        rows: u(rows),
+                        cols: u(cols),
+                        x_offset: u(x.layout().offset),
+                        scale,
+                        causal: causal.into(),
+                    }
+                    .words(&[]),
+                    &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
+                    rows as u64,
+                    1,
+                )?;
+            }
+            self.check()?;
+            Ok(out)
+        })
     }
 
     /// One index kernel over `dims = [outer, dim, inner, n]`, `src` and `idx` made dense. The
@@ -688,20 +812,16 @@ impl Kernels for WgpuContext {
 
     fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
         let x = self.packed(x)?;
-        let out = self.empty(x.device(), &[rows])?;
         let off = u(x.layout().offset);
-        let wg = self.row_wg();
-        let segment = wg as usize * REDUCE_SEGMENT_STEPS;
-        let thin = cols <= thin_row_cols(self.info.is_software);
-        if thin || cols <= 2 * segment {
-            // Whole rows: short ones one invocation each, the others a workgroup each.
-            let (mode, wg, groups) = if thin {
-                (ReduceMode::Thin, ELEMENTWISE_WG, groups_for(rows))
-            } else {
-                (ReduceMode::Direct, wg, rows as u64)
-            };
+        if cols <= thin_row_cols(self.info.is_software) {
+            // Short rows: one invocation each.
+            let out = self.empty(x.device(), &[rows])?;
             self.dispatch(
-                Kernel::Reduce { op, mode, wg },
+                Kernel::Reduce {
+                    op,
+                    mode: ReduceMode::Thin,
+                    wg: ELEMENTWISE_WG,
+                },
                 &ReduceParams {
                     rows: u(rows),
                     cols: u(cols),
@@ -711,54 +831,15 @@ impl Kernels for WgpuContext {
                 }
                 .words(&[]),
                 &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
-                groups,
+                groups_for(rows),
                 1,
             )?;
-        } else {
-            // Long rows: segments of `segment` columns into (value, index) partials, then one
-            // workgroup per row over its partials.
-            let segs = cols.div_ceil(segment);
-            let pv = self.empty(x.device(), &[rows, segs])?;
-            let pi = self.empty(x.device(), &[rows, segs])?;
-            self.dispatch(
-                Kernel::Reduce {
-                    op,
-                    mode: ReduceMode::Partial,
-                    wg,
-                },
-                &ReduceParams {
-                    rows: u(rows),
-                    cols: u(cols),
-                    x_offset: off,
-                    segments: u(segs),
-                    seg_len: u(segment),
-                }
-                .words(&[]),
-                &[Arg::of(gpu(&x)?), Arg::of(gpu(&pv)?), Arg::of(gpu(&pi)?)],
-                (rows * segs) as u64,
-                1,
-            )?;
-            self.dispatch(
-                Kernel::Reduce {
-                    op,
-                    mode: ReduceMode::Final,
-                    wg,
-                },
-                &ReduceParams {
-                    rows: u(rows),
-                    cols: u(segs),
-                    x_offset: 0,
-                    segments: 1,
-                    seg_len: u(segs),
-                }
-                .words(&[]),
-                &[Arg::of(gpu(&pv)?), Arg::of(gpu(&pi)?), Arg::of(gpu(&out)?)],
-                rows as u64,
-                1,
-            )?;
+            self.check()?;
+            return Ok(out);
         }
-        self.check()?;
-        Ok(out)
+        self.with_row_wg(op.name(), [rows, cols], |wg| {
+            self.reduce_rows_in_groups(op, &x, [rows, cols], wg)
+        })
     }
 
     fn softmax_rows(&self, x: &Tensor, rows: usize, cols: usize, log: bool) -> Result<Tensor> {
@@ -786,25 +867,27 @@ impl Kernels for WgpuContext {
         self.check_row_len("softmax_backward", cols)?;
         let y = self.packed(y)?;
         let g = self.packed(g)?;
-        let out = self.empty(y.device(), &[rows, cols])?;
-        if cols > 0 {
-            self.dispatch(
-                Kernel::SoftmaxBackward { wg: self.row_wg() },
-                &SoftmaxBackwardParams {
-                    rows: u(rows),
-                    cols: u(cols),
-                    scale,
-                    y_offset: u(y.layout().offset),
-                    g_offset: u(g.layout().offset),
-                }
-                .words(&[]),
-                &[Arg::of(gpu(&y)?), Arg::of(gpu(&g)?), Arg::of(gpu(&out)?)],
-                rows as u64,
-                1,
-            )?;
-        }
-        self.check()?;
-        Ok(out)
+        self.with_row_wg("softmax_backward", [rows, cols], |wg| {
+            let out = self.empty(y.device(), &[rows, cols])?;
+            if cols > 0 {
+                self.dispatch(
+                    Kernel::SoftmaxBackward { wg },
+                    &SoftmaxBackwardParams {
+                        rows: u(rows),
+                        cols: u(cols),
+                        scale,
+                        y_offset: u(y.layout().offset),
+                        g_offset: u(g.layout().offset),
+                    }
+                    .words(&[]),
+                    &[Arg::of(gpu(&y)?), Arg::of(gpu(&g)?), Arg::of(gpu(&out)?)],
+                    rows as u64,
+                    1,
+                )?;
+            }
+            self.check()?;
+            Ok(out)
+        })
     }
 
     fn matmul(
@@ -826,10 +909,7 @@ impl Kernels for WgpuContext {
         lb: MatLayout,
         dims: MatDims,
     ) -> Option<Result<Tensor>> {
-        // The subgroup kernel where it applies (CPU-backed adapters, large enough problems),
-        // else the tiled kernel with half loads.
-        self.matmul_half_subgroup(a, la, b, lb, dims)
-            .or_else(|| Some(self.matmul_half_tiled(a, la, b, lb, dims, None)))
+        Some(self.matmul_tuned(a, la, b, lb, dims))
     }
 
     fn layer_norm_rows(
@@ -845,35 +925,37 @@ impl Kernels for WgpuContext {
         let x = self.packed(x)?;
         let gamma = self.packed(gamma)?;
         let beta = self.packed(beta)?;
-        let dev = x.device();
-        let y = self.empty(dev, x.shape())?;
-        let mean = self.empty(dev, &[rows])?;
-        let rstd = self.empty(dev, &[rows])?;
-        self.dispatch(
-            Kernel::LayerNorm { wg: self.row_wg() },
-            &LayerNormParams {
-                rows: u(rows),
-                cols: u(cols),
-                eps,
-                x_offset: u(x.layout().offset),
-                gamma_offset: u(gamma.layout().offset),
-                beta_offset: u(beta.layout().offset),
-                r_offset: 0,
-            }
-            .words(&[]),
-            &[
-                Arg::of(gpu(&x)?),
-                Arg::of(gpu(&gamma)?),
-                Arg::of(gpu(&beta)?),
-                Arg::of(gpu(&y)?),
-                Arg::of(gpu(&mean)?),
-                Arg::of(gpu(&rstd)?),
-            ],
-            rows as u64,
-            1,
-        )?;
-        self.check()?;
-        Ok((y, mean, rstd))
+        self.with_row_wg("layer_norm", [rows, cols], |wg| {
+            let dev = x.device();
+            let y = self.empty(dev, x.shape())?;
+            let mean = self.empty(dev, &[rows])?;
+            let rstd = self.empty(dev, &[rows])?;
+            self.dispatch(
+                Kernel::LayerNorm { wg },
+                &LayerNormParams {
+                    rows: u(rows),
+                    cols: u(cols),
+                    eps,
+                    x_offset: u(x.layout().offset),
+                    gamma_offset: u(gamma.layout().offset),
+                    beta_offset: u(beta.layout().offset),
+                    r_offset: 0,
+                }
+                .words(&[]),
+                &[
+                    Arg::of(gpu(&x)?),
+                    Arg::of(gpu(&gamma)?),
+                    Arg::of(gpu(&beta)?),
+                    Arg::of(gpu(&y)?),
+                    Arg::of(gpu(&mean)?),
+                    Arg::of(gpu(&rstd)?),
+                ],
+                rows as u64,
+                1,
+            )?;
+            self.check()?;
+            Ok((y, mean, rstd))
+        })
     }
 
     fn cross_entropy_rows(
@@ -886,31 +968,33 @@ impl Kernels for WgpuContext {
         self.check_row_len("cross_entropy", cols)?;
         let x = self.packed(x)?;
         let t = self.packed(targets)?;
-        let dev = x.device();
-        let loss = self.empty(dev, &[rows])?;
-        let max = self.empty(dev, &[rows])?;
-        let logsum = self.empty(dev, &[rows])?;
-        self.dispatch(
-            Kernel::CrossEntropy { wg: self.row_wg() },
-            &CrossEntropyParams {
-                rows: u(rows),
-                cols: u(cols),
-                x_offset: u(x.layout().offset),
-                t_offset: u(t.layout().offset),
-            }
-            .words(&[]),
-            &[
-                Arg::of(gpu(&x)?),
-                Arg::of(gpu(&t)?),
-                Arg::of(gpu(&loss)?),
-                Arg::of(gpu(&max)?),
-                Arg::of(gpu(&logsum)?),
-            ],
-            rows as u64,
-            1,
-        )?;
-        self.check()?;
-        Ok((loss, max, logsum))
+        self.with_row_wg("cross_entropy", [rows, cols], |wg| {
+            let dev = x.device();
+            let loss = self.empty(dev, &[rows])?;
+            let max = self.empty(dev, &[rows])?;
+            let logsum = self.empty(dev, &[rows])?;
+            self.dispatch(
+                Kernel::CrossEntropy { wg },
+                &CrossEntropyParams {
+                    rows: u(rows),
+                    cols: u(cols),
+                    x_offset: u(x.layout().offset),
+                    t_offset: u(t.layout().offset),
+                }
+                .words(&[]),
+                &[
+                    Arg::of(gpu(&x)?),
+                    Arg::of(gpu(&t)?),
+                    Arg::of(gpu(&loss)?),
+                    Arg::of(gpu(&max)?),
+                    Arg::of(gpu(&logsum)?),
+                ],
+                rows as u64,
+                1,
+            )?;
+            self.check()?;
+            Ok((loss, max, logsum))
+        })
     }
 
     fn cross_entropy_backward_rows(
@@ -926,33 +1010,35 @@ impl Kernels for WgpuContext {
         self.check_row_len("cross_entropy backward", cols)?;
         let [x, t, max, logsum, g] = [x, targets, max, logsum, g].map(|v| self.packed(v));
         let (x, t, max, logsum, g) = (x?, t?, max?, logsum?, g?);
-        let out = self.empty(x.device(), &[rows, cols])?;
-        let off = |v: &Tensor| u(v.layout().offset);
-        self.dispatch(
-            Kernel::CrossEntropyBackward { wg: self.row_wg() },
-            &CrossEntropyBackwardParams {
-                rows: u(rows),
-                cols: u(cols),
-                x_offset: off(&x),
-                t_offset: off(&t),
-                max_offset: off(&max),
-                logsum_offset: off(&logsum),
-                g_offset: off(&g),
-            }
-            .words(&[]),
-            &[
-                Arg::of(gpu(&x)?),
-                Arg::of(gpu(&t)?),
-                Arg::of(gpu(&max)?),
-                Arg::of(gpu(&logsum)?),
-                Arg::of(gpu(&g)?),
-                Arg::of(gpu(&out)?),
-            ],
-            rows as u64,
-            1,
-        )?;
-        self.check()?;
-        Ok(out)
+        self.with_row_wg("cross_entropy_backward", [rows, cols], |wg| {
+            let out = self.empty(x.device(), &[rows, cols])?;
+            let off = |v: &Tensor| u(v.layout().offset);
+            self.dispatch(
+                Kernel::CrossEntropyBackward { wg },
+                &CrossEntropyBackwardParams {
+                    rows: u(rows),
+                    cols: u(cols),
+                    x_offset: off(&x),
+                    t_offset: off(&t),
+                    max_offset: off(&max),
+                    logsum_offset: off(&logsum),
+                    g_offset: off(&g),
+                }
+                .words(&[]),
+                &[
+                    Arg::of(gpu(&x)?),
+                    Arg::of(gpu(&t)?),
+                    Arg::of(gpu(&max)?),
+                    Arg::of(gpu(&logsum)?),
+                    Arg::of(gpu(&g)?),
+                    Arg::of(gpu(&out)?),
+                ],
+                rows as u64,
+                1,
+            )?;
+            self.check()?;
+            Ok(out)
+        })
     }
 
     /// Mean and rstd come back as views of one `[2, rows]` buffer (the kernel's binding budget).
@@ -971,38 +1057,40 @@ impl Kernels for WgpuContext {
         let r = self.packed(r)?;
         let gamma = self.packed(gamma)?;
         let beta = self.packed(beta)?;
-        let dev = x.device();
-        let s = self.empty(dev, &[rows, cols])?;
-        let y = self.empty(dev, &[rows, cols])?;
-        let stats = self.empty(dev, &[2, rows])?;
-        self.dispatch(
-            Kernel::AddLayerNorm { wg: self.row_wg() },
-            &LayerNormParams {
-                rows: u(rows),
-                cols: u(cols),
-                eps,
-                x_offset: u(x.layout().offset),
-                gamma_offset: u(gamma.layout().offset),
-                beta_offset: u(beta.layout().offset),
-                r_offset: u(r.layout().offset),
-            }
-            .words(&[]),
-            &[
-                Arg::of(gpu(&x)?),
-                Arg::of(gpu(&gamma)?),
-                Arg::of(gpu(&beta)?),
-                Arg::of(gpu(&r)?),
-                Arg::of(gpu(&y)?),
-                Arg::of(gpu(&stats)?),
-                Arg::of(gpu(&s)?),
-            ],
-            rows as u64,
-            1,
-        )?;
-        self.check()?;
-        let mean = stats.narrow(0, 0, 1)?.reshape(&[rows])?;
-        let rstd = stats.narrow(0, 1, 1)?.reshape(&[rows])?;
-        Ok((s, y, mean, rstd))
+        self.with_row_wg("add_layer_norm", [rows, cols], |wg| {
+            let dev = x.device();
+            let s = self.empty(dev, &[rows, cols])?;
+            let y = self.empty(dev, &[rows, cols])?;
+            let stats = self.empty(dev, &[2, rows])?;
+            self.dispatch(
+                Kernel::AddLayerNorm { wg },
+                &LayerNormParams {
+                    rows: u(rows),
+                    cols: u(cols),
+                    eps,
+                    x_offset: u(x.layout().offset),
+                    gamma_offset: u(gamma.layout().offset),
+                    beta_offset: u(beta.layout().offset),
+                    r_offset: u(r.layout().offset),
+                }
+                .words(&[]),
+                &[
+                    Arg::of(gpu(&x)?),
+                    Arg::of(gpu(&gamma)?),
+                    Arg::of(gpu(&beta)?),
+                    Arg::of(gpu(&r)?),
+                    Arg::of(gpu(&y)?),
+                    Arg::of(gpu(&stats)?),
+                    Arg::of(gpu(&s)?),
+                ],
+                rows as u64,
+                1,
+            )?;
+            self.check()?;
+            let mean = stats.narrow(0, 0, 1)?.reshape(&[rows])?;
+            let rstd = stats.narrow(0, 1, 1)?.reshape(&[rows])?;
+            Ok((s, y, mean, rstd))
+        })
     }
 
     fn layer_norm_backward_rows(
@@ -1020,38 +1108,40 @@ impl Kernels for WgpuContext {
         let [x, mean, rstd, gamma, g] = [x, mean, rstd, gamma, g].map(|v| self.packed(v));
         let (x, mean, rstd, gamma, g) = (x?, mean?, rstd?, gamma?, g?);
         let carry = carry.map(|c| self.packed(c)).transpose()?;
-        let out = self.empty(x.device(), &[rows, cols])?;
-        let off = |v: &Tensor| u(v.layout().offset);
-        // Without a carry, g is bound in its place and not read.
-        let c = carry.as_ref().unwrap_or(&g);
-        self.dispatch(
-            Kernel::LayerNormBackward { wg: self.row_wg() },
-            &LayerNormBackwardParams {
-                rows: u(rows),
-                cols: u(cols),
-                x_offset: off(&x),
-                mean_offset: off(&mean),
-                rstd_offset: off(&rstd),
-                gamma_offset: off(&gamma),
-                g_offset: off(&g),
-                carry_offset: off(c),
-                has_carry: carry.is_some().into(),
-            }
-            .words(&[]),
-            &[
-                Arg::of(gpu(&x)?),
-                Arg::of(gpu(&mean)?),
-                Arg::of(gpu(&rstd)?),
-                Arg::of(gpu(&gamma)?),
-                Arg::of(gpu(&g)?),
-                Arg::of(gpu(c)?),
-                Arg::of(gpu(&out)?),
-            ],
-            rows as u64,
-            1,
-        )?;
-        self.check()?;
-        Ok(out)
+        self.with_row_wg("layer_norm_backward", [rows, cols], |wg| {
+            let out = self.empty(x.device(), &[rows, cols])?;
+            let off = |v: &Tensor| u(v.layout().offset);
+            // Without a carry, g is bound in its place and not read.
+            let c = carry.as_ref().unwrap_or(&g);
+            self.dispatch(
+                Kernel::LayerNormBackward { wg },
+                &LayerNormBackwardParams {
+                    rows: u(rows),
+                    cols: u(cols),
+                    x_offset: off(&x),
+                    mean_offset: off(&mean),
+                    rstd_offset: off(&rstd),
+                    gamma_offset: off(&gamma),
+                    g_offset: off(&g),
+                    carry_offset: off(c),
+                    has_carry: carry.is_some().into(),
+                }
+                .words(&[]),
+                &[
+                    Arg::of(gpu(&x)?),
+                    Arg::of(gpu(&mean)?),
+                    Arg::of(gpu(&rstd)?),
+                    Arg::of(gpu(&gamma)?),
+                    Arg::of(gpu(&g)?),
+                    Arg::of(gpu(c)?),
+                    Arg::of(gpu(&out)?),
+                ],
+                rows as u64,
+                1,
+            )?;
+            self.check()?;
+            Ok(out)
+        })
     }
 
     fn index_select(

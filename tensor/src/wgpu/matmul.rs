@@ -151,21 +151,18 @@ impl WgpuContext {
         v
     }
 
-    /// The variant for these (normalised) operands: the autotune's when it is on, else the
-    /// heuristic's.
+    /// The variant for `d` and operands of `dtype`: the autotune's when it is on (`measure`
+    /// times a candidate; each half dtype has shape classes of its own), else the heuristic's.
     fn matmul_choice(
         &self,
-        a: &Tensor,
-        la: MatLayout,
-        b: &Tensor,
-        lb: MatLayout,
         d: MatDims,
+        dtype: DType,
+        measure: impl FnMut(MatmulChoice) -> Result<f64>,
     ) -> Result<MatmulChoice> {
         if let Some(tuner) = self.tuner() {
             let candidates = self.matmul_candidates(&d);
-            return tuner.choose(&shape_class(&d), &candidates, |c| {
-                self.time_matmul(a, la, b, lb, d, c)
-            });
+            let class = shape_class(&d, dtype.is_half().then(|| dtype.name()));
+            return tuner.choose(&class, &candidates, measure);
         }
         Ok(if self.subgroup_matmul_config(&d).is_some() {
             MatmulChoice::Subgroup
@@ -175,31 +172,26 @@ impl WgpuContext {
         })
     }
 
-    /// Seconds one matmul takes as `choice`: the best of 3 after a warm-up run (which compiles
-    /// the pipeline), each waited for, with earlier queued work finished before the clock starts.
-    pub(super) fn time_matmul(
+    /// The matmul of `a` and `b` (f32, or both of one half dtype) with the variant the autotune
+    /// keeps for its shape class, or the heuristic's.
+    pub(super) fn matmul_tuned(
         &self,
         a: &Tensor,
         la: MatLayout,
         b: &Tensor,
         lb: MatLayout,
         d: MatDims,
-        choice: MatmulChoice,
-    ) -> Result<f64> {
-        self.sync()?;
-        drop(self.matmul_as(a, la, b, lb, d, choice)?);
-        self.sync()?;
-        let mut best = f64::INFINITY;
-        for _ in 0..3 {
-            let t0 = std::time::Instant::now();
-            drop(self.matmul_as(a, la, b, lb, d, choice)?);
-            self.sync()?;
-            best = best.min(t0.elapsed().as_secs_f64());
-        }
-        Ok(best)
+    ) -> Result<Tensor> {
+        let choice = self.matmul_choice(d, a.dtype(), |c| {
+            self.time_op(|| self.matmul_as(a, la, b, lb, d, c))
+        })?;
+        self.matmul_as(a, la, b, lb, d, choice)
     }
 
-    /// The matmul as `choice` (operand layouts normalised).
+    /// The matmul as `choice` (f32 operand layouts normalised). Half operands (one half dtype)
+    /// are read as such: the subgroup kernel's packing pass widens them (reading half the bytes),
+    /// the tiled kernel unpacks them as it stages its slabs ([`Self::half_tiled_config`]); both
+    /// accumulate in f32 and round the result once.
     pub(super) fn matmul_as(
         &self,
         a: &Tensor,
@@ -209,12 +201,29 @@ impl WgpuContext {
         d: MatDims,
         choice: MatmulChoice,
     ) -> Result<Tensor> {
+        let dtype = a.dtype();
         match choice {
             MatmulChoice::Subgroup => {
                 let cfg = self.subgroup_matmul_config(&d).ok_or_else(|| {
                     self.err(format!("no subgroup matmul for {d:?} on this adapter"))
                 })?;
-                self.matmul_subgroup(a, la, b, lb, d, cfg)
+                let c = self.matmul_subgroup(a, la, b, lb, d, cfg)?;
+                if dtype.is_half() {
+                    self.narrow(&c, dtype)
+                } else {
+                    Ok(c)
+                }
+            }
+            MatmulChoice::Tile(bm, bn, bk, tm, tn) if dtype.is_half() => {
+                let cfg = MatmulConfig {
+                    bm,
+                    bn,
+                    bk,
+                    tm,
+                    tn,
+                    ..self.half_tiled_config(dtype, &la, &lb, &d)?
+                };
+                self.matmul_half_tiled(a, la, b, lb, d, Some(cfg))
             }
             MatmulChoice::Tile(bm, bn, bk, tm, tn) => {
                 let cfg = MatmulConfig {
@@ -257,10 +266,7 @@ impl WgpuContext {
         let lb = norm(lb, dims.k, dims.n);
         match forced {
             Some(cfg) => self.matmul_tiled(a, la, b, lb, dims, cfg),
-            None => {
-                let choice = self.matmul_choice(a, la, b, lb, dims)?;
-                self.matmul_as(a, la, b, lb, dims, choice)
-            }
+            None => self.matmul_tuned(a, la, b, lb, dims),
         }
     }
 
@@ -415,10 +421,38 @@ impl WgpuContext {
         Ok(out)
     }
 
+    /// The tiled kernel's variant for half operands of `dtype`: the f32 variant's tile, its
+    /// vec4 loads made scalar (a vec4 of packed halves would straddle words).
+    fn half_tiled_config(
+        &self,
+        dtype: DType,
+        la: &MatLayout,
+        lb: &MatLayout,
+        dims: &MatDims,
+    ) -> Result<MatmulConfig> {
+        let format = match dtype {
+            DType::F16 => HalfFormat::F16,
+            DType::BF16 => HalfFormat::Bf16,
+            DType::F32 => return Err(self.err("the half matmul needs half operands")),
+        };
+        let scalar = |l: OperandLoad| match l {
+            OperandLoad::VecK => OperandLoad::ScalarK,
+            OperandLoad::VecMn => OperandLoad::ScalarMn,
+            other => other,
+        };
+        let auto = self.matmul_config(la, lb, dims);
+        Ok(MatmulConfig {
+            a: scalar(auto.a),
+            b: scalar(auto.b),
+            half: Some(format),
+            ..auto
+        })
+    }
+
     /// The tiled kernel on half operands (`a`, `b` of one half dtype): their scalar loads
     /// unpack the packed words as they stage the slabs (half the bytes read), the slabs and
-    /// FMAs are f32, and the f32 result is rounded once. `forced` (tests) picks the variant;
-    /// by default the tile of [`Self::matmul_config`] with its vec4 loads made scalar.
+    /// FMAs are f32, and the f32 result is rounded once. `forced` (tests, the autotune) picks
+    /// the variant; by default [`Self::half_tiled_config`].
     pub(super) fn matmul_half_tiled(
         &self,
         a: &Tensor,
@@ -428,45 +462,12 @@ impl WgpuContext {
         dims: MatDims,
         forced: Option<MatmulConfig>,
     ) -> Result<Tensor> {
-        let format = match a.dtype() {
-            DType::F16 => HalfFormat::F16,
-            DType::BF16 => HalfFormat::Bf16,
-            DType::F32 => return Err(self.err("matmul_half_tiled needs half operands")),
+        let cfg = match forced {
+            Some(cfg) => cfg,
+            None => self.half_tiled_config(a.dtype(), &la, &lb, &dims)?,
         };
-        let scalar = |l: OperandLoad| match l {
-            OperandLoad::VecK => OperandLoad::ScalarK,
-            OperandLoad::VecMn => OperandLoad::ScalarMn,
-            other => other,
-        };
-        let cfg = forced.unwrap_or_else(|| {
-            let auto = self.matmul_config(&la, &lb, &dims);
-            MatmulConfig {
-                a: scalar(auto.a),
-                b: scalar(auto.b),
-                half: Some(format),
-                ..auto
-            }
-        });
         let c = self.matmul_with(a, la, b, lb, dims, Some(cfg))?;
         self.narrow(&c, a.dtype())
-    }
-
-    /// The native half matmul: on adapters that take the subgroup kernel, half operands are
-    /// widened by the packing pass itself (reading half the bytes) and accumulate in f32; the
-    /// f32 result is rounded once. `None` elsewhere (see [`Self::matmul_half_tiled`]).
-    pub(super) fn matmul_half_subgroup(
-        &self,
-        a: &Tensor,
-        la: MatLayout,
-        b: &Tensor,
-        lb: MatLayout,
-        dims: MatDims,
-    ) -> Option<Result<Tensor>> {
-        let cfg = self.subgroup_matmul_config(&dims)?;
-        Some(
-            self.matmul_subgroup(a, la, b, lb, dims, cfg)
-                .and_then(|c| self.narrow(&c, a.dtype())),
-        )
     }
 
     /// Matmul through packed operands and the subgroup kernel.

@@ -9,7 +9,8 @@
 //! - `runtime`: batching of dispatches into one encoder, parameter blocks, submit, read-back.
 //! - `kernels`: `impl Kernels for WgpuContext`.
 //! - `matmul`: the matmul variants (tiled for GPUs, packed + subgroup for CPU adapters).
-//! - `autotune`: the matmul variant per shape class timed on first use, saved per adapter.
+//! - `autotune`: the variant of each hot kernel (matmul, half matmul, row kernels) per shape
+//!   class, timed on first use, saved per adapter.
 //!
 //! Lavapipe (llvmpipe) ends any invocation after 65535 loop iterations in all, so kernels whose
 //! loops grow with the data (long rows, long k, long index lists) are split over several

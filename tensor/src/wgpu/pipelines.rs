@@ -54,6 +54,13 @@ impl WgpuContext {
         Ok(map.entry(kernel).or_insert(built).clone())
     }
 
+    /// The kernels compiled on this device so far (tests: which variant ran).
+    #[cfg(test)]
+    pub(super) fn compiled_kernels(&self) -> Vec<Kernel> {
+        let map = self.pipelines.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.keys().copied().collect()
+    }
+
     fn build_pipeline(&self, kernel: Kernel) -> Result<Pipeline> {
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let source = kernel.source();

@@ -424,12 +424,14 @@ fn every_binary_op_with_broadcast() {
 #[test]
 fn reductions_softmax_layer_norm() {
     let Some(d) = device() else { return };
-    // the GPU workgroup size and the adapter's own (one subgroup on lavapipe)
+    // every workgroup size the autotune may pick (the adapter's own among them: one subgroup
+    // on lavapipe, ROW_WG on GPUs)
     let own = ctx(&d).row_wg();
-    for wg in [wgpipe_shaders::ROW_WG, own] {
+    for wg in wgpipe_shaders::ROW_WG_CHOICES {
         ctx(&d).set_row_wg(wg);
         reductions_softmax_layer_norm_with(&d);
     }
+    ctx(&d).set_row_wg(own);
 }
 
 fn reductions_softmax_layer_norm_with(d: &Device) {
@@ -1223,7 +1225,7 @@ fn long_loops_are_split() {
     data[7] = -1.0;
     let x = t(&d, &data, &[1, n]);
     let own = ctx(&d).row_wg();
-    for wg in [wgpipe_shaders::ROW_WG, own] {
+    for wg in wgpipe_shaders::ROW_WG_CHOICES {
         ctx(&d).set_row_wg(wg);
         let sum = host(&d, &k(&d).reduce_rows(ReduceOp::Sum, &x, 1, n).unwrap())[0];
         assert!((sum - n as f32).abs() / n as f32 <= 1e-6, "{sum}");
@@ -1243,6 +1245,7 @@ fn long_loops_are_split() {
         );
         assert_eq!(got, vec![600_000.0, 600_000.0]);
     }
+    ctx(&d).set_row_wg(own);
 
     // matmul with a long k
     let (m, kk, nn) = (5, 70_001, 6);
@@ -1374,12 +1377,43 @@ fn tune_matmul_tiles() {
     }
 }
 
-/// The autotune on a real adapter: every candidate is timed on the op's operands, the one kept
-/// is the fastest of those timings, every candidate computes the product right (so any pick is
-/// safe), and the public matmul path with the tuner on records its choice for the shape class.
+/// Times every candidate with `measure` through a fresh tuner, as the autotune does on first use
+/// of a shape class, and checks that the one kept is the fastest of those timings. Returns it.
+fn tuner_keeps_the_fastest<C: super::autotune::Choice>(
+    what: &str,
+    candidates: &[C],
+    mut measure: impl FnMut(C) -> Result<f64, Error>,
+) -> C {
+    let tuner = super::autotune::Tuner::new("test adapter", None, false);
+    let mut timed = Vec::new();
+    let chosen = tuner
+        .choose("class", candidates, |ch| {
+            let secs = measure(ch)?;
+            timed.push((ch, secs));
+            Ok(secs)
+        })
+        .unwrap();
+    assert_eq!(
+        timed.len(),
+        candidates.len(),
+        "{what}: every candidate timed"
+    );
+    assert!(
+        timed.iter().all(|&(_, s)| s > 0.0 && s.is_finite()),
+        "{what}: {timed:?}"
+    );
+    let fastest = timed.iter().min_by(|x, y| x.1.total_cmp(&y.1)).unwrap().0;
+    assert_eq!(chosen, fastest, "{what}: timings {timed:?}");
+    eprintln!("{what}: {timed:?} -> {chosen:?}");
+    chosen
+}
+
+/// The matmul autotune on a real adapter: every candidate is timed on the op's operands, the one
+/// kept is the fastest of those timings, every candidate computes the product right (so any pick
+/// is safe), and the public matmul path with the tuner on records its choice for the shape class.
 #[test]
 fn autotune_keeps_the_fastest_timed_candidate_on_a_real_adapter() {
-    use super::autotune::{shape_class, Tuner};
+    use super::autotune::{shape_class, MatmulChoice, Tuner};
     let Some(d) = device() else { return };
     let c = ctx(&d);
     let (m, kk, n) = (96, 256, 128);
@@ -1402,30 +1436,240 @@ fn autotune_keeps_the_fastest_timed_candidate_on_a_real_adapter() {
         let got = c.matmul_as(&a, la, &b, lb, dims, ch).unwrap();
         close(&host(&d, &got), &want, 1e-4, &format!("{ch:?}"));
     }
-    let tuner = Tuner::new("test adapter", None, false);
-    let mut timed = Vec::new();
-    let chosen = tuner
-        .choose("class", &candidates, |ch| {
-            let secs = c.time_matmul(&a, la, &b, lb, dims, ch)?;
-            timed.push((ch, secs));
-            Ok(secs)
-        })
-        .unwrap();
-    assert_eq!(timed.len(), candidates.len());
-    assert!(
-        timed.iter().all(|&(_, s)| s > 0.0 && s.is_finite()),
-        "{timed:?}"
-    );
-    let fastest = timed.iter().min_by(|x, y| x.1.total_cmp(&y.1)).unwrap().0;
-    assert_eq!(chosen, fastest, "timings {timed:?}");
-    eprintln!("autotune on {}: {timed:?} -> {chosen:?}", c.info.name);
+    let what = format!("matmul autotune on {}", c.info.name);
+    tuner_keeps_the_fastest(&what, &candidates, |ch| {
+        c.time_op(|| c.matmul_as(&a, la, &b, lb, dims, ch))
+    });
 
     c.set_tuner(Some(Tuner::new("test adapter", None, false)));
     let got = k(&d).matmul(&a, la, &b, lb, dims).unwrap();
     close(&host(&d, &got), &want, 1e-4, "tuned matmul");
-    let kept = c.tuner().unwrap().chosen(&shape_class(&dims));
-    assert!(kept.is_some_and(|k| candidates.contains(&k)), "{kept:?}");
+    let kept = c.tuner().unwrap().chosen(&shape_class(&dims, None));
+    assert!(
+        kept.is_some_and(|k: MatmulChoice| candidates.contains(&k)),
+        "{kept:?}"
+    );
     c.set_tuner(None);
+}
+
+/// The row kernels' autotune on a real adapter: each candidate workgroup size computes the
+/// softmax right, the tuner keeps the fastest of their timings, and with the tuner on the public
+/// softmax, layer norm and row sum give the right values and record a choice for their classes.
+#[test]
+fn autotune_keeps_the_fastest_row_workgroup_on_a_real_adapter() {
+    use super::autotune::{row_class, RowWg, Tuner};
+    let Some(d) = device() else { return };
+    let c = ctx(&d);
+    let own = c.row_wg();
+    let (rows, cols) = (48, 300);
+    let data = vals(rows * cols, 31);
+    let x = t(&d, &data, &[rows, cols]);
+    let row = |r: usize| &data[r * cols..(r + 1) * cols];
+    let softmax_want: Vec<f32> = (0..rows)
+        .flat_map(|r| {
+            let m = row(r).iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let z: f64 = row(r).iter().map(|&v| ((v - m) as f64).exp()).sum();
+            row(r)
+                .iter()
+                .map(move |&v| (((v - m) as f64).exp() / z) as f32)
+        })
+        .collect();
+    let sums: Vec<f32> = (0..rows)
+        .map(|r| row(r).iter().map(|&v| v as f64).sum::<f64>() as f32)
+        .collect();
+    let candidates = c.row_wg_candidates(cols);
+    assert!(candidates.len() >= 2, "{candidates:?}");
+    let softmax = |wg: u32| {
+        c.set_row_wg(wg);
+        k(&d).softmax_rows(&x, rows, cols, false)
+    };
+    for &RowWg(wg) in &candidates {
+        let got = host(&d, &softmax(wg).unwrap());
+        close(&got, &softmax_want, 1e-5, &format!("softmax, {wg} per row"));
+    }
+    let what = format!("row autotune on {}", c.info.name);
+    tuner_keeps_the_fastest(&what, &candidates, |RowWg(wg)| c.time_op(|| softmax(wg)));
+    c.set_row_wg(own);
+
+    c.set_tuner(Some(Tuner::new("test adapter", None, false)));
+    let got = host(&d, &k(&d).softmax_rows(&x, rows, cols, false).unwrap());
+    close(&got, &softmax_want, 1e-5, "tuned softmax");
+    let got = host(
+        &d,
+        &k(&d).reduce_rows(ReduceOp::Sum, &x, rows, cols).unwrap(),
+    );
+    close(&got, &sums, 1e-5, "tuned row sum");
+    let (gamma, beta) = (
+        t(&d, &vec![1.0; cols], &[cols]),
+        t(&d, &vec![0.0; cols], &[cols]),
+    );
+    let (y, mean, _) = k(&d)
+        .layer_norm_rows(&x, &gamma, &beta, rows, cols, 1e-5)
+        .unwrap();
+    let means: Vec<f32> = sums.iter().map(|s| s / cols as f32).collect();
+    close(&host(&d, &mean), &means, 1e-5, "tuned layer norm mean");
+    let y = host(&d, &y);
+    for r in 0..rows {
+        let yr = &y[r * cols..(r + 1) * cols];
+        let (m, v) = (
+            yr.iter().sum::<f32>() / cols as f32,
+            yr.iter().map(|a| a * a).sum::<f32>() / cols as f32,
+        );
+        assert!(
+            m.abs() < 1e-4 && (v - 1.0).abs() < 1e-3,
+            "row {r}: mean {m}, var {v}"
+        );
+    }
+    let tuner = c.tuner().unwrap();
+    for op in ["softmax", "sum", "layer_norm"] {
+        let kept: Option<RowWg> = tuner.chosen(&row_class(op, rows, cols));
+        assert!(
+            kept.is_some_and(|k| candidates.contains(&k)),
+            "{op}: {kept:?}"
+        );
+    }
+    c.set_tuner(None);
+}
+
+/// The half matmul's autotune: every candidate (the tiles with half loads, and the subgroup
+/// kernel where the adapter takes it) computes the rounded product, the tuner keeps the fastest
+/// of their timings, and the public half matmul with the tuner on records its choice under the
+/// dtype's class.
+#[test]
+fn autotune_of_the_half_matmul_keeps_the_fastest_candidate() {
+    use super::autotune::{shape_class, MatmulChoice, Tuner};
+    let Some(d) = device() else { return };
+    let c = ctx(&d);
+    let dtype = DType::F16;
+    let (m, kk, n) = (64, 96, 80);
+    let dims = MatDims {
+        batch: 1,
+        m,
+        k: kk,
+        n,
+    };
+    let data = |len: usize, seed: u64| -> Vec<f32> {
+        vals(len, seed).iter().map(|&x| dtype.round(x)).collect()
+    };
+    let (a_data, b_data) = (data(m * kk, 41), data(kk * n, 42));
+    let (la, lb) = (
+        layout(m, kk, false, 0, false),
+        layout(kk, n, true, 0, false),
+    );
+    let half = |v: &[f32]| Tensor::from_vec_in(v.to_vec(), &[v.len()], dtype, &d).unwrap();
+    let (a, b) = (half(&a_data), half(&b_data));
+    let want = matmul_ref(&a_data, la, &b_data, lb, dims);
+    // One f16 rounding of the result, plus the f32 accumulation.
+    let tol = 2f32.powi(-10) + kk as f32 * 2f32.powi(-22);
+    let candidates = c.matmul_candidates(&dims);
+    assert!(candidates.len() >= 2, "{candidates:?}");
+    for &ch in &candidates {
+        let got = c.matmul_as(&a, la, &b, lb, dims, ch).unwrap();
+        assert_eq!(got.dtype(), dtype);
+        close(&host(&d, &got), &want, tol, &format!("{ch:?}"));
+    }
+    let what = format!("half matmul autotune on {}", c.info.name);
+    tuner_keeps_the_fastest(&what, &candidates, |ch| {
+        c.time_op(|| c.matmul_as(&a, la, &b, lb, dims, ch))
+    });
+
+    c.set_tuner(Some(Tuner::new("test adapter", None, false)));
+    let got = k(&d).matmul_half(&a, la, &b, lb, dims).unwrap().unwrap();
+    close(&host(&d, &got), &want, tol, "tuned half matmul");
+    let tuner = c.tuner().unwrap();
+    let kept = tuner.chosen(&shape_class(&dims, Some("f16")));
+    assert!(
+        kept.is_some_and(|k: MatmulChoice| candidates.contains(&k)),
+        "{kept:?}"
+    );
+    // The f32 class of the same shape is another entry: nothing was tuned for it here.
+    assert_eq!(
+        tuner.chosen::<MatmulChoice>(&shape_class(&dims, None)),
+        None
+    );
+    c.set_tuner(None);
+}
+
+/// A kept choice is the variant that runs: on a fresh device (its own pipelines and tuner)
+/// whose tuner holds a choice for the class (as read from the cache file), a softmax, an f32 and
+/// an f16 matmul each compile exactly the variant kept, none other of their kernel.
+#[test]
+fn the_kept_choice_is_the_variant_that_runs() {
+    use super::autotune::{row_class, shape_class, Choice, MatmulChoice, Tuner};
+    let Some(d) = device() else { return };
+    let c = ctx(&d);
+    let (rows, cols) = (16, 200);
+    let dims = MatDims {
+        batch: 1,
+        m: 40,
+        k: 48,
+        n: 36,
+    };
+    // Kept choices other than the heuristic's: a row workgroup size not the adapter's own, and
+    // a tile (the heuristic takes the 32 x 32 tile for this size, or the subgroup kernel).
+    let wg = *c
+        .row_wg_candidates(cols)
+        .iter()
+        .find(|w| w.0 != c.row_wg())
+        .expect("two row candidates");
+    let [t64x4, ..] = MatmulConfig::TILES;
+    let tile = MatmulChoice::Tile(t64x4.0, t64x4.1, t64x4.2, t64x4.3, t64x4.4);
+    let path = std::env::temp_dir().join(format!("wgpipe-kept-{}.tsv", std::process::id()));
+    let line = |class: String, label: String| format!("test adapter\t{class}\t{label}\n");
+    let text = [
+        line(row_class("softmax", rows, cols), wg.label()),
+        line(shape_class(&dims, None), tile.label()),
+        line(shape_class(&dims, Some("f16")), tile.label()),
+    ]
+    .concat();
+    std::fs::write(&path, text).unwrap();
+    c.set_tuner(Some(Tuner::new("test adapter", Some(path.clone()), false)));
+
+    let x = t(&d, &vals(rows * cols, 51), &[rows, cols]);
+    k(&d).softmax_rows(&x, rows, cols, false).unwrap();
+    let softmaxes: Vec<u32> = c
+        .compiled_kernels()
+        .into_iter()
+        .filter_map(|k| match k {
+            Kernel::Softmax { wg, .. } => Some(wg),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(softmaxes, vec![wg.0], "kept {wg:?}");
+
+    let (la, lb) = (
+        layout(40, 48, false, 0, false),
+        layout(48, 36, false, 0, false),
+    );
+    let (a, b) = (
+        t(&d, &vals(40 * 48, 52), &[40 * 48]),
+        t(&d, &vals(48 * 36, 53), &[48 * 36]),
+    );
+    k(&d).matmul(&a, la, &b, lb, dims).unwrap();
+    let half = |x: &Tensor| x.to_dtype(DType::F16).unwrap();
+    k(&d)
+        .matmul_half(&half(&a), la, &half(&b), lb, dims)
+        .unwrap()
+        .unwrap();
+    let matmuls: Vec<(u32, u32, Option<wgpipe_shaders::HalfFormat>)> = c
+        .compiled_kernels()
+        .into_iter()
+        .filter_map(|k| match k {
+            Kernel::Matmul(cfg) => Some((cfg.bm, cfg.tm, cfg.half)),
+            Kernel::MatmulSubgroup(_) => Some((0, 0, None)),
+            _ => None,
+        })
+        .collect();
+    let mut want = vec![
+        (t64x4.0, t64x4.3, None),
+        (t64x4.0, t64x4.3, Some(wgpipe_shaders::HalfFormat::F16)),
+    ];
+    let mut got = matmuls.clone();
+    got.sort_by_key(|v| format!("{v:?}"));
+    want.sort_by_key(|v| format!("{v:?}"));
+    assert_eq!(got, want, "kept {tile:?}");
+    c.set_tuner(None);
+    let _ = std::fs::remove_file(&path);
 }
 
 /// The tiled kernel's half loads, forced on lavapipe (which otherwise takes the subgroup kernel
