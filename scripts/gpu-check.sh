@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check of issue 15, for a machine with a real Vulkan GPU: every test that runs wgpu
-# kernels, on the GPU; bench_ops with the matmul autotune; bench_train and the main job on the
+# kernels, on the GPU; bench_ops with the kernel autotune; bench_train and the main job on the
 # GPU; then one summary table.
 #
 # On the lent NVIDIA H200 (no Rust, no package registry, maybe no Vulkan loader there), pack the
@@ -200,8 +200,9 @@ pct() { # GFLOP/s -> % of the peak, or -
     echo "| train_transformer --device gpu | ${trained:-see train_transformer.log} | - | - |"
 } >"$out/table.md"
 echo
-echo "autotune: $(wc -l <"$out/autotune.tsv" 2>/dev/null || echo 0) shape classes chosen (all in autotune.tsv); the square products:"
-grep -E 'single m(256|512|1024|2048) n\1 k\1	' "$out/autotune.tsv" 2>/dev/null | cut -f2-
+echo "autotune: $(wc -l <"$out/autotune.tsv" 2>/dev/null || echo 0) shape classes chosen (all in autotune.tsv); the square f32 and f16 products, then the row kernels' workgroup sizes:"
+grep -E '	(f16 )?single m(256|512|1024|2048) n\2 k\2	' "$out/autotune.tsv" 2>/dev/null | cut -f2-
+grep '	row wg ' "$out/autotune.tsv" 2>/dev/null | cut -f2- | head -24
 echo
 cat "$out/table.md"
 exit $status
