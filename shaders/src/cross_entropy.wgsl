@@ -3,7 +3,7 @@
 // logsum = log(sum) kept for the backward (cross_entropy_backward.wgsl).
 //
 // Placeholders: <WG> workgroup size (a power of two). The outputs are contiguous from 0. Needs
-// row_tree.wgsl.
+// row_tree.wgsl (or row_subgroup.wgsl).
 
 struct CrossEntropyParams {
     rows: u32, cols: u32, x_offset: u32, t_offset: u32,

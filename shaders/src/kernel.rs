@@ -6,8 +6,9 @@ use crate::elementwise::{self, EwLayout};
 use crate::matmul::{MatmulConfig, OperandLoad, SubgroupMatmulConfig};
 use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
 use crate::params;
+use crate::rows::RowGroup;
 use crate::rows::{self, ReduceMode};
-use crate::{render, Access, ELEMENTWISE_WG, ROW_WG_CHOICES};
+use crate::{render, Access, ELEMENTWISE_WG, ROW_SUBGROUP_SIZES, ROW_WG_CHOICES};
 
 use crate::wgsl::{
     ADAM, COMMON, COPY_STRIDED, DROPOUT, FILL, HALF, INDEX, NARROW, PACK, PHILOX, SPATIAL,
@@ -228,27 +229,27 @@ pub enum Kernel {
     },
     Softmax {
         log: bool,
-        wg: u32,
+        group: RowGroup,
     },
     /// The backward of a (scaled) softmax row.
     SoftmaxBackward {
-        wg: u32,
+        group: RowGroup,
     },
     LayerNorm {
-        wg: u32,
+        group: RowGroup,
     },
     /// The layer norm of `x + r`, which also writes the sum; mean and rstd in one `[2, rows]`
     /// output.
     AddLayerNorm {
-        wg: u32,
+        group: RowGroup,
     },
     /// The gradient of a layer norm's input, optionally added to a carried gradient.
     LayerNormBackward {
-        wg: u32,
+        group: RowGroup,
     },
     /// Softmax + cross-entropy of each row: the loss, the max and the log of the sum.
     CrossEntropy {
-        wg: u32,
+        group: RowGroup,
     },
     /// The backward of [`Kernel::CrossEntropy`].
     CrossEntropyBackward {
@@ -318,12 +319,12 @@ impl Kernel {
             Kernel::Widen(f) => half(WIDEN, f),
             Kernel::Narrow(f) => half(NARROW, f),
             Kernel::Reduce { op, mode, wg } => rows::reduce(op, mode, wg),
-            Kernel::Softmax { log, wg } => rows::softmax(log, wg),
-            Kernel::SoftmaxBackward { wg } => rows::softmax_backward(wg),
-            Kernel::LayerNorm { wg } => rows::layer_norm(wg, false),
-            Kernel::AddLayerNorm { wg } => rows::layer_norm(wg, true),
-            Kernel::LayerNormBackward { wg } => rows::layer_norm_backward(wg),
-            Kernel::CrossEntropy { wg } => rows::cross_entropy(wg),
+            Kernel::Softmax { log, group } => rows::softmax(log, group),
+            Kernel::SoftmaxBackward { group } => rows::softmax_backward(group),
+            Kernel::LayerNorm { group } => rows::layer_norm(group, false),
+            Kernel::AddLayerNorm { group } => rows::layer_norm(group, true),
+            Kernel::LayerNormBackward { group } => rows::layer_norm_backward(group),
+            Kernel::CrossEntropy { group } => rows::cross_entropy(group),
             Kernel::CrossEntropyBackward { wg } => rows::cross_entropy_backward(wg),
             Kernel::Matmul(cfg) => cfg.source(),
             Kernel::MatmulSubgroup(cfg) => cfg.source(),
@@ -374,7 +375,16 @@ impl Kernel {
 
     /// Whether the variant needs the `SUBGROUP` device feature (and naga capability).
     pub fn needs_subgroups(&self) -> bool {
-        matches!(self, Kernel::MatmulSubgroup(_))
+        match self {
+            Kernel::MatmulSubgroup(_) => true,
+            Kernel::Softmax { group, .. }
+            | Kernel::SoftmaxBackward { group }
+            | Kernel::LayerNorm { group }
+            | Kernel::AddLayerNorm { group }
+            | Kernel::LayerNormBackward { group }
+            | Kernel::CrossEntropy { group } => group.subgroup,
+            _ => false,
+        }
     }
 
     /// The entry point to compile.
@@ -437,14 +447,13 @@ impl Kernel {
     /// Invocations per workgroup (the host sizes dispatches with it).
     pub fn workgroup_size(&self) -> u32 {
         match self {
-            Kernel::Reduce { wg, .. }
-            | Kernel::Softmax { wg, .. }
-            | Kernel::SoftmaxBackward { wg }
-            | Kernel::LayerNorm { wg }
-            | Kernel::AddLayerNorm { wg }
-            | Kernel::LayerNormBackward { wg }
-            | Kernel::CrossEntropy { wg }
-            | Kernel::CrossEntropyBackward { wg } => *wg,
+            Kernel::Reduce { wg, .. } | Kernel::CrossEntropyBackward { wg } => *wg,
+            Kernel::Softmax { group, .. }
+            | Kernel::SoftmaxBackward { group }
+            | Kernel::LayerNorm { group }
+            | Kernel::AddLayerNorm { group }
+            | Kernel::LayerNormBackward { group }
+            | Kernel::CrossEntropy { group } => group.wg,
             Kernel::Matmul(cfg) => cfg.threads(),
             Kernel::MatmulSubgroup(cfg) => cfg.sg,
             _ => ELEMENTWISE_WG,
@@ -477,15 +486,18 @@ impl Kernel {
             for op in ReduceOp::ALL {
                 v.extend(ReduceMode::ALL.map(|mode| Kernel::Reduce { op, mode, wg }));
             }
+            v.push(Kernel::CrossEntropyBackward { wg });
+        }
+        let groups = ROW_WG_CHOICES.map(RowGroup::tree).into_iter();
+        for group in groups.chain(ROW_SUBGROUP_SIZES.map(RowGroup::subgroup)) {
             v.extend([
-                Kernel::Softmax { log: false, wg },
-                Kernel::Softmax { log: true, wg },
-                Kernel::SoftmaxBackward { wg },
-                Kernel::LayerNorm { wg },
-                Kernel::AddLayerNorm { wg },
-                Kernel::LayerNormBackward { wg },
-                Kernel::CrossEntropy { wg },
-                Kernel::CrossEntropyBackward { wg },
+                Kernel::Softmax { log: false, group },
+                Kernel::Softmax { log: true, group },
+                Kernel::SoftmaxBackward { group },
+                Kernel::LayerNorm { group },
+                Kernel::AddLayerNorm { group },
+                Kernel::LayerNormBackward { group },
+                Kernel::CrossEntropy { group },
             ]);
         }
         for (bm, bn, bk, tm, tn) in MatmulConfig::TILES {

@@ -5,7 +5,7 @@
 // Placeholders: <WG> workgroup size (a power of two); <INPUT> declares the other bindings and
 // `input(base, j)` (the row's value j: x itself, or x + r for the fused residual add),
 // `keep_input` (where the residual variant writes the sum) and `store_stats`.
-// The outputs are contiguous from 0. Needs row_tree.wgsl.
+// The outputs are contiguous from 0. Needs row_tree.wgsl (or row_subgroup.wgsl).
 
 struct LayerNormParams {
     rows: u32, cols: u32, eps: f32, x_offset: u32, gamma_offset: u32,

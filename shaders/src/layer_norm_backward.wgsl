@@ -5,7 +5,7 @@
 // otherwise).
 //
 // Placeholders: <WG> workgroup size (a power of two). The output is contiguous from 0. Needs
-// row_tree.wgsl.
+// row_tree.wgsl (or row_subgroup.wgsl).
 
 struct LayerNormBackwardParams {
     rows: u32, cols: u32, x_offset: u32, mean_offset: u32, rstd_offset: u32,

@@ -26,17 +26,20 @@ pub use elementwise::EwLayout;
 pub use kernel::{HalfFormat, IndexKernel, Kernel, SpatialKernel, BIAS_ACTIVATIONS};
 pub use matmul::{MatmulConfig, OperandLoad, SubgroupMatmulConfig};
 pub use ops::{BinaryOp, ReduceOp, UnaryOp};
-pub use rows::ReduceMode;
+pub use rows::{ReduceMode, RowGroup};
 
 /// Invocations per workgroup of the one-invocation-per-element kernels.
 pub const ELEMENTWISE_WG: u32 = 256;
 /// Invocations per workgroup of the one-workgroup-per-row kernels (reduce, softmax, layer norm)
-/// on GPUs. CPU-backed adapters take one subgroup per row instead (see `ROW_WG_CHOICES`).
+/// on GPUs. CPU-backed adapters take one subgroup per row instead (see `ROW_SUBGROUP_SIZES`).
 pub const ROW_WG: u32 = 256;
 
 /// The row-kernel workgroup sizes the runtime may ask for (powers of two): the autotune's
-/// candidates, the first four the subgroup sizes a CPU-backed adapter may take as its own.
+/// candidates.
 pub const ROW_WG_CHOICES: [u32; 6] = [8, 16, 32, 64, 128, 256];
+
+/// The subgroup sizes the row kernels have a one-subgroup variant for ([`RowGroup::subgroup`]).
+pub const ROW_SUBGROUP_SIZES: [u32; 4] = [8, 16, 32, 64];
 
 /// Fills the `{{KEY}}` placeholders of `template`; panics if one is left (a bug caught by the
 /// validation test).

@@ -4,7 +4,7 @@
 // (query r % cols) sees columns 0..=r % cols only: the rest are masked (probability 0).
 //
 // Placeholders: <WG> workgroup size (a power of two); <LOG> true for log-softmax.
-// The output is contiguous from 0. Needs row_tree.wgsl.
+// The output is contiguous from 0. Needs row_tree.wgsl (or row_subgroup.wgsl).
 
 struct SoftmaxParams {
     rows: u32, cols: u32, x_offset: u32, scale: f32, causal: u32,

@@ -3,7 +3,7 @@
 // its gradient. Masked entries (y = 0) get 0, so the causal softmax needs no mask here.
 //
 // Placeholders: <WG> workgroup size (a power of two). The output is contiguous from 0. Needs
-// row_tree.wgsl.
+// row_tree.wgsl (or row_subgroup.wgsl).
 
 struct SoftmaxBackwardParams {
     rows: u32, cols: u32, scale: f32, y_offset: u32, g_offset: u32,

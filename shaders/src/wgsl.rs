@@ -17,6 +17,7 @@ wgsl_files! {
     LAYER_NORM = "layer_norm.wgsl", LAYER_NORM_INPUT = "layer_norm_input.wgsl",
     LAYER_NORM_RESIDUAL = "layer_norm_residual.wgsl",
     LAYER_NORM_BACKWARD = "layer_norm_backward.wgsl", ROW_TREE = "row_tree.wgsl",
+    ROW_SUBGROUP = "row_subgroup.wgsl",
     CROSS_ENTROPY = "cross_entropy.wgsl", CROSS_ENTROPY_BACKWARD = "cross_entropy_backward.wgsl",
     MATMUL = "matmul.wgsl", MATMUL_SUBGROUP = "matmul_subgroup.wgsl", PACK = "pack.wgsl",
     SUM_LEADING = "sum_leading.wgsl",

@@ -4,7 +4,8 @@
 //! tile shapes of `MatmulConfig::TILES` that fit the adapter, and the subgroup kernel where the
 //! adapter has a fixed subgroup size), the half matmul (the same tiles with half loads), and the
 //! one-workgroup-per-row kernels (reductions, softmax and its backward, layer norm and its
-//! backward, cross-entropy): their workgroup size, among `ROW_WG_CHOICES`.
+//! backward, cross-entropy): their workgroup size, among `ROW_WG_CHOICES`, and the one-subgroup
+//! variant where the adapter has a fixed subgroup size.
 //!
 //! `WGPIPE_AUTOTUNE`: `on` / `off` (default: on for hardware adapters; off for software ones,
 //! whose heuristic is tuned already and where a trial costs CPU time in every test process),
@@ -16,6 +17,8 @@ use std::collections::HashMap;
 use std::fmt::Debug;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+
+use wgpipe_shaders::RowGroup;
 
 use crate::backend::MatDims;
 use crate::error::Result;
@@ -64,17 +67,23 @@ impl Choice for MatmulChoice {
     }
 }
 
-/// The workgroup size (invocations per row) of a one-workgroup-per-row kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct RowWg(pub(crate) u32);
-
-impl Choice for RowWg {
+/// How a one-workgroup-per-row kernel combines its row: `row wg N` (a workgroup-memory tree over
+/// N invocations) or `row subgroup N` (one subgroup of N).
+impl Choice for RowGroup {
     fn label(&self) -> String {
-        format!("row wg {}", self.0)
+        let kind = if self.subgroup { "subgroup" } else { "wg" };
+        format!("row {kind} {}", self.wg)
     }
 
-    fn parse(s: &str) -> Option<RowWg> {
-        s.strip_prefix("row wg ")?.parse().ok().map(RowWg)
+    fn parse(s: &str) -> Option<RowGroup> {
+        let rest = s.strip_prefix("row ")?;
+        if let Some(wg) = rest.strip_prefix("wg ") {
+            return wg.parse().ok().map(RowGroup::tree);
+        }
+        rest.strip_prefix("subgroup ")?
+            .parse()
+            .ok()
+            .map(RowGroup::subgroup)
     }
 }
 
@@ -293,14 +302,13 @@ mod tests {
         assert_eq!(t.choose("c1", &[A, S], fake(&times, &calls)).unwrap(), S);
         // A row kernel's choice lives in the same file, under its own class.
         let row = "softmax rows64 cols128";
-        let wg = t.choose(row, &[RowWg(256), RowWg(32)], |c| {
-            Ok(if c.0 == 32 { 1.0 } else { 2.0 })
-        });
-        assert_eq!(wg.unwrap(), RowWg(32));
+        let (tree, sg) = (RowGroup::tree(256), RowGroup::subgroup(32));
+        let got = t.choose(row, &[tree, sg], |c| Ok(if c.subgroup { 1.0 } else { 2.0 }));
+        assert_eq!(got.unwrap(), sg);
         // Another process on the same adapter reads them back; another adapter does not.
         let again = Tuner::new("gpu one|Vulkan|driver 1", Some(path.clone()), false);
         assert_eq!(again.chosen::<MatmulChoice>("c1"), Some(S));
-        assert_eq!(again.chosen::<RowWg>(row), Some(RowWg(32)));
+        assert_eq!(again.chosen::<RowGroup>(row), Some(sg));
         // A label of another family does not read as this one's choice.
         assert_eq!(again.chosen::<MatmulChoice>(row), None);
         let other = Tuner::new("gpu one|Vulkan|driver 2", Some(path.clone()), false);
@@ -339,9 +347,12 @@ mod tests {
             assert_eq!(MatmulChoice::parse(&c.label()), Some(c));
         }
         assert_eq!(MatmulChoice::parse("tile 1x2"), None);
-        assert_eq!(RowWg::parse(&RowWg(64).label()), Some(RowWg(64)));
-        assert_eq!(RowWg::parse(&A.label()), None);
-        assert_eq!(MatmulChoice::parse(&RowWg(64).label()), None);
+        for g in [RowGroup::tree(64), RowGroup::subgroup(32)] {
+            assert_eq!(RowGroup::parse(&g.label()), Some(g));
+            assert_eq!(MatmulChoice::parse(&g.label()), None);
+        }
+        assert_ne!(RowGroup::tree(32).label(), RowGroup::subgroup(32).label());
+        assert_eq!(RowGroup::parse(&A.label()), None);
         assert_eq!(mode_from(None, false), (true, false));
         assert_eq!(mode_from(None, true), (false, false));
         assert_eq!(mode_from(Some("on"), true), (true, false));

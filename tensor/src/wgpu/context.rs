@@ -1,8 +1,10 @@
 //! `WgpuContext`: one wgpu `Device` + `Queue` opened on an adapter with the adapter's real
 //! limits, plus the runtime state (recorder, buffer pools, pipeline cache, error sink).
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
+
+use wgpipe_shaders::RowGroup;
 
 use super::autotune::{default_cache_path, mode_from, Tuner, AUTOTUNE_ENV};
 use super::discovery::{discovery, AdapterInfo};
@@ -58,9 +60,10 @@ pub(crate) struct WgpuContext {
     pub(super) pipelines: PipelineCache,
     /// The adapter's subgroup size when it is fixed and the device has `SUBGROUP`.
     pub(super) subgroup_size: Option<u32>,
-    /// Invocations per row of the row kernels (reduce, softmax, layer norm): 256 on GPUs; one
-    /// subgroup on CPU-backed adapters, where workgroup barriers are expensive.
-    row_wg: AtomicU32,
+    /// The row kernels' workgroup (reduce, softmax, layer norm, ...) when the autotune does not
+    /// pick one: a tree over 256 invocations per row on GPUs; one subgroup on CPU-backed adapters,
+    /// where workgroup barriers are expensive.
+    row_group: Mutex<RowGroup>,
     /// The kernel autotune (None when off; see `autotune`).
     tuner: Mutex<Option<Arc<Tuner>>>,
 }
@@ -141,12 +144,13 @@ impl WgpuContext {
             && ainfo.subgroup_min_size == ainfo.subgroup_max_size
             && ainfo.subgroup_min_size.is_power_of_two())
         .then_some(ainfo.subgroup_min_size);
-        let row_wg = if info.is_software {
-            subgroup_size
-                .filter(|s| wgpipe_shaders::ROW_WG_CHOICES[..4].contains(s))
-                .unwrap_or(8)
+        let row_group = if info.is_software {
+            match subgroup_size.filter(|s| wgpipe_shaders::ROW_SUBGROUP_SIZES.contains(s)) {
+                Some(sg) => RowGroup::subgroup(sg),
+                None => RowGroup::tree(8),
+            }
         } else {
-            wgpipe_shaders::ROW_WG
+            RowGroup::tree(wgpipe_shaders::ROW_WG)
         };
         let (tune, reset) = mode_from(
             std::env::var(AUTOTUNE_ENV).ok().as_deref(),
@@ -167,7 +171,7 @@ impl WgpuContext {
             recorder: Mutex::new(recorder),
             pipelines: PipelineCache::default(),
             subgroup_size,
-            row_wg: AtomicU32::new(row_wg),
+            row_group: Mutex::new(row_group),
             tuner: Mutex::new(tuner),
         })
     }
@@ -215,16 +219,21 @@ impl WgpuContext {
         &self.info
     }
 
-    /// Invocations per row of the row kernels.
-    pub(super) fn row_wg(&self) -> u32 {
-        self.row_wg.load(Ordering::Relaxed)
+    /// The row kernels' workgroup when the autotune does not pick one.
+    pub(super) fn row_group(&self) -> RowGroup {
+        *self.row_group.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Switches the row kernels' workgroup size (tests run both the GPU and the CPU-adapter
-    /// variants on one adapter).
+    /// Invocations per row of the row kernels when the autotune does not pick them.
+    pub(super) fn row_wg(&self) -> u32 {
+        self.row_group().wg
+    }
+
+    /// Switches the row kernels' workgroup (tests run the GPU's and the CPU adapter's variants,
+    /// and every other the autotune may pick, on one adapter).
     #[cfg(test)]
-    pub(super) fn set_row_wg(&self, wg: u32) {
-        self.row_wg.store(wg, Ordering::Relaxed);
+    pub(super) fn set_row_group(&self, group: RowGroup) {
+        *self.row_group.lock().unwrap_or_else(|p| p.into_inner()) = group;
     }
 
     /// An `Error::Wgpu` on this device.

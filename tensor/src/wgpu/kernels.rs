@@ -4,11 +4,11 @@
 
 use wgpipe_shaders::params::*;
 use wgpipe_shaders::{
-    EwLayout, HalfFormat, IndexKernel, Kernel, ReduceMode, SpatialKernel, ELEMENTWISE_WG,
-    ROW_WG_CHOICES,
+    EwLayout, HalfFormat, IndexKernel, Kernel, ReduceMode, RowGroup, SpatialKernel, ELEMENTWISE_WG,
+    ROW_SUBGROUP_SIZES, ROW_WG_CHOICES,
 };
 
-use super::autotune::{row_class, RowWg};
+use super::autotune::row_class;
 use super::context::WgpuContext;
 use super::pool::GpuBuffer;
 use super::runtime::Arg;
@@ -472,41 +472,52 @@ impl WgpuContext {
         Ok(())
     }
 
-    /// Runs row kernel `op` as `run(wg)`, `wg` its invocations per row: the size the autotune
-    /// keeps for the op's shape class when it is on (each candidate that fits the adapter timed
-    /// on first use), else the adapter's own ([`WgpuContext::row_wg`]).
-    fn with_row_wg<R>(
+    /// Runs row kernel `op` as `run(group)`, `group` its workgroup: the one the autotune keeps
+    /// for the op's shape class when it is on (each candidate that fits the adapter timed on
+    /// first use), else the adapter's own ([`WgpuContext::row_group`]). `subgroups`: whether the
+    /// op has one-subgroup variants (those with tree reductions); without, only the size counts.
+    fn with_row_group<R>(
         &self,
         op: &str,
         [rows, cols]: [usize; 2],
-        run: impl Fn(u32) -> Result<R>,
+        subgroups: bool,
+        run: impl Fn(RowGroup) -> Result<R>,
     ) -> Result<R> {
-        let own = self.row_wg();
+        let own = match self.row_group() {
+            g if g.subgroup && !subgroups => RowGroup::tree(g.wg),
+            g => g,
+        };
         let Some(tuner) = self.tuner().filter(|_| rows > 0 && cols > 0) else {
             return run(own);
         };
-        let candidates = self.row_wg_candidates(cols);
+        let candidates = self.row_group_candidates(cols, subgroups);
         if candidates.len() < 2 {
             return run(own);
         }
         let class = row_class(op, rows, cols);
-        let RowWg(wg) = tuner.choose(&class, &candidates, |c| self.time_op(|| run(c.0)))?;
-        run(wg)
+        let group = tuner.choose(&class, &candidates, |g| self.time_op(|| run(g)))?;
+        run(group)
     }
 
-    /// The row workgroup sizes the autotune times for rows of `cols` columns: those within the
-    /// adapter's workgroup limits (and, on a software adapter, its loop limit).
-    pub(super) fn row_wg_candidates(&self, cols: usize) -> Vec<RowWg> {
+    /// The row workgroups the autotune times for rows of `cols` columns: a tree over each size
+    /// within the adapter's workgroup limits (and, on a software adapter, its loop limit), and
+    /// with `subgroups` one subgroup where the adapter's subgroup size is fixed.
+    pub(super) fn row_group_candidates(&self, cols: usize, subgroups: bool) -> Vec<RowGroup> {
         let l = &self.limits;
-        ROW_WG_CHOICES
+        let fits = |wg: u32| {
+            wg <= l.max_compute_invocations_per_workgroup
+                && wg <= l.max_compute_workgroup_size_x
+                && self.row_fits(cols, wg)
+        };
+        let trees = ROW_WG_CHOICES
             .into_iter()
-            .filter(|&wg| {
-                wg <= l.max_compute_invocations_per_workgroup
-                    && wg <= l.max_compute_workgroup_size_x
-                    && self.row_fits(cols, wg)
-            })
-            .map(RowWg)
-            .collect()
+            .filter(|&wg| fits(wg))
+            .map(RowGroup::tree);
+        let subgroup = self
+            .subgroup_size
+            .filter(|&sg| subgroups && ROW_SUBGROUP_SIZES.contains(&sg) && fits(sg))
+            .map(RowGroup::subgroup);
+        trees.chain(subgroup).collect()
     }
 
     /// `reduce_rows` of packed `x` (`[rows, cols]`, rows longer than the thin kernel's) with
@@ -601,11 +612,11 @@ impl WgpuContext {
         let [rows, cols] = dims;
         self.check_row_len(op, cols)?;
         let x = self.packed(x)?;
-        self.with_row_wg(op, dims, |wg| {
+        self.with_row_group(op, dims, true, |group| {
             let out = self.empty(x.device(), &[rows, cols])?;
             if cols > 0 {
                 self.dispatch(
-                    Kernel::Softmax { log, wg },
+                    Kernel::Softmax { log, group },
                     &SoftmaxParams {
                         rows: u(rows),
                         cols: u(cols),
@@ -837,8 +848,8 @@ impl Kernels for WgpuContext {
             self.check()?;
             return Ok(out);
         }
-        self.with_row_wg(op.name(), [rows, cols], |wg| {
-            self.reduce_rows_in_groups(op, &x, [rows, cols], wg)
+        self.with_row_group(op.name(), [rows, cols], false, |g| {
+            self.reduce_rows_in_groups(op, &x, [rows, cols], g.wg)
         })
     }
 
@@ -867,11 +878,11 @@ impl Kernels for WgpuContext {
         self.check_row_len("softmax_backward", cols)?;
         let y = self.packed(y)?;
         let g = self.packed(g)?;
-        self.with_row_wg("softmax_backward", [rows, cols], |wg| {
+        self.with_row_group("softmax_backward", [rows, cols], true, |group| {
             let out = self.empty(y.device(), &[rows, cols])?;
             if cols > 0 {
                 self.dispatch(
-                    Kernel::SoftmaxBackward { wg },
+                    Kernel::SoftmaxBackward { group },
                     &SoftmaxBackwardParams {
                         rows: u(rows),
                         cols: u(cols),
@@ -925,13 +936,13 @@ impl Kernels for WgpuContext {
         let x = self.packed(x)?;
         let gamma = self.packed(gamma)?;
         let beta = self.packed(beta)?;
-        self.with_row_wg("layer_norm", [rows, cols], |wg| {
+        self.with_row_group("layer_norm", [rows, cols], true, |group| {
             let dev = x.device();
             let y = self.empty(dev, x.shape())?;
             let mean = self.empty(dev, &[rows])?;
             let rstd = self.empty(dev, &[rows])?;
             self.dispatch(
-                Kernel::LayerNorm { wg },
+                Kernel::LayerNorm { group },
                 &LayerNormParams {
                     rows: u(rows),
                     cols: u(cols),
@@ -968,13 +979,13 @@ impl Kernels for WgpuContext {
         self.check_row_len("cross_entropy", cols)?;
         let x = self.packed(x)?;
         let t = self.packed(targets)?;
-        self.with_row_wg("cross_entropy", [rows, cols], |wg| {
+        self.with_row_group("cross_entropy", [rows, cols], true, |group| {
             let dev = x.device();
             let loss = self.empty(dev, &[rows])?;
             let max = self.empty(dev, &[rows])?;
             let logsum = self.empty(dev, &[rows])?;
             self.dispatch(
-                Kernel::CrossEntropy { wg },
+                Kernel::CrossEntropy { group },
                 &CrossEntropyParams {
                     rows: u(rows),
                     cols: u(cols),
@@ -1010,11 +1021,11 @@ impl Kernels for WgpuContext {
         self.check_row_len("cross_entropy backward", cols)?;
         let [x, t, max, logsum, g] = [x, targets, max, logsum, g].map(|v| self.packed(v));
         let (x, t, max, logsum, g) = (x?, t?, max?, logsum?, g?);
-        self.with_row_wg("cross_entropy_backward", [rows, cols], |wg| {
+        self.with_row_group("cross_entropy_backward", [rows, cols], false, |group| {
             let out = self.empty(x.device(), &[rows, cols])?;
             let off = |v: &Tensor| u(v.layout().offset);
             self.dispatch(
-                Kernel::CrossEntropyBackward { wg },
+                Kernel::CrossEntropyBackward { wg: group.wg },
                 &CrossEntropyBackwardParams {
                     rows: u(rows),
                     cols: u(cols),
@@ -1057,13 +1068,13 @@ impl Kernels for WgpuContext {
         let r = self.packed(r)?;
         let gamma = self.packed(gamma)?;
         let beta = self.packed(beta)?;
-        self.with_row_wg("add_layer_norm", [rows, cols], |wg| {
+        self.with_row_group("add_layer_norm", [rows, cols], true, |group| {
             let dev = x.device();
             let s = self.empty(dev, &[rows, cols])?;
             let y = self.empty(dev, &[rows, cols])?;
             let stats = self.empty(dev, &[2, rows])?;
             self.dispatch(
-                Kernel::AddLayerNorm { wg },
+                Kernel::AddLayerNorm { group },
                 &LayerNormParams {
                     rows: u(rows),
                     cols: u(cols),
@@ -1108,13 +1119,13 @@ impl Kernels for WgpuContext {
         let [x, mean, rstd, gamma, g] = [x, mean, rstd, gamma, g].map(|v| self.packed(v));
         let (x, mean, rstd, gamma, g) = (x?, mean?, rstd?, gamma?, g?);
         let carry = carry.map(|c| self.packed(c)).transpose()?;
-        self.with_row_wg("layer_norm_backward", [rows, cols], |wg| {
+        self.with_row_group("layer_norm_backward", [rows, cols], true, |group| {
             let out = self.empty(x.device(), &[rows, cols])?;
             let off = |v: &Tensor| u(v.layout().offset);
             // Without a carry, g is bound in its place and not read.
             let c = carry.as_ref().unwrap_or(&g);
             self.dispatch(
-                Kernel::LayerNormBackward { wg },
+                Kernel::LayerNormBackward { group },
                 &LayerNormBackwardParams {
                     rows: u(rows),
                     cols: u(cols),

@@ -3,7 +3,7 @@
 //! `Device::test_wgpu()` (lavapipe, or the adapter `WGPIPE_TEST_WGPU` names) and prints
 //! `SKIPPED: ...` when there is none.
 
-use wgpipe_shaders::{Kernel, MatmulConfig, OperandLoad};
+use wgpipe_shaders::{Kernel, MatmulConfig, OperandLoad, RowGroup};
 
 use super::kernels::gpu;
 use super::runtime::Arg;
@@ -424,14 +424,14 @@ fn every_binary_op_with_broadcast() {
 #[test]
 fn reductions_softmax_layer_norm() {
     let Some(d) = device() else { return };
-    // every workgroup size the autotune may pick (the adapter's own among them: one subgroup
-    // on lavapipe, ROW_WG on GPUs)
-    let own = ctx(&d).row_wg();
-    for wg in wgpipe_shaders::ROW_WG_CHOICES {
-        ctx(&d).set_row_wg(wg);
+    // every row workgroup the autotune may pick (the adapter's own among them: one subgroup on
+    // lavapipe, a tree of ROW_WG on GPUs)
+    let own = ctx(&d).row_group();
+    for group in ctx(&d).row_group_candidates(700, true) {
+        ctx(&d).set_row_group(group);
         reductions_softmax_layer_norm_with(&d);
     }
-    ctx(&d).set_row_wg(own);
+    ctx(&d).set_row_group(own);
 }
 
 fn reductions_softmax_layer_norm_with(d: &Device) {
@@ -1224,9 +1224,9 @@ fn long_loops_are_split() {
     data[n - 5] = 2.0;
     data[7] = -1.0;
     let x = t(&d, &data, &[1, n]);
-    let own = ctx(&d).row_wg();
+    let own = ctx(&d).row_group();
     for wg in wgpipe_shaders::ROW_WG_CHOICES {
-        ctx(&d).set_row_wg(wg);
+        ctx(&d).set_row_group(RowGroup::tree(wg));
         let sum = host(&d, &k(&d).reduce_rows(ReduceOp::Sum, &x, 1, n).unwrap())[0];
         assert!((sum - n as f32).abs() / n as f32 <= 1e-6, "{sum}");
         let am = host(&d, &k(&d).reduce_rows(ReduceOp::ArgMax, &x, 1, n).unwrap())[0];
@@ -1245,7 +1245,7 @@ fn long_loops_are_split() {
         );
         assert_eq!(got, vec![600_000.0, 600_000.0]);
     }
-    ctx(&d).set_row_wg(own);
+    ctx(&d).set_row_group(own);
 
     // matmul with a long k
     let (m, kk, nn) = (5, 70_001, 6);
@@ -1283,6 +1283,50 @@ fn long_loops_are_split() {
     );
     let c = |r: usize| (0..nidx).filter(|j| j % 3 == r).count() as f32;
     assert_eq!(got, vec![c(0), c(0), c(1), c(1), c(2), c(2)]);
+}
+
+/// Row-kernel tuning aid: each row workgroup candidate timed (as the autotune times it) on the
+/// decoder block's row kernels: `cargo test -p wgpipe-tensor --release --lib tune_row_groups --
+/// --ignored --nocapture`.
+#[test]
+#[ignore]
+fn tune_row_groups() {
+    let Some(d) = device() else { return };
+    let c = ctx(&d);
+    let own = c.row_group();
+    // The block's shapes: 8 x 4 heads of 128 x 128 scores; 1024 tokens of width 256.
+    let (sr, sc, lr, lc) = (4096, 128, 1024, 256);
+    let scores = t(&d, &vals(sr * sc, 61), &[sr, sc]);
+    let p = k(&d).softmax_rows(&scores, sr, sc, false).unwrap();
+    let x = t(&d, &vals(lr * lc, 62), &[lr, lc]);
+    let g = t(&d, &vals(lr * lc, 63), &[lr, lc]);
+    let (gamma, beta) = (t(&d, &vals(lc, 64), &[lc]), t(&d, &vals(lc, 65), &[lc]));
+    let (_, mean, rstd) = k(&d)
+        .layer_norm_rows(&x, &gamma, &beta, lr, lc, 1e-5)
+        .unwrap();
+    type Run<'a> = &'a dyn Fn() -> Result<Tensor, Error>;
+    let ops: [(&str, usize, Run); 4] = [
+        ("causal softmax 4096x128", sc, &|| {
+            k(&d).causal_softmax_rows(&scores, sr, sc, 0.125)
+        }),
+        ("softmax backward 4096x128", sc, &|| {
+            k(&d).softmax_backward_rows(&p, &scores, sr, sc, 0.125)
+        }),
+        ("layer norm 1024x256", lc, &|| {
+            Ok(k(&d).layer_norm_rows(&x, &gamma, &beta, lr, lc, 1e-5)?.0)
+        }),
+        ("layer norm backward 1024x256", lc, &|| {
+            k(&d).layer_norm_backward_rows(&x, &mean, &rstd, &gamma, &g, None, lr, lc)
+        }),
+    ];
+    for (name, cols, run) in ops {
+        for group in c.row_group_candidates(cols, true) {
+            c.set_row_group(group);
+            let secs = c.time_op(run).unwrap();
+            eprintln!("{name}: {group:?}: {:.3} ms", secs * 1e3);
+        }
+    }
+    c.set_row_group(own);
 }
 
 /// Tile tuning aid: `cargo test -p wgpipe-tensor --lib tune_matmul -- --ignored --nocapture`.
@@ -1452,15 +1496,15 @@ fn autotune_keeps_the_fastest_timed_candidate_on_a_real_adapter() {
     c.set_tuner(None);
 }
 
-/// The row kernels' autotune on a real adapter: each candidate workgroup size computes the
-/// softmax right, the tuner keeps the fastest of their timings, and with the tuner on the public
+/// The row kernels' autotune on a real adapter: each candidate workgroup (trees of every size,
+/// one subgroup where the adapter's subgroup size is fixed) computes the softmax right, the tuner keeps the fastest of their timings, and with the tuner on the public
 /// softmax, layer norm and row sum give the right values and record a choice for their classes.
 #[test]
 fn autotune_keeps_the_fastest_row_workgroup_on_a_real_adapter() {
-    use super::autotune::{row_class, RowWg, Tuner};
+    use super::autotune::{row_class, Tuner};
     let Some(d) = device() else { return };
     let c = ctx(&d);
-    let own = c.row_wg();
+    let own = c.row_group();
     let (rows, cols) = (48, 300);
     let data = vals(rows * cols, 31);
     let x = t(&d, &data, &[rows, cols]);
@@ -1477,19 +1521,22 @@ fn autotune_keeps_the_fastest_row_workgroup_on_a_real_adapter() {
     let sums: Vec<f32> = (0..rows)
         .map(|r| row(r).iter().map(|&v| v as f64).sum::<f64>() as f32)
         .collect();
-    let candidates = c.row_wg_candidates(cols);
+    let candidates = c.row_group_candidates(cols, true);
     assert!(candidates.len() >= 2, "{candidates:?}");
-    let softmax = |wg: u32| {
-        c.set_row_wg(wg);
+    if c.subgroup_size.is_some() {
+        assert!(candidates.iter().any(|g| g.subgroup), "{candidates:?}");
+    }
+    let softmax = |group: RowGroup| {
+        c.set_row_group(group);
         k(&d).softmax_rows(&x, rows, cols, false)
     };
-    for &RowWg(wg) in &candidates {
-        let got = host(&d, &softmax(wg).unwrap());
-        close(&got, &softmax_want, 1e-5, &format!("softmax, {wg} per row"));
+    for &group in &candidates {
+        let got = host(&d, &softmax(group).unwrap());
+        close(&got, &softmax_want, 1e-5, &format!("softmax, {group:?}"));
     }
     let what = format!("row autotune on {}", c.info.name);
-    tuner_keeps_the_fastest(&what, &candidates, |RowWg(wg)| c.time_op(|| softmax(wg)));
-    c.set_row_wg(own);
+    tuner_keeps_the_fastest(&what, &candidates, |g| c.time_op(|| softmax(g)));
+    c.set_row_group(own);
 
     c.set_tuner(Some(Tuner::new("test adapter", None, false)));
     let got = host(&d, &k(&d).softmax_rows(&x, rows, cols, false).unwrap());
@@ -1521,8 +1568,14 @@ fn autotune_keeps_the_fastest_row_workgroup_on_a_real_adapter() {
         );
     }
     let tuner = c.tuner().unwrap();
-    for op in ["softmax", "sum", "layer_norm"] {
-        let kept: Option<RowWg> = tuner.chosen(&row_class(op, rows, cols));
+    // The row sum has no subgroup variant: its candidates are the trees.
+    let trees = c.row_group_candidates(cols, false);
+    for (op, candidates) in [
+        ("softmax", &candidates),
+        ("sum", &trees),
+        ("layer_norm", &candidates),
+    ] {
+        let kept: Option<RowGroup> = tuner.chosen(&row_class(op, rows, cols));
         assert!(
             kept.is_some_and(|k| candidates.contains(&k)),
             "{op}: {kept:?}"
@@ -1605,19 +1658,19 @@ fn the_kept_choice_is_the_variant_that_runs() {
         k: 48,
         n: 36,
     };
-    // Kept choices other than the heuristic's: a row workgroup size not the adapter's own, and
-    // a tile (the heuristic takes the 32 x 32 tile for this size, or the subgroup kernel).
-    let wg = *c
-        .row_wg_candidates(cols)
+    // Kept choices other than the heuristic's: a row workgroup not the adapter's own, and a
+    // tile (the heuristic takes the 32 x 32 tile for this size, or the subgroup kernel).
+    let group = *c
+        .row_group_candidates(cols, true)
         .iter()
-        .find(|w| w.0 != c.row_wg())
+        .find(|&&g| g != c.row_group())
         .expect("two row candidates");
     let [t64x4, ..] = MatmulConfig::TILES;
     let tile = MatmulChoice::Tile(t64x4.0, t64x4.1, t64x4.2, t64x4.3, t64x4.4);
     let path = std::env::temp_dir().join(format!("wgpipe-kept-{}.tsv", std::process::id()));
     let line = |class: String, label: String| format!("test adapter\t{class}\t{label}\n");
     let text = [
-        line(row_class("softmax", rows, cols), wg.label()),
+        line(row_class("softmax", rows, cols), group.label()),
         line(shape_class(&dims, None), tile.label()),
         line(shape_class(&dims, Some("f16")), tile.label()),
     ]
@@ -1627,15 +1680,15 @@ fn the_kept_choice_is_the_variant_that_runs() {
 
     let x = t(&d, &vals(rows * cols, 51), &[rows, cols]);
     k(&d).softmax_rows(&x, rows, cols, false).unwrap();
-    let softmaxes: Vec<u32> = c
+    let softmaxes: Vec<RowGroup> = c
         .compiled_kernels()
         .into_iter()
         .filter_map(|k| match k {
-            Kernel::Softmax { wg, .. } => Some(wg),
+            Kernel::Softmax { group, .. } => Some(group),
             _ => None,
         })
         .collect();
-    assert_eq!(softmaxes, vec![wg.0], "kept {wg:?}");
+    assert_eq!(softmaxes, vec![group]);
 
     let (la, lb) = (
         layout(40, 48, false, 0, false),
