@@ -373,18 +373,22 @@ impl Kernel {
         }
     }
 
-    /// Whether the variant needs the `SUBGROUP` device feature (and naga capability).
-    pub fn needs_subgroups(&self) -> bool {
+    /// The workgroup of a row kernel with tree reductions.
+    fn row_group(&self) -> Option<RowGroup> {
         match self {
-            Kernel::MatmulSubgroup(_) => true,
             Kernel::Softmax { group, .. }
             | Kernel::SoftmaxBackward { group }
             | Kernel::LayerNorm { group }
             | Kernel::AddLayerNorm { group }
             | Kernel::LayerNormBackward { group }
-            | Kernel::CrossEntropy { group } => group.subgroup,
-            _ => false,
+            | Kernel::CrossEntropy { group } => Some(*group),
+            _ => None,
         }
+    }
+
+    /// Whether the variant needs the `SUBGROUP` device feature (and naga capability).
+    pub fn needs_subgroups(&self) -> bool {
+        matches!(self, Kernel::MatmulSubgroup(_)) || self.row_group().is_some_and(|g| g.subgroup)
     }
 
     /// The entry point to compile.
@@ -446,14 +450,11 @@ impl Kernel {
 
     /// Invocations per workgroup (the host sizes dispatches with it).
     pub fn workgroup_size(&self) -> u32 {
+        if let Some(group) = self.row_group() {
+            return group.wg;
+        }
         match self {
             Kernel::Reduce { wg, .. } | Kernel::CrossEntropyBackward { wg } => *wg,
-            Kernel::Softmax { group, .. }
-            | Kernel::SoftmaxBackward { group }
-            | Kernel::LayerNorm { group }
-            | Kernel::AddLayerNorm { group }
-            | Kernel::LayerNormBackward { group }
-            | Kernel::CrossEntropy { group } => group.wg,
             Kernel::Matmul(cfg) => cfg.threads(),
             Kernel::MatmulSubgroup(cfg) => cfg.sg,
             _ => ELEMENTWISE_WG,

@@ -214,27 +214,25 @@ impl WgpuContext {
                     Ok(c)
                 }
             }
-            MatmulChoice::Tile(bm, bn, bk, tm, tn) if dtype.is_half() => {
-                let cfg = MatmulConfig {
-                    bm,
-                    bn,
-                    bk,
-                    tm,
-                    tn,
-                    ..self.half_tiled_config(dtype, &la, &lb, &d)?
-                };
-                self.matmul_half_tiled(a, la, b, lb, d, Some(cfg))
-            }
             MatmulChoice::Tile(bm, bn, bk, tm, tn) => {
+                let variant = if dtype.is_half() {
+                    self.half_tiled_config(dtype, &la, &lb, &d)?
+                } else {
+                    self.matmul_config(&la, &lb, &d)
+                };
                 let cfg = MatmulConfig {
                     bm,
                     bn,
                     bk,
                     tm,
                     tn,
-                    ..self.matmul_config(&la, &lb, &d)
+                    ..variant
                 };
-                self.matmul_tiled(a, la, b, lb, d, cfg)
+                if dtype.is_half() {
+                    self.matmul_half_tiled(a, la, b, lb, d, Some(cfg))
+                } else {
+                    self.matmul_tiled(a, la, b, lb, d, cfg)
+                }
             }
         }
     }
