@@ -520,8 +520,8 @@ impl WgpuContext {
         trees.chain(subgroup).collect()
     }
 
-    /// `reduce_rows` of packed `x` (`[rows, cols]`, rows longer than the thin kernel's) with
-    /// `wg` invocations per row: whole rows a workgroup each; long rows in segments of
+    /// `reduce_rows` of packed `x` (`[rows, cols]`): short rows (the thin kernel's) one
+    /// invocation each; longer whole rows a workgroup of `wg` each; long rows in segments of
     /// `wg * REDUCE_SEGMENT_STEPS` columns into (value, index) partials, then one workgroup per
     /// row over its partials.
     fn reduce_rows_in_groups(
@@ -534,13 +534,15 @@ impl WgpuContext {
         let out = self.empty(x.device(), &[rows])?;
         let off = u(x.layout().offset);
         let segment = wg as usize * REDUCE_SEGMENT_STEPS;
-        if cols <= 2 * segment {
+        let thin = cols <= thin_row_cols(self.info.is_software);
+        if thin || cols <= 2 * segment {
+            let (mode, wg, groups) = if thin {
+                (ReduceMode::Thin, ELEMENTWISE_WG, groups_for(rows))
+            } else {
+                (ReduceMode::Direct, wg, rows as u64)
+            };
             self.dispatch(
-                Kernel::Reduce {
-                    op,
-                    mode: ReduceMode::Direct,
-                    wg,
-                },
+                Kernel::Reduce { op, mode, wg },
                 &ReduceParams {
                     rows: u(rows),
                     cols: u(cols),
@@ -550,7 +552,7 @@ impl WgpuContext {
                 }
                 .words(&[]),
                 &[Arg::of(gpu(x)?), Arg::of(gpu(&out)?)],
-                rows as u64,
+                groups,
                 1,
             )?;
         } else {
@@ -823,30 +825,9 @@ impl Kernels for WgpuContext {
 
     fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
         let x = self.packed(x)?;
-        let off = u(x.layout().offset);
         if cols <= thin_row_cols(self.info.is_software) {
-            // Short rows: one invocation each.
-            let out = self.empty(x.device(), &[rows])?;
-            self.dispatch(
-                Kernel::Reduce {
-                    op,
-                    mode: ReduceMode::Thin,
-                    wg: ELEMENTWISE_WG,
-                },
-                &ReduceParams {
-                    rows: u(rows),
-                    cols: u(cols),
-                    x_offset: off,
-                    segments: 1,
-                    seg_len: u(cols.max(1)),
-                }
-                .words(&[]),
-                &[Arg::of(gpu(&x)?), Arg::of(gpu(&out)?)],
-                groups_for(rows),
-                1,
-            )?;
-            self.check()?;
-            return Ok(out);
+            // One invocation per row: no workgroup to tune.
+            return self.reduce_rows_in_groups(op, &x, [rows, cols], self.row_wg());
         }
         self.with_row_group(op.name(), [rows, cols], false, |g| {
             self.reduce_rows_in_groups(op, &x, [rows, cols], g.wg)
