@@ -17,8 +17,8 @@ use std::time::Instant;
 
 use wgpipe::autograd::{Module, Sgd};
 use wgpipe::models::{mse, Linear, Relu};
-use wgpipe::pipeline::mpi_comm::MpiComm;
-use wgpipe::pipeline::timeline::{simulate, ActionCost};
+use wgpipe::pipeline::sim::timeline::{simulate, ActionCost};
+use wgpipe::pipeline::MpiComm;
 use wgpipe::pipeline::{
     ActionKind, Balance, CheckpointMode, DeviceSpec, LinkSpec, Pipeline, ScheduleKind, Transport,
 };

@@ -131,7 +131,7 @@ fn planned(
     specs: &[DeviceSpec],
     x: &Tensor,
     y: &Tensor,
-) -> Result<(Pipeline, wgpipe::pipeline::PlanReport), PipelineError> {
+) -> Result<(Pipeline, wgpipe::pipeline::PlanReport), PlanError> {
     let loss: &LossFn = &cross_entropy;
     let inputs = PlanInputs {
         inputs: x,
@@ -187,7 +187,7 @@ fn fits(blocks: usize, specs: &[DeviceSpec], x: &Tensor, y: &Tensor) -> Res<(boo
             run(&mut pipe, x, y)?.ok_or("the planner said it fits, but it ran out of memory")?;
             true
         }
-        Err(PipelineError::Plan(PlanError::NoFit(_))) => false,
+        Err(PlanError::NoFit(_)) => false,
         Err(e) => return Err(e.into()),
     };
     Ok((hand, planned))

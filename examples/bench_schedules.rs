@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use wgpipe::autograd::{Module, Sgd};
 use wgpipe::models::{mse, Linear, Relu};
-use wgpipe::pipeline::timeline::{simulate, ActionCost, DeviceSpec, LinkSpec};
+use wgpipe::pipeline::sim::timeline::{simulate, ActionCost, DeviceSpec, LinkSpec};
 use wgpipe::pipeline::{
     ActionKind, Balance, CheckpointMode, Pipeline, Schedule, ScheduleKind, SimCluster,
 };
@@ -31,17 +31,10 @@ use wgpipe_apps::Parser;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// The closed form of each schedule's bubble with equal costs, and which measure it is for.
+/// The closed form of each schedule's bubble with equal costs (the registry's), and which
+/// measure it is for.
 fn closed_form(kind: ScheduleKind, k: usize, m: usize, v: usize) -> (f64, &'static str) {
-    let (kf, mf, vf) = (k as f64, m as f64, v as f64);
-    match kind {
-        ScheduleKind::GPipe | ScheduleKind::OneFOneB => ((kf - 1.0) / (mf + kf - 1.0), "step"),
-        ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => {
-            ((kf - 1.0) / (vf * mf + kf - 1.0), "step")
-        }
-        ScheduleKind::ZbH1 => ((kf - 1.0) / (3.0 * mf + kf - 1.0), "step"),
-        ScheduleKind::ZbH2 | ScheduleKind::ZbV | ScheduleKind::DualPipeV => (0.0, "steady"),
-    }
+    (kind.def().bubble)(k as f64, m as f64, v as f64)
 }
 
 fn unit_timeline(s: &Schedule) -> Res<wgpipe::pipeline::Timeline> {

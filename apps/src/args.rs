@@ -426,8 +426,8 @@ pub fn build_pipeline(
 /// other than 0 go silent.
 #[cfg(feature = "mpi")]
 fn mpi_transport(args: &PipelineArgs) -> AppResult<crate::pipeline::Transport> {
-    let comm = crate::pipeline::mpi_comm::MpiComm::init()
-        .map_err(|e| AppError(format!("--transport mpi: {e}")))?;
+    let comm =
+        crate::pipeline::MpiComm::init().map_err(|e| AppError(format!("--transport mpi: {e}")))?;
     let want = args.replicas * args.stages;
     if comm.size() != want {
         return Err(AppError(format!(

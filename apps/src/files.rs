@@ -1,5 +1,5 @@
 //! `--save` and `--resume`: whole-pipeline checkpoint files through the pipeline crate's
-//! [`persist`](crate::pipeline::persist) module, with messages that tell a damaged or foreign
+//! [`persist`](crate::pipeline::train::persist) module, with messages that tell a damaged or foreign
 //! file (nothing to do with the flags) from a checkpoint of another model (the flags differ:
 //! which tensor, and which model each side describes).
 

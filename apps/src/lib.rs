@@ -9,7 +9,7 @@
 //! - [`placement`]: the stage devices of `--device`;
 //! - [`args`]: the pipeline flags every training example shares, and building the pipeline;
 //! - [`plan`]: `--plan`, the pipeline chosen by the planner;
-//! - [`files`]: `--save` / `--resume` checkpoint files (through `wgpipe_pipeline::persist`);
+//! - [`files`]: `--save` / `--resume` checkpoint files (through `wgpipe_pipeline::train::persist`);
 //! - [`train`]: the training loop and Ctrl-C;
 //! - [`output`]: the progress bar, the per-stage table, the trace and the SVG timeline;
 //! - the programs: [`train_transformer`], [`train_cnn`], [`bench_train`].

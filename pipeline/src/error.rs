@@ -2,7 +2,7 @@
 
 use crate::partition::PartitionError;
 use crate::schedule::ScheduleError;
-use crate::timeline::TimelineError;
+use crate::sim::timeline::TimelineError;
 
 /// Why a stage failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -69,9 +69,6 @@ pub enum PipelineError {
     /// A step that timed out still has threads running, which hold some of the stages.
     #[error("a step that timed out is still running ({0}); its stages come back when it ends")]
     Stuck(String),
-    /// The planner found no configuration (see [`crate::plan::PlanError`]).
-    #[error("planner: {0}")]
-    Plan(#[from] crate::plan::PlanError),
     /// An op outside any stage (splitting the batch, moving data, the optimizer) failed.
     #[error("{0}")]
     Tensor(#[from] wgpipe_tensor::Error),

@@ -13,44 +13,52 @@
 //! pipe.optimizer_step()?;
 //! ```
 
-mod absent;
-pub mod builder;
-#[cfg(feature = "mpi")]
-pub(crate) mod distributed;
+//! The crate in layers, each folder importing only from those below it (a test in
+//! `layers.rs` reads every `use crate::` and holds it):
+//!
+//! - [`schedule`]: the action IR, validation, text form, generators and their registry;
+//! - [`sim`]: simulated time (timelines, the virtual cluster, collectives' cost, pictures);
+//! - [`exec`]: stages, the worker, threads, transports and the step communicator;
+//! - [`plan`]: the planner (profile, cost, search), on schedule and sim only;
+//! - [`train`]: the public `Pipeline`, its builder, reports and checkpoints.
+//!
+//! Beside them, leaf modules every layer may use: [`error`], [`partition`], [`microbatch`],
+//! [`skips`] and the [`LossFn`] type.
+
 pub mod error;
+pub mod exec;
 pub mod microbatch;
-#[cfg(feature = "mpi")]
-pub mod mpi_comm;
 pub mod partition;
-pub mod persist;
-pub mod pipeline;
 pub mod plan;
-pub mod replicas;
-pub mod report;
-pub mod scaler;
 pub mod schedule;
 pub mod sim;
 pub mod skips;
-pub mod threads;
-mod tied;
-pub mod timeline;
-pub mod trace;
-pub mod transport;
-pub mod wire;
-pub mod worker;
+pub mod train;
 
-pub use builder::{Balance, PipelineBuilder, ScheduleKind, ScheduleSpec};
+#[cfg(test)]
+mod layers;
+
 pub use error::{NonFinite, PipelineError, Result, StageCause};
-pub use persist::{LoadOptions, PersistError, Restored, SaveOptions};
-pub use pipeline::Pipeline;
-pub use plan::{PlanInputs, PlanOptions, PlanReport};
-pub use report::{SimReport, StageReport, StepReport};
-pub use scaler::{LossScaling, ScalerState};
+#[cfg(feature = "mpi")]
+pub use exec::transport::mpi::MpiComm;
+pub use exec::transport::Transport;
+pub use exec::{NonFiniteAt, Stage};
+pub use plan::{PlanError, PlanInputs, PlanOptions, PlanReport};
 pub use schedule::{
-    Action, ActionKind, CheckpointMode, Link, Schedule, ScheduleError, SkipLink, SkipPort,
+    Action, ActionKind, CheckpointMode, Link, Schedule, ScheduleError, ScheduleKind, SkipLink,
+    SkipPort,
 };
+pub use sim::timeline::{Collective, DeviceSpec, LinkSpec, Timeline};
 pub use sim::SimCluster;
 pub use skips::{SkipRoute, StageSkips};
-pub use timeline::{Collective, DeviceSpec, LinkSpec, Timeline};
-pub use transport::Transport;
-pub use worker::{LossFn, NonFiniteAt, Stage};
+pub use train::builder::{Balance, PipelineBuilder, ScheduleSpec};
+pub use train::persist::{LoadOptions, PersistError, Restored, SaveOptions};
+pub use train::report::{SimReport, StageReport, StepReport};
+pub use train::scaler::{LossScaling, ScalerState};
+pub use train::Pipeline;
+
+use wgpipe_autograd::Var;
+use wgpipe_tensor::Tensor;
+
+/// The loss of one micro-batch: `(output of the last stage, targets) -> scalar mean loss`.
+pub type LossFn = dyn Fn(&Var, &Tensor) -> wgpipe_tensor::Result<Var> + Sync;

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use wgpipe_pipeline::threads::{
+use wgpipe_pipeline::exec::threads::{
     install_quiet_panic_hook, panic_message, spawn_stage, stage_thread_name,
 };
 

@@ -22,12 +22,11 @@
 
 use crate::microbatch::micro_batch_sizes;
 use crate::partition::stage_ranges;
-use crate::replicas::replicated_timeline;
+use crate::schedule::ScheduleKind;
 use crate::schedule::{Action, ActionKind, CheckpointMode, Schedule, SkipLink};
+use crate::sim::collectives::{add_to_timeline, holder_devices, replicated_timeline, TiedExchange};
+use crate::sim::timeline::{simulate_valid, ActionCost, DeviceSpec, LinkSpec, Timeline};
 use crate::skips::{skip_links, SkipRoute};
-use crate::tied::{add_to_timeline, holder_devices, TiedExchange};
-use crate::timeline::{simulate_valid, ActionCost, DeviceSpec, LinkSpec, Timeline};
-use crate::ScheduleKind;
 
 use super::profile::Profile;
 
@@ -574,7 +573,7 @@ impl CostModel<'_> {
                 busy[d] += (x.forward + x.backward - x.accumulate + loss) / rate(s);
             }
         }
-        let tail = c.chunks == 1 && matches!(c.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB);
+        let tail = c.chunks == 1 && c.kind.def().backward_tail;
         // The smallest micro-batch's forwards and backwards of the stages so far.
         let (mut fwd, mut bwd) = (0.0, 0.0);
         let mut bound = 0.0f64;

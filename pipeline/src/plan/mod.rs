@@ -22,13 +22,12 @@ pub use profile::{
     SkipProfile, TieProfile,
 };
 
-use wgpipe_tensor::{Device, Tensor};
+use wgpipe_tensor::Tensor;
 
 use crate::schedule::Schedule;
-use crate::sim::SimCluster;
-use crate::timeline::{DeviceSpec, LinkSpec};
-use crate::worker::LossFn;
-use crate::{Balance, PipelineBuilder, ScheduleKind};
+use crate::schedule::ScheduleKind;
+use crate::sim::timeline::{DeviceSpec, LinkSpec};
+use crate::LossFn;
 
 /// What the search may choose from.
 #[derive(Debug, Clone)]
@@ -129,6 +128,9 @@ pub enum PlanError {
     NoFit(Box<NoFit>),
     #[error("nothing to plan: {0}")]
     Empty(String),
+    /// Profiling the layers or building a candidate failed.
+    #[error("planner: {0}")]
+    Pipeline(#[from] crate::error::PipelineError),
 }
 
 /// The fastest configuration of a profiled model for `batch` samples per step on devices
@@ -195,26 +197,6 @@ impl fmt::Display for PlanReport {
     }
 }
 
-/// Measured seconds become FLOPs at this nominal rate when planning real devices.
-const MEASURED_RATE: f64 = 1e12;
-
-/// What a plan is for: the simulated cluster (FLOPs over its rates), or real devices (measured
-/// times).
-#[derive(Clone, Copy)]
-enum Target<'a> {
-    Sim(&'a SimCluster),
-    Devices(&'a [Device]),
-}
-
-impl Target<'_> {
-    fn devices(&self) -> &[Device] {
-        match self {
-            Target::Sim(c) => c.devices(),
-            Target::Devices(d) => d,
-        }
-    }
-}
-
 /// What the planner needs besides the layers and the cluster: a sample to profile on (at least
 /// 2 rows of inputs and targets; the first rows are used), the loss, and the mini-batch size the
 /// plan is for.
@@ -224,140 +206,4 @@ pub struct PlanInputs<'a> {
     pub loss: &'a LossFn,
     pub batch: usize,
     pub options: PlanOptions,
-}
-
-impl PipelineBuilder {
-    /// Profiles the layers on `plan.inputs`, searches the fastest configuration of one
-    /// pipeline (no replicas) that fits `cluster`'s memories, and sets this builder to it: the
-    /// chosen devices in the chosen order, the balance, M and the schedule (with each device's
-    /// re-materialization). Call it after `.optimizer(..)`, so that the optimizer's state is
-    /// planned for; a later `.sim`, `.balance`, `.micro_batches` or `.schedule` overrides the
-    /// plan.
-    pub fn plan(
-        self,
-        cluster: &SimCluster,
-        plan_inputs: &PlanInputs<'_>,
-    ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
-        self.plan_with(cluster, plan_inputs, None)
-    }
-
-    /// As [`PipelineBuilder::plan`], with data-parallel replicas in the search (up to the
-    /// options' `max_replicas`): when the plan has R > 1, the builder is set to
-    /// `.replicas(R, make_layers)` over the chosen R x K devices.
-    pub fn plan_replicated(
-        self,
-        cluster: &SimCluster,
-        plan_inputs: &PlanInputs<'_>,
-        make_layers: impl FnMut() -> Vec<Box<dyn wgpipe_autograd::Module>> + 'static,
-    ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
-        self.plan_with(cluster, plan_inputs, Some(Box::new(make_layers)))
-    }
-
-    /// Plans for real devices (the CPU backend's, or wgpu adapters), whose speed nobody
-    /// gave: each layer's forward and backward are timed on `devices[0]`'s backend
-    /// (`options.measure_reps` runs, median) and the search predicts with those times instead
-    /// of FLOPs over a rate; memories are the devices' capacities (unlimited when unset),
-    /// transfers cost nothing (one host or one adapter). The prediction assumes the devices
-    /// run in parallel: K devices sharing one GPU or a few CPU cores do not, and the report's
-    /// measured step shows by how much. Sets the builder to the chosen devices, balance, M
-    /// and schedule (no replicas).
-    pub fn plan_devices(
-        self,
-        devices: &[Device],
-        plan_inputs: &PlanInputs<'_>,
-    ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
-        self.plan_for(Target::Devices(devices), plan_inputs, None)
-    }
-
-    fn plan_with(
-        self,
-        cluster: &SimCluster,
-        plan_inputs: &PlanInputs<'_>,
-        make_layers: Option<crate::builder::LayerFactory>,
-    ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
-        self.plan_for(Target::Sim(cluster), plan_inputs, make_layers)
-    }
-
-    fn plan_for(
-        mut self,
-        target: Target<'_>,
-        plan_inputs: &PlanInputs<'_>,
-        make_layers: Option<crate::builder::LayerFactory>,
-    ) -> crate::Result<(PipelineBuilder, PlanReport, Profile)> {
-        if self.skip_route != crate::SkipRoute::Direct {
-            return Err(crate::PipelineError::Config(
-                "the planner models direct skips only (each skip sent straight from its \
-                 producer's stage to its consumer's); plan with SkipRoute::Direct, not Relay"
-                    .into(),
-            ));
-        }
-        let backing = target.devices().first().cloned().ok_or_else(|| {
-            crate::PipelineError::Config("the cluster to plan for has no devices".into())
-        })?;
-        let mut options = plan_inputs.options.clone();
-        let reps = match target {
-            Target::Sim(_) => 0,
-            Target::Devices(_) => options.measure_reps.max(1),
-        };
-        let profile = profile_layers_timed(
-            &mut self.layers,
-            plan_inputs.inputs,
-            plan_inputs.targets,
-            plan_inputs.loss,
-            self.optimizer.as_deref(),
-            &backing,
-            ProfileRun {
-                reps,
-                compute: self.precision,
-            },
-        )?;
-        if make_layers.is_none() {
-            options.max_replicas = 1;
-        }
-        let report = match target {
-            Target::Sim(cluster) => plan(
-                &profile,
-                cluster.specs(),
-                cluster.link(),
-                plan_inputs.batch,
-                &options,
-            )?,
-            Target::Devices(devices) => {
-                let specs: Vec<DeviceSpec> = devices
-                    .iter()
-                    .map(|d| DeviceSpec {
-                        flops_per_sec: MEASURED_RATE,
-                        memory_bytes: d.memory().capacity().map_or(u64::MAX, |c| c as u64),
-                    })
-                    .collect();
-                let timed = profile.with_measured_times(MEASURED_RATE)?;
-                let mut r = plan(&timed, &specs, LinkSpec::FREE, plan_inputs.batch, &options)?;
-                r.basis = format!(
-                    "layer times measured on {}, median of {} runs; devices assumed to run in \
-                     parallel, transfers free",
-                    profile.timed_on, profile.timed_reps
-                );
-                r
-            }
-        };
-        let best = &report.best;
-        let placed = match target {
-            Target::Sim(cluster) => self.sim(cluster.select(&best.candidate.order)),
-            Target::Devices(devices) => self.devices(
-                best.candidate
-                    .order
-                    .iter()
-                    .map(|&d| devices[d].clone())
-                    .collect(),
-            ),
-        };
-        let mut builder = placed
-            .balance(Balance::Explicit(best.candidate.balance.clone()))
-            .micro_batches(best.candidate.micro_batches)
-            .schedule(best.schedule.clone());
-        if let (r @ 2.., Some(make_layers)) = (best.candidate.replicas, make_layers) {
-            builder = builder.replicas(r, make_layers);
-        }
-        Ok((builder, report, profile))
-    }
 }

@@ -21,7 +21,7 @@ use wgpipe_autograd::{resolve_skips, ForwardCtx, Module, Param, SkipEdge, Tape, 
 use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::error::{PipelineError, Result};
-use crate::worker::LossFn;
+use crate::LossFn;
 
 /// `fixed + per_sample · b` for a micro-batch of b samples.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -467,7 +467,7 @@ impl<'a> Meter<'a> {
 }
 
 fn bytes_of(t: &Tensor) -> f64 {
-    crate::worker::wire_bytes(t) as f64
+    crate::sim::wire_bytes(t) as f64
 }
 
 /// The tensors the layers stashed so far, by skip name.

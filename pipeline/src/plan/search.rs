@@ -9,8 +9,8 @@
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use crate::schedule::{CheckpointMode, Placement, Schedule, SkipLink};
-use crate::ScheduleKind;
+use crate::schedule::ScheduleKind;
+use crate::schedule::{CheckpointMode, Schedule, SkipLink};
 
 use super::cost::{with_remat, Candidate, CandidateCosts, CostModel, Prediction, ScheduleFacts};
 use super::profile::LayerProfile;
@@ -163,10 +163,7 @@ impl Search<'_, '_> {
         m: usize,
         skips: &[SkipLink],
     ) -> Option<Rc<Structure>> {
-        let index = ScheduleKind::ALL
-            .iter()
-            .position(|&x| x == kind)
-            .unwrap_or(0);
+        let index = kind as usize;
         self.structures
             .entry((index, k, v, m, skips.to_vec()))
             .or_insert_with(|| {
@@ -210,11 +207,7 @@ impl Search<'_, '_> {
         let k = order.len() / replicas;
         let n = self.model.profile.layers.len();
         let stages = k * v;
-        let placement = match kind {
-            ScheduleKind::ZbV | ScheduleKind::DualPipeV => Placement::V,
-            _ => Placement::Looped { chunks: v },
-        }
-        .devices(k);
+        let placement = kind.def().chunks.placement(v).devices(k);
         let balances = if count_compositions(n, stages) <= self.options.exhaustive_balances as f64 {
             compositions(n, stages)
         } else {
@@ -410,7 +403,7 @@ impl Search<'_, '_> {
         order: &[usize],
         r: usize,
         d: usize,
-        of: impl Fn(&crate::timeline::DeviceSpec) -> f64,
+        of: impl Fn(&crate::sim::timeline::DeviceSpec) -> f64,
     ) -> f64 {
         let k = order.len() / r;
         (0..r)
@@ -530,19 +523,8 @@ pub fn compositions(n: usize, s: usize) -> Vec<Vec<usize>> {
 pub fn kinds_and_chunks(options: &PlanOptions, k: usize) -> Vec<(ScheduleKind, usize)> {
     let mut out = Vec::new();
     for &kind in &options.kinds {
-        match kind {
-            ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => {
-                if k > 1 {
-                    out.extend(options.chunks.iter().map(|&v| (kind, v)));
-                }
-            }
-            ScheduleKind::ZbV | ScheduleKind::DualPipeV => {
-                if k > 1 {
-                    out.push((kind, 2));
-                }
-            }
-            _ => out.push((kind, 1)),
-        }
+        let choices = kind.def().chunks.planner_choices(k, &options.chunks);
+        out.extend(choices.into_iter().map(|v| (kind, v)));
     }
     out
 }

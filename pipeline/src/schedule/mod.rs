@@ -17,6 +17,7 @@
 //! text listing ([`Schedule::parse`]).
 
 mod generators;
+mod kind;
 pub mod random;
 mod skips;
 mod text;
@@ -31,6 +32,7 @@ pub use generators::{
     dual_pipe_v, gpipe, interleaved_one_f_one_b, looped_bfs, one_f_one_b, zb_h1, zb_h2, zb_v,
     Placement,
 };
+pub use kind::{ChunkRule, ScheduleDef, ScheduleKind, SCHEDULES};
 pub use skips::SkipLink;
 
 pub use validate::ScheduleError;

@@ -2,7 +2,7 @@
 
 use super::random::{random_schedule, Rng};
 use super::*;
-use crate::timeline::{simulate, ActionCost, DeviceSpec, LinkSpec, Timeline};
+use crate::sim::timeline::{simulate, ActionCost, DeviceSpec, LinkSpec, Timeline};
 
 const MODES: [CheckpointMode; 3] = [
     CheckpointMode::Always,

@@ -8,6 +8,16 @@ use std::collections::HashMap;
 /// Why a schedule was rejected. Every variant names the device and action concerned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ScheduleError {
+    #[error(
+        "the {schedule} schedule places {allowed} chunk(s) per device; {asked} were asked for"
+    )]
+    ChunkCount {
+        schedule: &'static str,
+        allowed: &'static str,
+        asked: usize,
+    },
+    #[error("no schedule is called '{asked}' (the schedules: {known})")]
+    UnknownKind { asked: String, known: String },
     #[error("a schedule needs at least one device (K = 0)")]
     NoDevices,
     #[error("a schedule needs at least one micro-batch (M = 0)")]

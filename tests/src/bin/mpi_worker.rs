@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use serde_json::json;
-use wgpipe_pipeline::mpi_comm::MpiComm;
+use wgpipe_pipeline::MpiComm;
 use wgpipe_pipeline::{LoadOptions, SaveOptions, Transport};
 use wgpipe_tensor::memory::Tag;
 use wgpipe_tests::{mse, try_sim_pipeline, FaultKind, MpiFault, MpiJob, PipeCfg};

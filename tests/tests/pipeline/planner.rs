@@ -313,7 +313,8 @@ fn no_fit_names_the_device_bytes_and_smallest_memory() {
         })
         .collect();
     plan(&profile, &enough, LINK, N, &PlanOptions::default()).unwrap();
-    let _ = PipelineError::Plan(e);
+    // A planner error can carry a pipeline error, not the reverse.
+    let _ = PlanError::from(PipelineError::Config(e.to_string()));
 }
 
 /// Every ordered choice of `k` of `n` devices.

@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex};
 
 use wgpipe_autograd::Module;
 use wgpipe_pipeline::{
-    replicas::ring_all_reduce_secs, CheckpointMode, LinkSpec, LoadOptions, Pipeline, PipelineError,
-    SaveOptions, ScheduleKind,
+    sim::collectives::ring_all_reduce_secs, CheckpointMode, LinkSpec, LoadOptions, Pipeline,
+    PipelineError, SaveOptions, ScheduleKind,
 };
 use wgpipe_tensor::Tensor;
 use wgpipe_tests::*;

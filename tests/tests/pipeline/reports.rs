@@ -1,7 +1,7 @@
 //! Reports: bytes between stages, the Chrome trace and the SVG timeline.
 
 use serde_json::Value;
-use wgpipe_pipeline::trace::{chrome_trace_json, svg_timeline};
+use wgpipe_pipeline::sim::trace::{chrome_trace_json, svg_timeline};
 use wgpipe_pipeline::{CheckpointMode, ScheduleKind, StepReport};
 use wgpipe_tensor::Tag;
 use wgpipe_tests::*;

@@ -9,7 +9,7 @@ use wgpipe_autograd::{layer_param_name, CostHint, ForwardCtx, Module, Param, Ski
 use wgpipe_tensor::memory::{with_tag, Tag};
 
 use crate::error::{PipelineError, Result};
-use crate::worker::Stage;
+use crate::exec::Stage;
 
 /// What a rank knows of a stage another rank holds.
 #[derive(Debug, Clone)]

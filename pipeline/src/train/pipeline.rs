@@ -17,20 +17,21 @@ use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, SkipRouter, T
 use wgpipe_tensor::memory::{Tag, TagGuard};
 use wgpipe_tensor::{DType, Device, Tensor};
 
-use crate::builder::PipelineBuilder;
 use crate::error::{NonFinite, PipelineError, Result, StageCause};
-use crate::microbatch::split_batch;
-use crate::report::{wall_timeline, SimReport, StageReport, StepReport};
-use crate::scaler::{GradScaler, ScalerState};
-use crate::schedule::{Action, Schedule};
-use crate::sim::SimCluster;
-use crate::threads::{self, spawn_stage};
-use crate::timeline::{simulate, ActionCost};
-use crate::transport::{wire_links, Transport};
-use crate::worker::{
-    lock, run_device, ActionRecord, LossFn, LossRequest, Position, Running, Stage, StageOutcome,
-    StepInputs,
+use crate::exec::threads::{self, lock, spawn_stage};
+use crate::exec::transport::{wire_links, Transport};
+use crate::exec::worker::{
+    run_device, ActionRecord, LossRequest, Position, Running, StageOutcome, StepInputs,
 };
+use crate::exec::Stage;
+use crate::microbatch::split_batch;
+use crate::schedule::{Action, Schedule};
+use crate::sim::timeline::{simulate, ActionCost};
+use crate::sim::SimCluster;
+use crate::train::builder::PipelineBuilder;
+use crate::train::report::{wall_timeline, SimReport, StageReport, StepReport};
+use crate::train::scaler::{GradScaler, ScalerState};
+use crate::LossFn;
 
 pub struct Pipeline {
     pub(crate) stages: Vec<Stage>,
@@ -48,7 +49,7 @@ pub struct Pipeline {
     /// A timed-out step whose threads still hold stages (see [`Pipeline::settle`]).
     pub(crate) stuck: Option<StuckStep>,
     /// Data parallelism: the other replicas (1..R), each a whole pipeline on its own devices
-    /// whose parameters stay bit-identical to this one's (see [`crate::replicas`]). The
+    /// whose parameters stay bit-identical to this one's (see [`crate::train::replicas`]). The
     /// accessors (parameters, stages, devices, reports of K) describe replica 0.
     pub(crate) replicas: Vec<Pipeline>,
     /// The dtype the layers compute in (see [`wgpipe_autograd::ForwardCtx::compute`]).
@@ -89,12 +90,12 @@ impl Pipeline {
     ) -> Result<()> {
         if self.stages.iter().any(|s| !s.is_held()) {
             self.check_settled()?;
-            crate::absent::restore(&mut self.stages, make_layers())?;
+            crate::exec::absent::restore(&mut self.stages, make_layers())?;
         }
         #[cfg(feature = "mpi")]
         if let Transport::Mpi(comm) = &self.transport {
             self.round += 1;
-            return crate::distributed::gather_stages(
+            return crate::exec::comm::mpi::gather_stages(
                 comm,
                 self.round,
                 &self.schedule,
@@ -209,7 +210,7 @@ impl Pipeline {
     /// With R replicas the mini-batch is split into R shards (sizes differing by at most one),
     /// each replica runs the step above on its shard, and every parameter's gradient becomes
     /// the shard-weighted average over the replicas, the same on every replica (see
-    /// [`crate::replicas`]); a failure on any replica leaves every replica as before.
+    /// [`crate::train::replicas`]); a failure on any replica leaves every replica as before.
     pub fn train_step(
         &mut self,
         inputs: &Tensor,
@@ -230,7 +231,7 @@ impl Pipeline {
         let mut report = if self.replicas.is_empty() {
             self.train_step_one(inputs, targets, loss_fn)
         } else {
-            crate::replicas::train_step(self, inputs, targets, loss_fn)
+            crate::train::replicas::train_step(self, inputs, targets, loss_fn)
         }?;
         if let Some(scale) = scale {
             if report.skipped.is_some() {
@@ -283,7 +284,7 @@ impl Pipeline {
         #[cfg(feature = "mpi")]
         let (inputs, targets, weight) = match &self.transport {
             Transport::Mpi(comm) => {
-                crate::distributed::shard(comm, self.schedule.num_devices(), inputs, targets)?
+                crate::exec::comm::mpi::shard(comm, self.schedule.num_devices(), inputs, targets)?
             }
             _ => (inputs.clone(), targets.clone(), 1.0),
         };
@@ -323,7 +324,7 @@ impl Pipeline {
             Ran::TimedOut { error, stuck } => {
                 #[cfg(feature = "mpi")]
                 if let Transport::Mpi(comm) = &self.transport {
-                    crate::distributed::fail_round(comm, self.round, &error);
+                    crate::exec::comm::mpi::fail_round(comm, self.round, &error);
                 }
                 self.stuck = Some(StuckStep {
                     handles: stuck,
@@ -342,7 +343,7 @@ impl Pipeline {
                 let mine = self
                     .schedule
                     .stages_of(comm.rank() % self.schedule.num_devices())[0];
-                match crate::distributed::agree(
+                match crate::exec::comm::mpi::agree(
                     comm,
                     self.round,
                     &self.schedule,
@@ -376,7 +377,7 @@ impl Pipeline {
         } else {
             // Tied copies' gradients are summed before anything else sees them (the replica
             // average, the optimizer), and before deferred updates, so a failure changes nothing.
-            tied = match crate::tied::exchange(&self.stages, &self.schedule, clock) {
+            tied = match crate::exec::tied::exchange(&self.stages, &self.schedule, clock) {
                 Ok(t) => t,
                 Err(e) => {
                     saved.restore(&self.stages);
@@ -386,7 +387,7 @@ impl Pipeline {
             // Over MPI, the groups with copies on other ranks' stages.
             #[cfg(feature = "mpi")]
             if let Transport::Mpi(comm) = &self.transport {
-                match crate::distributed::exchange_tied(
+                match crate::exec::comm::mpi::exchange_tied(
                     comm,
                     self.round,
                     &self.schedule,
@@ -411,7 +412,8 @@ impl Pipeline {
                             .runs_device(self.schedule.placement[s.index], k)
                     })
                     .collect();
-                if let Err(e) = crate::distributed::all_reduce(comm, self.round, k, &mine, weights)
+                if let Err(e) =
+                    crate::exec::comm::mpi::all_reduce(comm, self.round, k, &mine, weights)
                 {
                     saved.restore(&self.stages);
                     return Err(e);
@@ -436,7 +438,7 @@ impl Pipeline {
             memory = Some(m);
         }
         let mut report = self.report(outcomes, wall, loss, memory)?;
-        crate::tied::add_to_report(&mut report, &self.schedule, &tied, self.sim.as_ref());
+        crate::train::report::add_to_report(&mut report, &self.schedule, &tied, self.sim.as_ref());
         report.skipped = skipped;
         self.step += 1;
         Ok(report)
@@ -855,7 +857,7 @@ impl Pipeline {
             )));
         }
         // A tied parameter counts once, as in plain training (its copies hold one gradient).
-        let counted = crate::tied::without_later_copies(&self.stages);
+        let counted = crate::exec::tied::without_later_copies(&self.stages);
         let mut parts = Vec::with_capacity(self.stages.len());
         for (s, params) in self.stages.iter().zip(&counted) {
             parts.push(
@@ -867,7 +869,7 @@ impl Pipeline {
         // from the rank that trains it, so that all sum the same parts in the same order.
         #[cfg(feature = "mpi")]
         if let Transport::Mpi(comm) = &self.transport {
-            parts = crate::distributed::stage_parts(comm, self.round, &self.schedule, &parts)?;
+            parts = crate::exec::comm::mpi::stage_parts(comm, self.round, &self.schedule, &parts)?;
         }
         let mut sq = 0.0f64;
         for (s, &part) in self.stages.iter().zip(&parts) {
@@ -1021,7 +1023,8 @@ impl Pipeline {
         let failed = match &self.transport {
             Transport::Mpi(comm) => {
                 let local = failed.map_or(Ok(()), Err);
-                crate::distributed::agree_ok(comm, round, self.schedule.num_devices(), local).err()
+                crate::exec::comm::mpi::agree_ok(comm, round, self.schedule.num_devices(), local)
+                    .err()
             }
             _ => failed,
         };

@@ -4,7 +4,7 @@
 //! hands encoded bytes to this thread, and receive from in-process channels that this thread
 //! feeds.
 //!
-//! Every message is one byte buffer in the [`crate::wire`] format; its header, not the MPI tag,
+//! Every message is one byte buffer in the [`crate::exec::transport::wire`] format; its header, not the MPI tag,
 //! says what it is. Each `train_step` is a round: the thread delivers a round's tensors to the
 //! receivers registered for that round, keeps messages of later rounds until their round
 //! begins (a fast peer may start the next step early), and drops those of rounds that are over
@@ -24,10 +24,11 @@ use mpi::topology::Communicator;
 use mpi::Threading;
 
 use crate::error::{PipelineError, StageCause};
+use crate::exec::threads::lock;
+use crate::exec::transport::wire::{self, MsgKind};
+use crate::exec::transport::Msg;
+use crate::exec::transport::{decode_msg, encode_msg, LinkSend};
 use crate::schedule::Link;
-use crate::transport::{decode_msg, encode_msg, LinkSend};
-use crate::wire::{self, MsgKind};
-use crate::worker::{lock, Msg};
 
 /// How long the communication thread waits for work before it looks for incoming messages
 /// again: the receive latency it adds, and what keeps it from spinning a core.
@@ -545,11 +546,12 @@ pub(crate) fn wire_links(
     schedule: &crate::schedule::Schedule,
     round: u64,
     abort: &Arc<AtomicBool>,
-) -> Vec<crate::worker::DeviceLinks> {
+) -> Vec<crate::exec::transport::DeviceLinks> {
     let k = schedule.num_devices();
     let me = comm.rank() % k;
     let base = comm.rank() - me;
-    let mut links: Vec<crate::worker::DeviceLinks> = (0..k).map(|_| Default::default()).collect();
+    let mut links: Vec<crate::exec::transport::DeviceLinks> =
+        (0..k).map(|_| Default::default()).collect();
     let mut incoming = HashMap::new();
     for link in schedule.links() {
         let (from, to) = (schedule.placement[link.from], schedule.placement[link.to]);

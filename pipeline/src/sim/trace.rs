@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use serde_json::{json, Value};
 
 use crate::schedule::ActionKind;
-use crate::timeline::{Collective, Event, Timeline};
+use crate::sim::timeline::{Collective, Event, Timeline};
 
 /// Which clock a timeline's times are on; every picture says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -457,7 +457,7 @@ pub fn svg_timeline_on(timeline: &Timeline, title: &str, clock: Clock) -> String
 mod tests {
     use super::*;
     use crate::schedule::{gpipe, CheckpointMode};
-    use crate::timeline::{simulate, ActionCost, DeviceSpec, LinkSpec};
+    use crate::sim::timeline::{simulate, ActionCost, DeviceSpec, LinkSpec};
 
     fn sample(k: usize, m: usize, latency_sec: f64) -> Timeline {
         let s = gpipe(k, m, CheckpointMode::ExceptLast).unwrap();

@@ -5,7 +5,7 @@
 //! every other thread's panic to the hook that was there before.
 
 use std::cell::RefCell;
-use std::sync::Once;
+use std::sync::{Mutex, Once};
 use std::thread::{JoinHandle, Scope, ScopedJoinHandle};
 
 /// What the name of every stage thread starts with.
@@ -89,4 +89,8 @@ pub fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
         Some(at) => format!("{msg} (at {at})"),
         None => msg,
     }
+}
+/// Locks a mutex, also after a panic elsewhere poisoned it (the data is a plain slot).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }

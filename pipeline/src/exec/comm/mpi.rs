@@ -5,7 +5,7 @@
 //! data-parallel replicas.
 //!
 //! Rank `r*K + d` runs device d of replica r. Every rank builds the whole model from the same
-//! seed and keeps only its device's stages (see [`crate::absent`]).
+//! seed and keeps only its device's stages (see [`crate::exec::absent`]).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -15,11 +15,12 @@ use wgpipe_tensor::memory::MemoryStats;
 use wgpipe_tensor::Tensor;
 
 use crate::error::{PipelineError, Result, StageCause};
+use crate::exec::transport::mpi::MpiComm;
+use crate::exec::transport::wire::{self, MsgKind};
+use crate::exec::worker::{ActionRecord, NonFiniteAt, StageOutcome};
+use crate::exec::Stage;
 use crate::microbatch::split_batch;
-use crate::mpi_comm::MpiComm;
 use crate::schedule::Schedule;
-use crate::wire::{self, MsgKind};
-use crate::worker::{ActionRecord, NonFiniteAt, Stage, StageOutcome};
 
 /// R, the replicas of a job of `comm.size()` ranks over K devices.
 fn replicas(comm: &MpiComm, k: usize) -> usize {
@@ -644,7 +645,7 @@ pub(crate) fn exchange_tied(
     schedule: &Schedule,
     stages: &[Stage],
     clock: std::time::Instant,
-) -> Result<Vec<crate::tied::TiedExchange>> {
+) -> Result<Vec<crate::sim::collectives::TiedExchange>> {
     let groups = groups_across_ranks(comm, stages);
     let me = comm.rank();
     let device = me % schedule.num_devices();
@@ -745,8 +746,8 @@ pub(crate) fn exchange_tied(
         for p in copies.iter().filter_map(|c| c.here.as_ref()) {
             sums.push((p.clone(), sum.to_device(&p.device())?));
         }
-        out.push(crate::tied::TiedExchange {
-            devices: crate::tied::holder_devices(
+        out.push(crate::sim::collectives::TiedExchange {
+            devices: crate::sim::collectives::holder_devices(
                 copies.iter().map(|c| c.stage),
                 &schedule.placement,
             ),

@@ -5,10 +5,12 @@ use std::ops::Range;
 
 use wgpipe_tensor::{DType, MemoryStats, Tag};
 
+use crate::exec::worker::{ActionRecord, NonFiniteAt};
 use crate::schedule::Schedule;
-use crate::timeline::{Event, Timeline};
-use crate::trace::{chrome_trace_json_on, svg_timeline_on, Clock};
-use crate::worker::{ActionRecord, NonFiniteAt};
+use crate::sim::collectives::{add_to_timeline, TiedExchange};
+use crate::sim::timeline::{Event, Timeline};
+use crate::sim::trace::{chrome_trace_json_on, svg_timeline_on, Clock};
+use crate::sim::SimCluster;
 
 /// One device's share of a step (a pipeline stage, or several virtual stages when the schedule
 /// places more than one chunk on a device).
@@ -224,5 +226,25 @@ pub(crate) fn wall_timeline(
         makespan: wall,
         busy,
         collectives: Vec::new(),
+    }
+}
+
+/// Adds the exchanges to a step's wall-clock and simulated timelines.
+pub(crate) fn add_to_report(
+    report: &mut StepReport,
+    schedule: &Schedule,
+    exchanges: &[TiedExchange],
+    sim: Option<&SimCluster>,
+) {
+    if exchanges.is_empty() {
+        return;
+    }
+    add_to_timeline(&mut report.wall_timeline, schedule, exchanges, None);
+    report.wall_bubble_fraction = report.wall_timeline.bubble_fraction();
+    if let (Some(s), Some(cluster)) = (report.simulated.as_mut(), sim) {
+        add_to_timeline(&mut s.timeline, schedule, exchanges, Some(&cluster.link()));
+        s.makespan_secs = s.timeline.makespan;
+        s.bubble_fraction = s.timeline.bubble_fraction();
+        s.steady_bubble_fraction = s.timeline.steady_bubble_fraction();
     }
 }

@@ -10,12 +10,9 @@ use std::time::Instant;
 use wgpipe_autograd::{check_tied, sum_tied_grads, tied_groups, Param};
 
 use crate::error::{PipelineError, Result};
-use crate::replicas::ring_all_reduce_secs;
-use crate::report::StepReport;
-use crate::schedule::{ActionKind, Schedule};
-use crate::sim::SimCluster;
-use crate::timeline::{Event, LinkSpec, Timeline};
-use crate::worker::Stage;
+use crate::exec::Stage;
+use crate::schedule::Schedule;
+use crate::sim::collectives::{holder_devices, TiedExchange};
 
 /// Every parameter of the stages, with the stage that holds it, in stage order.
 fn stage_params(stages: &[Stage]) -> (Vec<(String, Param)>, Vec<usize>) {
@@ -69,17 +66,6 @@ pub(crate) fn check_stage_ties(stages: &[Stage]) -> Result<()> {
     check_tied(&stage_params(stages).0).map_err(|e| PipelineError::Config(e.to_string()))
 }
 
-/// One tie group's exchange: the devices holding its copies (in stage order, deduplicated) and
-/// the bytes of its gradient.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct TiedExchange {
-    pub devices: Vec<(usize, usize)>,
-    pub bytes: u64,
-    /// Wall-clock interval of the exchange, in seconds since `clock`.
-    pub start: f64,
-    pub end: f64,
-}
-
 /// Sums the tied gradients across `stages` (after a successful step); one entry per group
 /// whose copies sit on more than one device.
 pub(crate) fn exchange(
@@ -117,83 +103,4 @@ pub(crate) fn exchange(
         }
     }
     Ok(out)
-}
-
-/// The (device, first stage there) pairs of the stages holding a group's copies (given in
-/// stage order), one per device: the ring of the group's exchange.
-pub(crate) fn holder_devices(
-    stages: impl IntoIterator<Item = usize>,
-    placement: &[usize],
-) -> Vec<(usize, usize)> {
-    let mut devices: Vec<(usize, usize)> = Vec::new();
-    for stage in stages {
-        let device = placement[stage];
-        if !devices.iter().any(|(d, _)| *d == device) {
-            devices.push((device, stage));
-        }
-    }
-    devices
-}
-
-/// Adds the exchanges to a step's wall-clock and simulated timelines.
-pub(crate) fn add_to_report(
-    report: &mut StepReport,
-    schedule: &Schedule,
-    exchanges: &[TiedExchange],
-    sim: Option<&SimCluster>,
-) {
-    if exchanges.is_empty() {
-        return;
-    }
-    add_to_timeline(&mut report.wall_timeline, schedule, exchanges, None);
-    report.wall_bubble_fraction = report.wall_timeline.bubble_fraction();
-    if let (Some(s), Some(cluster)) = (report.simulated.as_mut(), sim) {
-        add_to_timeline(&mut s.timeline, schedule, exchanges, Some(&cluster.link()));
-        s.makespan_secs = s.timeline.makespan;
-        s.bubble_fraction = s.timeline.bubble_fraction();
-        s.steady_bubble_fraction = s.timeline.steady_bubble_fraction();
-    }
-}
-
-/// Adds the exchanges to a timeline: measured (`link` `None`), or simulated from when the last
-/// of the holders finished its work, as a ring all-reduce among them over `link`.
-pub(crate) fn add_to_timeline(
-    t: &mut Timeline,
-    schedule: &Schedule,
-    exchanges: &[TiedExchange],
-    link: Option<&LinkSpec>,
-) {
-    for x in exchanges {
-        let (start, end) = match link {
-            None => (x.start, x.end),
-            Some(link) => {
-                let start = t
-                    .events
-                    .iter()
-                    .filter(|e| x.devices.iter().any(|(d, _)| *d == e.device))
-                    .map(|e| e.end)
-                    .fold(0.0, f64::max);
-                (
-                    start,
-                    start + ring_all_reduce_secs(x.bytes, x.devices.len(), link),
-                )
-            }
-        };
-        for (i, &(device, stage)) in x.devices.iter().enumerate() {
-            let next = x.devices[(i + 1) % x.devices.len()].0;
-            t.events.push(Event {
-                device,
-                stage,
-                chunk: schedule.chunk_of(stage),
-                kind: ActionKind::ExchangeTied,
-                micro_batch: 0,
-                start,
-                end,
-                peer: Some(next),
-            });
-        }
-        t.makespan = t.makespan.max(end);
-    }
-    t.events
-        .sort_by(|a, b| a.start.total_cmp(&b.start).then(a.device.cmp(&b.device)));
 }

@@ -8,7 +8,7 @@
 
 use wgpipe_tensor::Device;
 
-use crate::timeline::{DeviceSpec, LinkSpec};
+use crate::sim::timeline::{DeviceSpec, LinkSpec};
 
 /// K virtual devices with their specs and the link between neighbours.
 #[derive(Clone, Debug)]

@@ -9,14 +9,14 @@ use wgpipe_tensor::memory::{with_tag, Tag};
 use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::error::{NonFinite, PipelineError, Result};
+use crate::exec::transport::Transport;
+use crate::exec::Stage;
 use crate::partition::{balance_by_cost, stage_ranges, validate_balance_for};
-use crate::pipeline::Pipeline;
-use crate::scaler::{GradScaler, LossScaling};
-use crate::schedule::{CheckpointMode, Schedule};
+use crate::schedule::{CheckpointMode, Schedule, ScheduleKind};
 use crate::sim::SimCluster;
 use crate::skips::{plan_skips, popped_bytes, SkipRoute};
-use crate::transport::Transport;
-use crate::worker::Stage;
+use crate::train::pipeline::Pipeline;
+use crate::train::scaler::{GradScaler, LossScaling};
 
 /// How layers are assigned to stages.
 #[derive(Clone, Debug)]
@@ -35,99 +35,6 @@ pub enum Balance {
         input_shape: Vec<usize>,
         optimizer_factor: f64,
     },
-}
-
-/// Which generated schedule to run (see `schedule::generators` for each one's bubble,
-/// memory and source).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScheduleKind {
-    /// Fill-drain: all forwards, then all backwards (micro-batch i on stage j at clock i + j).
-    GPipe,
-    /// PipeDream-Flush: at most K micro-batches of activations alive per stage.
-    OneFOneB,
-    /// Megatron's interleaved 1F1B over `chunks` virtual stages per device (looped placement).
-    Interleaved1F1B,
-    /// Breadth-first over `chunks` virtual stages per device (looped placement).
-    LoopedBfs,
-    /// Zero bubble H1: split backward, 1F1B memory, a third of 1F1B's bubble.
-    ZbH1,
-    /// Zero bubble H2: split backward, about twice 1F1B's memory, no bubble in the steady state.
-    ZbH2,
-    /// Zero bubble V: two chunks per device in a V, 1F1B memory, no bubble in the steady state.
-    ZbV,
-    /// DualPipeV: two chunks per device in a V, split backward (DeepSeek's DualPipe cut in half).
-    DualPipeV,
-}
-
-impl ScheduleKind {
-    pub const ALL: [ScheduleKind; 8] = [
-        ScheduleKind::GPipe,
-        ScheduleKind::OneFOneB,
-        ScheduleKind::Interleaved1F1B,
-        ScheduleKind::LoopedBfs,
-        ScheduleKind::ZbH1,
-        ScheduleKind::ZbH2,
-        ScheduleKind::ZbV,
-        ScheduleKind::DualPipeV,
-    ];
-
-    /// Chunks per device this schedule uses when the builder is not told (`chunks(v)`).
-    pub fn default_chunks(self) -> usize {
-        match self {
-            ScheduleKind::Interleaved1F1B
-            | ScheduleKind::LoopedBfs
-            | ScheduleKind::ZbV
-            | ScheduleKind::DualPipeV => 2,
-            _ => 1,
-        }
-    }
-
-    /// Generates the schedule for `k` devices, `chunks` per device and `m` micro-batches.
-    pub fn generate(
-        self,
-        k: usize,
-        chunks: usize,
-        m: usize,
-        mode: CheckpointMode,
-    ) -> Result<Schedule> {
-        use crate::schedule as g;
-        let fixed = |want: usize, name: &str| -> Result<()> {
-            if chunks != want {
-                return Err(PipelineError::Config(format!(
-                    "the {name} schedule places exactly {want} chunk(s) per device; {chunks} were asked for"
-                )));
-            }
-            Ok(())
-        };
-        Ok(match self {
-            ScheduleKind::GPipe => {
-                fixed(1, "gpipe")?;
-                g::gpipe(k, m, mode)?
-            }
-            ScheduleKind::OneFOneB => {
-                fixed(1, "1f1b")?;
-                g::one_f_one_b(k, m, mode)?
-            }
-            ScheduleKind::Interleaved1F1B => g::interleaved_one_f_one_b(k, chunks, m, mode)?,
-            ScheduleKind::LoopedBfs => g::looped_bfs(k, chunks, m, mode)?,
-            ScheduleKind::ZbH1 => {
-                fixed(1, "zb-h1")?;
-                g::zb_h1(k, m, mode)?
-            }
-            ScheduleKind::ZbH2 => {
-                fixed(1, "zb-h2")?;
-                g::zb_h2(k, m, mode)?
-            }
-            ScheduleKind::ZbV => {
-                fixed(2, "zb-v")?;
-                g::zb_v(k, m, mode)?
-            }
-            ScheduleKind::DualPipeV => {
-                fixed(2, "dualpipe-v")?;
-                g::dual_pipe_v(k, m, mode)?
-            }
-        })
-    }
 }
 
 /// A schedule to run: generated from a kind, or given whole (built by the user, parsed from
@@ -168,7 +75,7 @@ pub struct PipelineBuilder {
     /// Data parallelism: R and the factory of the layers of replicas 1..R.
     replicas: Option<(usize, LayerFactory)>,
     pub(crate) precision: DType,
-    /// `None`: the default of the precision ([`crate::scaler::default_for`]).
+    /// `None`: the default of the precision ([`crate::train::scaler::default_for`]).
     loss_scaling: Option<Option<LossScaling>>,
 }
 
@@ -209,7 +116,7 @@ impl PipelineBuilder {
         self
     }
 
-    /// Dynamic loss scaling (see [`crate::scaler`]): `Some(rule)` to turn it on (also in f32
+    /// Dynamic loss scaling (see [`crate::train::scaler`]): `Some(rule)` to turn it on (also in f32
     /// or bf16), `None` to turn it off (also in f16). With it on, steps run under
     /// [`NonFinite::SkipStep`] whatever [`PipelineBuilder::on_non_finite`] says: a step with
     /// NaN or infinity is skipped by the next `optimizer_step` (which then changes nothing but
@@ -324,11 +231,7 @@ impl PipelineBuilder {
                 // M >= 1 is the schedule's rule (ScheduleError::NoMicroBatches), checked there.
                 let m = self.micro_batches.unwrap_or(1);
                 let chunks = self.chunks.unwrap_or_else(|| kind.default_chunks());
-                if chunks == 0 {
-                    return Err(PipelineError::Config(
-                        "the number of chunks per device must be at least 1".into(),
-                    ));
-                }
+                // Chunk counts are the schedule's rule too (ChunkRule::check).
                 kind.generate(k, chunks, m, self.checkpoint)?
             }
             ScheduleSpec::Custom(schedule) => {
@@ -354,7 +257,7 @@ impl PipelineBuilder {
         };
         #[cfg(feature = "mpi")]
         if let Transport::Mpi(comm) = &self.transport {
-            crate::distributed::check(comm, schedule.num_devices())?;
+            crate::exec::comm::mpi::check(comm, schedule.num_devices())?;
         }
         let s_total = schedule.num_stages();
         let balance = match &self.balance {
@@ -383,7 +286,7 @@ impl PipelineBuilder {
                 .holder_rank(schedule.placement[index], schedule.num_devices())
             {
                 let (placeholders, a) =
-                    crate::absent::absent_layers(stage_layers, range.start, rank);
+                    crate::exec::absent::absent_layers(stage_layers, range.start, rank);
                 stage_layers = placeholders;
                 absent = Some(a);
             }
@@ -404,14 +307,14 @@ impl PipelineBuilder {
                 absent,
             });
         }
-        crate::tied::check_stage_ties(&stages)?;
+        crate::exec::tied::check_stage_ties(&stages)?;
         let optimizers = match &self.optimizer {
             Some(f) => stages.iter().map(|_| f()).collect(),
             None => Vec::new(),
         };
         let scaler = self
             .loss_scaling
-            .unwrap_or_else(|| crate::scaler::default_for(self.precision))
+            .unwrap_or_else(|| crate::train::scaler::default_for(self.precision))
             .map(GradScaler::new)
             .transpose()?;
         Ok(Pipeline {
@@ -483,7 +386,7 @@ impl PipelineBuilder {
         self.schedule = ScheduleSpec::Custom(first.schedule.clone());
         for i in 1..r {
             let replica = config(&self, make_layers(), i).build()?;
-            crate::replicas::copy_values(&first, &replica, i)?;
+            crate::train::replicas::copy_values(&first, &replica, i)?;
             first.replicas.push(replica);
         }
         if let Some(f) = &self.optimizer {

@@ -31,9 +31,9 @@ use wgpipe_autograd::Param;
 use wgpipe_tensor::memory::with_tag;
 use wgpipe_tensor::{Device, Tag, Tensor};
 
-use crate::pipeline::Pipeline;
+use crate::train::pipeline::Pipeline;
 
-/// The loss scaler's state in the metadata (see [`crate::scaler::encode_state`]).
+/// The loss scaler's state in the metadata (see [`crate::train::scaler::encode_state`]).
 const SCALER_KEY: &str = "wgpipe.loss_scaler";
 
 /// The format written in the metadata under [`FORMAT_KEY`].
@@ -177,7 +177,7 @@ impl Pipeline {
     }
 
     /// Saves parameters, buffers, every stage's optimizer state and the pipeline's step to
-    /// `path`, atomically (see the [module](crate::persist) doc). Creates missing folders.
+    /// `path`, atomically (see the [module](crate::train::persist) doc). Creates missing folders.
     pub fn save(&self, path: impl AsRef<Path>, opts: &SaveOptions) -> PResult<()> {
         let path = path.as_ref();
         let io = |why: String| PersistError::Io {
@@ -198,7 +198,10 @@ impl Pipeline {
             (STEP_KEY.to_string(), self.step_count().to_string()),
         ];
         if let Some(s) = self.loss_scaler() {
-            meta.push((SCALER_KEY.to_string(), crate::scaler::encode_state(&s)));
+            meta.push((
+                SCALER_KEY.to_string(),
+                crate::train::scaler::encode_state(&s),
+            ));
         }
         for (k, v) in &opts.metadata {
             if k.starts_with("wgpipe.") {
@@ -273,7 +276,7 @@ impl Pipeline {
         // A checkpoint of a run with loss scaling resumes at its scale (a pipeline without
         // scaling ignores it; a file without it leaves the scaler as built).
         let scaler = match metadata.iter().find(|(k, _)| k == SCALER_KEY) {
-            Some((_, v)) => Some(crate::scaler::decode_state(v).ok_or_else(|| {
+            Some((_, v)) => Some(crate::train::scaler::decode_state(v).ok_or_else(|| {
                 unreadable(format!(
                     "'{SCALER_KEY}' is '{v}', not 'scale good_steps skipped_steps'"
                 ))

@@ -2,14 +2,42 @@
 //! from a channel; which transport is behind them is decided here, when the executor wires a
 //! step's links, and the worker never knows.
 
+#[cfg(feature = "mpi")]
+pub mod mpi;
+pub mod wire;
+
+use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
 use crate::error::StageCause;
 use crate::schedule::{Link, Schedule};
-use crate::wire::{self, MsgKind};
-use crate::worker::{DeviceLinks, Msg};
+use wgpipe_tensor::Tensor;
+use wire::MsgKind;
+
+/// A tensor in flight between two stages, with whether it (and everything it came from) is
+/// finite, so the receiver knows a non-finite input is not its own doing.
+pub(crate) struct Msg {
+    pub micro_batch: usize,
+    pub tensor: Tensor,
+    pub finite: bool,
+}
+
+/// The ends of the links a device's actions use: senders of the links it sends on (whatever
+/// the transport, see [`crate::exec::transport`]), receivers of those it receives on (a link between
+/// two chunks of one device has both ends here).
+#[derive(Default)]
+pub(crate) struct DeviceLinks {
+    pub tx: HashMap<Link, Box<dyn LinkSend>>,
+    pub rx: HashMap<Link, Receiver<Msg>>,
+    /// Tells the other processes of a step that it failed here (set by transports that cross
+    /// processes).
+    pub abort_peers: Option<AbortPeers>,
+}
+
+/// Tells the other processes of a step why it failed here.
+pub(crate) type AbortPeers = Box<dyn Fn(&str) + Send>;
 
 /// What carries the tensors between stages.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -23,9 +51,9 @@ pub enum Transport {
     Loopback,
     /// Several processes (`mpirun -np R*K`): each rank runs device `rank % K` of replica
     /// `rank / K`; links to other ranks are MPI messages in the wire format (see
-    /// [`crate::mpi_comm`]).
+    /// [`crate::exec::transport::mpi`]).
     #[cfg(feature = "mpi")]
-    Mpi(crate::mpi_comm::MpiComm),
+    Mpi(crate::exec::transport::mpi::MpiComm),
 }
 
 impl Transport {
@@ -126,7 +154,7 @@ pub(crate) fn wire_links(
 ) -> Vec<DeviceLinks> {
     #[cfg(feature = "mpi")]
     if let Transport::Mpi(comm) = transport {
-        return crate::mpi_comm::wire_links(comm, schedule, round, abort);
+        return crate::exec::transport::mpi::wire_links(comm, schedule, round, abort);
     }
     let _ = abort;
     let step = round;

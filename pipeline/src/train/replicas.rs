@@ -16,22 +16,13 @@ use wgpipe_tensor::memory::{Tag, TagGuard};
 use wgpipe_tensor::{Device, Tensor};
 
 use crate::error::{PipelineError, Result};
+use crate::exec::threads;
 use crate::microbatch::split_batch;
-use crate::pipeline::{Pipeline, Saved};
-use crate::report::{SimReport, StepReport};
-use crate::threads;
-use crate::timeline::{Collective, LinkSpec, Timeline};
-use crate::worker::LossFn;
-
-/// Seconds a ring all-reduce of `bytes` across `replicas` takes on `link`.
-pub fn ring_all_reduce_secs(bytes: u64, replicas: usize, link: &LinkSpec) -> f64 {
-    if replicas <= 1 {
-        return 0.0;
-    }
-    let r = replicas as f64;
-    let steps = 2.0 * (r - 1.0);
-    steps / r * bytes as f64 / link.bandwidth_bytes_per_sec + steps * link.latency_sec
-}
+use crate::sim::collectives::{concat_timelines, replicated_timeline};
+use crate::sim::timeline::{Collective, Timeline};
+use crate::train::pipeline::{Pipeline, Saved};
+use crate::train::report::{SimReport, StepReport};
+use crate::LossFn;
 
 /// Copies `from`'s parameter values and buffers into `to` (replica `index`), which must have
 /// the same parameters and buffers (names and shapes).
@@ -303,87 +294,5 @@ fn merge_reports(
         simulated,
         skipped: None,
         loss_scale: None,
-    }
-}
-
-/// The simulated step of R replicas of a K-device pipeline: their timelines side by side
-/// (replica r's device d is row rK + d) with each device's ring all-reduce of `grad_bytes[d]`
-/// after them. The planner predicts a replicated candidate with this same function.
-pub(crate) fn replicated_timeline(
-    parts: &[&Timeline],
-    k: usize,
-    grad_bytes: &[u64],
-    link: &LinkSpec,
-) -> Timeline {
-    let r = parts.len();
-    let mut t = concat_timelines(parts.iter().copied(), k);
-    add_ring_all_reduce(&mut t, k, r, grad_bytes, link);
-    t
-}
-
-/// The timelines of the replicas side by side: replica r's device d becomes row rK + d.
-fn concat_timelines<'a>(parts: impl Iterator<Item = &'a Timeline>, k: usize) -> Timeline {
-    let mut out = Timeline {
-        events: Vec::new(),
-        makespan: 0.0,
-        busy: Vec::new(),
-        collectives: Vec::new(),
-    };
-    for (i, t) in parts.enumerate() {
-        out.events.extend(t.events.iter().map(|e| {
-            let mut e = *e;
-            e.device += i * k;
-            e.peer = e.peer.map(|p| p + i * k);
-            e
-        }));
-        out.busy.extend(&t.busy);
-        out.makespan = out.makespan.max(t.makespan);
-    }
-    out.events
-        .sort_by(|a, b| a.start.total_cmp(&b.start).then(a.device.cmp(&b.device)));
-    out
-}
-
-/// Each device's ring all-reduce across its R replicas: from when the last of them finished
-/// its work (compute and sends) to that plus [`ring_all_reduce_secs`].
-fn add_ring_all_reduce(t: &mut Timeline, k: usize, r: usize, bytes: &[u64], link: &LinkSpec) {
-    for (d, &bytes) in bytes.iter().enumerate().take(k) {
-        let start = (0..r)
-            .flat_map(|i| {
-                let row = i * k + d;
-                t.events
-                    .iter()
-                    .filter(move |e| e.device == row)
-                    .map(|e| e.end)
-            })
-            .fold(0.0, f64::max);
-        let end = start + ring_all_reduce_secs(bytes, r, link);
-        for i in 0..r {
-            t.collectives.push(Collective {
-                device: i * k + d,
-                start,
-                end,
-                bytes,
-                replicas: r,
-            });
-        }
-        t.makespan = t.makespan.max(end);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ring_cost_by_hand() {
-        let link = LinkSpec {
-            bandwidth_bytes_per_sec: 1e9,
-            latency_sec: 1e-5,
-        };
-        // R = 4: 6 steps of a quarter of 8 MB each, 6 latencies.
-        let t = ring_all_reduce_secs(8_000_000, 4, &link);
-        assert!((t - (1.5 * 8e-3 + 6e-5)).abs() < 1e-12, "{t}");
-        assert_eq!(ring_all_reduce_secs(8_000_000, 1, &link), 0.0);
     }
 }

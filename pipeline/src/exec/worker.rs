@@ -7,57 +7,20 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use wgpipe_autograd::{ForwardCtx, Module, SkipRouter, Tape, Var, WeightGrads};
+use wgpipe_autograd::{ForwardCtx, Tape, Var, WeightGrads};
 use wgpipe_tensor::memory::{Tag, TagGuard};
 use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::error::{NonFinite, StageCause};
+use crate::exec::stage::Stage;
+use crate::exec::threads::lock;
+use crate::exec::transport::{DeviceLinks, Msg};
 use crate::schedule::{Action, ActionKind, Link};
-use crate::skips::StageSkips;
-use crate::transport::LinkSend;
-
-/// The loss of one micro-batch: `(output of the last stage, targets) -> scalar mean loss`.
-pub type LossFn = dyn Fn(&Var, &Tensor) -> wgpipe_tensor::Result<Var> + Sync;
-
-/// A tensor in flight between two stages, with whether it (and everything it came from) is
-/// finite, so the receiver knows a non-finite input is not its own doing.
-pub(crate) struct Msg {
-    pub micro_batch: usize,
-    pub tensor: Tensor,
-    pub finite: bool,
-}
-
-/// The ends of the links a device's actions use: senders of the links it sends on (whatever
-/// the transport, see [`crate::transport`]), receivers of those it receives on (a link between
-/// two chunks of one device has both ends here).
-#[derive(Default)]
-pub(crate) struct DeviceLinks {
-    pub tx: HashMap<Link, Box<dyn LinkSend>>,
-    pub rx: HashMap<Link, Receiver<Msg>>,
-    /// Tells the other processes of a step that it failed here (set by transports that cross
-    /// processes).
-    pub abort_peers: Option<AbortPeers>,
-}
-
-/// Tells the other processes of a step why it failed here.
-pub(crate) type AbortPeers = Box<dyn Fn(&str) + Send>;
-
-/// A virtual stage: its layers (global indices `first_layer..`) on its device.
-pub struct Stage {
-    /// The virtual stage index (model order).
-    pub index: usize,
-    pub device: Device,
-    pub first_layer: usize,
-    pub layers: Vec<Box<dyn Module>>,
-    /// The skips that enter and leave this stage (those inside it stay inside).
-    pub skips: StageSkips,
-    /// Over MPI, a stage another rank holds: `layers` are placeholders (see [`crate::absent`]).
-    pub(crate) absent: Option<crate::absent::AbsentStage>,
-}
+use crate::sim::wire_bytes;
 
 /// What the worker measured for one action.
 #[derive(Debug, Clone, Copy)]
@@ -154,78 +117,6 @@ pub(crate) struct Position {
 
 const POLL: Duration = Duration::from_millis(5);
 
-impl Stage {
-    /// Whether this process holds the stage's layers (false for another rank's stage over MPI).
-    pub fn is_held(&self) -> bool {
-        self.absent.is_none()
-    }
-
-    /// Elements of the stage's parameters, held here or not (a tied parameter counts in every
-    /// stage holding a copy).
-    pub fn num_params(&self) -> usize {
-        match &self.absent {
-            Some(a) => a.num_params(),
-            None => self
-                .layers
-                .iter()
-                .flat_map(|l| l.parameters())
-                .map(|(_, p)| p.value().numel())
-                .sum(),
-        }
-    }
-
-    /// Runs the stage's layers on `x`, each with its global layer index in the context; `at`
-    /// holds the index of the layer running (so an error or a panic can say which), and is
-    /// cleared after. `skips` holds the skips that entered the stage; the ones that leave it
-    /// are left there.
-    pub(crate) fn run_layers(
-        &self,
-        x: &Var,
-        skips: &mut SkipRouter,
-        ctx: ForwardCtx,
-        at: &mut Option<usize>,
-    ) -> wgpipe_tensor::Result<Var> {
-        let mut h = x.clone();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let index = self.first_layer + i;
-            *at = Some(index);
-            h = skips.forward(layer.as_ref(), index, &h, &ctx.at_layer(index as u64))?;
-        }
-        *at = None;
-        Ok(h)
-    }
-
-    /// Runs the stage on `x` with the skips it pops (`skips_in`, by [`StageSkips::incoming`]);
-    /// the output and the skips it sends on (by [`StageSkips::outgoing`]).
-    pub(crate) fn run_with_skips(
-        &self,
-        x: &Var,
-        skips_in: &[Var],
-        ctx: ForwardCtx,
-        at: &mut Option<usize>,
-    ) -> wgpipe_tensor::Result<(Var, Vec<Var>)> {
-        let mut router = SkipRouter::new();
-        for ((_, name), v) in self.skips.incoming.iter().zip(skips_in) {
-            router.insert(name.clone(), v.clone());
-        }
-        let y = self.run_layers(x, &mut router, ctx, at)?;
-        let out = self
-            .skips
-            .outgoing
-            .iter()
-            .map(|(_, name)| {
-                router
-                    .take(name)
-                    .ok_or_else(|| wgpipe_tensor::Error::Invalid {
-                        op: "skip",
-                        msg: format!("stage {} did not stash skip '{name}'", self.index),
-                    })
-            })
-            .collect::<wgpipe_tensor::Result<Vec<Var>>>()?;
-        Ok((y, out))
-    }
-}
-
 /// One device's state during a step.
 struct Worker<'a, 'p> {
     pos: &'p mut Position,
@@ -314,12 +205,6 @@ pub(crate) fn run_device(
     }
     w.check_param_grads(stages)?;
     Ok(w.out)
-}
-
-/// Bytes a tensor takes on a link: its elements at the size of its dtype (half tensors travel
-/// as their 16-bit patterns).
-pub(crate) fn wire_bytes(t: &Tensor) -> u64 {
-    (t.numel() * t.dtype().size_of()) as u64
 }
 
 /// Whether every value of `t` is finite: one reduction on its device (x·0 is 0 for finite x and
@@ -797,11 +682,6 @@ fn input_var(tape: &Tape, x: &Tensor, stage: usize) -> Var {
     } else {
         tape.leaf(x.clone())
     }
-}
-
-/// Locks a mutex, also after a panic elsewhere poisoned it (the data is a plain slot).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn internal(msg: String) -> StageCause {

@@ -1,0 +1,4 @@
+//! What the processes of a step agree on.
+
+#[cfg(feature = "mpi")]
+pub(crate) mod mpi;

@@ -1,0 +1,92 @@
+//! A virtual stage: a contiguous run of the model's layers on one device, and how it runs them
+//! (with the skips that enter and leave it).
+
+use wgpipe_autograd::{ForwardCtx, Module, SkipRouter, Var};
+use wgpipe_tensor::Device;
+
+use crate::skips::StageSkips;
+
+/// A virtual stage: its layers (global indices `first_layer..`) on its device.
+pub struct Stage {
+    /// The virtual stage index (model order).
+    pub index: usize,
+    pub device: Device,
+    pub first_layer: usize,
+    pub layers: Vec<Box<dyn Module>>,
+    /// The skips that enter and leave this stage (those inside it stay inside).
+    pub skips: StageSkips,
+    /// Over MPI, a stage another rank holds: `layers` are placeholders (see [`crate::exec::absent`]).
+    pub(crate) absent: Option<crate::exec::absent::AbsentStage>,
+}
+
+impl Stage {
+    /// Whether this process holds the stage's layers (false for another rank's stage over MPI).
+    pub fn is_held(&self) -> bool {
+        self.absent.is_none()
+    }
+
+    /// Elements of the stage's parameters, held here or not (a tied parameter counts in every
+    /// stage holding a copy).
+    pub fn num_params(&self) -> usize {
+        match &self.absent {
+            Some(a) => a.num_params(),
+            None => self
+                .layers
+                .iter()
+                .flat_map(|l| l.parameters())
+                .map(|(_, p)| p.value().numel())
+                .sum(),
+        }
+    }
+
+    /// Runs the stage's layers on `x`, each with its global layer index in the context; `at`
+    /// holds the index of the layer running (so an error or a panic can say which), and is
+    /// cleared after. `skips` holds the skips that entered the stage; the ones that leave it
+    /// are left there.
+    pub(crate) fn run_layers(
+        &self,
+        x: &Var,
+        skips: &mut SkipRouter,
+        ctx: ForwardCtx,
+        at: &mut Option<usize>,
+    ) -> wgpipe_tensor::Result<Var> {
+        let mut h = x.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let index = self.first_layer + i;
+            *at = Some(index);
+            h = skips.forward(layer.as_ref(), index, &h, &ctx.at_layer(index as u64))?;
+        }
+        *at = None;
+        Ok(h)
+    }
+
+    /// Runs the stage on `x` with the skips it pops (`skips_in`, by [`StageSkips::incoming`]);
+    /// the output and the skips it sends on (by [`StageSkips::outgoing`]).
+    pub(crate) fn run_with_skips(
+        &self,
+        x: &Var,
+        skips_in: &[Var],
+        ctx: ForwardCtx,
+        at: &mut Option<usize>,
+    ) -> wgpipe_tensor::Result<(Var, Vec<Var>)> {
+        let mut router = SkipRouter::new();
+        for ((_, name), v) in self.skips.incoming.iter().zip(skips_in) {
+            router.insert(name.clone(), v.clone());
+        }
+        let y = self.run_layers(x, &mut router, ctx, at)?;
+        let out = self
+            .skips
+            .outgoing
+            .iter()
+            .map(|(_, name)| {
+                router
+                    .take(name)
+                    .ok_or_else(|| wgpipe_tensor::Error::Invalid {
+                        op: "skip",
+                        msg: format!("stage {} did not stash skip '{name}'", self.index),
+                    })
+            })
+            .collect::<wgpipe_tensor::Result<Vec<Var>>>()?;
+        Ok((y, out))
+    }
+}

@@ -1,0 +1,18 @@
+//! Simulated time: the timeline of a schedule replayed against a cost model, the simulated
+//! cluster of virtual devices, the cost of collectives, and the pictures (Chrome trace, SVG).
+//! The runtime reports and the planner predicts with these same functions.
+
+pub mod cluster;
+pub mod collectives;
+pub mod timeline;
+pub mod trace;
+
+pub use cluster::SimCluster;
+
+use wgpipe_tensor::Tensor;
+
+/// Bytes a tensor takes on a link: its elements at the size of its dtype (half tensors travel
+/// as their 16-bit patterns).
+pub fn wire_bytes(t: &Tensor) -> u64 {
+    (t.numel() * t.dtype().size_of()) as u64
+}

@@ -1,0 +1,13 @@
+//! Training: the public [`Pipeline`] (a group of replicas, its optimizers, loss scaler and step
+//! counter), one replica's step, the optimizer step with its rollback, evaluation, reports,
+//! persistence and the builder.
+
+pub mod builder;
+pub mod persist;
+pub mod pipeline;
+mod planned;
+pub mod replicas;
+pub mod report;
+pub mod scaler;
+
+pub use pipeline::Pipeline;
