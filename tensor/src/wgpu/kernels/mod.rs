@@ -148,7 +148,7 @@ impl Kernels for WgpuContext {
         Ok(out)
     }
 
-    fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
+    fn to_host_f32(&self, x: &Tensor) -> Result<Vec<f32>> {
         let x = self.packed(x)?;
         self.read(gpu(&x)?, x.layout().offset, x.numel())
     }
