@@ -97,7 +97,9 @@ pub struct AdamStep {
     pub bias_correction2: f32,
 }
 
-/// The kernels every backend provides. See the module doc for the contract.
+/// The kernels every backend provides. See the module doc for the contract. They compute in
+/// f32: the op front-ends reach them through each op's dtype policy (`dtype_policy`), which
+/// refuses half operands or widens them first.
 pub(crate) trait Kernels: Send + Sync {
     /// A contiguous tensor of `shape` holding `data` (row-major).
     #[allow(clippy::wrong_self_convention)] // `self` is the backend, not the source
@@ -107,8 +109,16 @@ pub(crate) trait Kernels: Send + Sync {
     fn from_vec(&self, dev: &Device, data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
         self.from_host(dev, &data, shape)
     }
-    /// The elements of `x` in row-major logical order.
-    fn to_host(&self, x: &Tensor) -> Result<Vec<f32>>;
+    /// The elements of `x` in row-major logical order, half values widened (exactly).
+    fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
+        if x.dtype().is_half() {
+            self.to_host_f32(&self.widen(x)?)
+        } else {
+            self.to_host_f32(x)
+        }
+    }
+    /// [`Kernels::to_host`] of an f32 tensor.
+    fn to_host_f32(&self, x: &Tensor) -> Result<Vec<f32>>;
     /// Half `x` (any view) as an f32 tensor over the storage elements the view spans
     /// (`[offset, offset + span)`, widened exactly), with `x`'s shape and strides from offset 0,
     /// so every f32 kernel reads it as it would have read `x`.

@@ -7,7 +7,6 @@ use std::sync::{Arc, OnceLock};
 
 use crate::backend::Kernels;
 use crate::cpu::CpuKernels;
-use crate::dtype_guard::DTypeGuard;
 use crate::error::{Error, Result};
 use crate::memory::{MemoryStats, MemoryTracker};
 
@@ -30,8 +29,9 @@ struct DeviceInner {
     id: usize,
     name: String,
     backend: Backend,
-    /// The backend's kernels behind the dtype checks every op goes through.
-    kernels: DTypeGuard,
+    /// The backend's kernels (f32; ops reach them through their dtype policy, see
+    /// `dtype_policy`).
+    kernels: Arc<dyn Kernels>,
     memory: MemoryTracker,
     flops: AtomicU64,
 }
@@ -50,9 +50,9 @@ pub const TEST_WGPU_ENV: &str = "WGPIPE_TEST_WGPU";
 impl Device {
     fn make(name: String, backend: Backend) -> Device {
         let memory = MemoryTracker::new(&name);
-        let kernels = match &backend {
-            Backend::Cpu => DTypeGuard::new(Arc::new(CpuKernels), "cpu"),
-            Backend::Wgpu(c) => DTypeGuard::new(c.clone(), "wgpu"),
+        let kernels: Arc<dyn Kernels> = match &backend {
+            Backend::Cpu => Arc::new(CpuKernels),
+            Backend::Wgpu(c) => c.clone(),
         };
         Device {
             inner: Arc::new(DeviceInner {
@@ -275,8 +275,18 @@ impl Device {
             Backend::Cpu => None,
         }
     }
+    /// The backend's kernels as they are: f32 operands only (but for `widen`, `to_host` and the
+    /// native half matmul). Ops with tensor operands call them through [`Device::run`] and their
+    /// dtype policy (see `dtype_policy`).
     pub(crate) fn kernels(&self) -> &dyn Kernels {
-        &self.inner.kernels
+        &*self.inner.kernels
+    }
+    /// The backend's name in errors: "cpu" or "wgpu".
+    pub(crate) fn backend_name(&self) -> &'static str {
+        match &self.inner.backend {
+            Backend::Cpu => "cpu",
+            Backend::Wgpu(_) => "wgpu",
+        }
     }
 }
 

@@ -8,7 +8,7 @@ pub mod backend;
 mod cpu;
 pub mod device;
 pub mod dtype;
-mod dtype_guard;
+mod dtype_policy;
 pub mod error;
 pub mod layout;
 pub mod memory;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::device::Device;
 use crate::dtype::DType;
+use crate::dtype_policy::DTypePolicy::WidenThenRound;
 use crate::error::{Error, Result};
 use crate::layout::{contiguous_strides, numel, resolve_axis, Layout};
 use crate::memory::Tag;
@@ -271,7 +272,9 @@ impl Tensor {
                 layout: self.layout.clone(),
                 device: device.clone(),
             };
-            return device.kernels().contiguous(&moved);
+            return device.run("contiguous", WidenThenRound, [&moved], |k, [x]| {
+                k.contiguous(x)
+            });
         }
         Tensor::from_vec_in(self.to_vec()?, self.shape(), self.dtype(), device)
     }
@@ -308,7 +311,10 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        self.device.kernels().contiguous(self)
+        self.device
+            .run("contiguous", WidenThenRound, [self], |k, [x]| {
+                k.contiguous(x)
+            })
     }
 
     /// The same elements in a new shape; one dimension may be given as `usize::MAX` to be

@@ -142,7 +142,7 @@ impl Kernels for CpuKernels {
         Ok(Tensor::from_storage(Storage::cpu(data, alloc), shape, dev))
     }
 
-    fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
+    fn to_host_f32(&self, x: &Tensor) -> Result<Vec<f32>> {
         Ok(contig(x).into_owned())
     }
 

@@ -4,6 +4,7 @@
 use wgpipe_shaders::BIAS_ACTIVATIONS;
 
 use crate::backend::UnaryOp;
+use crate::dtype_policy::DTypePolicy::WidenThenRound;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -17,9 +18,10 @@ impl Tensor {
         if self.numel() == 0 {
             return self.zeros_like();
         }
-        let y = dev
-            .kernels()
-            .bias_act(op, &self.contiguous()?, &bias.contiguous()?)?;
+        let (z, b) = (self.contiguous()?, bias.contiguous()?);
+        let y = dev.run("bias_act", WidenThenRound, [&z, &b], |k, [z, b]| {
+            k.bias_act(op, z, b)
+        })?;
         dev.add_flops(2 * self.numel() as u64);
         Ok(y)
     }
@@ -45,12 +47,10 @@ impl Tensor {
         if z.numel() == 0 {
             return z.zeros_like();
         }
-        let dz = dev.kernels().bias_act_grad(
-            op,
-            &z.contiguous()?,
-            &bias.contiguous()?,
-            &g.contiguous()?,
-        )?;
+        let (z, b, g) = (z.contiguous()?, bias.contiguous()?, g.contiguous()?);
+        let dz = dev.run(OP, WidenThenRound, [&z, &b, &g], |k, [z, b, g]| {
+            k.bias_act_grad(op, z, b, g)
+        })?;
         dev.add_flops(3 * z.numel() as u64);
         Ok(dz)
     }

@@ -4,6 +4,7 @@
 
 use crate::backend::{BinaryOp, UnaryOp};
 use crate::dtype::DType;
+use crate::dtype_policy::DTypePolicy::WidenThenRound;
 use crate::error::Result;
 use crate::layout::broadcast_shapes;
 use crate::tensor::Tensor;
@@ -14,7 +15,9 @@ impl Tensor {
         if self.numel() == 0 {
             return self.zeros_like();
         }
-        let out = self.device().kernels().unary(op, self)?;
+        let out = self
+            .device()
+            .run(op.name(), WidenThenRound, [self], |k, [x]| k.unary(op, x))?;
         self.device().add_flops(self.numel() as u64);
         Ok(out)
     }
@@ -36,7 +39,11 @@ impl Tensor {
         if self.numel() == 0 {
             return self.zeros_like();
         }
-        let out = self.device().kernels().unary_grad(op, self, grad)?;
+        let out = self
+            .device()
+            .run(op.name(), WidenThenRound, [self, grad], |k, [x, g]| {
+                k.unary_grad(op, x, g)
+            })?;
         self.device().add_flops(2 * self.numel() as u64);
         Ok(out)
     }
@@ -52,7 +59,9 @@ impl Tensor {
         }
         let a = self.broadcast_to(&shape)?;
         let b = other.broadcast_to(&shape)?;
-        let out = dev.kernels().binary(op, &a, &b)?;
+        let out = dev.run(name, WidenThenRound, [&a, &b], |k, [a, b]| {
+            k.binary(op, a, b)
+        })?;
         dev.add_flops(out.numel() as u64);
         Ok(out)
     }
@@ -69,6 +78,7 @@ impl Tensor {
         if shape == self.shape() && self.numel() > 0 && f32s && self.is_exclusive() {
             let b = other.broadcast_to(&shape)?;
             let dev = self.device().clone();
+            // In-place kernels are f32 only: half tensors took the out-of-place path below.
             dev.kernels().binary_assign(op, self, &b)?;
             dev.add_flops(self.numel() as u64);
             return Ok(());
@@ -121,10 +131,15 @@ fn select(op: &'static str, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Ten
     if shape.iter().product::<usize>() == 0 {
         return Tensor::zeros_in(&shape, a.dtype(), dev);
     }
-    let out = dev.kernels().where_cond(
-        &cond.broadcast_to(&shape)?,
-        &a.broadcast_to(&shape)?,
-        &b.broadcast_to(&shape)?,
+    let cond = cond.broadcast_to(&shape)?;
+    let (a, b) = (a.broadcast_to(&shape)?, b.broadcast_to(&shape)?);
+    // The condition is a mask read as "non-zero": any dtype, brought to the values' own.
+    let cond = cond.to_dtype(a.dtype())?;
+    let out = dev.run(
+        "where_cond",
+        WidenThenRound,
+        [&a, &b, &cond],
+        |k, [a, b, cond]| k.where_cond(cond, a, b),
     )?;
     dev.add_flops(out.numel() as u64);
     Ok(out)

@@ -5,6 +5,7 @@
 //! FLOPs: one per source element for the adds; the pure copies (select, gather, concat) count
 //! none, like `contiguous`.
 
+use crate::dtype_policy::DTypePolicy::{F32Only, WidenThenRound};
 use crate::error::{Error, Result};
 use crate::layout::resolve_axis;
 use crate::ops::{check_indices, split_at_axis};
@@ -45,13 +46,10 @@ impl Tensor {
         if shape.iter().product::<usize>() == 0 {
             return Tensor::zeros_in(&shape, self.dtype(), dev);
         }
-        let out = dev.kernels().index_select(
-            &self.contiguous()?,
-            &idx.contiguous()?,
-            outer,
-            dim,
-            inner,
-        )?;
+        let (x, idx) = (self.contiguous()?, idx.contiguous()?);
+        let out = dev.run("index_select", F32Only, [&x, &idx], |k, [x, idx]| {
+            k.index_select(x, idx, outer, dim, inner)
+        })?;
         out.reshape(&shape)
     }
 
@@ -107,9 +105,10 @@ impl Tensor {
             x = x.narrow(d as isize, 0, idx.shape()[d])?;
         }
         let (outer, _, inner) = split_at_axis(idx.shape(), a);
-        let out = dev
-            .kernels()
-            .gather(&x.contiguous()?, &idx.contiguous()?, outer, dim, inner)?;
+        let (x, idx) = (x.contiguous()?, idx.contiguous()?);
+        let out = dev.run(OP, F32Only, [&x, &idx], |k, [x, idx]| {
+            k.gather(x, idx, outer, dim, inner)
+        })?;
         out.reshape(idx.shape())
     }
 
@@ -196,7 +195,9 @@ fn join(op: &'static str, xs: &[&Tensor], axis: isize, new_axis: bool) -> Result
         return Tensor::zeros_in(&out_shape, first.dtype(), dev);
     }
     let refs: Vec<&Tensor> = xs.iter().filter(|x| x.numel() > 0).collect();
-    dev.kernels().concat(&refs, a, &out_shape)
+    dev.run_all("concat", WidenThenRound, &refs, |k, xs| {
+        k.concat(xs, a, &out_shape)
+    })
 }
 
 fn mismatch(op: &'static str, shapes: &[&[usize]], why: &str) -> Error {
@@ -222,12 +223,13 @@ fn add_along(
     }
     let (outer, _, inner) = split_at_axis(src.shape(), a);
     let (src, idx) = (src.contiguous()?, idx.contiguous()?);
-    let k = dev.kernels();
-    let out = if scatter {
-        k.scatter_add(&src, &idx, outer, dim_size, inner)?
-    } else {
-        k.index_add(&src, &idx, outer, dim_size, inner)?
-    };
+    let out = dev.run(op, F32Only, [&src, &idx], |k, [src, idx]| {
+        if scatter {
+            k.scatter_add(src, idx, outer, dim_size, inner)
+        } else {
+            k.index_add(src, idx, outer, dim_size, inner)
+        }
+    })?;
     dev.add_flops(src.numel() as u64);
     out.reshape(&shape)
 }

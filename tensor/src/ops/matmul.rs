@@ -2,7 +2,8 @@
 //! matrices ([`MatLayout`]), so transposed views and broadcast batches cost no copy. FLOPs:
 //! `2 * batch * m * k * n`.
 
-use crate::backend::{MatDims, MatLayout};
+use crate::backend::{Kernels, MatDims, MatLayout};
+use crate::dtype_policy::{DTypePolicy::WidenThenRound, Precision};
 use crate::error::{Error, Result};
 use crate::layout::broadcast_shapes;
 use crate::tensor::Tensor;
@@ -43,9 +44,22 @@ impl Tensor {
         }
         let (a, la) = as_matrix(self, &batch_shape, m, k)?;
         let (b, lb) = as_matrix(other, &batch_shape, k, n)?;
-        let out = dev
-            .kernels()
-            .matmul(&a, la, &b, lb, MatDims { batch, m, k, n })?;
+        let dims = MatDims { batch, m, k, n };
+        // A native half product (f32 accumulation) where the backend has one, else the f32
+        // kernel, on widened copies for half operands.
+        let native =
+            |kern: &dyn Kernels, [a, b]: [&Tensor; 2]| kern.matmul_half(a, la, b, lb, dims);
+        let out = match dev.run_if(OP, Precision::Half, [&a, &b], native) {
+            Some(out) => out?,
+            // A widened copy starts at its view's first element: its layout moves with it.
+            None => dev.run(OP, WidenThenRound, [&a, &b], |kern, [a, b]| {
+                let at = |l: MatLayout, x: &Tensor| MatLayout {
+                    offset: x.layout().offset,
+                    ..l
+                };
+                kern.matmul(a, at(la, a), b, at(lb, b), dims)
+            })?,
+        };
         dev.add_flops(2 * (batch * m * k * n) as u64);
         out.reshape(&out_shape)
     }

@@ -2,7 +2,9 @@
 //! Adam (the kernel is memory-bound), two for SGD.
 
 use crate::backend::AdamStep;
+use crate::backend::Kernels;
 use crate::dtype::DType;
+use crate::dtype_policy::{DTypePolicy::F32Only, Precision};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -60,12 +62,14 @@ impl Tensor {
             let z = || Tensor::zeros(param.shape(), dev);
             return Ok((z()?, z()?, z()?));
         }
-        let out = dev.kernels().adam_update(
-            &param.contiguous()?,
-            &grad.contiguous()?,
-            &m.contiguous()?,
-            &v.contiguous()?,
-            hp,
+        let (p, g) = (param.contiguous()?, grad.contiguous()?);
+        let (m, v) = (m.contiguous()?, v.contiguous()?);
+        // Refused for half tensors on purpose: optimizer steps belong on f32 master weights.
+        let out = dev.run(
+            "adam_update",
+            F32Only,
+            [&p, &g, &m, &v],
+            |k, [p, g, m, v]| k.adam_update(p, g, m, v, hp),
         )?;
         dev.add_flops(param.numel() as u64);
         Ok(out)
@@ -89,6 +93,7 @@ impl Tensor {
         if param.numel() > 0 && f32s && param.is_exclusive() && m.is_exclusive() && v.is_exclusive()
         {
             let dev = param.device().clone();
+            // In-place kernels are f32 only: anything else took the out-of-place path below.
             dev.kernels().adam_update_in_place(param, grad, m, v, hp)?;
             dev.add_flops(param.numel() as u64);
             return Ok(true);
@@ -104,7 +109,9 @@ impl Tensor {
         check_sgd(param, grad)?;
         let dev = param.device();
         if param.numel() > 0 {
-            if let Some(out) = dev.kernels().sgd_update(param, grad, lr) {
+            // The fused step is f32 only; half tensors take the composed path below.
+            let fused = |k: &dyn Kernels, [p, g]: [&Tensor; 2]| k.sgd_update(p, g, lr);
+            if let Some(out) = dev.run_if("sgd_update", Precision::F32, [param, grad], fused) {
                 dev.add_flops(2 * param.numel() as u64);
                 return out;
             }
@@ -120,6 +127,7 @@ impl Tensor {
         let f32s = param.dtype() == DType::F32 && grad.dtype() == DType::F32;
         if param.numel() > 0 && f32s && param.is_exclusive() {
             let dev = param.device().clone();
+            // In-place kernels are f32 only: anything else took the out-of-place path below.
             if let Some(r) = dev.kernels().sgd_update_in_place(param, grad, lr) {
                 r?;
                 dev.add_flops(2 * param.numel() as u64);

@@ -3,8 +3,10 @@
 //! trailing axes of a contiguous tensor), and the kernel reduces each row of `[kept, reduced]`.
 //! FLOPs: one per input element.
 
+use crate::backend::Kernels;
 use crate::backend::ReduceOp;
 use crate::dtype::DType;
+use crate::dtype_policy::{DTypePolicy::WidenThenRound, Precision, StaysF32};
 use crate::error::{Error, Result};
 use crate::layout::{resolve_axis, Layout};
 use crate::ops::resolve_axes;
@@ -45,7 +47,7 @@ impl Tensor {
             return Tensor::zeros_in(&out_shape, self.dtype(), dev);
         }
         if rows == 0 {
-            // Indices stay f32 whatever the input's dtype (as the dtype guard keeps them).
+            // Indices stay f32 whatever the input's dtype (as the kernel path below keeps them).
             let dtype = match op {
                 ReduceOp::ArgMax | ReduceOp::ArgMin => crate::DType::F32,
                 _ => self.dtype(),
@@ -56,14 +58,23 @@ impl Tensor {
         if op == ReduceOp::Sum && leading && !kept.is_empty() && self.is_contiguous() {
             // Sums over the leading axes (a bias gradient): column sums, no transposing copy,
             // where the backend has such a kernel.
-            if let Some(out) = dev.kernels().sum_leading(self, rows) {
+            let fused = |k: &dyn Kernels, [x]: [&Tensor; 1]| k.sum_leading(x, rows);
+            if let Some(out) = dev.run_if(op.name(), Precision::F32, [self], fused) {
                 dev.add_flops(self.numel() as u64);
                 return out?.reshape(&out_shape);
             }
         }
         let perm: Vec<usize> = kept.iter().chain(axes).copied().collect();
         let x = self.permute(&perm)?.contiguous()?;
-        let out = dev.kernels().reduce_rows(op, &x, rows, cols)?;
+        let reduce = |k: &dyn Kernels, [x]: [&Tensor; 1]| k.reduce_rows(op, x, rows, cols);
+        let out = if matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin) {
+            // Indices stay f32 whatever the input's dtype: f16 holds integers exactly only up
+            // to 2048.
+            let index = |k: &dyn Kernels, [x]: [&Tensor; 1]| reduce(k, [x]).map(StaysF32);
+            dev.run(op.name(), WidenThenRound, [&x], index)?.0
+        } else {
+            dev.run(op.name(), WidenThenRound, [&x], reduce)?
+        };
         dev.add_flops(self.numel() as u64);
         out.reshape(&out_shape)
     }

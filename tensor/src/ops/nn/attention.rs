@@ -2,6 +2,7 @@
 //! and its backward, each one pass over the score matrix where the unfused chain (scale, mask,
 //! softmax; and softmax's four-op backward, unmask, unscale) made several.
 
+use crate::dtype_policy::DTypePolicy::WidenThenRound;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -23,9 +24,10 @@ impl Tensor {
             return self.zeros_like();
         }
         let rows = self.numel() / t;
-        let y = dev
-            .kernels()
-            .causal_softmax_rows(&self.contiguous()?, rows, t, scale)?;
+        let x = self.contiguous()?;
+        let y = dev.run(OP, WidenThenRound, [&x], |k, [x]| {
+            k.causal_softmax_rows(x, rows, t, scale)
+        })?;
         // scale, max, exp, sum, normalise over the half that is not masked.
         dev.add_flops(5 * self.numel() as u64 / 2);
         y.reshape(self.shape())
@@ -58,13 +60,10 @@ impl Tensor {
             return y.zeros_like();
         }
         let rows = y.numel() / cols;
-        let dx = dev.kernels().softmax_backward_rows(
-            &y.contiguous()?,
-            &g.contiguous()?,
-            rows,
-            cols,
-            scale,
-        )?;
+        let (y, g) = (y.contiguous()?, g.contiguous()?);
+        let dx = dev.run(OP, WidenThenRound, [&y, &g], |k, [y, g]| {
+            k.softmax_backward_rows(y, g, rows, cols, scale)
+        })?;
         dev.add_flops(5 * y.numel() as u64);
         dx.reshape(y.shape())
     }

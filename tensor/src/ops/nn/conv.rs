@@ -4,6 +4,7 @@
 //! FLOPs are those of the matmuls (counted by [`Tensor::matmul`]).
 
 use crate::backend::Conv2dGeometry;
+use crate::dtype_policy::DTypePolicy::WidenThenRound;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -121,12 +122,13 @@ fn grouped_dy(op: &'static str, dy: &Tensor, g: &Conv2dGeometry) -> Result<Tenso
 
 /// im2col of `x`: `[n, groups, R, L]`.
 fn columns(x: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
-    x.device().kernels().im2col(&x.contiguous()?, g)?.reshape(&[
-        g.n,
-        g.groups,
-        g.col_rows(),
-        g.col_cols(),
-    ])
+    let x = x.contiguous()?;
+    let cols = x
+        .device()
+        .run("conv2d (im2col)", WidenThenRound, [&x], |k, [x]| {
+            k.im2col(x, g)
+        })?;
+    cols.reshape(&[g.n, g.groups, g.col_rows(), g.col_cols()])
 }
 
 impl Tensor {
@@ -181,7 +183,13 @@ impl Tensor {
             return Tensor::zeros_in(input_shape, dy.dtype(), dev);
         }
         let dcols = grouped_weight(weight, &g)?.t()?.matmul(&dy)?;
-        dev.kernels().col2im(&dcols, &g)?.reshape(input_shape)
+        dev.run(
+            "conv2d backward (col2im)",
+            WidenThenRound,
+            [&dcols],
+            |k, [c]| k.col2im(c, &g),
+        )?
+        .reshape(input_shape)
     }
 
     /// Gradient of `conv2d` with respect to its weight: `dy @ cols^T` per sample and group,

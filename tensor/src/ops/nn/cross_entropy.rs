@@ -1,6 +1,7 @@
 //! Softmax + cross-entropy as one row kernel and its backward as one: the language-model loss
 //! without the log-probability matrix, the gather, and the four-op log-softmax backward.
 
+use crate::dtype_policy::{DTypePolicy::WidenThenRound, StaysF32};
 use crate::error::{Error, Result};
 use crate::ops::check_indices;
 use crate::tensor::Tensor;
@@ -20,9 +21,16 @@ impl Tensor {
             let z = || Tensor::zeros(&[0], dev);
             return Ok((z()?, z()?, z()?));
         }
-        let out =
-            dev.kernels()
-                .cross_entropy_rows(&self.contiguous()?, &targets.contiguous()?, n, c)?;
+        let (x, t) = (self.contiguous()?, targets.contiguous()?);
+        // The targets and the saved row statistics stay f32 (indices, and what the backward
+        // recomputes the probabilities from); half logits are widened and the loss rounded.
+        dev.require_f32("cross_entropy (targets)", &[&t])?;
+        let (loss, StaysF32(max), StaysF32(logsum)) =
+            dev.run(OP, WidenThenRound, [&x], |k, [x]| {
+                let (loss, max, logsum) = k.cross_entropy_rows(x, &t, n, c)?;
+                Ok((loss, StaysF32(max), StaysF32(logsum)))
+            })?;
+        let out = (loss, max, logsum);
         // max, exp, sum per element.
         dev.add_flops(3 * self.numel() as u64);
         Ok(out)
@@ -60,15 +68,13 @@ impl Tensor {
         if n == 0 {
             return Tensor::zeros(logits.shape(), dev);
         }
-        let dx = dev.kernels().cross_entropy_backward_rows(
-            &logits.contiguous()?,
-            &targets.contiguous()?,
-            &max.contiguous()?,
-            &logsum.contiguous()?,
-            &g.contiguous()?,
-            n,
-            c,
-        )?;
+        let (x, t) = (logits.contiguous()?, targets.contiguous()?);
+        let (max, logsum, g) = (max.contiguous()?, logsum.contiguous()?, g.contiguous()?);
+        let statistics = "cross_entropy backward (targets, statistics)";
+        dev.require_f32(statistics, &[&t, &max, &logsum])?;
+        let dx = dev.run(OP, WidenThenRound, [&x, &g], |k, [x, g]| {
+            k.cross_entropy_backward_rows(x, &t, &max, &logsum, g, n, c)
+        })?;
         dev.add_flops(4 * logits.numel() as u64);
         Ok(dx)
     }

@@ -11,6 +11,7 @@ pub use conv::Conv2dParams;
 pub use pool::Pool2dParams;
 
 use crate::device::Device;
+use crate::dtype_policy::DTypePolicy::WidenThenRound;
 use crate::error::{Error, Result};
 use crate::layout::resolve_axis;
 use crate::tensor::Tensor;
@@ -40,7 +41,10 @@ impl Tensor {
         let x = self.permute(&perm)?.contiguous()?;
         let cols = self.shape()[a];
         let rows = self.numel() / cols;
-        let y = dev.kernels().softmax_rows(&x, rows, cols, log)?;
+        let op = if log { "log_softmax" } else { "softmax" };
+        let y = dev.run(op, WidenThenRound, [&x], |k, [x]| {
+            k.softmax_rows(x, rows, cols, log)
+        })?;
         dev.add_flops(self.numel() as u64);
         let mut inverse = vec![0; r];
         for (i, &p) in perm.iter().enumerate() {
@@ -89,13 +93,12 @@ impl Tensor {
             ));
         }
         let rows = self.numel() / d;
-        let (y, mean, rstd) = dev.kernels().layer_norm_rows(
-            &self.contiguous()?,
-            &gamma.contiguous()?,
-            &beta.contiguous()?,
-            rows,
-            d,
-            eps,
+        let (x, gamma, beta) = (self.contiguous()?, gamma.contiguous()?, beta.contiguous()?);
+        let (y, mean, rstd) = dev.run(
+            "layer_norm",
+            WidenThenRound,
+            [&x, &gamma, &beta],
+            |k, [x, gamma, beta]| k.layer_norm_rows(x, gamma, beta, rows, d, eps),
         )?;
         // mean, variance, normalise, scale, shift: about five passes over x.
         dev.add_flops(5 * self.numel() as u64);

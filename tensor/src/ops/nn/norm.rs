@@ -1,6 +1,7 @@
 //! The fused residual add + layer norm, and the layer norm's input gradient as one row kernel
 //! (which also adds the gradient the input already has, so the tape's sum is no extra pass).
 
+use crate::dtype_policy::DTypePolicy::WidenThenRound;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -38,14 +39,13 @@ impl Tensor {
             return Ok((z(shape)?, z(shape)?, z(&stat_shape)?, z(&stat_shape)?));
         }
         let rows = self.numel() / d;
-        let (s, y, mean, rstd) = dev.kernels().add_layer_norm_rows(
-            &self.contiguous()?,
-            &r.contiguous()?,
-            &gamma.contiguous()?,
-            &beta.contiguous()?,
-            rows,
-            d,
-            eps,
+        let (x, r) = (self.contiguous()?, r.contiguous()?);
+        let (gamma, beta) = (gamma.contiguous()?, beta.contiguous()?);
+        let (s, y, mean, rstd) = dev.run(
+            "add_layer_norm",
+            WidenThenRound,
+            [&x, &r, &gamma, &beta],
+            |k, [x, r, gamma, beta]| k.add_layer_norm_rows(x, r, gamma, beta, rows, d, eps),
         )?;
         // The add, then layer norm's five passes.
         dev.add_flops(6 * self.numel() as u64);
@@ -95,16 +95,14 @@ impl Tensor {
             return Tensor::zeros(x.shape(), dev);
         }
         let carry = carry.map(Tensor::contiguous).transpose()?;
-        let dx = dev.kernels().layer_norm_backward_rows(
-            &x.contiguous()?,
-            &mean.contiguous()?,
-            &rstd.contiguous()?,
-            &gamma.contiguous()?,
-            &g.contiguous()?,
-            carry.as_ref(),
-            rows,
-            d,
-        )?;
+        let (x, mean, rstd) = (x.contiguous()?, mean.contiguous()?, rstd.contiguous()?);
+        let (gamma, g) = (gamma.contiguous()?, g.contiguous()?);
+        let mut operands = vec![&x, &mean, &rstd, &gamma, &g];
+        operands.extend(carry.as_ref());
+        let dx = dev.run_all(OP, WidenThenRound, &operands, |k, xs| {
+            let carry = xs.get(5).copied();
+            k.layer_norm_backward_rows(xs[0], xs[1], xs[2], xs[3], xs[4], carry, rows, d)
+        })?;
         dev.add_flops(10 * x.numel() as u64);
         dx.reshape(x.shape())
     }

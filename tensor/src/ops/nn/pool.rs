@@ -3,6 +3,7 @@
 //! element read forward, one per `dy` element backward.
 
 use crate::backend::Pool2dGeometry;
+use crate::dtype_policy::{DTypePolicy::WidenThenRound, StaysF32};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -83,7 +84,12 @@ impl Tensor {
             let z = Tensor::zeros_in(&out_shape(&g), self.dtype(), dev)?;
             return Ok((z.clone(), z));
         }
-        let (y, argmax) = dev.kernels().max_pool2d(&self.contiguous()?, &g)?;
+        let x = self.contiguous()?;
+        // The argmax positions stay f32, like every index tensor.
+        let (y, StaysF32(argmax)) = dev.run("max_pool2d", WidenThenRound, [&x], |k, [x]| {
+            let (y, argmax) = k.max_pool2d(x, &g)?;
+            Ok((y, StaysF32(argmax)))
+        })?;
         dev.add_flops((y.numel() * g.kh * g.kw) as u64);
         Ok((y.reshape(&out_shape(&g))?, argmax.reshape(&out_shape(&g))?))
     }
@@ -105,9 +111,11 @@ impl Tensor {
         if dy.numel() == 0 {
             return Tensor::zeros_in(input_shape, dy.dtype(), dev);
         }
-        let dx = dev
-            .kernels()
-            .max_pool2d_backward(&dy.contiguous()?, &argmax.contiguous()?, &g)?;
+        let (dy, argmax) = (dy.contiguous()?, argmax.contiguous()?);
+        dev.require_f32("max_pool2d backward (argmax)", &[&argmax])?;
+        let dx = dev.run("max_pool2d backward", WidenThenRound, [&dy], |k, [dy]| {
+            k.max_pool2d_backward(dy, &argmax, &g)
+        })?;
         dev.add_flops(dy.numel() as u64);
         dx.reshape(input_shape)
     }
@@ -119,7 +127,10 @@ impl Tensor {
         if self.numel() == 0 {
             return Tensor::zeros_in(&out_shape(&g), self.dtype(), dev);
         }
-        let y = dev.kernels().avg_pool2d(&self.contiguous()?, &g)?;
+        let x = self.contiguous()?;
+        let y = dev.run("avg_pool2d", WidenThenRound, [&x], |k, [x]| {
+            k.avg_pool2d(x, &g)
+        })?;
         dev.add_flops((y.numel() * g.kh * g.kw) as u64);
         y.reshape(&out_shape(&g))
     }
@@ -137,7 +148,10 @@ impl Tensor {
         if dy.numel() == 0 {
             return Tensor::zeros_in(input_shape, dy.dtype(), dev);
         }
-        let dx = dev.kernels().avg_pool2d_backward(&dy.contiguous()?, &g)?;
+        let dy = dy.contiguous()?;
+        let dx = dev.run("avg_pool2d backward", WidenThenRound, [&dy], |k, [dy]| {
+            k.avg_pool2d_backward(dy, &g)
+        })?;
         dev.add_flops(dy.numel() as u64);
         dx.reshape(input_shape)
     }
