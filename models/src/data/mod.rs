@@ -23,7 +23,7 @@ pub use idx::{
 };
 pub use images::{ImageSet, SyntheticTask};
 pub use text::{empirical_bigram_entropy, empirical_unigram_entropy};
-pub use text::{ByteTokenizer, CharVocab, TextDataset};
+pub use text::{ByteTokenizer, CharVocab, TextDataset, TokenBatch};
 
 use std::io;
 use std::path::{Path, PathBuf};

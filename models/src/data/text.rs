@@ -133,6 +133,10 @@ impl CharVocab {
     }
 }
 
+/// `(inputs, targets)` of a batch of windows, each row-major `[batch, seq_len]`, where
+/// `targets[b][t] = inputs[b][t + 1]` in the stream.
+pub type TokenBatch = (Vec<u32>, Vec<u32>);
+
 /// Vocabulary size of [`TextDataset::synthetic`] (`CharVocab::synthetic().len()`).
 pub const SYNTHETIC_VOCAB_SIZE: usize = 28;
 
@@ -273,7 +277,7 @@ impl TextDataset {
         seq_len: usize,
         rng_seed: u64,
         step: u64,
-    ) -> Result<(Vec<u32>, Vec<u32>), DataError> {
+    ) -> Result<TokenBatch, DataError> {
         if seq_len == 0 {
             return Err(DataError::Zero { what: "seq_len" });
         }
@@ -298,11 +302,7 @@ impl TextDataset {
     /// of the stream, grouped into full batches of `batch` rows (the remainder is dropped).
     /// Each element is `(inputs, targets)` as in [`TextDataset::batch`]. Fails
     /// ([`DataError::Zero`]) if `batch` or `seq_len` is zero.
-    pub fn eval_batches(
-        &self,
-        batch: usize,
-        seq_len: usize,
-    ) -> Result<Vec<(Vec<u32>, Vec<u32>)>, DataError> {
+    pub fn eval_batches(&self, batch: usize, seq_len: usize) -> Result<Vec<TokenBatch>, DataError> {
         if batch == 0 {
             return Err(DataError::Zero { what: "batch" });
         }
