@@ -533,7 +533,7 @@ fn pipelined_and_plain_training_of_transformer_lm_agree() {
     let cpu = Device::cpu();
     let (b, t) = (8, 16);
     let batch = |step: u64| {
-        let (x, y) = data.batch(b, t, 0, step);
+        let (x, y) = data.batch(b, t, 0, step).unwrap();
         let f = |v: Vec<u32>| {
             Tensor::from_vec(v.iter().map(|&i| i as f32).collect(), &[b, t], &cpu).unwrap()
         };
@@ -616,7 +616,7 @@ fn pipelined_with_micro_batches_equals_plain_without_dropout() {
     let data = TextDataset::synthetic(3, 5000);
     let cpu = Device::cpu();
     let (b, t) = (8, 16);
-    let (x, y) = data.batch(b, t, 0, 0);
+    let (x, y) = data.batch(b, t, 0, 0).unwrap();
     let f = |v: Vec<u32>| {
         Tensor::from_vec(v.iter().map(|&i| i as f32).collect(), &[b, t], &cpu).unwrap()
     };

@@ -25,7 +25,7 @@ mod wgsl;
 pub use elementwise::EwLayout;
 pub use kernel::{HalfFormat, IndexKernel, Kernel, SpatialKernel, BIAS_ACTIVATIONS};
 pub use matmul::{MatmulConfig, OperandLoad, SubgroupMatmulConfig};
-pub use ops::{BinaryOp, ReduceOp, UnaryOp};
+pub use ops::{BinaryOp, GradFrom, ReduceOp, UnaryOp};
 pub use rows::{ReduceMode, RowGroup};
 
 /// Invocations per workgroup of the one-invocation-per-element kernels.

@@ -1,7 +1,7 @@
 //! Elementwise ops: binary with numpy broadcasting (gradients summed back to each input's shape),
-//! scalar, unary, `where_cond` and `masked_fill`.
+//! scalar arithmetic, `where_cond` and `masked_fill`. The unary ops are in `unary.rs`.
 
-use wgpipe_tensor::{Result, Tensor, UnaryOp};
+use wgpipe_tensor::{Result, Tensor};
 
 use super::{same_tape, when, zero_scalar};
 use crate::var::Var;
@@ -129,19 +129,6 @@ impl Var {
         })
     }
 
-    /// Any unary op; its gradient `g * op'(x)` comes from the op's descriptor (one fused
-    /// kernel). The named methods below keep their own hand-written backward formulas.
-    pub fn unary(&self, op: UnaryOp) -> Result<Var> {
-        let y = self.value.unary(op)?;
-        let x = self.value.clone();
-        unary(op.name(), self, y, move |g| x.unary_grad(op, g))
-    }
-
-    /// SiLU (swish), `x * sigmoid(x)`; its gradient from the descriptor.
-    pub fn silu(&self) -> Result<Var> {
-        self.unary(UnaryOp::Silu)
-    }
-
     pub fn add_scalar(&self, s: f32) -> Result<Var> {
         let y = self.value.add_scalar(s)?;
         unary("add_scalar", self, y, |g| Ok(g.clone()))
@@ -160,115 +147,6 @@ impl Var {
     pub fn div_scalar(&self, s: f32) -> Result<Var> {
         let y = self.value.div_scalar(s)?;
         unary("div_scalar", self, y, move |g| g.div_scalar(s))
-    }
-
-    /// `self ^ p`.
-    pub fn powf(&self, p: f32) -> Result<Var> {
-        let y = self.value.powf(p)?;
-        let x = self.value.clone();
-        unary("powf", self, y, move |g| {
-            g.mul(&x.powf(p - 1.0)?.mul_scalar(p)?)
-        })
-    }
-
-    pub fn neg(&self) -> Result<Var> {
-        let y = self.value.neg()?;
-        unary("neg", self, y, |g| g.neg())
-    }
-
-    pub fn exp(&self) -> Result<Var> {
-        let y = self.value.exp()?;
-        let yy = y.clone();
-        unary("exp", self, y, move |g| g.mul(&yy))
-    }
-
-    pub fn log(&self) -> Result<Var> {
-        let y = self.value.log()?;
-        let x = self.value.clone();
-        unary("log", self, y, move |g| g.div(&x))
-    }
-
-    pub fn sqrt(&self) -> Result<Var> {
-        let y = self.value.sqrt()?;
-        let yy = y.clone();
-        unary("sqrt", self, y, move |g| g.div(&yy)?.mul_scalar(0.5))
-    }
-
-    pub fn rsqrt(&self) -> Result<Var> {
-        let y = self.value.rsqrt()?;
-        let yy = y.clone();
-        // d/dx x^-1/2 = -1/2 x^-3/2 = -1/2 y^3
-        unary("rsqrt", self, y, move |g| {
-            g.mul(&yy.powf(3.0)?)?.mul_scalar(-0.5)
-        })
-    }
-
-    pub fn abs(&self) -> Result<Var> {
-        let y = self.value.abs()?;
-        let x = self.value.clone();
-        unary("abs", self, y, move |g| g.mul(&x.sign()?))
-    }
-
-    pub fn tanh(&self) -> Result<Var> {
-        let y = self.value.tanh()?;
-        let yy = y.clone();
-        unary("tanh", self, y, move |g| {
-            g.mul(&yy.square()?.rsub_scalar(1.0)?)
-        })
-    }
-
-    pub fn sigmoid(&self) -> Result<Var> {
-        let y = self.value.sigmoid()?;
-        let yy = y.clone();
-        unary("sigmoid", self, y, move |g| {
-            g.mul(&yy.mul(&yy.rsub_scalar(1.0)?)?)
-        })
-    }
-
-    pub fn relu(&self) -> Result<Var> {
-        let y = self.value.relu()?;
-        let x = self.value.clone();
-        unary("relu", self, y, move |g| g.mul(&x.gt_scalar(0.0)?))
-    }
-
-    /// GELU, exact: `x Phi(x)` (PyTorch's `gelu`).
-    pub fn gelu(&self) -> Result<Var> {
-        let y = self.value.gelu()?;
-        let x = self.value.clone();
-        unary("gelu", self, y, move |g| x.unary_grad(UnaryOp::Gelu, g))
-    }
-
-    /// GELU, tanh approximation (PyTorch's `gelu(approximate='tanh')`).
-    pub fn gelu_tanh(&self) -> Result<Var> {
-        let y = self.value.gelu_tanh()?;
-        let x = self.value.clone();
-        unary("gelu_tanh", self, y, move |g| {
-            x.unary_grad(UnaryOp::GeluTanh, g)
-        })
-    }
-
-    pub fn sin(&self) -> Result<Var> {
-        let y = self.value.sin()?;
-        let x = self.value.clone();
-        unary("sin", self, y, move |g| g.mul(&x.cos()?))
-    }
-
-    pub fn cos(&self) -> Result<Var> {
-        let y = self.value.cos()?;
-        let x = self.value.clone();
-        unary("cos", self, y, move |g| g.mul(&x.sin()?)?.neg())
-    }
-
-    pub fn square(&self) -> Result<Var> {
-        let y = self.value.square()?;
-        let x = self.value.clone();
-        unary("square", self, y, move |g| g.mul(&x)?.mul_scalar(2.0))
-    }
-
-    pub fn recip(&self) -> Result<Var> {
-        let y = self.value.recip()?;
-        let yy = y.clone();
-        unary("recip", self, y, move |g| g.mul(&yy.square()?)?.neg())
     }
 
     /// `value` where `mask != 0`, else `self` (mask broadcasts to `self`); no gradient flows

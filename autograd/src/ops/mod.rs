@@ -10,6 +10,7 @@ mod linalg;
 mod nn;
 mod reduce;
 mod shape;
+mod unary;
 
 use wgpipe_tensor::{Error, Result, Tensor};
 

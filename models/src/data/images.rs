@@ -116,21 +116,33 @@ impl ImageSet {
         self.n == 0
     }
 
-    /// The pixels of image `i` (`[c, h, w]`).
+    /// The pixels of image `i` (`[c, h, w]`). Panics if `i >= n`, as slice indexing does;
+    /// indices that come from input go through [`ImageSet::batch`], which checks them.
     pub fn image(&self, i: usize) -> &[f32] {
         let l = self.image_len();
         &self.images[i * l..(i + 1) * l]
     }
 
-    /// Images and labels at `indices`, in that order: `([len, c, h, w], [len])`.
-    ///
-    /// # Panics
-    /// If an index is out of range.
-    pub fn batch(&self, indices: &[usize]) -> (Vec<f32>, Vec<u32>) {
+    /// Images and labels at `indices`, in that order: `([len, c, h, w], [len])`. Fails
+    /// ([`DataError::IndexOutOfRange`], naming the first such index) if an index is not below
+    /// `n`.
+    pub fn batch(&self, indices: &[usize]) -> Result<(Vec<f32>, Vec<u32>), DataError> {
+        self.check_indices(indices)?;
+        Ok(self.gather(indices))
+    }
+
+    fn check_indices(&self, indices: &[usize]) -> Result<(), DataError> {
+        match indices.iter().find(|&&i| i >= self.n) {
+            Some(&index) => Err(DataError::IndexOutOfRange { index, n: self.n }),
+            None => Ok(()),
+        }
+    }
+
+    /// [`ImageSet::batch`] of indices known to be below `n`.
+    fn gather(&self, indices: &[usize]) -> (Vec<f32>, Vec<u32>) {
         let mut images = Vec::with_capacity(indices.len() * self.image_len());
         let mut labels = Vec::with_capacity(indices.len());
         for &i in indices {
-            assert!(i < self.n, "image index {i} out of range (n = {})", self.n);
             images.extend_from_slice(self.image(i));
             labels.push(self.labels[i]);
         }
@@ -146,16 +158,22 @@ impl ImageSet {
 
     /// The epoch's batches of indices: [`ImageSet::shuffled_indices`] cut into full batches
     /// of `batch_size`; the remaining `n % batch_size` images (different ones each epoch)
-    /// are dropped so every batch has the same shape. Pass each to [`ImageSet::batch`].
-    ///
-    /// # Panics
-    /// If `batch_size == 0`.
-    pub fn shuffled_batches(&self, batch_size: usize, seed: u64, epoch: u64) -> Vec<Vec<usize>> {
-        assert!(batch_size > 0, "batch_size must be positive");
-        self.shuffled_indices(seed, epoch)
+    /// are dropped so every batch has the same shape. Pass each to [`ImageSet::batch`]. Fails
+    /// ([`DataError::Zero`]) if `batch_size == 0`.
+    pub fn shuffled_batches(
+        &self,
+        batch_size: usize,
+        seed: u64,
+        epoch: u64,
+    ) -> Result<Vec<Vec<usize>>, DataError> {
+        if batch_size == 0 {
+            return Err(DataError::Zero { what: "batch_size" });
+        }
+        Ok(self
+            .shuffled_indices(seed, epoch)
             .chunks_exact(batch_size)
             .map(<[usize]>::to_vec)
-            .collect()
+            .collect())
     }
 
     /// Per-channel mean and standard deviation over all images (std floored at 1e-6).
@@ -186,17 +204,28 @@ impl ImageSet {
     /// transformed identically with [`ImageSet::normalize_with`].
     pub fn normalize(&mut self) -> (Vec<f32>, Vec<f32>) {
         let (mean, std) = self.channel_stats();
-        self.normalize_with(&mean, &std);
+        self.standardise(&mean, &std);
         (mean, std)
     }
 
-    /// `x = (x - mean[ch]) / std[ch]` for every pixel.
-    ///
-    /// # Panics
-    /// If `mean` or `std` does not have `c` entries.
-    pub fn normalize_with(&mut self, mean: &[f32], std: &[f32]) {
-        assert_eq!(mean.len(), self.c, "need one mean per channel");
-        assert_eq!(std.len(), self.c, "need one std per channel");
+    /// `x = (x - mean[ch]) / std[ch]` for every pixel. Fails ([`DataError::PerChannel`]),
+    /// changing nothing, if `mean` or `std` does not have `c` entries.
+    pub fn normalize_with(&mut self, mean: &[f32], std: &[f32]) -> Result<(), DataError> {
+        for (what, got) in [("mean", mean.len()), ("std", std.len())] {
+            if got != self.c {
+                return Err(DataError::PerChannel {
+                    what,
+                    got,
+                    channels: self.c,
+                });
+            }
+        }
+        self.standardise(mean, std);
+        Ok(())
+    }
+
+    /// [`ImageSet::normalize_with`] with `c` entries in each of `mean` and `std`.
+    fn standardise(&mut self, mean: &[f32], std: &[f32]) {
         let hw = self.h * self.w;
         if hw == 0 {
             return;
@@ -212,9 +241,16 @@ impl ImageSet {
         }
     }
 
-    /// The images at `indices`, in that order, as a new set (same `num_classes`).
-    pub fn subset(&self, indices: &[usize]) -> ImageSet {
-        let (images, labels) = self.batch(indices);
+    /// The images at `indices`, in that order, as a new set (same `num_classes`). Fails as
+    /// [`ImageSet::batch`] does.
+    pub fn subset(&self, indices: &[usize]) -> Result<ImageSet, DataError> {
+        self.check_indices(indices)?;
+        Ok(self.gathered(indices))
+    }
+
+    /// [`ImageSet::subset`] of indices known to be below `n`.
+    fn gathered(&self, indices: &[usize]) -> ImageSet {
+        let (images, labels) = self.gather(indices);
         ImageSet {
             images,
             labels,
@@ -228,19 +264,16 @@ impl ImageSet {
 
     /// Contiguous split: the first `round(n * fraction)` images and the rest. (Synthetic
     /// sets are already in random order; for sorted data, [`ImageSet::subset`] a shuffled
-    /// index list instead.)
-    ///
-    /// # Panics
-    /// If `fraction` is not within `[0, 1]`.
-    pub fn split(&self, fraction: f64) -> (ImageSet, ImageSet) {
-        assert!(
-            (0.0..=1.0).contains(&fraction),
-            "split fraction must be in [0, 1], got {fraction}"
-        );
+    /// index list instead.) Fails ([`DataError::Fraction`]) if `fraction` is not within
+    /// `[0, 1]`.
+    pub fn split(&self, fraction: f64) -> Result<(ImageSet, ImageSet), DataError> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(DataError::Fraction { fraction });
+        }
         let k = ((self.n as f64 * fraction).round() as usize).min(self.n);
         let first: Vec<usize> = (0..k).collect();
         let rest: Vec<usize> = (k..self.n).collect();
-        (self.subset(&first), self.subset(&rest))
+        Ok((self.gathered(&first), self.gathered(&rest)))
     }
 
     /// A few-shot subset: the first `k` images of each class (all of a class if it has
@@ -254,33 +287,40 @@ impl ImageSet {
                 *t <= k
             })
             .collect();
-        self.subset(&idx)
+        self.gathered(&idx)
     }
 
     /// The images whose label is in `classes`, relabelled by position in `classes`
     /// (`classes[j]` becomes `j`; `num_classes = classes.len()`), keeping their order. With
     /// disjoint class lists this gives two related tasks from one set, e.g. pre-train on
-    /// shapes 0–4 and fine-tune on shapes 5–9.
-    ///
-    /// # Panics
-    /// If `classes` repeats a class.
-    pub fn filter_classes(&self, classes: &[u32]) -> ImageSet {
+    /// shapes 0–4 and fine-tune on shapes 5–9. Fails ([`DataError::RepeatedClass`]) if
+    /// `classes` repeats a class.
+    pub fn filter_classes(&self, classes: &[u32]) -> Result<ImageSet, DataError> {
+        if let Some((first, second, &class)) = classes.iter().enumerate().find_map(|(j, c)| {
+            let first = classes[..j].iter().position(|p| p == c)?;
+            Some((first, j, c))
+        }) {
+            return Err(DataError::RepeatedClass {
+                class,
+                first,
+                second,
+            });
+        }
         let mut map = vec![None; self.num_classes];
         for (j, &cl) in classes.iter().enumerate() {
             if let Some(slot) = map.get_mut(cl as usize) {
-                assert!(slot.is_none(), "class {cl} repeated in filter_classes");
                 *slot = Some(j as u32);
             }
         }
         let idx: Vec<usize> = (0..self.n)
             .filter(|&i| map[self.labels[i] as usize].is_some())
             .collect();
-        let mut out = self.subset(&idx);
+        let mut out = self.gathered(&idx);
         for l in &mut out.labels {
             *l = map[*l as usize].expect("kept labels are mapped");
         }
         out.num_classes = classes.len();
-        out
+        Ok(out)
     }
 
     /// How many images each class has (`num_classes` entries).
@@ -311,9 +351,8 @@ impl ImageSet {
     /// `c × h × w` pixels in `[0, 1]`, labels balanced (class counts differ by at most one)
     /// and in random order. Image `i` depends only on `(kind, seed, i, its label)`.
     ///
-    /// # Panics
-    /// If `c == 0`, `h < 8`, `w < 8`, or `num_classes` is not in
-    /// `2..=SyntheticTask::MAX_CLASSES`.
+    /// Fails ([`DataError::SyntheticShape`]) if `c == 0`, `h < 8`, `w < 8`, or `num_classes`
+    /// is not in `2..=SyntheticTask::MAX_CLASSES`.
     pub fn synthetic(
         kind: SyntheticTask,
         n: usize,
@@ -322,21 +361,24 @@ impl ImageSet {
         w: usize,
         num_classes: usize,
         seed: u64,
-    ) -> ImageSet {
-        assert!(c > 0, "synthetic images need at least one channel");
-        assert!(
-            h >= 8 && w >= 8,
-            "synthetic images need at least 8x8 pixels, got {h}x{w}"
-        );
-        assert!(
-            (2..=SyntheticTask::MAX_CLASSES).contains(&num_classes),
-            "synthetic tasks support 2..={} classes, got {num_classes}",
-            SyntheticTask::MAX_CLASSES
-        );
+    ) -> Result<ImageSet, DataError> {
+        let max_classes = SyntheticTask::MAX_CLASSES;
+        if c == 0 || h < 8 || w < 8 || !(2..=max_classes).contains(&num_classes) {
+            return Err(DataError::SyntheticShape {
+                c,
+                h,
+                w,
+                num_classes,
+                max_classes,
+            });
+        }
         let mut labels: Vec<u32> = (0..n).map(|i| (i % num_classes) as u32).collect();
         Rng::from_parts(&[seed, kind.tag(), u64::MAX]).shuffle(&mut labels);
         let len = c * h * w;
-        let mut images = vec![0f32; n * len];
+        let total = len.checked_mul(n).ok_or_else(|| {
+            DataError::invalid(format!("{n} images of {c}x{h}x{w} pixels overflow usize"))
+        })?;
+        let mut images = vec![0f32; total];
         for (i, (img, &label)) in images.chunks_exact_mut(len).zip(&labels).enumerate() {
             let mut rng = Rng::from_parts(&[seed, kind.tag(), i as u64]);
             match kind {
@@ -346,7 +388,7 @@ impl ImageSet {
                 }
             }
         }
-        ImageSet {
+        Ok(ImageSet {
             images,
             labels,
             n,
@@ -354,7 +396,7 @@ impl ImageSet {
             h,
             w,
             num_classes,
-        }
+        })
     }
 }
 
@@ -481,7 +523,7 @@ mod tests {
     #[test]
     fn batch_gathers_in_order() {
         let s = tiny();
-        let (x, y) = s.batch(&[3, 1]);
+        let (x, y) = s.batch(&[3, 1]).unwrap();
         assert_eq!(y, vec![2, 1]);
         assert_eq!(x.len(), 24);
         assert_eq!(x[0], 300.0);
@@ -491,17 +533,17 @@ mod tests {
 
     #[test]
     fn shuffled_batches_are_deterministic_permutations() {
-        let s = ImageSet::synthetic(SyntheticTask::Shapes, 23, 1, 8, 8, 4, 0);
-        let b = s.shuffled_batches(5, 9, 0);
+        let s = ImageSet::synthetic(SyntheticTask::Shapes, 23, 1, 8, 8, 4, 0).unwrap();
+        let b = s.shuffled_batches(5, 9, 0).unwrap();
         assert_eq!(b.len(), 4);
         assert!(b.iter().all(|x| x.len() == 5));
         let mut all: Vec<usize> = b.concat();
         all.sort_unstable();
         all.dedup();
         assert_eq!(all.len(), 20);
-        assert_eq!(b, s.shuffled_batches(5, 9, 0));
-        assert_ne!(b, s.shuffled_batches(5, 9, 1));
-        assert_ne!(b, s.shuffled_batches(5, 10, 0));
+        assert_eq!(b, s.shuffled_batches(5, 9, 0).unwrap());
+        assert_ne!(b, s.shuffled_batches(5, 9, 1).unwrap());
+        assert_ne!(b, s.shuffled_batches(5, 10, 0).unwrap());
         let mut p = s.shuffled_indices(9, 0);
         p.sort_unstable();
         assert_eq!(p, (0..23).collect::<Vec<_>>());
@@ -509,7 +551,7 @@ mod tests {
 
     #[test]
     fn normalize_gives_zero_mean_unit_std_per_channel() {
-        let mut s = ImageSet::synthetic(SyntheticTask::Stripes, 40, 3, 8, 8, 4, 1);
+        let mut s = ImageSet::synthetic(SyntheticTask::Stripes, 40, 3, 8, 8, 4, 1).unwrap();
         let mut v = s.clone();
         let (mean, std) = s.normalize();
         assert_eq!(mean.len(), 3);
@@ -519,7 +561,7 @@ mod tests {
             assert!((s2[ch] - 1.0).abs() < 1e-3, "{s2:?}");
             assert!(mean[ch] > 0.0 && mean[ch] < 1.0 && std[ch] > 0.05);
         }
-        v.normalize_with(&mean, &std);
+        v.normalize_with(&mean, &std).unwrap();
         assert_eq!(v, s);
     }
 
@@ -533,7 +575,7 @@ mod tests {
     #[test]
     fn split_subset_append() {
         let s = tiny();
-        let (a, b) = s.split(0.75);
+        let (a, b) = s.split(0.75).unwrap();
         assert_eq!((a.n, b.n), (3, 1));
         assert_eq!(b.labels, vec![2]);
         assert_eq!(b.images[0], 300.0);
@@ -542,13 +584,13 @@ mod tests {
         assert_eq!(j, s);
         let other = ImageSet::new(vec![0.0; 4], vec![0], 1, 1, 2, 2, 1).unwrap();
         assert!(j.append(&other).is_err());
-        let (all, none) = s.split(1.0);
+        let (all, none) = s.split(1.0).unwrap();
         assert_eq!((all.n, none.n), (4, 0));
     }
 
     #[test]
     fn take_per_class_is_few_shot() {
-        let s = ImageSet::synthetic(SyntheticTask::Shapes, 100, 1, 8, 8, 5, 2);
+        let s = ImageSet::synthetic(SyntheticTask::Shapes, 100, 1, 8, 8, 5, 2).unwrap();
         let f = s.take_per_class(3);
         assert_eq!(f.n, 15);
         assert_eq!(f.class_counts(), vec![3; 5]);
@@ -562,23 +604,23 @@ mod tests {
     #[test]
     fn filter_classes_relabels() {
         let s = tiny(); // labels 0, 1, 0, 2
-        let f = s.filter_classes(&[2, 0]);
+        let f = s.filter_classes(&[2, 0]).unwrap();
         assert_eq!(f.labels, vec![1, 1, 0]);
         assert_eq!(f.num_classes, 2);
         assert_eq!(f.image(2), s.image(3));
-        let g = ImageSet::synthetic(SyntheticTask::Shapes, 100, 1, 8, 8, 10, 0);
-        let hi = g.filter_classes(&[5, 6, 7, 8, 9]);
+        let g = ImageSet::synthetic(SyntheticTask::Shapes, 100, 1, 8, 8, 10, 0).unwrap();
+        let hi = g.filter_classes(&[5, 6, 7, 8, 9]).unwrap();
         assert_eq!(hi.class_counts(), vec![10; 5]);
         // Classes beyond num_classes simply match nothing.
-        assert_eq!(s.filter_classes(&[7]).n, 0);
+        assert_eq!(s.filter_classes(&[7]).unwrap().n, 0);
     }
 
     #[test]
     fn synthetic_is_deterministic_balanced_and_in_range() {
         for kind in [SyntheticTask::Shapes, SyntheticTask::Stripes] {
-            let a = ImageSet::synthetic(kind, 103, 3, 16, 12, 10, 5);
-            let b = ImageSet::synthetic(kind, 103, 3, 16, 12, 10, 5);
-            let c = ImageSet::synthetic(kind, 103, 3, 16, 12, 10, 6);
+            let a = ImageSet::synthetic(kind, 103, 3, 16, 12, 10, 5).unwrap();
+            let b = ImageSet::synthetic(kind, 103, 3, 16, 12, 10, 5).unwrap();
+            let c = ImageSet::synthetic(kind, 103, 3, 16, 12, 10, 6).unwrap();
             assert_eq!(a, b);
             assert_ne!(a.images, c.images);
             assert_eq!(a.images.len(), 103 * 3 * 16 * 12);
@@ -589,15 +631,71 @@ mod tests {
             // Labels are shuffled, not cyclic.
             assert_ne!(a.labels[..10], (0..10).collect::<Vec<u32>>()[..]);
         }
-        let s = ImageSet::synthetic(SyntheticTask::Shapes, 10, 1, 8, 8, 2, 0);
-        let t = ImageSet::synthetic(SyntheticTask::Stripes, 10, 1, 8, 8, 2, 0);
+        let s = ImageSet::synthetic(SyntheticTask::Shapes, 10, 1, 8, 8, 2, 0).unwrap();
+        let t = ImageSet::synthetic(SyntheticTask::Stripes, 10, 1, 8, 8, 2, 0).unwrap();
         assert_ne!(s.images, t.images);
     }
 
+    /// Was `should_panic(expected = "classes")` while `synthetic` panicked; the same input now
+    /// gives the error, with the same word.
     #[test]
-    #[should_panic(expected = "classes")]
     fn synthetic_rejects_too_many_classes() {
-        ImageSet::synthetic(SyntheticTask::Shapes, 10, 1, 8, 8, 11, 0);
+        let e = ImageSet::synthetic(SyntheticTask::Shapes, 10, 1, 8, 8, 11, 0).unwrap_err();
+        assert!(e.to_string().contains("classes"), "{e}");
+        assert!(
+            matches!(
+                e,
+                DataError::SyntheticShape {
+                    num_classes: 11,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn bad_shapes_and_arguments_are_errors_naming_the_values() {
+        let bad = [(0, 8, 8, 2), (1, 7, 8, 2), (1, 8, 4, 2), (1, 8, 8, 1)];
+        for (c, h, w, k) in bad {
+            let e = ImageSet::synthetic(SyntheticTask::Stripes, 4, c, h, w, k, 0).unwrap_err();
+            let shown = format!("{c} channel(s), {h}x{w} pixels, {k} classes");
+            assert!(e.to_string().contains(&shown), "{e}");
+        }
+        let s = tiny(); // 4 images
+        for r in [s.batch(&[0, 4, 9]).map(|_| ()), s.subset(&[4]).map(|_| ())] {
+            let e = r.unwrap_err();
+            assert!(
+                matches!(e, DataError::IndexOutOfRange { index: 4, n: 4 }),
+                "{e:?}"
+            );
+            assert!(e.to_string().contains("index 4"), "{e}");
+        }
+        let e = s.shuffled_batches(0, 1, 0).unwrap_err();
+        assert!(matches!(e, DataError::Zero { what: "batch_size" }), "{e:?}");
+        let e = s.split(1.5).unwrap_err();
+        assert!(e.to_string().contains("1.5"), "{e}");
+        let e = s.filter_classes(&[1, 2, 1]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                DataError::RepeatedClass {
+                    class: 1,
+                    first: 0,
+                    second: 2
+                }
+            ),
+            "{e:?}"
+        );
+        let mut m = s.clone();
+        let e = m.normalize_with(&[0.0; 2], &[1.0; 3]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "need one std per channel: got 3 for 2 channel(s)"
+        );
+        assert_eq!(m, s, "a refused normalisation changes nothing");
+        let e = m.normalize_with(&[0.0], &[1.0; 2]).unwrap_err();
+        assert!(e.to_string().contains("one mean per channel"), "{e}");
     }
 
     /// Nearest-class-mean accuracy on raw pixels: the tasks should be learnable (above
@@ -606,8 +704,8 @@ mod tests {
     #[test]
     fn synthetic_tasks_are_learnable_but_not_trivial() {
         for kind in [SyntheticTask::Shapes, SyntheticTask::Stripes] {
-            let all = ImageSet::synthetic(kind, 1200, 1, 16, 16, 4, 3);
-            let (train, test) = all.split(0.75);
+            let all = ImageSet::synthetic(kind, 1200, 1, 16, 16, 4, 3).unwrap();
+            let (train, test) = all.split(0.75).unwrap();
             let len = train.image_len();
             let mut means = vec![vec![0f64; len]; 4];
             for i in 0..train.n {

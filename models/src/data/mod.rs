@@ -23,7 +23,7 @@ pub use idx::{
 };
 pub use images::{ImageSet, SyntheticTask};
 pub use text::{empirical_bigram_entropy, empirical_unigram_entropy};
-pub use text::{ByteTokenizer, CharVocab, TextDataset};
+pub use text::{ByteTokenizer, CharVocab, TextDataset, TokenBatch};
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -58,6 +58,74 @@ pub enum DataError {
         /// What is wrong.
         problem: String,
     },
+    /// A size that must be positive is zero (nothing could be drawn with it).
+    #[error("{what} must be positive, got 0")]
+    Zero {
+        /// Which size: `"batch"`, `"seq_len"`, `"batch_size"`.
+        what: &'static str,
+    },
+    /// A token stream shorter than one input/target window (`seq_len + 1` tokens).
+    #[error(
+        "dataset has {tokens} tokens, too short for one sequence of seq_len {seq_len} \
+         (need seq_len + 1)"
+    )]
+    TooShort {
+        /// Tokens in the dataset.
+        tokens: usize,
+        /// The sequence length asked for.
+        seq_len: usize,
+    },
+    /// An image index at or past the number of images.
+    #[error("image index {index} out of range (n = {n})")]
+    IndexOutOfRange {
+        /// The index asked for.
+        index: usize,
+        /// Images in the set.
+        n: usize,
+    },
+    /// A split fraction outside `[0, 1]` (or NaN).
+    #[error("split fraction must be in [0, 1], got {fraction}")]
+    Fraction {
+        /// The fraction given.
+        fraction: f64,
+    },
+    /// Per-channel statistics whose count is not the number of channels.
+    #[error("need one {what} per channel: got {got} for {channels} channel(s)")]
+    PerChannel {
+        /// `"mean"` or `"std"`.
+        what: &'static str,
+        /// Entries given.
+        got: usize,
+        /// Channels of the images.
+        channels: usize,
+    },
+    /// A class listed twice where each may appear once.
+    #[error("class {class} repeated in filter_classes (positions {first} and {second})")]
+    RepeatedClass {
+        /// The class.
+        class: u32,
+        /// Its first position in the list.
+        first: usize,
+        /// Its second position.
+        second: usize,
+    },
+    /// Synthetic images of a shape or class count the generators do not support.
+    #[error(
+        "synthetic images need at least 1 channel, at least 8x8 pixels and 2..={max_classes} \
+         classes; got {c} channel(s), {h}x{w} pixels, {num_classes} classes"
+    )]
+    SyntheticShape {
+        /// Channels asked for.
+        c: usize,
+        /// Height asked for.
+        h: usize,
+        /// Width asked for.
+        w: usize,
+        /// Classes asked for.
+        num_classes: usize,
+        /// The most classes supported ([`SyntheticTask::MAX_CLASSES`]).
+        max_classes: usize,
+    },
 }
 
 impl DataError {
@@ -86,7 +154,7 @@ impl DataError {
     pub fn path(&self) -> Option<&Path> {
         match self {
             DataError::Io { path, .. } | DataError::Format { path, .. } => Some(path),
-            DataError::Invalid { .. } => None,
+            _ => None,
         }
     }
 }

@@ -133,6 +133,10 @@ impl CharVocab {
     }
 }
 
+/// `(inputs, targets)` of a batch of windows, each row-major `[batch, seq_len]`, where
+/// `targets[b][t] = inputs[b][t + 1]` in the stream.
+pub type TokenBatch = (Vec<u32>, Vec<u32>);
+
 /// Vocabulary size of [`TextDataset::synthetic`] (`CharVocab::synthetic().len()`).
 pub const SYNTHETIC_VOCAB_SIZE: usize = 28;
 
@@ -205,6 +209,8 @@ impl TextDataset {
     }
 
     fn with_vocab(text: &str, vocab: CharVocab) -> Self {
+        // Not reachable by input: `from_text` builds the vocabulary from `text`, and the
+        // synthetic grammar emits only characters of `CharVocab::synthetic`.
         let tokens = vocab
             .encode(text)
             .expect("text characters are in its vocabulary");
@@ -263,22 +269,24 @@ impl TextDataset {
     /// `targets[b][t] = inputs[b][t + 1]` in the stream (the next token). Deterministic in
     /// `(rng_seed, step)`.
     ///
-    /// # Panics
-    /// If the dataset has fewer than `seq_len + 1` tokens, or `seq_len == 0`.
+    /// Fails ([`DataError::Zero`], [`DataError::TooShort`]) if `seq_len == 0` or the dataset
+    /// has fewer than `seq_len + 1` tokens.
     pub fn batch(
         &self,
         batch: usize,
         seq_len: usize,
         rng_seed: u64,
         step: u64,
-    ) -> (Vec<u32>, Vec<u32>) {
-        assert!(seq_len > 0, "seq_len must be positive");
-        assert!(
-            self.tokens.len() > seq_len,
-            "dataset has {} tokens, too short for one sequence of seq_len {seq_len} \
-             (need seq_len + 1)",
-            self.tokens.len()
-        );
+    ) -> Result<TokenBatch, DataError> {
+        if seq_len == 0 {
+            return Err(DataError::Zero { what: "seq_len" });
+        }
+        if self.tokens.len() <= seq_len {
+            return Err(DataError::TooShort {
+                tokens: self.tokens.len(),
+                seq_len,
+            });
+        }
         let starts = (self.tokens.len() - seq_len) as u64;
         let mut inputs = Vec::with_capacity(batch * seq_len);
         let mut targets = Vec::with_capacity(batch * seq_len);
@@ -287,19 +295,22 @@ impl TextDataset {
             inputs.extend_from_slice(&self.tokens[s..s + seq_len]);
             targets.extend_from_slice(&self.tokens[s + 1..s + seq_len + 1]);
         }
-        (inputs, targets)
+        Ok((inputs, targets))
     }
 
     /// Deterministic evaluation batches: consecutive non-overlapping windows from the start
     /// of the stream, grouped into full batches of `batch` rows (the remainder is dropped).
-    /// Each element is `(inputs, targets)` as in [`TextDataset::batch`].
-    pub fn eval_batches(&self, batch: usize, seq_len: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
-        assert!(
-            seq_len > 0 && batch > 0,
-            "batch and seq_len must be positive"
-        );
+    /// Each element is `(inputs, targets)` as in [`TextDataset::batch`]. Fails
+    /// ([`DataError::Zero`]) if `batch` or `seq_len` is zero.
+    pub fn eval_batches(&self, batch: usize, seq_len: usize) -> Result<Vec<TokenBatch>, DataError> {
+        if batch == 0 {
+            return Err(DataError::Zero { what: "batch" });
+        }
+        if seq_len == 0 {
+            return Err(DataError::Zero { what: "seq_len" });
+        }
         let windows = self.tokens.len().saturating_sub(1) / seq_len;
-        (0..windows / batch)
+        let batches = (0..windows / batch)
             .map(|b| {
                 let mut inputs = Vec::with_capacity(batch * seq_len);
                 let mut targets = Vec::with_capacity(batch * seq_len);
@@ -310,19 +321,17 @@ impl TextDataset {
                 }
                 (inputs, targets)
             })
-            .collect()
+            .collect();
+        Ok(batches)
     }
 
     /// Contiguous split: the first `fraction` of the tokens (rounded down) for training,
-    /// the rest for validation. Both keep this dataset's vocabulary.
-    ///
-    /// # Panics
-    /// If `fraction` is not within `[0, 1]`.
-    pub fn split(&self, fraction: f64) -> (TextDataset, TextDataset) {
-        assert!(
-            (0.0..=1.0).contains(&fraction),
-            "split fraction must be in [0, 1], got {fraction}"
-        );
+    /// the rest for validation. Both keep this dataset's vocabulary. Fails
+    /// ([`DataError::Fraction`]) if `fraction` is not within `[0, 1]`.
+    pub fn split(&self, fraction: f64) -> Result<(TextDataset, TextDataset), DataError> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(DataError::Fraction { fraction });
+        }
         let k = ((self.tokens.len() as f64) * fraction).floor() as usize;
         let k = k.min(self.tokens.len());
         let part = |t: &[u32]| TextDataset {
@@ -330,7 +339,7 @@ impl TextDataset {
             vocab_size: self.vocab_size,
             vocab: self.vocab.clone(),
         };
-        (part(&self.tokens[..k]), part(&self.tokens[k..]))
+        Ok((part(&self.tokens[..k]), part(&self.tokens[k..])))
     }
 }
 
@@ -628,7 +637,7 @@ mod tests {
     #[test]
     fn batch_shapes_shift_and_determinism() {
         let d = TextDataset::synthetic(0, 10_000);
-        let (x, y) = d.batch(4, 16, 7, 3);
+        let (x, y) = d.batch(4, 16, 7, 3).unwrap();
         assert_eq!(x.len(), 64);
         assert_eq!(y.len(), 64);
         for r in 0..4 {
@@ -642,9 +651,9 @@ mod tests {
                 .position(|w| &w[..16] == row_x && w[16] == row_y[15]);
             assert!(s.is_some());
         }
-        assert_eq!(d.batch(4, 16, 7, 3), (x.clone(), y.clone()));
-        assert_ne!(d.batch(4, 16, 7, 4).0, x);
-        assert_ne!(d.batch(4, 16, 8, 3).0, x);
+        assert_eq!(d.batch(4, 16, 7, 3).unwrap(), (x.clone(), y.clone()));
+        assert_ne!(d.batch(4, 16, 7, 4).unwrap().0, x);
+        assert_ne!(d.batch(4, 16, 8, 3).unwrap().0, x);
     }
 
     #[test]
@@ -652,7 +661,7 @@ mod tests {
         let d = TextDataset::from_tokens((0..12).collect(), 12).unwrap();
         let mut seen = [false; 3];
         for step in 0..200 {
-            let (x, y) = d.batch(1, 9, 0, step);
+            let (x, y) = d.batch(1, 9, 0, step).unwrap();
             let s = x[0] as usize;
             assert_eq!(x, (s as u32..s as u32 + 9).collect::<Vec<_>>());
             assert_eq!(y, (s as u32 + 1..s as u32 + 10).collect::<Vec<_>>());
@@ -661,16 +670,49 @@ mod tests {
         assert_eq!(seen, [true; 3]);
     }
 
+    /// Was `batch_panics_when_too_short` (`should_panic(expected = "too short")`) while
+    /// `batch` panicked; the same input now gives the error, with the same words.
     #[test]
-    #[should_panic(expected = "too short")]
-    fn batch_panics_when_too_short() {
-        TextDataset::from_text("abc").batch(1, 3, 0, 0);
+    fn batch_is_an_error_when_too_short() {
+        let e = TextDataset::from_text("abc").batch(1, 3, 0, 0).unwrap_err();
+        assert!(e.to_string().contains("too short"), "{e}");
+        assert!(
+            matches!(
+                e,
+                DataError::TooShort {
+                    tokens: 3,
+                    seq_len: 3
+                }
+            ),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn bad_sizes_and_fractions_are_errors_naming_the_values() {
+        let d = TextDataset::from_tokens((0..20).collect(), 20).unwrap();
+        let zero = |r: Result<_, DataError>| match r {
+            Err(DataError::Zero { what }) => what,
+            other => panic!("expected DataError::Zero, got {other:?}"),
+        };
+        assert_eq!(zero(d.batch(2, 0, 0, 0).map(|_| ())), "seq_len");
+        assert_eq!(zero(d.eval_batches(0, 4).map(|_| ())), "batch");
+        assert_eq!(zero(d.eval_batches(2, 0).map(|_| ())), "seq_len");
+        let e = d.batch(1, 20, 0, 0).unwrap_err();
+        assert!(e.to_string().contains("20 tokens"), "{e}");
+        assert!(d.batch(1, 19, 0, 0).is_ok());
+        for f in [-0.1, 1.5, f64::NAN] {
+            let e = d.split(f).unwrap_err();
+            assert!(matches!(e, DataError::Fraction { .. }), "{e:?}");
+            assert!(e.to_string().contains(&f.to_string()), "{e}");
+        }
+        assert!(e.path().is_none());
     }
 
     #[test]
     fn eval_batches_cover_stream_in_order() {
         let d = TextDataset::from_tokens((0..50).map(|i| i % 7).collect(), 7).unwrap();
-        let b = d.eval_batches(2, 5);
+        let b = d.eval_batches(2, 5).unwrap();
         // 49 usable windows of 5 -> 9 windows -> 4 full batches of 2.
         assert_eq!(b.len(), 4);
         assert_eq!(b[0].0, d.tokens()[0..10].to_vec());
@@ -681,7 +723,7 @@ mod tests {
     #[test]
     fn split_keeps_vocab_and_partitions() {
         let d = TextDataset::synthetic(5, 1000);
-        let (t, v) = d.split(0.9);
+        let (t, v) = d.split(0.9).unwrap();
         assert_eq!(t.len(), 900);
         assert_eq!(v.len(), 100);
         assert_eq!(t.vocab_size(), d.vocab_size());

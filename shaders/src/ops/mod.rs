@@ -9,7 +9,8 @@
 //! writes one generic loop instead of one match arm per op.
 //!
 //! Adding a unary op = its descriptor (one `unary_op!` line) and its name in the `unary_ops!`
-//! list, both in `unary.rs`; the tensor method and the autograd method are one line each.
+//! list, both in `unary.rs`; the tensor method and the autograd method are one line each, and
+//! autograd's backward is the descriptor's derivative (`Var::unary`), written nowhere else.
 
 mod binary;
 pub mod math;
@@ -18,7 +19,7 @@ mod unary;
 
 pub use binary::{BinaryOp, BinaryOpT, BinaryVisitor};
 pub use reduce::ReduceOp;
-pub use unary::{UnaryOp, UnaryOpT, UnaryVisitor};
+pub use unary::{GradFrom, UnaryOp, UnaryOpT, UnaryVisitor};
 
 /// Descriptor types, one per op (e.g. `desc::Silu`), for generic code that names an op directly.
 pub mod desc {

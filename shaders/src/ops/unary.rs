@@ -1,5 +1,7 @@
 //! Elementwise unary ops. Each op is one descriptor below (name, CPU function, WGSL expression,
-//! derivative); [`UnaryOp`] names them for the public API and dispatches to them.
+//! derivative, and what the derivative is computed from); [`UnaryOp`] names them for the public
+//! API and dispatches to them. The derivative here is the only one: autograd's backward of every
+//! unary op is `g * op'(...)` from the descriptor (see [`GradFrom`]).
 //!
 //! The WGSL expressions are over `a` (the input) and `s0`, `s1` (the op's scalars); the helpers
 //! they call (`tanh_c`, `sigmoid`, `gelu`, `gelu_tanh` and their derivatives, `spow`, `flag`) are in `elementwise.wgsl`.
@@ -18,6 +20,24 @@ pub trait UnaryOpT: 'static {
     fn f(x: f32, s: [f32; 2]) -> f32;
     /// `dy/dx` on the CPU.
     fn df(x: f32, s: [f32; 2]) -> f32;
+    /// What a backward computes `dy/dx` from, and so what it keeps of the forward.
+    const GRAD_FROM: GradFrom = GradFrom::Input;
+}
+
+/// What an op's backward computes `dy/dx` from, and so which tensor autograd keeps from the
+/// forward until the backward runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradFrom {
+    /// The input `x`: `dy/dx = df(x)`.
+    Input,
+    /// The output `y`: `dy/dx = d'(y)` for the descriptor `d` given (an op written for this, whose
+    /// derivative is this op's written in `y`). Kept for ops whose output the next op usually
+    /// keeps anyway (`exp`, `tanh`, `sigmoid`, ...), so their backward costs no extra memory,
+    /// and because the form in `y` is the cheaper one.
+    Output(UnaryOp),
+    /// Nothing: `dy/dx` is a constant (it depends on the op's scalars at most), so `g * df(g)`
+    /// is the gradient and no tensor is kept.
+    Nothing,
 }
 
 /// Generic code over one op: [`UnaryOp::visit`] calls `visit::<Descriptor>(scalars)`.
@@ -26,10 +46,11 @@ pub trait UnaryVisitor {
     fn visit<T: UnaryOpT>(self, s: [f32; 2]) -> Self::Out;
 }
 
-/// Defines one descriptor: `Type, "name", |x, s| f, "wgsl", d: df, "wgsl_grad"`.
+/// Defines one descriptor: `Type, "name", |x, s| f, "wgsl", d: df, "wgsl_grad"`, and when the
+/// backward does not read the input, `from: GradFrom::...`.
 macro_rules! unary_op {
     ($(#[$m:meta])* $ty:ident, $name:literal, |$x:ident, $s:pat_param| $f:expr, $wgsl:literal,
-     d: $df:expr, $wgsl_grad:literal) => {
+     d: $df:expr, $wgsl_grad:literal $(, from: $from:expr)?) => {
         $(#[$m])*
         #[derive(Debug, Clone, Copy)]
         pub struct $ty;
@@ -37,6 +58,7 @@ macro_rules! unary_op {
             const NAME: &'static str = $name;
             const WGSL: &'static str = $wgsl;
             const WGSL_GRAD: &'static str = $wgsl_grad;
+            $(const GRAD_FROM: super::GradFrom = $from;)?
             #[inline(always)]
             #[allow(unused_variables)]
             fn f($x: f32, $s: [f32; 2]) -> f32 {
@@ -57,7 +79,8 @@ pub mod desc {
     use super::super::math::{
         exp, gelu, gelu_grad, gelu_grad2, gelu_tanh, gelu_tanh_grad, gelu_tanh_grad2, sigmoid,
     };
-    use super::UnaryOpT;
+    use super::GradFrom::{Nothing, Output};
+    use super::{UnaryOp, UnaryOpT};
 
     #[inline(always)]
     fn sign(x: f32) -> f32 {
@@ -70,20 +93,25 @@ pub mod desc {
         }
     }
 
-    unary_op!(Neg, "neg", |x, _| -x, "-a", d: -1.0, "-1.0");
-    unary_op!(Exp, "exp", |x, _| exp(x), "exp(a)", d: exp(x), "exp(a)");
+    unary_op!(Neg, "neg", |x, _| -x, "-a", d: -1.0, "-1.0", from: Nothing);
+    unary_op!(Exp, "exp", |x, _| exp(x), "exp(a)", d: exp(x), "exp(a)",
+        from: Output(UnaryOp::ExpGradOfOutput));
     unary_op!(Log, "log", |x, _| x.ln(), "log(a)", d: 1.0 / x, "1.0 / a");
-    unary_op!(Sqrt, "sqrt", |x, _| x.sqrt(), "sqrt(a)", d: 0.5 / x.sqrt(), "0.5 / sqrt(a)");
+    unary_op!(Sqrt, "sqrt", |x, _| x.sqrt(), "sqrt(a)", d: 0.5 / x.sqrt(), "0.5 / sqrt(a)",
+        from: Output(UnaryOp::SqrtGradOfOutput));
     unary_op!(Rsqrt, "rsqrt", |x, _| 1.0 / x.sqrt(), "inverseSqrt(a)",
-        d: -0.5 / (x * x.sqrt()), "-0.5 / (a * sqrt(a))");
+        d: -0.5 / (x * x.sqrt()), "-0.5 / (a * sqrt(a))",
+        from: Output(UnaryOp::RsqrtGradOfOutput));
     unary_op!(Abs, "abs", |x, _| x.abs(), "abs(a)", d: sign(x), "sign(a)");
     unary_op!(
         /// -1, 0 or 1 (0, -0 and NaN stay as they are).
-        Sign, "sign", |x, _| sign(x), "sign(a)", d: 0.0, "0.0");
+        Sign, "sign", |x, _| sign(x), "sign(a)", d: 0.0, "0.0", from: Nothing);
     unary_op!(Tanh, "tanh", |x, _| x.tanh(), "tanh_c(a)",
-        d: { let t = x.tanh(); 1.0 - t * t }, "1.0 - tanh_c(a) * tanh_c(a)");
+        d: { let t = x.tanh(); 1.0 - t * t }, "1.0 - tanh_c(a) * tanh_c(a)",
+        from: Output(UnaryOp::TanhGradOfOutput));
     unary_op!(Sigmoid, "sigmoid", |x, _| sigmoid(x), "sigmoid(a)",
-        d: { let s = sigmoid(x); s * (1.0 - s) }, "sigmoid(a) * (1.0 - sigmoid(a))");
+        d: { let s = sigmoid(x); s * (1.0 - s) }, "sigmoid(a) * (1.0 - sigmoid(a))",
+        from: Output(UnaryOp::SigmoidGradOfOutput));
     unary_op!(Relu, "relu", |x, _| if x < 0.0 { 0.0 } else { x }, "max(a, 0.0)",
         d: flag(x > 0.0), "flag(a > 0.0)");
     unary_op!(
@@ -105,7 +133,8 @@ pub mod desc {
     unary_op!(Sin, "sin", |x, _| x.sin(), "sin(a)", d: x.cos(), "cos(a)");
     unary_op!(Cos, "cos", |x, _| x.cos(), "cos(a)", d: -x.sin(), "-sin(a)");
     unary_op!(Square, "square", |x, _| x * x, "a * a", d: 2.0 * x, "2.0 * a");
-    unary_op!(Recip, "recip", |x, _| 1.0 / x, "1.0 / a", d: -1.0 / (x * x), "-1.0 / (a * a)");
+    unary_op!(Recip, "recip", |x, _| 1.0 / x, "1.0 / a", d: -1.0 / (x * x), "-1.0 / (a * a)",
+        from: Output(UnaryOp::RecipGradOfOutput));
     unary_op!(
         /// SiLU (swish): `x * sigmoid(x)`.
         Silu, "silu", |x, _| x * sigmoid(x), "a * sigmoid(a)",
@@ -113,7 +142,8 @@ pub mod desc {
         "sigmoid(a) * (1.0 + a * (1.0 - sigmoid(a)))");
     unary_op!(
         /// `x * mul + add`.
-        Affine, "affine", |x, [mul, add]| x * mul + add, "a * s0 + s1", d: mul, "s0");
+        Affine, "affine", |x, [mul, add]| x * mul + add, "a * s0 + s1", d: mul, "s0",
+        from: Nothing);
     unary_op!(
         /// `x ^ p`.
         Powf, "powf", |x, [p, _]| x.powf(p), "spow(a, s0)",
@@ -123,17 +153,47 @@ pub mod desc {
         RDiv, "rdiv_scalar", |x, [s, _]| s / x, "s0 / a", d: -s / (x * x), "-s0 / (a * a)");
     unary_op!(
         /// `s - x`.
-        RSub, "rsub_scalar", |x, [s, _]| s - x, "s0 - a", d: -1.0, "-1.0");
+        RSub, "rsub_scalar", |x, [s, _]| s - x, "s0 - a", d: -1.0, "-1.0", from: Nothing);
     unary_op!(MaxScalar, "maximum_scalar", |x, [s, _]| x.max(s), "max(a, s0)",
         d: flag(x > s), "flag(a > s0)");
     unary_op!(MinScalar, "minimum_scalar", |x, [s, _]| x.min(s), "min(a, s0)",
         d: flag(x < s), "flag(a < s0)");
     unary_op!(
         /// 1.0 where `x > s`, else 0.0.
-        GtScalar, "gt_scalar", |x, [s, _]| flag(x > s), "flag(a > s0)", d: 0.0, "0.0");
+        GtScalar, "gt_scalar", |x, [s, _]| flag(x > s), "flag(a > s0)", d: 0.0, "0.0",
+        from: Nothing);
     unary_op!(
         /// 1.0 where `x == s`, else 0.0.
-        EqScalar, "eq_scalar", |x, [s, _]| flag(x == s), "flag(a == s0)", d: 0.0, "0.0");
+        EqScalar, "eq_scalar", |x, [s, _]| flag(x == s), "flag(a == s0)", d: 0.0, "0.0",
+        from: Nothing);
+
+    // The backwards of the ops whose derivative is computed from their output `y`: in each,
+    // `d` is that derivative written in `y` (checked against the op's own `d` in the tests),
+    // and `f` is an antiderivative of it, so that the descriptor is a function with its
+    // derivative like any other and every test of descriptors covers it.
+    unary_op!(
+        /// d/dx exp(x) from `y = exp(x)`: `y`.
+        ExpGradOfOutput, "exp_grad_of_output", |y, _| 0.5 * y * y, "0.5 * a * a", d: y, "a");
+    unary_op!(
+        /// d/dx sqrt(x) from `y = sqrt(x)`: `0.5 / y`.
+        SqrtGradOfOutput, "sqrt_grad_of_output", |y, _| 0.5 * y.ln(), "0.5 * log(a)",
+        d: 0.5 / y, "0.5 / a");
+    unary_op!(
+        /// d/dx x^-1/2 from `y = x^-1/2`: `-y^3 / 2`.
+        RsqrtGradOfOutput, "rsqrt_grad_of_output", |y, _| -0.125 * (y * y) * (y * y),
+        "-0.125 * (a * a) * (a * a)", d: -0.5 * (y * y * y), "-0.5 * (a * a * a)");
+    unary_op!(
+        /// d/dx tanh(x) from `y = tanh(x)`: `1 - y^2`.
+        TanhGradOfOutput, "tanh_grad_of_output", |y, _| y - y * y * y / 3.0,
+        "a - a * a * a / 3.0", d: 1.0 - y * y, "1.0 - a * a");
+    unary_op!(
+        /// d/dx sigmoid(x) from `y = sigmoid(x)`: `y (1 - y)`.
+        SigmoidGradOfOutput, "sigmoid_grad_of_output", |y, _| y * y * (0.5 - y / 3.0),
+        "a * a * (0.5 - a / 3.0)", d: y * (1.0 - y), "a * (1.0 - a)");
+    unary_op!(
+        /// d/dx (1/x) from `y = 1/x`: `-y^2`.
+        RecipGradOfOutput, "recip_grad_of_output", |y, _| -(y * y * y) / 3.0,
+        "-(a * a * a) / 3.0", d: -(y * y), "-(a * a)");
 }
 
 /// Defines [`UnaryOp`] with one variant per descriptor (plain ops, then ops with one scalar,
@@ -172,7 +232,8 @@ macro_rules! unary_ops {
 
 unary_ops! {
     plain: Neg, Exp, Log, Sqrt, Rsqrt, Abs, Sign, Tanh, Sigmoid, Relu, Gelu, GeluGrad, GeluTanh,
-        GeluTanhGrad, Sin, Cos, Square, Recip, Silu;
+        GeluTanhGrad, Sin, Cos, Square, Recip, Silu, ExpGradOfOutput, SqrtGradOfOutput,
+        RsqrtGradOfOutput, TanhGradOfOutput, SigmoidGradOfOutput, RecipGradOfOutput;
     scalar: Powf, RDiv, RSub, MaxScalar, MinScalar, GtScalar, EqScalar;
 }
 
@@ -196,6 +257,18 @@ impl UnaryOp {
             .iter()
             .find(|k| k.name() == self.name())
             .expect("every op is in ALL")
+    }
+
+    /// What a backward computes `dy/dx` from (see [`GradFrom`]).
+    pub fn grad_from(self) -> GradFrom {
+        struct V;
+        impl UnaryVisitor for V {
+            type Out = GradFrom;
+            fn visit<T: UnaryOpT>(self, _: [f32; 2]) -> GradFrom {
+                T::GRAD_FROM
+            }
+        }
+        self.visit(V)
     }
 
     /// `(name, WGSL, WGSL derivative)`.
@@ -283,10 +356,9 @@ mod tests {
         assert_ne!(UnaryOp::Powf(3.0), UnaryOp::Powf(2.0));
     }
 
-    /// Each CPU derivative matches a central difference of the CPU function (away from kinks).
-    #[test]
-    fn derivatives_match_finite_differences() {
-        let ops = UnaryOp::ALL.map(|o| match o {
+    /// Every op, the scalar-carrying ones with scalars that are not zero.
+    fn ops_with_scalars() -> [UnaryOp; UnaryOp::ALL.len()] {
+        UnaryOp::ALL.map(|o| match o {
             UnaryOp::Affine { .. } => UnaryOp::Affine {
                 mul: 1.5,
                 add: -0.5,
@@ -299,8 +371,13 @@ mod tests {
             UnaryOp::GtScalar(_) => UnaryOp::GtScalar(0.05),
             UnaryOp::EqScalar(_) => UnaryOp::EqScalar(0.05),
             o => o,
-        });
-        for op in ops {
+        })
+    }
+
+    /// Each CPU derivative matches a central difference of the CPU function (away from kinks).
+    #[test]
+    fn derivatives_match_finite_differences() {
+        for op in ops_with_scalars() {
             for x in [0.3f64, 0.7, 1.3, 2.1] {
                 let h = 1e-3;
                 let f = |v: f64| op.eval(v as f32) as f64;
@@ -309,6 +386,32 @@ mod tests {
                 assert!(
                     (num - got).abs() < 2e-2 * (1.0 + num.abs()),
                     "{op:?} at {x}: numeric {num}, descriptor {got}"
+                );
+            }
+        }
+    }
+
+    /// What a backward computes the derivative from gives the op's own derivative: a
+    /// derivative in the output agrees with `df(x)`, a constant one is the same everywhere.
+    #[test]
+    fn derivatives_from_the_output_or_from_nothing_agree_with_df() {
+        for op in ops_with_scalars() {
+            for x in [-1.7f32, -0.4, 0.3, 0.7, 1.3, 2.1] {
+                let want = op.grad(x);
+                let got = match op.grad_from() {
+                    GradFrom::Input => continue,
+                    GradFrom::Output(d) => {
+                        assert_eq!(d.grad_from(), GradFrom::Input, "{op:?}: {d:?}");
+                        d.grad(op.eval(x))
+                    }
+                    GradFrom::Nothing => op.grad(x * 3.0 + 1.0),
+                };
+                let close = (want.is_nan() && got.is_nan())
+                    || (want - got).abs() <= 1e-5 * (1.0 + want.abs());
+                assert!(
+                    close,
+                    "{op:?} at {x}: df(x) = {want}, from {:?}: {got}",
+                    op.grad_from()
                 );
             }
         }
