@@ -163,7 +163,7 @@ fn load_images(args: &CnnArgs) -> AppResult<(ImageSet, ImageSet, String)> {
             bail!("--mnist {spec}: expected two files, images,labels");
         }
         let set = read_mnist(v[0], v[1]).context("--mnist")?;
-        let (train, test) = set.split(0.9);
+        let (train, test) = set.split(0.9)?;
         (
             train,
             test,
@@ -193,8 +193,8 @@ fn load_images(args: &CnnArgs) -> AppResult<(ImageSet, ImageSet, String)> {
             s,
             args.classes,
             args.pipe.seed,
-        );
-        let (train, test) = all.split(args.train_size as f64 / all.n as f64);
+        )?;
+        let (train, test) = all.split(args.train_size as f64 / all.n as f64)?;
         (
             train,
             test,
@@ -215,7 +215,7 @@ fn load_images(args: &CnnArgs) -> AppResult<(ImageSet, ImageSet, String)> {
         );
     }
     let (mean, std) = train.normalize();
-    test.normalize_with(&mean, &std);
+    test.normalize_with(&mean, &std)?;
     let what = format!(
         "{what}: {} training images, {} test images",
         train.n, test.n
@@ -243,12 +243,12 @@ fn read_cifar(p: &Path) -> AppResult<(ImageSet, ImageSet)> {
         Ok((tr, te))
     } else {
         let set = read_cifar10_bins(&[p]).context("--cifar")?;
-        Ok(set.split(0.9))
+        Ok(set.split(0.9)?)
     }
 }
 
 fn images_tensor(set: &ImageSet, idx: &[usize]) -> AppResult<(Tensor, Tensor)> {
-    let (px, labels) = set.batch(idx);
+    let (px, labels) = set.batch(idx)?;
     let cpu = Device::cpu();
     let x = Tensor::from_vec(px, &[idx.len(), set.c, set.h, set.w], &cpu)?;
     let y = Tensor::from_vec(
@@ -465,7 +465,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         .map(|_| build_model(&args, &train))
         .collect::<AppResult<Vec<_>>>()?;
     let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
-    let first = &train.shuffled_batches(batch, p.seed, 0)[0];
+    let first = &train.shuffled_batches(batch, p.seed, 0)?[0];
     let (x, y) = images_tensor(&train, first)?;
     let run = PlanRun {
         inputs: &x,
@@ -566,7 +566,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         |step| {
             let epoch = step / steps_per_epoch;
             let i = (step % steps_per_epoch) as usize;
-            let batches = train.shuffled_batches(batch, seed, epoch);
+            let batches = train.shuffled_batches(batch, seed, epoch)?;
             images_tensor(&train, &batches[i])
         },
         &loss_fn,

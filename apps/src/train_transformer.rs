@@ -162,7 +162,7 @@ fn eval_loss(
     let rows = batch
         .min(val.len().saturating_sub(1) / seq_len)
         .max(pipe.num_micro_batches());
-    let batches = val.eval_batches(rows, seq_len);
+    let batches = val.eval_batches(rows, seq_len)?;
     if batches.is_empty() {
         bail!(
             "the held-out text ({} tokens) is too short for one batch of {rows} x {seq_len}",
@@ -337,7 +337,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
             args.seq_len + 1
         );
     }
-    let (train, val) = data.split(1.0 - held as f64 / data.len() as f64);
+    let (train, val) = data.split(1.0 - held as f64 / data.len() as f64)?;
     let vocab = data.vocab_size();
     let cfg = TransformerLm {
         vocab,
@@ -368,7 +368,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         .collect::<Result<Vec<_>, _>>()
         .context("building the model's replicas")?;
     let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
-    let (x, y) = train.batch(args.batch, args.seq_len, p.seed, 0);
+    let (x, y) = train.batch(args.batch, args.seq_len, p.seed, 0)?;
     let (x, y) = (
         ids_tensor(&x, &[args.batch, args.seq_len])?,
         ids_tensor(&y, &[args.batch, args.seq_len])?,
@@ -476,7 +476,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         &mut pipe,
         &lc,
         |step| {
-            let (x, y) = train.batch(b, t, lc_seed, step);
+            let (x, y) = train.batch(b, t, lc_seed, step)?;
             Ok((ids_tensor(&x, &[b, t])?, ids_tensor(&y, &[b, t])?))
         },
         &loss_fn,
