@@ -3,11 +3,14 @@
 //! persistence and the builder.
 
 pub mod builder;
+mod eval;
+mod optim_step;
 pub mod persist;
 pub mod pipeline;
 mod planned;
 pub mod replicas;
 pub mod report;
 pub mod scaler;
+mod workers;
 
 pub use pipeline::Pipeline;

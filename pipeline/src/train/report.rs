@@ -5,9 +5,14 @@ use std::ops::Range;
 
 use wgpipe_tensor::{DType, MemoryStats, Tag};
 
+use crate::error::Result;
+use crate::exec::worker::StageOutcome;
 use crate::exec::worker::{ActionRecord, NonFiniteAt};
+use crate::exec::Stage;
+use crate::schedule::Action;
 use crate::schedule::Schedule;
 use crate::sim::collectives::{add_to_timeline, TiedExchange};
+use crate::sim::timeline::{simulate, ActionCost};
 use crate::sim::timeline::{Event, Timeline};
 use crate::sim::trace::{chrome_trace_json_on, svg_timeline_on, Clock};
 use crate::sim::SimCluster;
@@ -246,5 +251,95 @@ pub(crate) fn add_to_report(
         s.makespan_secs = s.timeline.makespan;
         s.bubble_fraction = s.timeline.bubble_fraction();
         s.steady_bubble_fraction = s.timeline.steady_bubble_fraction();
+    }
+}
+
+impl crate::train::Pipeline {
+    /// The first stage of each device (whose device handle and memory counters stand for it).
+    pub(super) fn device_stages(&self) -> Vec<&Stage> {
+        (0..self.schedule.num_devices())
+            .map(|d| {
+                let first = self.schedule.stages_of(d)[0];
+                &self.stages[first]
+            })
+            .collect()
+    }
+
+    /// The step's report; `memory`: each device's counters read elsewhere (over MPI), else
+    /// this process reads them.
+    pub(super) fn report(
+        &self,
+        outcomes: Vec<StageOutcome>,
+        wall: f64,
+        loss: f32,
+        memory: Option<Vec<wgpipe_tensor::memory::MemoryStats>>,
+    ) -> Result<StepReport> {
+        let messages: Vec<u64> = outcomes.iter().map(|o| o.messages_sent).collect();
+        let records: Vec<Vec<ActionRecord>> = outcomes.into_iter().map(|o| o.records).collect();
+        let timeline = wall_timeline(&self.schedule, &records, wall);
+        let stages = self
+            .device_stages()
+            .into_iter()
+            .zip(&records)
+            .enumerate()
+            .map(|(d, (first, recs))| {
+                let chunks = self.schedule.stages_of(d);
+                StageReport {
+                    stage: d,
+                    device: first.device.name().to_string(),
+                    layers: chunks
+                        .iter()
+                        .map(|&c| {
+                            let s = &self.stages[c];
+                            s.first_layer..s.first_layer + s.layers.len()
+                        })
+                        .collect(),
+                    num_params: chunks.iter().map(|&c| self.stages[c].num_params()).sum(),
+                    chunks,
+                    busy_secs: timeline.busy[d],
+                    flops: recs.iter().map(|r| r.flops).sum(),
+                    bytes_sent: recs.iter().map(|r| r.bytes).sum(),
+                    messages_sent: messages[d],
+                    memory: memory
+                        .as_ref()
+                        .and_then(|m| m.get(d).cloned())
+                        .unwrap_or_else(|| first.device.memory_stats()),
+                }
+            })
+            .collect();
+        let simulated = match &self.sim {
+            Some(cluster) => {
+                let cost = |device: usize, action: Action| {
+                    records[device]
+                        .iter()
+                        .find(|r| r.action == action)
+                        .map(|r| ActionCost {
+                            flops: r.flops,
+                            bytes: r.bytes,
+                        })
+                        .unwrap_or_default()
+                };
+                let t = simulate(&self.schedule, cluster.specs(), &cluster.link(), cost)?;
+                Some(SimReport {
+                    makespan_secs: t.makespan,
+                    bubble_fraction: t.bubble_fraction(),
+                    steady_bubble_fraction: t.steady_bubble_fraction(),
+                    timeline: t,
+                })
+            }
+            None => None,
+        };
+        Ok(StepReport {
+            step: self.step,
+            loss,
+            num_micro_batches: self.schedule.num_micro_batches,
+            wall_secs: wall,
+            wall_bubble_fraction: timeline.bubble_fraction(),
+            wall_timeline: timeline,
+            stages,
+            simulated,
+            skipped: None,
+            loss_scale: None,
+        })
     }
 }

@@ -2,3 +2,5 @@
 
 #[cfg(feature = "mpi")]
 pub(crate) mod mpi;
+#[cfg(feature = "mpi")]
+pub(crate) mod mpi_tied;

@@ -1,0 +1,350 @@
+//! One replica's step on its devices: a thread per device walks its action list, the caller's
+//! thread serves the last stage's loss requests and watches the action time limit, and the
+//! devices' results become their outcomes or the root-cause error.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use wgpipe_autograd::Tape;
+use wgpipe_tensor::memory::{Tag, TagGuard};
+use wgpipe_tensor::{Device, Tensor};
+
+use crate::error::{NonFinite, PipelineError, Result, StageCause};
+use crate::exec::threads::{self, lock};
+use crate::exec::transport::wire_links;
+use crate::exec::worker::{run_device, LossRequest, Position, Running, StageOutcome, StepInputs};
+use crate::exec::Stage;
+use crate::schedule::Action;
+use crate::LossFn;
+
+use super::Pipeline;
+
+use super::pipeline::Saved;
+
+impl Pipeline {
+    /// Starts one thread per device, each owning its stages for the step, wires the links the
+    /// schedule names, serves the last stage's loss requests on this thread, and collects each
+    /// device's stages and outcome, watching the action time limit.
+    pub(super) fn run_workers(
+        &mut self,
+        xs: Vec<Tensor>,
+        loss: &LossSide<'_>,
+        clock: Instant,
+    ) -> Ran {
+        let schedule = &self.schedule;
+        let k = schedule.num_devices();
+        let mut by_device: Vec<Vec<Stage>> = (0..k).map(|_| Vec::new()).collect();
+        for stage in std::mem::take(&mut self.stages) {
+            by_device[schedule.placement[stage.index]].push(stage);
+        }
+        let device_names: Vec<String> = by_device
+            .iter()
+            .map(|stages| {
+                stages
+                    .first()
+                    .map_or_else(String::new, |s| s.device.name().to_string())
+            })
+            .collect();
+        let abort = Arc::new(AtomicBool::new(false));
+        let links = wire_links(&self.transport, schedule, self.round, &abort);
+        let inputs = Arc::new(xs);
+        let (loss_tx, loss_rx) = channel::<LossRequest>();
+        let running: Vec<Running> = (0..k).map(|_| Arc::new(Mutex::new(None))).collect();
+        let mut handles: Vec<Option<JoinHandle<DeviceResult>>> = Vec::with_capacity(k);
+        let mut results: Vec<Option<DeviceResult>> = (0..k).map(|_| None).collect();
+        for (device, (stages, links)) in by_device.into_iter().zip(links).enumerate() {
+            // Under a transport that spreads devices over processes, the others' devices run
+            // nothing here.
+            let actions = if self.transport.runs_device(device, k) {
+                schedule.devices[device].clone()
+            } else {
+                Vec::new()
+            };
+            let io = StepInputs {
+                actions,
+                num_stages: schedule.num_stages(),
+                seed: self.seed,
+                step: self.step,
+                inputs: inputs.clone(),
+                abort: abort.clone(),
+                clock,
+                non_finite: self.step_policy(),
+                compute: self.precision,
+                loss: loss_tx.clone(),
+                running: running[device].clone(),
+            };
+            // The stages reach the thread through a channel, so that a thread that cannot be
+            // started does not take them with it.
+            let (give, take) = channel::<Vec<Stage>>();
+            let spawned = threads::spawn_named(device, move || -> DeviceResult {
+                let stages = take.recv().unwrap_or_default();
+                let mut pos = Position::default();
+                let r = {
+                    let refs: Vec<&Stage> = stages.iter().collect();
+                    // Device threads run side by side: their kernels share the CPU's threads.
+                    catch_unwind(AssertUnwindSafe(|| {
+                        wgpipe_tensor::share_cpu_threads(|| {
+                            run_device(&refs, &links, &io, &mut pos)
+                        })
+                    }))
+                };
+                let r = match r {
+                    Ok(r) => r,
+                    Err(payload) => Err(StageCause::Panic(threads::panic_message(payload))),
+                };
+                if let Err(cause) = &r {
+                    io.abort.store(true, Ordering::SeqCst);
+                    if let Some(tell) = &links.abort_peers {
+                        tell(&cause.to_string());
+                    }
+                }
+                // Dropping the links closes this device's channels, which also wakes any
+                // neighbour blocked on them.
+                drop(links);
+                (stages, pos, r)
+            });
+            match spawned {
+                Ok(h) => {
+                    let _ = give.send(stages);
+                    handles.push(Some(h));
+                }
+                Err(e) => {
+                    abort.store(true, Ordering::SeqCst);
+                    let cause = StageCause::Disconnected(format!(
+                        "could not start the device's thread: {e}"
+                    ));
+                    results[device] = Some((stages, Position::default(), Err(cause)));
+                    handles.push(None);
+                }
+            }
+        }
+        drop(loss_tx);
+        let mut losses = Vec::new();
+        let mut timed_out: Option<(PipelineError, Instant)> = None;
+        loop {
+            match loss_rx.recv_timeout(POLL) {
+                Ok(req) => {
+                    let answer = loss.gradient(&req, &mut losses);
+                    if answer.is_err() {
+                        abort.store(true, Ordering::SeqCst);
+                    }
+                    let _ = req.reply.send(answer);
+                }
+                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {}
+            }
+            for (d, h) in handles.iter_mut().enumerate() {
+                if h.as_ref().is_some_and(|h| h.is_finished()) {
+                    let joined = h.take().map(JoinHandle::join);
+                    results[d] = Some(match joined {
+                        Some(Ok(r)) => r,
+                        _ => (Vec::new(), Position::default(), Err(lost_stages())),
+                    });
+                }
+            }
+            if handles.iter().all(Option::is_none) {
+                break;
+            }
+            if let (None, Some(limit)) = (&timed_out, self.action_timeout) {
+                let late = running.iter().enumerate().find_map(|(d, slot)| {
+                    let (action, since) = (*lock(slot))?;
+                    (since.elapsed() > limit).then_some((d, action, since))
+                });
+                if let Some((d, action, since)) = late {
+                    abort.store(true, Ordering::SeqCst);
+                    let error = PipelineError::Stage {
+                        stage: action.stage,
+                        device: device_names[d].clone(),
+                        micro_batch: action.micro_batch,
+                        action: describe(action),
+                        cause: Box::new(StageCause::TimedOut(format!(
+                            "still running after {:.2?}, past the limit of {limit:.2?}; its \
+                             thread is left to finish and its results will be discarded",
+                            since.elapsed()
+                        ))),
+                    };
+                    timed_out = Some((error, Instant::now()));
+                }
+            }
+            // After a timeout, the other devices stop within a poll; what still runs an action
+            // that began before the abort is stuck.
+            if let Some((_, at)) = &timed_out {
+                let waiting = handles.iter().enumerate().any(|(d, h)| {
+                    h.is_some() && lock(&running[d]).is_none_or(|(_, since)| since > *at)
+                });
+                if !waiting {
+                    break;
+                }
+            }
+        }
+        if let Some((error, _)) = timed_out {
+            // Give back what finished, keep the handles of what is stuck.
+            for (stages, _, _) in results.into_iter().flatten() {
+                self.stages.extend(stages);
+            }
+            self.stages.sort_by_key(|s| s.index);
+            let stuck = handles.into_iter().flatten().collect();
+            return Ran::TimedOut { error, stuck };
+        }
+        let mut out = Vec::with_capacity(k);
+        for (stages, pos, r) in results.into_iter().flatten() {
+            self.stages.extend(stages);
+            out.push((pos, r));
+        }
+        self.stages.sort_by_key(|s| s.index);
+        Ran::Done {
+            results: out,
+            losses,
+        }
+    }
+}
+
+/// The root cause among the devices' results (`devices[d]` is device d's first stage): a
+/// device's own failure wins over the "stopped because another stage failed" of the others. The
+/// error names the virtual stage of the failing action (the device's first stage before any).
+pub(super) fn first_error(
+    stages: &[Stage],
+    devices: &[&Stage],
+    results: Vec<(Position, std::result::Result<StageOutcome, StageCause>)>,
+) -> Result<Vec<StageOutcome>> {
+    let mut errors = Vec::new();
+    let mut ok = Vec::new();
+    for (first, (pos, r)) in devices.iter().zip(results) {
+        match r {
+            Ok(o) => ok.push(o),
+            Err(cause) => {
+                let (stage, mut action) = match pos.action {
+                    Some(a) => (a.stage, describe(a)),
+                    None => (first.index, "start".to_string()),
+                };
+                if let Some(index) = pos.layer {
+                    let layer = stages
+                        .iter()
+                        .find(|s| (s.first_layer..s.first_layer + s.layers.len()).contains(&index))
+                        .map(|s| s.layers[index - s.first_layer].name())
+                        .unwrap_or_default();
+                    action = format!("{action} in layer {index} ({layer})");
+                }
+                errors.push(PipelineError::Stage {
+                    stage,
+                    device: first.device.name().to_string(),
+                    micro_batch: pos.micro_batch,
+                    action,
+                    cause: Box::new(cause),
+                });
+            }
+        }
+    }
+    let root = errors
+        .iter()
+        .position(|e| !matches!(e.cause(), Some(StageCause::Disconnected(_))))
+        .unwrap_or(0);
+    match errors.into_iter().nth(root) {
+        Some(e) => Err(e),
+        None => Ok(ok),
+    }
+}
+
+/// An action as error messages name it: `Forward (2F3)`.
+fn describe(a: Action) -> String {
+    format!("{:?} ({a})", a.kind)
+}
+
+/// How often the caller's thread looks at loss requests, finished devices and the time limit.
+const POLL: Duration = Duration::from_millis(2);
+
+/// What a device's thread gives back: its stages, where it was, and its outcome.
+pub(super) type DeviceResult = (
+    Vec<Stage>,
+    Position,
+    std::result::Result<StageOutcome, StageCause>,
+);
+
+/// How the device threads of a step ended.
+pub(super) enum Ran {
+    /// Every device finished (well or not): positions and outcomes, and the scaled loss of
+    /// each micro-batch in the order the last stage ran them.
+    Done {
+        results: Vec<(Position, std::result::Result<StageOutcome, StageCause>)>,
+        losses: Vec<Tensor>,
+    },
+    /// An action ran past the time limit: the error, and the threads still running.
+    TimedOut {
+        error: PipelineError,
+        stuck: Vec<JoinHandle<DeviceResult>>,
+    },
+}
+
+/// A step that timed out while some of its threads still run.
+pub(crate) struct StuckStep {
+    pub(super) handles: Vec<JoinHandle<DeviceResult>>,
+    pub(super) saved: Saved,
+    /// The timeout error, repeated by every call refused until the threads are done.
+    pub(super) what: String,
+}
+
+fn lost_stages() -> StageCause {
+    StageCause::Panic("the device's thread ended without giving its stages back".into())
+}
+
+/// The loss side of a step, on the caller's thread: the targets, each micro-batch's share of
+/// the mini-batch, the loss function and the device of the last stage.
+pub(super) struct LossSide<'a> {
+    pub(super) targets: &'a [Tensor],
+    pub(super) scales: &'a [f32],
+    pub(super) loss_fn: &'a LossFn,
+    pub(super) device: Device,
+    pub(super) non_finite: NonFinite,
+    /// What the backward is seeded with (the loss scale; 1 without loss scaling).
+    pub(super) seed: f32,
+}
+
+impl LossSide<'_> {
+    /// The gradient of micro-batch `req.micro_batch`'s scaled loss with respect to the last
+    /// stage's output, and whether the loss is finite; the loss goes to `losses`. Under
+    /// [`NonFinite::Error`] a non-finite loss is an error; a panic of the loss function is one.
+    fn gradient(
+        &self,
+        req: &LossRequest,
+        losses: &mut Vec<Tensor>,
+    ) -> std::result::Result<(Tensor, bool), StageCause> {
+        let m = req.micro_batch;
+        let run = || -> std::result::Result<(Tensor, bool), StageCause> {
+            let tape = Tape::new();
+            let output = tape.leaf(req.output.clone());
+            let loss = {
+                let _tag = TagGuard::new(Tag::Activations);
+                let target = self.targets[m].to_device(&self.device)?;
+                (self.loss_fn)(&output, &target)?.mul_scalar(self.scales[m])?
+            };
+            losses.push(loss.value().clone());
+            let finite =
+                self.non_finite == NonFinite::Ignore || loss.value().to_scalar()?.is_finite();
+            if !finite && self.non_finite == NonFinite::Error {
+                return Err(StageCause::NonFinite(format!(
+                    "the loss of micro-batch {m} holds NaN or infinity"
+                )));
+            }
+            let _tag = TagGuard::new(Tag::Gradients);
+            // Seeding with the loss scale: a power of two scales every gradient exactly.
+            let grads = if self.seed == 1.0 {
+                tape.backward(&loss)?
+            } else {
+                tape.backward(&loss.mul_scalar(self.seed)?)?
+            };
+            let g = grads.get(&output).cloned().ok_or_else(|| {
+                StageCause::Disconnected(format!(
+                    "the loss of micro-batch {m} does not depend on the last stage's output"
+                ))
+            })?;
+            Ok((g, finite))
+        };
+        match catch_unwind(AssertUnwindSafe(run)) {
+            Ok(r) => r,
+            Err(p) => Err(StageCause::Panic(threads::panic_message(p))),
+        }
+    }
+}
