@@ -1,0 +1,137 @@
+//! The facts of a schedule the cost model reads, and a schedule's recomputes as a candidate's
+//! re-materialization keeps them.
+
+use crate::schedule::{Action, ActionKind, CheckpointMode, Schedule};
+
+/// Facts of a schedule the cost model needs: which forwards are checkpointed, when each sent
+/// message is surely off its sender, and which backward of a stage comes first. Removing
+/// recomputes does not change the release points (they compare positions of transfers within
+/// one device's list) nor the first backwards, so the facts of a uniform mode serve every mix.
+pub struct ScheduleFacts {
+    pub(super) micro_batches: usize,
+    /// By `stage * M + micro_batch`.
+    pub(super) checkpointed: Vec<bool>,
+    /// Per device, per index of a send: the index after which the message is gone from the
+    /// sender (the list's length: the end of the step).
+    pub(super) release: Vec<Vec<usize>>,
+    /// The first backward (full or weight part) of each stage: it stores the parameter
+    /// gradients, later ones add to them.
+    first_backward: Vec<Option<Action>>,
+}
+
+/// Where a transfer of `link`'s `from` stage, direction and micro-batch sits: by
+/// `(from * 2 + grad) * M + micro_batch` for the chain, after those by
+/// `(skip id * 2 + grad) * M + micro_batch` for skips.
+fn transfer_slot(a: &Action, stages: usize, m: usize) -> Option<usize> {
+    a.link(stages).map(|l| {
+        let grad = usize::from(l.grad);
+        match l.skip {
+            None => (l.from * 2 + grad) * m + a.micro_batch,
+            Some(id) => (stages + id) * 2 * m + grad * m + a.micro_batch,
+        }
+    })
+}
+
+fn is_send(kind: ActionKind) -> bool {
+    use ActionKind::*;
+    matches!(kind, SendActivation | SendGrad | SendSkip | SendSkipGrad)
+}
+
+fn is_recv(kind: ActionKind) -> bool {
+    use ActionKind::*;
+    matches!(kind, RecvActivation | RecvGrad | RecvSkip | RecvSkipGrad)
+}
+
+impl ScheduleFacts {
+    pub fn of(schedule: &Schedule) -> ScheduleFacts {
+        let stages = schedule.num_stages();
+        let m = schedule.num_micro_batches;
+        let none = (usize::MAX, usize::MAX);
+        let skips = schedule
+            .actions()
+            .filter_map(|(_, a)| a.skip.map(|p| p.id + 1))
+            .max()
+            .unwrap_or(0);
+        let mut sends = vec![none; (stages + skips) * 2 * m];
+        let mut recvs = vec![none; (stages + skips) * 2 * m];
+        let mut checkpointed = vec![false; stages * m];
+        let mut first_backward = vec![None; stages];
+        for (d, list) in schedule.devices.iter().enumerate() {
+            for (i, a) in list.iter().enumerate() {
+                match a.kind {
+                    k if is_send(k) => {
+                        if let Some(slot) = transfer_slot(a, stages, m) {
+                            sends[slot] = (d, i);
+                        }
+                    }
+                    k if is_recv(k) => {
+                        if let Some(slot) = transfer_slot(a, stages, m) {
+                            recvs[slot] = (d, i);
+                        }
+                    }
+                    ActionKind::Recompute => checkpointed[a.stage * m + a.micro_batch] = true,
+                    ActionKind::Backward | ActionKind::BackwardWeight => {
+                        first_backward[a.stage].get_or_insert(*a);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let release = schedule
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(d, list)| {
+                list.iter()
+                    .enumerate()
+                    .map(|(i, a)| {
+                        let Some(slot) = transfer_slot(a, stages, m) else {
+                            return list.len();
+                        };
+                        if !is_send(a.kind) {
+                            return list.len();
+                        }
+                        let (p, r) = recvs[slot];
+                        if p == usize::MAX {
+                            return list.len();
+                        }
+                        if p == d {
+                            return r;
+                        }
+                        // The first later receive on d of something p sent after it took the
+                        // message: p's list is sequential, so p had taken it by then.
+                        (i + 1..list.len())
+                            .find(|&j| {
+                                let b = &list[j];
+                                is_recv(b.kind)
+                                    && transfer_slot(b, stages, m)
+                                        .is_some_and(|x| sends[x].0 == p && sends[x].1 > r)
+                            })
+                            .unwrap_or(list.len())
+                    })
+                    .collect()
+            })
+            .collect();
+        ScheduleFacts {
+            micro_batches: m,
+            checkpointed,
+            release,
+            first_backward,
+        }
+    }
+
+    pub(super) fn is_first_backward(&self, a: &Action) -> bool {
+        self.first_backward[a.stage] == Some(*a)
+    }
+}
+
+/// `schedule` with each device's recomputes kept only where its mode asks for them (the
+/// schedule must have been generated with [`CheckpointMode::Always`]).
+pub fn with_remat(schedule: &Schedule, remat: &[CheckpointMode]) -> Schedule {
+    let m = schedule.num_micro_batches;
+    let mut s = schedule.clone();
+    for (d, list) in s.devices.iter_mut().enumerate() {
+        list.retain(|a| a.kind != ActionKind::Recompute || remat[d].recomputes(a.micro_batch, m));
+    }
+    s
+}
