@@ -5,7 +5,8 @@
 //! of their parameters and buffers (checkpoints, tied gradients, parameter counts) and the rank
 //! that holds them. [`restore`] puts real layers back (see `Pipeline::gather_stages`).
 
-use wgpipe_autograd::{layer_param_name, CostHint, ForwardCtx, Module, Param, Skips, Var};
+use crate::exec::stage::named_tensors;
+use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Skips, Var};
 use wgpipe_tensor::memory::{with_tag, Tag};
 
 use crate::error::{PipelineError, Result};
@@ -107,17 +108,16 @@ pub(crate) fn absent_layers(
 ) -> (Vec<Box<dyn Module>>, AbsentStage) {
     let mut tensors = Vec::new();
     let mut placeholders: Vec<Box<dyn Module>> = Vec::with_capacity(layers.len());
+    for t in named_tensors(first_layer, &layers) {
+        tensors.push(AbsentTensor {
+            name: t.name,
+            shape: t.param.shape(),
+            buffer: t.buffer,
+            tie: t.param.tie_group(),
+        });
+    }
     for (i, l) in layers.into_iter().enumerate() {
         let index = first_layer + i;
-        let params = l.parameters().into_iter().map(|p| (p, false));
-        for ((n, p), buffer) in params.chain(l.buffers().into_iter().map(|b| (b, true))) {
-            tensors.push(AbsentTensor {
-                name: layer_param_name(index, &n),
-                shape: p.shape(),
-                buffer,
-                tie: p.tie_group(),
-            });
-        }
         placeholders.push(Box::new(AbsentLayer {
             index,
             name: l.name(),
@@ -149,7 +149,6 @@ pub(crate) fn restore(stages: &mut [Stage], model: Vec<Box<dyn Module>>) -> Resu
         let layers: Vec<Box<dyn Module>> = model.by_ref().take(s.layers.len()).collect();
         let Some(absent) = &s.absent else { continue };
         let mut layers = layers;
-        let mut got = Vec::new();
         for (i, l) in layers.iter_mut().enumerate() {
             with_tag(Tag::Parameters, || l.to_device(&s.device)).map_err(|e| {
                 PipelineError::Config(format!(
@@ -159,11 +158,11 @@ pub(crate) fn restore(stages: &mut [Stage], model: Vec<Box<dyn Module>>) -> Resu
                     s.device
                 ))
             })?;
-            let params = l.parameters().into_iter().map(|p| (p, false));
-            for ((n, p), buffer) in params.chain(l.buffers().into_iter().map(|b| (b, true))) {
-                got.push((layer_param_name(s.first_layer + i, &n), p.shape(), buffer));
-            }
         }
+        let got: Vec<_> = named_tensors(s.first_layer, &layers)
+            .into_iter()
+            .map(|t| (t.name, t.param.shape(), t.buffer))
+            .collect();
         let want: Vec<_> = absent
             .tensors
             .iter()

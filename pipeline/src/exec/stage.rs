@@ -1,9 +1,10 @@
 //! A virtual stage: a contiguous run of the model's layers on one device, and how it runs them
 //! (with the skips that enter and leave it).
 
-use wgpipe_autograd::{ForwardCtx, Module, SkipRouter, Var};
+use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, SkipRouter, Var};
 use wgpipe_tensor::Device;
 
+use crate::error::{PipelineError, StageCause};
 use crate::skips::StageSkips;
 
 /// A virtual stage: its layers (global indices `first_layer..`) on its device.
@@ -19,7 +20,67 @@ pub struct Stage {
     pub(crate) absent: Option<crate::exec::absent::AbsentStage>,
 }
 
+/// A parameter or buffer of a run of layers under its global name
+/// (`<global layer index>.<name inside the layer>`, see [`layer_param_name`]).
+pub(crate) struct NamedTensor {
+    pub name: String,
+    pub param: Param,
+    pub buffer: bool,
+}
+
+/// The parameters and buffers of `layers` (the first at global index `first_layer`), layer by
+/// layer, each layer's parameters before its buffers: the one place global names are made.
+pub(crate) fn named_tensors(first_layer: usize, layers: &[Box<dyn Module>]) -> Vec<NamedTensor> {
+    let mut out = Vec::new();
+    for (i, l) in layers.iter().enumerate() {
+        let params = l.parameters().into_iter().map(|p| (p, false));
+        for ((n, param), buffer) in params.chain(l.buffers().into_iter().map(|b| (b, true))) {
+            out.push(NamedTensor {
+                name: layer_param_name(first_layer + i, &n),
+                param,
+                buffer,
+            });
+        }
+    }
+    out
+}
+
 impl Stage {
+    /// The stage's parameters under their global names, in layer order (a tied parameter once
+    /// per copy).
+    pub fn named_parameters(&self) -> Vec<(String, Param)> {
+        self.named(false)
+    }
+
+    /// The stage's buffers (e.g. batch-norm running statistics), named like the parameters.
+    pub fn named_buffers(&self) -> Vec<(String, Param)> {
+        self.named(true)
+    }
+
+    fn named(&self, buffers: bool) -> Vec<(String, Param)> {
+        named_tensors(self.first_layer, &self.layers)
+            .into_iter()
+            .filter(|t| t.buffer == buffers)
+            .map(|t| (t.name, t.param))
+            .collect()
+    }
+
+    /// An error of `action` on micro-batch `micro_batch` of this stage.
+    pub(crate) fn error(
+        &self,
+        micro_batch: usize,
+        action: &str,
+        cause: StageCause,
+    ) -> PipelineError {
+        PipelineError::Stage {
+            stage: self.index,
+            device: self.device.name().to_string(),
+            micro_batch,
+            action: action.to_string(),
+            cause: Box::new(cause),
+        }
+    }
+
     /// Whether this process holds the stage's layers (false for another rank's stage over MPI).
     pub fn is_held(&self) -> bool {
         self.absent.is_none()

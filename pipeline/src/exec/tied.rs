@@ -19,11 +19,9 @@ fn stage_params(stages: &[Stage]) -> (Vec<(String, Param)>, Vec<usize>) {
     let mut params = Vec::new();
     let mut owner = Vec::new();
     for s in stages {
-        for (i, l) in s.layers.iter().enumerate() {
-            for (n, p) in l.parameters() {
-                params.push((wgpipe_autograd::layer_param_name(s.first_layer + i, &n), p));
-                owner.push(s.index);
-            }
+        for named in s.named_parameters() {
+            params.push(named);
+            owner.push(s.index);
         }
     }
     (params, owner)

@@ -16,6 +16,7 @@ use crate::schedule::{CheckpointMode, Schedule, ScheduleKind};
 use crate::sim::SimCluster;
 use crate::skips::{plan_skips, popped_bytes, SkipRoute};
 use crate::train::pipeline::Pipeline;
+use crate::train::replica::Replica;
 use crate::train::scaler::{GradScaler, LossScaling};
 
 /// How layers are assigned to stages.
@@ -255,10 +256,8 @@ impl PipelineBuilder {
                 schedule.clone()
             }
         };
-        #[cfg(feature = "mpi")]
-        if let Transport::Mpi(comm) = &self.transport {
-            crate::exec::comm::mpi::check(comm, schedule.num_devices())?;
-        }
+        let comm = crate::exec::comm::for_transport(&self.transport);
+        comm.check(schedule.num_devices())?;
         let s_total = schedule.num_stages();
         let balance = match &self.balance {
             Balance::Explicit(b) => {
@@ -318,21 +317,23 @@ impl PipelineBuilder {
             .map(GradScaler::new)
             .transpose()?;
         Ok(Pipeline {
-            stages,
+            replicas: vec![Replica {
+                index: 0,
+                stages,
+                optimizers,
+                sim: self.sim,
+                stuck: None,
+            }],
             schedule,
+            comm,
+            transport: self.transport,
             seed: self.seed,
             step: 0,
-            sim: self.sim,
-            optimizers,
             non_finite: self.non_finite,
             action_timeout: self.action_timeout,
-            transport: self.transport,
             round: 0,
-            stuck: None,
-            replicas: Vec::new(),
             precision: self.precision,
             scaler,
-            loss_scale: None,
             grads_scale: std::cell::Cell::new(None),
             overflowed: false,
         })
@@ -345,6 +346,11 @@ impl PipelineBuilder {
         if r == 0 || n == 0 || !n.is_multiple_of(r) {
             return Err(PipelineError::Config(format!(
                 "replicas({r}) needs R x K devices (K per replica), but {n} were given"
+            )));
+        }
+        if self.transport.crosses_processes() {
+            return Err(PipelineError::Config(format!(
+                "replicas({r}) with a transport across processes: there the replicas are the ranks (mpirun -np R x K, without .replicas)"
             )));
         }
         let k = n / r;
@@ -374,7 +380,7 @@ impl PipelineBuilder {
                 transport: b.transport.clone(),
                 replicas: None,
                 precision: b.precision,
-                // Replica 0 keeps the one scaler; the others are told each step's scale.
+                // The pipeline keeps replica 0's scaler for all.
                 loss_scaling: if i == 0 { b.loss_scaling } else { Some(None) },
             }
         };
@@ -385,8 +391,9 @@ impl PipelineBuilder {
         self.balance = Balance::Explicit(first.balance());
         self.schedule = ScheduleSpec::Custom(first.schedule.clone());
         for i in 1..r {
-            let replica = config(&self, make_layers(), i).build()?;
-            crate::train::replicas::copy_values(&first, &replica, i)?;
+            let mut replica = config(&self, make_layers(), i).build()?.replicas.remove(0);
+            replica.index = i;
+            crate::train::replicas::copy_values(&first.replicas[0], &replica, i)?;
             first.replicas.push(replica);
         }
         if let Some(f) = &self.optimizer {

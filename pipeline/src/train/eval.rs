@@ -11,8 +11,6 @@ use crate::microbatch::split_batch;
 
 use super::Pipeline;
 
-use super::pipeline::stage_error;
-
 impl Pipeline {
     /// Evaluation forward: micro-batch by micro-batch through every stage, recording nothing.
     /// Returns the outputs concatenated along axis 0, on the last stage's device.
@@ -24,7 +22,7 @@ impl Pipeline {
             let mut h = x;
             // Skips in flight between stages, by name (moved to each consumer's device).
             let mut skips = SkipRouter::new();
-            for s in &self.stages {
+            for s in self.stages() {
                 let run = || -> wgpipe_tensor::Result<Tensor> {
                     let tape = Tape::no_grad();
                     let v = tape.constant(h.to_device(&s.device)?);
@@ -45,12 +43,9 @@ impl Pipeline {
                 };
                 h = match catch_unwind(AssertUnwindSafe(run)) {
                     Ok(Ok(t)) => t,
-                    Ok(Err(e)) => {
-                        return Err(stage_error(s, mb, "Forward (eval)", StageCause::Tensor(e)))
-                    }
+                    Ok(Err(e)) => return Err(s.error(mb, "Forward (eval)", StageCause::Tensor(e))),
                     Err(p) => {
-                        return Err(stage_error(
-                            s,
+                        return Err(s.error(
                             mb,
                             "Forward (eval)",
                             StageCause::Panic(threads::panic_message(p)),

@@ -8,9 +8,11 @@ mod optim_step;
 pub mod persist;
 pub mod pipeline;
 mod planned;
+pub mod replica;
 pub mod replicas;
 pub mod report;
 pub mod scaler;
 mod workers;
 
 pub use pipeline::Pipeline;
+pub use replica::Replica;

@@ -13,8 +13,6 @@ use crate::exec::Stage;
 
 use super::Pipeline;
 
-use super::pipeline::{stage_error, stage_params};
-
 impl Pipeline {
     /// Scales all gradients so that their global L2 norm (over every stage) is at most
     /// `max_norm`; returns the norm before clipping. All or nothing: every stage's scaled
@@ -28,25 +26,21 @@ impl Pipeline {
             )));
         }
         // A tied parameter counts once, as in plain training (its copies hold one gradient).
-        let counted = crate::exec::tied::without_later_copies(&self.stages);
-        let mut parts = Vec::with_capacity(self.stages.len());
-        for (s, params) in self.stages.iter().zip(&counted) {
+        let counted = crate::exec::tied::without_later_copies(self.stages());
+        let mut parts = Vec::with_capacity(self.stages().len());
+        for (s, params) in self.stages().iter().zip(&counted) {
             parts.push(
                 wgpipe_autograd::optim::grad_norm_sq(params)
-                    .map_err(|e| stage_error(s, 0, "clip_grad_norm", StageCause::Tensor(e)))?,
+                    .map_err(|e| s.error(0, "clip_grad_norm", StageCause::Tensor(e)))?,
             );
         }
         // Over MPI each rank has its own stages' gradients: every rank takes each stage's part
         // from the rank that trains it, so that all sum the same parts in the same order.
-        #[cfg(feature = "mpi")]
-        if let crate::exec::transport::Transport::Mpi(comm) = &self.transport {
-            parts = crate::exec::comm::mpi::stage_parts(comm, self.round, &self.schedule, &parts)?;
-        }
+        let parts = self.comm.stage_parts(self.round, &self.schedule, parts)?;
         let mut sq = 0.0f64;
-        for (s, &part) in self.stages.iter().zip(&parts) {
+        for (s, &part) in self.stages().iter().zip(&parts) {
             if !part.is_finite() {
-                return Err(stage_error(
-                    s,
+                return Err(s.error(
                     0,
                     "clip_grad_norm",
                     StageCause::Tensor(wgpipe_tensor::Error::Invalid {
@@ -77,16 +71,16 @@ impl Pipeline {
     /// replica 0's.
     fn scale_grads_everywhere(&self, factor: f32, what: &str) -> Result<()> {
         let mut scaled = Vec::new();
-        for s in &self.stages {
+        for s in self.stages() {
             scaled.push(
-                wgpipe_autograd::optim::scaled_grads(&stage_params(s), factor)
-                    .map_err(|e| stage_error(s, 0, what, StageCause::Tensor(e)))?,
+                wgpipe_autograd::optim::scaled_grads(&s.named_parameters(), factor)
+                    .map_err(|e| s.error(0, what, StageCause::Tensor(e)))?,
             );
         }
         for (p, g) in scaled.into_iter().flatten() {
             p.set_grad(Some(g));
         }
-        for r in &self.replicas {
+        for r in &self.replicas[1..] {
             for ((_, src), (_, dst)) in self.named_parameters().iter().zip(r.named_parameters()) {
                 if let Some(g) = src.grad() {
                     dst.set_grad(Some(g.to_device(dst.value().device())?));
@@ -111,9 +105,10 @@ impl Pipeline {
     /// state at the peak of the step).
     pub fn optimizer_step(&mut self) -> Result<()> {
         self.settle()?;
-        if std::iter::once(&*self)
-            .chain(&self.replicas)
-            .any(|p| p.optimizers.len() != p.stages.len())
+        if self
+            .replicas
+            .iter()
+            .any(|r| r.optimizers.len() != r.stages.len())
         {
             return Err(PipelineError::Config(
                 "no optimizer set: call set_optimizer (or the builder's optimizer) first".into(),
@@ -135,22 +130,14 @@ impl Pipeline {
                 self.grads_scale.set(Some(1.0));
             }
         }
-        // Over MPI, a round of its own for the ranks' agreement on the outcome.
-        #[cfg(feature = "mpi")]
-        let round = {
-            self.round += 1;
-            self.round
-        };
+        // A round of its own for the agreement on the outcome.
+        self.round += 1;
+        let round = self.round;
         // Every replica's stages are one all-or-nothing step, so that replicas stay identical.
         let mut pairs: Vec<(&Stage, &mut Box<dyn Optimizer>)> = self
-            .stages
-            .iter()
-            .zip(self.optimizers.iter_mut())
-            .chain(
-                self.replicas
-                    .iter_mut()
-                    .flat_map(|r| r.stages.iter().zip(r.optimizers.iter_mut())),
-            )
+            .replicas
+            .iter_mut()
+            .flat_map(|r| r.stages.iter().zip(r.optimizers.iter_mut()))
             .collect();
         let kept: Vec<StageKeep> = pairs
             .iter()
@@ -160,7 +147,7 @@ impl Pipeline {
             let spawned: Vec<_> = pairs
                 .iter_mut()
                 .map(|(s, o)| {
-                    let params = stage_params(s);
+                    let params = s.named_parameters();
                     let h = spawn_stage(scope, s.index, move || {
                         let step = || wgpipe_tensor::share_cpu_threads(|| o.step(&params));
                         match catch_unwind(AssertUnwindSafe(step)) {
@@ -183,22 +170,18 @@ impl Pipeline {
                             msg: format!("cannot start the stage's thread: {e}"),
                         })),
                     };
-                    r.map_err(|c| stage_error(s, 0, "optimizer step", c))
+                    r.map_err(|c| s.error(0, "optimizer step", c))
                 })
                 .collect()
         });
         let failed = results.into_iter().find_map(|r| r.err());
         // Across processes: all ranks step, or none does (each rank rolls back its own
         // stages), with the failing rank's error on every rank.
-        #[cfg(feature = "mpi")]
-        let failed = match &self.transport {
-            crate::exec::transport::Transport::Mpi(comm) => {
-                let local = failed.map_or(Ok(()), Err);
-                crate::exec::comm::mpi::agree_ok(comm, round, self.schedule.num_devices(), local)
-                    .err()
-            }
-            _ => failed,
-        };
+        let k = self.schedule.num_devices();
+        let failed = self
+            .comm
+            .agree_ok(round, k, failed.map_or(Ok(()), Err))
+            .err();
         if let Some(e) = failed {
             let mut rollback_errors = Vec::new();
             for ((s, o), keep) in pairs.iter_mut().zip(kept) {
@@ -234,7 +217,8 @@ struct StageKeep {
 impl StageKeep {
     fn take(s: &Stage, o: &dyn Optimizer) -> StageKeep {
         StageKeep {
-            params: stage_params(s)
+            params: s
+                .named_parameters()
                 .into_iter()
                 .map(|(_, p)| {
                     let (v, g) = (p.value(), p.grad());

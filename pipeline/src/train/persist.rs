@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use wgpipe_autograd::layer_param_name;
+use crate::exec::stage::named_tensors;
 use wgpipe_autograd::optim::Optimizer;
 use wgpipe_autograd::serialize::{
     save_tensors_checked, TensorFile, FORMAT_KEY, OPTIM_PREFIX, STEP_KEY,
@@ -31,7 +31,10 @@ use wgpipe_autograd::Param;
 use wgpipe_tensor::memory::with_tag;
 use wgpipe_tensor::{Device, Tag, Tensor};
 
+use crate::exec::Stage;
 use crate::train::pipeline::Pipeline;
+use crate::train::replica::Replica;
+use crate::train::scaler::ScalerState;
 
 /// The loss scaler's state in the metadata (see [`crate::train::scaler::encode_state`]).
 const SCALER_KEY: &str = "wgpipe.loss_scaler";
@@ -155,27 +158,26 @@ struct Entry {
     stage: usize,
 }
 
-impl Pipeline {
-    /// Parameters and buffers (each once, tied ones by their first name) and the stage of each.
-    fn persist_entries(&self) -> Vec<Entry> {
-        let mut out: Vec<Entry> = Vec::new();
-        for st in self.stages() {
-            for (i, l) in st.layers.iter().enumerate() {
-                for (n, p) in l.parameters().into_iter().chain(l.buffers()) {
-                    if out.iter().any(|e| e.param.same(&p)) {
-                        continue;
-                    }
-                    out.push(Entry {
-                        name: layer_param_name(st.first_layer + i, &n),
-                        param: p,
-                        stage: st.index,
-                    });
-                }
+/// Parameters and buffers of `stages` (each once, tied ones by their first name) and the stage
+/// of each.
+fn persist_entries(stages: &[Stage]) -> Vec<Entry> {
+    let mut out: Vec<Entry> = Vec::new();
+    for st in stages {
+        for t in named_tensors(st.first_layer, &st.layers) {
+            if out.iter().any(|e| e.param.same(&t.param)) {
+                continue;
             }
+            out.push(Entry {
+                name: t.name,
+                param: t.param,
+                stage: st.index,
+            });
         }
-        out
     }
+    out
+}
 
+impl Pipeline {
     /// Saves parameters, buffers, every stage's optimizer state and the pipeline's step to
     /// `path`, atomically (see the [module](crate::train::persist) doc). Creates missing folders.
     pub fn save(&self, path: impl AsRef<Path>, opts: &SaveOptions) -> PResult<()> {
@@ -211,12 +213,11 @@ impl Pipeline {
             }
             meta.push((k.clone(), v.clone()));
         }
-        let mut tensors: Vec<(String, Tensor)> = self
-            .persist_entries()
+        let mut tensors: Vec<(String, Tensor)> = persist_entries(self.stages())
             .into_iter()
             .map(|e| (e.name, e.param.value()))
             .collect();
-        for (k, t) in merged_optimizer_state(&self.optimizers) {
+        for (k, t) in merged_optimizer_state(self.optimizers()) {
             tensors.push((format!("{OPTIM_PREFIX}{k}"), t));
         }
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -257,236 +258,245 @@ impl Pipeline {
             path: path.to_path_buf(),
             why: e.to_string(),
         })?;
-        let unreadable = |why: String| PersistError::Unreadable {
-            path: path.to_path_buf(),
-            why,
-        };
-        let f = TensorFile::open(path).map_err(|e| unreadable(strip_path(&e.to_string(), path)))?;
-        let mut metadata = f.metadata();
-        let step = match metadata.iter().find(|(k, _)| k == STEP_KEY) {
-            None => {
-                return Err(unreadable(format!(
-                "a safetensors file, but not a wgpipe checkpoint (no '{STEP_KEY}' in its metadata)"
-            )))
-            }
-            Some((_, v)) => v
-                .parse::<u64>()
-                .map_err(|_| unreadable(format!("'{STEP_KEY}' is '{v}', not a step number")))?,
-        };
-        // A checkpoint of a run with loss scaling resumes at its scale (a pipeline without
-        // scaling ignores it; a file without it leaves the scaler as built).
-        let scaler = match metadata.iter().find(|(k, _)| k == SCALER_KEY) {
-            Some((_, v)) => Some(crate::train::scaler::decode_state(v).ok_or_else(|| {
-                unreadable(format!(
-                    "'{SCALER_KEY}' is '{v}', not 'scale good_steps skipped_steps'"
-                ))
-            })?),
-            None => None,
-        };
-        metadata.retain(|(k, _)| !k.starts_with("wgpipe."));
-
-        // 1. Names, shapes and dtypes of every tensor, model side and optimizer side.
-        let entries = self.persist_entries();
-        let by_name: HashMap<&str, &Entry> = entries.iter().map(|e| (e.name.as_str(), e)).collect();
-        let mut problems: Vec<(String, String)> = Vec::new();
-        let shape_of = |name: &str| f.shape(name).map(<[usize]>::to_vec);
-        for e in &entries {
-            let want = e.param.shape();
-            match shape_of(&e.name) {
-                None => problems.push((
-                    e.name.clone(),
-                    "missing: in the pipeline, not in the file".into(),
-                )),
-                Some(got) if got != want => problems.push((
-                    e.name.clone(),
-                    format!("shape mismatch: {got:?} in the file vs {want:?} in the pipeline"),
-                )),
-                Some(_) if !f.is_loadable(&e.name) => problems.push((
-                    e.name.clone(),
-                    format!(
-                        "dtype {} in the file (only F32, F16 and BF16 load)",
-                        f.dtype(&e.name).unwrap_or_default()
-                    ),
-                )),
-                Some(_) => {}
-            }
+        // Each held replica loads the same file (the same structure, so only the first can
+        // refuse it), which also gives each its own optimizer state on its own devices.
+        let mut read = None;
+        for r in &mut self.replicas {
+            read = Some(load_replica(r, path, opts)?);
         }
-        // Over MPI, the tensors of stages other ranks hold: checked against the file, not loaded
-        // (each rank loads its own stages from the same file).
-        let absent: Vec<(&str, &[usize])> = self
-            .stages()
-            .iter()
-            .filter_map(|s| s.absent.as_ref())
-            .flat_map(|a| &a.tensors)
-            .map(|t| (t.name.as_str(), t.shape.as_slice()))
-            .collect();
-        let elsewhere: HashMap<&str, &[usize]> = absent.iter().copied().collect();
-        for &(name, want) in &absent {
-            match shape_of(name) {
-                None => problems.push((
-                    name.to_string(),
-                    "missing: in the pipeline (held by another rank), not in the file".into(),
-                )),
-                Some(got) if got != want => problems.push((
-                    name.to_string(),
-                    format!("shape mismatch: {got:?} in the file vs {want:?} in the pipeline"),
-                )),
-                Some(_) => {}
-            }
-        }
-        let names = f.names();
-        let mut optim_names = Vec::new();
-        for n in &names {
-            if let Some(key) = n.strip_prefix(OPTIM_PREFIX) {
-                let pname = key.rsplit_once('.').map_or(key, |(p, _)| p);
-                if !elsewhere.contains_key(pname) {
-                    optim_names.push((n.clone(), key.to_string()));
-                }
-            } else if elsewhere.contains_key(n.as_str()) {
-                continue;
-            } else if !by_name.contains_key(n.as_str()) {
-                problems.push((
-                    n.clone(),
-                    "unexpected: in the file, not in the pipeline".into(),
-                ));
-            }
-        }
-        // Device of each optimizer tensor: its parameter's (the `@` counters: the CPU).
-        let mut optim_devices = Vec::with_capacity(optim_names.len());
-        for (full, key) in &optim_names {
-            if key.starts_with('@') {
-                optim_devices.push(Device::cpu());
-                continue;
-            }
-            let (pname, slot) = key.rsplit_once('.').unwrap_or((key.as_str(), ""));
-            let Some(e) = by_name.get(pname) else {
-                problems.push((
-                    full.clone(),
-                    format!(
-                        "optimizer state of parameter '{pname}', which the pipeline does not have"
-                    ),
-                ));
-                optim_devices.push(Device::cpu());
-                continue;
-            };
-            let got = shape_of(full).unwrap_or_default();
-            let want = e.param.shape();
-            if !COUNTER_SLOTS.contains(&slot) && got != want {
-                problems.push((
-                    full.clone(),
-                    format!("shape mismatch: {got:?} in the file vs {want:?} for parameter '{pname}' in the pipeline"),
-                ));
-            } else if !f.is_loadable(full) {
-                problems.push((
-                    full.clone(),
-                    format!("dtype {} in the file", f.dtype(full).unwrap_or_default()),
-                ));
-            }
-            optim_devices.push(e.param.device());
-        }
-        if let Some((tensor, why)) = problems.first().cloned() {
-            let more = problems.len() - 1;
-            let why = if more == 0 {
-                why
-            } else {
-                let others: Vec<String> = problems[1..]
-                    .iter()
-                    .take(5)
-                    .map(|(n, w)| format!("{n} ({})", w.split(':').next().unwrap_or(w)))
-                    .collect();
-                format!(
-                    "{why}; and {more} more tensor(s) differ: {}{}",
-                    others.join(", "),
-                    if more > 5 { ", ..." } else { "" }
-                )
-            };
-            return Err(PersistError::Mismatch {
-                path: path.to_path_buf(),
-                tensor,
-                why,
-            });
-        }
-
-        // 2. Every value read (and checked) and built on its device before anything changes.
-        let read = |name: &str| -> PResult<Vec<f32>> {
-            let v = f
-                .values(name)
-                .map_err(|e| unreadable(strip_path(&e.to_string(), path)))?;
-            if opts.require_finite {
-                if let Some(x) = v.iter().find(|x| !x.is_finite()) {
-                    return Err(PersistError::NonFinite {
-                        path: path.to_path_buf(),
-                        tensor: name.to_string(),
-                        value: *x,
-                    });
-                }
-            }
-            Ok(v)
-        };
-        let place = |name: &str, device: &Device, tag: Tag| -> PResult<Tensor> {
-            let v = read(name)?;
-            let shape = f.shape(name).unwrap_or_default().to_vec();
-            with_tag(tag, || Tensor::from_vec(v, &shape, device)).map_err(|e| PersistError::Io {
-                path: path.to_path_buf(),
-                why: format!("placing '{name}' on {}: {e}", device.name()),
-            })
-        };
-        let mut values = Vec::with_capacity(entries.len());
-        for e in &entries {
-            values.push(place(&e.name, &e.param.device(), Tag::Parameters)?);
-        }
-        let mut state = Vec::with_capacity(optim_names.len());
-        for ((full, key), dev) in optim_names.iter().zip(&optim_devices) {
-            state.push((key.clone(), place(full, dev, Tag::OptimizerState)?));
-        }
-
-        // 3. The optimizers take their state (each checks its own), rolled back together.
-        if self.optimizers.len() == self.stages.len() && !self.optimizers.is_empty() {
-            let owner: HashMap<String, usize> =
-                entries.iter().map(|e| (e.name.clone(), e.stage)).collect();
-            let per = split_optimizer_state(state, &owner, self.stages.len()).map_err(|k| {
-                PersistError::Mismatch {
-                    path: path.to_path_buf(),
-                    tensor: format!("{OPTIM_PREFIX}{k}"),
-                    why: "optimizer state of no parameter of the pipeline".into(),
-                }
-            })?;
-            let mut kept: BTreeMap<usize, Vec<(String, Tensor)>> = BTreeMap::new();
-            for (i, s) in per.into_iter().enumerate() {
-                let before = self.optimizers[i].state();
-                if let Err(e) = self.optimizers[i].load_state(s) {
-                    for (j, st) in kept {
-                        let _ = self.optimizers[j].load_state(st);
-                    }
-                    return Err(PersistError::Mismatch {
-                        path: path.to_path_buf(),
-                        tensor: format!("{OPTIM_PREFIX}* of stage {i}"),
-                        why: format!("the optimizer refuses its state: {e}"),
-                    });
-                }
-                kept.insert(i, before);
-            }
-        }
-
-        // 4. Commit.
-        for (e, v) in entries.iter().zip(values) {
-            e.param.set_value(v);
-        }
-        for (_, p) in self.named_parameters() {
-            p.zero_grad();
-        }
+        let (step, scaler, metadata) = read.expect("a pipeline holds at least one replica");
         self.set_step(step);
         if let (Some(state), Some(s)) = (scaler, &mut self.scaler) {
             s.state = state;
         }
-        // Data-parallel replicas load the same file (the same structure, so it cannot fail
-        // where replica 0's load did not), which also gives each its own optimizer state on
-        // its own devices.
-        for r in &mut self.replicas {
-            r.load(path, opts)?;
-        }
         Ok(Restored { step, metadata })
     }
+}
+
+/// A checkpoint as read into one replica: the step, the scaler's state and the extra
+/// metadata it holds.
+type ReplicaLoad = (u64, Option<ScalerState>, Vec<(String, String)>);
+
+/// [`Pipeline::load`] into one replica: every tensor checked and built before its parameters,
+/// buffers and optimizer state change; gradients cleared.
+fn load_replica(replica: &mut Replica, path: &Path, opts: &LoadOptions) -> PResult<ReplicaLoad> {
+    let unreadable = |why: String| PersistError::Unreadable {
+        path: path.to_path_buf(),
+        why,
+    };
+    let f = TensorFile::open(path).map_err(|e| unreadable(strip_path(&e.to_string(), path)))?;
+    let mut metadata = f.metadata();
+    let step = match metadata.iter().find(|(k, _)| k == STEP_KEY) {
+        None => {
+            return Err(unreadable(format!(
+                "a safetensors file, but not a wgpipe checkpoint (no '{STEP_KEY}' in its metadata)"
+            )))
+        }
+        Some((_, v)) => v
+            .parse::<u64>()
+            .map_err(|_| unreadable(format!("'{STEP_KEY}' is '{v}', not a step number")))?,
+    };
+    // A checkpoint of a run with loss scaling resumes at its scale (a pipeline without
+    // scaling ignores it; a file without it leaves the scaler as built).
+    let scaler = match metadata.iter().find(|(k, _)| k == SCALER_KEY) {
+        Some((_, v)) => Some(crate::train::scaler::decode_state(v).ok_or_else(|| {
+            unreadable(format!(
+                "'{SCALER_KEY}' is '{v}', not 'scale good_steps skipped_steps'"
+            ))
+        })?),
+        None => None,
+    };
+    metadata.retain(|(k, _)| !k.starts_with("wgpipe."));
+
+    // 1. Names, shapes and dtypes of every tensor, model side and optimizer side.
+    let entries = persist_entries(&replica.stages);
+    let by_name: HashMap<&str, &Entry> = entries.iter().map(|e| (e.name.as_str(), e)).collect();
+    let mut problems: Vec<(String, String)> = Vec::new();
+    let shape_of = |name: &str| f.shape(name).map(<[usize]>::to_vec);
+    for e in &entries {
+        let want = e.param.shape();
+        match shape_of(&e.name) {
+            None => problems.push((
+                e.name.clone(),
+                "missing: in the pipeline, not in the file".into(),
+            )),
+            Some(got) if got != want => problems.push((
+                e.name.clone(),
+                format!("shape mismatch: {got:?} in the file vs {want:?} in the pipeline"),
+            )),
+            Some(_) if !f.is_loadable(&e.name) => problems.push((
+                e.name.clone(),
+                format!(
+                    "dtype {} in the file (only F32, F16 and BF16 load)",
+                    f.dtype(&e.name).unwrap_or_default()
+                ),
+            )),
+            Some(_) => {}
+        }
+    }
+    // Over MPI, the tensors of stages other ranks hold: checked against the file, not loaded
+    // (each rank loads its own stages from the same file).
+    let absent: Vec<(&str, &[usize])> = replica
+        .stages
+        .iter()
+        .filter_map(|s| s.absent.as_ref())
+        .flat_map(|a| &a.tensors)
+        .map(|t| (t.name.as_str(), t.shape.as_slice()))
+        .collect();
+    let elsewhere: HashMap<&str, &[usize]> = absent.iter().copied().collect();
+    for &(name, want) in &absent {
+        match shape_of(name) {
+            None => problems.push((
+                name.to_string(),
+                "missing: in the pipeline (held by another rank), not in the file".into(),
+            )),
+            Some(got) if got != want => problems.push((
+                name.to_string(),
+                format!("shape mismatch: {got:?} in the file vs {want:?} in the pipeline"),
+            )),
+            Some(_) => {}
+        }
+    }
+    let names = f.names();
+    let mut optim_names = Vec::new();
+    for n in &names {
+        if let Some(key) = n.strip_prefix(OPTIM_PREFIX) {
+            let pname = key.rsplit_once('.').map_or(key, |(p, _)| p);
+            if !elsewhere.contains_key(pname) {
+                optim_names.push((n.clone(), key.to_string()));
+            }
+        } else if elsewhere.contains_key(n.as_str()) {
+            continue;
+        } else if !by_name.contains_key(n.as_str()) {
+            problems.push((
+                n.clone(),
+                "unexpected: in the file, not in the pipeline".into(),
+            ));
+        }
+    }
+    // Device of each optimizer tensor: its parameter's (the `@` counters: the CPU).
+    let mut optim_devices = Vec::with_capacity(optim_names.len());
+    for (full, key) in &optim_names {
+        if key.starts_with('@') {
+            optim_devices.push(Device::cpu());
+            continue;
+        }
+        let (pname, slot) = key.rsplit_once('.').unwrap_or((key.as_str(), ""));
+        let Some(e) = by_name.get(pname) else {
+            problems.push((
+                full.clone(),
+                format!("optimizer state of parameter '{pname}', which the pipeline does not have"),
+            ));
+            optim_devices.push(Device::cpu());
+            continue;
+        };
+        let got = shape_of(full).unwrap_or_default();
+        let want = e.param.shape();
+        if !COUNTER_SLOTS.contains(&slot) && got != want {
+            problems.push((
+                full.clone(),
+                format!("shape mismatch: {got:?} in the file vs {want:?} for parameter '{pname}' in the pipeline"),
+            ));
+        } else if !f.is_loadable(full) {
+            problems.push((
+                full.clone(),
+                format!("dtype {} in the file", f.dtype(full).unwrap_or_default()),
+            ));
+        }
+        optim_devices.push(e.param.device());
+    }
+    if let Some((tensor, why)) = problems.first().cloned() {
+        let more = problems.len() - 1;
+        let why = if more == 0 {
+            why
+        } else {
+            let others: Vec<String> = problems[1..]
+                .iter()
+                .take(5)
+                .map(|(n, w)| format!("{n} ({})", w.split(':').next().unwrap_or(w)))
+                .collect();
+            format!(
+                "{why}; and {more} more tensor(s) differ: {}{}",
+                others.join(", "),
+                if more > 5 { ", ..." } else { "" }
+            )
+        };
+        return Err(PersistError::Mismatch {
+            path: path.to_path_buf(),
+            tensor,
+            why,
+        });
+    }
+
+    // 2. Every value read (and checked) and built on its device before anything changes.
+    let read = |name: &str| -> PResult<Vec<f32>> {
+        let v = f
+            .values(name)
+            .map_err(|e| unreadable(strip_path(&e.to_string(), path)))?;
+        if opts.require_finite {
+            if let Some(x) = v.iter().find(|x| !x.is_finite()) {
+                return Err(PersistError::NonFinite {
+                    path: path.to_path_buf(),
+                    tensor: name.to_string(),
+                    value: *x,
+                });
+            }
+        }
+        Ok(v)
+    };
+    let place = |name: &str, device: &Device, tag: Tag| -> PResult<Tensor> {
+        let v = read(name)?;
+        let shape = f.shape(name).unwrap_or_default().to_vec();
+        with_tag(tag, || Tensor::from_vec(v, &shape, device)).map_err(|e| PersistError::Io {
+            path: path.to_path_buf(),
+            why: format!("placing '{name}' on {}: {e}", device.name()),
+        })
+    };
+    let mut values = Vec::with_capacity(entries.len());
+    for e in &entries {
+        values.push(place(&e.name, &e.param.device(), Tag::Parameters)?);
+    }
+    let mut state = Vec::with_capacity(optim_names.len());
+    for ((full, key), dev) in optim_names.iter().zip(&optim_devices) {
+        state.push((key.clone(), place(full, dev, Tag::OptimizerState)?));
+    }
+
+    // 3. The optimizers take their state (each checks its own), rolled back together.
+    if replica.optimizers.len() == replica.stages.len() && !replica.optimizers.is_empty() {
+        let owner: HashMap<String, usize> =
+            entries.iter().map(|e| (e.name.clone(), e.stage)).collect();
+        let per = split_optimizer_state(state, &owner, replica.stages.len()).map_err(|k| {
+            PersistError::Mismatch {
+                path: path.to_path_buf(),
+                tensor: format!("{OPTIM_PREFIX}{k}"),
+                why: "optimizer state of no parameter of the pipeline".into(),
+            }
+        })?;
+        let mut kept: BTreeMap<usize, Vec<(String, Tensor)>> = BTreeMap::new();
+        for (i, s) in per.into_iter().enumerate() {
+            let before = replica.optimizers[i].state();
+            if let Err(e) = replica.optimizers[i].load_state(s) {
+                for (j, st) in kept {
+                    let _ = replica.optimizers[j].load_state(st);
+                }
+                return Err(PersistError::Mismatch {
+                    path: path.to_path_buf(),
+                    tensor: format!("{OPTIM_PREFIX}* of stage {i}"),
+                    why: format!("the optimizer refuses its state: {e}"),
+                });
+            }
+            kept.insert(i, before);
+        }
+    }
+
+    // 4. Commit.
+    for (e, v) in entries.iter().zip(values) {
+        e.param.set_value(v);
+    }
+    for (_, p) in replica.named_parameters() {
+        p.zero_grad();
+    }
+    Ok((step, scaler, metadata))
 }
 
 /// An error message of the serializer without its leading `op: path: ` (the persist error

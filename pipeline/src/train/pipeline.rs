@@ -1,56 +1,57 @@
-//! `Pipeline`: a sequence of modules cut into stages on devices, trained GPipe-style.
+//! `Pipeline`: a sequence of modules cut into stages on devices, trained GPipe-style, as a
+//! group of data-parallel [`Replica`]s (one without data parallelism) and what they share: the
+//! schedule, the optimizers' settings, the loss scaler, the step counter and the step
+//! communicator.
 //!
-//! `train_step` splits the mini-batch into micro-batches, runs one worker thread per stage over
-//! the schedule, accumulates gradients, and leaves them for `optimizer_step`. After a step the
-//! gradients equal those of plain training on the whole mini-batch (up to summation order),
-//! whatever K, M, schedule and checkpoint mode.
+//! `train_step` splits the mini-batch into one shard per replica and each shard into
+//! micro-batches, runs every replica's devices over the schedule, agrees on the outcome through
+//! the step communicator, reduces the gradients across replicas, and leaves them for
+//! `optimizer_step`. After a step the gradients equal those of plain training on the whole
+//! mini-batch (up to summation order), whatever R, K, M, schedule and checkpoint mode. The
+//! replicas may all be in this process or one per group of MPI ranks: the path through this
+//! code is the same (see [`crate::exec::comm`]).
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use wgpipe_autograd::optim::Optimizer;
-use wgpipe_autograd::{layer_param_name, Module, Param};
+use wgpipe_autograd::{Module, Param};
 use wgpipe_tensor::{DType, Device, Tensor};
 
-use crate::error::{NonFinite, PipelineError, Result, StageCause};
+use crate::error::{NonFinite, PipelineError, Result};
+use crate::exec::comm::{at_replica, ReplicaRun, StepComm};
 use crate::exec::transport::Transport;
 use crate::exec::Stage;
 use crate::microbatch::split_batch;
 use crate::schedule::Schedule;
+use crate::sim::collectives::TiedExchange;
 use crate::sim::SimCluster;
 use crate::train::builder::PipelineBuilder;
+use crate::train::replica::{Replica, ReplicaStep, Saved, StepCtx};
+use crate::train::replicas::{copy_buffers, merge_reports};
 use crate::train::report::StepReport;
 use crate::train::scaler::{GradScaler, ScalerState};
+use crate::train::workers::StuckStep;
 use crate::LossFn;
 
-use super::workers::{first_error, LossSide, Ran, StuckStep};
-
 pub struct Pipeline {
-    pub(crate) stages: Vec<Stage>,
+    /// The replicas this process runs: all R in one process, one per process over MPI. The
+    /// accessors (parameters, stages, devices, reports of K) describe the first.
+    pub(crate) replicas: Vec<Replica>,
     pub(crate) schedule: Schedule,
+    /// What the replicas and processes of a step agree on.
+    pub(crate) comm: Box<dyn StepComm>,
+    pub(crate) transport: Transport,
     pub(crate) seed: u64,
     pub(crate) step: u64,
-    pub(crate) sim: Option<SimCluster>,
-    pub(crate) optimizers: Vec<Box<dyn Optimizer>>,
     pub(crate) non_finite: NonFinite,
     pub(crate) action_timeout: Option<Duration>,
-    pub(crate) transport: Transport,
-    /// `train_step` calls so far, failed ones included: what keeps one call's messages apart
-    /// from another's (the step counter does not advance on a failed step).
+    /// `train_step` (and agreement) calls so far, failed ones included: what keeps one call's
+    /// messages apart from another's (the step counter does not advance on a failed step).
     pub(crate) round: u64,
-    /// A timed-out step whose threads still hold stages (see [`Pipeline::settle`]).
-    pub(crate) stuck: Option<StuckStep>,
-    /// Data parallelism: the other replicas (1..R), each a whole pipeline on its own devices
-    /// whose parameters stay bit-identical to this one's (see [`crate::train::replicas`]). The
-    /// accessors (parameters, stages, devices, reports of K) describe replica 0.
-    pub(crate) replicas: Vec<Pipeline>,
     /// The dtype the layers compute in (see [`wgpipe_autograd::ForwardCtx::compute`]).
     pub(crate) precision: DType,
-    /// Dynamic loss scaling (replica 0 keeps it for every replica).
+    /// Dynamic loss scaling.
     pub(crate) scaler: Option<GradScaler>,
-    /// The seed of this step's backward when loss scaling is on (set on every replica before
-    /// its step): the step then runs under `NonFinite::SkipStep`, whatever the policy.
-    pub(crate) loss_scale: Option<f32>,
     /// The factor the accumulated gradients carry since the last optimizer step (`None`: no
     /// scaled gradients; 1 once [`Pipeline::clip_grad_norm`] has unscaled them).
     /// A cell so that `clip_grad_norm` and `zero_grad` keep taking `&self`.
@@ -65,9 +66,22 @@ impl Pipeline {
         PipelineBuilder::new(layers)
     }
 
-    /// R: the number of data-parallel replicas (1 without data parallelism).
+    /// The first replica held here (what the accessors describe).
+    fn first(&self) -> &Replica {
+        &self.replicas[0]
+    }
+
+    /// R: the number of data-parallel replicas of the job (1 without data parallelism).
     pub fn num_replicas(&self) -> usize {
-        1 + self.replicas.len()
+        self.comm
+            .replicas(self.schedule.num_devices(), self.replicas.len())
+            .0
+    }
+
+    /// The replicas this process runs, e.g. to check that they stay identical (all R in one
+    /// process; this rank's one over MPI).
+    pub fn replicas(&self) -> &[Replica] {
+        &self.replicas
     }
 
     /// Over MPI, where each rank holds and trains only its device's stages: every rank gets
@@ -80,42 +94,29 @@ impl Pipeline {
         &mut self,
         make_layers: impl FnOnce() -> Vec<Box<dyn Module>>,
     ) -> Result<()> {
-        if self.stages.iter().any(|s| !s.is_held()) {
-            self.check_settled()?;
-            crate::exec::absent::restore(&mut self.stages, make_layers())?;
+        self.check_settled()?;
+        let first = &mut self.replicas[0];
+        if first.stages.iter().any(|s| !s.is_held()) {
+            crate::exec::absent::restore(&mut first.stages, make_layers())?;
         }
-        #[cfg(feature = "mpi")]
-        if let Transport::Mpi(comm) = &self.transport {
-            self.round += 1;
-            return crate::exec::comm::mpi::gather_stages(
-                comm,
-                self.round,
-                &self.schedule,
-                &self.stages,
-                &mut self.optimizers,
-            );
-        }
-        Ok(())
+        self.round += 1;
+        self.comm.gather_stages(
+            self.round,
+            &self.schedule,
+            &first.stages,
+            &mut first.optimizers,
+        )
     }
 
     /// This process's rank in a job spread over processes (0 in one process): the one that
     /// prints and writes files is rank 0.
     pub fn rank(&self) -> usize {
-        match &self.transport {
-            #[cfg(feature = "mpi")]
-            Transport::Mpi(comm) => comm.rank(),
-            _ => 0,
-        }
-    }
-
-    /// The other data-parallel replicas (1..R), e.g. to check that they stay identical.
-    pub fn replicas(&self) -> &[Pipeline] {
-        &self.replicas
+        self.comm.rank()
     }
 
     /// S: the number of (virtual) stages the model is cut into.
     pub fn num_stages(&self) -> usize {
-        self.stages.len()
+        self.first().stages.len()
     }
     /// K: the number of devices the stages are placed on (S / chunks per device).
     pub fn num_devices(&self) -> usize {
@@ -128,15 +129,15 @@ impl Pipeline {
         &self.schedule
     }
     pub fn stages(&self) -> &[Stage] {
-        &self.stages
+        self.first().stages()
     }
     /// Layers per (virtual) stage, in model order.
     pub fn balance(&self) -> Vec<usize> {
-        self.stages.iter().map(|s| s.layers.len()).collect()
+        self.stages().iter().map(|s| s.layers.len()).collect()
     }
     /// The device of each (virtual) stage, in model order.
     pub fn devices(&self) -> Vec<Device> {
-        self.stages.iter().map(|s| s.device.clone()).collect()
+        self.first().devices()
     }
     /// Steps taken so far (the RNG key of the next step).
     pub fn step_count(&self) -> u64 {
@@ -146,48 +147,36 @@ impl Pipeline {
     /// by step (dropout) continue exactly where the saved run left off.
     pub fn set_step(&mut self, step: u64) {
         self.step = step;
-        for r in &mut self.replicas {
-            r.set_step(step);
-        }
     }
     pub fn sim_cluster(&self) -> Option<&SimCluster> {
-        self.sim.as_ref()
+        self.first().sim.as_ref()
     }
 
     /// Every parameter, named `<global layer index>.<name inside the layer>`.
     pub fn named_parameters(&self) -> Vec<(String, Param)> {
-        self.stages.iter().flat_map(stage_params).collect()
+        self.first().named_parameters()
     }
 
     /// Every buffer (e.g. batch-norm running statistics), named like the parameters.
     pub fn named_buffers(&self) -> Vec<(String, Param)> {
-        self.stages
-            .iter()
-            .flat_map(|s| {
-                s.layers.iter().enumerate().flat_map(move |(i, l)| {
-                    l.buffers()
-                        .into_iter()
-                        .map(move |(n, p)| (layer_param_name(s.first_layer + i, &n), p))
-                })
-            })
-            .collect()
+        self.first().named_buffers()
     }
 
     /// The layers back, in order (e.g. to run them plain or rebuild the pipeline). Over MPI,
     /// the layers of stages other ranks hold are placeholders (see [`Pipeline::gather_stages`]).
-    pub fn into_layers(self) -> Vec<Box<dyn Module>> {
-        self.stages.into_iter().flat_map(|s| s.layers).collect()
+    pub fn into_layers(mut self) -> Vec<Box<dyn Module>> {
+        let first = self.replicas.swap_remove(0);
+        first.stages.into_iter().flat_map(|s| s.layers).collect()
     }
 
     /// Train or eval mode for every layer.
     pub fn set_train(&mut self, train: bool) {
-        for s in &mut self.stages {
-            for l in &mut s.layers {
-                l.set_train(train);
-            }
-        }
         for r in &mut self.replicas {
-            r.set_train(train);
+            for s in &mut r.stages {
+                for l in &mut s.layers {
+                    l.set_train(train);
+                }
+            }
         }
     }
 
@@ -201,8 +190,8 @@ impl Pipeline {
     ///
     /// With R replicas the mini-batch is split into R shards (sizes differing by at most one),
     /// each replica runs the step above on its shard, and every parameter's gradient becomes
-    /// the shard-weighted average over the replicas, the same on every replica (see
-    /// [`crate::train::replicas`]); a failure on any replica leaves every replica as before.
+    /// the shard-weighted average over the replicas, the same on every replica; a failure (or a
+    /// skip) on any replica leaves every replica as before.
     pub fn train_step(
         &mut self,
         inputs: &Tensor,
@@ -219,12 +208,7 @@ impl Pipeline {
                 )));
             }
         }
-        self.set_loss_scale(scale);
-        let mut report = if self.replicas.is_empty() {
-            self.train_step_one(inputs, targets, loss_fn)
-        } else {
-            crate::train::replicas::train_step(self, inputs, targets, loss_fn)
-        }?;
+        let mut report = self.step_replicas(inputs, targets, loss_fn, scale)?;
         if let Some(scale) = scale {
             if report.skipped.is_some() {
                 self.overflowed = true;
@@ -234,14 +218,6 @@ impl Pipeline {
             report.loss_scale = Some(scale);
         }
         Ok(report)
-    }
-
-    /// The seed of the next step's backward on this pipeline and its replicas.
-    fn set_loss_scale(&mut self, scale: Option<f32>) {
-        self.loss_scale = scale;
-        for r in &mut self.replicas {
-            r.set_loss_scale(scale);
-        }
     }
 
     /// The dtype the layers compute in (set by [`PipelineBuilder::precision`]).
@@ -254,194 +230,185 @@ impl Pipeline {
         self.scaler.as_ref().map(|s| s.state)
     }
 
-    /// The policy a step runs under: loss scaling needs to find overflows and skip.
-    pub(super) fn step_policy(&self) -> NonFinite {
-        if self.loss_scale.is_some() {
-            NonFinite::SkipStep
-        } else {
-            self.non_finite
-        }
-    }
-
-    /// [`Pipeline::train_step`] of this replica alone.
-    pub(crate) fn train_step_one(
+    /// [`Pipeline::train_step`] once the loss scale is known: every held replica's part, the
+    /// agreement, then (unless a replica failed or skipped) the tied-weight exchange, the
+    /// gradient reduction and the buffers; all or nothing across replicas and processes.
+    fn step_replicas(
         &mut self,
         inputs: &Tensor,
         targets: &Tensor,
         loss_fn: &LossFn,
+        loss_scale: Option<f32>,
     ) -> Result<StepReport> {
         self.settle()?;
         self.round += 1;
-        // Over MPI with replicas, this rank's replica trains on its share of the mini-batch.
-        #[cfg(feature = "mpi")]
-        let (inputs, targets, weight) = match &self.transport {
-            Transport::Mpi(comm) => {
-                crate::exec::comm::mpi::shard(comm, self.schedule.num_devices(), inputs, targets)?
-            }
-            _ => (inputs.clone(), targets.clone(), 1.0),
+        let held = self.replicas.len();
+        let (r, first) = self.comm.replicas(self.schedule.num_devices(), held);
+        let shards = shard_batch(inputs, targets, r)?;
+        let weights: Vec<f32> = shards.iter().map(|s| s.2).collect();
+        let ctx = StepCtx {
+            schedule: &self.schedule,
+            transport: &self.transport,
+            seed: self.seed,
+            step: self.step,
+            round: self.round,
+            // Loss scaling needs to find overflows and skip, whatever the policy.
+            non_finite: if loss_scale.is_some() {
+                NonFinite::SkipStep
+            } else {
+                self.non_finite
+            },
+            precision: self.precision,
+            action_timeout: self.action_timeout,
+            loss_seed: loss_scale.unwrap_or(1.0),
         };
-        #[cfg(feature = "mpi")]
-        let (inputs, targets) = (&inputs, &targets);
-        let m = self.schedule.num_micro_batches;
-        let xs = split_batch("inputs", inputs, m)?;
-        let ys = split_batch("targets", targets, m)?;
-        if inputs.shape()[0] != targets.shape()[0] {
-            return Err(PipelineError::Config(format!(
-                "inputs {:?} and targets {:?} differ in the number of samples (axis 0)",
-                inputs.shape(),
-                targets.shape()
-            )));
-        }
-        let n = inputs.shape()[0] as f32;
-        let scales: Vec<f32> = xs.iter().map(|x| x.shape()[0] as f32 / n).collect();
-
-        let saved = Saved::take(self);
-        for s in &self.stages {
-            s.device.memory().reset_peak();
-        }
-
+        let saved: Vec<Saved> = self.replicas.iter().map(Saved::take).collect();
         let clock = Instant::now();
-        let loss = LossSide {
-            targets: &ys,
-            scales: &scales,
+        let steps = run_held(
+            &mut self.replicas,
+            &ctx,
+            &shards[first..first + held],
             loss_fn,
-            device: self.stages[self.stages.len() - 1].device.clone(),
-            non_finite: self.step_policy(),
-            seed: self.loss_scale.unwrap_or(1.0),
-        };
-        let ran = self.run_workers(xs, &loss, clock);
-        let wall = clock.elapsed().as_secs_f64();
-        let (results, losses) = match ran {
-            Ran::Done { results, losses } => (results, losses),
-            Ran::TimedOut { error, stuck } => {
-                #[cfg(feature = "mpi")]
-                if let Transport::Mpi(comm) = &self.transport {
-                    crate::exec::comm::mpi::fail_round(comm, self.round, &error);
-                }
-                self.stuck = Some(StuckStep {
-                    handles: stuck,
-                    saved,
-                    what: error.to_string(),
-                });
-                return Err(error);
-            }
-        };
+        );
 
-        let local = first_error(&self.stages, &self.device_stages(), results);
-        // Across processes every rank learns every rank's outcome, so all go on or all fail.
-        #[cfg(feature = "mpi")]
-        let (local, agreed) = match &self.transport {
-            Transport::Mpi(comm) => {
-                let mine = self
-                    .schedule
-                    .stages_of(comm.rank() % self.schedule.num_devices())[0];
-                match crate::exec::comm::mpi::agree(
-                    comm,
-                    self.round,
-                    &self.schedule,
-                    local,
-                    &losses,
-                    weight,
-                    self.stages[mine].device.memory_stats(),
-                ) {
-                    Ok(a) => (Ok(a.outcomes), Some((a.loss, a.weights, a.memory))),
-                    Err(e) => (Err(e), None),
+        // A replica that timed out keeps its stuck threads; the others are put back.
+        let mut runs = Vec::with_capacity(held);
+        let mut timed_out = None;
+        for (i, (step, saved)) in steps.into_iter().zip(saved).enumerate() {
+            match step {
+                Ok(ReplicaStep::TimedOut(error, handles)) if timed_out.is_none() => {
+                    self.replicas[i].stuck = Some(StuckStep {
+                        handles,
+                        saved,
+                        what: error.to_string(),
+                    });
+                    timed_out = Some(at_replica(error, i, held));
                 }
+                step => runs.push((i, step, saved)),
             }
-            _ => (local, None),
+        }
+        if let Some(error) = timed_out {
+            self.comm.fail_round(self.round, &error);
+            for (i, _, saved) in runs {
+                saved.restore(&self.replicas[i].stages);
+            }
+            return Err(error);
+        }
+        let mut saved = Vec::with_capacity(held);
+        let mut walls = Vec::with_capacity(held);
+        let mut agreeing = Vec::with_capacity(held);
+        for (i, step, s) in runs {
+            saved.push(s);
+            let (outcome, losses, wall) = match step {
+                Ok(ReplicaStep::Done {
+                    outcome,
+                    losses,
+                    wall,
+                }) => (outcome, losses, wall),
+                Ok(ReplicaStep::TimedOut(error, _)) | Err(error) => (Err(error), Vec::new(), 0.0),
+            };
+            walls.push(wall);
+            agreeing.push(ReplicaRun {
+                outcome,
+                losses,
+                weight: weights[first + i],
+                stages: &self.replicas[i].stages,
+            });
+        }
+        let restore_all = |replicas: &[Replica], saved: Vec<Saved>| {
+            for (rep, s) in replicas.iter().zip(saved) {
+                s.restore(&rep.stages);
+            }
         };
-        let outcomes = match local {
-            Ok(o) => o,
+        let agreed = match self.comm.agree(self.round, &self.schedule, agreeing) {
+            Ok(a) => a,
             Err(e) => {
-                saved.restore(&self.stages);
+                restore_all(&self.replicas, saved);
                 return Err(e);
             }
         };
-        // Under `NonFinite::SkipStep`: the earliest micro-batch (then stage) where non-finite
-        // values appeared.
-        let skipped = outcomes
-            .iter()
-            .filter_map(|o| o.non_finite.clone())
-            .min_by_key(|at| (at.micro_batch, at.stage));
-        let mut tied = Vec::new();
-        if skipped.is_some() {
-            saved.restore(&self.stages);
+        let mut tied = vec![Vec::new(); held];
+        let mut reduced = (0.0, 0.0);
+        if agreed.skipped.is_some() {
+            restore_all(&self.replicas, saved);
         } else {
-            // Tied copies' gradients are summed before anything else sees them (the replica
-            // average, the optimizer), and before deferred updates, so a failure changes nothing.
-            tied = match crate::exec::tied::exchange(&self.stages, &self.schedule, clock) {
-                Ok(t) => t,
+            match self.reduce(&weights, clock) {
+                Ok((t, span)) => (tied, reduced) = (t, span),
                 Err(e) => {
-                    saved.restore(&self.stages);
-                    return Err(e);
-                }
-            };
-            // Over MPI, the groups with copies on other ranks' stages.
-            #[cfg(feature = "mpi")]
-            if let Transport::Mpi(comm) = &self.transport {
-                match crate::exec::comm::mpi_tied::exchange_tied(
-                    comm,
-                    self.round,
-                    &self.schedule,
-                    &self.stages,
-                    clock,
-                ) {
-                    Ok(t) => tied.extend(t),
-                    Err(e) => {
-                        saved.restore(&self.stages);
-                        return Err(e);
-                    }
-                }
-            }
-            #[cfg(feature = "mpi")]
-            if let (Transport::Mpi(comm), Some((_, weights, _))) = (&self.transport, &agreed) {
-                let k = self.schedule.num_devices();
-                let mine: Vec<&Stage> = self
-                    .stages
-                    .iter()
-                    .filter(|s| {
-                        self.transport
-                            .runs_device(self.schedule.placement[s.index], k)
-                    })
-                    .collect();
-                if let Err(e) =
-                    crate::exec::comm::mpi::all_reduce(comm, self.round, k, &mine, weights)
-                {
-                    saved.restore(&self.stages);
+                    restore_all(&self.replicas, saved);
                     return Err(e);
                 }
             }
-            for s in &self.stages {
+        }
+        let mut reports = Vec::with_capacity(held);
+        for (i, outcomes) in agreed.outcomes.into_iter().enumerate() {
+            let rep = &self.replicas[i];
+            let mut report = rep.report(
+                &self.schedule,
+                self.step,
+                outcomes,
+                walls[i],
+                agreed.loss,
+                agreed.memory.clone(),
+            )?;
+            crate::train::report::add_to_report(
+                &mut report,
+                &self.schedule,
+                &tied[i],
+                rep.sim.as_ref(),
+            );
+            reports.push(report);
+        }
+        let mut report = if held == 1 {
+            reports.pop().expect("one replica")
+        } else {
+            let (k, sim) = (self.schedule.num_devices(), self.first().sim.as_ref());
+            merge_reports(sim, k, reports, agreed.loss, reduced)
+        };
+        report.skipped = agreed.skipped;
+        self.step += 1;
+        Ok(report)
+    }
+
+    /// After a step every replica and process finished well: tied copies' gradients summed
+    /// (before anything else sees them: the reduction, the optimizer, deferred updates), the
+    /// gradients reduced across replicas, the layers' deferred updates applied, and the
+    /// buffers of held replicas made replica 0's. Each held replica's tied exchanges, and when
+    /// the reduction ran on the step's clock.
+    fn reduce(&self, weights: &[f32], clock: Instant) -> Result<Reduced> {
+        let held = self.replicas.len();
+        let mut tied = Vec::with_capacity(held);
+        for (i, rep) in self.replicas.iter().enumerate() {
+            let exchanged = crate::exec::tied::exchange(&rep.stages, &self.schedule, clock)
+                .and_then(|mut t| {
+                    let across =
+                        self.comm
+                            .exchange_tied(self.round, &self.schedule, &rep.stages, clock)?;
+                    t.extend(across);
+                    Ok(t)
+                });
+            tied.push(exchanged.map_err(|e| at_replica(e, i, held))?);
+        }
+        let start = clock.elapsed().as_secs_f64();
+        let stages: Vec<&[Stage]> = self.replicas.iter().map(|r| r.stages()).collect();
+        self.comm
+            .reduce_gradients(self.round, &self.schedule, &stages, weights)?;
+        for rep in &self.replicas {
+            for s in &rep.stages {
                 for l in &s.layers {
                     l.finish_step()?;
                 }
             }
         }
-        let mut loss = 0.0f32;
-        for t in &losses {
-            loss += t.to_scalar()?;
+        for rep in &self.replicas[1..] {
+            copy_buffers(self.first(), rep)?;
         }
-        // Over MPI each device's memory is counted by the rank that holds it.
-        #[allow(unused_mut)]
-        let mut memory = None;
-        #[cfg(feature = "mpi")]
-        if let Some((total, _, m)) = agreed {
-            loss = total;
-            memory = Some(m);
-        }
-        let mut report = self.report(outcomes, wall, loss, memory)?;
-        crate::train::report::add_to_report(&mut report, &self.schedule, &tied, self.sim.as_ref());
-        report.skipped = skipped;
-        self.step += 1;
-        Ok(report)
+        Ok((tied, (start, clock.elapsed().as_secs_f64())))
     }
 
     /// What a step does with NaN or infinite values (see [`NonFinite`]).
     pub fn set_non_finite(&mut self, policy: NonFinite) {
         self.non_finite = policy;
-        for r in &mut self.replicas {
-            r.set_non_finite(policy);
-        }
     }
 
     /// A time limit for each compute action of a step (None: no limit, the default). An action
@@ -453,9 +420,6 @@ impl Pipeline {
     /// [`Pipeline::settle`] does so explicitly).
     pub fn set_action_timeout(&mut self, limit: Option<Duration>) {
         self.action_timeout = limit;
-        for r in &mut self.replicas {
-            r.set_action_timeout(limit);
-        }
     }
 
     /// After a step that timed out: if its stuck threads have finished, takes their stages
@@ -466,22 +430,6 @@ impl Pipeline {
         for r in &mut self.replicas {
             r.settle()?;
         }
-        let Some(stuck) = self.stuck.take() else {
-            return Ok(());
-        };
-        if !stuck.handles.iter().all(|h| h.is_finished()) {
-            let what = stuck.what.clone();
-            self.stuck = Some(stuck);
-            return Err(PipelineError::Stuck(what));
-        }
-        for h in stuck.handles {
-            // A panic after the step was given up is one more discarded result.
-            if let Ok((stages, _, _)) = h.join() {
-                self.stages.extend(stages);
-            }
-        }
-        self.stages.sort_by_key(|s| s.index);
-        stuck.saved.restore(&self.stages);
         Ok(())
     }
 
@@ -490,121 +438,109 @@ impl Pipeline {
         for r in &self.replicas {
             r.check_settled()?;
         }
-        match &self.stuck {
-            Some(s) => Err(PipelineError::Stuck(s.what.clone())),
-            None => Ok(()),
-        }
+        Ok(())
     }
 
     /// Sets one optimizer per stage from `factory` (replacing any earlier ones and their state).
     pub fn set_optimizer(&mut self, factory: impl Fn() -> Box<dyn Optimizer>) {
-        self.set_optimizer_from(&factory);
-    }
-
-    /// [`Pipeline::set_optimizer`] for every replica (not generic, so it can recurse).
-    fn set_optimizer_from(&mut self, factory: &dyn Fn() -> Box<dyn Optimizer>) {
-        self.optimizers = self.stages.iter().map(|_| factory()).collect();
         for r in &mut self.replicas {
-            r.set_optimizer_from(factory);
+            r.optimizers = r.stages.iter().map(|_| factory()).collect();
         }
     }
 
-    /// The per-stage optimizers of replica 0 (e.g. to set a learning rate, or to save or load
-    /// their state; with replicas, [`Pipeline::set_lr`] reaches all of them).
+    /// The per-stage optimizers of the first replica (e.g. to set a learning rate, or to save
+    /// or load their state; with replicas, [`Pipeline::set_lr`] reaches all of them).
     pub fn optimizers_mut(&mut self) -> &mut [Box<dyn Optimizer>] {
-        &mut self.optimizers
+        &mut self.replicas[0].optimizers
     }
 
     /// The per-stage optimizers.
     pub fn optimizers(&self) -> &[Box<dyn Optimizer>] {
-        &self.optimizers
+        self.first().optimizers()
     }
 
     pub fn set_lr(&mut self, lr: f32) {
-        for o in &mut self.optimizers {
-            o.set_lr(lr);
-        }
         for r in &mut self.replicas {
-            r.set_lr(lr);
+            for o in &mut r.optimizers {
+                o.set_lr(lr);
+            }
         }
     }
 
     pub fn zero_grad(&self) {
         self.grads_scale.set(None);
-        for (_, p) in self.named_parameters() {
-            p.zero_grad();
-        }
         for r in &self.replicas {
-            r.zero_grad();
-        }
-    }
-}
-
-pub(super) fn stage_params(s: &Stage) -> Vec<(String, Param)> {
-    s.layers
-        .iter()
-        .enumerate()
-        .flat_map(|(i, l)| {
-            l.parameters()
-                .into_iter()
-                .map(move |(n, p)| (layer_param_name(s.first_layer + i, &n), p))
-        })
-        .collect()
-}
-
-pub(super) fn stage_error(
-    s: &Stage,
-    micro_batch: usize,
-    action: &str,
-    cause: StageCause,
-) -> PipelineError {
-    PipelineError::Stage {
-        stage: s.index,
-        device: s.device.name().to_string(),
-        micro_batch,
-        action: action.to_string(),
-        cause: Box::new(cause),
-    }
-}
-
-/// What a step puts back when it fails, is skipped or times out: the parameters' gradients and
-/// the buffers as before the step.
-pub(crate) struct Saved {
-    params: Vec<(String, Param)>,
-    grads: Vec<Option<Tensor>>,
-    buffers: Vec<(String, Param)>,
-    values: Vec<Tensor>,
-}
-
-impl Saved {
-    pub(crate) fn take(pipe: &Pipeline) -> Saved {
-        let params = pipe.named_parameters();
-        let grads = params.iter().map(|(_, p)| p.grad()).collect();
-        let buffers = pipe.named_buffers();
-        let values = buffers.iter().map(|(_, b)| b.value()).collect();
-        Saved {
-            params,
-            grads,
-            buffers,
-            values,
-        }
-    }
-
-    /// Puts the gradients back, and drops what the micro-batches that ran recorded for later
-    /// (batch-norm statistics): the Module trait has no "discard" hook, so apply them
-    /// (finish_step consumes them) and put every buffer back. Errors here are secondary to the
-    /// step's own.
-    pub(crate) fn restore(self, stages: &[Stage]) {
-        for ((_, p), g) in self.params.iter().zip(self.grads) {
-            p.set_grad(g);
-        }
-        for s in stages {
-            for l in &s.layers {
-                let _ = catch_unwind(AssertUnwindSafe(|| l.finish_step()));
+            for (_, p) in r.named_parameters() {
+                p.zero_grad();
             }
         }
-        for ((_, b), v) in self.buffers.iter().zip(self.values) {
-            b.set_value(v);
-        }
     }
+}
+
+/// What [`Pipeline::reduce`] did: each held replica's tied exchanges, and when the gradient
+/// reduction ran (start and end on the step's clock).
+type Reduced = (Vec<Vec<TiedExchange>>, (f64, f64));
+
+/// The mini-batch `(inputs, targets)` as R shards (sizes differing by at most one), each with
+/// its share of the samples: the one check that inputs and targets agree and that every
+/// replica gets a sample.
+fn shard_batch(inputs: &Tensor, targets: &Tensor, r: usize) -> Result<Vec<(Tensor, Tensor, f32)>> {
+    let n = inputs.shape().first().copied().unwrap_or(0);
+    if targets.shape().first() != Some(&n) {
+        return Err(PipelineError::Config(format!(
+            "inputs {:?} and targets {:?} differ in the number of samples (axis 0)",
+            inputs.shape(),
+            targets.shape()
+        )));
+    }
+    if r == 1 {
+        return Ok(vec![(inputs.clone(), targets.clone(), 1.0)]);
+    }
+    if n < r {
+        return Err(PipelineError::Config(format!(
+            "a mini-batch of inputs {:?} and targets {:?} cannot be shared by {r} replicas (each needs at least one sample)",
+            inputs.shape(),
+            targets.shape()
+        )));
+    }
+    let xs = split_batch("inputs", inputs, r)?;
+    let ys = split_batch("targets", targets, r)?;
+    Ok(xs
+        .into_iter()
+        .zip(ys)
+        .map(|(x, y)| {
+            let w = x.shape()[0] as f32 / n as f32;
+            (x, y, w)
+        })
+        .collect())
+}
+
+/// Every held replica's part of a step: on this thread for one, on a thread each for several.
+fn run_held(
+    replicas: &mut [Replica],
+    ctx: &StepCtx<'_>,
+    shards: &[(Tensor, Tensor, f32)],
+    loss_fn: &LossFn,
+) -> Vec<Result<ReplicaStep>> {
+    if let [only] = replicas {
+        return vec![only.run_step(ctx, &shards[0].0, &shards[0].1, loss_fn)];
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = replicas
+            .iter_mut()
+            .zip(shards)
+            .map(|(rep, (x, y, _))| scope.spawn(move || rep.run_step(ctx, x, y, loss_fn)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|payload| {
+                    Err(PipelineError::Config(format!(
+                        "its step panicked: {}",
+                        crate::exec::threads::panic_message(payload)
+                    )))
+                })
+            })
+            .collect()
+    })
 }

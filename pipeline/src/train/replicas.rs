@@ -1,32 +1,25 @@
-//! Data parallelism in one process: R pipelines (replicas), each on its own K devices, train on
-//! disjoint shards of every mini-batch; each parameter's gradients are averaged across the
-//! replicas in a fixed order (replica 0, 1, ...) on the host, and the one result is given to
-//! every replica, so that every replica's optimizer sees bit-identical gradients and the
-//! parameters stay bit-identical.
+//! What R replicas held in one process share besides the step: replica 0's values copied into
+//! the others at build, its buffers after each step, and one report over R x K devices. (The
+//! step itself, and the gradient reduction through the step communicator, take the same path
+//! whether the replicas run here or on other ranks: see [`crate::train::Pipeline`].)
 //!
 //! In simulation the all-reduce of each device's gradients is modelled as a ring: it starts
 //! when that stage has finished its work on every replica and takes
 //! 2(R-1)/R x bytes / bandwidth + 2(R-1) x latency (the ring's 2(R-1) steps each pay the link's
 //! latency), so it overlaps the backward of earlier stages, as a bucketed all-reduce would.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::time::Instant;
-
-use wgpipe_tensor::memory::{Tag, TagGuard};
-use wgpipe_tensor::{Device, Tensor};
+use wgpipe_tensor::memory::Tag;
 
 use crate::error::{PipelineError, Result};
-use crate::exec::threads;
-use crate::microbatch::split_batch;
 use crate::sim::collectives::{concat_timelines, replicated_timeline};
 use crate::sim::timeline::{Collective, Timeline};
-use crate::train::pipeline::{Pipeline, Saved};
+use crate::sim::SimCluster;
+use crate::train::replica::Replica;
 use crate::train::report::{SimReport, StepReport};
-use crate::LossFn;
 
 /// Copies `from`'s parameter values and buffers into `to` (replica `index`), which must have
 /// the same parameters and buffers (names and shapes).
-pub(crate) fn copy_values(from: &Pipeline, to: &Pipeline, index: usize) -> Result<()> {
+pub(crate) fn copy_values(from: &Replica, to: &Replica, index: usize) -> Result<()> {
     for (what, a, b) in [
         ("parameters", from.named_parameters(), to.named_parameters()),
         ("buffers", from.named_buffers(), to.named_buffers()),
@@ -54,169 +47,9 @@ pub(crate) fn copy_values(from: &Pipeline, to: &Pipeline, index: usize) -> Resul
     Ok(())
 }
 
-/// One data-parallel training step of `pipe` (replica 0, holding the others): shards, the
-/// replicas' steps in parallel, the gradient average, and one report over R x K devices. All
-/// or nothing: when any replica fails (or skips the step) every replica's gradients and
-/// buffers are put back as before the call.
-pub(crate) fn train_step(
-    pipe: &mut Pipeline,
-    inputs: &Tensor,
-    targets: &Tensor,
-    loss_fn: &LossFn,
-) -> Result<StepReport> {
-    pipe.settle()?;
-    let r = 1 + pipe.replicas.len();
-    let n = inputs.shape().first().copied().unwrap_or(0);
-    if n < r || targets.shape().first() != Some(&n) {
-        return Err(PipelineError::Config(format!(
-            "a mini-batch of inputs {:?} and targets {:?} cannot be shared by {r} replicas (each needs at least one sample, and inputs and targets the same number)",
-            inputs.shape(),
-            targets.shape()
-        )));
-    }
-    let xs = split_batch("inputs", inputs, r)?;
-    let ys = split_batch("targets", targets, r)?;
-    let weights: Vec<f32> = xs.iter().map(|x| x.shape()[0] as f32 / n as f32).collect();
-
-    let mut others = std::mem::take(&mut pipe.replicas);
-    let clock = Instant::now();
-    let results = {
-        let mut all: Vec<&mut Pipeline> = std::iter::once(&mut *pipe)
-            .chain(others.iter_mut())
-            .collect();
-        let saved: Vec<Saved> = all.iter().map(|p| Saved::take(p)).collect();
-        let reports = run_replicas(&mut all, &xs, &ys, loss_fn);
-        finish(&all, saved, reports, &weights, clock)
-    };
-    pipe.replicas = others;
-    results
-}
-
-/// Runs every replica's own step on a thread of its own.
-fn run_replicas(
-    all: &mut [&mut Pipeline],
-    xs: &[Tensor],
-    ys: &[Tensor],
-    loss_fn: &LossFn,
-) -> Vec<Result<StepReport>> {
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = all
-            .iter_mut()
-            .zip(xs.iter().zip(ys))
-            .map(|(p, (x, y))| scope.spawn(move || p.train_step_one(x, y, loss_fn)))
-            .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(i, h)| {
-                h.join().unwrap_or_else(|payload| {
-                    Err(PipelineError::Config(format!(
-                        "replica {i}: its step panicked: {}",
-                        threads::panic_message(payload)
-                    )))
-                })
-            })
-            .collect()
-    })
-}
-
-/// After the replicas' steps: on any failure or skip, every replica back as before; else the
-/// gradient average and the merged report.
-fn finish(
-    all: &[&mut Pipeline],
-    saved: Vec<Saved>,
-    reports: Vec<Result<StepReport>>,
-    weights: &[f32],
-    clock: Instant,
-) -> Result<StepReport> {
-    let restore_all = |saved: Vec<Saved>| {
-        for (p, s) in all.iter().zip(saved) {
-            s.restore(&p.stages);
-        }
-    };
-    let mut ok = Vec::with_capacity(reports.len());
-    let mut failure = None;
-    for (i, r) in reports.into_iter().enumerate() {
-        match r {
-            Ok(rep) => ok.push(rep),
-            Err(e) if failure.is_none() => {
-                failure = Some(e.at(&format!(", replica {i} of {}", all.len())))
-            }
-            Err(_) => {}
-        }
-    }
-    if let Some(e) = failure {
-        restore_all(saved);
-        return Err(e);
-    }
-    let skipped = ok
-        .iter()
-        .filter_map(|r| r.skipped.clone())
-        .min_by_key(|at| (at.micro_batch, at.stage));
-    let reduce_start = clock.elapsed().as_secs_f64();
-    if skipped.is_some() {
-        restore_all(saved);
-    } else {
-        let reduced = catch_unwind(AssertUnwindSafe(|| average_gradients(all, weights)))
-            .unwrap_or_else(|p| {
-                Err(PipelineError::Config(format!(
-                    "the gradient all-reduce panicked: {}",
-                    threads::panic_message(p)
-                )))
-            });
-        if let Err(e) = reduced {
-            restore_all(saved);
-            return Err(e);
-        }
-        // Buffers (batch-norm statistics) follow replica 0, as DDP broadcasts them, so that
-        // every replica evaluates alike.
-        for p in &all[1..] {
-            copy_buffers(all[0], p)?;
-        }
-    }
-    let wall = clock.elapsed().as_secs_f64();
-    let mut report = merge_reports(all, ok, weights, (reduce_start, wall));
-    report.skipped = skipped;
-    Ok(report)
-}
-
-/// Each parameter's gradient: Σ_r weight_r x gradient_r, summed on the host in replica order,
-/// then set on every replica (a replica without a gradient for it counts as zero).
-fn average_gradients(all: &[&mut Pipeline], weights: &[f32]) -> Result<()> {
-    let _tag = TagGuard::new(Tag::Gradients);
-    let lists: Vec<_> = all.iter().map(|p| p.named_parameters()).collect();
-    for i in 0..lists[0].len() {
-        let mut sum: Option<Vec<f32>> = None;
-        for (list, &w) in lists.iter().zip(weights) {
-            let Some(g) = list[i].1.grad() else { continue };
-            let g = g.to_vec()?;
-            match &mut sum {
-                None => sum = Some(g.iter().map(|v| v * w).collect()),
-                Some(acc) => {
-                    for (a, v) in acc.iter_mut().zip(&g) {
-                        *a += v * w;
-                    }
-                }
-            }
-        }
-        let Some(sum) = sum else { continue };
-        let shape = lists[0][i].1.value().shape().to_vec();
-        // Every new tensor is built before any is set, so an error changes nothing here.
-        let per_replica = lists
-            .iter()
-            .map(|list| {
-                let device: Device = list[i].1.value().device().clone();
-                Tensor::from_slice(&sum, &shape, &device)
-            })
-            .collect::<wgpipe_tensor::Result<Vec<_>>>()?;
-        for (list, g) in lists.iter().zip(per_replica) {
-            list[i].1.set_grad(Some(g));
-        }
-    }
-    Ok(())
-}
-
-fn copy_buffers(from: &Pipeline, to: &Pipeline) -> Result<()> {
+/// Buffers (batch-norm statistics) follow replica 0 after a step, as DDP broadcasts them, so
+/// that every replica evaluates alike.
+pub(crate) fn copy_buffers(from: &Replica, to: &Replica) -> Result<()> {
     for ((_, a), (_, b)) in from.named_buffers().iter().zip(to.named_buffers()) {
         b.set_value(a.value().to_device(b.value().device())?);
     }
@@ -226,19 +59,14 @@ fn copy_buffers(from: &Pipeline, to: &Pipeline) -> Result<()> {
 /// The replicas' reports as one over R x K devices (replica r's device d is row rK + d), with
 /// the all-reduce: measured (`reduce`: start and end on the step's clock) on the wall
 /// timeline, ring-modelled on the simulated one.
-fn merge_reports(
-    all: &[&mut Pipeline],
+pub(crate) fn merge_reports(
+    sim: Option<&SimCluster>,
+    k: usize,
     reports: Vec<StepReport>,
-    weights: &[f32],
+    loss: f32,
     reduce: (f64, f64),
 ) -> StepReport {
     let r = reports.len();
-    let k = all[0].num_devices();
-    let loss = reports
-        .iter()
-        .zip(weights)
-        .map(|(rep, w)| rep.loss * w)
-        .sum();
     let grad_bytes: Vec<u64> = reports[0]
         .stages
         .iter()
@@ -255,10 +83,7 @@ fn merge_reports(
             replicas: r,
         });
     }
-    let simulated = match (
-        &all[0].sim,
-        reports.iter().all(|rep| rep.simulated.is_some()),
-    ) {
+    let simulated = match (sim, reports.iter().all(|rep| rep.simulated.is_some())) {
         (Some(cluster), true) => {
             let parts: Vec<&Timeline> = reports
                 .iter()

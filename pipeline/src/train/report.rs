@@ -8,7 +8,6 @@ use wgpipe_tensor::{DType, MemoryStats, Tag};
 use crate::error::Result;
 use crate::exec::worker::StageOutcome;
 use crate::exec::worker::{ActionRecord, NonFiniteAt};
-use crate::exec::Stage;
 use crate::schedule::Action;
 use crate::schedule::Schedule;
 use crate::sim::collectives::{add_to_timeline, TiedExchange};
@@ -254,21 +253,13 @@ pub(crate) fn add_to_report(
     }
 }
 
-impl crate::train::Pipeline {
-    /// The first stage of each device (whose device handle and memory counters stand for it).
-    pub(super) fn device_stages(&self) -> Vec<&Stage> {
-        (0..self.schedule.num_devices())
-            .map(|d| {
-                let first = self.schedule.stages_of(d)[0];
-                &self.stages[first]
-            })
-            .collect()
-    }
-
+impl crate::train::replica::Replica {
     /// The step's report; `memory`: each device's counters read elsewhere (over MPI), else
     /// this process reads them.
     pub(super) fn report(
         &self,
+        schedule: &Schedule,
+        step: u64,
         outcomes: Vec<StageOutcome>,
         wall: f64,
         loss: f32,
@@ -276,14 +267,14 @@ impl crate::train::Pipeline {
     ) -> Result<StepReport> {
         let messages: Vec<u64> = outcomes.iter().map(|o| o.messages_sent).collect();
         let records: Vec<Vec<ActionRecord>> = outcomes.into_iter().map(|o| o.records).collect();
-        let timeline = wall_timeline(&self.schedule, &records, wall);
+        let timeline = wall_timeline(schedule, &records, wall);
         let stages = self
-            .device_stages()
+            .device_stages(schedule)
             .into_iter()
             .zip(&records)
             .enumerate()
             .map(|(d, (first, recs))| {
-                let chunks = self.schedule.stages_of(d);
+                let chunks = schedule.stages_of(d);
                 StageReport {
                     stage: d,
                     device: first.device.name().to_string(),
@@ -319,7 +310,7 @@ impl crate::train::Pipeline {
                         })
                         .unwrap_or_default()
                 };
-                let t = simulate(&self.schedule, cluster.specs(), &cluster.link(), cost)?;
+                let t = simulate(schedule, cluster.specs(), &cluster.link(), cost)?;
                 Some(SimReport {
                     makespan_secs: t.makespan,
                     bubble_fraction: t.bubble_fraction(),
@@ -330,9 +321,9 @@ impl crate::train::Pipeline {
             None => None,
         };
         Ok(StepReport {
-            step: self.step,
+            step,
             loss,
-            num_micro_batches: self.schedule.num_micro_batches,
+            num_micro_batches: schedule.num_micro_batches,
             wall_secs: wall,
             wall_bubble_fraction: timeline.bubble_fraction(),
             wall_timeline: timeline,

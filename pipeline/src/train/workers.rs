@@ -21,21 +21,20 @@ use crate::exec::Stage;
 use crate::schedule::Action;
 use crate::LossFn;
 
-use super::Pipeline;
+use super::replica::{Replica, Saved, StepCtx};
 
-use super::pipeline::Saved;
-
-impl Pipeline {
+impl Replica {
     /// Starts one thread per device, each owning its stages for the step, wires the links the
     /// schedule names, serves the last stage's loss requests on this thread, and collects each
     /// device's stages and outcome, watching the action time limit.
     pub(super) fn run_workers(
         &mut self,
+        ctx: &StepCtx<'_>,
         xs: Vec<Tensor>,
         loss: &LossSide<'_>,
         clock: Instant,
     ) -> Ran {
-        let schedule = &self.schedule;
+        let schedule = ctx.schedule;
         let k = schedule.num_devices();
         let mut by_device: Vec<Vec<Stage>> = (0..k).map(|_| Vec::new()).collect();
         for stage in std::mem::take(&mut self.stages) {
@@ -50,7 +49,7 @@ impl Pipeline {
             })
             .collect();
         let abort = Arc::new(AtomicBool::new(false));
-        let links = wire_links(&self.transport, schedule, self.round, &abort);
+        let links = wire_links(ctx.transport, schedule, ctx.round, &abort);
         let inputs = Arc::new(xs);
         let (loss_tx, loss_rx) = channel::<LossRequest>();
         let running: Vec<Running> = (0..k).map(|_| Arc::new(Mutex::new(None))).collect();
@@ -59,7 +58,7 @@ impl Pipeline {
         for (device, (stages, links)) in by_device.into_iter().zip(links).enumerate() {
             // Under a transport that spreads devices over processes, the others' devices run
             // nothing here.
-            let actions = if self.transport.runs_device(device, k) {
+            let actions = if ctx.transport.runs_device(device, k) {
                 schedule.devices[device].clone()
             } else {
                 Vec::new()
@@ -67,13 +66,13 @@ impl Pipeline {
             let io = StepInputs {
                 actions,
                 num_stages: schedule.num_stages(),
-                seed: self.seed,
-                step: self.step,
+                seed: ctx.seed,
+                step: ctx.step,
                 inputs: inputs.clone(),
                 abort: abort.clone(),
                 clock,
-                non_finite: self.step_policy(),
-                compute: self.precision,
+                non_finite: ctx.non_finite,
+                compute: ctx.precision,
                 loss: loss_tx.clone(),
                 running: running[device].clone(),
             };
@@ -148,7 +147,7 @@ impl Pipeline {
             if handles.iter().all(Option::is_none) {
                 break;
             }
-            if let (None, Some(limit)) = (&timed_out, self.action_timeout) {
+            if let (None, Some(limit)) = (&timed_out, ctx.action_timeout) {
                 let late = running.iter().enumerate().find_map(|(d, slot)| {
                     let (action, since) = (*lock(slot))?;
                     (since.elapsed() > limit).then_some((d, action, since))

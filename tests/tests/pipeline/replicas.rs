@@ -26,8 +26,8 @@ type ReplicaState = (RunResult, Vec<(String, Option<Vec<f32>>)>);
 
 /// Every replica's parameters and gradients.
 fn replica_states(pipe: &Pipeline) -> Vec<ReplicaState> {
-    std::iter::once(pipe)
-        .chain(pipe.replicas())
+    pipe.replicas()
+        .iter()
         .map(|p| {
             let params = p.named_parameters();
             (

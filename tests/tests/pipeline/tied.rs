@@ -16,8 +16,8 @@ fn lm_data(n: usize) -> (Tensor, Tensor) {
 
 /// The values of every tie group's copies (in stage order) in each replica.
 fn tied_copies(pipe: &Pipeline) -> Vec<Vec<Vec<f32>>> {
-    std::iter::once(pipe)
-        .chain(pipe.replicas())
+    pipe.replicas()
+        .iter()
         .flat_map(|p| {
             let params = p.named_parameters();
             tied_groups(&params)

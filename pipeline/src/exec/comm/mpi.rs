@@ -8,7 +8,7 @@
 //! seed and keeps only its device's stages (see [`crate::exec::absent`]).
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use wgpipe_tensor::memory::MemoryStats;
@@ -19,8 +19,10 @@ use crate::exec::transport::mpi::MpiComm;
 use crate::exec::transport::wire::{self, MsgKind};
 use crate::exec::worker::{ActionRecord, NonFiniteAt, StageOutcome};
 use crate::exec::Stage;
-use crate::microbatch::split_batch;
 use crate::schedule::Schedule;
+use crate::sim::collectives::TiedExchange;
+
+use super::{add_weighted, earliest_non_finite, Agreed, ReplicaRun, StepComm};
 
 /// R, the replicas of a job of `comm.size()` ranks over K devices.
 fn replicas(comm: &MpiComm, k: usize) -> usize {
@@ -28,7 +30,7 @@ fn replicas(comm: &MpiComm, k: usize) -> usize {
 }
 
 /// Checks that the job fits a K-device pipeline.
-pub(crate) fn check(comm: &MpiComm, k: usize) -> Result<()> {
+fn check(comm: &MpiComm, k: usize) -> Result<()> {
     if !comm.size().is_multiple_of(k) {
         return Err(PipelineError::Config(format!(
             "the MPI job has {} ranks, but a {k}-device pipeline needs K x R ranks (one per device of each replica); run mpirun -np {k} (or a multiple)",
@@ -38,45 +40,10 @@ pub(crate) fn check(comm: &MpiComm, k: usize) -> Result<()> {
     Ok(())
 }
 
-/// This rank's replica's share of the mini-batch, and its share of the samples (1 with one
-/// replica).
-pub(crate) fn shard(
-    comm: &MpiComm,
-    k: usize,
-    inputs: &Tensor,
-    targets: &Tensor,
-) -> Result<(Tensor, Tensor, f32)> {
-    let r = replicas(comm, k);
-    let n = inputs.shape().first().copied().unwrap_or(0);
-    if r == 1 {
-        return Ok((inputs.clone(), targets.clone(), 1.0));
-    }
-    if n < r {
-        return Err(PipelineError::Config(format!(
-            "a mini-batch of {n} samples cannot be shared by {r} replicas"
-        )));
-    }
-    let replica = comm.rank() / k;
-    let x = split_batch("inputs", inputs, r)?.swap_remove(replica);
-    let y = split_batch("targets", targets, r)?.swap_remove(replica);
-    let w = x.shape()[0] as f32 / n as f32;
-    Ok((x, y, w))
-}
-
-/// What the ranks agreed on after a successful step: every device's outcome (this rank's
-/// replica), the loss over the whole mini-batch and each replica's share of the samples.
-pub(crate) struct Agreed {
-    pub outcomes: Vec<StageOutcome>,
-    pub loss: f32,
-    pub weights: Vec<f32>,
-    /// Each device's memory counters (this rank's replica), as its rank read them.
-    pub memory: Vec<MemoryStats>,
-}
-
 /// After this rank's workers finished round `round`: sends its outcome to every other rank,
 /// takes theirs, and returns the same result on every rank: the outcomes, or the error of the
 /// failing rank (the lowest one whose failure was its own, not a stop because of another).
-pub(crate) fn agree(
+fn agree(
     comm: &MpiComm,
     round: u64,
     schedule: &Schedule,
@@ -102,10 +69,12 @@ pub(crate) fn agree(
     let outcomes = (0..k)
         .map(|d| outcome_of(&all[base + d], &schedule.devices[d]))
         .collect();
-    let r = replicas(comm, k);
-    let weights: Vec<f32> = (0..r)
-        .map(|i| all[i * k]["weight"].as_f64().unwrap_or(0.0) as f32)
+    // Every replica skips when any does, so that they stay identical.
+    let everyone: Vec<StageOutcome> = (0..all.len())
+        .map(|rank| outcome_of(&all[rank], &schedule.devices[rank % k]))
         .collect();
+    let skipped = earliest_non_finite(&everyone);
+    let r = replicas(comm, k);
     let mut total = 0.0f32;
     for s in &all {
         if let Some(l) = s["loss"].as_f64() {
@@ -117,10 +86,10 @@ pub(crate) fn agree(
         .map(|d| memory_of(&all[base + d]["memory"]))
         .collect();
     Ok(Agreed {
-        outcomes,
+        outcomes: vec![outcomes],
         loss: total,
-        weights,
-        memory,
+        memory: Some(memory),
+        skipped,
     })
 }
 
@@ -161,7 +130,7 @@ fn memory_of(v: &Value) -> MemoryStats {
 /// After a part of a step each rank does on its own (the optimizer step of its stages): every
 /// rank learns every rank's result, so that all go on, or all return the error of the failing
 /// rank (the lowest one), `local` included.
-pub(crate) fn agree_ok(comm: &MpiComm, round: u64, k: usize, local: Result<()>) -> Result<()> {
+fn agree_ok(comm: &MpiComm, round: u64, k: usize, local: Result<()>) -> Result<()> {
     let me = comm.rank() % k;
     let status = match &local {
         Ok(()) => json!({"ok": true}),
@@ -229,7 +198,7 @@ fn failure(
 }
 
 /// A step that timed out here: the others are told to stop, and get this rank's failure.
-pub(crate) fn fail_round(comm: &MpiComm, round: u64, error: &PipelineError) {
+fn fail_round(comm: &MpiComm, round: u64, error: &PipelineError) {
     comm.abort_peers(round, &error.to_string());
     comm.end_round();
     let status = error_status(error, 0);
@@ -242,7 +211,7 @@ pub(crate) fn fail_round(comm: &MpiComm, round: u64, error: &PipelineError) {
 /// Each replica's gradients of this rank's stages, averaged (weighted by the replicas' shares
 /// of the samples) across the ranks that hold the same device in the other replicas, summed
 /// in replica order so that every replica gets the same bits.
-pub(crate) fn all_reduce(
+fn all_reduce(
     comm: &MpiComm,
     round: u64,
     k: usize,
@@ -274,7 +243,7 @@ pub(crate) fn all_reduce(
     let theirs = comm
         .exchange(round, MsgKind::Reduce, &msg, &peers, None)
         .map_err(|why| rank_error(comm.rank(), me, why))?;
-    let mut sum: Vec<f32> = Vec::new();
+    let mut sum = None;
     for (i, &w) in weights.iter().enumerate().take(r) {
         let rank = i * k + me;
         let values = if rank == comm.rank() {
@@ -295,14 +264,9 @@ pub(crate) fn all_reduce(
                 ),
             ));
         }
-        if sum.is_empty() {
-            sum = values.iter().map(|v| v * w).collect();
-        } else {
-            for (a, v) in sum.iter_mut().zip(&values) {
-                *a += v * w;
-            }
-        }
+        add_weighted(&mut sum, &values, w);
     }
+    let sum = sum.unwrap_or_default();
     let mut at = 0;
     let mut grads = Vec::with_capacity(params.len());
     for p in &params {
@@ -453,7 +417,7 @@ pub(super) fn rank_error(rank: usize, device: usize, why: String) -> PipelineErr
 /// Every rank gets every stage's current parameters, buffers and optimizer state from the rank
 /// that trains it in replica 0 (rank = its device), so that each holds the whole trained model
 /// (for evaluation, or to save it in one file). `round` must be a fresh round on every rank.
-pub(crate) fn gather_stages(
+fn gather_stages(
     comm: &MpiComm,
     round: u64,
     schedule: &Schedule,
@@ -549,12 +513,7 @@ pub(crate) fn gather_stages(
 /// Each stage's squared gradient norm as computed by the rank that trains it (replica 0's
 /// ranks; after the all-reduce every replica holds the same gradients), from `mine` (this
 /// rank's value for every stage). For gradient clipping in round `round`.
-pub(crate) fn stage_parts(
-    comm: &MpiComm,
-    round: u64,
-    schedule: &Schedule,
-    mine: &[f64],
-) -> Result<Vec<f64>> {
+fn stage_parts(comm: &MpiComm, round: u64, schedule: &Schedule, mine: &[f64]) -> Result<Vec<f64>> {
     let k = schedule.num_devices();
     let me = comm.rank() % k;
     let base = comm.rank() - me;
@@ -580,4 +539,90 @@ pub(crate) fn stage_parts(
         });
     }
     Ok(parts)
+}
+
+/// The step communicator of a job of ranks (rank `r*K + d` runs device d of replica r; one
+/// replica is held per process).
+pub(crate) struct MpiStepComm(pub MpiComm);
+
+impl StepComm for MpiStepComm {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+
+    fn replicas(&self, k: usize, _held: usize) -> (usize, usize) {
+        (replicas(&self.0, k), self.0.rank() / k)
+    }
+
+    fn check(&self, k: usize) -> Result<()> {
+        check(&self.0, k)
+    }
+
+    fn fail_round(&self, round: u64, error: &PipelineError) {
+        fail_round(&self.0, round, error)
+    }
+
+    fn agree(&self, round: u64, schedule: &Schedule, runs: Vec<ReplicaRun<'_>>) -> Result<Agreed> {
+        let Some(run) = runs.into_iter().next() else {
+            return Err(PipelineError::Config(
+                "an MPI rank holds one replica, this one none".into(),
+            ));
+        };
+        let mine = schedule.stages_of(self.0.rank() % schedule.num_devices())[0];
+        let memory = run.stages[mine].device.memory_stats();
+        agree(
+            &self.0,
+            round,
+            schedule,
+            run.outcome,
+            &run.losses,
+            run.weight,
+            memory,
+        )
+    }
+
+    fn exchange_tied(
+        &self,
+        round: u64,
+        schedule: &Schedule,
+        stages: &[Stage],
+        clock: Instant,
+    ) -> Result<Vec<TiedExchange>> {
+        super::mpi_tied::exchange_tied(&self.0, round, schedule, stages, clock)
+    }
+
+    fn reduce_gradients(
+        &self,
+        round: u64,
+        schedule: &Schedule,
+        held: &[&[Stage]],
+        weights: &[f32],
+    ) -> Result<()> {
+        let k = schedule.num_devices();
+        let device = self.0.rank() % k;
+        let mine: Vec<&Stage> = held
+            .iter()
+            .flat_map(|stages| stages.iter())
+            .filter(|s| schedule.placement[s.index] == device)
+            .collect();
+        all_reduce(&self.0, round, k, &mine, weights)
+    }
+
+    fn stage_parts(&self, round: u64, schedule: &Schedule, mine: Vec<f64>) -> Result<Vec<f64>> {
+        stage_parts(&self.0, round, schedule, &mine)
+    }
+
+    fn agree_ok(&self, round: u64, k: usize, local: Result<()>) -> Result<()> {
+        agree_ok(&self.0, round, k, local)
+    }
+
+    fn gather_stages(
+        &self,
+        round: u64,
+        schedule: &Schedule,
+        stages: &[Stage],
+        optimizers: &mut [Box<dyn wgpipe_autograd::optim::Optimizer>],
+    ) -> Result<()> {
+        gather_stages(&self.0, round, schedule, stages, optimizers)
+    }
 }

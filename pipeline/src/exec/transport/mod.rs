@@ -57,6 +57,15 @@ pub enum Transport {
 }
 
 impl Transport {
+    /// Whether the devices of a step are spread over processes.
+    pub(crate) fn crosses_processes(&self) -> bool {
+        match self {
+            Transport::Channels | Transport::Loopback => false,
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(_) => true,
+        }
+    }
+
     /// Whether this process runs device `device` of a K-device pipeline.
     pub(crate) fn runs_device(&self, device: usize, k: usize) -> bool {
         self.holder_rank(device, k).is_none()
