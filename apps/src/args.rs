@@ -7,6 +7,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
 use crate::autograd::optim::Optimizer;
@@ -16,87 +17,59 @@ use crate::limits::{check_positive, check_range};
 use crate::pipeline::microbatch::{micro_batch_sizes, MicroBatchError};
 use crate::pipeline::partition::{balance_by_cost, validate_balance_for, PartitionError};
 use crate::pipeline::{Balance, CheckpointMode, Pipeline, PipelineError, ScheduleKind};
-use crate::placement::{DeviceChoice, Placement, SimSpec};
-use crate::plan::PlanArg;
-use crate::tensor::Tensor;
+use crate::placement::{place, place_rank, DeviceChoice, Placement, SimSpec};
+use crate::tensor::{DType, Tensor};
 
-/// `--precision`: the dtype the layers compute in.
+/// `--plan`: whether the planner chooses the pipeline's shape (the `plan` module does it).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
-pub enum PrecisionArg {
-    F32,
-    /// Half precision with dynamic loss scaling.
-    F16,
-    /// bfloat16 (f32's range: no loss scaling).
-    Bf16,
+pub enum PlanArg {
+    /// Plan when the stages are simulated and none of --stages, --micro-batches, --balance,
+    /// --schedule, --chunks, --checkpoint, --replicas is given.
+    Auto,
+    /// Plan: on the simulated cluster (--stages is then the number of devices it may use, for
+    /// R replicas of a K-stage pipeline, R x K <= --stages); on real devices (a GPU, --device
+    /// cpu) from each layer's forward and backward timed there (K <= --stages, no replicas).
+    On,
+    /// The pipeline the flags describe.
+    Off,
 }
 
-impl From<PrecisionArg> for crate::tensor::DType {
-    fn from(p: PrecisionArg) -> crate::tensor::DType {
-        match p {
-            PrecisionArg::F32 => crate::tensor::DType::F32,
-            PrecisionArg::F16 => crate::tensor::DType::F16,
-            PrecisionArg::Bf16 => crate::tensor::DType::BF16,
-        }
-    }
+/// A flag whose values are a library type's own names (`--help` lists them with their
+/// one-line descriptions), parsed by the type's `FromStr`: the library's registry is the one
+/// list, with no mirror enum here to keep in step.
+fn library_values<T>(
+    values: impl IntoIterator<Item = (&'static str, &'static str)>,
+) -> impl TypedValueParser<Value = T>
+where
+    T: FromStr + Clone + Send + Sync + 'static,
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
+    let values = values
+        .into_iter()
+        .map(|(name, help)| PossibleValue::new(name).help(help));
+    PossibleValuesParser::new(values).try_map(|s| s.parse::<T>())
 }
 
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CheckpointArg {
-    Always,
-    ExceptLast,
-    Never,
+/// `--schedule`: every schedule of the registry, by its name.
+fn schedule_values() -> impl TypedValueParser<Value = ScheduleKind> {
+    library_values(ScheduleKind::ALL.map(|k| (k.name(), k.def().summary)))
 }
 
-impl From<CheckpointArg> for CheckpointMode {
-    fn from(c: CheckpointArg) -> CheckpointMode {
-        match c {
-            CheckpointArg::Always => CheckpointMode::Always,
-            CheckpointArg::ExceptLast => CheckpointMode::ExceptLast,
-            CheckpointArg::Never => CheckpointMode::Never,
-        }
-    }
+/// `--checkpoint`: the re-materialization modes.
+fn checkpoint_values() -> impl TypedValueParser<Value = CheckpointMode> {
+    library_values(CheckpointMode::ALL.map(|m| (m.name(), m.summary())))
 }
 
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ScheduleArg {
-    /// Fill-drain: all forwards, then all backwards.
-    Gpipe,
-    /// One forward, one backward (PipeDream-Flush): fewer activations alive.
-    #[value(name = "1f1b")]
-    OneFOneB,
-    /// Megatron's interleaved 1F1B over --chunks virtual stages per device.
-    #[value(name = "interleaved-1f1b")]
-    Interleaved1F1B,
-    /// Breadth-first over --chunks virtual stages per device.
-    #[value(name = "looped-bfs")]
-    LoopedBfs,
-    /// Zero bubble H1: split backward, 1F1B memory.
-    #[value(name = "zb-h1")]
-    ZbH1,
-    /// Zero bubble H2: split backward, about twice 1F1B's memory.
-    #[value(name = "zb-h2")]
-    ZbH2,
-    /// Zero bubble V: two chunks per device in a V, 1F1B memory.
-    #[value(name = "zb-v")]
-    ZbV,
-    /// DualPipeV: two chunks per device in a V (needs M >= 2K).
-    #[value(name = "dualpipe-v")]
-    DualPipeV,
-}
-
-impl From<ScheduleArg> for ScheduleKind {
-    fn from(s: ScheduleArg) -> ScheduleKind {
-        match s {
-            ScheduleArg::Gpipe => ScheduleKind::GPipe,
-            ScheduleArg::OneFOneB => ScheduleKind::OneFOneB,
-            ScheduleArg::Interleaved1F1B => ScheduleKind::Interleaved1F1B,
-            ScheduleArg::LoopedBfs => ScheduleKind::LoopedBfs,
-            ScheduleArg::ZbH1 => ScheduleKind::ZbH1,
-            ScheduleArg::ZbH2 => ScheduleKind::ZbH2,
-            ScheduleArg::ZbV => ScheduleKind::ZbV,
-            ScheduleArg::DualPipeV => ScheduleKind::DualPipeV,
-        }
-    }
+/// `--precision`: the dtypes the layers can compute in.
+fn precision_values() -> impl TypedValueParser<Value = DType> {
+    library_values(DType::ALL.map(|d| {
+        let what = match d {
+            DType::F32 => "single precision throughout",
+            DType::F16 => "half precision with dynamic loss scaling",
+            DType::BF16 => "bfloat16 (f32's range: no loss scaling)",
+        };
+        (d.name(), what)
+    }))
 }
 
 /// `--transport`: what carries tensors between stages.
@@ -171,12 +144,12 @@ pub struct PipelineArgs {
     /// Micro-batches M per mini-batch (1..=the mini-batch size).
     #[arg(long, default_value_t = 8)]
     pub micro_batches: usize,
-    /// Re-materialization: always, except-last (the last micro-batch keeps its tape), never.
-    #[arg(long, value_enum, default_value_t = CheckpointArg::ExceptLast)]
-    pub checkpoint: CheckpointArg,
+    /// Which micro-batches re-compute their forward in the backward instead of keeping it.
+    #[arg(long, value_parser = checkpoint_values(), default_value = "except-last")]
+    pub checkpoint: CheckpointMode,
     /// Pipeline schedule.
-    #[arg(long, value_enum, default_value_t = ScheduleArg::Gpipe)]
-    pub schedule: ScheduleArg,
+    #[arg(long, value_parser = schedule_values(), default_value = "gpipe")]
+    pub schedule: ScheduleKind,
     /// Virtual stages per device for interleaved-1f1b and looped-bfs (default 2; zb-v and
     /// dualpipe-v always use 2, the others 1; 1..=64). The model is cut into stages x chunks
     /// pieces.
@@ -241,11 +214,19 @@ pub struct PipelineArgs {
     /// The dtype layers that allow it compute in (matmul-like layers; norms and losses stay
     /// f32, weights and optimizer state stay f32). f16 adds dynamic loss scaling (the scale
     /// and the skipped steps are printed at the end).
-    #[arg(long, value_enum, default_value_t = PrecisionArg::F32)]
-    pub precision: PrecisionArg,
+    #[arg(long, value_parser = precision_values(), default_value = "f32")]
+    pub precision: DType,
 }
 
 impl PipelineArgs {
+    /// The stage devices of the flags: `place`, or `place_rank` under `--transport mpi`.
+    pub fn placement(&self) -> AppResult<Placement> {
+        match self.transport {
+            TransportArg::Mpi => place_rank(self.device, self.num_devices(), self.sim_spec()),
+            TransportArg::Channels => place(self.device, self.num_devices(), self.sim_spec()),
+        }
+    }
+
     pub fn sim_spec(&self) -> SimSpec {
         SimSpec {
             gflops: self.sim_gflops,
@@ -261,7 +242,7 @@ impl PipelineArgs {
     /// Virtual stages per device: `--chunks`, or the schedule's own count.
     pub fn chunks(&self) -> usize {
         self.chunks
-            .unwrap_or_else(|| ScheduleKind::from(self.schedule).default_chunks())
+            .unwrap_or_else(|| self.schedule.default_chunks())
     }
 
     /// Replicas held by this process: R in one process, 1 under MPI (the others are ranks).
@@ -400,11 +381,11 @@ pub fn build_pipeline(
     let mut b = Pipeline::builder(layers)
         .balance(balance)
         .micro_batches(args.micro_batches)
-        .checkpoint(args.checkpoint.into())
-        .schedule(ScheduleKind::from(args.schedule))
+        .checkpoint(args.checkpoint)
+        .schedule(args.schedule)
         .chunks(args.chunks())
         .seed(args.seed)
-        .precision(args.precision.into())
+        .precision(args.precision)
         .optimizer(optimizer);
     b = match &placement.sim {
         Some(c) => b.sim(c.clone()),

@@ -1,6 +1,6 @@
 //! One error type for the examples: one line (or a few) that says what went wrong and which
 //! flag to change. Library errors come in typed and are mapped to flags where they are made
-//! (see [`crate::args`] and [`crate::files`]); the rest keep the library's message as is, so a
+//! (in the `args` and `files` modules); the rest keep the library's message as is, so a
 //! message carries one prefix.
 
 use std::fmt;

@@ -112,19 +112,11 @@ fn sim_placement(k: usize, sim: SimSpec, why: &str) -> Placement {
     }
 }
 
-/// The stage devices of the flags: [`place`], or `place_rank` under `--transport mpi`.
-pub fn place_job(p: &crate::args::PipelineArgs) -> AppResult<Placement> {
-    match p.transport {
-        crate::args::TransportArg::Mpi => place_rank(p.device, p.num_devices(), p.sim_spec()),
-        crate::args::TransportArg::Channels => place(p.device, p.num_devices(), p.sim_spec()),
-    }
-}
-
 /// The stage devices of one rank of an MPI job (`--transport mpi`): as [`place`], except that
 /// with `--device gpu` the rank opens one adapter only, its own (see [`rank_adapters`]), and
 /// the devices of the other ranks' stages are CPU placeholders named after their rank (the
 /// builder drops those stages' layers; nothing is ever placed on them).
-fn place_rank(choice: DeviceChoice, k: usize, sim: SimSpec) -> AppResult<Placement> {
+pub fn place_rank(choice: DeviceChoice, k: usize, sim: SimSpec) -> AppResult<Placement> {
     if choice != DeviceChoice::Gpu {
         return place(choice, k, sim);
     }

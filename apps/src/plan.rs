@@ -3,9 +3,9 @@
 //! alternatives, and after training its prediction against what the cluster measured.
 
 use clap::parser::ValueSource;
-use clap::{ArgMatches, ValueEnum};
+use clap::ArgMatches;
 
-use crate::args::{build_pipeline, PipelineArgs};
+use crate::args::{build_pipeline, PipelineArgs, PlanArg};
 use crate::autograd::optim::Optimizer;
 use crate::autograd::Module;
 use crate::error::{AppError, AppResult};
@@ -13,19 +13,6 @@ use crate::pipeline::plan::PlanOptions;
 use crate::pipeline::{LossFn, Pipeline, PlanInputs, PlanReport, StepReport};
 use crate::placement::Placement;
 use crate::tensor::Tensor;
-
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
-pub enum PlanArg {
-    /// Plan when the stages are simulated and none of --stages, --micro-batches, --balance,
-    /// --schedule, --chunks, --checkpoint, --replicas is given.
-    Auto,
-    /// Plan: on the simulated cluster (--stages is then the number of devices it may use, for
-    /// R replicas of a K-stage pipeline, R x K <= --stages); on real devices (a GPU, --device
-    /// cpu) from each layer's forward and backward timed there (K <= --stages, no replicas).
-    On,
-    /// The pipeline the flags describe.
-    Off,
-}
 
 /// The flags that fix the pipeline's shape: given on the command line, `--plan auto` does not
 /// plan.
@@ -92,14 +79,8 @@ pub fn build_or_plan(
                 args.replicas
             )));
         }
-        let (pipe, report) = plan_pipeline(
-            layers,
-            make_copy,
-            placement,
-            run,
-            args.precision.into(),
-            optimizer,
-        )?;
+        let (pipe, report) =
+            plan_pipeline(layers, make_copy, placement, run, args.precision, optimizer)?;
         Ok((pipe, Some(report)))
     } else {
         Ok((

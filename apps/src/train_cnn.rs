@@ -20,7 +20,6 @@ use crate::models::data::{read_cifar10_bins, read_mnist, ImageSet, SyntheticTask
 use crate::models::{cross_entropy, parameter_count, AmoebaNet, ResNet};
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::{Pipeline, StepReport};
-use crate::placement::place_job;
 use crate::plan::{build_or_plan, print_predicted_vs_measured, PlanRun};
 use crate::tensor::{Device, Tensor};
 use crate::train::{ctrl_c_flag, train_loop, LoopConfig};
@@ -451,7 +450,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         "images",
     )?;
     let n_params = parameter_count(&layers);
-    let placement = place_job(p)?;
+    let placement = p.placement()?;
     let mb = batch / p.micro_batches;
     let sample = Tensor::zeros(&[mb, train.c, train.h, train.w], &Device::cpu())?;
     let adam = AdamConfig {

@@ -19,8 +19,7 @@ use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, M
 use crate::models::data::TextDataset;
 use crate::models::{cross_entropy, parameter_count, TransformerLm};
 use crate::output::{out_path, report_outputs};
-use crate::pipeline::{CheckpointMode, Pipeline, StepReport};
-use crate::placement::place_job;
+use crate::pipeline::{Pipeline, StepReport};
 use crate::plan::{build_or_plan, print_predicted_vs_measured, PlanRun};
 use crate::tensor::rng::SplitMix64;
 use crate::tensor::{Device, Tensor};
@@ -353,7 +352,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         .context("building the model")?;
     let n_params = parameter_count(&layers);
 
-    let placement = place_job(p)?;
+    let placement = p.placement()?;
     let mb = args.batch / p.micro_batches;
     let sample_in = ids_tensor(&vec![0; mb * args.seq_len], &[mb, args.seq_len])?;
     let adam = AdamConfig {
@@ -429,7 +428,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
             p.micro_batches,
             pipe.schedule().name,
             p.chunks(),
-            CheckpointMode::from(p.checkpoint),
+            p.checkpoint,
             p.balance
         );
     } else {

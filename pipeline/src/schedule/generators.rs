@@ -10,6 +10,7 @@
 //! papers' measure: the ramps at the two ends are filled by the neighbouring steps when steps run
 //! back to back).
 
+use super::validate::check_counts;
 use super::{Action, ActionKind, CheckpointMode, Schedule, ScheduleError};
 
 /// How virtual stages are laid out on K devices.
@@ -35,19 +36,9 @@ impl Placement {
     }
 }
 
-fn check_sizes(k: usize, m: usize) -> Result<(), ScheduleError> {
-    if k == 0 {
-        return Err(ScheduleError::NoDevices);
-    }
-    if m == 0 {
-        return Err(ScheduleError::NoMicroBatches);
-    }
-    Ok(())
-}
-
-/// [`check_sizes`], and at least one chunk per device.
+/// [`check_counts`], and at least one chunk per device.
 fn check_looped(k: usize, v: usize, m: usize) -> Result<(), ScheduleError> {
-    check_sizes(k, m)?;
+    check_counts(k, m)?;
     if v == 0 {
         return Err(ScheduleError::NoStages);
     }
@@ -95,7 +86,7 @@ fn b(stage: usize, m: usize) -> Action {
 /// 0..M, then all backwards in reverse order M−1..0. Micro-batch i reaches stage j at clock
 /// i + j. Bubble (K−1)/(M+K−1); M micro-batches in flight.
 pub fn gpipe(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, ScheduleError> {
-    check_sizes(k, m)?;
+    check_counts(k, m)?;
     let compute = (0..k)
         .map(|j| {
             let mut list: Vec<Action> = (0..m).map(|mb| f(j, mb)).collect();
@@ -117,7 +108,7 @@ pub fn gpipe(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, Sched
 /// forwards, then alternates one forward and one backward, then drains the remaining backwards.
 /// Same bubble as GPipe, (K−1)/(M+K−1), but at most K−j micro-batches in flight on device j.
 pub fn one_f_one_b(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, ScheduleError> {
-    check_sizes(k, m)?;
+    check_counts(k, m)?;
     let compute = one_forward_one_backward(k, m, ActionKind::Backward, |j| k - 1 - j);
     let limit = (0..k).map(|j| (k - j).min(m)).collect();
     finish("1f1b", m, (0..k).collect(), compute, mode, Some(limit))
@@ -227,7 +218,7 @@ pub fn looped_bfs(
 /// (K−1)(F+B−W) against 1F1B's (K−1)(F+B+W): (K−1)/(3M+K−1) of the step with equal costs,
 /// a third of 1F1B's idle time.
 pub fn zb_h1(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, ScheduleError> {
-    check_sizes(k, m)?;
+    check_counts(k, m)?;
     let placement: Vec<usize> = (0..k).collect();
     let limit = vec![k.min(m); k];
     let skeleton = one_forward_one_backward(k, m, ActionKind::BackwardInput, |j| k - 1 - j);
@@ -240,7 +231,7 @@ pub fn zb_h1(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, Sched
 /// its first to its last action (steady bubble 0 once M ≥ 2K−1), about twice 1F1B's memory. The
 /// step still has the (K−1)-unit ramps at both ends, which back-to-back steps overlap.
 pub fn zb_h2(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, ScheduleError> {
-    check_sizes(k, m)?;
+    check_counts(k, m)?;
     let placement: Vec<usize> = (0..k).collect();
     let limit = vec![(2 * k - 1).min(m); k];
     let skeleton = one_forward_one_backward(k, m, ActionKind::BackwardInput, |j| 2 * (k - 1 - j));
@@ -256,7 +247,7 @@ pub fn zb_h2(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, Sched
 /// equal costs (F = B = W) once M ≥ 2K−1 in the steady measure, at 1F1B's activation memory:
 /// at most 2K chunk micro-batches (K of a 1F1B stage, each chunk holding half its layers).
 pub fn zb_v(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, ScheduleError> {
-    check_sizes(k, m)?;
+    check_counts(k, m)?;
     let placement = Placement::V.devices(k);
     let compute = (0..k).map(|d| zb_v_device(k, m, d)).collect();
     finish("zb-v", m, placement, compute, mode, Some(vec![2 * k; k]))
@@ -327,7 +318,7 @@ fn zb_v_device(k: usize, m: usize, d: usize) -> Vec<Action> {
 /// K+1 micro-batches of a 1F1B stage in flight (2K+2 chunk micro-batches). With equal costs the
 /// steady bubble is (K/2−1)(F&B+B−3W) in DualPipe's accounting, which is 0 here (F&B = F+B).
 pub fn dual_pipe_v(k: usize, m: usize, mode: CheckpointMode) -> Result<Schedule, ScheduleError> {
-    check_sizes(k, m)?;
+    check_counts(k, m)?;
     if m < 2 * k {
         return Err(ScheduleError::NeedsMicroBatches {
             schedule: "dualpipe-v",

@@ -64,13 +64,50 @@ impl CheckpointMode {
     }
 }
 
+impl CheckpointMode {
+    pub const ALL: [CheckpointMode; 3] = [
+        CheckpointMode::Always,
+        CheckpointMode::ExceptLast,
+        CheckpointMode::Never,
+    ];
+
+    /// Its name (`--checkpoint`, reports).
+    pub fn name(self) -> &'static str {
+        match self {
+            CheckpointMode::Always => "always",
+            CheckpointMode::ExceptLast => "except-last",
+            CheckpointMode::Never => "never",
+        }
+    }
+
+    /// What it does, in one line (`--help`).
+    pub fn summary(self) -> &'static str {
+        match self {
+            CheckpointMode::Always => "every micro-batch is re-materialized",
+            CheckpointMode::ExceptLast => {
+                "every micro-batch but the last (which keeps its tape) is re-materialized"
+            }
+            CheckpointMode::Never => "no re-materialization: every forward keeps its tape",
+        }
+    }
+}
+
 impl fmt::Display for CheckpointMode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            CheckpointMode::Always => "always",
-            CheckpointMode::ExceptLast => "except_last",
-            CheckpointMode::Never => "never",
-        })
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for CheckpointMode {
+    type Err = ScheduleError;
+
+    /// A mode by its name (torchgpipe's `except_last` is taken too).
+    fn from_str(s: &str) -> Result<Self, ScheduleError> {
+        let s = s.replace('_', "-");
+        CheckpointMode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or(ScheduleError::UnknownCheckpointMode { asked: s })
     }
 }
 

@@ -18,6 +18,8 @@ pub enum ScheduleError {
     },
     #[error("no schedule is called '{asked}' (the schedules: {known})")]
     UnknownKind { asked: String, known: String },
+    #[error("no re-materialization mode is called '{asked}' (always, except-last, never)")]
+    UnknownCheckpointMode { asked: String },
     #[error("a schedule needs at least one device (K = 0)")]
     NoDevices,
     #[error("a schedule needs at least one micro-batch (M = 0)")]
@@ -136,6 +138,18 @@ const ORDER_RULES: [(ActionKind, ActionKind); 12] = {
     ]
 };
 
+/// A schedule's K and M: at least one device and one micro-batch (the one place the rule is
+/// checked, by the validator and by the generators before they lay anything out).
+pub(crate) fn check_counts(k: usize, m: usize) -> Result<(), ScheduleError> {
+    if k == 0 {
+        return Err(ScheduleError::NoDevices);
+    }
+    if m == 0 {
+        return Err(ScheduleError::NoMicroBatches);
+    }
+    Ok(())
+}
+
 impl Schedule {
     /// Checks that the schedule is complete, consistent and cannot deadlock, in this order:
     /// sizes and placement; every action in range and on the device its stage is placed on, and
@@ -156,12 +170,7 @@ impl Schedule {
 
     fn check_shape(&self) -> Result<(), ScheduleError> {
         let k = self.num_devices();
-        if k == 0 {
-            return Err(ScheduleError::NoDevices);
-        }
-        if self.num_micro_batches == 0 {
-            return Err(ScheduleError::NoMicroBatches);
-        }
+        check_counts(k, self.num_micro_batches)?;
         if self.placement.is_empty() {
             return Err(ScheduleError::NoStages);
         }

@@ -7,6 +7,9 @@ pub mod collectives;
 pub mod timeline;
 pub mod trace;
 
+#[cfg(test)]
+mod schedule_timelines;
+
 pub use cluster::SimCluster;
 
 use wgpipe_tensor::Tensor;

@@ -18,7 +18,7 @@ pub(super) fn layer_norm(
     dims: [usize; 2],
     eps: f32,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let [rows, cols] = dims;
+    let rows = dims[0];
     let [y, mean, rstd] = ctx.row_kernel(
         "layer_norm",
         dims,
@@ -26,19 +26,29 @@ pub(super) fn layer_norm(
         [x, gamma, beta],
         [&dims, &[rows], &[rows]],
         |group, [x, gamma, beta]| {
-            let params = LayerNormParams {
-                rows: u(rows),
-                cols: u(cols),
-                eps,
-                x_offset: u(x.layout().offset),
-                gamma_offset: u(gamma.layout().offset),
-                beta_offset: u(beta.layout().offset),
-                r_offset: 0,
-            };
+            let params = norm_params(dims, eps, [x, gamma, beta], 0);
             (Kernel::LayerNorm { group }, params.words(&[]))
         },
     )?;
     Ok((y, mean, rstd))
+}
+
+/// The parameter block of both forward kernels (`r_offset`: the residual's, 0 without one).
+fn norm_params(
+    [rows, cols]: [usize; 2],
+    eps: f32,
+    [x, gamma, beta]: [&Tensor; 3],
+    r_offset: u32,
+) -> LayerNormParams {
+    LayerNormParams {
+        rows: u(rows),
+        cols: u(cols),
+        eps,
+        x_offset: u(x.layout().offset),
+        gamma_offset: u(gamma.layout().offset),
+        beta_offset: u(beta.layout().offset),
+        r_offset,
+    }
 }
 
 /// [`layer_norm`] of `x + r` that also returns the sum: `(s, y, mean, rstd)`. Mean and rstd
@@ -49,7 +59,7 @@ pub(super) fn add_layer_norm(
     dims: [usize; 2],
     eps: f32,
 ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
-    let [rows, cols] = dims;
+    let rows = dims[0];
     let [y, stats, s] = ctx.row_kernel(
         "add_layer_norm",
         dims,
@@ -57,15 +67,7 @@ pub(super) fn add_layer_norm(
         [x, gamma, beta, r],
         [&dims, &[2, rows], &dims],
         |group, [x, gamma, beta, r]| {
-            let params = LayerNormParams {
-                rows: u(rows),
-                cols: u(cols),
-                eps,
-                x_offset: u(x.layout().offset),
-                gamma_offset: u(gamma.layout().offset),
-                beta_offset: u(beta.layout().offset),
-                r_offset: u(r.layout().offset),
-            };
+            let params = norm_params(dims, eps, [x, gamma, beta], u(r.layout().offset));
             (Kernel::AddLayerNorm { group }, params.words(&[]))
         },
     )?;
