@@ -168,6 +168,11 @@ pub struct PipelineArgs {
     /// Resume from a checkpoint written by --save (bit-exact continuation; --steps is the total).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// With --resume: continue although the checkpoint was written under other settings that
+    /// change the arithmetic (--precision, loss scaling, --replicas, --micro-batches,
+    /// --schedule); the run says which.
+    #[arg(long)]
+    pub resume_other_settings: bool,
     /// Stop at this step as Ctrl-C would (then save with --save); the learning-rate schedule
     /// still spans --steps, so a later --resume with the same flags continues bit-exactly.
     #[arg(long)]
@@ -202,6 +207,10 @@ pub struct PipelineArgs {
     /// examples; a caller that builds the flags otherwise gets no automatic plan).
     #[arg(skip = true)]
     pub shape_given: bool,
+    /// Settings of the run besides the pipeline's (flag, value) that every rank of an MPI job
+    /// must share (set by the examples; see `PipelineBuilder::agree_on`).
+    #[arg(skip)]
+    pub run_settings: Vec<(String, String)>,
     /// Data parallelism: R replicas of the K-stage pipeline (R x K devices), each on its share
     /// of every mini-batch, gradients averaged across replicas before each optimizer step
     /// (1..=64).
@@ -391,6 +400,9 @@ pub fn build_pipeline(
         Some(c) => b.sim(c.clone()),
         None => b.devices(placement.devices.clone()),
     };
+    for (flag, value) in &args.run_settings {
+        b = b.agree_on(flag, value);
+    }
     if args.transport == TransportArg::Mpi {
         b = b.transport(mpi_transport(args)?);
     } else if args.replicas > 1 {

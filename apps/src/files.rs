@@ -8,6 +8,7 @@ use std::path::Path;
 use crate::autograd::serialize::{load_metadata, OPTIM_PREFIX};
 use crate::bail;
 use crate::error::{AppError, AppResult};
+use crate::pipeline::train::persist::list_settings;
 use crate::pipeline::{LoadOptions, PersistError, Pipeline, SaveOptions};
 
 /// `Err` naming `--flag` unless `path` is a readable file.
@@ -45,6 +46,8 @@ pub fn save_pipeline(pipe: &Pipeline, path: &Path, metadata: &[(String, String)]
         | PersistError::Mismatch { why, .. } => {
             AppError(format!("--save {}: {why}", path.display()))
         }
+        // Only a load compares settings.
+        e @ PersistError::OtherSettings { .. } => AppError(format!("--save: {e}")),
     })
 }
 
@@ -55,13 +58,28 @@ pub fn load_pipeline(
     pipe: &mut Pipeline,
     path: &Path,
     model: &str,
+    allow_other_settings: bool,
 ) -> AppResult<(u64, Vec<(String, String)>)> {
     check_readable("resume", path)?;
     let opts = LoadOptions {
         require_finite: true,
+        allow_other_settings,
     };
     match pipe.load(path, &opts) {
-        Ok(r) => Ok((r.step, r.metadata)),
+        Ok(r) => {
+            if !r.other_settings.is_empty() {
+                crate::say!(
+                    "resuming under other settings than the checkpoint's (--resume-other-settings): {}; the run continues in other arithmetic",
+                    list_settings(&r.other_settings)
+                );
+            }
+            Ok((r.step, r.metadata))
+        }
+        Err(PersistError::OtherSettings { settings, .. }) => Err(AppError(format!(
+            "--resume {}: the checkpoint was written under other settings that change the arithmetic: {}; use the checkpoint's, or pass --resume-other-settings to continue anyway",
+            path.display(),
+            list_settings(&settings)
+        ))),
         Err(PersistError::Unreadable { why, .. }) => Err(AppError(format!(
             "--resume {}: the file is not a usable checkpoint (damaged, truncated or of another kind; the flags are not at fault): {why}",
             path.display()

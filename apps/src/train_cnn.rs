@@ -430,6 +430,13 @@ pub fn run(args: CnnArgs) -> AppResult<CnnSummary> {
 /// [`run`] with another stop flag than Ctrl-C's: training stops after the step during which it
 /// became true (then saves with `--save`).
 pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
+    let mut args = args;
+    // Under MPI every rank checks these against the others' at build, with the pipeline's own.
+    args.pipe.run_settings = vec![
+        ("--steps".into(), args.steps.to_string()),
+        ("--batch".into(), args.batch.to_string()),
+        ("--lr".into(), args.lr.to_string()),
+    ];
     let p = &args.pipe;
     check_flags(&args)?;
     let (train, test, data_what) = load_images(&args)?;
@@ -537,7 +544,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     );
     let mut start_step = 0;
     if let Some(path) = &p.resume {
-        start_step = load_pipeline(&mut pipe, path, &model_what)?.0;
+        start_step = load_pipeline(&mut pipe, path, &model_what, p.resume_other_settings)?.0;
         crate::say!("resumed from {} at step {start_step}", path.display());
     }
 

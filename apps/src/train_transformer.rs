@@ -322,6 +322,13 @@ pub fn run(args: TransformerArgs) -> AppResult<TrainSummary> {
 /// [`run`] with another stop flag than Ctrl-C's: training stops after the step during which it
 /// became true (then saves with `--save`).
 pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSummary> {
+    let mut args = args;
+    // Under MPI every rank checks these against the others' at build, with the pipeline's own.
+    args.pipe.run_settings = vec![
+        ("--steps".into(), args.steps.to_string()),
+        ("--batch".into(), args.batch.to_string()),
+        ("--lr".into(), args.lr.to_string()),
+    ];
     let p = &args.pipe;
     check_flags(&args)?;
     let (data, data_what) = load_data(&args)?;
@@ -405,7 +412,12 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     let lc_seed = p.seed;
     let mut start_step = 0;
     if let Some(path) = &p.resume {
-        let (step, _) = load_pipeline(&mut pipe, path, &format!("{cfg:?}"))?;
+        let (step, _) = load_pipeline(
+            &mut pipe,
+            path,
+            &format!("{cfg:?}"),
+            p.resume_other_settings,
+        )?;
         start_step = step;
     }
 

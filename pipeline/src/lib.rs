@@ -52,7 +52,7 @@ pub use sim::timeline::{Collective, DeviceSpec, LinkSpec, Timeline};
 pub use sim::SimCluster;
 pub use skips::{SkipRoute, StageSkips};
 pub use train::builder::{Balance, PipelineBuilder, ScheduleSpec};
-pub use train::persist::{LoadOptions, PersistError, Restored, SaveOptions};
+pub use train::persist::{LoadOptions, OtherSetting, PersistError, Restored, SaveOptions};
 pub use train::report::{SimReport, StageReport, StepReport};
 pub use train::scaler::{LossScaling, ScalerState};
 pub use train::Pipeline;

@@ -472,6 +472,9 @@ fn a_rank_that_hangs_is_taken_for_dead_within_the_peer_limit_naming_it() {
         );
         println!("step {} failed after {secs:.2} s: {text}", e["step"]);
     }
+    // Ending MPI does not wait on sends to the dead rank.
+    let finish = v["finish_secs"].as_f64().unwrap();
+    assert!(finish < 1.0, "rank 0 took {finish:.2} s to end MPI");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -536,42 +539,51 @@ fn a_checkpoint_gathered_from_the_ranks_resumes_bit_exactly_under_mpi_and_in_one
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The flags of a small transformer example run on a simulated 2-device pipeline.
+fn tiny_example_flags() -> Vec<String> {
+    [
+        "--quiet",
+        "--device",
+        "sim",
+        "--stages",
+        "2",
+        "--micro-batches",
+        "2",
+        "--layers",
+        "2",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--seq-len",
+        "16",
+        "--batch",
+        "8",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
 #[test]
 fn the_transformer_example_under_mpirun_trains_like_one_process_and_only_rank_0_writes() {
     let dir = fresh_dir("example");
     let flags = |name: &str, extra: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> = [
-            "--quiet",
-            "--device",
-            "sim",
-            "--stages",
-            "2",
-            "--micro-batches",
-            "2",
-            "--layers",
-            "2",
-            "--d-model",
-            "16",
-            "--heads",
-            "2",
-            "--seq-len",
-            "16",
-            "--batch",
-            "8",
-            "--sample-len",
-            "8",
-            "--steps",
-            "3",
-            "--dropout",
-            "0.1",
-            "--schedule",
-            "1f1b",
-            // Tied embeddings (the default): the first and last stage, on different ranks,
-            // sum their copies' gradients over MPI.
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let mut v = tiny_example_flags();
+        v.extend(
+            [
+                "--sample-len",
+                "8",
+                "--steps",
+                "3",
+                "--dropout",
+                "0.1",
+                "--schedule",
+                "1f1b",
+                // Tied embeddings (the default): the first and last stage, on different ranks,
+                // sum their copies' gradients over MPI.
+            ]
+            .map(|s| s.to_string()),
+        );
         for (flag, file) in [("--trace", "trace.json"), ("--timeline", "timeline.svg")] {
             v.push(flag.into());
             v.push(dir.join(format!("{name}-{file}")).display().to_string());
@@ -629,6 +641,131 @@ fn the_transformer_example_under_mpirun_trains_like_one_process_and_only_rank_0_
         );
         let svg = std::fs::read_to_string(dir.join(format!("{name}-timeline.svg"))).unwrap();
         assert!(svg.trim_end().ends_with("</svg>"));
+        if ranks == 4 {
+            // 2 replicas x M = 2 with dropout draw the masks of one pipeline over M = 4: the
+            // same training at float noise (the gradient sums differ in order).
+            let mut alone = flags(&format!("{name}-alone"), &[]);
+            alone.extend(["--micro-batches".to_string(), "4".to_string()]);
+            let args =
+                wgpipe_apps::train_transformer::TransformerArgs::parse_from_args(alone).unwrap();
+            let one = wgpipe_apps::train_transformer::run_with(
+                args,
+                &std::sync::atomic::AtomicBool::new(false),
+            )
+            .unwrap();
+            let err = rel_err(&got_losses, &one.losses);
+            assert!(err <= 1e-5, "{name} vs M = 4 alone: {err:.2e}");
+        }
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `mpirun` of one program whose two ranks get different arguments (`-np 1 ... : -np 1 ...`),
+/// killed past `bound`: its exit status, output and how long it ran.
+fn mpirun_two(
+    program: &str,
+    rank0: &[String],
+    rank1: &[String],
+    bound: Duration,
+) -> (bool, String, f64) {
+    let mut cmd = mpirun_np(1);
+    cmd.arg(program)
+        .args(rank0)
+        .args([":", "-np", "1", program])
+        .args(rank1)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let start = Instant::now();
+    let mut child = cmd.spawn().unwrap();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > bound {
+            let _ = child.kill();
+            panic!("still running {bound:?} after start: {rank0:?} : {rank1:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text, secs)
+}
+
+/// Ranks started with different settings (the run's, like --steps, or the pipeline's, like
+/// --precision or --micro-batches) refuse to start, naming the setting and each
+/// rank's value, well within a bound (60 s; it takes a few seconds).
+#[test]
+fn ranks_started_with_different_settings_refuse_to_start_naming_them() {
+    let dir = fresh_dir("settings");
+    let flags = |rank: usize, flag: &str, value: &str| -> Vec<String> {
+        let mut v = tiny_example_flags();
+        v.extend(["--steps", "3", "--transport", "mpi"].map(|s| s.to_string()));
+        // A later flag overrides an earlier one.
+        v.extend([flag.to_string(), value.to_string()]);
+        let mut args = vec![dir.join(format!("rank{rank}.json")).display().to_string()];
+        args.extend(v);
+        args
+    };
+    for (flag, name, a, b) in [
+        ("--steps", "--steps", "3", "4"),
+        ("--precision", "precision", "f32", "bf16"),
+        ("--micro-batches", "micro-batches", "2", "4"),
+        ("--seed", "seed", "0", "1"),
+    ] {
+        let (ok, text, secs) = mpirun_two(
+            env!("CARGO_BIN_EXE_mpi_example"),
+            &flags(0, flag, a),
+            &flags(1, flag, b),
+            Duration::from_secs(60),
+        );
+        assert!(!ok, "{flag}: the job succeeded: {text}");
+        let want = format!("{name} (rank 0: {a}, rank 1: {b})");
+        assert!(
+            text.contains(&want) && text.contains("different settings"),
+            "{flag}: the ranks should name {want}: {text}"
+        );
+        println!("{flag}: the job refused to start, in {secs:.1} s");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A rank that ends its run early (here after 2 steps of 3) tells the others, whose next step
+/// fails at once naming it; nothing waits for it (the job ends within a second or two of it).
+#[test]
+fn a_rank_that_ends_early_fails_the_others_next_step_at_once_naming_it() {
+    let dir = fresh_dir("early-end");
+    let job = |steps: usize| -> Vec<String> {
+        let mut v = MpiJob {
+            steps,
+            ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+        }
+        .args();
+        v.push(dir.display().to_string());
+        v
+    };
+    let (ok, text, secs) = mpirun_two(
+        env!("CARGO_BIN_EXE_mpi_worker"),
+        &job(2),
+        &job(3),
+        Duration::from_secs(60),
+    );
+    assert!(ok, "{text}");
+    let read = |r: usize| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(format!("rank{r}.json"))).unwrap())
+            .unwrap()
+    };
+    let (r0, r1) = (read(0), read(1));
+    assert_eq!(floats(&r0["losses"]).len(), 2);
+    assert_eq!(floats(&r1["losses"]).len(), 2);
+    let errors = r1["errors"].as_array().unwrap();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    let e = &errors[0];
+    let what = e["text"].as_str().unwrap();
+    assert!(what.contains("rank 0 has ended"), "{what}");
+    assert!(e["secs"].as_f64().unwrap() < 1.0, "{e}");
+    println!("the job ended after {secs:.1} s; rank 1's third step: {what}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

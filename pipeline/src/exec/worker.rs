@@ -41,6 +41,10 @@ pub(crate) struct StepInputs {
     pub num_stages: usize,
     pub seed: u64,
     pub step: u64,
+    /// The key of this replica's micro-batch 0 among the mini-batch's R x M (replica index x
+    /// M): the layers see micro-batch m as `first_micro_batch + m`, so that R replicas draw
+    /// the dropout masks of one pipeline over R x M micro-batches.
+    pub first_micro_batch: u64,
     /// Micro-batch inputs (used by stage 0).
     pub inputs: Arc<Vec<Tensor>>,
     pub abort: Arc<AtomicBool>,
@@ -57,6 +61,24 @@ pub(crate) struct StepInputs {
 /// A device's compute action running now and since when (`None` between actions), shared with
 /// the step's watchdog.
 pub(crate) type Running = Arc<Mutex<Option<(Action, Instant)>>>;
+
+/// The mark of a compute action running on a device, cleared when dropped: when the action
+/// ends, well or with an error, so that the watchdog never takes a failed action for a stuck
+/// one.
+struct RunningMark<'a>(&'a Running);
+
+impl<'a> RunningMark<'a> {
+    fn new(running: &'a Running, action: Action) -> Self {
+        *lock(running) = Some((action, Instant::now()));
+        RunningMark(running)
+    }
+}
+
+impl Drop for RunningMark<'_> {
+    fn drop(&mut self) {
+        *lock(self.0) = None;
+    }
+}
 
 /// The last stage's output of one micro-batch, sent to the thread that called `train_step`,
 /// which computes the scaled loss and answers with its gradient with respect to the output and
@@ -240,9 +262,10 @@ impl<'a> Worker<'a, '_> {
         self.check_flops = 0;
         let mut bytes = 0u64;
         let (s, m) = (action.stage, action.micro_batch);
-        if action.is_compute() {
-            *lock(&io.running) = Some((action, Instant::now()));
-        }
+        // Marked while it runs, cleared however it ends (an error returns early).
+        let mark = action
+            .is_compute()
+            .then(|| RunningMark::new(&io.running, action));
         match action.kind {
             ActionKind::RecvActivation | ActionKind::RecvGrad => {
                 let msg = self.recv(action)?;
@@ -310,8 +333,8 @@ impl<'a> Worker<'a, '_> {
         if action.is_compute() {
             // GPU work is asynchronous: wait for it so the recorded interval is real.
             self.device.synchronize()?;
-            *lock(&io.running) = None;
         }
+        drop(mark);
         self.out.records.push(ActionRecord {
             action,
             start,
@@ -394,7 +417,8 @@ impl<'a> Worker<'a, '_> {
         let input_finite = input_finite && popped_finite;
         let input = input_var(&tape, &x, s);
         let skips_in: Vec<Var> = popped.iter().map(|t| tape.leaf(t.clone())).collect();
-        let ctx = ForwardCtx::train(io.seed, io.step, m as u64).with_compute(io.compute);
+        let ctx = ForwardCtx::train(io.seed, io.step, io.first_micro_batch + m as u64)
+            .with_compute(io.compute);
         let (output, skips_out) =
             stage.run_with_skips(&input, &skips_in, ctx, &mut self.pos.layer)?;
         // A skip leaves at once (sent right after this forward); its recompute is not sent
@@ -457,7 +481,8 @@ impl<'a> Worker<'a, '_> {
         };
         let ctx = ForwardCtx {
             recompute: true,
-            ..ForwardCtx::train(io.seed, io.step, m as u64).with_compute(io.compute)
+            ..ForwardCtx::train(io.seed, io.step, io.first_micro_batch + m as u64)
+                .with_compute(io.compute)
         };
         // Both signals, as `autograd::checkpoint` gives: `ctx.recompute` and a recompute tape,
         // so a layer may check either to skip side effects.

@@ -78,6 +78,9 @@ pub struct PipelineBuilder {
     pub(crate) precision: DType,
     /// `None`: the default of the precision ([`crate::train::scaler::default_for`]).
     loss_scaling: Option<Option<LossScaling>>,
+    /// Settings of the run outside the pipeline that every rank must share (see
+    /// [`PipelineBuilder::agree_on`]).
+    agreed: Vec<(String, String)>,
 }
 
 /// Makes a fresh copy of the model's layers (the structure; the values are copied from
@@ -104,7 +107,18 @@ impl PipelineBuilder {
             replicas: None,
             precision: DType::F32,
             loss_scaling: None,
+            agreed: Vec::new(),
         }
+    }
+
+    /// Over MPI, a setting of the run outside the pipeline that every rank must share (the
+    /// batch size, the number of steps, the data's seed...): `build` fails on every rank when
+    /// the ranks' values differ, naming the setting and the ranks, as it does for the
+    /// pipeline's own settings (model, seed, precision, loss scaling, schedule, K, M, chunks,
+    /// balance, re-materialization). Nothing to check in one process.
+    pub fn agree_on(mut self, name: &str, value: impl ToString) -> Self {
+        self.agreed.push((name.to_string(), value.to_string()));
+        self
     }
 
     /// The dtype the layers compute in (autocast, see `ForwardCtx::compute`): f32 (the
@@ -267,6 +281,7 @@ impl PipelineBuilder {
             other => balance_by_cost(&layer_costs(&self.layers, other)?, s_total)?,
         };
 
+        comm.agree_settings(&self.settings(&schedule, &balance))?;
         let ranges = stage_ranges(&balance);
         let (skip_links, mut stage_skips) = plan_skips(&self.layers, &ranges, self.skip_route)?;
         let schedule = schedule.with_skip_transfers(&skip_links);
@@ -318,7 +333,8 @@ impl PipelineBuilder {
             .transpose()?;
         Ok(Pipeline {
             replicas: vec![Replica {
-                index: 0,
+                // Over MPI this process's replica is the job's `rank / K`.
+                index: comm.replicas(schedule.num_devices(), 1).1,
                 stages,
                 optimizers,
                 sim: self.sim,
@@ -337,6 +353,45 @@ impl PipelineBuilder {
             grads_scale: std::cell::Cell::new(None),
             overflowed: false,
         })
+    }
+
+    /// What every rank of a job must share, by name: the model (its layers' names and
+    /// parameter count), the pipeline's settings, then the run's own ([`Self::agree_on`]).
+    fn settings(&self, schedule: &Schedule, balance: &[usize]) -> Vec<(String, String)> {
+        let names: Vec<String> = self.layers.iter().map(|l| l.name()).collect();
+        let params: usize = self
+            .layers
+            .iter()
+            .flat_map(|l| l.parameters())
+            .map(|(_, p)| p.value().numel())
+            .sum();
+        let scaling = self
+            .loss_scaling
+            .unwrap_or_else(|| crate::train::scaler::default_for(self.precision));
+        let mut out = vec![
+            (
+                "model".to_string(),
+                format!(
+                    "{} layers, {params} parameters, layer names hashed {:016x}",
+                    names.len(),
+                    fnv1a(names.join("|").as_bytes())
+                ),
+            ),
+            ("seed".into(), self.seed.to_string()),
+            ("precision".into(), self.precision.name().into()),
+            ("loss scaling".into(), format!("{scaling:?}")),
+            ("schedule".into(), schedule.name.clone()),
+            ("devices (K)".into(), schedule.num_devices().to_string()),
+            (
+                "micro-batches".into(),
+                schedule.num_micro_batches.to_string(),
+            ),
+            ("stages".into(), schedule.num_stages().to_string()),
+            ("balance".into(), format!("{balance:?}")),
+            ("re-materialization".into(), self.checkpoint.name().into()),
+        ];
+        out.extend(self.agreed.iter().cloned());
+        out
     }
 
     /// R replicas: replica 0 built as usual on the first K devices; the others with the same
@@ -380,6 +435,7 @@ impl PipelineBuilder {
                 transport: b.transport.clone(),
                 replicas: None,
                 precision: b.precision,
+                agreed: b.agreed.clone(),
                 // The pipeline keeps replica 0's scaler for all.
                 loss_scaling: if i == 0 { b.loss_scaling } else { Some(None) },
             }
@@ -495,4 +551,12 @@ fn profile_layers(layers: &[Box<dyn Module>], sample: &Tensor) -> Result<Vec<f64
         x = y;
     }
     Ok(costs)
+}
+
+/// FNV-1a, 64 bits: a short stable fingerprint of a text (the ranks compare the model's layer
+/// names by it, not by the names themselves).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
 }

@@ -54,10 +54,42 @@ pub struct SaveOptions {
 }
 
 /// How [`Pipeline::load`] checks.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct LoadOptions {
-    /// Refuse a checkpoint any of whose tensors holds NaN or infinity.
+    /// Refuse a checkpoint any of whose tensors holds NaN or infinity (on by default: a NaN
+    /// parameter would only show as NaN losses later, and the check is one pass over values
+    /// that are read anyway).
     pub require_finite: bool,
+    /// Resume although the checkpoint was written under other settings that change the
+    /// arithmetic (see [`Restored::other_settings`]); refused by default, naming them.
+    pub allow_other_settings: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            require_finite: true,
+            allow_other_settings: false,
+        }
+    }
+}
+
+/// The metadata prefix of the settings that change a run's arithmetic (see
+/// [`Pipeline::arithmetic_settings`]).
+const SETTING_PREFIX: &str = "wgpipe.setting.";
+
+/// A setting that differs between a checkpoint and the pipeline loading it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OtherSetting {
+    pub name: String,
+    pub saved: String,
+    pub now: String,
+}
+
+impl std::fmt::Display for OtherSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} (saved with {})", self.name, self.now, self.saved)
+    }
 }
 
 /// What [`Pipeline::load`] found besides the tensors.
@@ -67,6 +99,9 @@ pub struct Restored {
     pub step: u64,
     /// The extra metadata given at save time, sorted by key.
     pub metadata: Vec<(String, String)>,
+    /// The settings that change the arithmetic and differ from the checkpoint's (empty unless
+    /// [`LoadOptions::allow_other_settings`]): the run continues in other arithmetic.
+    pub other_settings: Vec<OtherSetting>,
 }
 
 /// Why a save or a load failed. A load error leaves the pipeline as it was.
@@ -95,6 +130,22 @@ pub enum PersistError {
     /// on their devices (e.g. out of memory).
     #[error("{}: {why}", path.display())]
     Io { path: PathBuf, why: String },
+    /// The checkpoint of this model, written under settings that change the arithmetic
+    /// (refused unless [`LoadOptions::allow_other_settings`]).
+    #[error("{}: written under other settings that change the arithmetic: {} (allow_other_settings resumes anyway)", path.display(), list_settings(.settings))]
+    OtherSettings {
+        path: PathBuf,
+        settings: Vec<OtherSetting>,
+    },
+}
+
+/// `settings` in one line.
+pub fn list_settings(settings: &[OtherSetting]) -> String {
+    settings
+        .iter()
+        .map(|o| o.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 impl PersistError {
@@ -104,7 +155,8 @@ impl PersistError {
             PersistError::Unreadable { path, .. }
             | PersistError::Mismatch { path, .. }
             | PersistError::NonFinite { path, .. }
-            | PersistError::Io { path, .. } => path,
+            | PersistError::Io { path, .. }
+            | PersistError::OtherSettings { path, .. } => path,
         }
     }
 }
@@ -153,22 +205,40 @@ pub fn split_optimizer_state(
 
 /// One tensor of the model side of a checkpoint.
 struct Entry {
+    /// Its name in the file: its own, or for a tied copy after its group's first, the first's
+    /// (the copies are identical by construction, so they are saved once).
     name: String,
+    /// Its own global name (what its stage's optimizer keys its state by).
+    own: String,
     param: Param,
     stage: usize,
 }
 
-/// Parameters and buffers of `stages` (each once, tied ones by their first name) and the stage
-/// of each.
+impl Entry {
+    /// Whether it is saved under its own name (not a later tied copy).
+    fn saved(&self) -> bool {
+        self.name == self.own
+    }
+}
+
+/// Parameters and buffers of `stages` (a parameter shared inside a stage once) and the stage of
+/// each; a tied copy after the first of its group (in stage order, held here or not) carries
+/// the first's name.
 fn persist_entries(stages: &[Stage]) -> Vec<Entry> {
+    let firsts = first_names(stages);
     let mut out: Vec<Entry> = Vec::new();
-    for st in stages {
+    for st in stages.iter().filter(|s| s.is_held()) {
         for t in named_tensors(st.first_layer, &st.layers) {
             if out.iter().any(|e| e.param.same(&t.param)) {
                 continue;
             }
+            let name = match t.param.tie_group() {
+                Some(g) => firsts[&g].clone(),
+                None => t.name.clone(),
+            };
             out.push(Entry {
-                name: t.name,
+                name,
+                own: t.name,
                 param: t.param,
                 stage: st.index,
             });
@@ -177,7 +247,67 @@ fn persist_entries(stages: &[Stage]) -> Vec<Entry> {
     out
 }
 
+/// Each tie group's first copy's name, in stage order over every stage (held here or not).
+fn first_names(stages: &[Stage]) -> HashMap<String, String> {
+    let mut firsts = HashMap::new();
+    for st in stages {
+        let tensors: Vec<(String, Option<String>)> = match &st.absent {
+            Some(a) => a
+                .tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.tie.clone()))
+                .collect(),
+            None => named_tensors(st.first_layer, &st.layers)
+                .into_iter()
+                .map(|t| (t.name, t.param.tie_group()))
+                .collect(),
+        };
+        for (name, tie) in tensors {
+            if let Some(g) = tie {
+                firsts.entry(g).or_insert(name);
+            }
+        }
+    }
+    firsts
+}
+
+/// The own names of later tied copies, each with its group's first name.
+fn tied_aliases(entries: &[Entry]) -> HashMap<&str, &str> {
+    entries
+        .iter()
+        .filter(|e| !e.saved())
+        .map(|e| (e.own.as_str(), e.name.as_str()))
+        .collect()
+}
+
+/// The parameter a per-parameter optimizer key (`{parameter}.{slot}`) belongs to.
+fn optim_param(key: &str) -> &str {
+    key.rsplit_once('.').map_or(key, |(p, _)| p)
+}
+
 impl Pipeline {
+    /// The settings that change the arithmetic of a step (its bits), recorded in every
+    /// checkpoint: the dtype the layers compute in, loss scaling, R replicas and M micro-batches
+    /// (the split of the mini-batch, the dropout keys), the schedule (the order gradients are
+    /// accumulated in). K and the balance are not among them: a checkpoint reshards.
+    pub fn arithmetic_settings(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("precision", self.precision().name().to_string()),
+            (
+                "loss_scaling",
+                if self.loss_scaler().is_some() {
+                    "on"
+                } else {
+                    "off"
+                }
+                .to_string(),
+            ),
+            ("replicas", self.num_replicas().to_string()),
+            ("micro_batches", self.num_micro_batches().to_string()),
+            ("schedule", self.schedule().name.clone()),
+        ]
+    }
+
     /// Saves parameters, buffers, every stage's optimizer state and the pipeline's step to
     /// `path`, atomically (see the [module](crate::train::persist) doc). Creates missing folders.
     pub fn save(&self, path: impl AsRef<Path>, opts: &SaveOptions) -> PResult<()> {
@@ -199,6 +329,9 @@ impl Pipeline {
             (FORMAT_KEY.to_string(), FORMAT.to_string()),
             (STEP_KEY.to_string(), self.step_count().to_string()),
         ];
+        for (name, value) in self.arithmetic_settings() {
+            meta.push((format!("{SETTING_PREFIX}{name}"), value));
+        }
         if let Some(s) = self.loss_scaler() {
             meta.push((
                 SCALER_KEY.to_string(),
@@ -213,12 +346,19 @@ impl Pipeline {
             }
             meta.push((k.clone(), v.clone()));
         }
-        let mut tensors: Vec<(String, Tensor)> = persist_entries(self.stages())
-            .into_iter()
-            .map(|e| (e.name, e.param.value()))
+        let entries = persist_entries(self.stages());
+        let aliases = tied_aliases(&entries);
+        let mut tensors: Vec<(String, Tensor)> = entries
+            .iter()
+            .filter(|e| e.saved())
+            .map(|e| (e.name.clone(), e.param.value()))
             .collect();
+        // A later tied copy's optimizer state equals the first's (same gradients, same
+        // updates): saved once too.
         for (k, t) in merged_optimizer_state(self.optimizers()) {
-            tensors.push((format!("{OPTIM_PREFIX}{k}"), t));
+            if !aliases.contains_key(optim_param(&k)) {
+                tensors.push((format!("{OPTIM_PREFIX}{k}"), t));
+            }
         }
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)
@@ -260,26 +400,42 @@ impl Pipeline {
         })?;
         // Each held replica loads the same file (the same structure, so only the first can
         // refuse it), which also gives each its own optimizer state on its own devices.
+        let settings = self.arithmetic_settings();
         let mut read = None;
         for r in &mut self.replicas {
-            read = Some(load_replica(r, path, opts)?);
+            read = Some(load_replica(r, path, opts, &settings)?);
         }
-        let (step, scaler, metadata) = read.expect("a pipeline holds at least one replica");
+        let (step, scaler, metadata, other_settings) =
+            read.expect("a pipeline holds at least one replica");
         self.set_step(step);
         if let (Some(state), Some(s)) = (scaler, &mut self.scaler) {
             s.state = state;
         }
-        Ok(Restored { step, metadata })
+        Ok(Restored {
+            step,
+            metadata,
+            other_settings,
+        })
     }
 }
 
-/// A checkpoint as read into one replica: the step, the scaler's state and the extra
-/// metadata it holds.
-type ReplicaLoad = (u64, Option<ScalerState>, Vec<(String, String)>);
+/// A checkpoint as read into one replica: the step, the scaler's state, the extra metadata it
+/// holds and the settings that differ.
+type ReplicaLoad = (
+    u64,
+    Option<ScalerState>,
+    Vec<(String, String)>,
+    Vec<OtherSetting>,
+);
 
 /// [`Pipeline::load`] into one replica: every tensor checked and built before its parameters,
 /// buffers and optimizer state change; gradients cleared.
-fn load_replica(replica: &mut Replica, path: &Path, opts: &LoadOptions) -> PResult<ReplicaLoad> {
+fn load_replica(
+    replica: &mut Replica,
+    path: &Path,
+    opts: &LoadOptions,
+    settings: &[(&'static str, String)],
+) -> PResult<ReplicaLoad> {
     let unreadable = |why: String| PersistError::Unreadable {
         path: path.to_path_buf(),
         why,
@@ -306,14 +462,39 @@ fn load_replica(replica: &mut Replica, path: &Path, opts: &LoadOptions) -> PResu
         })?),
         None => None,
     };
+    // A checkpoint from before settings were recorded has none to compare.
+    let other_settings: Vec<OtherSetting> = settings
+        .iter()
+        .filter_map(|(name, now)| {
+            let key = format!("{SETTING_PREFIX}{name}");
+            let (_, saved) = metadata.iter().find(|(k, _)| *k == key)?;
+            (saved != now).then(|| OtherSetting {
+                name: name.to_string(),
+                saved: saved.clone(),
+                now: now.clone(),
+            })
+        })
+        .collect();
+    if !other_settings.is_empty() && !opts.allow_other_settings {
+        return Err(PersistError::OtherSettings {
+            path: path.to_path_buf(),
+            settings: other_settings,
+        });
+    }
     metadata.retain(|(k, _)| !k.starts_with("wgpipe."));
 
     // 1. Names, shapes and dtypes of every tensor, model side and optimizer side.
     let entries = persist_entries(&replica.stages);
-    let by_name: HashMap<&str, &Entry> = entries.iter().map(|e| (e.name.as_str(), e)).collect();
+    let aliases = tied_aliases(&entries);
+    let by_name: HashMap<&str, &Entry> = entries
+        .iter()
+        .filter(|e| e.saved())
+        .map(|e| (e.name.as_str(), e))
+        .collect();
+    let by_own: HashMap<&str, &Entry> = entries.iter().map(|e| (e.own.as_str(), e)).collect();
     let mut problems: Vec<(String, String)> = Vec::new();
     let shape_of = |name: &str| f.shape(name).map(<[usize]>::to_vec);
-    for e in &entries {
+    for e in entries.iter().filter(|e| e.saved()) {
         let want = e.param.shape();
         match shape_of(&e.name) {
             None => problems.push((
@@ -336,15 +517,23 @@ fn load_replica(replica: &mut Replica, path: &Path, opts: &LoadOptions) -> PResu
     }
     // Over MPI, the tensors of stages other ranks hold: checked against the file, not loaded
     // (each rank loads its own stages from the same file).
-    let absent: Vec<(&str, &[usize])> = replica
+    let firsts = first_names(&replica.stages);
+    let absent: Vec<(&str, &[usize], bool)> = replica
         .stages
         .iter()
         .filter_map(|s| s.absent.as_ref())
         .flat_map(|a| &a.tensors)
-        .map(|t| (t.name.as_str(), t.shape.as_slice()))
+        .map(|t| {
+            let later_copy = t.tie.as_ref().is_some_and(|g| firsts[g] != t.name);
+            (t.name.as_str(), t.shape.as_slice(), later_copy)
+        })
         .collect();
-    let elsewhere: HashMap<&str, &[usize]> = absent.iter().copied().collect();
-    for &(name, want) in &absent {
+    let elsewhere: HashMap<&str, &[usize]> = absent.iter().map(|&(n, s, _)| (n, s)).collect();
+    for &(name, want, later_copy) in &absent {
+        if later_copy {
+            // Saved once, under its group's first name.
+            continue;
+        }
         match shape_of(name) {
             None => problems.push((
                 name.to_string(),
@@ -358,14 +547,24 @@ fn load_replica(replica: &mut Replica, path: &Path, opts: &LoadOptions) -> PResu
         }
     }
     let names = f.names();
+    // (name in the file, key for the optimizer): a tied group's saved state also goes to its
+    // later copies, under their own names.
     let mut optim_names = Vec::new();
     for n in &names {
         if let Some(key) = n.strip_prefix(OPTIM_PREFIX) {
-            let pname = key.rsplit_once('.').map_or(key, |(p, _)| p);
+            let pname = optim_param(key);
+            if aliases.contains_key(pname) {
+                // A checkpoint written before copies were saved once: the first's state serves.
+                continue;
+            }
             if !elsewhere.contains_key(pname) {
                 optim_names.push((n.clone(), key.to_string()));
             }
-        } else if elsewhere.contains_key(n.as_str()) {
+            let slot = &key[pname.len()..];
+            for (alias, _) in aliases.iter().filter(|(_, first)| **first == pname) {
+                optim_names.push((n.clone(), format!("{alias}{slot}")));
+            }
+        } else if elsewhere.contains_key(n.as_str()) || aliases.contains_key(n.as_str()) {
             continue;
         } else if !by_name.contains_key(n.as_str()) {
             problems.push((
@@ -382,7 +581,7 @@ fn load_replica(replica: &mut Replica, path: &Path, opts: &LoadOptions) -> PResu
             continue;
         }
         let (pname, slot) = key.rsplit_once('.').unwrap_or((key.as_str(), ""));
-        let Some(e) = by_name.get(pname) else {
+        let Some(e) = by_own.get(pname) else {
             problems.push((
                 full.clone(),
                 format!("optimizer state of parameter '{pname}', which the pipeline does not have"),
@@ -464,7 +663,7 @@ fn load_replica(replica: &mut Replica, path: &Path, opts: &LoadOptions) -> PResu
     // 3. The optimizers take their state (each checks its own), rolled back together.
     if replica.optimizers.len() == replica.stages.len() && !replica.optimizers.is_empty() {
         let owner: HashMap<String, usize> =
-            entries.iter().map(|e| (e.name.clone(), e.stage)).collect();
+            entries.iter().map(|e| (e.own.clone(), e.stage)).collect();
         let per = split_optimizer_state(state, &owner, replica.stages.len()).map_err(|k| {
             PersistError::Mismatch {
                 path: path.to_path_buf(),
@@ -496,7 +695,7 @@ fn load_replica(replica: &mut Replica, path: &Path, opts: &LoadOptions) -> PResu
     for (_, p) in replica.named_parameters() {
         p.zero_grad();
     }
-    Ok((step, scaler, metadata))
+    Ok((step, scaler, metadata, other_settings))
 }
 
 /// An error message of the serializer without its leading `op: path: ` (the persist error

@@ -68,6 +68,7 @@ impl Replica {
                 num_stages: schedule.num_stages(),
                 seed: ctx.seed,
                 step: ctx.step,
+                first_micro_batch: (self.index * schedule.num_micro_batches) as u64,
                 inputs: inputs.clone(),
                 abort: abort.clone(),
                 clock,
@@ -124,6 +125,8 @@ impl Replica {
         drop(loss_tx);
         let mut losses = Vec::new();
         let mut timed_out: Option<(PipelineError, Instant)> = None;
+        // When each device's thread was seen to end (within a poll).
+        let mut ended: Vec<Option<Instant>> = vec![None; k];
         loop {
             match loss_rx.recv_timeout(POLL) {
                 Ok(req) => {
@@ -137,6 +140,7 @@ impl Replica {
             }
             for (d, h) in handles.iter_mut().enumerate() {
                 if h.as_ref().is_some_and(|h| h.is_finished()) {
+                    ended[d] = Some(Instant::now());
                     let joined = h.take().map(JoinHandle::join);
                     results[d] = Some(match joined {
                         Some(Ok(r)) => r,
@@ -179,12 +183,35 @@ impl Replica {
                 }
             }
         }
-        if let Some((error, _)) = timed_out {
-            // Give back what finished, keep the handles of what is stuck.
-            for (stages, _, _) in results.into_iter().flatten() {
+        if let Some((late, at)) = timed_out {
+            // Give back what finished, keep the handles of what is stuck. A device that had
+            // failed before the action ran past the limit holds the error to report: the first
+            // in time, with the stuck action said beside it.
+            let mut failed = Vec::new();
+            for (d, r) in results.into_iter().enumerate() {
+                let Some((stages, pos, r)) = r else { continue };
+                let first = stages
+                    .first()
+                    .map(|s| (s.index, s.device.name().to_string()));
                 self.stages.extend(stages);
+                if let (Err(cause), Some(end)) = (r, ended[d].filter(|&e| e <= at)) {
+                    failed.push((end, first, pos, cause));
+                }
             }
             self.stages.sort_by_key(|s| s.index);
+            // The earliest failure that was its own (not a stop because another failed).
+            failed.retain(|f| !matches!(f.3, StageCause::Disconnected(_)));
+            failed.sort_by_key(|f| f.0);
+            let error = match (failed.into_iter().next(), &late) {
+                (
+                    Some((_, Some((index, device)), pos, cause)),
+                    PipelineError::Stage { stage, action, .. },
+                ) => device_error(&self.stages, index, &device, pos, cause).at(&format!(
+                    "; the first failure, while stage {stage}'s {action} ran on past the \
+                     action time limit (its thread is left to finish)"
+                )),
+                _ => late,
+            };
             let stuck = handles.into_iter().flatten().collect();
             return Ran::TimedOut { error, stuck };
         }
@@ -214,27 +241,13 @@ pub(super) fn first_error(
     for (first, (pos, r)) in devices.iter().zip(results) {
         match r {
             Ok(o) => ok.push(o),
-            Err(cause) => {
-                let (stage, mut action) = match pos.action {
-                    Some(a) => (a.stage, describe(a)),
-                    None => (first.index, "start".to_string()),
-                };
-                if let Some(index) = pos.layer {
-                    let layer = stages
-                        .iter()
-                        .find(|s| (s.first_layer..s.first_layer + s.layers.len()).contains(&index))
-                        .map(|s| s.layers[index - s.first_layer].name())
-                        .unwrap_or_default();
-                    action = format!("{action} in layer {index} ({layer})");
-                }
-                errors.push(PipelineError::Stage {
-                    stage,
-                    device: first.device.name().to_string(),
-                    micro_batch: pos.micro_batch,
-                    action,
-                    cause: Box::new(cause),
-                });
-            }
+            Err(cause) => errors.push(device_error(
+                stages,
+                first.index,
+                first.device.name(),
+                pos,
+                cause,
+            )),
         }
     }
     let root = errors
@@ -244,6 +257,36 @@ pub(super) fn first_error(
     match errors.into_iter().nth(root) {
         Some(e) => Err(e),
         None => Ok(ok),
+    }
+}
+
+/// A device's failure as an error: the virtual stage of the failing action (`first_stage`, the
+/// device's first, before any), and the layer when one was running (named from `stages`).
+fn device_error(
+    stages: &[Stage],
+    first_stage: usize,
+    device: &str,
+    pos: Position,
+    cause: StageCause,
+) -> PipelineError {
+    let (stage, mut action) = match pos.action {
+        Some(a) => (a.stage, describe(a)),
+        None => (first_stage, "start".to_string()),
+    };
+    if let Some(index) = pos.layer {
+        let layer = stages
+            .iter()
+            .find(|s| (s.first_layer..s.first_layer + s.layers.len()).contains(&index))
+            .map(|s| s.layers[index - s.first_layer].name())
+            .unwrap_or_default();
+        action = format!("{action} in layer {index} ({layer})");
+    }
+    PipelineError::Stage {
+        stage,
+        device: device.to_string(),
+        micro_batch: pos.micro_batch,
+        action,
+        cause: Box::new(cause),
     }
 }
 

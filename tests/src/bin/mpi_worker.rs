@@ -31,9 +31,13 @@ fn main() {
     std::fs::write(&pid, std::process::id().to_string()).expect("writing the rank's pid");
     let result = run(&job, &comm, Path::new(out));
     let rank = comm.rank();
+    // How long ending MPI takes (with a peer taken for dead: no wait for sends to it).
+    let t0 = Instant::now();
     comm.finish();
+    let finish_secs = t0.elapsed().as_secs_f64();
     match result {
-        Ok(v) => {
+        Ok(mut v) => {
+            v["finish_secs"] = json!(finish_secs);
             let path = Path::new(out).join(format!("rank{rank}.json"));
             std::fs::write(&path, v.to_string()).expect("writing the rank's results");
         }

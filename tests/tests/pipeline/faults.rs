@@ -453,3 +453,50 @@ fn a_stuck_layer_times_out_and_the_pipeline_recovers() {
         );
     }
 }
+
+/// One stage fails while another's action runs past the time limit: the error is the failure
+/// (the first in time, with its own cause), and it names the action still running; the failed
+/// action is never taken for a stuck one.
+#[test]
+fn the_watchdog_reports_the_first_failure_and_the_action_still_running() {
+    let d = Device::cpu();
+    // Stage 0 fails 200 ms into its micro-batch 1 (a pause, then an error), while stage 1 has
+    // been in its 3 s micro-batch 0 since stage 0 sent it.
+    let (pause, pause_state) = Fault::new();
+    let (bad, bad_state) = Fault::new();
+    let (slow, slow_state) = Fault::new();
+    let layers: Vec<Box<dyn Module>> = vec![
+        Box::new(Linear::new(WIDTH, WIDTH, 1, &d).unwrap()),
+        Box::new(pause),
+        Box::new(bad),
+        Box::new(Linear::new(WIDTH, WIDTH, 2, &d).unwrap()),
+        Box::new(slow),
+    ];
+    let cfg = PipeCfg::new(2, 2, CheckpointMode::Never, ScheduleKind::GPipe).balance(vec![3, 2]);
+    let mut pipe = sim_pipeline(layers, &cfg);
+    pipe.set_action_timeout(Some(Duration::from_secs(1)));
+    let (x, y) = data();
+    slow_state.lock().unwrap().armed = Some((FaultKind::Slow(Duration::from_secs(3)), 0));
+    pause_state.lock().unwrap().armed = Some((FaultKind::Slow(Duration::from_millis(200)), 1));
+    bad_state.lock().unwrap().armed = Some((FaultKind::Error, 1));
+    let e = pipe.train_step(&x, &y, &mse).unwrap_err();
+    let msg = e.to_string();
+    assert_eq!((e.stage(), e.micro_batch()), (Some(0), Some(1)), "{msg}");
+    assert!(msg.contains("injected error at micro-batch 1"), "{msg}");
+    assert!(msg.contains("in layer 2 (Fault)"), "{msg}");
+    assert!(
+        msg.contains("stage 1's Forward (1F0) ran on past the action time limit"),
+        "{msg}"
+    );
+    // The slow action's thread still holds stage 1 until its sleep ends; then the pipeline
+    // trains again.
+    for state in [&pause_state, &bad_state, &slow_state] {
+        state.lock().unwrap().armed = None;
+    }
+    let fired = slow_state.lock().unwrap().fired_at.unwrap();
+    std::thread::sleep(
+        (fired + Duration::from_millis(3300)).saturating_duration_since(Instant::now()),
+    );
+    pipe.settle().unwrap();
+    pipe.train_step(&x, &y, &mse).unwrap();
+}

@@ -177,6 +177,7 @@ fn non_finite_checkpoints_are_refused_on_request() {
     let before = state_bits(&pipe);
     let strict = LoadOptions {
         require_finite: true,
+        ..Default::default()
     };
     let err = pipe.load(&nan, &strict).unwrap_err();
     assert!(
@@ -185,8 +186,14 @@ fn non_finite_checkpoints_are_refused_on_request() {
     );
     assert!(err.to_string().contains("5.bias") && err.to_string().contains("NaN"));
     assert!(state_bits(&pipe) == before);
-    // Not asked: it loads.
-    pipe.load(&nan, &LoadOptions::default()).unwrap();
+    // Refused by default too; loaded only when asked not to check.
+    let err = pipe.load(&nan, &LoadOptions::default()).unwrap_err();
+    assert!(matches!(&err, PersistError::NonFinite { .. }), "{err:?}");
+    let lax = LoadOptions {
+        require_finite: false,
+        ..Default::default()
+    };
+    pipe.load(&nan, &lax).unwrap();
     // And a save of it is refused on request, publishing nothing.
     let out = d.join("out.safetensors");
     let opts = SaveOptions {
@@ -288,4 +295,53 @@ fn stale_temporaries_of_dead_processes_are_cleaned_and_live_ones_kept() {
     }
     assert!(live.exists(), "a live save's temporary was removed");
     assert!(other.exists(), "another file's temporary was removed");
+}
+
+/// A checkpoint records the settings that change the arithmetic: a resume under other ones
+/// (here M = 4 instead of 2) is refused naming them, and nothing changes; allowed explicitly,
+/// it loads and says which differ. K is not among them (a checkpoint reshards).
+#[test]
+fn a_resume_under_other_arithmetic_settings_is_refused_unless_allowed() {
+    let d = dir("settings");
+    let path = d.join("m2.safetensors");
+    trained(2, 3, 1)
+        .save(&path, &SaveOptions::default())
+        .unwrap();
+    let cfg = PipeCfg::new(4, 4, CheckpointMode::ExceptLast, ScheduleKind::GPipe);
+    let mut other = sim_pipeline(mlp(6, 12, 3, 9), &cfg);
+    other.set_optimizer(|| Box::new(AdamW::new(0.01)));
+    let before = state_bits(&other);
+    let err = other.load(&path, &LoadOptions::default()).unwrap_err();
+    let msg = err.to_string();
+    match &err {
+        PersistError::OtherSettings { settings, .. } => {
+            let names: Vec<&str> = settings.iter().map(|o| o.name.as_str()).collect();
+            assert_eq!(names, ["micro_batches"], "{msg}");
+            assert_eq!(
+                (settings[0].saved.as_str(), settings[0].now.as_str()),
+                ("2", "4")
+            );
+        }
+        e => panic!("{e:?}"),
+    }
+    assert!(msg.contains("micro_batches 4 (saved with 2)"), "{msg}");
+    assert!(state_bits(&other) == before);
+    let allow = LoadOptions {
+        allow_other_settings: true,
+        ..Default::default()
+    };
+    let restored = other.load(&path, &allow).unwrap();
+    assert_eq!(restored.other_settings.len(), 1);
+    // The same settings at another K load without a word.
+    let mut k4 = sim_pipeline(
+        mlp(6, 12, 3, 9),
+        &PipeCfg::new(4, 2, CheckpointMode::ExceptLast, ScheduleKind::GPipe),
+    );
+    k4.set_optimizer(|| Box::new(AdamW::new(0.01)));
+    assert!(k4
+        .load(&path, &LoadOptions::default())
+        .unwrap()
+        .other_settings
+        .is_empty());
+    std::fs::remove_dir_all(&d).unwrap();
 }

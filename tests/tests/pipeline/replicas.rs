@@ -131,7 +131,8 @@ fn a_failed_step_on_one_replica_leaves_every_replica_unchanged() {
     // triggers: dp replica 0, dp replica 1, reference replica 0, reference replica 1.
     let replica1 = triggers.lock().unwrap()[1].clone();
     for kind in [FaultKind::Error, FaultKind::Panic, FaultKind::BackwardError] {
-        replica1.lock().unwrap().armed = Some((kind, 1));
+        // Replica 1's micro-batch 1: its layers see it as micro-batch 3 + 1 of the R x M.
+        replica1.lock().unwrap().armed = Some((kind, 3 + 1));
         let e = dp.train_step(&x, &y, &mse).unwrap_err();
         let text = e.to_string();
         assert!(
@@ -269,9 +270,170 @@ fn a_checkpoint_of_replicas_resumes_bit_exactly_in_one_pipeline_and_in_replicas(
 
     // In one process without replicas: the same model, the whole mini-batch (rel 1e-5: the
     // gradient sums are split differently).
+    // Other arithmetic on purpose (R = 1, M = 6): refused unless allowed, then said.
     let mut single = sim_pipeline(mlp(6, 8, 3, 99), &PipeCfg { m: 6, ..cfg });
-    single.load(&path, &LoadOptions::default()).unwrap();
+    assert!(single.load(&path, &LoadOptions::default()).is_err());
+    let allow = LoadOptions {
+        allow_other_settings: true,
+        ..Default::default()
+    };
+    let restored = single.load(&path, &allow).unwrap();
+    let names: Vec<&str> = restored
+        .other_settings
+        .iter()
+        .map(|o| o.name.as_str())
+        .collect();
+    assert_eq!(names, ["replicas", "micro_batches"]);
     let (one, _) = pipe_train(&mut single, &x, &y, &mse, 2);
     assert!(worst_err(&one, &straight).0 <= 1e-5);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Token sequences for the Transformer LM of the tests (vocabulary 16).
+fn lm_data(n: usize) -> (Tensor, Tensor) {
+    let t = transformer_cfg(0.0).seq_len;
+    (token_ids(n, t, 16, 0), token_ids(n, t, 16, 5))
+}
+
+/// R replicas x M micro-batches draw the dropout masks of one pipeline over R x M micro-batches
+/// (replica r's micro-batch m is the mini-batch's micro-batch rM + m), so data parallelism with
+/// dropout trains like the pipeline alone, at float noise (the sums differ in order only).
+#[test]
+fn replicas_with_dropout_train_like_one_pipeline_over_r_times_m_micro_batches() {
+    let (x, y) = lm_data(8);
+    let make = || deep_transformer(0.1, 3);
+    let alone = PipeCfg::new(2, 4, CheckpointMode::ExceptLast, ScheduleKind::OneFOneB);
+    let (want, _) = pipe_train(&mut sim_pipeline(make(), &alone), &x, &y, &cross_entropy, 3);
+    let cfg = PipeCfg::new(2, 2, CheckpointMode::ExceptLast, ScheduleKind::OneFOneB);
+    let mut dp = dp_sim_pipeline(2, make, &cfg).unwrap();
+    let (got, _) = pipe_train(&mut dp, &x, &y, &cross_entropy, 3);
+    assert_close(&got, &want, 1e-5, "R=2 x M=2 against M=4, dropout 0.1");
+    assert_replicas_identical(&dp, "dropout");
+}
+
+/// A step that fails on one replica leaves every replica on the step it was on (the key of its
+/// dropout masks): with dropout, training after the failure equals a run that never failed,
+/// bit for bit.
+#[test]
+fn a_failed_step_with_dropout_leaves_every_replica_on_the_same_step() {
+    let (x, y) = lm_data(8);
+    let cfg = PipeCfg::new(2, 2, CheckpointMode::ExceptLast, ScheduleKind::GPipe);
+    let triggers: Arc<Mutex<Vec<Arc<Mutex<FaultState>>>>> = Arc::default();
+    let make = {
+        let triggers = triggers.clone();
+        move || {
+            let mut layers = deep_transformer(0.1, 3);
+            let (fault, state) = Fault::new();
+            triggers.lock().unwrap().push(state);
+            layers.push(Box::new(fault));
+            layers
+        }
+    };
+    let mut dp = dp_sim_pipeline(2, make.clone(), &cfg).unwrap();
+    let mut reference = dp_sim_pipeline(2, make, &cfg).unwrap();
+    // triggers: dp replica 0, dp replica 1, reference replica 0, reference replica 1.
+    let replica1 = triggers.lock().unwrap()[1].clone();
+    for (pipe, fail) in [(&mut dp, true), (&mut reference, false)] {
+        pipe.train_step(&x, &y, &cross_entropy).unwrap();
+        pipe.optimizer_step().unwrap();
+        if fail {
+            // Replica 1's second micro-batch (2 + 1 of the R x M) fails its forward.
+            replica1.lock().unwrap().armed = Some((FaultKind::Error, 2 + 1));
+            let e = pipe.train_step(&x, &y, &cross_entropy).unwrap_err();
+            assert!(e.to_string().contains("replica 1 of 2"), "{e}");
+            replica1.lock().unwrap().armed = None;
+            assert_eq!(pipe.step_count(), 1);
+        }
+        for _ in 0..2 {
+            pipe.train_step(&x, &y, &cross_entropy).unwrap();
+            pipe.optimizer_step().unwrap();
+        }
+    }
+    assert!(replica_states(&dp) == replica_states(&reference));
+}
+
+/// K = 2 devices x `schedule`'s chunks of Linear + ReLU (width 6), a [`Fault`] after stage
+/// `fault_stage`'s; the balance; each call's fault trigger goes to `triggers`.
+fn faulty_stages(
+    schedule: ScheduleKind,
+    fault_stage: usize,
+    triggers: &Arc<Mutex<Vec<Arc<Mutex<FaultState>>>>>,
+) -> (Vec<Box<dyn Module>>, Vec<usize>) {
+    let d = wgpipe_tensor::Device::cpu();
+    let mut layers: Vec<Box<dyn Module>> = Vec::new();
+    let mut balance = Vec::new();
+    for s in 0..2 * schedule.default_chunks() {
+        layers.push(Box::new(
+            wgpipe_models::Linear::new(6, 6, 100 + s as u64, &d).unwrap(),
+        ));
+        layers.push(Box::new(wgpipe_models::Relu));
+        balance.push(2);
+        if s == fault_stage {
+            let (fault, state) = Fault::new();
+            triggers.lock().unwrap().push(state);
+            layers.push(Box::new(fault));
+            balance[s] += 1;
+        }
+    }
+    (layers, balance)
+}
+
+/// Every fault kind, on each replica, on the first and the last stage, under every schedule:
+/// one error naming the stage, micro-batch and replica; nothing changed on any replica; and
+/// the steps after it bit-identical to a run that never failed.
+#[test]
+fn the_replica_fault_matrix_leaves_every_replica_as_before() {
+    let (x, y) = (normal_data(&[12, 6], 1), normal_data(&[12, 6], 2));
+    let m = 4; // DualPipeV needs M >= 2K
+    for schedule in ScheduleKind::ALL {
+        let last = 2 * schedule.default_chunks() - 1;
+        for stage in [0, last] {
+            for replica in 0..2 {
+                for kind in [FaultKind::Error, FaultKind::Panic, FaultKind::BackwardError] {
+                    let what = format!("{kind:?} on replica {replica} stage {stage} {schedule:?}");
+                    let triggers: Arc<Mutex<Vec<Arc<Mutex<FaultState>>>>> = Arc::default();
+                    let build = || {
+                        let make = {
+                            let triggers = triggers.clone();
+                            move || faulty_stages(schedule, stage, &triggers).0
+                        };
+                        let balance = faulty_stages(schedule, stage, &Arc::default()).1;
+                        let cfg = PipeCfg::new(2, m, CheckpointMode::ExceptLast, schedule)
+                            .balance(balance);
+                        dp_sim_pipeline(2, make, &cfg).unwrap()
+                    };
+                    let mut dp = build();
+                    let mut reference = build();
+                    for p in [&mut dp, &mut reference] {
+                        p.train_step(&x, &y, &mse).unwrap();
+                        p.optimizer_step().unwrap();
+                        p.train_step(&x, &y, &mse).unwrap();
+                    }
+                    let before = replica_states(&dp);
+                    // triggers: dp's replicas 0 and 1, then the reference's.
+                    let trigger = triggers.lock().unwrap()[replica].clone();
+                    // Micro-batch 1 of that replica: the layers see it as replica x M + 1.
+                    trigger.lock().unwrap().armed = Some((kind, (replica * m + 1) as u64));
+                    let e = dp.train_step(&x, &y, &mse).unwrap_err();
+                    trigger.lock().unwrap().armed = None;
+                    let text = e.to_string();
+                    assert!(
+                        matches!(e, PipelineError::Stage { stage: s, micro_batch: 1, .. } if s == stage)
+                            && text.contains(&format!("replica {replica} of 2")),
+                        "{what}: {text}"
+                    );
+                    assert!(replica_states(&dp) == before, "{what}: a replica changed");
+                    for p in [&mut dp, &mut reference] {
+                        p.optimizer_step().unwrap();
+                        p.train_step(&x, &y, &mse).unwrap();
+                        p.optimizer_step().unwrap();
+                    }
+                    assert!(
+                        replica_states(&dp) == replica_states(&reference),
+                        "{what}: the steps after the failure differ from a run without it"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -3,9 +3,12 @@
 //! (also before the replica average), so the copies stay bit-identical and training equals
 //! plain training of one shared parameter.
 
+use wgpipe_autograd::serialize::TensorFile;
 use wgpipe_autograd::tied_groups;
 use wgpipe_models::{parameter_count, TransformerLm};
-use wgpipe_pipeline::{ActionKind, CheckpointMode, LinkSpec, Pipeline, ScheduleKind};
+use wgpipe_pipeline::{
+    ActionKind, CheckpointMode, LinkSpec, LoadOptions, Pipeline, SaveOptions, ScheduleKind,
+};
 use wgpipe_tensor::{Device, Tensor};
 use wgpipe_tests::*;
 
@@ -154,5 +157,65 @@ fn tied_copies_that_differ_are_a_build_error_naming_both() {
     assert!(
         e.contains(&format!("{}.weight", n - 1)) && e.contains("0.tok.weight"),
         "{e}"
+    );
+}
+
+/// A checkpoint holds each tied parameter and its optimizer state once, under the first copy's
+/// name; loading puts them into every copy, and training resumes bit-exactly.
+#[test]
+fn a_checkpoint_holds_tied_copies_once_and_loads_them_into_every_copy() {
+    let (x, y) = lm_data(8);
+    let cfg = PipeCfg::new(2, 2, CheckpointMode::Never, ScheduleKind::GPipe);
+    let mut pipe = sim_pipeline(deep_transformer(0.0, 3), &cfg);
+    for _ in 0..2 {
+        pipe.train_step(&x, &y, &cross_entropy).unwrap();
+        pipe.optimizer_step().unwrap();
+    }
+    let path = std::env::temp_dir().join(format!(
+        "wgpipe-tied-once-{}.safetensors",
+        std::process::id()
+    ));
+    pipe.save(&path, &SaveOptions::default()).unwrap();
+    let names = TensorFile::open(&path).unwrap().names();
+    let params = pipe.named_parameters();
+    let groups = tied_groups(&params);
+    assert!(!groups.is_empty());
+    let mut later_copies = 0;
+    for (_, idx) in &groups {
+        assert!(names.contains(&params[idx[0]].0), "{names:?}");
+        for &i in &idx[1..] {
+            later_copies += 1;
+            let later = &params[i].0;
+            assert!(
+                !names
+                    .iter()
+                    .any(|n| n == later || n.starts_with(&format!("optim.{later}."))),
+                "{later} saved again: {names:?}"
+            );
+        }
+    }
+    let model_side = names.iter().filter(|n| !n.starts_with("optim.")).count();
+    assert_eq!(
+        model_side,
+        params.len() - later_copies + pipe.named_buffers().len()
+    );
+    // Another initialization, then the checkpoint: every copy gets the saved values.
+    let mut resumed = sim_pipeline(deep_transformer(0.0, 4), &cfg);
+    resumed.load(&path, &LoadOptions::default()).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_copies_identical(&resumed, "loaded");
+    assert_eq!(
+        snapshot(&resumed.named_parameters()),
+        snapshot(&pipe.named_parameters())
+    );
+    for p in [&mut pipe, &mut resumed] {
+        for _ in 0..2 {
+            p.train_step(&x, &y, &cross_entropy).unwrap();
+            p.optimizer_step().unwrap();
+        }
+    }
+    assert_eq!(
+        snapshot(&resumed.named_parameters()),
+        snapshot(&pipe.named_parameters())
     );
 }

@@ -32,6 +32,10 @@ impl StepComm for LocalComm {
         Ok(())
     }
 
+    fn agree_settings(&self, _settings: &[(String, String)]) -> Result<()> {
+        Ok(())
+    }
+
     fn fail_round(&self, _round: u64, _error: &PipelineError) {}
 
     /// The first failing replica's error (named by replica when there are several), else every

@@ -65,6 +65,10 @@ pub(crate) trait StepComm: Send {
     /// At build: whether the job fits a K-device pipeline.
     fn check(&self, k: usize) -> Result<()>;
 
+    /// At build: every process has the same `settings` (name, value), else the same error on
+    /// every one, naming the settings that differ and the values of each process.
+    fn agree_settings(&self, settings: &[(String, String)]) -> Result<()>;
+
     /// A step that failed here before its outcome could be agreed (an action past its time
     /// limit): the others are told, and stop.
     fn fail_round(&self, round: u64, error: &PipelineError);

@@ -403,6 +403,61 @@ fn exchange_text(
         .collect())
 }
 
+/// [`StepComm::agree_settings`] over the ranks: each sends its settings to every other, and
+/// every rank compares all of them in rank order, so that all fail alike, naming each setting
+/// that differs and every rank's value.
+fn agree_settings(comm: &MpiComm, settings: &[(String, String)]) -> Result<()> {
+    let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
+    let round = comm.next_setup_round();
+    let mine = json!(settings).to_string();
+    let theirs = exchange_text(comm, round, MsgKind::Status, &mine, &peers, 0)?;
+    let mut all: Vec<Vec<(String, String)>> = Vec::with_capacity(comm.size());
+    for rank in 0..comm.size() {
+        let text = if rank == comm.rank() {
+            &mine
+        } else {
+            &theirs[&rank]
+        };
+        all.push(serde_json::from_str(text).map_err(|e| {
+            PipelineError::Config(format!("rank {rank} sent unreadable settings: {e}"))
+        })?);
+    }
+    let mut names: Vec<&str> = Vec::new();
+    for list in &all {
+        for (n, _) in list {
+            if !names.contains(&n.as_str()) {
+                names.push(n);
+            }
+        }
+    }
+    let mut differ = Vec::new();
+    for name in names {
+        let values: Vec<Option<&str>> = all
+            .iter()
+            .map(|list| {
+                list.iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, v)| v.as_str())
+            })
+            .collect();
+        if values.iter().any(|v| *v != values[0]) {
+            let each: Vec<String> = values
+                .iter()
+                .enumerate()
+                .map(|(rank, v)| format!("rank {rank}: {}", v.unwrap_or("(not given)")))
+                .collect();
+            differ.push(format!("{name} ({})", each.join(", ")));
+        }
+    }
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(PipelineError::Config(format!(
+        "the ranks of this job were started with different settings: {}; every rank must be given the same",
+        differ.join("; ")
+    )))
+}
+
 /// A failure of the exchange itself (a peer that sent nothing).
 pub(super) fn rank_error(rank: usize, device: usize, why: String) -> PipelineError {
     PipelineError::Stage {
@@ -556,6 +611,10 @@ impl StepComm for MpiStepComm {
 
     fn check(&self, k: usize) -> Result<()> {
         check(&self.0, k)
+    }
+
+    fn agree_settings(&self, settings: &[(String, String)]) -> Result<()> {
+        agree_settings(&self.0, settings)
     }
 
     fn fail_round(&self, round: u64, error: &PipelineError) {

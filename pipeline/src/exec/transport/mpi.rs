@@ -59,6 +59,8 @@ struct Inner {
     out: Mutex<Sender<Out>>,
     routes: Arc<Mutex<Routes>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Exchanges made outside any step so far (see [`MpiComm::next_setup_round`]).
+    setups: AtomicU64,
 }
 
 impl Drop for Inner {
@@ -120,6 +122,11 @@ impl Routes {
                 if let Some(d) = self.done.get_mut(src) {
                     *d = true;
                 }
+                // Every step involves every rank: one that has ended cannot take part in the
+                // step in progress (nor in any later one, see `begin_round`).
+                if self.abort.is_some() {
+                    self.fail(ended(src));
+                }
             }
             MsgKind::Status | MsgKind::Reduce | MsgKind::Norm | MsgKind::Tied => {
                 if round >= self.round {
@@ -170,11 +177,7 @@ impl Routes {
         if let Some((_, why)) = self.dead.iter().find(|(d, _)| *d == p) {
             return Some(why.clone());
         }
-        self.done
-            .get(p)
-            .copied()
-            .unwrap_or(false)
-            .then(|| format!("rank {p} has stopped communicating (its job is over)"))
+        self.done.get(p).copied().unwrap_or(false).then(|| ended(p))
     }
 
     fn fail(&mut self, why: String) {
@@ -232,6 +235,7 @@ impl MpiComm {
                 out: Mutex::new(out),
                 routes,
                 thread: Mutex::new(Some(thread)),
+                setups: AtomicU64::new(0),
             }),
         })
     }
@@ -291,11 +295,20 @@ impl MpiComm {
         if let Some((_, why)) = r.dead.first().cloned() {
             r.fail(why);
         }
+        if let Some(p) = r.done.iter().position(|&d| d) {
+            r.fail(ended(p));
+        }
         r.control.retain(|(k, _, _), _| *k >= round);
         for bytes in std::mem::take(&mut r.early) {
             // Source ranks of early messages are only used in error texts.
             r.route(bytes, usize::MAX);
         }
+    }
+
+    /// A round of its own for an exchange outside any step (the settings every rank checks at
+    /// build): far above any step's, counted, so that two builds never mix their messages.
+    pub(crate) fn next_setup_round(&self) -> u64 {
+        u64::MAX / 4 + self.inner.setups.fetch_add(1, Ordering::SeqCst)
     }
 
     /// Ends the current round: its tensors still in flight will be dropped.
@@ -423,6 +436,7 @@ impl LinkSend for MpiSend {
 struct Pending {
     request: Request<'static, [u8], StaticScope>,
     buf: *mut [u8],
+    dest: usize,
 }
 
 /// The communication thread's loop: sends what the workers hand over (non-blocking, so two
@@ -450,7 +464,11 @@ fn serve(
             // SAFETY of the 'static borrow: the buffer is freed only after the request
             // completed (below), or never.
             .immediate_send(StaticScope, unsafe { &*ptr });
-        pending.push(Pending { request, buf: ptr });
+        pending.push(Pending {
+            request,
+            buf: ptr,
+            dest,
+        });
     };
     let peers: Vec<usize> = (0..size).filter(|&p| p != me).collect();
     loop {
@@ -513,7 +531,14 @@ fn serve(
         let limit = Duration::from_millis(peer_timeout_ms.load(Ordering::Relaxed));
         lock(routes).check_peers(me, limit);
         if let Some(since) = stop {
-            if pending.is_empty() || since.elapsed() > Duration::from_secs(5) {
+            // Sends to a rank taken for dead never complete: nothing to wait for there.
+            let undeliverable = {
+                let r = lock(routes);
+                pending
+                    .iter()
+                    .all(|p| r.dead.iter().any(|(d, _)| *d == p.dest))
+            };
+            if undeliverable || since.elapsed() > Duration::from_secs(5) {
                 // Sends a dead peer never took: their buffers stay leaked, and the requests
                 // are forgotten rather than dropped (dropping an active request panics).
                 for p in pending {
@@ -526,6 +551,14 @@ fn serve(
             }
         }
     }
+}
+
+/// Why rank `p` cannot answer: it said goodbye.
+fn ended(p: usize) -> String {
+    format!(
+        "rank {p} has ended (it finished its run, failed or exited) and sends nothing more: \
+         every rank must run the same steps"
+    )
 }
 
 /// [`PEER_TIMEOUT_VAR`]'s value as a limit: seconds, positive and finite.
