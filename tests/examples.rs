@@ -896,3 +896,174 @@ fn both_examples_train_with_replicas() {
         assert!(e.contains(want), "{flags:?}: {e}");
     }
 }
+
+/// Checks that `svg` is well-formed XML as far as tags go (every element closed, in order)
+/// with `<svg>` as its root.
+fn assert_well_formed_svg(svg: &str, what: &str) {
+    let mut stack: Vec<&str> = Vec::new();
+    let mut rest = svg;
+    let mut roots = 0;
+    while let Some(start) = rest.find('<') {
+        let end = rest[start..]
+            .find('>')
+            .map(|e| start + e)
+            .unwrap_or_else(|| panic!("{what}: an unclosed tag"));
+        let tag = &rest[start + 1..end];
+        rest = &rest[end + 1..];
+        if tag.starts_with('?') || tag.starts_with('!') {
+            continue;
+        }
+        if let Some(name) = tag.strip_prefix('/') {
+            assert_eq!(
+                stack.pop(),
+                Some(name.trim()),
+                "{what}: </{name}> out of order"
+            );
+            continue;
+        }
+        let name = tag.split_whitespace().next().unwrap_or_default();
+        if stack.is_empty() {
+            roots += 1;
+            assert_eq!(name, "svg", "{what}: the root is <{name}>");
+        }
+        if !tag.ends_with('/') {
+            stack.push(name);
+        }
+    }
+    assert!(stack.is_empty() && roots == 1, "{what}: unclosed {stack:?}");
+}
+
+/// The points of the training-loss polyline of a loss curve.
+fn curve_points(svg: &str) -> usize {
+    let line = svg
+        .lines()
+        .find(|l| l.contains("class=\"training-loss\""))
+        .expect("a training-loss polyline");
+    let points = line
+        .split("points=\"")
+        .nth(1)
+        .unwrap()
+        .split('"')
+        .next()
+        .unwrap();
+    points.split_whitespace().count()
+}
+
+/// The metrics file's lines as JSON.
+fn metrics_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is a JSON object"))
+        .collect()
+}
+
+#[test]
+fn both_examples_write_a_loss_curve_and_their_metrics() {
+    let dir = tmp("curves");
+    let metrics = dir.join("metrics.jsonl");
+    let r = lm(&tiny_lm(&dir, &["--steps", "5", "--metrics", &s(&metrics)])).unwrap();
+    let svg = std::fs::read_to_string(dir.join("loss.svg")).unwrap();
+    assert_well_formed_svg(&svg, "loss.svg");
+    assert_eq!(curve_points(&svg), 5);
+    assert_eq!(svg.matches("class=\"held-out\"").count(), 1);
+    assert!(
+        svg.contains("uniform ln(28)") && svg.contains("bigram"),
+        "references"
+    );
+    let lines = metrics_lines(&metrics);
+    assert_eq!(lines.len(), 5);
+    for (i, (line, loss)) in lines.iter().zip(&r.losses).enumerate() {
+        assert_eq!(line["step"], i as u64);
+        assert_eq!(line["loss"].as_f64().unwrap() as f32, *loss);
+        for key in ["items_per_sec", "bubble", "lr", "skipped", "loss_scale"] {
+            assert!(line.get(key).is_some(), "line {i} has no {key}: {line}");
+        }
+        assert!(line["lr"].as_f64().unwrap() > 0.0);
+    }
+    assert_eq!(
+        lines[4]["held_out_loss"].as_f64().unwrap() as f32,
+        r.eval_loss
+    );
+    assert!(lines[..4].iter().all(|l| l.get("held_out_loss").is_none()));
+
+    let c = cnn(&tiny_cnn(&dir, &["--metrics", &s(&metrics)])).unwrap();
+    let svg = std::fs::read_to_string(dir.join("cnn_loss.svg")).unwrap();
+    assert_well_formed_svg(&svg, "cnn_loss.svg");
+    assert_eq!(curve_points(&svg), 3);
+    let lines = metrics_lines(&metrics);
+    assert_eq!(lines.len(), 3);
+    assert_eq!(
+        lines[2]["held_out_accuracy"].as_f64().unwrap() as f32,
+        c.test_accuracy as f32
+    );
+}
+
+#[test]
+fn a_bad_value_of_any_flag_is_one_line_naming_the_flag_and_the_accepted_values() {
+    let dir = tmp("one-line");
+    for (flag, value, accepted) in [
+        ("--schedule", "zigzag", "dualpipe-v"),
+        ("--precision", "f64", "bf16"),
+        ("--plan", "maybe", "auto"),
+        ("--checkpoint", "sometimes", "except-last"),
+        ("--device", "tpu", "sim"),
+    ] {
+        let e = lm(&tiny_lm(&dir, &[flag, value])).unwrap_err();
+        assert_eq!(e.lines().count(), 1, "{flag}: {e}");
+        assert!(
+            e.contains(flag) && e.contains(value) && e.contains(accepted),
+            "{flag}: {e}"
+        );
+    }
+    // A value clap cannot parse as a number is one line too.
+    let e = lm(&tiny_lm(&dir, &["--stages", "two"])).unwrap_err();
+    assert_eq!(e.lines().count(), 1, "{e}");
+    assert!(e.contains("--stages"), "{e}");
+}
+
+/// The main job as a process (the example binary `cargo test` builds beside this test), a few
+/// steps on a headless machine: nothing on stderr says "error", with the Vulkan drivers as
+/// installed (lavapipe in CI) and with none (hidden as `VK_DRIVER_FILES` hides them).
+#[test]
+fn the_main_job_leaves_no_error_on_stderr_with_or_without_a_vulkan_driver() {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("examples")
+        .join(format!("train_transformer{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.exists(),
+        "{} is missing: `cargo test` builds the examples before the tests",
+        bin.display()
+    );
+    let dir = tmp("stderr");
+    for hide in [false, true] {
+        let mut cmd = std::process::Command::new(&bin);
+        cmd.args(tiny_lm(&dir, &["--device", "auto"]))
+            .current_dir(&dir)
+            // Headless: no display server to find.
+            .env_remove("XDG_RUNTIME_DIR")
+            .env_remove("WAYLAND_DISPLAY")
+            .env_remove("DISPLAY");
+        if hide {
+            let none = dir.join("no-driver.json");
+            cmd.env("VK_DRIVER_FILES", &none)
+                .env("VK_ICD_FILENAMES", &none);
+        }
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "hidden drivers {hide}: {}\n{stderr}",
+            out.status
+        );
+        let bad: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.to_lowercase().contains("error"))
+            .collect();
+        assert!(bad.is_empty(), "hidden drivers {hide}: stderr says {bad:?}");
+    }
+}

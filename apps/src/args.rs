@@ -3,6 +3,7 @@
 //! M, a balance fits the model) are not checked again here: the library's typed errors are
 //! mapped to the flags that caused them.
 
+use std::error::Error as _;
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -180,9 +181,14 @@ pub struct PipelineArgs {
     /// Chrome trace of the last step (open in Perfetto or chrome://tracing).
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// SVG timeline of the last step (stages as rows).
+    /// SVG timeline of the last step (devices as rows). The loss curve (`loss.svg`) is
+    /// written beside it.
     #[arg(long)]
     pub timeline: Option<PathBuf>,
+    /// Every step's figures as JSON Lines (step, loss, held-out figure when evaluated, items
+    /// per second, bubble, learning rate, loss scale, skipped).
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
     /// No progress bar (plain log lines instead).
     #[arg(long)]
     pub quiet: bool,
@@ -327,6 +333,7 @@ impl PipelineArgs {
             ("save", &self.save),
             ("trace", &self.trace),
             ("timeline", &self.timeline),
+            ("metrics", &self.metrics),
         ] {
             if let Some(p) = path {
                 crate::output::check_writable(flag, p)?;
@@ -467,4 +474,52 @@ pub fn describe_stages(pipe: &Pipeline) -> String {
         ));
     }
     s
+}
+
+/// A command-line error of clap in one line naming the flag and, for a bad value, the accepted
+/// ones (clap's own message takes three, with a hint), without the leading `error: `.
+pub fn one_line(e: &clap::Error) -> String {
+    use clap::error::{ContextKind, ContextValue};
+    let text = |kind| match e.get(kind) {
+        Some(ContextValue::String(s)) => Some(s.clone()),
+        Some(ContextValue::Strings(v)) => Some(v.join(", ")),
+        _ => None,
+    };
+    let flag = text(ContextKind::InvalidArg).map(|f| f.split(' ').next().unwrap_or("").to_string());
+    match (e.kind(), flag, text(ContextKind::InvalidValue)) {
+        (clap::error::ErrorKind::InvalidValue, Some(flag), Some(value)) => {
+            match text(ContextKind::ValidValue) {
+                Some(valid) => format!("{flag} {value:?}: not one of {valid}"),
+                None => format!("{flag} {value:?}: invalid value"),
+            }
+        }
+        (clap::error::ErrorKind::ValueValidation, Some(flag), Some(value)) => {
+            let why = e.source().map(|s| s.to_string()).unwrap_or_default();
+            format!("{flag} {value:?}: {why}")
+        }
+        _ => {
+            // Clap's first line, which names the flag.
+            let rendered = e.render().to_string();
+            let first = rendered.lines().next().unwrap_or_default();
+            first.strip_prefix("error: ").unwrap_or(first).to_string()
+        }
+    }
+}
+
+/// The matches of this process's command line for `cmd`: `--help` and `--version` print as
+/// clap prints them; any other problem is one line naming the flag, and exit status 2.
+pub fn command_line(cmd: clap::Command) -> clap::ArgMatches {
+    cmd.try_get_matches().unwrap_or_else(|e| {
+        use clap::error::ErrorKind;
+        if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion)
+            || matches!(
+                e.kind(),
+                ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            )
+        {
+            e.exit()
+        }
+        eprintln!("error: {}", one_line(&e));
+        std::process::exit(2)
+    })
 }

@@ -11,7 +11,8 @@
 //! - [`plan`]: `--plan`, the pipeline chosen by the planner;
 //! - [`files`]: `--save` / `--resume` checkpoint files (through `wgpipe_pipeline::train::persist`);
 //! - [`train`]: the training loop and Ctrl-C;
-//! - [`output`]: the progress bar, the per-stage table, the trace and the SVG timeline;
+//! - [`output`]: the progress bar, the per-device table, the trace and the SVG timeline;
+//! - [`metrics`]: `--metrics` (JSON Lines) and the loss-curve SVG;
 //! - the programs: [`train_transformer`], [`train_cnn`], [`bench_train`].
 
 pub use clap::Parser;
@@ -24,6 +25,7 @@ pub mod args;
 pub mod error;
 pub mod files;
 pub mod limits;
+pub mod metrics;
 pub mod output;
 pub mod peak;
 pub mod placement;

@@ -99,7 +99,8 @@ pub fn check_writable(flag: &str, path: &Path) -> AppResult<()> {
     }
 }
 
-fn create_parent(path: &Path) -> AppResult<()> {
+/// Creates the folder `path` goes in.
+pub fn create_parent(path: &Path) -> AppResult<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).context(format!("creating {}", dir.display()))?;
     }
@@ -142,7 +143,7 @@ pub fn report_outputs(
     if !is_root() {
         return Ok(());
     }
-    println!("\nlast step, per stage:\n{}", report.stage_table());
+    println!("\nlast step, per device:\n{}", report.stage_table());
     if pipe.num_micro_batches() <= 12 {
         println!("schedule (one column per clock tick):\n{}", pipe.schedule());
     }

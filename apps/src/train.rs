@@ -49,6 +49,8 @@ pub struct LoopConfig<'a> {
 /// What [`train_loop`] did.
 pub struct LoopResult {
     pub losses: Vec<f32>,
+    /// Every step's figures (for `--metrics` and the loss curve).
+    pub metrics: Vec<crate::metrics::StepMetrics>,
     pub last_report: Option<StepReport>,
     pub wall_secs: f64,
     pub items_per_sec: f64,
@@ -81,6 +83,7 @@ pub fn train_loop(
     let clock = std::time::Instant::now();
     let mut r = LoopResult {
         losses: Vec::new(),
+        metrics: Vec::new(),
         last_report: None,
         wall_secs: 0.0,
         items_per_sec: 0.0,
@@ -105,6 +108,15 @@ pub fn train_loop(
         items += cfg.items_per_step;
         r.losses.push(report.loss);
         let elapsed = clock.elapsed().as_secs_f64();
+        r.metrics.push(crate::metrics::StepMetrics {
+            step,
+            loss: report.loss,
+            items_per_sec: items as f64 / elapsed,
+            bubble: report.bubble_fraction(),
+            lr: pipe.optimizers().first().map_or(cfg.base_lr, |o| o.lr()),
+            loss_scale: report.loss_scale,
+            skipped: report.skipped.is_some(),
+        });
         let msg = format!(
             "loss {:.3}  {:.0} {}/s  bubble {:.0}%{}",
             report.loss,

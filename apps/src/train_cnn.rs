@@ -16,6 +16,7 @@ use crate::args::{describe_replicas, describe_stages, PipelineArgs};
 use crate::error::{AppError, AppResult, Context};
 use crate::files::{check_readable, is_optimizer_key, load_pipeline, save_pipeline};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
+use crate::metrics::write_curves;
 use crate::models::data::{read_cifar10_bins, read_mnist, ImageSet, SyntheticTask};
 use crate::models::{cross_entropy, parameter_count, AmoebaNet, ResNet};
 use crate::output::{out_path, report_outputs};
@@ -114,13 +115,13 @@ impl CnnArgs {
     {
         let argv = std::iter::once(std::ffi::OsString::from("train_cnn"))
             .chain(args.into_iter().map(Into::into));
-        CnnArgs::try_parse_from(argv).map_err(|e| AppError(e.to_string()))
+        CnnArgs::try_parse_from(argv).map_err(|e| AppError(crate::args::one_line(&e)))
     }
 
     /// The flags of this process's command line, noting whether the pipeline's shape was
     /// given (for `--plan auto`); exits with clap's message on bad flags.
     pub fn from_command_line() -> CnnArgs {
-        let matches = <CnnArgs as clap::CommandFactory>::command().get_matches();
+        let matches = crate::args::command_line(<CnnArgs as clap::CommandFactory>::command());
         let mut args = <CnnArgs as clap::FromArgMatches>::from_arg_matches(&matches)
             .unwrap_or_else(|e| e.exit());
         args.pipe.shape_given = crate::plan::shape_given(&matches);
@@ -613,6 +614,16 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     );
     let trace = out_path(&p.trace, "cnn_trace.json");
     let timeline = out_path(&p.timeline, "cnn_timeline.svg");
+    let chance_loss = (train.num_classes as f32).ln();
+    write_curves(
+        &r.metrics,
+        Some(("held_out_accuracy", end_step.saturating_sub(1), acc as f32)),
+        &[(format!("chance ln({})", train.num_classes), chance_loss)],
+        "train_cnn: loss per step",
+        &timeline,
+        "cnn_loss.svg",
+        p.metrics.as_deref(),
+    )?;
     if let Some(rep) = &r.last_report {
         report_outputs(&pipe, rep, "train_cnn", &trace, &timeline)?;
         if let Some(plan) = &plan {

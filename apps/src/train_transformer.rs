@@ -16,6 +16,7 @@ use crate::args::{describe_replicas, describe_stages, PipelineArgs};
 use crate::error::{AppError, AppResult, Context};
 use crate::files::{load_pipeline, save_pipeline};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
+use crate::metrics::write_curves;
 use crate::models::data::TextDataset;
 use crate::models::{cross_entropy, parameter_count, TransformerLm};
 use crate::output::{out_path, report_outputs};
@@ -87,13 +88,14 @@ impl TransformerArgs {
     {
         let argv = std::iter::once(std::ffi::OsString::from("train_transformer"))
             .chain(args.into_iter().map(Into::into));
-        TransformerArgs::try_parse_from(argv).map_err(|e| AppError(e.to_string()))
+        TransformerArgs::try_parse_from(argv).map_err(|e| AppError(crate::args::one_line(&e)))
     }
 
     /// The flags of this process's command line, noting whether the pipeline's shape was
     /// given (for `--plan auto`); exits with clap's message on bad flags.
     pub fn from_command_line() -> TransformerArgs {
-        let matches = <TransformerArgs as clap::CommandFactory>::command().get_matches();
+        let matches =
+            crate::args::command_line(<TransformerArgs as clap::CommandFactory>::command());
         let mut args = <TransformerArgs as clap::FromArgMatches>::from_arg_matches(&matches)
             .unwrap_or_else(|e| e.exit());
         args.pipe.shape_given = crate::plan::shape_given(&matches);
@@ -530,6 +532,23 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
 
     let trace = out_path(&p.trace, "trace.json");
     let timeline = out_path(&p.timeline, "timeline.svg");
+    let mut references = vec![(format!("uniform ln({vocab})"), (vocab as f32).ln())];
+    if args.data.is_none() {
+        references.extend(
+            [("unigram", 2.92), ("bigram", 1.75), ("grammar floor", 0.30)]
+                .map(|(n, v)| (n.to_string(), v)),
+        );
+    }
+    let last_step = end_step.saturating_sub(1);
+    write_curves(
+        &r.metrics,
+        Some(("held_out_loss", last_step, eval)),
+        &references,
+        "train_transformer: loss per step (nats/char)",
+        &timeline,
+        "loss.svg",
+        p.metrics.as_deref(),
+    )?;
     if let Some(rep) = &r.last_report {
         report_outputs(&pipe, rep, "train_transformer", &trace, &timeline)?;
         if let Some(plan) = &plan {

@@ -117,15 +117,16 @@ impl StepReport {
         svg_timeline_on(t, title, clock)
     }
 
-    /// A per-stage summary table (markdown).
+    /// A per-device summary table (markdown): a row per device, with the virtual stages
+    /// (chunks) it holds and their layers.
     pub fn stage_table(&self) -> String {
         let mut s = String::new();
         let sim = self.simulated.is_some();
         let _ = writeln!(
             s,
-            "| stage | device | layers | params | busy % (wall) | peak params MiB | peak grads MiB | peak optim MiB | peak activations MiB | peak f32 / f16 / bf16 MiB | sent MiB |"
+            "| device | name | stages (chunks) | layers | params | busy % (wall) | peak params MiB | peak grads MiB | peak optim MiB | peak activations MiB | peak f32 / f16 / bf16 MiB | sent MiB |"
         );
-        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
         for st in &self.stages {
             let mib = |t: Tag| st.memory.peak_of(t) as f64 / (1 << 20) as f64;
             let by_dtype = DType::ALL
@@ -143,9 +144,14 @@ impl StepReport {
             };
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.2} |",
+                "| {} | {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.2} |",
                 st.stage,
                 st.device,
+                st.chunks
+                    .iter()
+                    .map(|c| c.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 st.layers
                     .iter()
                     .map(|r| format!("{}..{}", r.start, r.end))

@@ -56,6 +56,53 @@ fn backend_rank(b: wgpu::Backend) -> u8 {
     }
 }
 
+/// The window-system extensions wgpu enables on a Vulkan instance wherever they exist (X11 and
+/// Wayland surfaces), which a compute-only process never uses.
+#[cfg(all(unix, not(target_os = "macos"), not(target_os = "android")))]
+const WINDOW_SYSTEM_EXTENSIONS: [&std::ffi::CStr; 3] = [
+    c"VK_KHR_xlib_surface",
+    c"VK_KHR_xcb_surface",
+    c"VK_KHR_wayland_surface",
+];
+
+/// A Vulkan instance without [`WINDOW_SYSTEM_EXTENSIONS`] (`None` where Vulkan cannot be
+/// loaded: then the plain instance says what there is). Why: Mesa's device-select layer
+/// (installed with Mesa's Vulkan drivers, lavapipe included) connects to the display server of
+/// every window system whose surface extension the instance enabled, to find the default GPU;
+/// on a headless machine libwayland then prints `error: XDG_RUNTIME_DIR is invalid or not set`
+/// on every run. Without the extensions it does not look. Safe although wgpu-hal asks callbacks
+/// not to remove extensions: it checks its list of enabled extensions before each use of these
+/// three (creating an X11 or Wayland surface), which wgpipe never does.
+#[cfg(all(unix, not(target_os = "macos"), not(target_os = "android")))]
+fn compute_only_vulkan(flags: wgpu::InstanceFlags) -> Option<wgpu::Instance> {
+    use wgpu::hal;
+    let desc = hal::InstanceDescriptor {
+        name: "wgpipe",
+        flags,
+        memory_budget_thresholds: Default::default(),
+        backend_options: Default::default(),
+        telemetry: None,
+        display: None,
+    };
+    let strip: Box<hal::vulkan::CreateInstanceCallback> =
+        Box::new(|args: hal::vulkan::CreateInstanceCallbackArgs| {
+            args.extensions
+                .retain(|e| !WINDOW_SYSTEM_EXTENSIONS.contains(e));
+        });
+    // SAFETY: the callback only removes extensions this process never uses (see above).
+    let hal_instance = unsafe { hal::vulkan::Instance::init_with_callback(&desc, Some(strip)) };
+    // SAFETY: a valid Vulkan instance, handed over whole.
+    hal_instance
+        .ok()
+        .map(|i| unsafe { wgpu::Instance::from_hal::<hal::api::Vulkan>(i) })
+}
+
+/// Elsewhere the plain instance (no Mesa device-select layer to wake).
+#[cfg(not(all(unix, not(target_os = "macos"), not(target_os = "android"))))]
+fn compute_only_vulkan(_flags: wgpu::InstanceFlags) -> Option<wgpu::Instance> {
+    None
+}
+
 fn discover() -> Discovery {
     // An instance without validation layers (they are slow and usually absent); WGPU_DEBUG /
     // WGPU_VALIDATION still turn them on.
@@ -67,7 +114,7 @@ fn discover() -> Discovery {
     // Instance creation and enumeration talk to system drivers; a broken driver must not take
     // the process down, so a panic there means "no adapters".
     let found = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let instance = wgpu::Instance::new(desc);
+        let instance = compute_only_vulkan(desc.flags).unwrap_or_else(|| wgpu::Instance::new(desc));
         pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()))
     }))
     .unwrap_or_default();
