@@ -39,8 +39,7 @@ pub fn metrics_jsonl(steps: &[StepMetrics], held_out: Option<(&str, u64, f32)>) 
             "loss_scale": m.loss_scale,
             "skipped": m.skipped,
         });
-        if let Some((name, step, value)) = held_out.filter(|h| h.1 == m.step) {
-            let _ = step;
+        if let Some((name, _, value)) = held_out.filter(|h| h.1 == m.step) {
             line[name] = json!(value);
         }
         let _ = writeln!(out, "{line}");

@@ -380,7 +380,7 @@ fn a_rank_that_dies_ends_the_job_in_bounded_time_naming_it() {
     };
     let dir = fresh_dir("abort");
     let start = Instant::now();
-    let mut child = mpirun_np(2)
+    let child = mpirun_np(2)
         .arg(env!("CARGO_BIN_EXE_mpi_worker"))
         .args(job.args())
         .arg(&dir)
@@ -389,22 +389,8 @@ fn a_rank_that_dies_ends_the_job_in_bounded_time_naming_it() {
         .spawn()
         .unwrap();
     // The bound: well under the peer time limit (60 s), far over what it takes (about 1 s).
-    let bound = Duration::from_secs(20);
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > bound {
-            let _ = child.kill();
-            panic!("the job still runs {bound:?} after rank 1 died");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let secs = start.elapsed().as_secs_f64();
-    let out = child.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(!out.status.success(), "the job succeeded: {text}");
+    let (ok, text, secs) = output_within(child, start, Duration::from_secs(20), "rank 1 died");
+    assert!(!ok, "the job succeeded: {text}");
     assert!(
         text.contains("rank 1") && text.contains("signal 6"),
         "the message does not name the dead rank: {text}"
@@ -676,11 +662,22 @@ fn mpirun_two(
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
     let start = Instant::now();
-    let mut child = cmd.spawn().unwrap();
+    let child = cmd.spawn().unwrap();
+    output_within(child, start, bound, &format!("{rank0:?} : {rank1:?}"))
+}
+
+/// Waits for `child` (started at `start`), killing it and failing the test past `bound`:
+/// whether it succeeded, its stdout and stderr, and the seconds it ran.
+fn output_within(
+    mut child: std::process::Child,
+    start: Instant,
+    bound: Duration,
+    what: &str,
+) -> (bool, String, f64) {
     while child.try_wait().unwrap().is_none() {
         if start.elapsed() > bound {
             let _ = child.kill();
-            panic!("still running {bound:?} after start: {rank0:?} : {rank1:?}");
+            panic!("{what}: the job still runs {bound:?} after start");
         }
         std::thread::sleep(Duration::from_millis(20));
     }

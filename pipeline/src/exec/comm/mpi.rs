@@ -66,14 +66,13 @@ fn agree(
         return Err(failure(comm, local.err(), root, &all));
     }
     let base = comm.rank() - me;
-    let outcomes = (0..k)
-        .map(|d| outcome_of(&all[base + d], &schedule.devices[d]))
-        .collect();
-    // Every replica skips when any does, so that they stay identical.
-    let everyone: Vec<StageOutcome> = (0..all.len())
+    let mut everyone: Vec<StageOutcome> = (0..all.len())
         .map(|rank| outcome_of(&all[rank], &schedule.devices[rank % k]))
         .collect();
+    // Every replica skips when any does, so that they stay identical.
     let skipped = earliest_non_finite(&everyone);
+    // This rank's replica's devices.
+    let outcomes = everyone.drain(base..base + k).collect();
     let r = replicas(comm, k);
     let mut total = 0.0f32;
     for s in &all {
