@@ -1,22 +1,27 @@
 //! Stages in two processes over MPI: the measured step time beside the simulator's prediction.
 //!
 //! `mpirun -np 2 target/release/examples/bench_mpi` (build with `--features mpi`; as root add
-//! `--allow-run-as-root`). Three measurements, all on this transport (MPI through each rank's
-//! communication thread, tensors encoded to the wire format):
-//! 1. the link: median swap time of a small and a large message between the two ranks, giving
-//!    latency and bandwidth;
+//! `--allow-run-as-root`). Four measurements:
+//! 1. the link: for 4 B to 16 MiB, the one-way time of a tensor on this transport (a frame
+//!    through each rank's communication thread) beside plain blocking MPI send/receive of the
+//!    same bytes, in alternating rounds of the same run;
 //! 2. the step: a K = 2 pipeline (an MLP of wide Linear + ReLU layers, GPipe, M = 8), one stage
 //!    per rank, the median wall time of several steps after warm-up;
 //! 3. the prediction: the simulator replaying the same schedule with each compute action's
 //!    measured time and the measured link (the cost model of `timeline::simulate`).
 //!
+//! 4. the main job's model at K = 2 over MPI, then with in-process threads.
+//!
 //! The ratio measured / predicted is what the simulator misses: scheduling and communication-
 //! thread overheads, and contention when the two ranks share cores. Rank 0 prints.
+//!
+//! `mpirun -np 4 ... bench_mpi`: K = 2 x R = 2 of the main job's model, steps with the gradient
+//! reduction overlapping the backward and without, alternating.
 
 use std::time::Instant;
 
 use wgpipe::autograd::{Module, Sgd};
-use wgpipe::models::{mse, Linear, Relu};
+use wgpipe::models::{mse, Linear, Relu, TransformerLm};
 use wgpipe::pipeline::sim::timeline::{simulate, ActionCost};
 use wgpipe::pipeline::MpiComm;
 use wgpipe::pipeline::{
@@ -33,16 +38,154 @@ const M: usize = 8;
 const WARMUP: usize = 2;
 const STEPS: usize = 6;
 
+/// Message sizes of the link table (bytes).
+const SIZES: [usize; 7] = [4, 64, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20];
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The link table: for each size, the one-way time (half the median round trip) of the
+/// transport (a tensor's path) and of plain blocking MPI, measured in alternating rounds.
+fn link_table(comm: &MpiComm, peer: usize) -> Res<Vec<(usize, f64, f64)>> {
+    let mut rows = Vec::new();
+    for &bytes in &SIZES {
+        let reps = if bytes >= 4 << 20 { 10 } else { 200 };
+        let (mut ours, mut raw) = (Vec::new(), Vec::new());
+        for _ in 0..3 {
+            ours.extend(comm.measure_ping_pong(peer, bytes, reps)?);
+            raw.extend(comm.raw_ping_pong(peer, bytes, reps)?);
+        }
+        rows.push((bytes, median(ours) / 2.0, median(raw) / 2.0));
+    }
+    Ok(rows)
+}
+
 fn main() -> Res<()> {
     let comm = MpiComm::init()?;
-    if comm.size() != 2 {
-        return Err(format!("run with mpirun -np 2 (this job has {} ranks)", comm.size()).into());
+    match comm.size() {
+        2 => two_ranks(&comm),
+        4 => overlap(&comm),
+        n => Err(format!(
+            "run with mpirun -np 2 (the link and K=2) or -np 4 (K=2 x R=2, the reduction's overlap); this job has {n} ranks"
+        )
+        .into()),
     }
+}
+
+/// The main job's model (TransformerLm d 64, 4 heads, 4 blocks, context 64, vocabulary 28)
+/// and a batch of 32 sequences of random tokens.
+/// A model's layers, inputs and targets.
+type Job = (Vec<Box<dyn Module>>, Tensor, Tensor);
+
+fn main_job_model() -> Res<Job> {
+    let cpu = Device::cpu();
+    let cfg = TransformerLm {
+        vocab: 28,
+        d_model: 64,
+        heads: 4,
+        layers: 4,
+        seq_len: 64,
+        dropout: 0.0,
+        tie_embeddings: false,
+    };
+    let layers = cfg.build(7, &cpu)?;
+    let n = 32 * 64;
+    let ids = |seed: u64| -> Res<Tensor> {
+        let u = Tensor::rand_uniform(&[n], 0.0, 27.99, seed, &cpu)?.to_vec()?;
+        let ids: Vec<f32> = u.iter().map(|v| v.floor()).collect();
+        Ok(Tensor::from_vec(ids, &[32, 64], &cpu)?)
+    };
+    Ok((layers, ids(1)?, ids(2)?))
+}
+
+/// K = 2 steps of the main job's model: the median wall time of `steps` after two warm-ups.
+fn main_job_steps(
+    transport: Transport,
+    devices: usize,
+    replicas: Option<&MpiComm>,
+    steps: usize,
+) -> Res<(f64, f64)> {
+    let (layers, x, y) = main_job_model()?;
+    let cpu = Device::cpu();
+    let mut pipe = Pipeline::builder(layers)
+        .devices(vec![cpu.clone(); devices])
+        .micro_batches(4)
+        .checkpoint(CheckpointMode::Never)
+        .schedule(ScheduleKind::OneFOneB)
+        .optimizer(|| Box::new(Sgd::new(0.01)))
+        .transport(transport)
+        .build()?;
+    let ce = |o: &wgpipe::autograd::Var, t: &Tensor| wgpipe::models::cross_entropy(o, t);
+    let (mut on, mut off) = (Vec::new(), Vec::new());
+    for step in 0..2 + steps {
+        // Rounds alternate with and without the overlap (when there are replicas).
+        let overlap = step % 2 == 0;
+        if let Some(comm) = replicas {
+            comm.set_overlap_reduction(overlap);
+        }
+        let t0 = Instant::now();
+        pipe.train_step(&x, &y, &ce)?;
+        pipe.optimizer_step()?;
+        if step >= 2 {
+            if overlap { &mut on } else { &mut off }.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let off = if off.is_empty() {
+        f64::NAN
+    } else {
+        median(off)
+    };
+    Ok((median(on), off))
+}
+
+/// mpirun -np 4: K = 2 x R = 2 of the main job's model, steps with the reduction overlapping
+/// the backward and without, alternating.
+fn overlap(comm: &MpiComm) -> Res<()> {
+    let (with, without) = main_job_steps(Transport::Mpi(comm.clone()), 2, Some(comm), 12)?;
+    if comm.rank() == 0 {
+        println!(
+            "K=2 x R=2 over mpirun -np 4, the main job's model (TransformerLm d64, 4 blocks, batch 32, 1F1B M=4), median of 6 steps each, alternating:"
+        );
+        println!(
+            "  step with the reduction overlapping the backward {:.1} ms, after the backward {:.1} ms: {:.2}x",
+            with * 1e3,
+            without * 1e3,
+            without / with
+        );
+    }
+    Ok(())
+}
+
+fn two_ranks(comm: &MpiComm) -> Res<()> {
     let peer = 1 - comm.rank();
     // 1. The link.
-    let (small, large) = (64usize, 4 << 20);
-    let t_small = comm.measure_swap(peer, small, 50)?;
-    let t_large = comm.measure_swap(peer, large, 10)?;
+    let rows = link_table(comm, peer)?;
+    if comm.rank() == 0 {
+        println!("link between 2 ranks, one-way time (half the median round trip), 3 alternating rounds:");
+        println!("| bytes | transport µs | raw MPI µs | transport GB/s | raw MPI GB/s | transport / raw bandwidth |");
+        println!("|---|---|---|---|---|---|");
+        for &(bytes, ours, raw) in &rows {
+            println!(
+                "| {bytes} | {:.2} | {:.2} | {:.3} | {:.3} | {:.2} |",
+                ours * 1e6,
+                raw * 1e6,
+                bytes as f64 / ours / 1e9,
+                bytes as f64 / raw / 1e9,
+                raw / ours
+            );
+        }
+        let (_, ours, raw) = rows[0];
+        println!(
+            "small-message latency: transport {:.1} µs, raw MPI {:.2} µs ({:.1}x)",
+            ours * 1e6,
+            raw * 1e6,
+            ours / raw
+        );
+    }
+    let (small, large) = (SIZES[1], SIZES[5]);
+    let (t_small, t_large) = (rows[1].1, rows[5].1);
     let link = LinkSpec {
         bandwidth_bytes_per_sec: (large - small) as f64 / (t_large - t_small).max(1e-9),
         latency_sec: t_small,
@@ -143,6 +286,21 @@ fn main() -> Res<()> {
             measured * 1e3,
             predicted * 1e3,
             measured / predicted
+        );
+    }
+    drop(pipe);
+
+    // 4. The main job's model, K = 2 over MPI, then (rank 0 alone, rank 1 gone) the same K = 2
+    // with in-process threads.
+    let (over_mpi, _) = main_job_steps(Transport::Mpi(comm.clone()), 2, None, 8)?;
+    comm.finish();
+    if comm.rank() == 0 {
+        let (threads, _) = main_job_steps(Transport::default(), 2, None, 8)?;
+        println!(
+            "the main job's model (TransformerLm d64, 4 blocks, batch 32, 1F1B M=4), K=2: over MPI {:.1} ms/step, in-process threads {:.1} ms/step: MPI / threads = {:.2}",
+            over_mpi * 1e3,
+            threads * 1e3,
+            over_mpi / threads
         );
     }
     Ok(())

@@ -56,6 +56,8 @@ pub(crate) struct StepInputs {
     pub loss: Sender<LossRequest>,
     /// The compute action running and since when, for the step's watchdog.
     pub running: Running,
+    /// Told when a stage's weight gradients are final (their reduction can start).
+    pub grads_final: Option<Arc<dyn crate::exec::comm::GradsFinal>>,
 }
 
 /// A device's compute action running now and since when (`None` between actions), shared with
@@ -212,7 +214,14 @@ pub(crate) fn run_device(
         check_flops: 0,
         out: StageOutcome::default(),
     };
-    for &action in &io.actions {
+    // Where each stage's weight gradients become final: its last action that adds to them.
+    let mut last_grad: HashMap<usize, usize> = HashMap::new();
+    for (i, a) in io.actions.iter().enumerate() {
+        if matches!(a.kind, ActionKind::Backward | ActionKind::BackwardWeight) {
+            last_grad.insert(a.stage, i);
+        }
+    }
+    for (i, &action) in io.actions.iter().enumerate() {
         if io.abort.load(Ordering::SeqCst) {
             return Err(StageCause::Disconnected(
                 "stopped because another stage failed".into(),
@@ -224,6 +233,11 @@ pub(crate) fn run_device(
             layer: None,
         };
         w.run(action)?;
+        if let Some(hook) = &io.grads_final {
+            if last_grad.get(&action.stage) == Some(&i) {
+                hook.stage_final(w.stage(action.stage)?);
+            }
+        }
     }
     w.check_param_grads(stages)?;
     Ok(w.out)
@@ -648,6 +662,7 @@ impl<'a> Worker<'a, '_> {
             .rx
             .get(&link)
             .ok_or_else(|| internal(format!("no receiver for {link}")))?;
+        let _waiting = crate::exec::transport::Waiting::on(self.links.waiter.as_deref());
         loop {
             match rx.recv_timeout(POLL) {
                 Ok(msg) if msg.micro_batch == m => return Ok(msg),

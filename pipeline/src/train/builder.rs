@@ -282,6 +282,7 @@ impl PipelineBuilder {
         };
 
         comm.agree_settings(&self.settings(&schedule, &balance))?;
+        comm.connect(schedule.num_devices())?;
         let ranges = stage_ranges(&balance);
         let (skip_links, mut stage_skips) = plan_skips(&self.layers, &ranges, self.skip_route)?;
         let schedule = schedule.with_skip_transfers(&skip_links);

@@ -246,6 +246,12 @@ impl Pipeline {
         let (r, first) = self.comm.replicas(self.schedule.num_devices(), held);
         let shards = shard_batch(inputs, targets, r)?;
         let weights: Vec<f32> = shards.iter().map(|s| s.2).collect();
+        let grads_final = match self.replicas.as_slice() {
+            [one] => self
+                .comm
+                .begin_round(self.round, &self.schedule, &one.stages, &weights),
+            _ => None,
+        };
         let ctx = StepCtx {
             schedule: &self.schedule,
             transport: &self.transport,
@@ -261,6 +267,7 @@ impl Pipeline {
             precision: self.precision,
             action_timeout: self.action_timeout,
             loss_seed: loss_scale.unwrap_or(1.0),
+            grads_final,
         };
         let saved: Vec<Saved> = self.replicas.iter().map(Saved::take).collect();
         let clock = Instant::now();

@@ -48,6 +48,9 @@ pub(crate) struct StepCtx<'a> {
     pub action_timeout: Option<Duration>,
     /// What the backward is seeded with (the loss scale; 1 without loss scaling).
     pub loss_seed: f32,
+    /// The hook for gradients that became final (see
+    /// [`crate::exec::comm::StepComm::begin_round`]; only where one replica is held).
+    pub grads_final: Option<std::sync::Arc<dyn crate::exec::comm::GradsFinal>>,
 }
 
 /// How a replica's part of a step ended.

@@ -76,6 +76,7 @@ impl Replica {
                 compute: ctx.precision,
                 loss: loss_tx.clone(),
                 running: running[device].clone(),
+                grads_final: ctx.grads_final.clone(),
             };
             // The stages reach the thread through a channel, so that a thread that cannot be
             // started does not take them with it.

@@ -9,8 +9,11 @@ mod local;
 #[cfg(feature = "mpi")]
 pub(crate) mod mpi;
 #[cfg(feature = "mpi")]
+mod mpi_buckets;
+#[cfg(feature = "mpi")]
 pub(crate) mod mpi_tied;
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use wgpipe_autograd::optim::Optimizer;
@@ -53,8 +56,15 @@ pub(crate) struct Agreed {
     pub skipped: Option<NonFiniteAt>,
 }
 
+/// Told on a device's thread when a stage's weight gradients are final in the step (its last
+/// backward or weight action ran), so that their reduction across replicas starts while the
+/// rest of the backward runs.
+pub(crate) trait GradsFinal: Send + Sync {
+    fn stage_final(&self, stage: &Stage);
+}
+
 /// Everything a step agrees on across the replicas and processes that run it.
-pub(crate) trait StepComm: Send {
+pub(crate) trait StepComm: Send + Sync {
     /// This process's rank in the job (0 in one process).
     fn rank(&self) -> usize;
 
@@ -68,6 +78,25 @@ pub(crate) trait StepComm: Send {
     /// At build: every process has the same `settings` (name, value), else the same error on
     /// every one, naming the settings that differ and the values of each process.
     fn agree_settings(&self, settings: &[(String, String)]) -> Result<()>;
+
+    /// At build, once the settings agree: whatever the step's collectives need for a K-device
+    /// pipeline (nothing in one process).
+    fn connect(&self, _k: usize) -> Result<()> {
+        Ok(())
+    }
+
+    /// Before round `round` runs: the hook its devices call as stages' gradients become final
+    /// (`stages`: the held replica's; `weights`: every replica's share), or `None` when the
+    /// reduction waits for the end of the step (one process, or one replica).
+    fn begin_round(
+        &self,
+        _round: u64,
+        _schedule: &Schedule,
+        _stages: &[Stage],
+        _weights: &[f32],
+    ) -> Option<Arc<dyn GradsFinal>> {
+        None
+    }
 
     /// A step that failed here before its outcome could be agreed (an action past its time
     /// limit): the others are told, and stop.
@@ -121,7 +150,7 @@ pub(crate) trait StepComm: Send {
 pub(crate) fn for_transport(transport: &Transport) -> Box<dyn StepComm> {
     match transport {
         #[cfg(feature = "mpi")]
-        Transport::Mpi(comm) => Box::new(mpi::MpiStepComm(comm.clone())),
+        Transport::Mpi(comm) => Box::new(mpi::MpiStepComm::new(comm.clone())),
         _ => Box::new(LocalComm),
     }
 }

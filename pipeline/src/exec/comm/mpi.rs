@@ -8,6 +8,7 @@
 //! seed and keeps only its device's stages (see [`crate::exec::absent`]).
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -22,7 +23,9 @@ use crate::exec::Stage;
 use crate::schedule::Schedule;
 use crate::sim::collectives::TiedExchange;
 
-use super::{add_weighted, earliest_non_finite, Agreed, ReplicaRun, StepComm};
+use super::mpi_buckets::{set_grads, Buckets};
+use super::{earliest_non_finite, Agreed, GradsFinal, ReplicaRun, StepComm};
+use crate::exec::threads::lock;
 
 /// R, the replicas of a job of `comm.size()` ranks over K devices.
 fn replicas(comm: &MpiComm, k: usize) -> usize {
@@ -201,86 +204,10 @@ fn fail_round(comm: &MpiComm, round: u64, error: &PipelineError) {
     comm.abort_peers(round, &error.to_string());
     comm.end_round();
     let status = error_status(error, 0);
-    let bytes = wire::encode_text(MsgKind::Status, round, &status.to_string());
+    let frame = wire::encode_bytes(MsgKind::Status, round, status.to_string().as_bytes());
     let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
     // Nothing to wait for: this rank returns its own error.
-    let _ = comm.exchange(round, MsgKind::Status, &bytes, &peers, Some(Duration::ZERO));
-}
-
-/// Each replica's gradients of this rank's stages, averaged (weighted by the replicas' shares
-/// of the samples) across the ranks that hold the same device in the other replicas, summed
-/// in replica order so that every replica gets the same bits.
-fn all_reduce(
-    comm: &MpiComm,
-    round: u64,
-    k: usize,
-    stages: &[&Stage],
-    weights: &[f32],
-) -> Result<()> {
-    let r = replicas(comm, k);
-    if r == 1 {
-        return Ok(());
-    }
-    let me = comm.rank() % k;
-    let params: Vec<_> = stages
-        .iter()
-        .flat_map(|s| s.layers.iter().flat_map(|l| l.parameters()))
-        .map(|(_, p)| p)
-        .collect();
-    let mut mine = Vec::new();
-    for p in &params {
-        match p.grad() {
-            Some(g) => mine.extend(g.to_vec()?),
-            None => mine.extend(std::iter::repeat_n(0.0, p.value().numel())),
-        }
-    }
-    let msg = wire::encode_values(MsgKind::Reduce, round, me, &mine);
-    let peers: Vec<usize> = (0..r)
-        .map(|i| i * k + me)
-        .filter(|&p| p != comm.rank())
-        .collect();
-    let theirs = comm
-        .exchange(round, MsgKind::Reduce, &msg, &peers, None)
-        .map_err(|why| rank_error(comm.rank(), me, why))?;
-    let mut sum = None;
-    for (i, &w) in weights.iter().enumerate().take(r) {
-        let rank = i * k + me;
-        let values = if rank == comm.rank() {
-            mine.clone()
-        } else {
-            wire::decode(&theirs[&rank])
-                .map_err(|e| rank_error(comm.rank(), me, format!("rank {rank}'s gradients: {e}")))?
-                .1
-        };
-        if values.len() != mine.len() {
-            return Err(rank_error(
-                comm.rank(),
-                me,
-                format!(
-                    "rank {rank} sent {} gradient values, this rank has {}",
-                    values.len(),
-                    mine.len()
-                ),
-            ));
-        }
-        add_weighted(&mut sum, &values, w);
-    }
-    let sum = sum.unwrap_or_default();
-    let mut at = 0;
-    let mut grads = Vec::with_capacity(params.len());
-    for p in &params {
-        let n = p.value().numel();
-        grads.push(Tensor::from_slice(
-            &sum[at..at + n],
-            p.value().shape(),
-            p.value().device(),
-        )?);
-        at += n;
-    }
-    for (p, g) in params.iter().zip(grads) {
-        p.set_grad(Some(g));
-    }
-    Ok(())
+    let _ = comm.exchange(round, MsgKind::Status, &frame, &peers, Some(Duration::ZERO));
 }
 
 /// A rank's outcome as JSON: its device's records, loss and where non-finite values appeared,
@@ -391,14 +318,14 @@ fn exchange_text(
         .exchange(
             round,
             kind,
-            &wire::encode_text(kind, round, text),
+            &wire::encode_bytes(kind, round, text.as_bytes()),
             peers,
             None,
         )
         .map_err(|why| rank_error(comm.rank(), device, why))?;
     Ok(theirs
         .into_iter()
-        .map(|(r, bytes)| (r, wire::text_of(&bytes)))
+        .map(|(r, frame)| (r, wire::text_of(frame.bytes())))
         .collect())
 }
 
@@ -597,27 +524,75 @@ fn stage_parts(comm: &MpiComm, round: u64, schedule: &Schedule, mine: &[f64]) ->
 
 /// The step communicator of a job of ranks (rank `r*K + d` runs device d of replica r; one
 /// replica is held per process).
-pub(crate) struct MpiStepComm(pub MpiComm);
+pub(crate) struct MpiStepComm {
+    comm: MpiComm,
+    /// The gradient buckets of the round in progress (with R > 1).
+    buckets: Mutex<Option<Arc<Buckets>>>,
+}
+
+impl MpiStepComm {
+    pub(crate) fn new(comm: MpiComm) -> MpiStepComm {
+        MpiStepComm {
+            comm,
+            buckets: Mutex::new(None),
+        }
+    }
+
+    /// The buckets of `round`, if it has them.
+    fn buckets_of(&self, round: u64) -> Option<Arc<Buckets>> {
+        lock(&self.buckets).clone().filter(|b| b.round == round)
+    }
+}
 
 impl StepComm for MpiStepComm {
+    fn connect(&self, k: usize) -> Result<()> {
+        if replicas(&self.comm, k) < 2 {
+            return Ok(());
+        }
+        self.comm
+            .split_devices(k)
+            .map_err(|why| rank_error(self.comm.rank(), self.comm.rank() % k, why))
+    }
+
+    fn begin_round(
+        &self,
+        round: u64,
+        schedule: &Schedule,
+        stages: &[Stage],
+        weights: &[f32],
+    ) -> Option<Arc<dyn GradsFinal>> {
+        if replicas(&self.comm, schedule.num_devices()) < 2 {
+            return None;
+        }
+        let b = Arc::new(Buckets::new(&self.comm, round, schedule, stages, weights));
+        *lock(&self.buckets) = Some(b.clone());
+        // Without the overlap the buckets start when the step's outcome is agreed.
+        self.comm
+            .overlap_reduction()
+            .then_some(b as Arc<dyn GradsFinal>)
+    }
+
     fn rank(&self) -> usize {
-        self.0.rank()
+        self.comm.rank()
     }
 
     fn replicas(&self, k: usize, _held: usize) -> (usize, usize) {
-        (replicas(&self.0, k), self.0.rank() / k)
+        (replicas(&self.comm, k), self.comm.rank() / k)
     }
 
     fn check(&self, k: usize) -> Result<()> {
-        check(&self.0, k)
+        check(&self.comm, k)
     }
 
     fn agree_settings(&self, settings: &[(String, String)]) -> Result<()> {
-        agree_settings(&self.0, settings)
+        agree_settings(&self.comm, settings)
     }
 
     fn fail_round(&self, round: u64, error: &PipelineError) {
-        fail_round(&self.0, round, error)
+        if let Some(b) = self.buckets_of(round) {
+            b.start_rest(None);
+        }
+        fail_round(&self.comm, round, error)
     }
 
     fn agree(&self, round: u64, schedule: &Schedule, runs: Vec<ReplicaRun<'_>>) -> Result<Agreed> {
@@ -626,10 +601,13 @@ impl StepComm for MpiStepComm {
                 "an MPI rank holds one replica, this one none".into(),
             ));
         };
-        let mine = schedule.stages_of(self.0.rank() % schedule.num_devices())[0];
+        if let Some(b) = self.buckets_of(round) {
+            b.start_rest(run.outcome.is_ok().then_some(run.stages));
+        }
+        let mine = schedule.stages_of(self.comm.rank() % schedule.num_devices())[0];
         let memory = run.stages[mine].device.memory_stats();
         agree(
-            &self.0,
+            &self.comm,
             round,
             schedule,
             run.outcome,
@@ -646,7 +624,7 @@ impl StepComm for MpiStepComm {
         stages: &[Stage],
         clock: Instant,
     ) -> Result<Vec<TiedExchange>> {
-        super::mpi_tied::exchange_tied(&self.0, round, schedule, stages, clock)
+        super::mpi_tied::exchange_tied(&self.comm, round, schedule, stages, clock)
     }
 
     fn reduce_gradients(
@@ -657,21 +635,62 @@ impl StepComm for MpiStepComm {
         weights: &[f32],
     ) -> Result<()> {
         let k = schedule.num_devices();
-        let device = self.0.rank() % k;
+        let device = self.comm.rank() % k;
+        let Some(buckets) = self.buckets_of(round) else {
+            if replicas(&self.comm, k) < 2 {
+                return Ok(());
+            }
+            return Err(rank_error(
+                self.comm.rank(),
+                device,
+                format!("round {round} has no gradient buckets (weights {weights:?})"),
+            ));
+        };
         let mine: Vec<&Stage> = held
             .iter()
             .flat_map(|stages| stages.iter())
             .filter(|s| schedule.placement[s.index] == device)
             .collect();
-        all_reduce(&self.0, round, k, &mine, weights)
+        // The early buckets first (all started by now), then the late ones in stage order.
+        let mut sums = Vec::with_capacity(mine.len());
+        for s in &mine {
+            sums.push(buckets.take(s.index)?);
+        }
+        for (s, sum) in mine.iter().zip(sums.iter_mut()) {
+            if sum.is_none() {
+                *sum = Some(buckets.start_late(s)?);
+            }
+        }
+        let _waiting = self.comm.waiting();
+        let mut reduced = Vec::with_capacity(mine.len());
+        for (s, sum) in mine.iter().zip(sums) {
+            let got = sum
+                .expect("every bucket started")
+                .recv()
+                .map_err(|_| "the MPI thread stopped during the reduction".to_string())
+                .and_then(|r| r)
+                .map_err(|why| {
+                    rank_error(
+                        self.comm.rank(),
+                        device,
+                        format!("reducing stage {}'s gradients: {why}", s.index),
+                    )
+                })?;
+            reduced.push(got);
+        }
+        *lock(&self.buckets) = None;
+        for (s, sum) in mine.iter().zip(&reduced) {
+            set_grads(s, sum)?;
+        }
+        Ok(())
     }
 
     fn stage_parts(&self, round: u64, schedule: &Schedule, mine: Vec<f64>) -> Result<Vec<f64>> {
-        stage_parts(&self.0, round, schedule, &mine)
+        stage_parts(&self.comm, round, schedule, &mine)
     }
 
     fn agree_ok(&self, round: u64, k: usize, local: Result<()>) -> Result<()> {
-        agree_ok(&self.0, round, k, local)
+        agree_ok(&self.comm, round, k, local)
     }
 
     fn gather_stages(
@@ -681,6 +700,6 @@ impl StepComm for MpiStepComm {
         stages: &[Stage],
         optimizers: &mut [Box<dyn wgpipe_autograd::optim::Optimizer>],
     ) -> Result<()> {
-        gather_stages(&self.0, round, schedule, stages, optimizers)
+        gather_stages(&self.comm, round, schedule, stages, optimizers)
     }
 }

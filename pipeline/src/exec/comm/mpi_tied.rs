@@ -109,7 +109,7 @@ pub(crate) fn exchange_tied(
         .collect();
     peers.sort_unstable();
     peers.dedup();
-    let msg = wire::encode_values(MsgKind::Tied, round, device, &values);
+    let msg = wire::encode_values(MsgKind::Tied, round, device, values);
     let theirs = comm
         .exchange(round, MsgKind::Tied, &msg, &peers, None)
         .map_err(|why| rank_error(me, device, why))?;
@@ -120,7 +120,7 @@ pub(crate) fn exchange_tied(
     // part in (which may include groups this rank does not).
     let mut received: HashMap<(usize, usize), Option<Vec<f32>>> = HashMap::new();
     for &peer in &peers {
-        let v = wire::decode(&theirs[&peer])
+        let v = wire::decode(theirs[&peer].bytes())
             .map_err(|e| bad(peer, e.to_string()))?
             .1;
         let mut at = 0;

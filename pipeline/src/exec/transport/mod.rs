@@ -4,6 +4,8 @@
 
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "mpi")]
+pub(crate) mod mpi_reduce;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -34,6 +36,35 @@ pub(crate) struct DeviceLinks {
     /// Tells the other processes of a step that it failed here (set by transports that cross
     /// processes).
     pub abort_peers: Option<AbortPeers>,
+    /// Told while a receive waits (set by transports that poll, MPI), so that they poll
+    /// without pause then, and rest when nobody waits.
+    pub waiter: Option<Arc<dyn Waiter>>,
+}
+
+/// A transport that polls for what arrives, told when someone waits for a message.
+pub(crate) trait Waiter: Send + Sync {
+    fn begin(&self);
+    fn end(&self);
+}
+
+/// A receive waiting on `waiter`'s transport, from its creation to its drop.
+pub(crate) struct Waiting<'a>(Option<&'a dyn Waiter>);
+
+impl<'a> Waiting<'a> {
+    pub(crate) fn on(waiter: Option<&'a dyn Waiter>) -> Waiting<'a> {
+        if let Some(w) = waiter {
+            w.begin();
+        }
+        Waiting(waiter)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if let Some(w) = self.0 {
+            w.end();
+        }
+    }
 }
 
 /// Tells the other processes of a step why it failed here.
@@ -109,14 +140,14 @@ struct LoopbackSend {
 
 impl LinkSend for LoopbackSend {
     fn send(&self, msg: Msg) -> Result<(), StageCause> {
-        let bytes = encode_msg(self.step, self.link, &msg)?;
-        let received = decode_msg(&bytes, self.step, self.link)?;
+        let frame = encode_msg(self.step, self.link, &msg)?;
+        let received = decode_msg(frame, self.step, self.link)?;
         LinkSend::send(&self.tx, received)
     }
 }
 
 /// `msg` as sent on `link` during `step`.
-pub(crate) fn encode_msg(step: u64, link: Link, msg: &Msg) -> Result<Vec<u8>, StageCause> {
+pub(crate) fn encode_msg(step: u64, link: Link, msg: &Msg) -> Result<wire::Frame, StageCause> {
     let kind = if link.grad {
         MsgKind::Gradient
     } else {
@@ -134,12 +165,12 @@ pub(crate) fn encode_msg(step: u64, link: Link, msg: &Msg) -> Result<Vec<u8>, St
 
 /// The message in `bytes`, which must belong to `step` and `link` (a message of another step
 /// or link is an error naming both, never a tensor taken for the wrong one).
-pub(crate) fn decode_msg(bytes: &[u8], step: u64, link: Link) -> Result<Msg, StageCause> {
-    let (header, values) = wire::decode(bytes)
-        .map_err(|e| StageCause::Disconnected(format!("a message on {link}: {e}")))?;
-    if header.kind == MsgKind::Abort {
-        return Err(StageCause::Disconnected(wire::text_of(bytes)));
+pub(crate) fn decode_msg(frame: wire::Frame, step: u64, link: Link) -> Result<Msg, StageCause> {
+    if let Ok((MsgKind::Abort, ..)) = wire::peek(frame.bytes()) {
+        return Err(StageCause::Disconnected(wire::text_of(frame.bytes())));
     }
+    let (header, values) = wire::decode_frame(frame)
+        .map_err(|e| StageCause::Disconnected(format!("a message on {link}: {e}")))?;
     if header.step != step || header.link != link {
         return Err(StageCause::Disconnected(format!(
             "a message of step {} on {} arrived on {link} during step {step}",
@@ -205,8 +236,8 @@ mod tests {
 
     #[test]
     fn a_message_comes_back_whole() {
-        let bytes = encode_msg(4, LINK, &msg()).unwrap();
-        let got = decode_msg(&bytes, 4, LINK).unwrap();
+        let frame = encode_msg(4, LINK, &msg()).unwrap();
+        let got = decode_msg(frame, 4, LINK).unwrap();
         assert_eq!((got.micro_batch, got.finite), (3, true));
         assert_eq!(got.tensor.shape(), &[2, 2]);
         assert_eq!(got.tensor.to_vec().unwrap(), vec![1.5, -2.0, 0.25, 8.0]);
@@ -214,14 +245,17 @@ mod tests {
 
     #[test]
     fn a_message_of_another_step_or_link_is_refused() {
-        let bytes = encode_msg(4, LINK, &msg()).unwrap();
-        let e = decode_msg(&bytes, 5, LINK).err().unwrap().to_string();
+        let frame = encode_msg(4, LINK, &msg()).unwrap();
+        let e = decode_msg(frame.clone(), 5, LINK)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(
             e.contains("of step 4") && e.contains("during step 5"),
             "{e}"
         );
         let grads = Link { grad: true, ..LINK };
-        let e = decode_msg(&bytes, 4, grads).err().unwrap().to_string();
+        let e = decode_msg(frame, 4, grads).err().unwrap().to_string();
         assert!(
             e.contains("stage 1->2 activations arrived on stage 1->2 gradients"),
             "{e}"
@@ -230,8 +264,8 @@ mod tests {
 
     #[test]
     fn an_abort_message_is_the_peer_error() {
-        let bytes = wire::encode_abort(4, "rank 3 failed");
-        let e = decode_msg(&bytes, 4, LINK).err().unwrap().to_string();
+        let frame = wire::encode_abort(4, "rank 3 failed");
+        let e = decode_msg(frame, 4, LINK).err().unwrap().to_string();
         assert_eq!(e, "rank 3 failed");
     }
 }

@@ -9,30 +9,43 @@
 //! receivers registered for that round, keeps messages of later rounds until their round
 //! begins (a fast peer may start the next step early), and drops those of rounds that are over
 //! (what a failed step left in flight). Receives are probes polled by this thread, so nothing
-//! blocks on a dead peer.
+//! blocks on a dead peer. Open MPI's shared-memory and TCP transports make progress only
+//! when polled (a blocking MPI call spins too), so the thread polls without pause while
+//! anyone waits for a message (a worker's receive, an exchange, a send or a collective in
+//! flight: see [`crate::exec::transport::Waiter`]) and rests between looks only when nobody
+//! does. Messages are [`Frame`]s: a tensor's values are read into the vector that is sent,
+//! and received into the vector that becomes the tensor.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
+use mpi::datatype::Equivalence;
+use mpi::point_to_point::{Destination, Source};
 use mpi::request::{Request, StaticScope};
-use mpi::topology::Communicator;
+use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 
 use crate::error::{PipelineError, StageCause};
 use crate::exec::threads::lock;
-use crate::exec::transport::wire::{self, MsgKind};
-use crate::exec::transport::Msg;
+use crate::exec::transport::mpi_reduce::{self, Reduction};
+use crate::exec::transport::wire::{self, Frame, MsgKind};
 use crate::exec::transport::{decode_msg, encode_msg, LinkSend};
+use crate::exec::transport::{Msg, Waiter, Waiting};
 use crate::schedule::Link;
 
-/// How long the communication thread waits for work before it looks for incoming messages
-/// again: the receive latency it adds, and what keeps it from spinning a core.
-const IDLE: Duration = Duration::from_micros(200);
+/// How long the communication thread rests between looks for incoming messages while nobody
+/// waits for one (what keeps it from spinning a core between steps; heartbeats and messages
+/// that arrive early are all it can find then).
+const IDLE: Duration = Duration::from_micros(500);
+
+/// The MPI tag of every message of the transport; [`MpiComm::raw_ping_pong`] uses another, so
+/// that the two never take each other's messages.
+const TAG: i32 = 0;
+const RAW_TAG: i32 = 1;
 
 /// This process's place in the MPI job and its communication thread. Cheap to clone; the
 /// thread stops (and MPI is finalized) when [`MpiComm::finish`] is called.
@@ -58,6 +71,13 @@ struct Inner {
     peer_timeout_ms: Arc<AtomicU64>,
     out: Mutex<Sender<Out>>,
     routes: Arc<Mutex<Routes>>,
+    /// Notified when a control message arrives or a peer is lost.
+    arrived: Arc<Condvar>,
+    /// How many receives wait now (the thread polls without pause while any does).
+    waiting: Arc<Poll>,
+    /// Whether replicas' gradient buckets start as they become final (see
+    /// [`MpiComm::set_overlap_reduction`]).
+    overlap: AtomicBool,
     thread: Mutex<Option<JoinHandle<()>>>,
     /// Exchanges made outside any step so far (see [`MpiComm::next_setup_round`]).
     setups: AtomicU64,
@@ -87,8 +107,45 @@ impl PartialEq for MpiComm {
 }
 
 enum Out {
-    Send { dest: usize, bytes: Vec<u8> },
+    Send {
+        dest: usize,
+        frame: Frame,
+    },
+    /// Someone began to wait: poll without pause from now on.
+    Wake,
+    /// Times `reps` round trips of `bytes` bytes with `peer` in plain blocking MPI calls.
+    RawPingPong {
+        peer: usize,
+        bytes: usize,
+        reps: usize,
+        reply: Sender<Vec<f64>>,
+    },
+    /// Makes the communicators of the gradient reduction of a K-device pipeline (collective
+    /// over every rank).
+    Split {
+        k: usize,
+        reply: Sender<Result<(), String>>,
+    },
+    /// Starts a reduction (see [`crate::exec::transport::mpi_reduce`]).
+    Reduce(Reduction),
     Stop,
+}
+
+/// The count of receives waiting, and the thread's wake-up.
+struct Poll {
+    count: AtomicUsize,
+    wake: Mutex<Sender<Out>>,
+}
+
+impl Waiter for Poll {
+    fn begin(&self) {
+        if self.count.fetch_add(1, Ordering::SeqCst) == 0 {
+            let _ = lock(&self.wake).send(Out::Wake);
+        }
+    }
+    fn end(&self) {
+        self.count.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Where incoming messages go.
@@ -100,9 +157,9 @@ struct Routes {
     /// Why the round was aborted from elsewhere (the first reason).
     abort_reason: Option<String>,
     /// Tensor and abort messages of later rounds.
-    early: Vec<Vec<u8>>,
+    early: Vec<Frame>,
     /// Status and reduce messages by (round, kind, source rank).
-    control: HashMap<(u64, u8, usize), Vec<u8>>,
+    control: HashMap<(u64, u8, usize), Frame>,
     /// When each rank was last heard from (any message, heartbeats included).
     heard: Vec<Instant>,
     /// Ranks that said they stopped communicating (they send nothing more).
@@ -112,8 +169,8 @@ struct Routes {
 }
 
 impl Routes {
-    fn route(&mut self, bytes: Vec<u8>, src: usize) {
-        let Ok((kind, round, link)) = wire::peek(&bytes) else {
+    fn route(&mut self, frame: Frame, src: usize) {
+        let Ok((kind, round, link)) = wire::peek(frame.bytes()) else {
             return; // not ours: nothing in this job sends such bytes
         };
         match kind {
@@ -130,19 +187,19 @@ impl Routes {
             }
             MsgKind::Status | MsgKind::Reduce | MsgKind::Norm | MsgKind::Tied => {
                 if round >= self.round {
-                    self.control.insert((round, kind as u8, src), bytes);
+                    self.control.insert((round, kind as u8, src), frame);
                 }
             }
-            _ if round > self.round => self.early.push(bytes),
+            _ if round > self.round => self.early.push(frame),
             _ if round < self.round || self.abort.is_none() => {} // a finished round's
-            MsgKind::Abort => self.fail(wire::text_of(&bytes)),
+            MsgKind::Abort => self.fail(wire::text_of(frame.bytes())),
             MsgKind::Activation | MsgKind::Gradient => {
                 let Some(tx) = self.links.get(&link) else {
                     return self.fail(format!(
                         "rank {src} sent on {link}, which no stage here receives"
                     ));
                 };
-                match decode_msg(&bytes, round, link) {
+                match decode_msg(frame, round, link) {
                     Ok(msg) => {
                         let _ = tx.send(msg);
                     }
@@ -199,9 +256,16 @@ impl MpiComm {
         let peer_timeout_ms = Arc::new(AtomicU64::new(timeout.as_millis() as u64));
         let thread_timeout = peer_timeout_ms.clone();
         let routes = Arc::new(Mutex::new(Routes::default()));
+        let arrived = Arc::new(Condvar::new());
         let (out, out_rx) = channel::<Out>();
+        let waiting = Arc::new(Poll {
+            count: AtomicUsize::new(0),
+            wake: Mutex::new(out.clone()),
+        });
         let (ready, ready_rx) = channel::<Result<(usize, usize), String>>();
         let thread_routes = routes.clone();
+        let thread_arrived = arrived.clone();
+        let thread_waiting = waiting.clone();
         let thread = std::thread::Builder::new()
             .name("wgpipe-mpi".into())
             .spawn(move || {
@@ -212,7 +276,13 @@ impl MpiComm {
                 };
                 let world = universe.world();
                 let _ = ready.send(Ok((world.rank() as usize, world.size() as usize)));
-                serve(&world, &out_rx, &thread_routes, &thread_timeout);
+                let shared = Shared {
+                    routes: &thread_routes,
+                    arrived: &thread_arrived,
+                    waiting: &thread_waiting.count,
+                    peer_timeout_ms: &thread_timeout,
+                };
+                serve(&world, &out_rx, &shared);
                 if lock(&thread_routes).dead.is_empty() {
                     drop(universe);
                 } else {
@@ -234,6 +304,9 @@ impl MpiComm {
                 peer_timeout_ms,
                 out: Mutex::new(out),
                 routes,
+                arrived,
+                waiting,
+                overlap: AtomicBool::new(true),
                 thread: Mutex::new(Some(thread)),
                 setups: AtomicU64::new(0),
             }),
@@ -264,6 +337,18 @@ impl MpiComm {
         self.inner.size
     }
 
+    /// Whether the gradient reduction across replicas overlaps the backward (the default):
+    /// each stage's bucket starts as soon as its gradients are final. Off, every bucket starts
+    /// after the step's last action (to measure what the overlap saves); the sums are the same
+    /// bits either way.
+    pub fn set_overlap_reduction(&self, on: bool) {
+        self.inner.overlap.store(on, Ordering::SeqCst);
+    }
+
+    pub fn overlap_reduction(&self) -> bool {
+        self.inner.overlap.load(Ordering::SeqCst)
+    }
+
     /// Stops the communication thread once what was sent has gone out (or after 5 s, for a
     /// peer that is gone), and finalizes MPI. Later sends fail.
     pub fn finish(&self) {
@@ -273,10 +358,37 @@ impl MpiComm {
         }
     }
 
-    fn send(&self, dest: usize, bytes: Vec<u8>) -> Result<(), StageCause> {
+    fn send(&self, dest: usize, frame: Frame) -> Result<(), StageCause> {
+        self.post(Out::Send { dest, frame })
+    }
+
+    fn post(&self, what: Out) -> Result<(), StageCause> {
         lock(&self.inner.out)
-            .send(Out::Send { dest, bytes })
+            .send(what)
             .map_err(|_| StageCause::Disconnected("the MPI thread has stopped".into()))
+    }
+
+    /// While the returned guard lives, the communication thread polls without pause.
+    pub(crate) fn waiting(&self) -> Waiting<'_> {
+        Waiting::on(Some(&*self.inner.waiting))
+    }
+
+    /// At build, on every rank at once: the communicators of the gradient reduction of a
+    /// K-device pipeline, one per device across the replicas (split from the world; a
+    /// collective call over every rank).
+    pub(crate) fn split_devices(&self, k: usize) -> Result<(), String> {
+        let (reply, answer) = channel();
+        self.post(Out::Split { k, reply })
+            .map_err(|e| e.to_string())?;
+        let _waiting = self.waiting();
+        answer
+            .recv()
+            .map_err(|_| "the MPI thread stopped during the split".to_string())?
+    }
+
+    /// Starts `reduction` on the communication thread (non-blocking).
+    pub(crate) fn start_reduction(&self, reduction: Reduction) -> Result<(), String> {
+        self.post(Out::Reduce(reduction)).map_err(|e| e.to_string())
     }
 
     /// Starts round `round`: tensors on `links` go to these channels, an abort from a peer
@@ -299,9 +411,9 @@ impl MpiComm {
             r.fail(ended(p));
         }
         r.control.retain(|(k, _, _), _| *k >= round);
-        for bytes in std::mem::take(&mut r.early) {
+        for frame in std::mem::take(&mut r.early) {
             // Source ranks of early messages are only used in error texts.
-            r.route(bytes, usize::MAX);
+            r.route(frame, usize::MAX);
         }
     }
 
@@ -330,36 +442,82 @@ impl MpiComm {
 
     /// Tells every other rank that this round failed here.
     pub(crate) fn abort_peers(&self, round: u64, why: &str) {
-        let bytes = wire::encode_abort(round, why);
+        let frame = wire::encode_abort(round, why);
         for dest in (0..self.size()).filter(|&d| d != self.rank()) {
-            let _ = self.send(dest, bytes.clone());
+            let _ = self.send(dest, frame.clone());
         }
     }
 
     /// Measures this transport between this rank and `peer` (both must call it, with the same
-    /// arguments, outside a step): the median seconds of `reps` swaps of a `bytes`-byte
-    /// message through the communication threads, the path a tensor takes. A swap overlaps the
-    /// two directions, so it costs one message's latency plus its bytes over the bandwidth.
-    pub fn measure_swap(&self, peer: usize, bytes: usize, reps: usize) -> Result<f64, String> {
-        let values = vec![0.5f32; bytes.div_ceil(4)];
+    /// arguments, outside a step): the seconds of each of `reps` round trips of a `bytes`-byte
+    /// f32 tensor, the path a tensor takes (read into a frame, sent by the communication
+    /// thread, received into the vector that becomes the tensor), half of which is one
+    /// message's latency plus its bytes over the bandwidth. The lower rank sends first.
+    pub fn measure_ping_pong(
+        &self,
+        peer: usize,
+        bytes: usize,
+        reps: usize,
+    ) -> Result<Vec<f64>, String> {
+        let n = bytes.div_ceil(4);
+        let tensor = wgpipe_tensor::Tensor::full(&[n], 0.5, &wgpipe_tensor::Device::cpu())
+            .map_err(|e| e.to_string())?;
+        let link = Link {
+            from: self.rank(),
+            to: peer,
+            grad: false,
+            skip: None,
+        };
         let mut times = Vec::with_capacity(reps);
         for i in 0..reps {
             // Rounds far above any step's, so that no step's messages are taken for these.
             let round = u64::MAX / 2 + i as u64;
             let t0 = Instant::now();
-            let msg = wire::encode_values(MsgKind::Reduce, round, self.rank(), &values);
-            let got = self.exchange(
-                round,
-                MsgKind::Reduce,
-                &msg,
-                &[peer],
-                Some(Duration::from_secs(60)),
-            )?;
-            wire::decode(&got[&peer]).map_err(|e| e.to_string())?;
+            let send = || -> Result<(), String> {
+                let frame = wire::encode_tensor(MsgKind::Reduce, round, link, 0, true, &tensor)
+                    .map_err(|e| e.to_string())?;
+                self.send(peer, frame).map_err(|e| e.to_string())
+            };
+            let take = || -> Result<(), String> {
+                let mut got = self.collect(round, MsgKind::Reduce, &[peer], None)?;
+                let frame = got.remove(&peer).unwrap_or_else(|| Frame::for_receive(0));
+                let (h, v) = wire::decode_frame(frame).map_err(|e| e.to_string())?;
+                wire::tensor_of(&h, v).map_err(|e| e.to_string())?;
+                Ok(())
+            };
+            if self.rank() < peer {
+                send()?;
+                take()?;
+            } else {
+                take()?;
+                send()?;
+            }
             times.push(t0.elapsed().as_secs_f64());
         }
-        times.sort_by(f64::total_cmp);
-        Ok(times[times.len() / 2])
+        Ok(times)
+    }
+
+    /// The same round trips as [`MpiComm::measure_ping_pong`] in plain blocking MPI calls
+    /// (`MPI_Send`/`MPI_Recv` of `bytes` bytes from and into buffers allocated once), on the
+    /// communication thread: what MPI itself gives on this machine, to set the transport's
+    /// figures beside.
+    pub fn raw_ping_pong(
+        &self,
+        peer: usize,
+        bytes: usize,
+        reps: usize,
+    ) -> Result<Vec<f64>, String> {
+        let (reply, answer) = channel();
+        self.post(Out::RawPingPong {
+            peer,
+            bytes,
+            reps,
+            reply,
+        })
+        .map_err(|e| e.to_string())?;
+        answer
+            .recv()
+            .map_err(|_| "the MPI thread stopped during the ping-pong".to_string())
     }
 
     /// Sends `mine` (a message of kind `kind` for `round`) to each of `peers` and waits for
@@ -369,49 +527,57 @@ impl MpiComm {
         &self,
         round: u64,
         kind: MsgKind,
-        mine: &[u8],
+        mine: &Frame,
         peers: &[usize],
         limit: Option<Duration>,
-    ) -> Result<HashMap<usize, Vec<u8>>, String> {
+    ) -> Result<HashMap<usize, Frame>, String> {
         for &p in peers {
-            self.send(p, mine.to_vec()).map_err(|e| e.to_string())?;
+            self.send(p, mine.clone()).map_err(|e| e.to_string())?;
         }
+        self.collect(round, kind, peers, limit)
+    }
+
+    /// Waits for a message of `kind` for `round` from each of `peers` (see
+    /// [`MpiComm::exchange`]).
+    pub(crate) fn collect(
+        &self,
+        round: u64,
+        kind: MsgKind,
+        peers: &[usize],
+        limit: Option<Duration>,
+    ) -> Result<HashMap<usize, Frame>, String> {
+        let _waiting = self.waiting();
         let start = Instant::now();
+        let mut r = lock(&self.inner.routes);
         loop {
-            {
-                let mut r = lock(&self.inner.routes);
-                if peers
+            let key = |p: usize| (round, kind as u8, p);
+            if peers.iter().all(|&p| r.control.contains_key(&key(p))) {
+                return Ok(peers
                     .iter()
-                    .all(|&p| r.control.contains_key(&(round, kind as u8, p)))
-                {
-                    return Ok(peers
-                        .iter()
-                        .map(|&p| {
-                            (
-                                p,
-                                r.control
-                                    .remove(&(round, kind as u8, p))
-                                    .unwrap_or_default(),
-                            )
-                        })
-                        .collect());
-                }
-                let mut missing = peers
-                    .iter()
-                    .copied()
-                    .filter(|&p| !r.control.contains_key(&(round, kind as u8, p)));
-                if let Some(why) = missing.clone().find_map(|p| r.gone(p)) {
-                    return Err(why);
-                }
-                if let Some(limit) = limit.filter(|&l| start.elapsed() > l) {
-                    let missing: Vec<String> = missing.by_ref().map(|p| p.to_string()).collect();
-                    return Err(format!(
-                        "rank(s) {} sent nothing for step round {round} within {limit:.1?}: stopped or unreachable",
-                        missing.join(", ")
-                    ));
-                }
+                    .filter_map(|&p| Some((p, r.control.remove(&key(p))?)))
+                    .collect());
             }
-            std::thread::sleep(IDLE);
+            let mut missing = peers
+                .iter()
+                .copied()
+                .filter(|&p| !r.control.contains_key(&key(p)));
+            if let Some(why) = missing.clone().find_map(|p| r.gone(p)) {
+                return Err(why);
+            }
+            if let Some(limit) = limit.filter(|&l| start.elapsed() > l) {
+                let missing: Vec<String> = missing.by_ref().map(|p| p.to_string()).collect();
+                return Err(format!(
+                    "rank(s) {} sent nothing for step round {round} within {limit:.1?}: stopped or unreachable",
+                    missing.join(", ")
+                ));
+            }
+            // Woken by every arrival and every peer lost; the timeout only bounds `limit`.
+            r = self
+                .inner
+                .arrived
+                .wait_timeout(r, Duration::from_millis(50))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
         }
     }
 }
@@ -426,48 +592,61 @@ struct MpiSend {
 
 impl LinkSend for MpiSend {
     fn send(&self, msg: Msg) -> Result<(), StageCause> {
-        // Reads the tensor back to host memory (from any device) and encodes it.
-        let bytes = encode_msg(self.round, self.link, &msg)?;
-        self.comm.send(self.dest, bytes)
+        // Reads the tensor back to host memory (from any device) into the frame sent.
+        let frame = encode_msg(self.round, self.link, &msg)?;
+        self.comm.send(self.dest, frame)
     }
 }
 
-/// A send in flight and its buffer, freed once MPI is done with it.
+/// A send in flight and its frame, freed once MPI is done with it.
 struct Pending {
     request: Request<'static, [u8], StaticScope>,
-    buf: *mut [u8],
+    buf: *mut [f32],
     dest: usize,
+    /// A heartbeat's (nobody waits for it).
+    beat: bool,
+}
+
+/// What the communication thread shares with the handles.
+struct Shared<'a> {
+    routes: &'a Mutex<Routes>,
+    arrived: &'a Condvar,
+    waiting: &'a AtomicUsize,
+    peer_timeout_ms: &'a AtomicU64,
 }
 
 /// The communication thread's loop: sends what the workers hand over (non-blocking, so two
-/// ranks sending to each other cannot deadlock), completes sends, and routes what arrives.
-fn serve(
-    world: &mpi::topology::SimpleCommunicator,
-    out: &std::sync::mpsc::Receiver<Out>,
-    routes: &Mutex<Routes>,
-    peer_timeout_ms: &AtomicU64,
-) {
+/// ranks sending to each other cannot deadlock), completes sends, advances collectives, and
+/// routes what arrives. It polls without pause while a receive waits, a send or a collective
+/// is in flight, or something just happened; else it rests [`IDLE`] between looks.
+fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &Shared<'_>) {
     let (me, size) = (world.rank() as usize, world.size() as usize);
     {
-        let mut r = lock(routes);
+        let mut r = lock(sh.routes);
         r.heard = vec![Instant::now(); size];
         r.done = vec![false; size];
     }
     let mut pending: Vec<Pending> = Vec::new();
+    let mut reductions: Vec<Reduction> = Vec::new();
+    let mut devices: HashMap<usize, SimpleCommunicator> = HashMap::new();
     let mut stop: Option<Instant> = None;
     let mut last_beat: Option<Instant> = None;
-    let post = |pending: &mut Vec<Pending>, dest: usize, bytes: Vec<u8>| {
-        let buf: &'static mut [u8] = Box::leak(bytes.into_boxed_slice());
-        let ptr: *mut [u8] = buf;
-        let request = world
-            .process_at_rank(dest as i32)
-            // SAFETY of the 'static borrow: the buffer is freed only after the request
-            // completed (below), or never.
-            .immediate_send(StaticScope, unsafe { &*ptr });
+    let post = |pending: &mut Vec<Pending>, dest: usize, frame: Frame, beat: bool| {
+        let (words, len) = frame.into_words();
+        let buf: &'static mut [f32] = Box::leak(words.into_boxed_slice());
+        let ptr: *mut [f32] = buf;
+        // SAFETY of the 'static borrow: the buffer is freed only after the request
+        // completed (below), or never.
+        let bytes: &'static [u8] = &bytemuck::cast_slice(unsafe { &*ptr })[..len];
+        let request =
+            world
+                .process_at_rank(dest as i32)
+                .immediate_send_with_tag(StaticScope, bytes, TAG);
         pending.push(Pending {
             request,
             buf: ptr,
             dest,
+            beat,
         });
     };
     let peers: Vec<usize> = (0..size).filter(|&p| p != me).collect();
@@ -475,27 +654,73 @@ fn serve(
         let mut busy = false;
         if stop.is_none() && last_beat.is_none_or(|t| t.elapsed() >= BEAT) {
             for &p in &peers {
-                post(&mut pending, p, wire::encode_text(MsgKind::Beat, 0, ""));
+                post(
+                    &mut pending,
+                    p,
+                    wire::encode_text(MsgKind::Beat, 0, ""),
+                    true,
+                );
             }
             last_beat = Some(Instant::now());
         }
-        // Outgoing.
+        let hot = sh.waiting.load(Ordering::SeqCst) > 0
+            || !reductions.is_empty()
+            || pending.iter().any(|p| !p.beat);
+        // Outgoing, and requests for MPI work.
         loop {
-            let next = if busy || stop.is_some() {
+            let next = if hot || busy || stop.is_some() {
                 out.try_recv().map_err(|_| RecvTimeoutError::Timeout)
             } else {
                 out.recv_timeout(IDLE)
             };
             match next {
-                Ok(Out::Send { dest, bytes }) => {
-                    post(&mut pending, dest, bytes);
+                Ok(Out::Send { dest, frame }) => {
+                    post(&mut pending, dest, frame, false);
+                    busy = true;
+                }
+                Ok(Out::Wake) => busy = true,
+                Ok(Out::RawPingPong {
+                    peer,
+                    bytes,
+                    reps,
+                    reply,
+                }) => {
+                    let _ = reply.send(raw_ping_pong(world, peer, bytes, reps));
+                    busy = true;
+                }
+                Ok(Out::Split { k, reply }) => {
+                    let made = match devices.get(&k) {
+                        Some(_) => Ok(()),
+                        None => mpi_reduce::split_devices(world, k).map(|c| {
+                            devices.insert(k, c);
+                        }),
+                    };
+                    let _ = reply.send(made);
+                    busy = true;
+                }
+                Ok(Out::Reduce(mut red)) => {
+                    match devices.get(&red.k()) {
+                        Some(c) => red.start(c),
+                        None => red.fail(format!(
+                            "no reduction communicators for K = {} (made at build)",
+                            red.k()
+                        )),
+                    }
+                    if !red.is_done() {
+                        reductions.push(red);
+                    }
                     busy = true;
                 }
                 Ok(Out::Stop) | Err(RecvTimeoutError::Disconnected) => {
                     if stop.is_none() {
                         // No more heartbeats from here: the others must not wait for them.
                         for &p in &peers {
-                            post(&mut pending, p, wire::encode_text(MsgKind::Bye, 0, ""));
+                            post(
+                                &mut pending,
+                                p,
+                                wire::encode_text(MsgKind::Bye, 0, ""),
+                                true,
+                            );
                         }
                     }
                     stop.get_or_insert_with(Instant::now);
@@ -517,23 +742,46 @@ fn serve(
             }
         }
         pending = still;
+        // Collectives in flight.
+        if !reductions.is_empty() {
+            let gone = lock(sh.routes).dead.first().map(|(_, why)| why.clone());
+            for red in &mut reductions {
+                if let Some(why) = &gone {
+                    red.fail(why.clone());
+                } else if let Some(c) = devices.get(&red.k()) {
+                    busy |= red.advance(c);
+                }
+            }
+            reductions.retain(|r| !r.is_done());
+        }
         // Incoming.
-        while let Some((msg, status)) = world.any_process().immediate_matched_probe() {
+        while let Some((msg, status)) = world.any_process().immediate_matched_probe_with_tag(TAG) {
             let src = status.source_rank() as usize;
-            let (bytes, _) = (msg, status).matched_receive_vec::<u8>();
-            let mut r = lock(routes);
+            let len = status.count(u8::equivalent_datatype()).max(0) as usize;
+            let mut frame = Frame::for_receive(len);
+            msg.matched_receive_into(frame.bytes_mut());
+            let mut r = lock(sh.routes);
             if let Some(t) = r.heard.get_mut(src) {
                 *t = Instant::now();
             }
-            r.route(bytes, src);
+            r.route(frame, src);
+            drop(r);
+            sh.arrived.notify_all();
             busy = true;
         }
-        let limit = Duration::from_millis(peer_timeout_ms.load(Ordering::Relaxed));
-        lock(routes).check_peers(me, limit);
+        let limit = Duration::from_millis(sh.peer_timeout_ms.load(Ordering::Relaxed));
+        {
+            let mut r = lock(sh.routes);
+            let dead = r.dead.len();
+            r.check_peers(me, limit);
+            if r.dead.len() != dead {
+                sh.arrived.notify_all();
+            }
+        }
         if let Some(since) = stop {
             // Sends to a rank taken for dead never complete: nothing to wait for there.
             let undeliverable = {
-                let r = lock(routes);
+                let r = lock(sh.routes);
                 pending
                     .iter()
                     .all(|p| r.dead.iter().any(|(d, _)| *d == p.dest))
@@ -544,13 +792,41 @@ fn serve(
                 for p in pending {
                     std::mem::forget(p.request);
                 }
+                for red in reductions {
+                    red.abandon();
+                }
                 return;
             }
             if !busy {
                 std::thread::sleep(IDLE);
             }
+        } else if hot && !busy {
+            // Someone waits: look again at once, letting a thread with work run first.
+            std::thread::yield_now();
         }
     }
+}
+
+/// [`MpiComm::raw_ping_pong`] on the communication thread: blocking sends and receives with
+/// the raw tag, buffers allocated once.
+fn raw_ping_pong(world: &SimpleCommunicator, peer: usize, bytes: usize, reps: usize) -> Vec<f64> {
+    let out = vec![7u8; bytes];
+    let mut back = vec![0u8; bytes];
+    let other = world.process_at_rank(peer as i32);
+    let first = world.rank() < peer as i32;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        if first {
+            other.send_with_tag(&out[..], RAW_TAG);
+            other.receive_into_with_tag(&mut back[..], RAW_TAG);
+        } else {
+            other.receive_into_with_tag(&mut back[..], RAW_TAG);
+            other.send_with_tag(&out[..], RAW_TAG);
+        }
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    times
 }
 
 /// Why rank `p` cannot answer: it said goodbye.
@@ -603,6 +879,7 @@ pub(crate) fn wire_links(
         }
     }
     comm.begin_round(round, incoming, abort.clone());
+    links[me].waiter = Some(comm.inner.waiting.clone());
     let tell = comm.clone();
     links[me].abort_peers = Some(Box::new(move |why: &str| {
         tell.abort_peers(round, &format!("rank {}: {why}", tell.rank()))

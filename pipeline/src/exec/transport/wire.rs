@@ -1,5 +1,9 @@
-//! The byte format of a tensor crossing a process boundary: a fixed header (step, link,
-//! micro-batch, kind, finiteness, dtype, shape) followed by the values as raw little-endian bytes.
+//! The byte format of everything crossing a process boundary: the payload first (a tensor's
+//! values as raw little-endian bytes, or a control message's bytes), then a header (kind,
+//! step, link, micro-batch, finiteness, dtype, shape, payload length), then the header's
+//! length and a magic. Kept in 4-byte words ([`Frame`]): a received f32 tensor is the first
+//! words of its frame, taken as the tensor's storage without a copy, and a sent one is the
+//! vector its values were read into, with the header appended.
 //!
 //! The header is what keeps messages apart when the transport itself does not (MPI tags are
 //! few and a peer can run ahead by a step after a failure): a receiver checks the step and the
@@ -11,8 +15,8 @@ use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::schedule::Link;
 
-/// First bytes of every message: "wgp" and the format version.
-const MAGIC: [u8; 4] = *b"wgp1";
+/// Last bytes of every message: "wgp" and the format version.
+const MAGIC: [u8; 4] = *b"wgp2";
 
 /// What a message carries. Activations and gradients travel on different links already; the
 /// kind is repeated so that a control message can never be read as a tensor.
@@ -22,11 +26,11 @@ pub enum MsgKind {
     Gradient = 1,
     /// Stop the step: a peer failed (the payload is its error, as UTF-8 text).
     Abort = 2,
-    /// A rank's outcome of a step, for every other rank (the payload is JSON text).
+    /// A rank's outcome of a step, for every other rank (a binary record).
     Status = 3,
     /// Values for a collective (a gradient all-reduce across replicas, a gather).
     Reduce = 4,
-    /// Each stage's squared gradient norm, for clipping (JSON text).
+    /// Each stage's squared gradient norm, for clipping (f64 values).
     Norm = 5,
     /// The gradients of tied copies, for the ranks holding other copies of the same groups.
     Tied = 6,
@@ -37,12 +41,15 @@ pub enum MsgKind {
 }
 
 impl MsgKind {
-    /// Kinds whose payload is text after a one-value placeholder.
+    /// Kinds whose payload is UTF-8 text.
     fn is_text(self) -> bool {
-        matches!(
-            self,
-            MsgKind::Abort | MsgKind::Status | MsgKind::Norm | MsgKind::Beat | MsgKind::Bye
-        )
+        matches!(self, MsgKind::Abort | MsgKind::Beat | MsgKind::Bye)
+    }
+
+    /// Kinds whose payload is values of the header's shape and dtype (the others carry text or
+    /// a binary record).
+    fn carries_values(self) -> bool {
+        !self.is_text() && !matches!(self, MsgKind::Status | MsgKind::Norm)
     }
 }
 
@@ -96,13 +103,11 @@ pub struct Header {
 pub enum WireError {
     #[error("message of {got} bytes is shorter than its header says ({want} bytes)")]
     Truncated { got: usize, want: usize },
-    #[error("not a wgpipe message (first bytes {0:?}, expected {MAGIC:?})")]
+    #[error("not a wgpipe message (last bytes {0:?}, expected {MAGIC:?})")]
     BadMagic([u8; 4]),
     #[error("unknown {what} code {code} in a message header")]
     BadCode { what: &'static str, code: u8 },
-    #[error(
-        "message of {got} bytes, but a {shape:?} {dtype:?} tensor after the header needs {want}"
-    )]
+    #[error("message with {got} payload bytes, but a {shape:?} {dtype:?} tensor needs {want}")]
     Length {
         shape: Vec<usize>,
         dtype: WireDtype,
@@ -111,17 +116,72 @@ pub enum WireError {
     },
 }
 
-/// Bytes of the header before the shape: magic, kind, dtype, finite, ndim, step, from, to,
-/// grad, micro-batch, skip (0 for the chain, id + 1 for a skip link).
-const FIXED: usize = 4 + 1 + 1 + 1 + 1 + 8 + 4 + 4 + 1 + 4 + 4;
+/// Bytes of the header before the shape: kind, dtype, finite, ndim, step, from, to, grad,
+/// three zeros (so that a header is whole words), micro-batch, skip (0 for the chain, id + 1
+/// for a skip link), payload bytes.
+const FIXED: usize = 1 + 1 + 1 + 1 + 8 + 4 + 4 + 1 + 3 + 4 + 4 + 8;
+/// Bytes after the header: its length (u32) and the magic.
+const TAIL: usize = 4 + 4;
 
-/// Encodes `header` and `values` (read back to host memory by the caller) as one message. The
-/// shape written is `header.shape`; `values.len()` must match it.
-pub fn encode(header: &Header, values: &[f32]) -> Vec<u8> {
-    debug_assert_eq!(values.len(), header.shape.iter().product::<usize>());
-    let mut out =
-        Vec::with_capacity(FIXED + 8 * header.shape.len() + values.len() * header.dtype.size());
-    out.extend_from_slice(&MAGIC);
+/// A message in 4-byte words: `len` bytes of payload, padding to a word, header, tail.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Frame {
+    words: Vec<f32>,
+    len: usize,
+}
+
+impl Frame {
+    /// A frame of `len` bytes to receive into (zeroed: never read before it is written).
+    pub fn for_receive(len: usize) -> Frame {
+        Frame {
+            words: vec![0.0; len.div_ceil(4)],
+            len,
+        }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+
+    /// Its words, to hand to a non-blocking send (which owns them until it completes).
+    pub fn into_words(self) -> (Vec<f32>, usize) {
+        (self.words, self.len)
+    }
+
+    /// A frame of `payload` (`len` bytes of it, in words) and `header`, which must say `len`.
+    fn seal(mut words: Vec<f32>, len: usize, header: &Header) -> Frame {
+        words.truncate(len.div_ceil(4));
+        let mut tail = Vec::with_capacity(FIXED + 8 * header.shape.len() + TAIL + 3);
+        header_bytes(header, len, &mut tail);
+        let n = tail.len() + TAIL;
+        tail.extend_from_slice(&(n as u32).to_le_bytes());
+        tail.extend_from_slice(&MAGIC);
+        // Padding before the header, so that the frame ends on a word.
+        let start = words.len() * 4;
+        let mut bytes = vec![0u8; (start + tail.len()).div_ceil(4) * 4 - start - tail.len()];
+        bytes.extend_from_slice(&tail);
+        words.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_ne_bytes(c.try_into().expect("4 bytes"))),
+        );
+        let len = words.len() * 4;
+        Frame { words, len }
+    }
+
+    /// A frame of raw payload bytes.
+    fn of_bytes(payload: &[u8], header: &Header) -> Frame {
+        let mut words = vec![0.0f32; payload.len().div_ceil(4)];
+        bytemuck::cast_slice_mut::<f32, u8>(&mut words)[..payload.len()].copy_from_slice(payload);
+        Frame::seal(words, payload.len(), header)
+    }
+}
+
+fn header_bytes(header: &Header, payload: usize, out: &mut Vec<u8>) {
     out.push(header.kind as u8);
     out.push(header.dtype as u8);
     out.push(header.finite as u8);
@@ -130,105 +190,124 @@ pub fn encode(header: &Header, values: &[f32]) -> Vec<u8> {
     out.extend_from_slice(&(header.link.from as u32).to_le_bytes());
     out.extend_from_slice(&(header.link.to as u32).to_le_bytes());
     out.push(header.link.grad as u8);
+    out.extend_from_slice(&[0; 3]);
     out.extend_from_slice(&(header.micro_batch as u32).to_le_bytes());
     let skip = header.link.skip.map_or(0, |id| id as u32 + 1);
     out.extend_from_slice(&skip.to_le_bytes());
+    out.extend_from_slice(&(payload as u64).to_le_bytes());
     for &d in &header.shape {
         out.extend_from_slice(&(d as u64).to_le_bytes());
     }
-    match header.dtype {
-        WireDtype::F32 => {
-            for v in values {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-        }
-        // Values read back from a half tensor are widened exactly, so narrowing them again
-        // gives the tensor's own bits.
-        WireDtype::F16 => {
-            for v in values {
-                out.extend_from_slice(&f16::from_f32(*v).to_le_bytes());
-            }
-        }
-        WireDtype::BF16 => {
-            for v in values {
-                out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes());
-            }
+}
+
+/// `values` in place as little-endian f32 words (nothing to do on a little-endian host).
+fn to_le_words(values: &mut [f32]) {
+    if cfg!(target_endian = "big") {
+        for v in values {
+            *v = f32::from_bits(v.to_bits().to_le());
         }
     }
-    out
+}
+
+/// `values` in `dtype` as the payload words of a frame, and its length in bytes. f32 values
+/// keep their vector (no copy); halves are narrowed (exactly, for values read back from a
+/// half tensor) two to a word.
+fn payload_of(mut values: Vec<f32>, dtype: WireDtype) -> (Vec<f32>, usize) {
+    let n = values.len();
+    match dtype {
+        WireDtype::F32 => {
+            to_le_words(&mut values);
+            (values, 4 * n)
+        }
+        WireDtype::F16 | WireDtype::BF16 => {
+            let mut words = vec![0.0f32; n.div_ceil(2)];
+            let out: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
+            for (c, v) in out.chunks_exact_mut(2).zip(values) {
+                let bits = if dtype == WireDtype::F16 {
+                    f16::from_f32(v).to_le_bytes()
+                } else {
+                    bf16::from_f32(v).to_le_bytes()
+                };
+                c.copy_from_slice(&bits);
+            }
+            (words, 2 * n)
+        }
+    }
+}
+
+/// Encodes `header` and `values` (read back to host memory by the caller) as one message. The
+/// shape written is `header.shape`; `values.len()` must match it.
+pub fn encode(header: &Header, values: Vec<f32>) -> Frame {
+    debug_assert_eq!(values.len(), header.shape.iter().product::<usize>());
+    let (words, len) = payload_of(values, header.dtype);
+    Frame::seal(words, len, header)
 }
 
 /// An abort message: the failing peer's error, for every peer of a step.
-pub fn encode_abort(step: u64, why: &str) -> Vec<u8> {
+pub fn encode_abort(step: u64, why: &str) -> Frame {
     encode_text(MsgKind::Abort, step, why)
 }
 
-/// A message of a text kind ([`MsgKind::Abort`], [`MsgKind::Status`]) carrying `text`.
-pub fn encode_text(kind: MsgKind, step: u64, text: &str) -> Vec<u8> {
-    debug_assert!(kind.is_text());
-    let header = Header {
-        kind,
-        step,
-        link: Link {
-            from: 0,
-            to: 0,
-            grad: false,
-            skip: None,
-        },
-        micro_batch: 0,
-        finite: true,
-        dtype: WireDtype::F32,
-        shape: vec![],
-    };
-    // A scalar placeholder keeps one layout for every kind; the text follows it.
-    let mut out = encode(&header, &[0.0]);
-    out.extend_from_slice(text.as_bytes());
-    out
-}
-
-/// A message of `kind` (a collective's: [`MsgKind::Reduce`], [`MsgKind::Tied`]) for `step`
-/// carrying flat `values` from device `device` (its link names that device at both ends).
-pub fn encode_values(kind: MsgKind, step: u64, device: usize, values: &[f32]) -> Vec<u8> {
-    let header = Header {
+/// A header of `kind` for `step` naming device `device` at both ends of its link.
+fn control_header(kind: MsgKind, step: u64, device: usize, shape: Vec<usize>) -> Header {
+    Header {
         kind,
         step,
         link: Link {
             from: device,
             to: device,
-            grad: true,
+            grad: kind.carries_values(),
             skip: None,
         },
         micro_batch: 0,
         finite: true,
         dtype: WireDtype::F32,
-        shape: vec![values.len()],
-    };
+        shape,
+    }
+}
+
+/// A message of a text kind ([`MsgKind::Abort`], [`MsgKind::Beat`], [`MsgKind::Bye`]) carrying
+/// `text`.
+pub fn encode_text(kind: MsgKind, step: u64, text: &str) -> Frame {
+    debug_assert!(kind.is_text());
+    encode_bytes(kind, step, text.as_bytes())
+}
+
+/// A message of `kind` for `step` carrying raw `bytes` (a status, a norm: see
+/// [`crate::exec::comm`]'s binary records).
+pub fn encode_bytes(kind: MsgKind, step: u64, bytes: &[u8]) -> Frame {
+    Frame::of_bytes(bytes, &control_header(kind, step, 0, vec![]))
+}
+
+/// A message of `kind` (a collective's: [`MsgKind::Reduce`], [`MsgKind::Tied`]) for `step`
+/// carrying flat `values` from device `device` (its link names that device at both ends).
+pub fn encode_values(kind: MsgKind, step: u64, device: usize, values: Vec<f32>) -> Frame {
+    let header = control_header(kind, step, device, vec![values.len()]);
     encode(&header, values)
 }
 
-/// The fixed part of a header.
-struct Fixed {
-    kind: MsgKind,
-    dtype: WireDtype,
-    finite: bool,
-    ndim: usize,
-    step: u64,
-    link: Link,
-    micro_batch: usize,
-}
-
-fn fixed(bytes: &[u8]) -> Result<Fixed, WireError> {
-    if bytes.len() < FIXED {
-        return Err(WireError::Truncated {
-            got: bytes.len(),
-            want: FIXED,
-        });
+/// The header of a message, and where its payload ends.
+fn read_header(bytes: &[u8]) -> Result<(Header, usize), WireError> {
+    let truncated = |want: usize| WireError::Truncated {
+        got: bytes.len(),
+        want,
+    };
+    if bytes.len() < FIXED + TAIL {
+        return Err(truncated(FIXED + TAIL));
     }
-    let magic: [u8; 4] = bytes[0..4].try_into().expect("4 bytes");
+    let end = bytes.len();
+    let magic: [u8; 4] = bytes[end - 4..].try_into().expect("4 bytes");
     if magic != MAGIC {
         return Err(WireError::BadMagic(magic));
     }
-    let kind = match bytes[4] {
+    let n = u32::from_le_bytes(bytes[end - 8..end - 4].try_into().expect("4 bytes")) as usize;
+    if n < FIXED + TAIL || n > end {
+        return Err(truncated(n.max(FIXED + TAIL)));
+    }
+    let h = &bytes[end - n..end - TAIL];
+    let u32_at = |at: usize| u32::from_le_bytes(h[at..at + 4].try_into().expect("4 bytes"));
+    let u64_at = |at: usize| u64::from_le_bytes(h[at..at + 8].try_into().expect("8 bytes"));
+    let kind = match h[0] {
         0 => MsgKind::Activation,
         1 => MsgKind::Gradient,
         2 => MsgKind::Abort,
@@ -240,7 +319,7 @@ fn fixed(bytes: &[u8]) -> Result<Fixed, WireError> {
         8 => MsgKind::Bye,
         code => return Err(WireError::BadCode { what: "kind", code }),
     };
-    let dtype = match bytes[5] {
+    let dtype = match h[1] {
         0 => WireDtype::F32,
         1 => WireDtype::F16,
         2 => WireDtype::BF16,
@@ -251,110 +330,98 @@ fn fixed(bytes: &[u8]) -> Result<Fixed, WireError> {
             })
         }
     };
-    let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
-    Ok(Fixed {
+    let ndim = h[3] as usize;
+    if h.len() != FIXED + 8 * ndim {
+        return Err(truncated(end - h.len() + FIXED + 8 * ndim));
+    }
+    let payload = u64_at(32) as usize;
+    let shape: Vec<usize> = (0..ndim).map(|i| u64_at(FIXED + 8 * i) as usize).collect();
+    if payload > end - n {
+        return Err(truncated(payload + n));
+    }
+    let header = Header {
         kind,
         dtype,
-        finite: bytes[6] != 0,
-        ndim: bytes[7] as usize,
-        step: u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")),
+        finite: h[2] != 0,
+        step: u64_at(4),
         link: Link {
-            from: u32_at(16) as usize,
-            to: u32_at(20) as usize,
-            grad: bytes[24] != 0,
-            skip: u32_at(29).checked_sub(1).map(|id| id as usize),
+            from: u32_at(12) as usize,
+            to: u32_at(16) as usize,
+            grad: h[20] != 0,
+            skip: u32_at(28).checked_sub(1).map(|id| id as usize),
         },
-        micro_batch: u32_at(25) as usize,
-    })
+        micro_batch: u32_at(24) as usize,
+        shape,
+    };
+    if kind.carries_values() {
+        let want = header.shape.iter().product::<usize>() * dtype.size();
+        if payload != want {
+            return Err(WireError::Length {
+                shape: header.shape,
+                dtype,
+                got: payload,
+                want,
+            });
+        }
+    }
+    Ok((header, payload))
 }
 
-/// Reads a message's header, and its values widened to f32.
+/// Reads a message's header, and its values widened to f32 (a copy: see [`decode_frame`]).
 pub fn decode(bytes: &[u8]) -> Result<(Header, Vec<f32>), WireError> {
-    let need = |want: usize| {
-        if bytes.len() < want {
-            Err(WireError::Truncated {
-                got: bytes.len(),
-                want,
-            })
-        } else {
-            Ok(())
-        }
-    };
-    let Fixed {
-        kind,
-        dtype,
-        finite,
-        ndim,
-        step,
-        link,
-        micro_batch,
-    } = fixed(bytes)?;
-    need(FIXED + 8 * ndim)?;
-    let shape: Vec<usize> = (0..ndim)
-        .map(|i| {
-            let at = FIXED + 8 * i;
-            u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes")) as usize
-        })
-        .collect();
-    let body = &bytes[FIXED + 8 * ndim..];
-    let n = if kind.is_text() {
-        1
-    } else {
-        shape.iter().product::<usize>()
-    };
-    let want = n * dtype.size();
-    if body.len() < want || (!kind.is_text() && body.len() != want) {
-        return Err(WireError::Length {
-            shape,
-            dtype,
-            got: body.len(),
-            want,
-        });
-    }
-    let values = match dtype {
-        WireDtype::F32 => body[..want]
+    let (header, payload) = read_header(bytes)?;
+    let body = &bytes[..payload];
+    let values = match header.dtype {
+        WireDtype::F32 => body
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
             .collect(),
-        WireDtype::F16 => body[..want]
+        WireDtype::F16 => body
             .chunks_exact(2)
             .map(|c| f16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
             .collect(),
-        WireDtype::BF16 => body[..want]
+        WireDtype::BF16 => body
             .chunks_exact(2)
             .map(|c| bf16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
             .collect(),
     };
-    let header = Header {
-        kind,
-        step,
-        link,
-        micro_batch,
-        finite,
-        dtype,
-        shape,
-    };
     Ok((header, values))
+}
+
+/// [`decode`] of a whole frame, taking its words: an f32 message's values are the frame's
+/// first words, kept without a copy.
+pub fn decode_frame(frame: Frame) -> Result<(Header, Vec<f32>), WireError> {
+    let (header, payload) = read_header(frame.bytes())?;
+    if header.dtype != WireDtype::F32 || !header.kind.carries_values() {
+        return decode(frame.bytes());
+    }
+    let mut words = frame.words;
+    words.truncate(payload / 4);
+    to_le_words(&mut words);
+    Ok((header, words))
 }
 
 /// The kind, step and link of a message, without reading its values.
 pub fn peek(bytes: &[u8]) -> Result<(MsgKind, u64, Link), WireError> {
-    let f = fixed(bytes)?;
-    Ok((f.kind, f.step, f.link))
+    let (h, _) = read_header(bytes)?;
+    Ok((h.kind, h.step, h.link))
 }
 
-/// The text of an abort or status message (empty for other kinds).
+/// The payload of a message as raw bytes (a status, a norm; empty when unreadable).
+pub fn payload_of_message(bytes: &[u8]) -> &[u8] {
+    match read_header(bytes) {
+        Ok((_, n)) => &bytes[..n],
+        Err(_) => &[],
+    }
+}
+
+/// The text of an abort or other text message (empty for other kinds).
 pub fn text_of(bytes: &[u8]) -> String {
-    let ndim = bytes.get(7).copied().unwrap_or(0) as usize;
-    let start = FIXED + 8 * ndim + 4;
-    bytes
-        .get(start..)
-        .map(|b| String::from_utf8_lossy(b).into_owned())
-        .unwrap_or_default()
+    String::from_utf8_lossy(payload_of_message(bytes)).into_owned()
 }
 
-/// A tensor as one message: read back to host memory (from any device), then encoded in its
-/// own dtype.
+/// A tensor as one message: read back to host memory (from any device) into the vector that
+/// becomes the frame, in its own dtype.
 pub fn encode_tensor(
     kind: MsgKind,
     step: u64,
@@ -362,7 +429,7 @@ pub fn encode_tensor(
     micro_batch: usize,
     finite: bool,
     tensor: &Tensor,
-) -> wgpipe_tensor::Result<Vec<u8>> {
+) -> wgpipe_tensor::Result<Frame> {
     let header = Header {
         kind,
         step,
@@ -372,7 +439,7 @@ pub fn encode_tensor(
         dtype: WireDtype::of(tensor.dtype()),
         shape: tensor.shape().to_vec(),
     };
-    Ok(encode(&header, &tensor.to_vec()?))
+    Ok(encode(&header, tensor.to_vec()?))
 }
 
 /// The tensor of a decoded message, in host memory and in the dtype it was sent in (the
@@ -406,13 +473,20 @@ mod tests {
     fn f32_round_trip_is_bit_exact_and_little_endian() {
         let values = [1.0f32, -0.0, f32::MIN_POSITIVE, 3.5e-42, f32::NAN, -7.25];
         let h = header(WireDtype::F32, vec![2, 3]);
-        let bytes = encode(&h, &values);
-        assert_eq!(bytes.len(), FIXED + 16 + 24);
-        // The first value's bytes right after the header: 1.0f32 little-endian.
-        assert_eq!(&bytes[FIXED + 16..FIXED + 20], &[0, 0, 0x80, 0x3f]);
-        let (got, v) = decode(&bytes).unwrap();
+        let frame = encode(&h, values.to_vec());
+        let bytes = frame.bytes();
+        assert_eq!(bytes.len(), 24 + FIXED + 16 + TAIL);
+        assert_eq!(bytes.len() % 4, 0, "a frame is whole words");
+        // The values first: 1.0f32 little-endian, then -0.0.
+        assert_eq!(&bytes[0..8], &[0, 0, 0x80, 0x3f, 0, 0, 0, 0x80]);
+        assert_eq!(&bytes[bytes.len() - 4..], b"wgp2");
+        let (got, v) = decode(bytes).unwrap();
         assert_eq!(got, h);
         let bits = |s: &[f32]| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&v), bits(&values));
+        // Taking the frame's words gives the same values without a copy.
+        let (got, v) = decode_frame(frame.clone()).unwrap();
+        assert_eq!(got, h);
         assert_eq!(bits(&v), bits(&values));
     }
 
@@ -420,9 +494,10 @@ mod tests {
     fn f16_halves_the_bytes_and_rounds_to_nearest() {
         let values = [1.0f32, 0.1, -65504.0];
         let h = header(WireDtype::F16, vec![3]);
-        let bytes = encode(&h, &values);
-        assert_eq!(bytes.len(), FIXED + 8 + 6);
-        let (_, v) = decode(&bytes).unwrap();
+        let frame = encode(&h, values.to_vec());
+        // 6 payload bytes, 2 of padding to the next word, then the header.
+        assert_eq!(frame.bytes().len(), 8 + FIXED + 8 + TAIL);
+        let (_, v) = decode_frame(frame).unwrap();
         assert_eq!(v[0], 1.0);
         assert_eq!(v[1], f16::from_f32(0.1).to_f32());
         assert!((v[1] - 0.1).abs() < 1e-4);
@@ -445,9 +520,13 @@ mod tests {
                 .unwrap()
                 .to_dtype(dtype)
                 .unwrap();
-            let bytes = encode_tensor(MsgKind::Activation, 1, link, 0, true, &t).unwrap();
-            assert_eq!(bytes.len(), FIXED + 16 + 6 * dtype.size_of(), "{dtype:?}");
-            let (h, v) = decode(&bytes).unwrap();
+            let frame = encode_tensor(MsgKind::Activation, 1, link, 0, true, &t).unwrap();
+            assert_eq!(
+                frame.bytes().len(),
+                6 * dtype.size_of() + FIXED + 16 + TAIL,
+                "{dtype:?}"
+            );
+            let (h, v) = decode_frame(frame).unwrap();
             let back = tensor_of(&h, v).unwrap();
             assert_eq!(back.dtype(), dtype);
             let bits = |t: &Tensor| -> Vec<u32> {
@@ -460,33 +539,47 @@ mod tests {
     #[test]
     fn damaged_messages_are_named() {
         let h = header(WireDtype::F32, vec![4]);
-        let bytes = encode(&h, &[1.0, 2.0, 3.0, 4.0]);
+        let frame = encode(&h, vec![1.0, 2.0, 3.0, 4.0]);
+        let bytes = frame.bytes().to_vec();
+        let end = bytes.len();
+        let header_at = end - (FIXED + 8 + TAIL);
         assert!(matches!(
-            decode(&bytes[..10]),
+            decode(&bytes[end - 10..]),
             Err(WireError::Truncated { got: 10, .. })
         ));
+        // The payload cut short: the header (at the end) says 16 bytes.
         assert!(matches!(
-            decode(&bytes[..bytes.len() - 1]),
+            decode(&bytes[4..]),
+            Err(WireError::Truncated { .. })
+        ));
+        // A header whose shape disagrees with its payload.
+        let mut bad = bytes.clone();
+        bad[header_at + FIXED] = 5;
+        assert!(matches!(
+            decode(&bad),
             Err(WireError::Length {
-                want: 16,
-                got: 15,
+                want: 20,
+                got: 16,
                 ..
             })
         ));
         let mut bad = bytes.clone();
-        bad[0] = b'x';
+        bad[end - 1] = b'x';
         assert!(matches!(decode(&bad), Err(WireError::BadMagic(_))));
         let mut bad = bytes;
-        bad[4] = 9;
+        bad[header_at] = 9;
         let e = decode(&bad).unwrap_err();
         assert_eq!(e.to_string(), "unknown kind code 9 in a message header");
     }
 
     #[test]
     fn abort_carries_its_text_and_step() {
-        let bytes = encode_abort(5, "rank 1: stage 2 failed");
-        let (h, _) = decode(&bytes).unwrap();
+        let frame = encode_abort(5, "rank 1: stage 2 failed");
+        let (h, _) = decode(frame.bytes()).unwrap();
         assert_eq!((h.kind, h.step), (MsgKind::Abort, 5));
-        assert_eq!(text_of(&bytes), "rank 1: stage 2 failed");
+        assert_eq!(text_of(frame.bytes()), "rank 1: stage 2 failed");
+        let record = [1u8, 2, 3, 4, 5];
+        let frame = encode_bytes(MsgKind::Status, 6, &record);
+        assert_eq!(payload_of_message(frame.bytes()), &record);
     }
 }
