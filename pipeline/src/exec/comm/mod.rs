@@ -12,6 +12,8 @@ pub(crate) mod mpi;
 mod mpi_buckets;
 #[cfg(feature = "mpi")]
 pub(crate) mod mpi_tied;
+#[cfg(feature = "mpi")]
+mod record;
 
 use std::sync::Arc;
 use std::time::Instant;

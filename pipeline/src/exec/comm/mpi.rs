@@ -11,7 +11,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
 use wgpipe_tensor::memory::MemoryStats;
 use wgpipe_tensor::Tensor;
 
@@ -24,6 +23,7 @@ use crate::schedule::Schedule;
 use crate::sim::collectives::TiedExchange;
 
 use super::mpi_buckets::{set_grads, Buckets};
+use super::record::{Reader, Writer};
 use super::{earliest_non_finite, Agreed, GradsFinal, ReplicaRun, StepComm};
 use crate::exec::threads::lock;
 
@@ -63,7 +63,7 @@ fn agree(
         *loss.get_or_insert(0.0f32) += t.to_scalar()?;
     }
     let mut status = status_of(&local, me, loss, weight);
-    status["memory"] = memory_json(&memory);
+    status.memory = memory;
     let all = statuses(comm, round, k, status)?;
     if let Some(root) = root_failure(&all) {
         return Err(failure(comm, local.err(), root, &all));
@@ -79,14 +79,11 @@ fn agree(
     let r = replicas(comm, k);
     let mut total = 0.0f32;
     for s in &all {
-        if let Some(l) = s["loss"].as_f64() {
-            let w = s["weight"].as_f64().unwrap_or(1.0) as f32;
-            total += if r == 1 { l as f32 } else { l as f32 * w };
+        if let Some(l) = s.loss {
+            total += if r == 1 { l } else { l * s.weight };
         }
     }
-    let memory = (0..k)
-        .map(|d| memory_of(&all[base + d]["memory"]))
-        .collect();
+    let memory = (0..k).map(|d| all[base + d].memory.clone()).collect();
     Ok(Agreed {
         outcomes: vec![outcomes],
         loss: total,
@@ -95,37 +92,127 @@ fn agree(
     })
 }
 
-/// A device's memory counters as a status carries them.
-fn memory_json(m: &MemoryStats) -> Value {
-    json!([
-        m.live,
-        m.peak,
-        m.capacity,
-        m.live_by_tag,
-        m.peak_by_tag,
-        m.live_by_dtype,
-        m.peak_by_dtype
-    ])
+/// A rank's outcome of a step (or of its own part of one), as every rank reads it.
+#[derive(Clone, Default)]
+struct Status {
+    ok: bool,
+    /// Its failure was its own, not a stop because another rank failed.
+    root: bool,
+    loss: Option<f32>,
+    weight: f32,
+    /// Its device's actions: start, end, flops, bytes.
+    records: Vec<(f64, f64, f64, u64)>,
+    skipped: Option<NonFiniteAt>,
+    messages: u64,
+    memory: MemoryStats,
+    /// Where and why it failed.
+    stage: usize,
+    device: String,
+    micro_batch: usize,
+    action: String,
+    cause: String,
 }
 
-/// [`memory_json`] read back (zeros for what is missing).
-fn memory_of(v: &Value) -> MemoryStats {
-    let n = |v: &Value| v.as_u64().unwrap_or(0) as usize;
-    fn counts<const N: usize>(v: &Value) -> [usize; N] {
-        let mut t = [0usize; N];
-        for (i, x) in v.as_array().into_iter().flatten().take(N).enumerate() {
-            t[i] = x.as_u64().unwrap_or(0) as usize;
+impl Status {
+    fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u8(self.ok as u8)
+            .u8(self.root as u8)
+            .u8(self.loss.is_some() as u8)
+            .f64(self.loss.unwrap_or(0.0) as f64)
+            .f64(self.weight as f64)
+            .u64(self.records.len() as u64);
+        for &(start, end, flops, bytes) in &self.records {
+            w.f64(start).f64(end).f64(flops).u64(bytes);
         }
-        t
+        match &self.skipped {
+            Some(at) => w
+                .u8(1)
+                .u64(at.stage as u64)
+                .u64(at.micro_batch as u64)
+                .str(&at.what),
+            None => w.u8(0),
+        };
+        let m = &self.memory;
+        w.u64(self.messages)
+            .u64(m.live as u64)
+            .u64(m.peak as u64)
+            .u8(m.capacity.is_some() as u8)
+            .u64(m.capacity.unwrap_or(0) as u64)
+            .usizes(&m.live_by_tag)
+            .usizes(&m.peak_by_tag)
+            .usizes(&m.live_by_dtype)
+            .usizes(&m.peak_by_dtype)
+            .u64(self.stage as u64)
+            .str(&self.device)
+            .u64(self.micro_batch as u64)
+            .str(&self.action)
+            .str(&self.cause);
+        w.0
     }
-    MemoryStats {
-        live: n(&v[0]),
-        peak: n(&v[1]),
-        capacity: v[2].as_u64().map(|c| c as usize),
-        live_by_tag: counts(&v[3]),
-        peak_by_tag: counts(&v[4]),
-        live_by_dtype: counts(&v[5]),
-        peak_by_dtype: counts(&v[6]),
+
+    fn decode(bytes: &[u8]) -> std::result::Result<Status, String> {
+        fn fixed<const N: usize>(v: Vec<usize>) -> [usize; N] {
+            let mut t = [0; N];
+            for (a, b) in t.iter_mut().zip(v) {
+                *a = b;
+            }
+            t
+        }
+        let mut r = Reader::new(bytes);
+        let ok = r.u8("outcome")? != 0;
+        let root = r.u8("root")? != 0;
+        let has_loss = r.u8("loss")? != 0;
+        let loss = r.f64("loss")? as f32;
+        let weight = r.f64("weight")? as f32;
+        let n = r.u64("records")? as usize;
+        let mut records = Vec::with_capacity(n.min(1 << 20));
+        for _ in 0..n {
+            records.push((
+                r.f64("record")?,
+                r.f64("record")?,
+                r.f64("record")?,
+                r.u64("record")?,
+            ));
+        }
+        let skipped = if r.u8("skip")? != 0 {
+            Some(NonFiniteAt {
+                stage: r.u64("skip")? as usize,
+                micro_batch: r.u64("skip")? as usize,
+                what: r.str("skip")?,
+            })
+        } else {
+            None
+        };
+        let messages = r.u64("messages")?;
+        let live = r.u64("memory")? as usize;
+        let peak = r.u64("memory")? as usize;
+        let has_capacity = r.u8("memory")? != 0;
+        let capacity = r.u64("memory")? as usize;
+        let memory = MemoryStats {
+            live,
+            peak,
+            capacity: has_capacity.then_some(capacity),
+            live_by_tag: fixed(r.usizes("memory")?),
+            peak_by_tag: fixed(r.usizes("memory")?),
+            live_by_dtype: fixed(r.usizes("memory")?),
+            peak_by_dtype: fixed(r.usizes("memory")?),
+        };
+        Ok(Status {
+            ok,
+            root,
+            loss: has_loss.then_some(loss),
+            weight,
+            records,
+            skipped,
+            messages,
+            memory,
+            stage: r.u64("failure")? as usize,
+            device: r.str("failure")?,
+            micro_batch: r.u64("failure")? as usize,
+            action: r.str("failure")?,
+            cause: r.str("failure")?,
+        })
     }
 }
 
@@ -135,7 +222,10 @@ fn memory_of(v: &Value) -> MemoryStats {
 fn agree_ok(comm: &MpiComm, round: u64, k: usize, local: Result<()>) -> Result<()> {
     let me = comm.rank() % k;
     let status = match &local {
-        Ok(()) => json!({"ok": true}),
+        Ok(()) => Status {
+            ok: true,
+            ..Status::default()
+        },
         Err(e) => error_status(e, me),
     };
     let all = statuses(comm, round, k, status)?;
@@ -146,26 +236,24 @@ fn agree_ok(comm: &MpiComm, round: u64, k: usize, local: Result<()>) -> Result<(
 }
 
 /// Sends this rank's `status` of round `round` to every other rank; every rank's, by rank.
-fn statuses(comm: &MpiComm, round: u64, k: usize, status: Value) -> Result<Vec<Value>> {
+fn statuses(comm: &MpiComm, round: u64, k: usize, status: Status) -> Result<Vec<Status>> {
     let me = comm.rank() % k;
     let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
-    let mut theirs = exchange_text(
-        comm,
-        round,
-        MsgKind::Status,
-        &status.to_string(),
-        &peers,
-        me,
-    )?;
-    let mut all: Vec<Value> = Vec::with_capacity(comm.size());
+    let mut theirs = exchange_bytes(comm, round, MsgKind::Status, &status.encode(), &peers, me)?;
+    let mut all: Vec<Status> = Vec::with_capacity(comm.size());
     for rank in 0..comm.size() {
         all.push(if rank == comm.rank() {
             status.clone()
         } else {
-            let text = theirs.remove(&rank).unwrap_or_default();
-            serde_json::from_str(&text).unwrap_or_else(
-                |e| json!({"ok": false, "root": true, "stage": rank % k, "device": "?", "micro_batch": 0, "action": "status", "cause": format!("an unreadable status: {e}")}),
-            )
+            let bytes = theirs.remove(&rank).unwrap_or_default();
+            Status::decode(&bytes).unwrap_or_else(|e| Status {
+                root: true,
+                stage: rank % k,
+                device: "?".into(),
+                action: "status".into(),
+                cause: format!("an unreadable status: {e}"),
+                ..Status::default()
+            })
         });
     }
     Ok(all)
@@ -173,14 +261,14 @@ fn statuses(comm: &MpiComm, round: u64, k: usize, status: Value) -> Result<Vec<V
 
 /// The rank whose failure every rank reports: the lowest one that failed on its own (not
 /// stopped because another did), else the lowest that failed; `None` when all went well.
-fn root_failure(all: &[Value]) -> Option<usize> {
-    let failed: Vec<usize> = (0..all.len()).filter(|&r| all[r]["ok"] != true).collect();
+fn root_failure(all: &[Status]) -> Option<usize> {
+    let failed: Vec<usize> = (0..all.len()).filter(|&r| !all[r].ok).collect();
     let first = *failed.first()?;
     Some(
         failed
             .iter()
             .copied()
-            .find(|&r| all[r]["root"] == true)
+            .find(|&r| all[r].root)
             .unwrap_or(first),
     )
 }
@@ -191,7 +279,7 @@ fn failure(
     comm: &MpiComm,
     local: Option<PipelineError>,
     root: usize,
-    all: &[Value],
+    all: &[Status],
 ) -> PipelineError {
     match local {
         Some(e) if root == comm.rank() => e.at(&format!(" on rank {root}")),
@@ -204,36 +292,39 @@ fn fail_round(comm: &MpiComm, round: u64, error: &PipelineError) {
     comm.abort_peers(round, &error.to_string());
     comm.end_round();
     let status = error_status(error, 0);
-    let frame = wire::encode_bytes(MsgKind::Status, round, status.to_string().as_bytes());
+    let frame = wire::encode_bytes(MsgKind::Status, round, &status.encode());
     let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
     // Nothing to wait for: this rank returns its own error.
     let _ = comm.exchange(round, MsgKind::Status, &frame, &peers, Some(Duration::ZERO));
 }
 
-/// A rank's outcome as JSON: its device's records, loss and where non-finite values appeared,
-/// or its error.
+/// A rank's outcome: its device's records, loss and where non-finite values appeared, or its
+/// error.
 fn status_of(
     local: &Result<Vec<StageOutcome>>,
     me: usize,
     loss: Option<f32>,
     weight: f32,
-) -> Value {
+) -> Status {
     match local {
         Ok(outcomes) => {
             let o = outcomes.get(me);
-            let records: Vec<Value> = o
-                .map(|o| {
-                    o.records
-                        .iter()
-                        .map(|r| json!([r.start, r.end, r.flops, r.bytes]))
-                        .collect()
-                })
-                .unwrap_or_default();
-            let skipped = o
-                .and_then(|o| o.non_finite.as_ref())
-                .map(|at| json!([at.stage, at.micro_batch, at.what]));
-            let messages = o.map_or(0, |o| o.messages_sent);
-            json!({"ok": true, "loss": loss, "weight": weight, "records": records, "skipped": skipped, "messages": messages})
+            Status {
+                ok: true,
+                loss,
+                weight,
+                records: o
+                    .map(|o| {
+                        o.records
+                            .iter()
+                            .map(|r| (r.start, r.end, r.flops, r.bytes))
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+                skipped: o.and_then(|o| o.non_finite.clone()),
+                messages: o.map_or(0, |o| o.messages_sent),
+                ..Status::default()
+            }
         }
         Err(e) => error_status(e, me),
     }
@@ -241,7 +332,7 @@ fn status_of(
 
 /// The status of a rank whose step failed with `e` (`me`: its device, named when the error
 /// names no stage).
-fn error_status(e: &PipelineError, me: usize) -> Value {
+fn error_status(e: &PipelineError, me: usize) -> Status {
     let root = !matches!(e.cause(), Some(StageCause::Disconnected(_)));
     match e {
         PipelineError::Stage {
@@ -250,82 +341,81 @@ fn error_status(e: &PipelineError, me: usize) -> Value {
             micro_batch,
             action,
             cause,
-        } => json!({
-            "ok": false, "root": root, "stage": stage, "device": device,
-            "micro_batch": micro_batch, "action": action, "cause": cause.to_string()
-        }),
-        other => json!({
-            "ok": false, "root": true, "stage": me, "device": "", "micro_batch": 0,
-            "action": "step", "cause": other.to_string()
-        }),
+        } => Status {
+            root,
+            stage: *stage,
+            device: device.clone(),
+            micro_batch: *micro_batch,
+            action: action.clone(),
+            cause: cause.to_string(),
+            ..Status::default()
+        },
+        other => Status {
+            root: true,
+            stage: me,
+            action: "step".into(),
+            cause: other.to_string(),
+            ..Status::default()
+        },
     }
 }
 
 /// Device d's outcome from its rank's status.
-fn outcome_of(status: &Value, actions: &[crate::schedule::Action]) -> StageOutcome {
-    let records = status["records"]
-        .as_array()
-        .map(|rs| {
-            rs.iter()
-                .zip(actions)
-                .map(|(r, &action)| ActionRecord {
-                    action,
-                    start: r[0].as_f64().unwrap_or(0.0),
-                    end: r[1].as_f64().unwrap_or(0.0),
-                    flops: r[2].as_f64().unwrap_or(0.0),
-                    bytes: r[3].as_u64().unwrap_or(0),
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    let non_finite = status["skipped"].as_array().map(|s| NonFiniteAt {
-        stage: s[0].as_u64().unwrap_or(0) as usize,
-        micro_batch: s[1].as_u64().unwrap_or(0) as usize,
-        what: s[2].as_str().unwrap_or("").to_string(),
-    });
+fn outcome_of(status: &Status, actions: &[crate::schedule::Action]) -> StageOutcome {
     StageOutcome {
-        records,
-        non_finite,
-        messages_sent: status["messages"].as_u64().unwrap_or(0),
+        records: status
+            .records
+            .iter()
+            .zip(actions)
+            .map(|(&(start, end, flops, bytes), &action)| ActionRecord {
+                action,
+                start,
+                end,
+                flops,
+                bytes,
+            })
+            .collect(),
+        non_finite: status.skipped.clone(),
+        messages_sent: status.messages,
     }
 }
 
 /// Another rank's failure, as this rank returns it.
-fn remote_error(rank: usize, s: &Value) -> PipelineError {
+fn remote_error(rank: usize, s: &Status) -> PipelineError {
     PipelineError::Stage {
-        stage: s["stage"].as_u64().unwrap_or(0) as usize,
-        device: format!("{} on rank {rank}", s["device"].as_str().unwrap_or("?")),
-        micro_batch: s["micro_batch"].as_u64().unwrap_or(0) as usize,
-        action: s["action"].as_str().unwrap_or("?").to_string(),
+        stage: s.stage,
+        device: format!("{} on rank {rank}", s.device),
+        micro_batch: s.micro_batch,
+        action: s.action.clone(),
         cause: Box::new(StageCause::Disconnected(format!(
             "rank {rank} failed: {}",
-            s["cause"].as_str().unwrap_or("?")
+            s.cause
         ))),
     }
 }
 
-/// Sends `text` as a message of `kind` for `round` to `peers` and returns their texts, by
-/// rank (an error naming a rank that died or stopped, see [`MpiComm::peer_timeout`]).
-fn exchange_text(
+/// Sends the record `mine` as a message of `kind` for `round` to `peers` and returns theirs,
+/// by rank (an error naming a rank that died or stopped, see [`MpiComm::peer_timeout`]).
+fn exchange_bytes(
     comm: &MpiComm,
     round: u64,
     kind: MsgKind,
-    text: &str,
+    mine: &[u8],
     peers: &[usize],
     device: usize,
-) -> Result<HashMap<usize, String>> {
+) -> Result<HashMap<usize, Vec<u8>>> {
     let theirs = comm
         .exchange(
             round,
             kind,
-            &wire::encode_bytes(kind, round, text.as_bytes()),
+            &wire::encode_bytes(kind, round, mine),
             peers,
             None,
         )
         .map_err(|why| rank_error(comm.rank(), device, why))?;
     Ok(theirs
         .into_iter()
-        .map(|(r, frame)| (r, wire::text_of(frame.bytes())))
+        .map(|(r, frame)| (r, wire::payload_of_message(frame.bytes()).to_vec()))
         .collect())
 }
 
@@ -335,16 +425,28 @@ fn exchange_text(
 fn agree_settings(comm: &MpiComm, settings: &[(String, String)]) -> Result<()> {
     let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
     let round = comm.next_setup_round();
-    let mine = json!(settings).to_string();
-    let theirs = exchange_text(comm, round, MsgKind::Status, &mine, &peers, 0)?;
+    let mut w = Writer::default();
+    w.u64(settings.len() as u64);
+    for (name, value) in settings {
+        w.str(name).str(value);
+    }
+    let mine = w.0;
+    let theirs = exchange_bytes(comm, round, MsgKind::Status, &mine, &peers, 0)?;
+    let read = |bytes: &[u8]| -> std::result::Result<Vec<(String, String)>, String> {
+        let mut r = Reader::new(bytes);
+        let n = r.u64("count")? as usize;
+        (0..n)
+            .map(|_| Ok((r.str("setting")?, r.str("value")?)))
+            .collect()
+    };
     let mut all: Vec<Vec<(String, String)>> = Vec::with_capacity(comm.size());
     for rank in 0..comm.size() {
-        let text = if rank == comm.rank() {
+        let bytes = if rank == comm.rank() {
             &mine
         } else {
             &theirs[&rank]
         };
-        all.push(serde_json::from_str(text).map_err(|e| {
+        all.push(read(bytes).map_err(|e| {
             PipelineError::Config(format!("rank {rank} sent unreadable settings: {e}"))
         })?);
     }
@@ -407,83 +509,75 @@ fn gather_stages(
 ) -> Result<()> {
     let k = schedule.num_devices();
     let owned = |s: &Stage| comm.rank() < k && schedule.placement[s.index] == comm.rank();
-    let values = |p: &wgpipe_autograd::Param| -> Result<Value> { Ok(json!(p.value().to_vec()?)) };
-    let mut mine = Vec::new();
-    for s in stages.iter().filter(|s| owned(s)) {
-        let mut params = Vec::new();
-        let mut buffers = Vec::new();
-        for l in &s.layers {
-            for (_, p) in l.parameters() {
-                params.push(values(&p)?);
-            }
-            for (_, b) in l.buffers() {
-                buffers.push(values(&b)?);
-            }
-        }
-        let mut optim = Vec::new();
-        if let Some(o) = optimizers.get(s.index) {
-            for (name, t) in o.state() {
-                optim.push(json!([name, t.shape(), t.to_vec()?]));
+    // Per stage held: its index, its parameters' and buffers' values (in the layers' order),
+    // its optimizer state (name, shape, values).
+    let mut w = Writer::default();
+    let mine: Vec<&Stage> = stages.iter().filter(|s| owned(s)).collect();
+    w.u64(mine.len() as u64);
+    for s in mine {
+        w.u64(s.index as u64);
+        let params: Vec<_> = s.layers.iter().flat_map(|l| l.parameters()).collect();
+        let buffers: Vec<_> = s.layers.iter().flat_map(|l| l.buffers()).collect();
+        for list in [&params, &buffers] {
+            w.u64(list.len() as u64);
+            for (_, p) in list.iter() {
+                w.f32s(&p.value().to_vec()?);
             }
         }
-        mine.push(json!({"index": s.index, "params": params, "buffers": buffers, "optim": optim}));
+        let state = optimizers
+            .get(s.index)
+            .map(|o| o.state())
+            .unwrap_or_default();
+        w.u64(state.len() as u64);
+        for (name, t) in state {
+            w.str(&name).usizes(t.shape()).f32s(&t.to_vec()?);
+        }
     }
-    let text = json!({ "stages": mine }).to_string();
     let peers: Vec<usize> = (0..comm.size()).filter(|&p| p != comm.rank()).collect();
-    let theirs = exchange_text(comm, round, MsgKind::Status, &text, &peers, comm.rank() % k)?;
+    let theirs = exchange_bytes(comm, round, MsgKind::Status, &w.0, &peers, comm.rank() % k)?;
     let bad = |why: String| PipelineError::Config(format!("gathering the stages: {why}"));
-    for (rank, text) in theirs {
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| bad(format!("rank {rank} sent an unreadable state: {e}")))?;
-        for st in v["stages"].as_array().cloned().unwrap_or_default() {
-            let index = st["index"].as_u64().unwrap_or(u64::MAX) as usize;
+    for (rank, bytes) in theirs {
+        let unreadable = |e: String| bad(format!("rank {rank} sent an unreadable state: {e}"));
+        let mut r = Reader::new(&bytes);
+        let n = r.u64("stage count").map_err(unreadable)?;
+        for _ in 0..n {
+            let index = r.u64("stage index").map_err(unreadable)? as usize;
             let s = stages
                 .get(index)
                 .ok_or_else(|| bad(format!("rank {rank} sent stage {index}")))?;
-            let floats = |v: &Value| -> Vec<f32> {
-                v.as_array()
-                    .map(|a| {
-                        a.iter()
-                            .map(|x| x.as_f64().unwrap_or(f64::NAN) as f32)
-                            .collect()
-                    })
-                    .unwrap_or_default()
-            };
-            let set = |p: &wgpipe_autograd::Param, v: &Value| -> Result<()> {
-                let t = Tensor::from_slice(&floats(v), p.value().shape(), p.value().device())?;
-                p.set_value(t);
-                Ok(())
-            };
             let params: Vec<_> = s.layers.iter().flat_map(|l| l.parameters()).collect();
             let buffers: Vec<_> = s.layers.iter().flat_map(|l| l.buffers()).collect();
-            let (pv, bv) = (st["params"].as_array(), st["buffers"].as_array());
-            if pv.map(Vec::len) != Some(params.len()) || bv.map(Vec::len) != Some(buffers.len()) {
-                return Err(bad(format!(
-                    "rank {rank}'s stage {index} has other parameters"
-                )));
+            for list in [&params, &buffers] {
+                let count = r.u64("tensor count").map_err(unreadable)? as usize;
+                if count != list.len() {
+                    return Err(bad(format!(
+                        "rank {rank}'s stage {index} has other parameters"
+                    )));
+                }
+                for (_, p) in list.iter() {
+                    let v = r.f32s("values").map_err(unreadable)?;
+                    p.set_value(Tensor::from_slice(
+                        &v,
+                        p.value().shape(),
+                        p.value().device(),
+                    )?);
+                }
             }
-            for ((_, p), v) in params.iter().zip(pv.into_iter().flatten()) {
-                set(p, v)?;
-            }
-            for ((_, b), v) in buffers.iter().zip(bv.into_iter().flatten()) {
-                set(b, v)?;
+            let entries = r.u64("optimizer state").map_err(unreadable)? as usize;
+            let mut state = Vec::with_capacity(entries.min(1 << 16));
+            for _ in 0..entries {
+                let name = r.str("state name").map_err(unreadable)?;
+                let shape = r.usizes("state shape").map_err(unreadable)?;
+                let v = r.f32s("state values").map_err(unreadable)?;
+                // Counters ('@' keys) live on the CPU, moments beside their parameter.
+                let device = if name.starts_with('@') {
+                    wgpipe_tensor::Device::cpu()
+                } else {
+                    s.device.clone()
+                };
+                state.push((name, Tensor::from_slice(&v, &shape, &device)?));
             }
             if let Some(o) = optimizers.get_mut(index) {
-                let mut state = Vec::new();
-                for e in st["optim"].as_array().cloned().unwrap_or_default() {
-                    let name = e[0].as_str().unwrap_or("").to_string();
-                    let shape: Vec<usize> = e[1]
-                        .as_array()
-                        .map(|a| a.iter().map(|d| d.as_u64().unwrap_or(0) as usize).collect())
-                        .unwrap_or_default();
-                    // Counters ('@' keys) live on the CPU, moments beside their parameter.
-                    let device = if name.starts_with('@') {
-                        wgpipe_tensor::Device::cpu()
-                    } else {
-                        s.device.clone()
-                    };
-                    state.push((name, Tensor::from_slice(&floats(&e[2]), &shape, &device)?));
-                }
                 o.load_state(state)?;
             }
         }
@@ -499,24 +593,30 @@ fn stage_parts(comm: &MpiComm, round: u64, schedule: &Schedule, mine: &[f64]) ->
     let me = comm.rank() % k;
     let base = comm.rank() - me;
     let peers: Vec<usize> = (base..base + k).filter(|&p| p != comm.rank()).collect();
-    // JSON keeps every finite f64 exactly; NaN and infinity travel as null.
-    let theirs = exchange_text(
-        comm,
-        round,
-        MsgKind::Norm,
-        &json!(mine).to_string(),
-        &peers,
-        me,
-    )?;
+    // The f64 bits, NaN and infinity included.
+    let mut w = Writer::default();
+    w.u64(mine.len() as u64);
+    for &v in mine {
+        w.f64(v);
+    }
+    let theirs = exchange_bytes(comm, round, MsgKind::Norm, &w.0, &peers, me)?;
     let mut parts = Vec::with_capacity(mine.len());
     for (s, &own) in mine.iter().enumerate() {
         let owner = base + schedule.placement[s];
         parts.push(if owner == comm.rank() {
             own
         } else {
-            let v: Value = serde_json::from_str(&theirs[&owner])
-                .map_err(|e| rank_error(owner, me, format!("an unreadable norm: {e}")))?;
-            v[s].as_f64().unwrap_or(f64::NAN)
+            let unreadable = |e: String| rank_error(owner, me, format!("an unreadable norm: {e}"));
+            let mut r = Reader::new(&theirs[&owner]);
+            let n = r.u64("count").map_err(unreadable)? as usize;
+            if n != mine.len() {
+                return Err(unreadable(format!("{n} stages, {} expected", mine.len())));
+            }
+            let mut v = Vec::with_capacity(n);
+            for _ in 0..n {
+                v.push(r.f64("norm").map_err(unreadable)?);
+            }
+            v[s]
         });
     }
     Ok(parts)
