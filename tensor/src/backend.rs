@@ -117,6 +117,13 @@ pub(crate) trait Kernels: Send + Sync {
             self.to_host_f32(x)
         }
     }
+    /// [`Kernels::to_host`] into a vector with room for `extra` more values (appended later
+    /// without a reallocation, which for a large tensor is a copy).
+    fn to_host_reserving(&self, x: &Tensor, extra: usize) -> Result<Vec<f32>> {
+        let mut v = self.to_host(x)?;
+        v.reserve_exact(extra);
+        Ok(v)
+    }
     /// [`Kernels::to_host`] of an f32 tensor.
     fn to_host_f32(&self, x: &Tensor) -> Result<Vec<f32>>;
     /// Half `x` (any view) as an f32 tensor over the storage elements the view spans

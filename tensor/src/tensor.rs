@@ -235,6 +235,12 @@ impl Tensor {
         self.device.kernels().to_host(self)
     }
 
+    /// [`Tensor::to_vec`] with room for `extra` more values, so that appending them (a
+    /// message header, say) does not copy the values again.
+    pub fn to_vec_reserving(&self, extra: usize) -> Result<Vec<f32>> {
+        self.device.kernels().to_host_reserving(self, extra)
+    }
+
     /// The single value of a tensor with one element.
     pub fn to_scalar(&self) -> Result<f32> {
         if self.numel() != 1 {

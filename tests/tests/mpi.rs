@@ -34,8 +34,16 @@ fn fresh_dir(name: &str) -> PathBuf {
 
 /// Runs `job` under `mpirun -np <ranks>` and returns each rank's results, by rank.
 fn mpirun(job: &MpiJob, ranks: usize, tag: &str) -> Vec<Value> {
-    let dir = fresh_dir(tag);
+    mpirun_with(job, ranks, tag, &[])
+}
+
+/// [`mpirun`] with environment variables for every rank.
+fn mpirun_with(job: &MpiJob, ranks: usize, tag: &str, env: &[(&str, &str)]) -> Vec<Value> {
+    let dir = fresh_dir(&tag.replace([' ', ','], "-"));
     let mut cmd = mpirun_np(ranks);
+    for (name, value) in env {
+        cmd.env(name, value).args(["-x", name]);
+    }
     cmd.arg(env!("CARGO_BIN_EXE_mpi_worker"))
         .args(job.args())
         .arg(&dir);
@@ -224,6 +232,34 @@ fn two_replicas_of_two_ranks_equal_in_process_data_parallelism() {
     );
     let (e, at) = worst_err(&r0, &one);
     assert!(e <= 1e-5, "{e:.3e} at {at}");
+}
+
+/// Three replicas of two ranks (R = 3: the buckets' chunks do not divide evenly), reduced by
+/// MPI's collectives with the reduction overlapping the backward and without it: every
+/// replica, both ways and in a second run, holds the in-process replicas' bits.
+#[test]
+fn replicas_reduced_by_mpi_collectives_equal_in_process_bits_with_or_without_overlap() {
+    let job = MpiJob {
+        replicas: 3,
+        m: 2,
+        steps: 2,
+        ..MpiJob::new(ScheduleKind::ZbH1, 2)
+    };
+    let (x, y) = MpiJob::data();
+    let mut dp = dp_sim_pipeline(3, || MpiJob::model().0, &job.cfg()).unwrap();
+    let (want, _) = pipe_train(&mut dp, &x, &y, &mse, job.steps);
+    for (overlap, run) in [("1", 0), ("0", 0), ("1", 1)] {
+        let tag = format!("overlap {overlap}, run {run}");
+        let ranks = mpirun_with(&job, 6, &tag, &[("WGPIPE_MPI_OVERLAP", overlap)]);
+        for r in 0..3 {
+            let got = gather(&ranks[2 * r..2 * r + 2], &format!("{tag}, replica {r}"));
+            assert!(
+                got == want,
+                "{tag}: replica {r} differs from in-process replicas by {:.3e}",
+                worst_err(&got, &want).0
+            );
+        }
+    }
 }
 
 #[test]

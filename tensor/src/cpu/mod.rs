@@ -146,6 +146,18 @@ impl Kernels for CpuKernels {
         Ok(contig(x).into_owned())
     }
 
+    fn to_host_reserving(&self, x: &Tensor, extra: usize) -> Result<Vec<f32>> {
+        if x.dtype().is_half() {
+            let mut v = self.to_host(x)?;
+            v.reserve_exact(extra);
+            return Ok(v);
+        }
+        let values = contig(x);
+        let mut v = Vec::with_capacity(values.len() + extra);
+        v.extend_from_slice(&values);
+        Ok(v)
+    }
+
     fn widen(&self, x: &Tensor) -> Result<Tensor> {
         let l = x.layout();
         let bits = &x

@@ -64,6 +64,10 @@ const BEAT: Duration = Duration::from_millis(250);
 /// seconds.
 pub const PEER_TIMEOUT_VAR: &str = "WGPIPE_MPI_PEER_TIMEOUT";
 
+/// The environment variable that turns [`MpiComm::set_overlap_reduction`] off at
+/// [`MpiComm::init`] (`0`); `1` or unset: on.
+pub const OVERLAP_VAR: &str = "WGPIPE_MPI_OVERLAP";
+
 struct Inner {
     rank: usize,
     size: usize,
@@ -253,6 +257,15 @@ impl MpiComm {
             Ok(v) => peer_timeout_from(&v).map_err(PipelineError::Config)?,
             Err(_) => PEER_TIMEOUT,
         };
+        let overlap = match std::env::var(OVERLAP_VAR).as_deref() {
+            Err(_) | Ok("1") => true,
+            Ok("0") => false,
+            Ok(other) => {
+                return Err(PipelineError::Config(format!(
+                    "{OVERLAP_VAR}={other:?}: expected 0 (the reduction after the backward) or 1 (overlapping it)"
+                )))
+            }
+        };
         let peer_timeout_ms = Arc::new(AtomicU64::new(timeout.as_millis() as u64));
         let thread_timeout = peer_timeout_ms.clone();
         let routes = Arc::new(Mutex::new(Routes::default()));
@@ -306,7 +319,7 @@ impl MpiComm {
                 routes,
                 arrived,
                 waiting,
-                overlap: AtomicBool::new(true),
+                overlap: AtomicBool::new(overlap),
                 thread: Mutex::new(Some(thread)),
                 setups: AtomicU64::new(0),
             }),
