@@ -119,6 +119,7 @@ fn main_job_steps(
         .build()?;
     let ce = |o: &wgpipe::autograd::Var, t: &Tensor| wgpipe::models::cross_entropy(o, t);
     let (mut on, mut off) = (Vec::new(), Vec::new());
+    let mut overlapped = String::new();
     for step in 0..2 + steps {
         // Rounds alternate with and without the overlap (when there are replicas).
         let overlap = step % 2 == 0;
@@ -126,8 +127,11 @@ fn main_job_steps(
             comm.set_overlap_reduction(overlap);
         }
         let t0 = Instant::now();
-        pipe.train_step(&x, &y, &ce)?;
+        let report = pipe.train_step(&x, &y, &ce)?;
         pipe.optimizer_step()?;
+        if overlap && !report.wall_timeline.collectives.is_empty() {
+            overlapped = overlap_of(&report.wall_timeline);
+        }
         if step >= 2 {
             if overlap { &mut on } else { &mut off }.push(t0.elapsed().as_secs_f64());
         }
@@ -137,16 +141,49 @@ fn main_job_steps(
     } else {
         median(off)
     };
+    if !overlapped.is_empty() && replicas.is_some_and(|c| c.rank() < 2) {
+        println!("the last step with the overlap:\n{overlapped}");
+    }
     Ok((median(on), off))
+}
+
+/// This rank's gradient buckets in a step's measured timeline, beside the end of its device's
+/// last compute action: how much of the reduction ran while the backward still ran.
+fn overlap_of(t: &wgpipe::pipeline::Timeline) -> String {
+    let Some(device) = t.collectives.first().map(|c| c.device) else {
+        return String::new();
+    };
+    // The backward ends with the replica's last compute action (on any of its devices).
+    let backward_end = t
+        .events
+        .iter()
+        .filter(|e| e.peer.is_none())
+        .map(|e| e.end)
+        .fold(0.0, f64::max);
+    let mut during = 0.0;
+    let spans: Vec<String> = t
+        .collectives
+        .iter()
+        .map(|c| {
+            during += (c.end.min(backward_end) - c.start).max(0.0);
+            format!("{:.1}-{:.1}", c.start * 1e3, c.end * 1e3)
+        })
+        .collect();
+    format!(
+        "  device {device}'s gradient buckets (ms on the step's clock): {}; the replica's last compute action ends at {:.1} ms: {:.1} ms of this device's reduction ran during the backward",
+        spans.join(", "),
+        backward_end * 1e3,
+        during * 1e3
+    )
 }
 
 /// mpirun -np 4: K = 2 x R = 2 of the main job's model, steps with the reduction overlapping
 /// the backward and without, alternating.
 fn overlap(comm: &MpiComm) -> Res<()> {
-    let (with, without) = main_job_steps(Transport::Mpi(comm.clone()), 2, Some(comm), 12)?;
+    let (with, without) = main_job_steps(Transport::Mpi(comm.clone()), 2, Some(comm), 20)?;
     if comm.rank() == 0 {
         println!(
-            "K=2 x R=2 over mpirun -np 4, the main job's model (TransformerLm d64, 4 blocks, batch 32, 1F1B M=4), median of 6 steps each, alternating:"
+            "K=2 x R=2 over mpirun -np 4, the main job's model (TransformerLm d64, 4 blocks, batch 32, 1F1B M=4), median of 10 steps each, alternating:"
         );
         println!(
             "  step with the reduction overlapping the backward {:.1} ms, after the backward {:.1} ms: {:.2}x",

@@ -246,10 +246,14 @@ impl Pipeline {
         let (r, first) = self.comm.replicas(self.schedule.num_devices(), held);
         let shards = shard_batch(inputs, targets, r)?;
         let weights: Vec<f32> = shards.iter().map(|s| s.2).collect();
+        let saved: Vec<Saved> = self.replicas.iter().map(Saved::take).collect();
+        // The step's clock: every replica's records, and the reduction's, are on it.
+        let clock = Instant::now();
         let grads_final = match self.replicas.as_slice() {
-            [one] => self
-                .comm
-                .begin_round(self.round, &self.schedule, &one.stages, &weights),
+            [one] => {
+                self.comm
+                    .begin_round(self.round, &self.schedule, &one.stages, &weights, clock)
+            }
             _ => None,
         };
         let ctx = StepCtx {
@@ -268,9 +272,8 @@ impl Pipeline {
             action_timeout: self.action_timeout,
             loss_seed: loss_scale.unwrap_or(1.0),
             grads_final,
+            clock,
         };
-        let saved: Vec<Saved> = self.replicas.iter().map(Saved::take).collect();
-        let clock = Instant::now();
         let steps = run_held(
             &mut self.replicas,
             &ctx,
@@ -336,11 +339,12 @@ impl Pipeline {
         };
         let mut tied = vec![Vec::new(); held];
         let mut reduced = (0.0, 0.0);
+        let mut buckets = Vec::new();
         if agreed.skipped.is_some() {
             restore_all(&self.replicas, saved);
         } else {
             match self.reduce(&weights, clock) {
-                Ok((t, span)) => (tied, reduced) = (t, span),
+                Ok((t, span, b)) => (tied, reduced, buckets) = (t, span, b),
                 Err(e) => {
                     restore_all(&self.replicas, saved);
                     return Err(e);
@@ -367,7 +371,10 @@ impl Pipeline {
             reports.push(report);
         }
         let mut report = if held == 1 {
-            reports.pop().expect("one replica")
+            let mut one = reports.pop().expect("one replica");
+            // The buckets this process reduced with the other processes' replicas.
+            one.wall_timeline.collectives.extend(buckets);
+            one
         } else {
             let (k, sim) = (self.schedule.num_devices(), self.first().sim.as_ref());
             merge_reports(sim, k, reports, agreed.loss, reduced)
@@ -398,7 +405,8 @@ impl Pipeline {
         }
         let start = clock.elapsed().as_secs_f64();
         let stages: Vec<&[Stage]> = self.replicas.iter().map(|r| r.stages()).collect();
-        self.comm
+        let buckets = self
+            .comm
             .reduce_gradients(self.round, &self.schedule, &stages, weights)?;
         for rep in &self.replicas {
             for s in &rep.stages {
@@ -410,7 +418,7 @@ impl Pipeline {
         for rep in &self.replicas[1..] {
             copy_buffers(self.first(), rep)?;
         }
-        Ok((tied, (start, clock.elapsed().as_secs_f64())))
+        Ok((tied, (start, clock.elapsed().as_secs_f64()), buckets))
     }
 
     /// What a step does with NaN or infinite values (see [`NonFinite`]).
@@ -485,8 +493,13 @@ impl Pipeline {
 }
 
 /// What [`Pipeline::reduce`] did: each held replica's tied exchanges, and when the gradient
-/// reduction ran (start and end on the step's clock).
-type Reduced = (Vec<Vec<TiedExchange>>, (f64, f64));
+/// reduction ran (start and end on the step's clock), and the buckets reduced with other
+/// processes (each as it ran).
+type Reduced = (
+    Vec<Vec<TiedExchange>>,
+    (f64, f64),
+    Vec<crate::sim::timeline::Collective>,
+);
 
 /// The mini-batch `(inputs, targets)` as R shards (sizes differing by at most one), each with
 /// its share of the samples: the one check that inputs and targets agree and that every

@@ -51,6 +51,8 @@ pub(crate) struct StepCtx<'a> {
     /// The hook for gradients that became final (see
     /// [`crate::exec::comm::StepComm::begin_round`]; only where one replica is held).
     pub grads_final: Option<std::sync::Arc<dyn crate::exec::comm::GradsFinal>>,
+    /// When the step began: its records and the reduction's are on this clock.
+    pub clock: Instant,
 }
 
 /// How a replica's part of a step ended.
@@ -119,7 +121,7 @@ impl Replica {
         for s in &self.stages {
             s.device.memory().reset_peak();
         }
-        let clock = Instant::now();
+        let clock = ctx.clock;
         let loss = LossSide {
             targets: &ys,
             scales: &scales,

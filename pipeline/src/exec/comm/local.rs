@@ -13,6 +13,7 @@ use crate::exec::threads;
 use crate::exec::Stage;
 use crate::schedule::Schedule;
 use crate::sim::collectives::TiedExchange;
+use crate::sim::timeline::Collective;
 
 use super::{add_weighted, at_replica, earliest_non_finite, Agreed, ReplicaRun, StepComm};
 
@@ -100,16 +101,18 @@ impl StepComm for LocalComm {
         _schedule: &Schedule,
         held: &[&[Stage]],
         weights: &[f32],
-    ) -> Result<()> {
+    ) -> Result<Vec<Collective>> {
         if held.len() < 2 {
-            return Ok(());
+            return Ok(Vec::new());
         }
-        catch_unwind(AssertUnwindSafe(|| average(held, weights))).unwrap_or_else(|p| {
-            Err(PipelineError::Config(format!(
-                "the gradient all-reduce panicked: {}",
-                threads::panic_message(p)
-            )))
-        })
+        catch_unwind(AssertUnwindSafe(|| average(held, weights)))
+            .unwrap_or_else(|p| {
+                Err(PipelineError::Config(format!(
+                    "the gradient all-reduce panicked: {}",
+                    threads::panic_message(p)
+                )))
+            })
+            .map(|()| Vec::new())
     }
 
     fn stage_parts(&self, _round: u64, _schedule: &Schedule, mine: Vec<f64>) -> Result<Vec<f64>> {

@@ -28,6 +28,7 @@ use crate::exec::worker::{NonFiniteAt, StageOutcome};
 use crate::exec::Stage;
 use crate::schedule::Schedule;
 use crate::sim::collectives::TiedExchange;
+use crate::sim::timeline::Collective;
 
 pub(crate) use local::LocalComm;
 
@@ -96,6 +97,7 @@ pub(crate) trait StepComm: Send + Sync {
         _schedule: &Schedule,
         _stages: &[Stage],
         _weights: &[f32],
+        _clock: Instant,
     ) -> Option<Arc<dyn GradsFinal>> {
         None
     }
@@ -120,14 +122,16 @@ pub(crate) trait StepComm: Send + Sync {
 
     /// Every parameter's gradient becomes Σ_r weight_r x gradient_r over the job's replicas,
     /// summed in replica order, the same bits on every replica. `held`: the stages of each
-    /// replica held here; `weights`: every replica's share of the samples.
+    /// replica held here; `weights`: every replica's share of the samples. The buckets reduced
+    /// with other processes, as they ran on the step's clock (none in one process: the
+    /// pipeline times its own reduction).
     fn reduce_gradients(
         &self,
         round: u64,
         schedule: &Schedule,
         held: &[&[Stage]],
         weights: &[f32],
-    ) -> Result<()>;
+    ) -> Result<Vec<Collective>>;
 
     /// Each stage's squared gradient norm as the process that trains it computed it, from
     /// `mine` (this process's value for every stage).

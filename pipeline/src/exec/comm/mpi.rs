@@ -21,6 +21,7 @@ use crate::exec::worker::{ActionRecord, NonFiniteAt, StageOutcome};
 use crate::exec::Stage;
 use crate::schedule::Schedule;
 use crate::sim::collectives::TiedExchange;
+use crate::sim::timeline::Collective;
 
 use super::mpi_buckets::{set_grads, Buckets};
 use super::record::{Reader, Writer};
@@ -660,11 +661,14 @@ impl StepComm for MpiStepComm {
         schedule: &Schedule,
         stages: &[Stage],
         weights: &[f32],
+        clock: Instant,
     ) -> Option<Arc<dyn GradsFinal>> {
         if replicas(&self.comm, schedule.num_devices()) < 2 {
             return None;
         }
-        let b = Arc::new(Buckets::new(&self.comm, round, schedule, stages, weights));
+        let b = Arc::new(Buckets::new(
+            &self.comm, round, schedule, stages, weights, clock,
+        ));
         *lock(&self.buckets) = Some(b.clone());
         // Without the overlap the buckets start when the step's outcome is agreed.
         self.comm
@@ -733,12 +737,13 @@ impl StepComm for MpiStepComm {
         schedule: &Schedule,
         held: &[&[Stage]],
         weights: &[f32],
-    ) -> Result<()> {
+    ) -> Result<Vec<Collective>> {
         let k = schedule.num_devices();
         let device = self.comm.rank() % k;
+        let r = replicas(&self.comm, k);
         let Some(buckets) = self.buckets_of(round) else {
-            if replicas(&self.comm, k) < 2 {
-                return Ok(());
+            if r < 2 {
+                return Ok(Vec::new());
             }
             return Err(rank_error(
                 self.comm.rank(),
@@ -763,9 +768,10 @@ impl StepComm for MpiStepComm {
         }
         let _waiting = self.comm.waiting();
         let mut reduced = Vec::with_capacity(mine.len());
+        let mut spans = Vec::with_capacity(mine.len());
         for (s, sum) in mine.iter().zip(sums) {
-            let got = sum
-                .expect("every bucket started")
+            let (sum, start) = sum.expect("every bucket started");
+            let (values, done) = sum
                 .recv()
                 .map_err(|_| "the MPI thread stopped during the reduction".to_string())
                 .and_then(|r| r)
@@ -776,13 +782,20 @@ impl StepComm for MpiStepComm {
                         format!("reducing stage {}'s gradients: {why}", s.index),
                     )
                 })?;
-            reduced.push(got);
+            spans.push(Collective {
+                device,
+                start,
+                end: done.duration_since(buckets.clock).as_secs_f64(),
+                bytes: 4 * values.len() as u64,
+                replicas: r,
+            });
+            reduced.push(values);
         }
         *lock(&self.buckets) = None;
         for (s, sum) in mine.iter().zip(&reduced) {
             set_grads(s, sum)?;
         }
-        Ok(())
+        Ok(spans)
     }
 
     fn stage_parts(&self, round: u64, schedule: &Schedule, mine: Vec<f64>) -> Result<Vec<f64>> {

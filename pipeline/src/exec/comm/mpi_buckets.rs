@@ -14,6 +14,7 @@
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver};
 use std::sync::Mutex;
+use std::time::Instant;
 
 use wgpipe_tensor::Tensor;
 
@@ -27,7 +28,8 @@ use crate::schedule::{ActionKind, Schedule};
 use super::mpi::rank_error;
 use super::GradsFinal;
 
-type Sum = Receiver<std::result::Result<Vec<f32>, String>>;
+/// A bucket's sum and when it was complete.
+type Sum = Receiver<std::result::Result<(Vec<f32>, Instant), String>>;
 
 /// One step's buckets on one rank.
 pub(crate) struct Buckets {
@@ -40,6 +42,8 @@ pub(crate) struct Buckets {
     order: Vec<usize>,
     /// Each such stage's number of gradient values.
     sizes: HashMap<usize, usize>,
+    /// The step's clock.
+    pub clock: Instant,
     state: Mutex<State>,
 }
 
@@ -48,6 +52,8 @@ struct State {
     /// How many of `order` were started.
     next: usize,
     sums: HashMap<usize, Sum>,
+    /// When each bucket started, on the step's clock.
+    started: HashMap<usize, f64>,
     /// A stage whose gradients could not be read (its bucket went as zeros).
     error: Option<String>,
 }
@@ -109,6 +115,7 @@ impl Buckets {
         schedule: &Schedule,
         stages: &[Stage],
         weights: &[f32],
+        clock: Instant,
     ) -> Buckets {
         let k = schedule.num_devices();
         let device = comm.rank() % k;
@@ -142,6 +149,7 @@ impl Buckets {
             weights: weights.to_vec(),
             order,
             sizes,
+            clock,
             state: Mutex::new(State::default()),
         }
     }
@@ -153,6 +161,9 @@ impl Buckets {
             state.error.get_or_insert(why);
         }
         state.sums.insert(stage, sum);
+        state
+            .started
+            .insert(stage, self.clock.elapsed().as_secs_f64());
     }
 
     /// Starts the buckets not started yet, in order: from `stages` when the step went well
@@ -169,24 +180,27 @@ impl Buckets {
         }
     }
 
-    /// The sum of `stage`'s bucket when it was started early (`None` when not).
-    pub(crate) fn take(&self, stage: usize) -> Result<Option<Sum>> {
+    /// The sum of `stage`'s bucket and when it started, when it was started early (`None`
+    /// when not).
+    pub(crate) fn take(&self, stage: usize) -> Result<Option<(Sum, f64)>> {
         let mut state = lock(&self.state);
         if let Some(why) = state.error.take() {
             return Err(rank_error(self.comm.rank(), self.comm.rank() % self.k, why));
         }
-        Ok(state.sums.remove(&stage))
+        let started = state.started.get(&stage).copied().unwrap_or(0.0);
+        Ok(state.sums.remove(&stage).map(|s| (s, started)))
     }
 
     /// Starts a bucket now (a stage with tied parameters, after the tied exchange).
-    pub(crate) fn start_late(&self, stage: &Stage) -> Result<Sum> {
+    pub(crate) fn start_late(&self, stage: &Stage) -> Result<(Sum, f64)> {
         let values = grads_of(stage)?;
         let (reply, sum) = channel();
         let red = Reduction::new(self.k, values, self.weights.clone(), reply);
+        let started = self.clock.elapsed().as_secs_f64();
         self.comm
             .start_reduction(red)
             .map_err(|why| rank_error(self.comm.rank(), self.comm.rank() % self.k, why))?;
-        Ok(sum)
+        Ok((sum, started))
     }
 }
 

@@ -12,6 +12,7 @@
 //! 2 (R-1)/R of the bucket in and out per rank.
 
 use std::sync::mpsc::Sender;
+use std::time::Instant;
 
 use mpi::ffi;
 use mpi::raw::AsRaw;
@@ -35,6 +36,9 @@ pub(crate) fn split_devices(
         })
 }
 
+/// Where a bucket's sum goes: the sum and when it was complete, or why there is none.
+pub(crate) type SumReply = Sender<Result<(Vec<f32>, Instant), String>>;
+
 enum Phase {
     Waiting,
     Scatter,
@@ -56,7 +60,7 @@ pub(crate) struct Reduction {
     result: Vec<f32>,
     request: ffi::MPI_Request,
     phase: Phase,
-    reply: Option<Sender<Result<Vec<f32>, String>>>,
+    reply: Option<SumReply>,
 }
 
 // SAFETY: the request handle is used by the communication thread only, after the hand-over.
@@ -64,13 +68,8 @@ unsafe impl Send for Reduction {}
 
 impl Reduction {
     /// A bucket of `values` of a K-device pipeline, to be summed with `weights` (one per
-    /// replica); the sum (or why there is none) goes to `reply`.
-    pub(crate) fn new(
-        k: usize,
-        values: Vec<f32>,
-        weights: Vec<f32>,
-        reply: Sender<Result<Vec<f32>, String>>,
-    ) -> Reduction {
+    /// replica); the sum and when it was complete (or why there is none) go to `reply`.
+    pub(crate) fn new(k: usize, values: Vec<f32>, weights: Vec<f32>, reply: SumReply) -> Reduction {
         Reduction {
             k,
             len: values.len(),
@@ -178,7 +177,7 @@ impl Reduction {
                 result.truncate(self.len);
                 self.phase = Phase::Done;
                 if let Some(reply) = self.reply.take() {
-                    let _ = reply.send(Ok(result));
+                    let _ = reply.send(Ok((result, Instant::now())));
                 }
             }
             _ => {}

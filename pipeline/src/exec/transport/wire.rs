@@ -507,7 +507,11 @@ mod tests {
         let values = t.to_vec_reserving(header_room(2)).unwrap();
         let read_at = values.as_ptr();
         let frame = encode(&h, values);
-        assert_eq!(frame.words.as_ptr(), read_at, "sealing reallocated the values");
+        assert_eq!(
+            frame.words.as_ptr(),
+            read_at,
+            "sealing reallocated the values"
+        );
         let (got, v) = decode_frame(frame).unwrap();
         assert_eq!(v.as_ptr(), read_at, "the received values were copied");
         let back = tensor_of(&got, v).unwrap();
