@@ -441,14 +441,30 @@ fn a_rank_that_dies_ends_the_job_in_bounded_time_naming_it() {
 fn a_rank_that_hangs_is_taken_for_dead_within_the_peer_limit_naming_it() {
     // Rank 1 stops (SIGSTOP, every thread frozen) in the forward of micro-batch 1 of step 1;
     // mpirun sees nothing wrong, so only the heartbeats tell rank 0.
+    hang(1, 1);
+}
+
+/// With two replicas: rank 3 (device 1 of replica 1) hangs while rank 1 (device 1 of replica
+/// 0) finishes the step and starts its gradient bucket, whose collective waits for rank 3.
+/// Every live rank (the one with the reduction in flight among them) fails naming rank 3.
+#[test]
+fn a_rank_that_hangs_during_a_reduction_is_named_by_every_other_rank() {
+    hang(2, 3);
+}
+
+/// Rank `hung` of a K=2 x `replicas` job stops at step 1; every other rank must fail steps 1
+/// and 2 naming it, within the peer limit, and end MPI at once.
+fn hang(replicas: usize, hung: usize) {
     let job = MpiJob {
         steps: 3,
-        fault: Some((1, 1, MpiFault::Stop)),
+        replicas,
+        fault: Some((hung, 1, MpiFault::Stop)),
         ..MpiJob::new(ScheduleKind::OneFOneB, 2)
     };
-    let dir = fresh_dir("stop");
+    let ranks = 2 * replicas;
+    let dir = fresh_dir(&format!("stop{replicas}"));
     let limit = 2.0;
-    let mut child = mpirun_np(2)
+    let mut child = mpirun_np(ranks)
         .arg("-x")
         .arg(format!("WGPIPE_MPI_PEER_TIMEOUT={limit}"))
         .arg(env!("CARGO_BIN_EXE_mpi_worker"))
@@ -459,12 +475,13 @@ fn a_rank_that_hangs_is_taken_for_dead_within_the_peer_limit_naming_it() {
         .spawn()
         .unwrap();
     let start = Instant::now();
-    let result = dir.join("rank0.json");
-    while !result.exists() && start.elapsed() < Duration::from_secs(30) {
+    let live: Vec<usize> = (0..ranks).filter(|&r| r != hung).collect();
+    let result = |r: usize| dir.join(format!("rank{r}.json"));
+    while !live.iter().all(|&r| result(r).exists()) && start.elapsed() < Duration::from_secs(30) {
         std::thread::sleep(Duration::from_millis(50));
     }
-    // Rank 1 is ended by hand either way (a stopped process takes SIGKILL), then mpirun.
-    if let Ok(pid) = std::fs::read_to_string(dir.join("rank1.pid")) {
+    // The hung rank is ended by hand either way (a stopped process takes SIGKILL), then mpirun.
+    if let Ok(pid) = std::fs::read_to_string(dir.join(format!("rank{hung}.pid"))) {
         let _ = Command::new("kill").args(["-KILL", pid.trim()]).status();
     }
     let bound = Instant::now();
@@ -473,30 +490,39 @@ fn a_rank_that_hangs_is_taken_for_dead_within_the_peer_limit_naming_it() {
     }
     let _ = child.kill();
     let _ = child.wait();
-    assert!(result.exists(), "rank 0 never finished while rank 1 hung");
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&result).unwrap()).unwrap();
-    // Step 0 trained; steps 1 and 2 failed, naming rank 1, step 1 within the limit and a
-    // heartbeat or two (and step 2 at once).
-    assert_eq!(floats(&v["losses"]).len(), 1);
-    let errors = v["errors"].as_array().unwrap();
-    assert_eq!(errors.len(), 2, "{errors:?}");
-    for (e, most) in errors.iter().zip([limit + 1.5, 0.5]) {
-        let text = e["text"].as_str().unwrap();
-        let secs = e["secs"].as_f64().unwrap();
+    for r in live {
         assert!(
-            text.contains("rank 1 has sent nothing") && text.contains("taken for dead"),
-            "{text}"
+            result(r).exists(),
+            "rank {r} never finished while rank {hung} hung"
         );
-        assert!(
-            secs < most,
-            "step {} failed after {secs:.2} s: {text}",
-            e["step"]
-        );
-        println!("step {} failed after {secs:.2} s: {text}", e["step"]);
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(result(r)).unwrap()).unwrap();
+        // Step 0 trained; steps 1 and 2 failed, naming the hung rank, step 1 within the limit
+        // and a heartbeat or two (and step 2 at once).
+        assert_eq!(floats(&v["losses"]).len(), 1, "rank {r}");
+        let errors = v["errors"].as_array().unwrap();
+        assert_eq!(errors.len(), 2, "rank {r}: {errors:?}");
+        for (e, most) in errors.iter().zip([limit + 1.5, 0.5]) {
+            let text = e["text"].as_str().unwrap();
+            let secs = e["secs"].as_f64().unwrap();
+            assert!(
+                text.contains(&format!("rank {hung} has sent nothing"))
+                    && text.contains("taken for dead"),
+                "rank {r}: {text}"
+            );
+            assert!(
+                secs < most,
+                "rank {r}: step {} failed after {secs:.2} s: {text}",
+                e["step"]
+            );
+            println!(
+                "rank {r}: step {} failed after {secs:.2} s: {text}",
+                e["step"]
+            );
+        }
+        // Ending MPI does not wait on sends to the dead rank.
+        let finish = v["finish_secs"].as_f64().unwrap();
+        assert!(finish < 1.0, "rank {r} took {finish:.2} s to end MPI");
     }
-    // Ending MPI does not wait on sends to the dead rank.
-    let finish = v["finish_secs"].as_f64().unwrap();
-    assert!(finish < 1.0, "rank 0 took {finish:.2} s to end MPI");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

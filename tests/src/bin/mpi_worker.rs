@@ -100,12 +100,14 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
             .fault
             .filter(|&(r, s, _)| r == comm.rank() && s == step)
             .map(|(_, _, f)| f);
+        // This replica's micro-batch 1, as the layers number it (replica r's are rM..rM+M).
+        let m1 = ((comm.rank() / job.k) * job.m + 1) as u64;
         fault.lock().unwrap().armed = match injected {
-            Some(MpiFault::Error) => Some((FaultKind::Error, 1)),
-            Some(MpiFault::Panic) => Some((FaultKind::Panic, 1)),
-            Some(MpiFault::Abort) => Some((FaultKind::Abort, 1)),
-            Some(MpiFault::Stop) => Some((FaultKind::Stop, 1)),
-            Some(MpiFault::Overflow) => Some((FaultKind::Overflow, 1)),
+            Some(MpiFault::Error) => Some((FaultKind::Error, m1)),
+            Some(MpiFault::Panic) => Some((FaultKind::Panic, m1)),
+            Some(MpiFault::Abort) => Some((FaultKind::Abort, m1)),
+            Some(MpiFault::Stop) => Some((FaultKind::Stop, m1)),
+            Some(MpiFault::Overflow) => Some((FaultKind::Overflow, m1)),
             _ => None,
         };
         // A memory cap on this rank's device: room for what lives now plus 192 bytes.

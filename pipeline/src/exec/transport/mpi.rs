@@ -792,14 +792,17 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
             }
         }
         if let Some(since) = stop {
-            // Sends to a rank taken for dead never complete: nothing to wait for there.
-            let undeliverable = {
+            // Sends to a rank taken for dead never complete: nothing to wait for there. With a
+            // rank dead, MPI cannot be finalized, and under mpirun the first rank to exit
+            // without it ends the job: so each live rank waits (5 s at most) until every other
+            // live rank has ended its run too, so that none is cut short.
+            let finished = {
                 let r = lock(sh.routes);
-                pending
-                    .iter()
-                    .all(|p| r.dead.iter().any(|(d, _)| *d == p.dest))
+                let is_dead = |p: usize| r.dead.iter().any(|(d, _)| *d == p);
+                pending.iter().all(|p| is_dead(p.dest))
+                    && (r.dead.is_empty() || peers.iter().all(|&p| is_dead(p) || r.done[p]))
             };
-            if undeliverable || since.elapsed() > Duration::from_secs(5) {
+            if finished || since.elapsed() > Duration::from_secs(5) {
                 // Sends a dead peer never took: their buffers stay leaked, and the requests
                 // are forgotten rather than dropped (dropping an active request panics).
                 for p in pending {
