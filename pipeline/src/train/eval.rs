@@ -5,9 +5,14 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use wgpipe_autograd::{ForwardCtx, SkipRouter, Tape};
 use wgpipe_tensor::Tensor;
 
-use crate::error::{Result, StageCause};
+use crate::error::{NonFinite, Result, StageCause};
+use crate::exec::comm::{at_replica, ReplicaRun};
 use crate::exec::threads::{self};
 use crate::microbatch::split_batch;
+use crate::train::pipeline::{run_held, shard_batch};
+use crate::train::replica::{ReplicaStep, Saved, StepCtx};
+use crate::train::workers::{LossUse, StuckStep};
+use crate::{HeadFn, LossFn};
 
 use super::Pipeline;
 
@@ -57,5 +62,124 @@ impl Pipeline {
         }
         let refs: Vec<&Tensor> = outs.iter().collect();
         Ok(Tensor::concat(&refs, 0)?)
+    }
+}
+
+impl Pipeline {
+    /// The mean loss of `(inputs, targets)` through a forward-only schedule (the training
+    /// schedule's forwards alone, see [`crate::schedule::Schedule::forward_only`]) on the
+    /// stages' own devices: over MPI each rank runs its stages and no rank holds the whole
+    /// model. Layers run in eval mode (no dropout), nothing is recorded, no gradient or buffer
+    /// changes. Like a training step's loss: each micro-batch's mean loss weighted by its share
+    /// of the batch (and each replica's shard by its share), summed in micro-batch order, so
+    /// the result is the same bits in one process and across ranks. Every rank of the job must
+    /// call it at the same point; all return the same value or the same error.
+    pub fn evaluate(&mut self, inputs: &Tensor, targets: &Tensor, loss_fn: &LossFn) -> Result<f32> {
+        let (loss, _) = self.forward_round(inputs, targets, LossUse::Evaluate(loss_fn))?;
+        Ok(loss)
+    }
+
+    /// `head` of the last stage's output of every micro-batch of `inputs` (the logits of the
+    /// last position, for generation), concatenated along axis 0, on the CPU of every process:
+    /// a forward-only round as in [`Pipeline::evaluate`], then the process that holds the last
+    /// stage hands what `head` kept to the other processes of its replica. Each replica runs
+    /// the whole batch (every one needs every row's result). Every rank must call it at the
+    /// same point.
+    pub fn predict(&mut self, inputs: &Tensor, head: &HeadFn) -> Result<Tensor> {
+        let (_, kept) = self.forward_round(inputs, inputs, LossUse::Collect(head))?;
+        let kept = match kept {
+            Some(parts) => {
+                let refs: Vec<&Tensor> = parts.iter().collect();
+                Some(Tensor::concat(&refs, 0)?)
+            }
+            None => None,
+        };
+        let schedule = self.schedule.forward_only();
+        self.comm.share_output(self.round, &schedule, kept)
+    }
+
+    /// One forward-only round through the step machinery: the agreed loss, and under
+    /// [`LossUse::Collect`] what the last stage kept of each micro-batch when this process
+    /// holds it.
+    fn forward_round(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        use_: LossUse<'_>,
+    ) -> Result<(f32, Option<Vec<Tensor>>)> {
+        self.settle()?;
+        self.round += 1;
+        let schedule = self.schedule.forward_only();
+        let collect = matches!(use_, LossUse::Collect(_));
+        let k = schedule.num_devices();
+        let (shards, first, held) = if collect {
+            // One replica held here runs the whole batch.
+            (vec![(inputs.clone(), targets.clone(), 1.0)], 0, 1)
+        } else {
+            let held = self.replicas.len();
+            let (r, first) = self.comm.replicas(k, held);
+            (shard_batch(inputs, targets, r)?, first, held)
+        };
+        let ctx = StepCtx {
+            schedule: &schedule,
+            transport: &self.transport,
+            seed: self.seed,
+            step: self.step,
+            round: self.round,
+            // The loss is reported as it is, finite or not.
+            non_finite: NonFinite::Ignore,
+            precision: self.precision,
+            action_timeout: self.action_timeout,
+            loss_seed: 1.0,
+            // No gradient is made: nothing to reduce.
+            grads_final: None,
+            forward_only: true,
+        };
+        let steps = run_held(&mut self.replicas[..held], &ctx, &shards[first..], use_);
+        let mut done = Vec::with_capacity(held);
+        let mut timed_out = None;
+        for (i, step) in steps.into_iter().enumerate() {
+            match step {
+                Ok(ReplicaStep::Done {
+                    outcome, losses, ..
+                }) => done.push((i, outcome, losses)),
+                Ok(ReplicaStep::TimedOut(error, handles)) => {
+                    // Its threads still hold stages: they come back through `settle`; a
+                    // forward-only round changed nothing that needs putting back.
+                    self.replicas[i].stuck = Some(StuckStep {
+                        handles,
+                        saved: Saved::take(&self.replicas[i]),
+                        what: error.to_string(),
+                    });
+                    timed_out.get_or_insert(at_replica(error, i, held));
+                }
+                Err(e) => done.push((i, Err(e), Vec::new())),
+            }
+        }
+        let mut kept = None;
+        let mut runs = Vec::with_capacity(held);
+        for (i, outcome, losses) in done {
+            let losses = if collect {
+                // Only the process holding the last stage kept anything.
+                if !losses.is_empty() {
+                    kept = Some(losses);
+                }
+                Vec::new()
+            } else {
+                losses
+            };
+            runs.push(ReplicaRun {
+                outcome,
+                losses,
+                weight: shards[first + i].2,
+                stages: &self.replicas[i].stages,
+            });
+        }
+        if let Some(error) = timed_out {
+            self.comm.fail_round(self.round, &error);
+            return Err(error);
+        }
+        let agreed = self.comm.agree(self.round, &schedule, runs)?;
+        Ok((agreed.loss, kept))
     }
 }

@@ -30,7 +30,7 @@ use crate::train::replica::{Replica, ReplicaStep, Saved, StepCtx};
 use crate::train::replicas::{copy_buffers, merge_reports};
 use crate::train::report::StepReport;
 use crate::train::scaler::{GradScaler, ScalerState};
-use crate::train::workers::StuckStep;
+use crate::train::workers::{LossUse, StuckStep};
 use crate::LossFn;
 
 pub struct Pipeline {
@@ -268,6 +268,7 @@ impl Pipeline {
             action_timeout: self.action_timeout,
             loss_seed: loss_scale.unwrap_or(1.0),
             grads_final,
+            forward_only: false,
         };
         let saved: Vec<Saved> = self.replicas.iter().map(Saved::take).collect();
         let clock = Instant::now();
@@ -275,7 +276,7 @@ impl Pipeline {
             &mut self.replicas,
             &ctx,
             &shards[first..first + held],
-            loss_fn,
+            LossUse::Train(loss_fn),
         );
 
         // A replica that timed out keeps its stuck threads; the others are put back.
@@ -491,7 +492,7 @@ type Reduced = (Vec<Vec<TiedExchange>>, (f64, f64));
 /// The mini-batch `(inputs, targets)` as R shards (sizes differing by at most one), each with
 /// its share of the samples: the one check that inputs and targets agree and that every
 /// replica gets a sample.
-fn shard_batch(inputs: &Tensor, targets: &Tensor, r: usize) -> Result<Vec<(Tensor, Tensor, f32)>> {
+pub(crate) fn shard_batch(inputs: &Tensor, targets: &Tensor, r: usize) -> Result<Vec<(Tensor, Tensor, f32)>> {
     let n = inputs.shape().first().copied().unwrap_or(0);
     if targets.shape().first() != Some(&n) {
         return Err(PipelineError::Config(format!(
@@ -523,20 +524,20 @@ fn shard_batch(inputs: &Tensor, targets: &Tensor, r: usize) -> Result<Vec<(Tenso
 }
 
 /// Every held replica's part of a step: on this thread for one, on a thread each for several.
-fn run_held(
+pub(crate) fn run_held(
     replicas: &mut [Replica],
     ctx: &StepCtx<'_>,
     shards: &[(Tensor, Tensor, f32)],
-    loss_fn: &LossFn,
+    loss_fn: LossUse<'_>,
 ) -> Vec<Result<ReplicaStep>> {
     if let [only] = replicas {
-        return vec![only.run_step(ctx, &shards[0].0, &shards[0].1, loss_fn)];
+        return vec![only.run_with(ctx, &shards[0].0, &shards[0].1, loss_fn)];
     }
     std::thread::scope(|scope| {
         let handles: Vec<_> = replicas
             .iter_mut()
             .zip(shards)
-            .map(|(rep, (x, y, _))| scope.spawn(move || rep.run_step(ctx, x, y, loss_fn)))
+            .map(|(rep, (x, y, _))| scope.spawn(move || rep.run_with(ctx, x, y, loss_fn)))
             .collect();
         handles
             .into_iter()
