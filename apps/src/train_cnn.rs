@@ -489,7 +489,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         Box::new(move || make().unwrap_or_default())
     };
     let (mut pipe, plan) = build_or_plan(
-        layers,
+        crate::args::Model::Layers(layers),
         copies,
         make_copy,
         p,

@@ -656,11 +656,14 @@ fn the_transformer_example_under_mpirun_trains_like_one_process_and_only_rank_0_
         // Same arithmetic, dropout keys, gradient clipping and replica averaging as in one
         // process (with --replicas 2 there too): bit-identical.
         assert_eq!(got_losses, want.losses, "{name}");
+        // Evaluation and sampling run as forward-only rounds across the ranks (no rank
+        // gathers the model): the same bits, and so the same text, as in one process.
         assert_eq!(
             got["eval_loss"].as_f64().unwrap() as f32,
             want.eval_loss,
             "{name}"
         );
+        assert_eq!(got["sample"].as_str().unwrap(), want.sample, "{name}");
         let svg = std::fs::read_to_string(dir.join(format!("{name}-timeline.svg"))).unwrap();
         assert!(svg.trim_end().ends_with("</svg>"));
         if ranks == 4 {

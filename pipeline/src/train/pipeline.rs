@@ -11,10 +11,11 @@
 //! replicas may all be in this process or one per group of MPI ranks: the path through this
 //! code is the same (see [`crate::exec::comm`]).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use wgpipe_autograd::optim::Optimizer;
-use wgpipe_autograd::{Module, Param};
+use wgpipe_autograd::{ModelFactory, Module, Param};
 use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::error::{NonFinite, PipelineError, Result};
@@ -64,6 +65,17 @@ impl Pipeline {
     /// Starts a builder over `layers` (see [`PipelineBuilder`]).
     pub fn builder(layers: Vec<Box<dyn Module>>) -> PipelineBuilder {
         PipelineBuilder::new(layers)
+    }
+
+    /// Starts a builder over the model `factory` builds, layer range by layer range: each
+    /// layer is built alone once to be described (names, shapes, tie groups, skips, costs) and
+    /// dropped, and [`PipelineBuilder::build`] materializes only the stages this process holds
+    /// (over MPI, one rank's; in one process, all of them). The factory's rule (each layer's
+    /// values from the seed and its index only) makes every layout start from the same
+    /// parameters, bit for bit. `Balance::ByTime` and the planner run the layers, so they need
+    /// [`Pipeline::builder`].
+    pub fn builder_from(factory: Arc<dyn ModelFactory>) -> Result<PipelineBuilder> {
+        PipelineBuilder::from_factory(factory)
     }
 
     /// The first replica held here (what the accessors describe).
@@ -492,7 +504,7 @@ type Reduced = (Vec<Vec<TiedExchange>>, (f64, f64));
 /// The mini-batch `(inputs, targets)` as R shards (sizes differing by at most one), each with
 /// its share of the samples: the one check that inputs and targets agree and that every
 /// replica gets a sample.
-pub(crate) fn shard_batch(inputs: &Tensor, targets: &Tensor, r: usize) -> Result<Vec<(Tensor, Tensor, f32)>> {
+fn shard_batch(inputs: &Tensor, targets: &Tensor, r: usize) -> Result<Vec<(Tensor, Tensor, f32)>> {
     let n = inputs.shape().first().copied().unwrap_or(0);
     if targets.shape().first() != Some(&n) {
         return Err(PipelineError::Config(format!(

@@ -1,6 +1,7 @@
 //! The transformer example as one rank of an MPI job: `mpirun -np N mpi_example <summary.json>
 //! <example flags...>` runs `train_transformer` with the flags and, on rank 0, writes the
-//! losses it reports to the summary file (what the MPI tests compare with one process).
+//! losses, held-out loss and text sample it reports to the summary file (what the MPI tests
+//! compare with one process).
 
 use std::sync::atomic::AtomicBool;
 
@@ -17,7 +18,11 @@ fn main() {
     match run {
         Ok(r) => {
             if wgpipe_apps::output::is_root() {
-                let text = serde_json::json!({ "losses": r.losses, "eval_loss": r.eval_loss });
+                let text = serde_json::json!({
+                    "losses": r.losses,
+                    "eval_loss": r.eval_loss,
+                    "sample": r.sample,
+                });
                 std::fs::write(summary, text.to_string()).expect("writing the summary");
             }
         }

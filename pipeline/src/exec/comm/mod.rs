@@ -140,7 +140,7 @@ pub(crate) trait StepComm: Send + Sync {
     /// After a forward-only round that every process of this process's replica agreed on:
     /// what the last stage kept (`kept`, given by the process that holds the last stage,
     /// `None` elsewhere) on every process of the replica, on the CPU. In one process it is
-    /// `kept` itself.
+    /// `kept` itself. `round` must be a fresh round (not the forward round's).
     fn share_output(&self, round: u64, schedule: &Schedule, kept: Option<Tensor>)
         -> Result<Tensor>;
 
