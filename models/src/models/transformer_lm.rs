@@ -163,3 +163,100 @@ impl ModelFactory for LmFactory {
         self.config.build_range(self.seed, range, &self.device)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wgpipe_autograd::layer_param_name;
+
+    /// Every parameter of `layers` (the first at global index `first`) by global name, as bits,
+    /// with its tie group.
+    fn bits(first: usize, layers: &[Box<dyn Module>]) -> Vec<(String, Vec<u32>, Option<String>)> {
+        let mut out = Vec::new();
+        for (i, l) in layers.iter().enumerate() {
+            for (n, p) in l.parameters() {
+                let v = p.value().to_vec().unwrap();
+                out.push((
+                    layer_param_name(first + i, &n),
+                    v.iter().map(|x| x.to_bits()).collect(),
+                    p.tie_group(),
+                ));
+            }
+        }
+        out
+    }
+
+    /// Any cut of the model, its pieces built in any order, gives the whole model's
+    /// parameters bit for bit (tie groups included), tied or not.
+    #[test]
+    fn ranges_built_in_any_order_give_the_whole_models_values() {
+        let cpu = Device::cpu();
+        for tie in [true, false] {
+            let cfg = TransformerLm {
+                vocab: 11,
+                d_model: 8,
+                heads: 2,
+                layers: 4,
+                seq_len: 5,
+                dropout: 0.1,
+                tie_embeddings: tie,
+            };
+            let whole = bits(0, &cfg.build(7, &cpu).unwrap());
+            for cuts in [
+                vec![0, 7],
+                vec![0, 1, 7],
+                vec![0, 3, 5, 6, 7],
+                vec![0, 6, 7],
+            ] {
+                let mut pieces: Vec<_> = cuts.windows(2).map(|w| w[0]..w[1]).collect();
+                pieces.reverse();
+                let mut got = Vec::new();
+                for r in pieces {
+                    got.extend(bits(r.start, &cfg.build_range(7, r, &cpu).unwrap()));
+                }
+                got.sort();
+                let mut want = whole.clone();
+                want.sort();
+                assert_eq!(got, want, "tie {tie}, cuts {cuts:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn parameter_count_is_the_built_models() {
+        let cpu = Device::cpu();
+        for tie in [true, false] {
+            let cfg = TransformerLm {
+                vocab: 13,
+                d_model: 12,
+                heads: 3,
+                layers: 3,
+                seq_len: 9,
+                dropout: 0.0,
+                tie_embeddings: tie,
+            };
+            let layers = cfg.build(1, &cpu).unwrap();
+            assert_eq!(
+                cfg.parameter_count(),
+                crate::parameter_count(&layers),
+                "tie {tie}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_range_past_the_model_is_refused_naming_it() {
+        let cfg = TransformerLm {
+            vocab: 5,
+            d_model: 4,
+            heads: 1,
+            layers: 1,
+            seq_len: 3,
+            dropout: 0.0,
+            tie_embeddings: true,
+        };
+        let e = cfg.build_range(0, 2..5, &Device::cpu()).err().unwrap();
+        assert!(e.to_string().contains("2..5"), "{e}");
+        assert!(e.to_string().contains("4 layers"), "{e}");
+    }
+}

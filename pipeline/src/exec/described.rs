@@ -179,9 +179,8 @@ pub(crate) fn materialize(
             .map(|t| (t.name, t.param.shape(), t.buffer, t.param.tie_group()))
             .collect()
     };
-    let names = |layers: &[Box<dyn Module>]| -> Vec<String> {
-        layers.iter().map(|l| l.name()).collect()
-    };
+    let names =
+        |layers: &[Box<dyn Module>]| -> Vec<String> { layers.iter().map(|l| l.name()).collect() };
     if names(&layers) != names(described) || key(&layers) != key(described) {
         return Err(PipelineError::Config(format!(
             "the model factory's layers {range:?} differ from their descriptions \

@@ -3,8 +3,8 @@
 //! replicas and ranks agree, tied weights' gradient sums and the stages a rank does not hold.
 
 pub(crate) mod absent;
-pub(crate) mod described;
 pub mod comm;
+pub(crate) mod described;
 pub mod stage;
 pub mod threads;
 pub(crate) mod tied;

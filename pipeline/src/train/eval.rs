@@ -150,7 +150,9 @@ impl Pipeline {
             }
             Some(Err(e)) => (Err(e), Vec::new()),
             None => (
-                Err(PipelineError::Config("no replica ran the forward round".into())),
+                Err(PipelineError::Config(
+                    "no replica ran the forward round".into(),
+                )),
                 Vec::new(),
             ),
         };

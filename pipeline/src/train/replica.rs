@@ -137,7 +137,10 @@ impl Replica {
         let ran = self.run_workers(ctx, xs, &loss, clock);
         let wall = clock.elapsed().as_secs_f64();
         Ok(match ran {
-            Ran::Done { results, mut losses } => ReplicaStep::Done {
+            Ran::Done {
+                results,
+                mut losses,
+            } => ReplicaStep::Done {
                 outcome: {
                     if let LossUse::Collect(_) = loss.loss_fn {
                         // Only the process that holds the last stage collected anything.

@@ -15,6 +15,15 @@ fn main() {
     };
     let run =
         TransformerArgs::parse_from_args(flags).and_then(|a| run_with(a, &AtomicBool::new(false)));
+    // What this rank's process held at most on the CPU device, where the model's layers are
+    // built before they go to their stage's device (the MPI tests check that a rank builds
+    // only its own layers): a `<summary>.rank<r>.json` per rank.
+    if let Ok(rank) = std::env::var("OMPI_COMM_WORLD_RANK") {
+        let cpu = wgpipe_tensor::Device::cpu().memory_stats();
+        let text = serde_json::json!({ "cpu_peak_bytes": cpu.peak });
+        std::fs::write(format!("{summary}.rank{rank}.json"), text.to_string())
+            .expect("writing the rank's memory");
+    }
     match run {
         Ok(r) => {
             if wgpipe_apps::output::is_root() {

@@ -23,7 +23,10 @@ fn bits_of(layers: &[Box<dyn Module>]) -> HashMap<String, Vec<u32>> {
     for (i, l) in layers.iter().enumerate() {
         for (n, p) in l.parameters().into_iter().chain(l.buffers()) {
             let v = p.value().to_vec().unwrap();
-            out.insert(layer_param_name(i, &n), v.iter().map(|x| x.to_bits()).collect());
+            out.insert(
+                layer_param_name(i, &n),
+                v.iter().map(|x| x.to_bits()).collect(),
+            );
         }
     }
     out
@@ -62,7 +65,11 @@ fn a_factory_built_pipeline_starts_from_the_whole_models_parameters_bit_for_bit(
     ] {
         let pipe = from_factory(&cfg, k, 2, balance.clone());
         let mut got = HashMap::new();
-        for (name, p) in pipe.named_parameters().into_iter().chain(pipe.named_buffers()) {
+        for (name, p) in pipe
+            .named_parameters()
+            .into_iter()
+            .chain(pipe.named_buffers())
+        {
             let v = p.value().to_vec().unwrap();
             got.insert(name, v.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
         }
@@ -102,13 +109,15 @@ fn evaluate_equals_the_whole_model_run_plainly() {
     }
     // And the mean over the whole batch at once: the same up to the summation order.
     let all = forward_all(&whole, &tape.constant(x.clone()), &ForwardCtx::eval()).unwrap();
-    let batch_mean = cross_entropy(&all, &y).unwrap().value().to_scalar().unwrap();
+    let batch_mean = cross_entropy(&all, &y)
+        .unwrap()
+        .value()
+        .to_scalar()
+        .unwrap();
     assert!(((want - batch_mean) / batch_mean).abs() < 1e-6);
     for (k, balance) in [(1, vec![8]), (2, vec![4, 4]), (4, vec![2, 2, 2, 2])] {
         let mut pipe = from_factory(&cfg, k, 3, balance);
-        let got = pipe
-            .evaluate(&x, &y, &|l, t| cross_entropy(l, t))
-            .unwrap();
+        let got = pipe.evaluate(&x, &y, &|l, t| cross_entropy(l, t)).unwrap();
         assert_eq!(got.to_bits(), want.to_bits(), "K={k}: {got} vs {want}");
     }
 }
@@ -124,8 +133,13 @@ fn evaluate_with_replicas_is_replica_0s_on_the_whole_batch() {
     let mut two = dp_sim_pipeline(
         2,
         move || c.build(SEED, &Device::cpu()).unwrap(),
-        &PipeCfg::new(2, 2, wgpipe_pipeline::CheckpointMode::Never, ScheduleKind::OneFOneB)
-            .balance(vec![4, 4]),
+        &PipeCfg::new(
+            2,
+            2,
+            wgpipe_pipeline::CheckpointMode::Never,
+            ScheduleKind::OneFOneB,
+        )
+        .balance(vec![4, 4]),
     )
     .unwrap();
     let got = two.evaluate(&x, &y, &|l, t| cross_entropy(l, t)).unwrap();
@@ -147,7 +161,14 @@ fn predict_keeps_what_the_head_asks_of_the_whole_models_output() {
     for mb in 0..2 {
         let xs = tape.constant(x.narrow(0, 2 * mb, 2).unwrap());
         let logits = forward_all(&whole, &xs, &ForwardCtx::eval()).unwrap();
-        want.extend(logits.value().narrow(1, t - 1, 1).unwrap().to_vec().unwrap());
+        want.extend(
+            logits
+                .value()
+                .narrow(1, t - 1, 1)
+                .unwrap()
+                .to_vec()
+                .unwrap(),
+        );
     }
     for (k, balance) in [(1, vec![8]), (4, vec![2, 2, 2, 2])] {
         let mut pipe = from_factory(&cfg, k, 2, balance);
@@ -157,4 +178,58 @@ fn predict_keeps_what_the_head_asks_of_the_whole_models_output() {
         assert_eq!(got.shape(), &[n, 1, cfg.vocab]);
         assert_eq!(got.to_vec().unwrap(), want, "K={k}");
     }
+}
+
+/// The forwards of every schedule kind, on its own placement (looped and V-shaped ones
+/// included), evaluate to the bits of one device: a forward-only schedule keeps each
+/// kind's forward order and cannot deadlock.
+#[test]
+fn every_schedule_kinds_forwards_evaluate_alike() {
+    let cfg = lm();
+    // M = 4 micro-batches of 2 rows (DualPipeV needs M >= 2K).
+    let x = token_ids(8, cfg.seq_len, cfg.vocab, 6);
+    let y = token_ids(8, cfg.seq_len, cfg.vocab, 7);
+    let loss = |l: &wgpipe_autograd::Var, t: &Tensor| cross_entropy(l, t);
+    let want = from_factory(&cfg, 1, 4, vec![8])
+        .evaluate(&x, &y, &loss)
+        .unwrap();
+    for kind in ScheduleKind::ALL {
+        let chunks = kind.default_chunks();
+        let cpu = Device::cpu();
+        let mut pipe = Pipeline::builder_from(cfg.factory(SEED, &cpu))
+            .unwrap()
+            .sim(SimCluster::uniform(
+                &cpu,
+                2,
+                1 << 30,
+                1e9,
+                wgpipe_pipeline::LinkSpec::FREE,
+            ))
+            .balance(Balance::Explicit(even_balance(8, 2 * chunks)))
+            .micro_batches(4)
+            .schedule(kind)
+            .chunks(chunks)
+            .build()
+            .unwrap();
+        let got = pipe.evaluate(&x, &y, &loss).unwrap();
+        assert_eq!(got.to_bits(), want.to_bits(), "{kind:?}: {got} vs {want}");
+    }
+}
+
+/// What a factory-built pipeline cannot do is refused at once, saying why: balancing by
+/// measured time and planning both run every layer.
+#[test]
+fn a_factory_builder_refuses_what_needs_every_layer_run() {
+    let cfg = lm();
+    let cpu = Device::cpu();
+    let e = Pipeline::builder_from(cfg.factory(SEED, &cpu))
+        .unwrap()
+        .devices(vec![cpu.clone(), cpu.clone()])
+        .balance(Balance::ByTime {
+            sample: token_ids(2, cfg.seq_len, cfg.vocab, 0),
+        })
+        .build()
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("Balance::ByTime"), "{e}");
 }
