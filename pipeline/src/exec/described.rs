@@ -16,6 +16,9 @@ use wgpipe_tensor::Tensor;
 use crate::error::{PipelineError, Result};
 use crate::exec::stage::named_tensors;
 
+/// A layer's cost on an input shape, and the bytes of each skip it stashes.
+type Measured = (CostHint, Vec<usize>);
+
 /// A layer of a model built from a factory, before (or instead of) its materialization.
 struct DescribedLayer {
     index: usize,
@@ -26,7 +29,7 @@ struct DescribedLayer {
     skips: Skips,
     factory: Arc<dyn ModelFactory>,
     /// Cost and stash bytes by input shape, each measured once from a transient build.
-    costs: Mutex<HashMap<Vec<usize>, (CostHint, Vec<usize>)>>,
+    costs: Mutex<HashMap<Vec<usize>, Measured>>,
 }
 
 impl DescribedLayer {
@@ -43,7 +46,7 @@ impl DescribedLayer {
 
     /// The cost and stash bytes of the layer on `input_shape`, from the layer itself (built
     /// for the question and dropped; the answer is kept).
-    fn measured(&self, input_shape: &[usize]) -> (CostHint, Vec<usize>) {
+    fn measured(&self, input_shape: &[usize]) -> Measured {
         let mut costs = self.costs.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = costs.get(input_shape) {
             return c.clone();
