@@ -7,12 +7,13 @@ use std::error::Error as _;
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
 use crate::autograd::optim::Optimizer;
-use crate::autograd::Module;
+use crate::autograd::{ModelFactory, Module};
 use crate::error::{AppError, AppResult};
 use crate::limits::{check_positive, check_range};
 use crate::pipeline::microbatch::{micro_batch_sizes, MicroBatchError};
@@ -369,11 +370,48 @@ impl PipelineArgs {
     }
 }
 
+/// The model a pipeline is built over: its layers, or a factory of layer ranges from which the
+/// pipeline builds only the stages this process holds (under `--transport mpi`, so that no
+/// rank holds the whole model; see `Pipeline::builder_from`).
+pub enum Model {
+    Layers(Vec<Box<dyn Module>>),
+    Factory(Arc<dyn ModelFactory>),
+}
+
+impl Model {
+    /// The number of layers of the whole model.
+    pub fn num_layers(&self) -> usize {
+        match self {
+            Model::Layers(l) => l.len(),
+            Model::Factory(f) => f.num_layers(),
+        }
+    }
+
+    /// The whole model's layers (a factory builds them all).
+    pub fn into_layers(self) -> AppResult<Vec<Box<dyn Module>>> {
+        match self {
+            Model::Layers(l) => Ok(l),
+            Model::Factory(f) => f
+                .build_range(0..f.num_layers())
+                .map_err(|e| AppError(format!("building the model: {e}"))),
+        }
+    }
+
+    /// A pipeline builder over the model.
+    fn builder(self) -> AppResult<crate::pipeline::PipelineBuilder> {
+        match self {
+            Model::Layers(l) => Ok(Pipeline::builder(l)),
+            Model::Factory(f) => Pipeline::builder_from(f)
+                .map_err(|e| AppError(format!("describing the model: {e}"))),
+        }
+    }
+}
+
 /// Builds the pipeline from the flags. `sample` is one micro-batch of inputs (for
 /// `--balance time`), `input_shape` its shape (for `flops` and `memory`). `copies` are the
 /// layers of replicas 1..R (`--replicas`; their values are replaced by replica 0's).
 pub fn build_pipeline(
-    layers: Vec<Box<dyn Module>>,
+    model: Model,
     mut copies: Vec<Vec<Box<dyn Module>>>,
     args: &PipelineArgs,
     placement: &Placement,
@@ -381,7 +419,7 @@ pub fn build_pipeline(
     optimizer: impl Fn() -> Box<dyn Optimizer> + 'static,
 ) -> AppResult<Pipeline> {
     let input_shape = sample.shape().to_vec();
-    let num_layers = layers.len();
+    let num_layers = model.num_layers();
     let balance = match &args.balance {
         BalanceArg::Explicit(b) => Balance::Explicit(b.clone()),
         BalanceArg::Params => Balance::ByParams,
@@ -394,7 +432,8 @@ pub fn build_pipeline(
             sample: sample.clone(),
         },
     };
-    let mut b = Pipeline::builder(layers)
+    let mut b = model
+        .builder()?
         .balance(balance)
         .micro_batches(args.micro_batches)
         .checkpoint(args.checkpoint)

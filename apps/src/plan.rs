@@ -5,7 +5,7 @@
 use clap::parser::ValueSource;
 use clap::ArgMatches;
 
-use crate::args::{build_pipeline, PipelineArgs, PlanArg};
+use crate::args::{build_pipeline, Model, PipelineArgs, PlanArg};
 use crate::autograd::optim::Optimizer;
 use crate::autograd::Module;
 use crate::error::{AppError, AppResult};
@@ -59,9 +59,10 @@ pub type MakeCopy = Box<dyn FnMut() -> Vec<Box<dyn Module>>>;
 
 /// The pipeline of the flags, or the planned one when [`wants_plan`] (with its plan).
 /// `copies` are the replicas the flags ask for; `make_copy` makes those the plan asks for.
+/// Planning builds a factory's whole model (the planner runs every layer).
 #[allow(clippy::too_many_arguments)]
 pub fn build_or_plan(
-    layers: Vec<Box<dyn Module>>,
+    model: Model,
     copies: Vec<Vec<Box<dyn Module>>>,
     make_copy: MakeCopy,
     args: &PipelineArgs,
@@ -79,12 +80,14 @@ pub fn build_or_plan(
                 args.replicas
             )));
         }
+        // The planner profiles every layer: it needs the whole model here.
+        let layers = model.into_layers()?;
         let (pipe, report) =
             plan_pipeline(layers, make_copy, placement, run, args.precision, optimizer)?;
         Ok((pipe, Some(report)))
     } else {
         Ok((
-            build_pipeline(layers, copies, args, placement, sample, optimizer)?,
+            build_pipeline(model, copies, args, placement, sample, optimizer)?,
             None,
         ))
     }

@@ -259,9 +259,10 @@ fn images_tensor(set: &ImageSet, idx: &[usize]) -> AppResult<(Tensor, Tensor)> {
     Ok((x, y))
 }
 
-/// Accuracy on `set` through `Pipeline::forward` (eval mode), in chunks of `chunk` images
-/// (at least M each; a last chunk smaller than M is merged into the one before).
-pub fn accuracy(pipe: &Pipeline, set: &ImageSet, chunk: usize) -> AppResult<f64> {
+/// Accuracy on `set` through `Pipeline::predict` (a forward-only round across the stages and
+/// ranks, in eval mode; the last stage keeps each image's predicted class), in chunks of
+/// `chunk` images (at least M each; a last chunk smaller than M is merged into the one before).
+pub fn accuracy(pipe: &mut Pipeline, set: &ImageSet, chunk: usize) -> AppResult<f64> {
     let m = pipe.num_micro_batches();
     let chunk = chunk.max(m);
     let mut correct = 0usize;
@@ -276,8 +277,9 @@ pub fn accuracy(pipe: &Pipeline, set: &ImageSet, chunk: usize) -> AppResult<f64>
         }
         let idx: Vec<usize> = (start..end).collect();
         let (x, _) = images_tensor(set, &idx)?;
-        let logits = pipe.forward(&x)?;
-        let pred = logits.argmax(-1, false)?.to_vec()?;
+        let pred = pipe
+            .predict(&x, &|logits| logits.argmax(-1, false))?
+            .to_vec()?;
         correct += pred
             .iter()
             .zip(&set.labels[start..end])
@@ -489,7 +491,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         Box::new(move || make().unwrap_or_default())
     };
     let (mut pipe, plan) = build_or_plan(
-        layers,
+        crate::args::Model::Layers(layers),
         copies,
         make_copy,
         p,
@@ -578,11 +580,14 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         },
         &loss_fn,
     )?;
-    // Over MPI each rank held and trained only its own stages: every rank takes the whole
-    // model before evaluating and saving (nothing to do in one process). A model that cannot
-    // be built again comes out empty, which gather_stages names.
-    pipe.gather_stages(|| build_model(&args, &train).unwrap_or_default())
-        .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
+    // Over MPI each rank held and trained only its own stages. The accuracy is measured
+    // across the ranks as they are; a checkpoint is one file of the whole model, so `--save`
+    // gathers every stage to every rank first (nothing to do in one process). A model that
+    // cannot be built again comes out empty, which gather_stages names.
+    if p.save.is_some() {
+        pipe.gather_stages(|| build_model(&args, &train).unwrap_or_default())
+            .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
+    }
     let end_step = r.end_step(start_step);
     if let Some(path) = &p.save {
         save_pipeline(
@@ -596,7 +601,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         crate::say!("saved checkpoint at step {end_step} to {}", path.display());
     }
     pipe.set_train(false);
-    let acc = accuracy(&pipe, &test, 256)?;
+    let acc = accuracy(&mut pipe, &test, 256)?;
     let chance = 1.0 / train.num_classes as f64;
     if let (Some(first), Some(last)) = (r.losses.first(), r.losses.last()) {
         crate::say!(

@@ -8,17 +8,17 @@ use std::path::PathBuf;
 use clap::Parser;
 
 use crate::autograd::optim::{AdamConfig, LrSchedule};
-use crate::autograd::{AdamW, Tape, Var};
+use crate::autograd::{AdamW, Var};
 use crate::bail;
 use std::sync::atomic::AtomicBool;
 
-use crate::args::{describe_replicas, describe_stages, PipelineArgs};
+use crate::args::{describe_replicas, describe_stages, Model, PipelineArgs, TransportArg};
 use crate::error::{AppError, AppResult, Context};
 use crate::files::{load_pipeline, save_pipeline};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
 use crate::metrics::write_curves;
 use crate::models::data::TextDataset;
-use crate::models::{cross_entropy, parameter_count, TransformerLm};
+use crate::models::{cross_entropy, TransformerLm};
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::{Pipeline, StepReport};
 use crate::plan::{build_or_plan, print_predicted_vs_measured, PlanRun};
@@ -152,9 +152,11 @@ fn load_data(args: &TransformerArgs) -> AppResult<(TextDataset, String)> {
     }
 }
 
-/// Mean loss over up to `max_batches` held-out batches, through `Pipeline::forward`.
+/// Mean loss over up to `max_batches` held-out batches, through `Pipeline::evaluate`: a
+/// forward-only schedule across the stages (and ranks), so that no process needs the whole
+/// model. Each batch's loss weighs its micro-batches by their rows, as a training step's does.
 fn eval_loss(
-    pipe: &Pipeline,
+    pipe: &mut Pipeline,
     val: &TextDataset,
     batch: usize,
     seq_len: usize,
@@ -173,18 +175,22 @@ fn eval_loss(
     let mut sum = 0.0;
     let n = batches.len().min(max_batches);
     for (x, y) in batches.iter().take(n) {
-        let logits = pipe.forward(&ids_tensor(x, &[rows, seq_len])?)?;
-        let t = ids_tensor(y, &[rows, seq_len])?.to_device(logits.device())?;
-        let tape = Tape::no_grad();
-        sum += cross_entropy(&tape.constant(logits), &t)?.to_scalar()?;
+        sum += pipe.evaluate(
+            &ids_tensor(x, &[rows, seq_len])?,
+            &ids_tensor(y, &[rows, seq_len])?,
+            &|logits, t| cross_entropy(logits, t),
+        )?;
     }
     Ok(sum / n as f32)
 }
 
 /// Samples `len` tokens after `prompt` for `rows` sequences at once (the pipeline splits its
 /// input into M micro-batches, so it needs at least M rows). Returns the first row's text.
+/// Each token is a forward-only round (`Pipeline::predict`): the last stage keeps the logits
+/// of the last position and hands them to every rank, which all draw the same token from the
+/// same generator, so no rank needs the whole model.
 fn sample_text(
-    pipe: &Pipeline,
+    pipe: &mut Pipeline,
     data: &TextDataset,
     prompt: &[u32],
     seq_len: usize,
@@ -202,8 +208,11 @@ fn sample_text(
             .iter()
             .flat_map(|s| s[s.len() - t..].iter().copied())
             .collect();
-        let logits = pipe.forward(&ids_tensor(&ids, &[rows, t])?)?;
-        let last = logits.narrow(1, t - 1, 1)?.to_vec()?;
+        let last = pipe
+            .predict(&ids_tensor(&ids, &[rows, t])?, &move |logits| {
+                logits.narrow(1, t - 1, 1)
+            })?
+            .to_vec()?;
         for (r, s) in seqs.iter_mut().enumerate() {
             let row = &last[r * v..(r + 1) * v];
             s.push(pick(row, temperature, &mut rng));
@@ -356,10 +365,20 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         dropout: args.dropout,
         tie_embeddings: !args.untie_embeddings,
     };
-    let layers = cfg
-        .build(p.seed, &Device::cpu())
-        .context("building the model")?;
-    let n_params = parameter_count(&layers);
+    // Under MPI each rank builds only the layers of its own stages (from a factory of layer
+    // ranges); in one process, and for `--balance time` (which runs every layer), the whole
+    // model.
+    let rank_local =
+        p.transport == TransportArg::Mpi && !matches!(p.balance, crate::args::BalanceArg::Time);
+    let model = if rank_local {
+        Model::Factory(cfg.factory(p.seed, &Device::cpu()))
+    } else {
+        Model::Layers(
+            cfg.build(p.seed, &Device::cpu())
+                .context("building the model")?,
+        )
+    };
+    let n_params = cfg.parameter_count();
 
     let placement = p.placement()?;
     let mb = args.batch / p.micro_batches;
@@ -395,7 +414,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         Box::new(move || cfg.build(seed, &Device::cpu()).unwrap_or_default())
     };
     let (mut pipe, plan) = build_or_plan(
-        layers,
+        model,
         copies,
         make_copy,
         p,
@@ -494,11 +513,15 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         },
         &loss_fn,
     )?;
-    // Over MPI each rank held and trained only its own stages: every rank takes the whole
-    // model before evaluating and saving (nothing to do in one process). A model that cannot
-    // be built again comes out empty, which gather_stages names.
-    pipe.gather_stages(|| cfg.build(p.seed, &Device::cpu()).unwrap_or_default())
-        .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
+    // Over MPI each rank held and trained only its own stages. Evaluation and sampling run
+    // across the ranks as they are; a checkpoint is one file of the whole model, so `--save`
+    // gathers every stage to every rank first (the explicit choice for a model small enough
+    // to hold whole; nothing to do in one process). A model that cannot be built again comes
+    // out empty, which gather_stages names.
+    if p.save.is_some() {
+        pipe.gather_stages(|| cfg.build(p.seed, &Device::cpu()).unwrap_or_default())
+            .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
+    }
     let (wall, tokens_per_sec) = (r.wall_secs, r.items_per_sec);
     let end_step = r.end_step(start_step);
     let losses = r.losses.clone();
@@ -515,7 +538,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     }
 
     pipe.set_train(false);
-    let eval = eval_loss(&pipe, &val, args.batch, args.seq_len, 8)?;
+    let eval = eval_loss(&mut pipe, &val, args.batch, args.seq_len, 8)?;
     if let (Some(first), Some(last)) = (losses.first(), losses.last()) {
         let k = losses.len().min(10);
         let tail = r.tail_loss(k);
@@ -563,7 +586,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     };
     let prompt = data.encode(&prompt_text).unwrap_or_else(|_| vec![0]);
     let sample = sample_text(
-        &pipe,
+        &mut pipe,
         &data,
         &prompt,
         args.seq_len,

@@ -15,7 +15,7 @@ pub mod tied;
 pub mod var;
 
 pub use checkpoint::checkpoint;
-pub use module::{layer_param_name, CostHint, ForwardCtx, Module};
+pub use module::{layer_param_name, CostHint, ForwardCtx, ModelFactory, Module};
 pub use optim::{Adam, AdamW, LrSchedule, Optimizer, Sgd};
 pub use param::Param;
 pub use skips::{resolve_skips, SkipEdge, SkipError, SkipRouter, Skips};

@@ -233,3 +233,17 @@ pub trait Module: Send {
         vec![bytes; self.skips().stashes.len()]
     }
 }
+
+/// A model that builds any contiguous range of its layers on its own, so that a process of a
+/// job spread over several materializes only the layers it holds (see the pipeline's
+/// `Pipeline::builder_from`). Layer `i`'s initial values must depend only on the factory's
+/// seed and on `i`, never on the range asked for or on the order ranges are built in, so that
+/// any cut of the model starts from the same parameters, bit for bit, as the whole model built
+/// at once; layers that share a tied parameter (an embedding table and a head) must each carry
+/// the tie group when built alone.
+pub trait ModelFactory: Send + Sync {
+    /// The number of layers of the whole model.
+    fn num_layers(&self) -> usize;
+    /// Layers `range` of the model (indices into the whole model), in order.
+    fn build_range(&self, range: std::ops::Range<usize>) -> Result<Vec<Box<dyn Module>>>;
+}

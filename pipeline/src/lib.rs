@@ -62,3 +62,7 @@ use wgpipe_tensor::Tensor;
 
 /// The loss of one micro-batch: `(output of the last stage, targets) -> scalar mean loss`.
 pub type LossFn = dyn Fn(&Var, &Tensor) -> wgpipe_tensor::Result<Var> + Sync;
+
+/// What a forward-only round ([`Pipeline::predict`]) keeps of the last stage's output of each
+/// micro-batch (the logits of the last position, say), computed where the last stage is.
+pub type HeadFn = dyn Fn(&Tensor) -> wgpipe_tensor::Result<Tensor> + Sync;

@@ -682,11 +682,14 @@ fn the_transformer_example_under_mpirun_trains_like_one_process_and_only_rank_0_
         // Same arithmetic, dropout keys, gradient clipping and replica averaging as in one
         // process (with --replicas 2 there too): bit-identical.
         assert_eq!(got_losses, want.losses, "{name}");
+        // Evaluation and sampling run as forward-only rounds across the ranks (no rank
+        // gathers the model): the same bits, and so the same text, as in one process.
         assert_eq!(
             got["eval_loss"].as_f64().unwrap() as f32,
             want.eval_loss,
             "{name}"
         );
+        assert_eq!(got["sample"].as_str().unwrap(), want.sample, "{name}");
         let svg = std::fs::read_to_string(dir.join(format!("{name}-timeline.svg"))).unwrap();
         assert!(svg.trim_end().ends_with("</svg>"));
         if ranks == 4 {
@@ -705,6 +708,104 @@ fn the_transformer_example_under_mpirun_trains_like_one_process_and_only_rank_0_
             assert!(err <= 1e-5, "{name} vs M = 4 alone: {err:.2e}");
         }
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Under MPI each rank of the transformer example builds only the layers of its own stage
+/// (from the model's factory of layer ranges): the most its process ever held on the CPU device,
+/// where layers are built before they go to their stage's device, is its own layers plus one
+/// block (each layer is built alone once to be described) and a little for the data, far below
+/// the whole model. Evaluation and sampling run across the 4 ranks without gathering: the same
+/// held-out loss and text as one process.
+#[test]
+fn each_rank_of_the_transformer_example_builds_only_its_own_layers() {
+    let dir = fresh_dir("local-build");
+    let summary = dir.join("summary.json");
+    let mut flags: Vec<String> = [
+        "--quiet",
+        "--device",
+        "sim",
+        "--stages",
+        "4",
+        "--micro-batches",
+        "2",
+        "--layers",
+        "8",
+        "--d-model",
+        "64",
+        "--heads",
+        "2",
+        "--seq-len",
+        "16",
+        "--batch",
+        "8",
+        "--sample-len",
+        "6",
+        "--steps",
+        "2",
+        "--schedule",
+        "1f1b",
+        "--balance",
+        "3,3,3,2",
+    ]
+    .map(String::from)
+    .to_vec();
+    for (flag, file) in [("--trace", "trace.json"), ("--timeline", "timeline.svg")] {
+        flags.push(flag.into());
+        flags.push(dir.join(file).display().to_string());
+    }
+    let child = mpirun_np(4)
+        .arg(env!("CARGO_BIN_EXE_mpi_example"))
+        .arg(&summary)
+        .args(&flags)
+        .args(["--transport", "mpi"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (ok, text, _) = output_within(child, Instant::now(), Duration::from_secs(120), "np4");
+    assert!(ok, "{text}");
+    let cfg = wgpipe_models::TransformerLm {
+        vocab: 28,
+        d_model: 64,
+        heads: 2,
+        layers: 8,
+        seq_len: 16,
+        dropout: 0.0,
+        tie_embeddings: true,
+    };
+    let bytes = |range: std::ops::Range<usize>| -> usize {
+        let layers = cfg
+            .build_range(0, range, &wgpipe_tensor::Device::cpu())
+            .unwrap();
+        layers
+            .iter()
+            .flat_map(|l| l.parameters())
+            .map(|(_, p)| 4 * p.value().numel())
+            .sum()
+    };
+    let whole = 4 * cfg.parameter_count();
+    let block = bytes(1..2);
+    for (rank, range) in [0..3, 3..6, 6..9, 9..11].into_iter().enumerate() {
+        let path = format!("{}.rank{rank}.json", summary.display());
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let peak = v["cpu_peak_bytes"].as_u64().unwrap() as usize;
+        let own = bytes(range.clone());
+        assert!(
+            peak <= own + block + (16 << 10),
+            "rank {rank} (layers {range:?}, {own} bytes) held {peak} bytes at most on the CPU; a \
+             block is {block}, the whole model {whole}"
+        );
+        assert!(peak < whole / 2, "rank {rank}: {peak} of {whole}");
+    }
+    let got: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    let args = wgpipe_apps::train_transformer::TransformerArgs::parse_from_args(flags).unwrap();
+    let want =
+        wgpipe_apps::train_transformer::run_with(args, &std::sync::atomic::AtomicBool::new(false))
+            .unwrap();
+    assert_eq!(floats(&got["losses"]), want.losses);
+    assert_eq!(got["eval_loss"].as_f64().unwrap() as f32, want.eval_loss);
+    assert_eq!(got["sample"].as_str().unwrap(), want.sample);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

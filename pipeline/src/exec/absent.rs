@@ -56,8 +56,9 @@ impl AbsentLayer {
         wgpipe_tensor::Error::Invalid {
             op: "forward",
             msg: format!(
-                "layer {} ({}) is held by rank {}, not by this one: call gather_stages first to \
-                 have every stage on every rank",
+                "layer {} ({}) is held by rank {}, not by this one: Pipeline::evaluate and \
+                 Pipeline::predict run the forward across the ranks; gather_stages puts every \
+                 stage on every rank",
                 self.index, self.name, self.rank
             ),
         }

@@ -4,6 +4,7 @@
 
 pub(crate) mod absent;
 pub mod comm;
+pub(crate) mod described;
 pub mod stage;
 pub mod threads;
 pub(crate) mod tied;

@@ -53,6 +53,10 @@ pub(crate) struct StepInputs {
     /// The dtype the layers compute in ([`ForwardCtx::compute`]), for forwards and recomputes
     /// alike, so that a recompute gives the values the forward gave.
     pub compute: DType,
+    /// A forward-only round (evaluation, generation): forwards run in eval mode without a
+    /// tape, nothing is kept for a backward, and the last stage's output goes to the caller's
+    /// thread, whose answer carries no gradient to use.
+    pub forward_only: bool,
     pub loss: Sender<LossRequest>,
     /// The compute action running and since when, for the step's watchdog.
     pub running: Running,
@@ -417,7 +421,7 @@ impl<'a> Worker<'a, '_> {
                 .ok_or_else(|| internal(format!("no activation for stage {s} micro-batch {m}")))?
         };
         let checkpointed = self.checkpointed.contains(&(s, m));
-        let tape = if checkpointed {
+        let tape = if checkpointed || io.forward_only {
             Tape::no_grad()
         } else {
             Tape::new()
@@ -431,8 +435,12 @@ impl<'a> Worker<'a, '_> {
         let input_finite = input_finite && popped_finite;
         let input = input_var(&tape, &x, s);
         let skips_in: Vec<Var> = popped.iter().map(|t| tape.leaf(t.clone())).collect();
-        let ctx = ForwardCtx::train(io.seed, io.step, io.first_micro_batch + m as u64)
-            .with_compute(io.compute);
+        let ctx = if io.forward_only {
+            ForwardCtx::eval()
+        } else {
+            ForwardCtx::train(io.seed, io.step, io.first_micro_batch + m as u64)
+        }
+        .with_compute(io.compute);
         let (output, skips_out) =
             stage.run_with_skips(&input, &skips_in, ctx, &mut self.pos.layer)?;
         // A skip leaves at once (sent right after this forward); its recompute is not sent
@@ -441,6 +449,12 @@ impl<'a> Worker<'a, '_> {
         for ((id, _), v) in stage.skips.outgoing.iter().zip(&skips_out) {
             self.skips_out
                 .insert((*id, m, false), (v.value().clone(), input_finite));
+        }
+        if self.is_last(s) && io.forward_only {
+            // The caller's thread keeps what it needs of the output (a loss, logits); no
+            // backward follows.
+            self.loss_gradient(m, output.value().clone())?;
+            return Ok(());
         }
         if self.is_last(s) {
             // The loss runs on the caller's thread; its gradient comes back as the seed of
@@ -467,6 +481,9 @@ impl<'a> Worker<'a, '_> {
                 })?;
             self.finite_out.insert((s, m, false), finite);
             self.to_send.insert((s, m, false), output.value().clone());
+        }
+        if io.forward_only {
+            return Ok(());
         }
         let kept = if checkpointed {
             Stash::Input { x, skips: popped }

@@ -494,6 +494,36 @@ impl Schedule {
         self.placement.len()
     }
 
+    /// The forwards of this schedule alone (evaluation, generation): every device keeps its
+    /// forwards, activation and skip transfers in their order and drops the rest (recomputes,
+    /// backwards, gradient transfers). Each kept action waits only on kept actions that came
+    /// before it in a run of the whole schedule, so a schedule that passed [`Schedule::validate`]
+    /// gives one that cannot deadlock, whatever its kind (GPipe to ZB-V).
+    pub fn forward_only(&self) -> Schedule {
+        let keep = |a: &Action| {
+            matches!(
+                a.kind,
+                ActionKind::Forward
+                    | ActionKind::SendActivation
+                    | ActionKind::RecvActivation
+                    | ActionKind::SendSkip
+                    | ActionKind::RecvSkip
+            )
+        };
+        Schedule {
+            name: format!("{} (forward only)", self.name),
+            num_micro_batches: self.num_micro_batches,
+            placement: self.placement.clone(),
+            devices: self
+                .devices
+                .iter()
+                .map(|list| list.iter().copied().filter(keep).collect())
+                .collect(),
+            // Nothing is kept between a forward and a backward: nothing stays in flight.
+            in_flight_limit: None,
+        }
+    }
+
     /// The virtual stages device `device` holds, in model order (its chunks).
     pub fn stages_of(&self, device: usize) -> Vec<usize> {
         (0..self.num_stages())

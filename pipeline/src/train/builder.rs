@@ -1,10 +1,11 @@
 //! Building a pipeline: devices, partitioning, schedule, placement.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use wgpipe_autograd::optim::Optimizer;
-use wgpipe_autograd::{ForwardCtx, Module, Tape, Var};
+use wgpipe_autograd::{ForwardCtx, ModelFactory, Module, Tape, Var};
 use wgpipe_tensor::memory::{with_tag, Tag};
 use wgpipe_tensor::{DType, Device, Tensor};
 
@@ -81,6 +82,9 @@ pub struct PipelineBuilder {
     /// Settings of the run outside the pipeline that every rank must share (see
     /// [`PipelineBuilder::agree_on`]).
     agreed: Vec<(String, String)>,
+    /// Set by [`Pipeline::builder_from`]: `layers` are descriptions, and `build` materializes
+    /// only the stages this process holds from it.
+    factory: Option<Arc<dyn ModelFactory>>,
 }
 
 /// Makes a fresh copy of the model's layers (the structure; the values are copied from
@@ -108,7 +112,24 @@ impl PipelineBuilder {
             precision: DType::F32,
             loss_scaling: None,
             agreed: Vec::new(),
+            factory: None,
         }
+    }
+
+    /// A builder over the model `factory` builds: each layer is built alone to be described
+    /// (names, shapes, tie groups, skips, costs) and dropped, so that partitioning, the
+    /// settings the ranks compare, the reports and the checkpoint layout work from the
+    /// descriptions, and `build` materializes only the stages this process holds.
+    pub(crate) fn from_factory(factory: Arc<dyn ModelFactory>) -> Result<Self> {
+        let layers = crate::exec::described::describe(&factory)?;
+        let mut b = PipelineBuilder::new(layers);
+        b.factory = Some(factory);
+        Ok(b)
+    }
+
+    /// Whether the layers are descriptions (see [`Pipeline::builder_from`]).
+    pub(crate) fn is_described(&self) -> bool {
+        self.factory.is_some()
     }
 
     /// Over MPI, a setting of the run outside the pipeline that every rank must share (the
@@ -273,6 +294,14 @@ impl PipelineBuilder {
         let comm = crate::exec::comm::for_transport(&self.transport);
         comm.check(schedule.num_devices())?;
         let s_total = schedule.num_stages();
+        if self.factory.is_some() && matches!(self.balance, Balance::ByTime { .. }) {
+            return Err(PipelineError::Config(
+                "Balance::ByTime runs every layer, but a pipeline built from a model factory \
+                 holds only its own: balance by params, flops or memory, or give the layers \
+                 (Pipeline::builder)"
+                    .into(),
+            ));
+        }
         let balance = match &self.balance {
             Balance::Explicit(b) => {
                 validate_balance_for(b, s_total, self.layers.len())?;
@@ -304,6 +333,14 @@ impl PipelineBuilder {
                     crate::exec::absent::absent_layers(stage_layers, range.start, rank);
                 stage_layers = placeholders;
                 absent = Some(a);
+            } else if let Some(factory) = &self.factory {
+                // Held here: the descriptions give way to the layers themselves.
+                stage_layers = crate::exec::described::materialize(
+                    factory.as_ref(),
+                    range.clone(),
+                    &stage_layers,
+                )
+                .map_err(|e| e.at(&format!(" (stage {index})")))?;
             }
             for l in &mut stage_layers {
                 with_tag(Tag::Parameters, || l.to_device(&device)).map_err(|e| {
@@ -437,6 +474,8 @@ impl PipelineBuilder {
                 replicas: None,
                 precision: b.precision,
                 agreed: b.agreed.clone(),
+                // Replica 0 is built from the factory; the others from `make_layers`.
+                factory: if i == 0 { b.factory.clone() } else { None },
                 // The pipeline keeps replica 0's scaler for all.
                 loss_scaling: if i == 0 { b.loss_scaling } else { Some(None) },
             }

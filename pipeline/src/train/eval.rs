@@ -5,9 +5,14 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use wgpipe_autograd::{ForwardCtx, SkipRouter, Tape};
 use wgpipe_tensor::Tensor;
 
-use crate::error::{Result, StageCause};
+use crate::error::{NonFinite, PipelineError, Result, StageCause};
+use crate::exec::comm::ReplicaRun;
 use crate::exec::threads::{self};
 use crate::microbatch::split_batch;
+use crate::train::pipeline::run_held;
+use crate::train::replica::{ReplicaStep, Saved, StepCtx};
+use crate::train::workers::{LossUse, StuckStep};
+use crate::{HeadFn, LossFn};
 
 use super::Pipeline;
 
@@ -57,5 +62,114 @@ impl Pipeline {
         }
         let refs: Vec<&Tensor> = outs.iter().collect();
         Ok(Tensor::concat(&refs, 0)?)
+    }
+}
+
+impl Pipeline {
+    /// The mean loss of `(inputs, targets)` through a forward-only schedule (the training
+    /// schedule's forwards alone, see [`crate::schedule::Schedule::forward_only`]) on the
+    /// stages' own devices: over MPI each rank runs its stages and no rank holds the whole
+    /// model. Layers run in eval mode (no dropout), nothing is recorded, no gradient or buffer
+    /// changes. Like a training step's loss: each micro-batch's mean loss weighted by its share
+    /// of the batch, summed in micro-batch order, so the result is the same bits in one
+    /// process and across ranks. With R replicas (which hold the same parameters) the loss is
+    /// replica 0's on the whole batch (over MPI the other replicas' ranks run it too, in
+    /// step), so it does not depend on R either. Every rank of the job must call it at the
+    /// same point; all return the same value or the same error.
+    pub fn evaluate(&mut self, inputs: &Tensor, targets: &Tensor, loss_fn: &LossFn) -> Result<f32> {
+        let (loss, _) = self.forward_round(inputs, targets, LossUse::Evaluate(loss_fn))?;
+        Ok(loss)
+    }
+
+    /// `head` of the last stage's output of every micro-batch of `inputs` (the logits of the
+    /// last position, for generation), concatenated along axis 0, on the CPU of every process:
+    /// a forward-only round as in [`Pipeline::evaluate`], then the process that holds the last
+    /// stage hands what `head` kept to the other processes of its replica. Each replica runs
+    /// the whole batch (each of its ranks needs every row's result). Every rank must call it
+    /// at the same point.
+    pub fn predict(&mut self, inputs: &Tensor, head: &HeadFn) -> Result<Tensor> {
+        let (_, kept) = self.forward_round(inputs, inputs, LossUse::Collect(head))?;
+        let kept = match kept {
+            Some(parts) => {
+                let refs: Vec<&Tensor> = parts.iter().collect();
+                Some(Tensor::concat(&refs, 0)?)
+            }
+            None => None,
+        };
+        let schedule = self.schedule.forward_only();
+        // A fresh round: its messages never meet the agreement's.
+        self.round += 1;
+        self.comm.share_output(self.round, &schedule, kept)
+    }
+
+    /// One forward-only round through the step machinery: the agreed loss, and under
+    /// [`LossUse::Collect`] what the last stage kept of each micro-batch when this process
+    /// holds it. Every replica holds the same parameters, so the first one held here runs the
+    /// whole batch (over MPI each replica's ranks do, as all of them need a prediction) and
+    /// the loss is replica 0's alone: the same bits whatever R.
+    fn forward_round(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        use_: LossUse<'_>,
+    ) -> Result<(f32, Option<Vec<Tensor>>)> {
+        self.settle()?;
+        self.round += 1;
+        let schedule = self.schedule.forward_only();
+        let ctx = StepCtx {
+            schedule: &schedule,
+            transport: &self.transport,
+            seed: self.seed,
+            step: self.step,
+            round: self.round,
+            // The loss is reported as it is, finite or not.
+            non_finite: NonFinite::Ignore,
+            precision: self.precision,
+            action_timeout: self.action_timeout,
+            loss_seed: 1.0,
+            // No gradient is made: nothing to reduce.
+            grads_final: None,
+            forward_only: true,
+            clock: std::time::Instant::now(),
+        };
+        let whole = [(inputs.clone(), targets.clone(), 1.0)];
+        let step = run_held(&mut self.replicas[..1], &ctx, &whole, use_).pop();
+        let (outcome, losses) = match step {
+            Some(Ok(ReplicaStep::Done {
+                outcome, losses, ..
+            })) => (outcome, losses),
+            Some(Ok(ReplicaStep::TimedOut(error, handles))) => {
+                // Its threads still hold stages: they come back through `settle`; a
+                // forward-only round changed nothing that needs putting back.
+                self.replicas[0].stuck = Some(StuckStep {
+                    handles,
+                    saved: Saved::take(&self.replicas[0]),
+                    what: error.to_string(),
+                });
+                self.comm.fail_round(self.round, &error);
+                return Err(error);
+            }
+            Some(Err(e)) => (Err(e), Vec::new()),
+            None => (
+                Err(PipelineError::Config(
+                    "no replica ran the forward round".into(),
+                )),
+                Vec::new(),
+            ),
+        };
+        let (losses, kept) = match use_ {
+            // Only the process holding the last stage kept anything.
+            LossUse::Collect(_) => (Vec::new(), (!losses.is_empty()).then_some(losses)),
+            _ if self.replicas[0].index == 0 => (losses, None),
+            _ => (Vec::new(), None),
+        };
+        let run = ReplicaRun {
+            outcome,
+            losses,
+            weight: 1.0,
+            stages: &self.replicas[0].stages,
+        };
+        let agreed = self.comm.agree(self.round, &schedule, vec![run])?;
+        Ok((agreed.loss, kept))
     }
 }

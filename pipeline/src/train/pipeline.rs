@@ -11,10 +11,11 @@
 //! replicas may all be in this process or one per group of MPI ranks: the path through this
 //! code is the same (see [`crate::exec::comm`]).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use wgpipe_autograd::optim::Optimizer;
-use wgpipe_autograd::{Module, Param};
+use wgpipe_autograd::{ModelFactory, Module, Param};
 use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::error::{NonFinite, PipelineError, Result};
@@ -30,7 +31,7 @@ use crate::train::replica::{Replica, ReplicaStep, Saved, StepCtx};
 use crate::train::replicas::{copy_buffers, merge_reports};
 use crate::train::report::StepReport;
 use crate::train::scaler::{GradScaler, ScalerState};
-use crate::train::workers::StuckStep;
+use crate::train::workers::{LossUse, StuckStep};
 use crate::LossFn;
 
 pub struct Pipeline {
@@ -64,6 +65,17 @@ impl Pipeline {
     /// Starts a builder over `layers` (see [`PipelineBuilder`]).
     pub fn builder(layers: Vec<Box<dyn Module>>) -> PipelineBuilder {
         PipelineBuilder::new(layers)
+    }
+
+    /// Starts a builder over the model `factory` builds, layer range by layer range: each
+    /// layer is built alone once to be described (names, shapes, tie groups, skips, costs) and
+    /// dropped, and [`PipelineBuilder::build`] materializes only the stages this process holds
+    /// (over MPI, one rank's; in one process, all of them). The factory's rule (each layer's
+    /// values from the seed and its index only) makes every layout start from the same
+    /// parameters, bit for bit. `Balance::ByTime` and the planner run the layers, so they need
+    /// [`Pipeline::builder`].
+    pub fn builder_from(factory: Arc<dyn ModelFactory>) -> Result<PipelineBuilder> {
+        PipelineBuilder::from_factory(factory)
     }
 
     /// The first replica held here (what the accessors describe).
@@ -273,12 +285,13 @@ impl Pipeline {
             loss_seed: loss_scale.unwrap_or(1.0),
             grads_final,
             clock,
+            forward_only: false,
         };
         let steps = run_held(
             &mut self.replicas,
             &ctx,
             &shards[first..first + held],
-            loss_fn,
+            LossUse::Train(loss_fn),
         );
 
         // A replica that timed out keeps its stuck threads; the others are put back.
@@ -536,20 +549,20 @@ fn shard_batch(inputs: &Tensor, targets: &Tensor, r: usize) -> Result<Vec<(Tenso
 }
 
 /// Every held replica's part of a step: on this thread for one, on a thread each for several.
-fn run_held(
+pub(crate) fn run_held(
     replicas: &mut [Replica],
     ctx: &StepCtx<'_>,
     shards: &[(Tensor, Tensor, f32)],
-    loss_fn: &LossFn,
+    loss_fn: LossUse<'_>,
 ) -> Vec<Result<ReplicaStep>> {
     if let [only] = replicas {
-        return vec![only.run_step(ctx, &shards[0].0, &shards[0].1, loss_fn)];
+        return vec![only.run_with(ctx, &shards[0].0, &shards[0].1, loss_fn)];
     }
     std::thread::scope(|scope| {
         let handles: Vec<_> = replicas
             .iter_mut()
             .zip(shards)
-            .map(|(rep, (x, y, _))| scope.spawn(move || rep.run_step(ctx, x, y, loss_fn)))
+            .map(|(rep, (x, y, _))| scope.spawn(move || rep.run_with(ctx, x, y, loss_fn)))
             .collect();
         handles
             .into_iter()

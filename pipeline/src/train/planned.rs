@@ -90,6 +90,14 @@ impl PipelineBuilder {
         plan_inputs: &PlanInputs<'_>,
         make_layers: Option<LayerFactory>,
     ) -> Result<(PipelineBuilder, PlanReport, Profile), PlanError> {
+        if self.is_described() {
+            return Err(PipelineError::Config(
+                "the planner profiles the layers by running them, but a builder from a model \
+                 factory holds descriptions: plan with Pipeline::builder over the built layers"
+                    .into(),
+            )
+            .into());
+        }
         if self.skip_route != SkipRoute::Direct {
             return Err(PipelineError::Config(
                 "the planner models direct skips only (each skip sent straight from its \

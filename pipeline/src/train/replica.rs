@@ -18,9 +18,8 @@ use crate::exec::Stage;
 use crate::microbatch::split_batch;
 use crate::schedule::Schedule;
 use crate::sim::SimCluster;
-use crate::LossFn;
 
-use super::workers::{first_error, DeviceResult, LossSide, Ran, StuckStep};
+use super::workers::{first_error, DeviceResult, LossSide, LossUse, Ran, StuckStep};
 
 /// One data-parallel replica: its stages on its K devices and one optimizer per stage.
 pub struct Replica {
@@ -53,6 +52,9 @@ pub(crate) struct StepCtx<'a> {
     pub grads_final: Option<std::sync::Arc<dyn crate::exec::comm::GradsFinal>>,
     /// When the step began: its records and the reduction's are on this clock.
     pub clock: Instant,
+    /// A forward-only round (`schedule` is then forwards only; see
+    /// [`Schedule::forward_only`]).
+    pub forward_only: bool,
 }
 
 /// How a replica's part of a step ended.
@@ -105,13 +107,16 @@ impl Replica {
 
     /// This replica's part of a step: its shard `(inputs, targets)` split into micro-batches,
     /// run by one thread per device; each micro-batch's loss is its mean loss times its part of
-    /// the shard (the replicas' shares weigh their gradients in the reduction).
-    pub(crate) fn run_step(
+    /// the shard (the replicas' shares weigh their gradients in the reduction). `loss_fn` says
+    /// what the last stage's outputs are for: a training step's loss and gradient, or a
+    /// forward-only round's loss or kept outputs (then returned as `losses`, one per
+    /// micro-batch in micro-batch order).
+    pub(crate) fn run_with(
         &mut self,
         ctx: &StepCtx<'_>,
         inputs: &Tensor,
         targets: &Tensor,
-        loss_fn: &LossFn,
+        loss_fn: LossUse<'_>,
     ) -> Result<ReplicaStep> {
         let m = ctx.schedule.num_micro_batches;
         let xs = split_batch("inputs", inputs, m)?;
@@ -129,12 +134,22 @@ impl Replica {
             device: self.stages[self.stages.len() - 1].device.clone(),
             non_finite: ctx.non_finite,
             seed: ctx.loss_seed,
+            collected: Default::default(),
         };
         let ran = self.run_workers(ctx, xs, &loss, clock);
         let wall = clock.elapsed().as_secs_f64();
         Ok(match ran {
-            Ran::Done { results, losses } => ReplicaStep::Done {
-                outcome: first_error(&self.stages, &self.device_stages(ctx.schedule), results),
+            Ran::Done {
+                results,
+                mut losses,
+            } => ReplicaStep::Done {
+                outcome: {
+                    if let LossUse::Collect(_) = loss.loss_fn {
+                        // Only the process that holds the last stage collected anything.
+                        losses = loss.collected.take().into_iter().flatten().collect();
+                    }
+                    first_error(&self.stages, &self.device_stages(ctx.schedule), results)
+                },
                 losses,
                 wall,
             },

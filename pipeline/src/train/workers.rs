@@ -19,7 +19,7 @@ use crate::exec::transport::wire_links;
 use crate::exec::worker::{run_device, LossRequest, Position, Running, StageOutcome, StepInputs};
 use crate::exec::Stage;
 use crate::schedule::Action;
-use crate::LossFn;
+use crate::{HeadFn, LossFn};
 
 use super::replica::{Replica, Saved, StepCtx};
 
@@ -74,6 +74,7 @@ impl Replica {
                 clock,
                 non_finite: ctx.non_finite,
                 compute: ctx.precision,
+                forward_only: ctx.forward_only,
                 loss: loss_tx.clone(),
                 running: running[device].clone(),
                 grads_final: ctx.grads_final.clone(),
@@ -333,12 +334,25 @@ fn lost_stages() -> StageCause {
     StageCause::Panic("the device's thread ended without giving its stages back".into())
 }
 
+/// What the caller's thread does with the last stage's output of a micro-batch.
+#[derive(Clone, Copy)]
+pub(crate) enum LossUse<'a> {
+    /// A training step: the scaled loss, and its gradient for the backward.
+    Train(&'a LossFn),
+    /// A forward-only round that evaluates: the scaled loss alone.
+    Evaluate(&'a LossFn),
+    /// A forward-only round that keeps `head(output)` of every micro-batch (generation).
+    Collect(&'a HeadFn),
+}
+
 /// The loss side of a step, on the caller's thread: the targets, each micro-batch's share of
 /// the mini-batch, the loss function and the device of the last stage.
 pub(super) struct LossSide<'a> {
     pub(super) targets: &'a [Tensor],
     pub(super) scales: &'a [f32],
-    pub(super) loss_fn: &'a LossFn,
+    pub(super) loss_fn: LossUse<'a>,
+    /// Under [`LossUse::Collect`]: each micro-batch's kept output, by micro-batch.
+    pub(super) collected: std::cell::RefCell<Vec<Option<Tensor>>>,
     pub(super) device: Device,
     pub(super) non_finite: NonFinite,
     /// What the backward is seeded with (the loss scale; 1 without loss scaling).
@@ -356,14 +370,33 @@ impl LossSide<'_> {
     ) -> std::result::Result<(Tensor, bool), StageCause> {
         let m = req.micro_batch;
         let run = || -> std::result::Result<(Tensor, bool), StageCause> {
-            let tape = Tape::new();
+            let (loss_fn, train) = match self.loss_fn {
+                LossUse::Train(f) => (f, true),
+                LossUse::Evaluate(f) => (f, false),
+                LossUse::Collect(head) => {
+                    let _tag = TagGuard::new(Tag::Activations);
+                    let kept = head(&req.output)?;
+                    let mut collected = self.collected.borrow_mut();
+                    if collected.len() <= m {
+                        collected.resize(m + 1, None);
+                    }
+                    collected[m] = Some(kept);
+                    // No backward follows: the answer's tensor is not used.
+                    return Ok((req.output.clone(), true));
+                }
+            };
+            let tape = if train { Tape::new() } else { Tape::no_grad() };
             let output = tape.leaf(req.output.clone());
             let loss = {
                 let _tag = TagGuard::new(Tag::Activations);
                 let target = self.targets[m].to_device(&self.device)?;
-                (self.loss_fn)(&output, &target)?.mul_scalar(self.scales[m])?
+                loss_fn(&output, &target)?.mul_scalar(self.scales[m])?
             };
             losses.push(loss.value().clone());
+            if !train {
+                // Evaluation reports the loss as it is, finite or not; nothing to seed.
+                return Ok((req.output.clone(), true));
+            }
             let finite =
                 self.non_finite == NonFinite::Ignore || loss.value().to_scalar()?.is_finite();
             if !finite && self.non_finite == NonFinite::Error {

@@ -4,6 +4,7 @@
 mod atomic;
 mod equivalence;
 mod faults;
+mod locality;
 mod memory;
 mod persist;
 mod planner;

@@ -123,6 +123,20 @@ impl StepComm for LocalComm {
         local
     }
 
+    fn share_output(
+        &self,
+        _round: u64,
+        schedule: &Schedule,
+        kept: Option<Tensor>,
+    ) -> Result<Tensor> {
+        kept.ok_or_else(|| {
+            PipelineError::Config(format!(
+                "a forward-only round of '{}' ended without the last stage's output",
+                schedule.name
+            ))
+        })
+    }
+
     fn gather_stages(
         &self,
         _round: u64,

@@ -141,6 +141,13 @@ pub(crate) trait StepComm: Send + Sync {
     /// all return the failing one's error.
     fn agree_ok(&self, round: u64, k: usize, local: Result<()>) -> Result<()>;
 
+    /// After a forward-only round that every process of this process's replica agreed on:
+    /// what the last stage kept (`kept`, given by the process that holds the last stage,
+    /// `None` elsewhere) on every process of the replica, on the CPU. In one process it is
+    /// `kept` itself. `round` must be a fresh round (not the forward round's).
+    fn share_output(&self, round: u64, schedule: &Schedule, kept: Option<Tensor>)
+        -> Result<Tensor>;
+
     /// Every process gets every stage's parameters, buffers and optimizer state from the one
     /// that trains it (nothing to do in one process).
     fn gather_stages(

@@ -586,6 +586,42 @@ fn gather_stages(
     Ok(())
 }
 
+/// [`StepComm::share_output`] over the ranks of this rank's replica: the rank holding the last
+/// stage sends its tensor (shape and f32 values, a binary record) to the others; all return
+/// it. `round` must be a fresh round on every rank of the replica.
+fn share_output(
+    comm: &MpiComm,
+    round: u64,
+    schedule: &Schedule,
+    kept: Option<Tensor>,
+) -> Result<Tensor> {
+    let k = schedule.num_devices();
+    let me = comm.rank() % k;
+    let base = comm.rank() - me;
+    let last_device = schedule.placement[schedule.num_stages() - 1];
+    let root = base + last_device;
+    let mut w = Writer::default();
+    if let (Some(t), true) = (&kept, root == comm.rank()) {
+        w.usizes(t.shape()).f32s(&t.to_vec()?);
+    }
+    let peers: Vec<usize> = (base..base + k).filter(|&p| p != comm.rank()).collect();
+    let theirs = exchange_bytes(comm, round, MsgKind::Status, &w.0, &peers, me)?;
+    let cpu = wgpipe_tensor::Device::cpu();
+    if root == comm.rank() {
+        let kept =
+            kept.ok_or_else(|| rank_error(root, me, "the last stage kept no output".into()))?;
+        return Ok(kept.to_device(&cpu)?);
+    }
+    let unreadable = |why: String| rank_error(root, last_device, format!("its output: {why}"));
+    let bytes = theirs
+        .get(&root)
+        .ok_or_else(|| unreadable("nothing came".into()))?;
+    let mut r = Reader::new(bytes);
+    let shape = r.usizes("shape").map_err(unreadable)?;
+    let data = r.f32s("values").map_err(unreadable)?;
+    Ok(Tensor::from_vec(data, &shape, &cpu)?)
+}
+
 /// Each stage's squared gradient norm as computed by the rank that trains it (replica 0's
 /// ranks; after the all-reduce every replica holds the same gradients), from `mine` (this
 /// rank's value for every stage). For gradient clipping in round `round`.
@@ -804,6 +840,15 @@ impl StepComm for MpiStepComm {
 
     fn agree_ok(&self, round: u64, k: usize, local: Result<()>) -> Result<()> {
         agree_ok(&self.comm, round, k, local)
+    }
+
+    fn share_output(
+        &self,
+        round: u64,
+        schedule: &Schedule,
+        kept: Option<Tensor>,
+    ) -> Result<Tensor> {
+        share_output(&self.comm, round, schedule, kept)
     }
 
     fn gather_stages(
