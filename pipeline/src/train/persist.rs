@@ -24,9 +24,7 @@ use std::path::{Path, PathBuf};
 
 use crate::exec::stage::named_tensors;
 use wgpipe_autograd::optim::Optimizer;
-use wgpipe_autograd::serialize::{
-    save_tensors_checked, TensorFile, FORMAT_KEY, OPTIM_PREFIX, STEP_KEY,
-};
+use wgpipe_autograd::serialize::{save_tensors_checked, FORMAT_KEY, OPTIM_PREFIX, STEP_KEY};
 use wgpipe_autograd::Param;
 use wgpipe_tensor::memory::with_tag;
 use wgpipe_tensor::{Device, Tag, Tensor};
@@ -35,6 +33,7 @@ use crate::exec::Stage;
 use crate::train::pipeline::Pipeline;
 use crate::train::replica::Replica;
 use crate::train::scaler::ScalerState;
+use crate::train::shards::Source;
 
 /// The loss scaler's state in the metadata (see [`crate::train::scaler::encode_state`]).
 const SCALER_KEY: &str = "wgpipe.loss_scaler";
@@ -161,7 +160,7 @@ impl PersistError {
     }
 }
 
-type PResult<T> = std::result::Result<T, PersistError>;
+pub(crate) type PResult<T> = std::result::Result<T, PersistError>;
 
 /// The optimizers' state of all stages as one list keyed like a checkpoint file (without the
 /// `optim.` prefix): per-parameter entries from every stage, the shared `@` counters once.
@@ -204,19 +203,19 @@ pub fn split_optimizer_state(
 }
 
 /// One tensor of the model side of a checkpoint.
-struct Entry {
+pub(crate) struct Entry {
     /// Its name in the file: its own, or for a tied copy after its group's first, the first's
     /// (the copies are identical by construction, so they are saved once).
-    name: String,
+    pub(crate) name: String,
     /// Its own global name (what its stage's optimizer keys its state by).
-    own: String,
-    param: Param,
-    stage: usize,
+    pub(crate) own: String,
+    pub(crate) param: Param,
+    pub(crate) stage: usize,
 }
 
 impl Entry {
     /// Whether it is saved under its own name (not a later tied copy).
-    fn saved(&self) -> bool {
+    pub(crate) fn saved(&self) -> bool {
         self.name == self.own
     }
 }
@@ -224,7 +223,7 @@ impl Entry {
 /// Parameters and buffers of `stages` (a parameter shared inside a stage once) and the stage of
 /// each; a tied copy after the first of its group (in stage order, held here or not) carries
 /// the first's name.
-fn persist_entries(stages: &[Stage]) -> Vec<Entry> {
+pub(crate) fn persist_entries(stages: &[Stage]) -> Vec<Entry> {
     let firsts = first_names(stages);
     let mut out: Vec<Entry> = Vec::new();
     for st in stages.iter().filter(|s| s.is_held()) {
@@ -272,7 +271,7 @@ fn first_names(stages: &[Stage]) -> HashMap<String, String> {
 }
 
 /// The own names of later tied copies, each with its group's first name.
-fn tied_aliases(entries: &[Entry]) -> HashMap<&str, &str> {
+pub(crate) fn tied_aliases(entries: &[Entry]) -> HashMap<&str, &str> {
     entries
         .iter()
         .filter(|e| !e.saved())
@@ -281,7 +280,7 @@ fn tied_aliases(entries: &[Entry]) -> HashMap<&str, &str> {
 }
 
 /// The parameter a per-parameter optimizer key (`{parameter}.{slot}`) belongs to.
-fn optim_param(key: &str) -> &str {
+pub(crate) fn optim_param(key: &str) -> &str {
     key.rsplit_once('.').map_or(key, |(p, _)| p)
 }
 
@@ -325,27 +324,7 @@ impl Pipeline {
                 s.index
             )));
         }
-        let mut meta = vec![
-            (FORMAT_KEY.to_string(), FORMAT.to_string()),
-            (STEP_KEY.to_string(), self.step_count().to_string()),
-        ];
-        for (name, value) in self.arithmetic_settings() {
-            meta.push((format!("{SETTING_PREFIX}{name}"), value));
-        }
-        if let Some(s) = self.loss_scaler() {
-            meta.push((
-                SCALER_KEY.to_string(),
-                crate::train::scaler::encode_state(&s),
-            ));
-        }
-        for (k, v) in &opts.metadata {
-            if k.starts_with("wgpipe.") {
-                return Err(io(format!(
-                    "the metadata key '{k}' is reserved (keys starting with 'wgpipe.')"
-                )));
-            }
-            meta.push((k.clone(), v.clone()));
-        }
+        let meta = self.checkpoint_metadata(path, opts)?;
         let entries = persist_entries(self.stages());
         let aliases = tied_aliases(&entries);
         let mut tensors: Vec<(String, Tensor)> = entries
@@ -364,26 +343,41 @@ impl Pipeline {
             std::fs::create_dir_all(dir)
                 .map_err(|e| io(format!("cannot create the folder {}: {e}", dir.display())))?;
         }
-        save_tensors_checked(path, &tensors, &meta, opts.require_finite).map_err(|e| {
-            let msg = e.to_string();
-            match msg.split_once("not saved: tensor '") {
-                Some((_, rest)) if opts.require_finite => {
-                    let tensor = rest.split('\'').next().unwrap_or_default().to_string();
-                    let value = rest
-                        .split("holds ")
-                        .nth(1)
-                        .and_then(|v| v.split(' ').next())
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or(f32::NAN);
-                    PersistError::NonFinite {
-                        path: path.to_path_buf(),
-                        tensor,
-                        value,
-                    }
-                }
-                _ => io(strip_path(&msg, path)),
+        write_checked(path, &tensors, &meta, opts.require_finite)
+    }
+
+    /// The metadata of a checkpoint of this pipeline (format, step, arithmetic settings, loss
+    /// scaler, and the caller's `opts.metadata`); `path` is what an error names.
+    pub(crate) fn checkpoint_metadata(
+        &self,
+        path: &Path,
+        opts: &SaveOptions,
+    ) -> PResult<Vec<(String, String)>> {
+        let mut meta = vec![
+            (FORMAT_KEY.to_string(), FORMAT.to_string()),
+            (STEP_KEY.to_string(), self.step_count().to_string()),
+        ];
+        for (name, value) in self.arithmetic_settings() {
+            meta.push((format!("{SETTING_PREFIX}{name}"), value));
+        }
+        if let Some(s) = self.loss_scaler() {
+            meta.push((
+                SCALER_KEY.to_string(),
+                crate::train::scaler::encode_state(&s),
+            ));
+        }
+        for (k, v) in &opts.metadata {
+            if k.starts_with("wgpipe.") {
+                return Err(PersistError::Io {
+                    path: path.to_path_buf(),
+                    why: format!(
+                        "the metadata key '{k}' is reserved (keys starting with 'wgpipe.')"
+                    ),
+                });
             }
-        })
+            meta.push((k.clone(), v.clone()));
+        }
+        Ok(meta)
     }
 
     /// Loads a checkpoint written by [`Pipeline::save`] (by a pipeline of any K over the same
@@ -401,9 +395,10 @@ impl Pipeline {
         // Each held replica loads the same file (the same structure, so only the first can
         // refuse it), which also gives each its own optimizer state on its own devices.
         let settings = self.arithmetic_settings();
+        let source = Source::open(path)?;
         let mut read = None;
         for r in &mut self.replicas {
-            read = Some(load_replica(r, path, opts, &settings)?);
+            read = Some(load_replica(r, &source, path, opts, &settings)?);
         }
         let (step, scaler, metadata, other_settings) =
             read.expect("a pipeline holds at least one replica");
@@ -432,6 +427,7 @@ type ReplicaLoad = (
 /// buffers and optimizer state change; gradients cleared.
 fn load_replica(
     replica: &mut Replica,
+    f: &Source,
     path: &Path,
     opts: &LoadOptions,
     settings: &[(&'static str, String)],
@@ -440,7 +436,6 @@ fn load_replica(
         path: path.to_path_buf(),
         why,
     };
-    let f = TensorFile::open(path).map_err(|e| unreadable(strip_path(&e.to_string(), path)))?;
     let mut metadata = f.metadata();
     let step = match metadata.iter().find(|(k, _)| k == STEP_KEY) {
         None => {
@@ -493,7 +488,7 @@ fn load_replica(
         .collect();
     let by_own: HashMap<&str, &Entry> = entries.iter().map(|e| (e.own.as_str(), e)).collect();
     let mut problems: Vec<(String, String)> = Vec::new();
-    let shape_of = |name: &str| f.shape(name).map(<[usize]>::to_vec);
+    let shape_of = |name: &str| f.shape(name);
     for e in entries.iter().filter(|e| e.saved()) {
         let want = e.param.shape();
         match shape_of(&e.name) {
@@ -629,9 +624,7 @@ fn load_replica(
 
     // 2. Every value read (and checked) and built on its device before anything changes.
     let read = |name: &str| -> PResult<Vec<f32>> {
-        let v = f
-            .values(name)
-            .map_err(|e| unreadable(strip_path(&e.to_string(), path)))?;
+        let v = f.values(name)?;
         if opts.require_finite {
             if let Some(x) = v.iter().find(|x| !x.is_finite()) {
                 return Err(PersistError::NonFinite {
@@ -645,7 +638,7 @@ fn load_replica(
     };
     let place = |name: &str, device: &Device, tag: Tag| -> PResult<Tensor> {
         let v = read(name)?;
-        let shape = f.shape(name).unwrap_or_default().to_vec();
+        let shape = f.shape(name).unwrap_or_default();
         with_tag(tag, || Tensor::from_vec(v, &shape, device)).map_err(|e| PersistError::Io {
             path: path.to_path_buf(),
             why: format!("placing '{name}' on {}: {e}", device.name()),
@@ -698,9 +691,42 @@ fn load_replica(
     Ok((step, scaler, metadata, other_settings))
 }
 
+/// Writes `tensors` and `meta` to `path` atomically; with `require_finite`, a non-finite value
+/// is refused as [`PersistError::NonFinite`] naming the tensor, and nothing is written.
+pub(crate) fn write_checked(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    meta: &[(String, String)],
+    require_finite: bool,
+) -> PResult<()> {
+    save_tensors_checked(path, tensors, meta, require_finite).map_err(|e| {
+        let msg = e.to_string();
+        match msg.split_once("not saved: tensor '") {
+            Some((_, rest)) if require_finite => {
+                let tensor = rest.split('\'').next().unwrap_or_default().to_string();
+                let value = rest
+                    .split("holds ")
+                    .nth(1)
+                    .and_then(|v| v.split(' ').next())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(f32::NAN);
+                PersistError::NonFinite {
+                    path: path.to_path_buf(),
+                    tensor,
+                    value,
+                }
+            }
+            _ => PersistError::Io {
+                path: path.to_path_buf(),
+                why: strip_path(&msg, path),
+            },
+        }
+    })
+}
+
 /// An error message of the serializer without its leading `op: path: ` (the persist error
 /// shows the path once).
-fn strip_path(msg: &str, path: &Path) -> String {
+pub(crate) fn strip_path(msg: &str, path: &Path) -> String {
     let p = format!("{}: ", path.display());
     match msg.find(&p) {
         Some(i) => msg[i + p.len()..].to_string(),
