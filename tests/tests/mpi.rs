@@ -525,6 +525,98 @@ fn a_checkpoint_gathered_from_the_ranks_resumes_bit_exactly_under_mpi_and_in_one
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A sharded checkpoint saved under `mpirun -np 4` (K = 2 x R = 2: each rank of replica 0
+/// writes its own stages, nothing is gathered, rank 0 writes the index) resumes in one process
+/// with K = 1 and under `mpirun -np 2` with K = 1 (R = 2), bit for bit as the uninterrupted run.
+#[test]
+fn a_sharded_checkpoint_of_2x2_ranks_resumes_with_k_1_in_one_process_and_under_mpirun() {
+    let dir = fresh_dir("shards");
+    let base = MpiJob {
+        replicas: 2,
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    };
+    // The uninterrupted run, in one process (the ranks train bit-identically to it, see
+    // two_replicas_of_two_ranks_equal_in_process_data_parallelism).
+    let (x, y) = MpiJob::data();
+    let mut straight = dp_sim_pipeline(2, || MpiJob::model().0, &base.cfg()).unwrap();
+    let (at2, _) = pipe_train(&mut straight, &x, &y, &mse, 2);
+    let (after, _) = pipe_train(&mut straight, &x, &y, &mse, 2);
+    let saving = MpiJob {
+        save_at: Some(2),
+        sharded: true,
+        steps: 3,
+        ..base.clone()
+    };
+    let start = Instant::now();
+    let child = mpirun_np(4)
+        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+        .args(saving.args())
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (ok, out, _) = output_within(child, start, Duration::from_secs(120), "sharded save");
+    assert!(ok, "{out}");
+    let ckpt = dir.join("ckpt");
+    let mut files: Vec<String> = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        [
+            "model-save1-00001-of-00002.safetensors",
+            "model-save1-00002-of-00002.safetensors",
+            wgpipe_pipeline::INDEX_FILE
+        ],
+        "one shard per device of replica 0, and the index"
+    );
+    // In one process, K = 1.
+    let one_cfg = MpiJob {
+        k: 1,
+        ..base.clone()
+    }
+    .cfg();
+    let mut one = dp_sim_pipeline(2, || MpiJob::model().0, &one_cfg).unwrap();
+    let restored = one
+        .load(&ckpt, &wgpipe_pipeline::LoadOptions::default())
+        .unwrap();
+    assert_eq!(restored.step, 2);
+    assert!(
+        snapshot(&one.named_parameters()) == at2.params,
+        "parameters loaded in one process"
+    );
+    let (got, _) = pipe_train(&mut one, &x, &y, &mse, 2);
+    assert_eq!(
+        got.losses, after.losses,
+        "losses after resuming in one process"
+    );
+    assert!(
+        got.params == after.params,
+        "parameters after resuming in one process"
+    );
+    // Under mpirun, K = 1 x R = 2: each rank reads every shard.
+    let resumed = MpiJob {
+        k: 1,
+        steps: 2,
+        resume: Some(ckpt.clone()),
+        ..base.clone()
+    };
+    let ranks = mpirun(&resumed, 2, "shards-resumed");
+    let r0 = gather(&ranks[..1], "resumed replica 0");
+    assert_eq!(
+        r0.losses, after.losses,
+        "losses after resuming under mpirun"
+    );
+    assert!(
+        r0.params == after.params,
+        "parameters after resuming under mpirun"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// The flags of a small transformer example run on a simulated 2-device pipeline.
 fn tiny_example_flags() -> Vec<String> {
     [
