@@ -586,7 +586,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     let end_step = r.end_step(start_step);
     if let Some(path) = &p.save {
         save_pipeline(
-            &pipe,
+            &mut pipe,
             path,
             &[
                 ("model".into(), model_what.clone()),

@@ -504,7 +504,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     let losses = r.losses.clone();
     if let Some(path) = &p.save {
         save_pipeline(
-            &pipe,
+            &mut pipe,
             path,
             &[
                 ("model".into(), format!("{cfg:?}")),

@@ -175,7 +175,7 @@ fn consolidate_and_split_convert_between_the_two_forms() {
     assert_eq!(shard_files(&parts).len(), 3);
     let mut from_parts = lm_pipeline(2, 9);
     from_parts
-        .load(&parts.join(INDEX_FILE), &LoadOptions::default())
+        .load(parts.join(INDEX_FILE), &LoadOptions::default())
         .unwrap();
     let mut from_file = lm_pipeline(2, 9);
     from_file.load(&one, &LoadOptions::default()).unwrap();
