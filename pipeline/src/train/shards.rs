@@ -468,6 +468,15 @@ fn to_pipeline(e: &PersistError) -> PipelineError {
     PipelineError::Config(e.to_string())
 }
 
+/// Another rank's failure as the step communicator gives it back: what that rank said
+/// ("rank r failed: ..."), without the stage and micro-batch of a step's failure.
+fn from_pipeline(e: PipelineError) -> String {
+    match e {
+        PipelineError::Stage { cause, .. } => cause.to_string(),
+        other => other.to_string(),
+    }
+}
+
 impl Pipeline {
     /// Saves a sharded checkpoint into the folder `dir` (created if missing): one safetensors
     /// file per device of replica 0, written by the process that trains it (in one process,
@@ -507,7 +516,12 @@ impl Pipeline {
             local.as_ref().map(|_| ()).map_err(to_pipeline),
         );
         local?;
-        agreed.map_err(|e| io(format!("not saved (the previous checkpoint stays): {e}")))?;
+        agreed.map_err(|e| {
+            io(format!(
+                "not saved (the previous checkpoint stays): {}",
+                from_pipeline(e)
+            ))
+        })?;
         let committed = if self.rank() == 0 {
             write_index(dir, &meta, &files)
         } else {
@@ -521,7 +535,12 @@ impl Pipeline {
             committed.as_ref().map(|_| ()).map_err(to_pipeline),
         );
         committed?;
-        agreed.map_err(|e| io(format!("not saved (the previous checkpoint stays): {e}")))
+        agreed.map_err(|e| {
+            io(format!(
+                "not saved (the previous checkpoint stays): {}",
+                from_pipeline(e)
+            ))
+        })
     }
 
     /// This process's shards of a sharded save: the devices of replica 0 it runs (none on the
