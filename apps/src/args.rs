@@ -164,9 +164,9 @@ pub struct PipelineArgs {
     pub seed: u64,
     /// Save a checkpoint (parameters, buffers, every stage's optimizer state, step) here at the
     /// end, and on Ctrl-C. A file: one safetensors file (under MPI, rank 0 writes it after
-    /// gathering the stages). A folder (a path ending in `/`, or an existing folder): a sharded
-    /// checkpoint, one file per device written by the rank that trains it, plus
-    /// `model.safetensors.index.json`, written last.
+    /// gathering the stages). A folder (a path ending in `/`): a sharded checkpoint, one file
+    /// per device written by the rank that trains it, plus `model.safetensors.index.json`,
+    /// written last.
     #[arg(long)]
     pub save: Option<PathBuf>,
     /// Resume from a checkpoint written by --save, a file or a sharded folder, saved with any
@@ -340,6 +340,14 @@ impl PipelineArgs {
         };
         if let Err(e) = check {
             return Err(self.partition_error(&e, num_layers, what));
+        }
+        if let Some(p) = self.save.as_ref().filter(|p| p.is_dir()) {
+            if !crate::files::is_folder_path(p) {
+                return Err(AppError(format!(
+                    "--save {}: a folder, not a file (end the path with / to write a sharded checkpoint into it)",
+                    p.display()
+                )));
+            }
         }
         if let Some(p) = self
             .save

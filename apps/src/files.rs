@@ -15,14 +15,12 @@ use crate::pipeline::{
     checkpoint_metadata, consolidate, split, LoadOptions, PersistError, Pipeline, SaveOptions,
 };
 
-/// Whether `--save path` asks for a sharded checkpoint: an existing folder, or a path that
-/// ends in a separator (`ckpt/`).
+/// Whether `--save path` asks for a sharded checkpoint: a path that ends in a separator
+/// (`ckpt/`; an existing folder named without one is refused, as a mistaken file path).
 pub fn is_folder_path(path: &Path) -> bool {
-    path.is_dir()
-        || path
-            .as_os_str()
-            .to_string_lossy()
-            .ends_with(std::path::is_separator)
+    path.as_os_str()
+        .to_string_lossy()
+        .ends_with(std::path::is_separator)
 }
 
 /// `--consolidate FOLDER FILE` / `--split FILE FOLDER`: converts and returns true (the program
