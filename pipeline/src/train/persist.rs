@@ -1,6 +1,7 @@
 //! Saving a whole pipeline to disk and loading it back: every stage's parameters and buffers,
 //! every stage's optimizer state and the step, in one safetensors file. (Not to be confused
-//! with re-materialization, which the schedules call `checkpoint`.)
+//! with re-materialization, which the schedules call `checkpoint`.) The same tensors can also be
+//! one file per device plus an index: see [`crate::train::shards`].
 //!
 //! The file: parameters and buffers under their global names ([`layer_param_name`]:
 //! `"{layer}.{name}"`), the optimizers' state under `optim.` (per-parameter entries are keyed by
@@ -380,8 +381,10 @@ impl Pipeline {
         Ok(meta)
     }
 
-    /// Loads a checkpoint written by [`Pipeline::save`] (by a pipeline of any K over the same
-    /// layers): parameters, buffers, every stage's optimizer state (when optimizers are set)
+    /// Loads a checkpoint written by [`Pipeline::save`], or the sharded one in a folder (or
+    /// named by its index) written by [`Pipeline::save_sharded`] or
+    /// [`split`](crate::train::shards::split), by a pipeline of any K over the same layers
+    /// (each process reads only the shards that hold its stages): parameters, buffers, every stage's optimizer state (when optimizers are set)
     /// and the step (which keys the dropout RNG, so training continues bit-exactly). Every
     /// tensor is checked and every new value built before anything changes; on error the
     /// pipeline is as before. Gradients are cleared (they belonged to the old weights).

@@ -420,6 +420,7 @@ pub fn checkpoint_metadata(path: impl AsRef<Path>) -> PResult<Vec<(String, Strin
 fn write_index(dir: &Path, metadata: &[(String, String)], files: &[String]) -> PResult<()> {
     let index = dir.join(INDEX_FILE);
     let mut weight_map = Map::new();
+    // Bytes of tensor data, as the convention's `total_size` (shards hold F32).
     let mut total = 0u64;
     for file in files {
         let shard = dir.join(file);
@@ -490,24 +491,17 @@ impl Pipeline {
             path: dir.to_path_buf(),
             why,
         };
-        self.check_settled().map_err(|e| io(e.to_string()))?;
         let k = self.num_devices();
         let save = next_save(dir);
-        let mut meta = self.checkpoint_metadata(dir, opts)?;
-        let balance: Vec<String> = self.balance().iter().map(|b| b.to_string()).collect();
-        for (key, value) in [
-            ("devices", k.to_string()),
-            ("replicas", self.num_replicas().to_string()),
-            ("schedule", self.schedule().name.clone()),
-            ("balance", balance.join(",")),
-        ] {
-            meta.push((format!("{LAYOUT_PREFIX}{key}"), value));
-        }
-        meta.push((SAVE_KEY.into(), save.to_string()));
-        meta.push((SHARDS_KEY.into(), k.to_string()));
         let files: Vec<String> = (0..k).map(|d| shard_name(save, d, k)).collect();
-
-        let local = self.write_shards(dir, &files, &meta, opts.require_finite);
+        // What fails here fails in the agreement below too, so that no rank waits for one
+        // that gave up.
+        let meta = self.sharded_metadata(dir, opts, save);
+        let local = self
+            .check_settled()
+            .map_err(|e| io(e.to_string()))
+            .and(meta.clone())
+            .and_then(|meta| self.write_shards(dir, &files, &meta, opts.require_finite));
         // Every rank's shards are written before the index names them.
         self.round += 1;
         let agreed = self.comm.agree_ok(
@@ -523,7 +517,7 @@ impl Pipeline {
             ))
         })?;
         let committed = if self.rank() == 0 {
-            write_index(dir, &meta, &files)
+            write_index(dir, &meta?, &files)
         } else {
             Ok(())
         };
@@ -541,6 +535,30 @@ impl Pipeline {
                 from_pipeline(e)
             ))
         })
+    }
+
+    /// The metadata of every shard and of the index of save `save`: a one-file checkpoint's,
+    /// the layout saved from, the save's number and its number of shards.
+    fn sharded_metadata(
+        &self,
+        dir: &Path,
+        opts: &SaveOptions,
+        save: u64,
+    ) -> PResult<Vec<(String, String)>> {
+        let k = self.num_devices();
+        let mut meta = self.checkpoint_metadata(dir, opts)?;
+        let balance: Vec<String> = self.balance().iter().map(|b| b.to_string()).collect();
+        for (key, value) in [
+            ("devices", k.to_string()),
+            ("replicas", self.num_replicas().to_string()),
+            ("schedule", self.schedule().name.clone()),
+            ("balance", balance.join(",")),
+        ] {
+            meta.push((format!("{LAYOUT_PREFIX}{key}"), value));
+        }
+        meta.push((SAVE_KEY.into(), save.to_string()));
+        meta.push((SHARDS_KEY.into(), k.to_string()));
+        Ok(meta)
     }
 
     /// This process's shards of a sharded save: the devices of replica 0 it runs (none on the
