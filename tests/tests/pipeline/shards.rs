@@ -297,3 +297,31 @@ fn a_save_that_fails_half_way_leaves_the_previous_checkpoint_loadable() {
     assert!(state_bits(&back) == state_bits(&src));
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+#[test]
+fn a_non_finite_value_is_refused_on_request_naming_the_tensor_and_writing_no_index() {
+    let d = dir("shards-nan");
+    let ckpt = d.join("ckpt");
+    let mut src = lm_pipeline(4, 3);
+    train(&mut src, 1);
+    // A NaN in a parameter of the last device's stage.
+    let (name, p) = src
+        .named_parameters()
+        .into_iter()
+        .find(|(n, _)| n.starts_with("7."))
+        .unwrap();
+    let shape = p.shape();
+    let n = shape.iter().product();
+    p.set_value(Tensor::from_vec(vec![f32::NAN; n], &shape, &p.device()).unwrap());
+    let opts = SaveOptions {
+        require_finite: true,
+        ..SaveOptions::default()
+    };
+    let e = src.save_sharded(&ckpt, &opts).unwrap_err();
+    match &e {
+        PersistError::NonFinite { tensor, .. } => assert_eq!(*tensor, name),
+        _ => panic!("{e:?}"),
+    }
+    assert!(!ckpt.join(INDEX_FILE).exists(), "an index was written");
+    std::fs::remove_dir_all(&d).unwrap();
+}
