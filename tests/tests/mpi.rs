@@ -647,6 +647,59 @@ fn a_sharded_save_that_fails_on_one_rank_fails_on_every_rank_and_writes_no_index
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A load that one rank cannot do (the shard of its stages holds a NaN; the other rank never
+/// reads it) fails on every rank, naming the tensor, before any rank changes.
+#[test]
+fn a_load_that_fails_on_one_rank_fails_on_every_rank() {
+    let dir = fresh_dir("shards-load");
+    let job = MpiJob {
+        save_at: Some(1),
+        sharded: true,
+        steps: 2,
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    };
+    let run = |job: &MpiJob, out: &std::path::Path| {
+        std::fs::create_dir_all(out).unwrap();
+        let start = Instant::now();
+        let child = mpirun_np(2)
+            .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+            .args(job.args())
+            .arg(out)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        output_within(child, start, Duration::from_secs(120), "job")
+    };
+    let (ok, out, _) = run(&job, &dir.join("save"));
+    assert!(ok, "{out}");
+    let ckpt = dir.join("save").join("ckpt");
+    // A NaN in the first tensor of the second shard (device 1's stages).
+    let shard = ckpt.join("model-save1-00002-of-00002.safetensors");
+    let cpu = wgpipe_tensor::Device::cpu();
+    let mut f = wgpipe_autograd::serialize::load_file(&shard, &cpu).unwrap();
+    let (name, t) = &mut f.tensors[0];
+    let poisoned = name.clone();
+    *t = wgpipe_tensor::Tensor::from_vec(vec![f32::NAN; t.numel()], t.shape(), &cpu).unwrap();
+    wgpipe_autograd::serialize::save_tensors(&shard, &f.tensors, &f.metadata).unwrap();
+    let resumed = MpiJob {
+        save_at: None,
+        sharded: false,
+        resume: Some(ckpt),
+        ..job.clone()
+    };
+    let (ok, out, _) = run(&resumed, &dir.join("resume"));
+    assert!(!ok, "the job succeeded: {out}");
+    for rank in 0..2 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("rank {rank}: ")))
+            .unwrap_or_else(|| panic!("rank {rank} reported no error: {out}"));
+        assert!(line.contains(&poisoned), "rank {rank}: {line}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// The flags of a small transformer example run on a simulated 2-device pipeline.
 fn tiny_example_flags() -> Vec<String> {
     [

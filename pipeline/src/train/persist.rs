@@ -34,7 +34,7 @@ use crate::exec::Stage;
 use crate::train::pipeline::Pipeline;
 use crate::train::replica::Replica;
 use crate::train::scaler::ScalerState;
-use crate::train::shards::Source;
+use crate::train::shards::{from_pipeline, to_pipeline, Source};
 
 /// The loss scaler's state in the metadata (see [`crate::train::scaler::encode_state`]).
 const SCALER_KEY: &str = "wgpipe.loss_scaler";
@@ -391,17 +391,39 @@ impl Pipeline {
     pub fn load(&mut self, path: impl AsRef<Path>, opts: &LoadOptions) -> PResult<Restored> {
         let path = path.as_ref();
         // A timed-out step still holding stages: what is loaded would miss them.
-        self.settle().map_err(|e| PersistError::Io {
+        let settled = self.settle().map_err(|e| PersistError::Io {
             path: path.to_path_buf(),
             why: e.to_string(),
-        })?;
-        // Each held replica loads the same file (the same structure, so only the first can
-        // refuse it), which also gives each its own optimizer state on its own devices.
+        });
+        // Each held replica reads the same checkpoint (the same structure, so only the first
+        // can refuse it), which also gives each its own optimizer state on its own devices;
+        // every replica's values are built before any replica changes.
         let settings = self.arithmetic_settings();
-        let source = Source::open(path)?;
+        let prepared: PResult<Vec<Prepared>> =
+            settled
+                .and_then(|()| Source::open(path))
+                .and_then(|source| {
+                    self.replicas
+                        .iter()
+                        .map(|r| prepare_replica(r, &source, path, opts, &settings))
+                        .collect()
+                });
+        // Over MPI every rank loads, or none does: one that cannot (a shard it does not see, a
+        // value it cannot place) fails the load on every rank before anything changes.
+        self.round += 1;
+        let agreed = self.comm.agree_ok(
+            self.round,
+            self.num_devices(),
+            prepared.as_ref().map(|_| ()).map_err(to_pipeline),
+        );
+        let prepared = prepared?;
+        agreed.map_err(|e| PersistError::Io {
+            path: path.to_path_buf(),
+            why: format!("not loaded: {}", from_pipeline(e)),
+        })?;
         let mut read = None;
-        for r in &mut self.replicas {
-            read = Some(load_replica(r, &source, path, opts, &settings)?);
+        for (r, p) in self.replicas.iter_mut().zip(prepared) {
+            read = Some(apply_replica(r, p, path)?);
         }
         let (step, scaler, metadata, other_settings) =
             read.expect("a pipeline holds at least one replica");
@@ -426,15 +448,25 @@ type ReplicaLoad = (
     Vec<OtherSetting>,
 );
 
-/// [`Pipeline::load`] into one replica: every tensor checked and built before its parameters,
-/// buffers and optimizer state change; gradients cleared.
-fn load_replica(
-    replica: &mut Replica,
+/// A checkpoint read and checked for one replica, every new value built on its device: what
+/// [`apply_replica`] puts in place.
+struct Prepared {
+    entries: Vec<Entry>,
+    values: Vec<Tensor>,
+    /// Each stage's share of the optimizer state (`None`: the replica has no optimizers).
+    optimizer_state: Option<Vec<Vec<(String, Tensor)>>>,
+    read: ReplicaLoad,
+}
+
+/// The first half of [`Pipeline::load`] for one replica: every tensor checked, read and built
+/// on its device; nothing changes.
+fn prepare_replica(
+    replica: &Replica,
     f: &Source,
     path: &Path,
     opts: &LoadOptions,
     settings: &[(&'static str, String)],
-) -> PResult<ReplicaLoad> {
+) -> PResult<Prepared> {
     let unreadable = |why: String| PersistError::Unreadable {
         path: path.to_path_buf(),
         why,
@@ -656,17 +688,40 @@ fn load_replica(
         state.push((key.clone(), place(full, dev, Tag::OptimizerState)?));
     }
 
-    // 3. The optimizers take their state (each checks its own), rolled back together.
-    if replica.optimizers.len() == replica.stages.len() && !replica.optimizers.is_empty() {
-        let owner: HashMap<String, usize> =
-            entries.iter().map(|e| (e.own.clone(), e.stage)).collect();
-        let per = split_optimizer_state(state, &owner, replica.stages.len()).map_err(|k| {
-            PersistError::Mismatch {
-                path: path.to_path_buf(),
-                tensor: format!("{OPTIM_PREFIX}{k}"),
-                why: "optimizer state of no parameter of the pipeline".into(),
-            }
-        })?;
+    let optimizer_state =
+        if replica.optimizers.len() == replica.stages.len() && !replica.optimizers.is_empty() {
+            let owner: HashMap<String, usize> =
+                entries.iter().map(|e| (e.own.clone(), e.stage)).collect();
+            let per = split_optimizer_state(state, &owner, replica.stages.len()).map_err(|k| {
+                PersistError::Mismatch {
+                    path: path.to_path_buf(),
+                    tensor: format!("{OPTIM_PREFIX}{k}"),
+                    why: "optimizer state of no parameter of the pipeline".into(),
+                }
+            })?;
+            Some(per)
+        } else {
+            None
+        };
+    Ok(Prepared {
+        entries,
+        values,
+        optimizer_state,
+        read: (step, scaler, metadata, other_settings),
+    })
+}
+
+/// The second half of [`Pipeline::load`] for one replica: the optimizers take their state
+/// (each checks its own; rolled back together if one refuses), then the parameters and buffers
+/// their values; gradients cleared.
+fn apply_replica(replica: &mut Replica, p: Prepared, path: &Path) -> PResult<ReplicaLoad> {
+    let Prepared {
+        entries,
+        values,
+        optimizer_state,
+        read,
+    } = p;
+    if let Some(per) = optimizer_state {
         let mut kept: BTreeMap<usize, Vec<(String, Tensor)>> = BTreeMap::new();
         for (i, s) in per.into_iter().enumerate() {
             let before = replica.optimizers[i].state();
@@ -684,14 +739,13 @@ fn load_replica(
         }
     }
 
-    // 4. Commit.
     for (e, v) in entries.iter().zip(values) {
         e.param.set_value(v);
     }
     for (_, p) in replica.named_parameters() {
         p.zero_grad();
     }
-    Ok((step, scaler, metadata, other_settings))
+    Ok(read)
 }
 
 /// Writes `tensors` and `meta` to `path` atomically; with `require_finite`, a non-finite value

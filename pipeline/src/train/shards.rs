@@ -464,14 +464,15 @@ fn write_index(dir: &Path, metadata: &[(String, String)], files: &[String]) -> P
     Ok(())
 }
 
-/// A failure of this process's part of a sharded save, as the step communicator carries it.
-fn to_pipeline(e: &PersistError) -> PipelineError {
+/// A failure of this process's part of a sharded save or a load, as the step communicator
+/// carries it.
+pub(crate) fn to_pipeline(e: &PersistError) -> PipelineError {
     PipelineError::Config(e.to_string())
 }
 
 /// Another rank's failure as the step communicator gives it back: what that rank said
 /// ("rank r failed: ..."), without the stage and micro-batch of a step's failure.
-fn from_pipeline(e: PipelineError) -> String {
+pub(crate) fn from_pipeline(e: PipelineError) -> String {
     match e {
         PipelineError::Stage { cause, .. } => cause.to_string(),
         other => other.to_string(),
