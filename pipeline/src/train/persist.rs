@@ -387,7 +387,9 @@ impl Pipeline {
     /// (each process reads only the shards that hold its stages): parameters, buffers, every stage's optimizer state (when optimizers are set)
     /// and the step (which keys the dropout RNG, so training continues bit-exactly). Every
     /// tensor is checked and every new value built before anything changes; on error the
-    /// pipeline is as before. Gradients are cleared (they belonged to the old weights).
+    /// pipeline is as before. Gradients are cleared (they belonged to the old weights). Over
+    /// MPI every rank must call it at the same point: the ranks agree before anything changes,
+    /// so that all load or none does.
     pub fn load(&mut self, path: impl AsRef<Path>, opts: &LoadOptions) -> PResult<Restored> {
         let path = path.as_ref();
         // A timed-out step still holding stages: what is loaded would miss them.
