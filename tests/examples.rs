@@ -430,6 +430,31 @@ fn a_sharded_save_resumes_with_other_stages_and_converts_to_one_file_and_back() 
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The CNN's sharded checkpoint carries its batch-norm buffers: resumed with one stage, its
+/// next step is the uninterrupted run's, bit for bit.
+#[test]
+fn the_cnn_resumes_from_a_sharded_save_with_other_stages() {
+    let dir = tmp("cnn-sharded");
+    let sharded = format!("{}/", s(&dir.join("sharded")));
+    let flags = |extra: &[&str]| {
+        let mut v = vec!["--steps", "4"];
+        v.extend(extra);
+        tiny_cnn(&dir, &v)
+    };
+    let straight = cnn(&flags(&[])).unwrap();
+    cnn(&flags(&["--stop-at", "2", "--save", &sharded])).unwrap();
+    let index =
+        std::fs::read_to_string(dir.join("sharded").join(wgpipe::pipeline::INDEX_FILE)).unwrap();
+    assert!(
+        index.contains("running_mean"),
+        "no batch-norm buffer saved: {index}"
+    );
+    let resumed = cnn(&flags(&["--stages", "1", "--resume", &sharded])).unwrap();
+    assert_eq!(resumed.start_step, 2);
+    assert_eq!(resumed.losses[0].to_bits(), straight.losses[2].to_bits());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn ctrl_c_stops_after_the_step_and_saves() {
     let dir = tmp("ctrl-c");
