@@ -7,9 +7,9 @@
 //! number.
 //!
 //! - Tensor names are the global ones of a one-file checkpoint (they do not depend on K), so a
-//!   sharded checkpoint loads into a pipeline of any K and R, in one process or under MPI, each
-//!   rank reading only the shards that hold its stages' tensors; [`consolidate`] and [`split`]
-//!   convert between the two forms.
+//!   sharded checkpoint loads into a pipeline of any K (R, an arithmetic setting, as for one
+//!   file), in one process or under MPI, each rank reading only the shards that hold its
+//!   stages' tensors; [`consolidate`] and [`split`] convert between the two forms.
 //! - The index is the commit point. Shards are named after the save's number
 //!   (`model-save<n>-00001-of-0000K.safetensors`, n one more than the index found in the
 //!   folder), so a new save never touches the files of the checkpoint the current index names;
