@@ -2,10 +2,19 @@
 //! (or `--cifar` / `--mnist` files), with transfer learning (`--init`, `--freeze-body`).
 //! `--help` lists the flags.
 
+use wgpipe_apps::files::convert_checkpoint;
 use wgpipe_apps::train_cnn::{run, CnnArgs};
 use wgpipe_apps::{exit_on_error, install_ctrl_c};
 
 fn main() {
     install_ctrl_c();
-    exit_on_error(run(CnnArgs::from_command_line()));
+    let args = CnnArgs::from_command_line();
+    // --consolidate / --split convert a checkpoint and end the program.
+    exit_on_error(convert_checkpoint(&args.pipe).and_then(|done| {
+        if done {
+            Ok(())
+        } else {
+            run(args).map(drop)
+        }
+    }));
 }

@@ -378,6 +378,83 @@ fn save_and_resume_continue_bit_exactly() {
     }
 }
 
+/// `--save dir/` writes a sharded checkpoint (one file per device and the index), which
+/// `--resume` continues with other `--stages` bit-exactly (the next step's loss as in the
+/// uninterrupted run, then as from the one file `--consolidate` makes of it); `--split`
+/// shards a file again.
+#[test]
+fn a_sharded_save_resumes_with_other_stages_and_converts_to_one_file_and_back() {
+    let dir = tmp("sharded");
+    let sharded = format!("{}/", s(&dir.join("sharded")));
+    let flags = |extra: &[&str]| {
+        let mut v = vec!["--steps", "5", "--dropout", "0.1"];
+        v.extend(extra);
+        tiny_lm(&dir, &v)
+    };
+    let straight = lm(&flags(&[])).unwrap();
+    let first = lm(&flags(&["--stop-at", "3", "--save", &sharded])).unwrap();
+    assert!(first.interrupted);
+    let index = dir.join("sharded").join(wgpipe::pipeline::INDEX_FILE);
+    assert!(index.is_file(), "no index");
+    // Convert with the examples' flags (what `main` does before `run`).
+    let convert = |extra: &[&str]| {
+        let a = TransformerArgs::parse_from_args(flags(extra)).unwrap();
+        assert!(wgpipe_apps::files::convert_checkpoint(&a.pipe).unwrap());
+    };
+    let one = dir.join("one.safetensors");
+    convert(&["--consolidate", &sharded, &s(&one)]);
+    let resplit = format!("{}/", s(&dir.join("resplit")));
+    convert(&["--stages", "3", "--split", &s(&one), &resplit]);
+    // Resumed with K = 1 from each form: the same bits; the next step as uninterrupted.
+    let mut runs = Vec::new();
+    for from in [&sharded, &s(&one), &resplit] {
+        let r = lm(&flags(&["--stages", "1", "--resume", from])).unwrap();
+        assert_eq!(r.start_step, 3, "{from}");
+        assert_eq!(
+            r.losses[0].to_bits(),
+            straight.losses[3].to_bits(),
+            "{from}: the first step after resuming"
+        );
+        runs.push(r.losses);
+    }
+    assert_eq!(runs[0], runs[1], "the sharded folder and its one file");
+    assert_eq!(
+        runs[0], runs[2],
+        "the sharded folder and the file split again"
+    );
+    // A folder without a finished save is refused naming the index.
+    let empty = format!("{}/", s(&dir.join("empty")));
+    std::fs::create_dir_all(&empty).unwrap();
+    let e = lm(&flags(&["--resume", &empty])).unwrap_err();
+    assert!(e.contains("model.safetensors.index.json"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The CNN's sharded checkpoint carries its batch-norm buffers: resumed with one stage, its
+/// next step is the uninterrupted run's, bit for bit.
+#[test]
+fn the_cnn_resumes_from_a_sharded_save_with_other_stages() {
+    let dir = tmp("cnn-sharded");
+    let sharded = format!("{}/", s(&dir.join("sharded")));
+    let flags = |extra: &[&str]| {
+        let mut v = vec!["--steps", "4"];
+        v.extend(extra);
+        tiny_cnn(&dir, &v)
+    };
+    let straight = cnn(&flags(&[])).unwrap();
+    cnn(&flags(&["--stop-at", "2", "--save", &sharded])).unwrap();
+    let index =
+        std::fs::read_to_string(dir.join("sharded").join(wgpipe::pipeline::INDEX_FILE)).unwrap();
+    assert!(
+        index.contains("running_mean"),
+        "no batch-norm buffer saved: {index}"
+    );
+    let resumed = cnn(&flags(&["--stages", "1", "--resume", &sharded])).unwrap();
+    assert_eq!(resumed.start_step, 2);
+    assert_eq!(resumed.losses[0].to_bits(), straight.losses[2].to_bits());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn ctrl_c_stops_after_the_step_and_saves() {
     let dir = tmp("ctrl-c");

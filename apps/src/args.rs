@@ -164,12 +164,24 @@ pub struct PipelineArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Save a checkpoint (parameters, buffers, every stage's optimizer state, step) here at the
-    /// end, and on Ctrl-C.
+    /// end, and on Ctrl-C. A file: one safetensors file (under MPI, rank 0 writes it after
+    /// gathering the stages). A folder (a path ending in `/`): a sharded checkpoint, one file
+    /// per device written by the rank that trains it, plus `model.safetensors.index.json`,
+    /// written last.
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Resume from a checkpoint written by --save (bit-exact continuation; --steps is the total).
+    /// Resume from a checkpoint written by --save, a file or a sharded folder, saved with any
+    /// --stages (bit-exact continuation; --steps is the total).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Write the sharded checkpoint in FOLDER as the one checkpoint file FILE, then exit (no
+    /// training; in one process).
+    #[arg(long, num_args = 2, value_names = ["FOLDER", "FILE"])]
+    pub consolidate: Option<Vec<PathBuf>>,
+    /// Split the checkpoint file FILE into a sharded checkpoint in FOLDER of --stages files
+    /// (whole layers each), then exit (no training; in one process).
+    #[arg(long, num_args = 2, value_names = ["FILE", "FOLDER"])]
+    pub split: Option<Vec<PathBuf>>,
     /// With --resume: continue although the checkpoint was written under other settings that
     /// change the arithmetic (--precision, loss scaling, --replicas, --micro-batches,
     /// --schedule); the run says which.
@@ -330,8 +342,28 @@ impl PipelineArgs {
         if let Err(e) = check {
             return Err(self.partition_error(&e, num_layers, what));
         }
+        if let Some(p) = self.save.as_ref().filter(|p| p.is_dir()) {
+            if !crate::files::is_folder_path(p) {
+                return Err(AppError(format!(
+                    "--save {}: a folder, not a file (end the path with / to write a sharded checkpoint into it)",
+                    p.display()
+                )));
+            }
+        }
+        if let Some(p) = self
+            .save
+            .as_ref()
+            .filter(|p| crate::files::is_folder_path(p))
+        {
+            // A sharded checkpoint: a folder that can be created and written in.
+            crate::output::check_writable("save", &p.join(crate::pipeline::INDEX_FILE))?;
+        }
+        let one_file_save = self
+            .save
+            .as_ref()
+            .filter(|p| !crate::files::is_folder_path(p));
         for (flag, path) in [
-            ("save", &self.save),
+            ("save", &one_file_save.cloned()),
             ("trace", &self.trace),
             ("timeline", &self.timeline),
             ("metrics", &self.metrics),
@@ -340,7 +372,8 @@ impl PipelineArgs {
                 crate::output::check_writable(flag, p)?;
             }
         }
-        if let Some(p) = &self.resume {
+        if let Some(p) = self.resume.as_ref().filter(|p| !p.is_dir()) {
+            // A folder is a sharded checkpoint: the loader names what it lacks.
             crate::files::check_readable("resume", p)?;
         }
         Ok(())

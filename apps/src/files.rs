@@ -1,15 +1,52 @@
-//! `--save` and `--resume`: whole-pipeline checkpoint files through the pipeline crate's
-//! [`persist`](crate::pipeline::train::persist) module, with messages that tell a damaged or foreign
-//! file (nothing to do with the flags) from a checkpoint of another model (the flags differ:
-//! which tensor, and which model each side describes).
+//! `--save` and `--resume`: whole-pipeline checkpoints, one file or a sharded folder, through
+//! the pipeline crate's [`persist`](crate::pipeline::train::persist) and
+//! [`shards`](crate::pipeline::train::shards) modules, with messages that tell a damaged or
+//! foreign file (nothing to do with the flags) from a checkpoint of another model (the flags
+//! differ: which tensor, and which model each side describes); `--consolidate` and `--split`.
 
 use std::path::Path;
 
-use crate::autograd::serialize::{load_metadata, OPTIM_PREFIX};
+use crate::args::{PipelineArgs, TransportArg};
+use crate::autograd::serialize::OPTIM_PREFIX;
 use crate::bail;
 use crate::error::{AppError, AppResult};
 use crate::pipeline::train::persist::list_settings;
-use crate::pipeline::{LoadOptions, PersistError, Pipeline, SaveOptions};
+use crate::pipeline::{
+    checkpoint_metadata, consolidate, split, LoadOptions, PersistError, Pipeline, SaveOptions,
+};
+
+/// Whether `--save path` asks for a sharded checkpoint: a path that ends in a separator
+/// (`ckpt/`; an existing folder named without one is refused, as a mistaken file path).
+pub fn is_folder_path(path: &Path) -> bool {
+    path.as_os_str()
+        .to_string_lossy()
+        .ends_with(std::path::is_separator)
+}
+
+/// `--consolidate FOLDER FILE` / `--split FILE FOLDER`: converts and returns true (the program
+/// then ends without training); false when neither flag is given.
+pub fn convert_checkpoint(p: &PipelineArgs) -> AppResult<bool> {
+    let (flag, paths) = match (&p.consolidate, &p.split) {
+        (Some(c), None) => ("consolidate", c),
+        (None, Some(s)) => ("split", s),
+        (None, None) => return Ok(false),
+        (Some(_), Some(_)) => bail!("--consolidate and --split: give one of them"),
+    };
+    if p.transport == TransportArg::Mpi {
+        bail!("--{flag}: run it in one process (without --transport mpi)");
+    }
+    let [from, to] = paths.as_slice() else {
+        bail!("--{flag} takes two paths");
+    };
+    let done = if flag == "consolidate" {
+        consolidate(from, to)
+    } else {
+        split(from, to, p.stages)
+    };
+    done.map_err(|e| AppError(format!("--{flag} {} {}: {e}", from.display(), to.display())))?;
+    crate::say!("wrote {} from {}", to.display(), from.display());
+    Ok(true)
+}
 
 /// `Err` naming `--flag` unless `path` is a readable file.
 pub fn check_readable(flag: &str, path: &Path) -> AppResult<()> {
@@ -26,17 +63,27 @@ pub fn check_readable(flag: &str, path: &Path) -> AppResult<()> {
 }
 
 /// Saves parameters, buffers, every stage's optimizer state and the step (atomically; refuses
-/// to write a checkpoint holding NaN or infinity).
-pub fn save_pipeline(pipe: &Pipeline, path: &Path, metadata: &[(String, String)]) -> AppResult<()> {
-    // One file per job, from rank 0 (after `gather_stages`, it holds the whole model).
-    if !crate::output::is_root() {
-        return Ok(());
-    }
+/// to write a checkpoint holding NaN or infinity): one file, or a sharded folder when
+/// [`is_folder_path`] (then every rank of an MPI job must call it).
+pub fn save_pipeline(
+    pipe: &mut Pipeline,
+    path: &Path,
+    metadata: &[(String, String)],
+) -> AppResult<()> {
     let opts = SaveOptions {
         metadata: metadata.to_vec(),
         require_finite: true,
     };
-    pipe.save(path, &opts).map_err(|e| match e {
+    let saved = if is_folder_path(path) {
+        // Each rank its own devices' shards, rank 0 the index.
+        pipe.save_sharded(path, &opts)
+    } else if crate::output::is_root() {
+        // One file per job, from rank 0 (after `gather_stages`, it holds the whole model).
+        pipe.save(path, &opts)
+    } else {
+        Ok(())
+    };
+    saved.map_err(|e| match e {
         PersistError::NonFinite { tensor, value, .. } => AppError(format!(
             "--save {}: not saved: tensor '{tensor}' holds {value} (training diverged)",
             path.display()
@@ -60,7 +107,9 @@ pub fn load_pipeline(
     model: &str,
     allow_other_settings: bool,
 ) -> AppResult<(u64, Vec<(String, String)>)> {
-    check_readable("resume", path)?;
+    if !path.is_dir() {
+        check_readable("resume", path)?;
+    }
     let opts = LoadOptions {
         require_finite: true,
         allow_other_settings,
@@ -85,7 +134,7 @@ pub fn load_pipeline(
             path.display()
         ))),
         Err(PersistError::Mismatch { tensor, why, .. }) => {
-            let saved = load_metadata(path)
+            let saved = checkpoint_metadata(path)
                 .ok()
                 .and_then(|m| m.into_iter().find(|(k, _)| k == "model").map(|(_, v)| v));
             let models = match saved {

@@ -584,14 +584,15 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     // across the ranks as they are; a checkpoint is one file of the whole model, so `--save`
     // gathers every stage to every rank first (nothing to do in one process). A model that
     // cannot be built again comes out empty, which gather_stages names.
-    if p.save.is_some() {
+    // A sharded save (`--save DIR/`) needs no gathering: each rank writes its own stages.
+    if p.save.as_deref().is_some_and(|s| !crate::files::is_folder_path(s)) {
         pipe.gather_stages(|| build_model(&args, &train).unwrap_or_default())
             .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
     }
     let end_step = r.end_step(start_step);
     if let Some(path) = &p.save {
         save_pipeline(
-            &pipe,
+            &mut pipe,
             path,
             &[
                 ("model".into(), model_what.clone()),

@@ -518,7 +518,8 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     // gathers every stage to every rank first (the explicit choice for a model small enough
     // to hold whole; nothing to do in one process). A model that cannot be built again comes
     // out empty, which gather_stages names.
-    if p.save.is_some() {
+    // A sharded save (`--save DIR/`) needs no gathering: each rank writes its own stages.
+    if p.save.as_deref().is_some_and(|s| !crate::files::is_folder_path(s)) {
         pipe.gather_stages(|| cfg.build(p.seed, &Device::cpu()).unwrap_or_default())
             .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
     }
@@ -527,7 +528,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     let losses = r.losses.clone();
     if let Some(path) = &p.save {
         save_pipeline(
-            &pipe,
+            &mut pipe,
             path,
             &[
                 ("model".into(), format!("{cfg:?}")),

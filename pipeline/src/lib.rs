@@ -55,6 +55,7 @@ pub use train::builder::{Balance, PipelineBuilder, ScheduleSpec};
 pub use train::persist::{LoadOptions, OtherSetting, PersistError, Restored, SaveOptions};
 pub use train::report::{SimReport, StageReport, StepReport};
 pub use train::scaler::{LossScaling, ScalerState};
+pub use train::shards::{checkpoint_metadata, consolidate, is_sharded, split, INDEX_FILE};
 pub use train::Pipeline;
 
 use wgpipe_autograd::Var;

@@ -766,6 +766,9 @@ pub struct MpiJob {
     /// After this many steps, gather the stages and save a checkpoint (`ckpt.safetensors` in
     /// the output folder, written by rank 0).
     pub save_at: Option<usize>,
+    /// Save at `save_at` as a sharded checkpoint instead (the folder `ckpt` in the output
+    /// folder, each rank writing its own stages, no gathering).
+    pub sharded: bool,
     /// Load this checkpoint on every rank before training.
     pub resume: Option<std::path::PathBuf>,
 }
@@ -780,6 +783,7 @@ impl MpiJob {
             replicas: 1,
             fault: None,
             save_at: None,
+            sharded: false,
             resume: None,
         }
     }
@@ -792,7 +796,12 @@ impl MpiJob {
             self.m.to_string(),
             self.steps.to_string(),
             self.replicas.to_string(),
-            self.save_at.unwrap_or(0).to_string(),
+            // `2s`: a sharded save after 2 steps.
+            format!(
+                "{}{}",
+                self.save_at.unwrap_or(0),
+                if self.sharded { "s" } else { "" }
+            ),
             self.resume
                 .as_ref()
                 .map_or("-".into(), |p| p.display().to_string()),
@@ -821,7 +830,11 @@ impl MpiJob {
             )),
             _ => return None,
         };
-        let save_at = num(5).filter(|&s| s > 0);
+        let (save_at, sharded) = match args.get(5)?.strip_suffix('s') {
+            Some(n) => (n.parse::<usize>().ok(), true),
+            None => (num(5), false),
+        };
+        let save_at = save_at.filter(|&s| s > 0);
         let resume = (args[6] != "-").then(|| args[6].clone().into());
         Some(MpiJob {
             schedule,
@@ -831,6 +844,7 @@ impl MpiJob {
             replicas: num(4)?,
             fault,
             save_at,
+            sharded,
             resume,
         })
     }

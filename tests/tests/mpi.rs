@@ -587,6 +587,181 @@ fn a_checkpoint_gathered_from_the_ranks_resumes_bit_exactly_under_mpi_and_in_one
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A sharded checkpoint saved under `mpirun -np 8` (K = 4 x R = 2: each rank of replica 0
+/// writes its own stages, nothing is gathered, rank 0 writes the index) resumes in one process
+/// with K = 1 and K = 2, and under `mpirun` with K = 2 (-np 4) and K = 1 (-np 2), bit for bit as
+/// the uninterrupted run.
+#[test]
+fn a_sharded_checkpoint_of_4x2_ranks_resumes_with_k_1_and_2_in_one_process_and_under_mpirun() {
+    let dir = fresh_dir("shards");
+    let base = MpiJob {
+        replicas: 2,
+        ..MpiJob::new(ScheduleKind::OneFOneB, 4)
+    };
+    // The uninterrupted run, in one process (the ranks train bit-identically to it, see
+    // two_replicas_of_two_ranks_equal_in_process_data_parallelism).
+    let (x, y) = MpiJob::data();
+    let mut straight = dp_sim_pipeline(2, || MpiJob::model().0, &base.cfg()).unwrap();
+    let (at2, _) = pipe_train(&mut straight, &x, &y, &mse, 2);
+    let (after, _) = pipe_train(&mut straight, &x, &y, &mse, 2);
+    let saving = MpiJob {
+        save_at: Some(2),
+        sharded: true,
+        steps: 3,
+        ..base.clone()
+    };
+    let start = Instant::now();
+    let child = mpirun_np(8)
+        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+        .args(saving.args())
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (ok, out, _) = output_within(child, start, Duration::from_secs(120), "sharded save");
+    assert!(ok, "{out}");
+    let ckpt = dir.join("ckpt");
+    let mut files: Vec<String> = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    files.sort();
+    let mut want: Vec<String> = (1..=4)
+        .map(|i| format!("model-save1-{i:05}-of-00004.safetensors"))
+        .collect();
+    want.push(wgpipe_pipeline::INDEX_FILE.into());
+    assert_eq!(
+        files, want,
+        "one shard per device of replica 0, and the index"
+    );
+    for k in [1, 2] {
+        // In one process.
+        let cfg = MpiJob { k, ..base.clone() }.cfg();
+        let mut one = dp_sim_pipeline(2, || MpiJob::model().0, &cfg).unwrap();
+        let restored = one
+            .load(&ckpt, &wgpipe_pipeline::LoadOptions::default())
+            .unwrap();
+        assert_eq!(restored.step, 2);
+        assert!(
+            snapshot(&one.named_parameters()) == at2.params,
+            "K = {k}: parameters loaded in one process"
+        );
+        let (got, _) = pipe_train(&mut one, &x, &y, &mse, 2);
+        assert_eq!(got.losses, after.losses, "K = {k}: losses in one process");
+        assert!(
+            got.params == after.params,
+            "K = {k}: parameters in one process"
+        );
+        // Under mpirun, K x R = 2 ranks: each reads the shards of its stages.
+        let resumed = MpiJob {
+            k,
+            steps: 2,
+            resume: Some(ckpt.clone()),
+            ..base.clone()
+        };
+        let ranks = mpirun(&resumed, 2 * k, &format!("shards-resumed-{k}"));
+        let r0 = gather(&ranks[..k], "resumed replica 0");
+        assert_eq!(r0.losses, after.losses, "K = {k}: losses under mpirun");
+        assert!(
+            r0.params == after.params,
+            "K = {k}: parameters under mpirun"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A sharded save whose shard cannot be written on one rank (a folder in its place) fails on
+/// every rank, naming the shard, and writes no index: the folder holds no checkpoint.
+#[test]
+fn a_sharded_save_that_fails_on_one_rank_fails_on_every_rank_and_writes_no_index() {
+    let dir = fresh_dir("shards-fail");
+    let job = MpiJob {
+        save_at: Some(1),
+        sharded: true,
+        steps: 2,
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    };
+    let blocked = "model-save1-00002-of-00002.safetensors";
+    std::fs::create_dir_all(dir.join("ckpt").join(blocked)).unwrap();
+    let start = Instant::now();
+    let child = mpirun_np(2)
+        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+        .args(job.args())
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (ok, out, _) = output_within(child, start, Duration::from_secs(120), "failing save");
+    assert!(!ok, "the job succeeded: {out}");
+    for rank in 0..2 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("rank {rank}: ")))
+            .unwrap_or_else(|| panic!("rank {rank} reported no error: {out}"));
+        assert!(line.contains(blocked), "rank {rank}: {line}");
+    }
+    assert!(
+        !dir.join("ckpt").join(wgpipe_pipeline::INDEX_FILE).exists(),
+        "an index was written"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A load that one rank cannot do (the shard of its stages holds a NaN; the other rank never
+/// reads it) fails on every rank, naming the tensor, before any rank changes.
+#[test]
+fn a_load_that_fails_on_one_rank_fails_on_every_rank() {
+    let dir = fresh_dir("shards-load");
+    let job = MpiJob {
+        save_at: Some(1),
+        sharded: true,
+        steps: 2,
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    };
+    let run = |job: &MpiJob, out: &std::path::Path| {
+        std::fs::create_dir_all(out).unwrap();
+        let start = Instant::now();
+        let child = mpirun_np(2)
+            .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+            .args(job.args())
+            .arg(out)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        output_within(child, start, Duration::from_secs(120), "job")
+    };
+    let (ok, out, _) = run(&job, &dir.join("save"));
+    assert!(ok, "{out}");
+    let ckpt = dir.join("save").join("ckpt");
+    // A NaN in the first tensor of the second shard (device 1's stages).
+    let shard = ckpt.join("model-save1-00002-of-00002.safetensors");
+    let cpu = wgpipe_tensor::Device::cpu();
+    let mut f = wgpipe_autograd::serialize::load_file(&shard, &cpu).unwrap();
+    let (name, t) = &mut f.tensors[0];
+    let poisoned = name.clone();
+    *t = wgpipe_tensor::Tensor::from_vec(vec![f32::NAN; t.numel()], t.shape(), &cpu).unwrap();
+    wgpipe_autograd::serialize::save_tensors(&shard, &f.tensors, &f.metadata).unwrap();
+    let resumed = MpiJob {
+        save_at: None,
+        sharded: false,
+        resume: Some(ckpt),
+        ..job.clone()
+    };
+    let (ok, out, _) = run(&resumed, &dir.join("resume"));
+    assert!(!ok, "the job succeeded: {out}");
+    for rank in 0..2 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("rank {rank}: ")))
+            .unwrap_or_else(|| panic!("rank {rank} reported no error: {out}"));
+        assert!(line.contains(&poisoned), "rank {rank}: {line}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// The flags of a small transformer example run on a simulated 2-device pipeline.
 fn tiny_example_flags() -> Vec<String> {
     [

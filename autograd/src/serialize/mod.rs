@@ -30,6 +30,7 @@ use wgpipe_tensor::Error;
 
 pub use load_into::{load_into, LoadReport};
 pub use read::{load_file, load_metadata, load_tensors, Loaded, TensorFile};
+pub use temporary::write_atomically;
 pub use training_state::{load_training_state, save_training_state, TrainingStateInfo};
 pub use write::{save_tensors, save_tensors_checked};
 

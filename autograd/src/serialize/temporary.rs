@@ -99,3 +99,30 @@ pub(super) fn sync_dir(path: &Path) {
     #[cfg(not(unix))]
     let _ = path;
 }
+
+/// Writes `bytes` to `path` atomically (a unique temporary file beside it, fsync, rename, folder
+/// sync), like a safetensors save: for the small files that go with checkpoints (a sharded
+/// checkpoint's index), so that a reader sees the old file or the new one, never half of one.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> wgpipe_tensor::Result<()> {
+    use std::io::Write;
+    let op = "write_atomically";
+    clean_stale_temporaries(path);
+    let tmp = create_temporary(path).map_err(|e| super::err(op, path, e))?;
+    let written = fs::OpenOptions::new()
+        .write(true)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(bytes)?;
+            f.sync_all()
+        });
+    if let Err(e) = written.and_then(|()| fs::rename(&tmp, path)) {
+        let _ = fs::remove_file(&tmp);
+        return Err(super::err(
+            op,
+            path,
+            format!("cannot write it through {}: {e}", tmp.display()),
+        ));
+    }
+    sync_dir(path);
+    Ok(())
+}

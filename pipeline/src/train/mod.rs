@@ -12,6 +12,7 @@ pub mod replica;
 pub mod replicas;
 pub mod report;
 pub mod scaler;
+pub mod shards;
 mod workers;
 
 pub use pipeline::Pipeline;

@@ -1,6 +1,7 @@
 //! Saving a whole pipeline to disk and loading it back: every stage's parameters and buffers,
 //! every stage's optimizer state and the step, in one safetensors file. (Not to be confused
-//! with re-materialization, which the schedules call `checkpoint`.)
+//! with re-materialization, which the schedules call `checkpoint`.) The same tensors can also be
+//! one file per device plus an index: see [`crate::train::shards`].
 //!
 //! The file: parameters and buffers under their global names ([`layer_param_name`]:
 //! `"{layer}.{name}"`), the optimizers' state under `optim.` (per-parameter entries are keyed by
@@ -24,9 +25,7 @@ use std::path::{Path, PathBuf};
 
 use crate::exec::stage::named_tensors;
 use wgpipe_autograd::optim::Optimizer;
-use wgpipe_autograd::serialize::{
-    save_tensors_checked, TensorFile, FORMAT_KEY, OPTIM_PREFIX, STEP_KEY,
-};
+use wgpipe_autograd::serialize::{save_tensors_checked, FORMAT_KEY, OPTIM_PREFIX, STEP_KEY};
 use wgpipe_autograd::Param;
 use wgpipe_tensor::memory::with_tag;
 use wgpipe_tensor::{Device, Tag, Tensor};
@@ -35,6 +34,7 @@ use crate::exec::Stage;
 use crate::train::pipeline::Pipeline;
 use crate::train::replica::Replica;
 use crate::train::scaler::ScalerState;
+use crate::train::shards::{from_pipeline, to_pipeline, Source};
 
 /// The loss scaler's state in the metadata (see [`crate::train::scaler::encode_state`]).
 const SCALER_KEY: &str = "wgpipe.loss_scaler";
@@ -161,7 +161,7 @@ impl PersistError {
     }
 }
 
-type PResult<T> = std::result::Result<T, PersistError>;
+pub(crate) type PResult<T> = std::result::Result<T, PersistError>;
 
 /// The optimizers' state of all stages as one list keyed like a checkpoint file (without the
 /// `optim.` prefix): per-parameter entries from every stage, the shared `@` counters once.
@@ -204,19 +204,19 @@ pub fn split_optimizer_state(
 }
 
 /// One tensor of the model side of a checkpoint.
-struct Entry {
+pub(crate) struct Entry {
     /// Its name in the file: its own, or for a tied copy after its group's first, the first's
     /// (the copies are identical by construction, so they are saved once).
-    name: String,
+    pub(crate) name: String,
     /// Its own global name (what its stage's optimizer keys its state by).
-    own: String,
-    param: Param,
-    stage: usize,
+    pub(crate) own: String,
+    pub(crate) param: Param,
+    pub(crate) stage: usize,
 }
 
 impl Entry {
     /// Whether it is saved under its own name (not a later tied copy).
-    fn saved(&self) -> bool {
+    pub(crate) fn saved(&self) -> bool {
         self.name == self.own
     }
 }
@@ -224,7 +224,7 @@ impl Entry {
 /// Parameters and buffers of `stages` (a parameter shared inside a stage once) and the stage of
 /// each; a tied copy after the first of its group (in stage order, held here or not) carries
 /// the first's name.
-fn persist_entries(stages: &[Stage]) -> Vec<Entry> {
+pub(crate) fn persist_entries(stages: &[Stage]) -> Vec<Entry> {
     let firsts = first_names(stages);
     let mut out: Vec<Entry> = Vec::new();
     for st in stages.iter().filter(|s| s.is_held()) {
@@ -272,7 +272,7 @@ fn first_names(stages: &[Stage]) -> HashMap<String, String> {
 }
 
 /// The own names of later tied copies, each with its group's first name.
-fn tied_aliases(entries: &[Entry]) -> HashMap<&str, &str> {
+pub(crate) fn tied_aliases(entries: &[Entry]) -> HashMap<&str, &str> {
     entries
         .iter()
         .filter(|e| !e.saved())
@@ -281,7 +281,7 @@ fn tied_aliases(entries: &[Entry]) -> HashMap<&str, &str> {
 }
 
 /// The parameter a per-parameter optimizer key (`{parameter}.{slot}`) belongs to.
-fn optim_param(key: &str) -> &str {
+pub(crate) fn optim_param(key: &str) -> &str {
     key.rsplit_once('.').map_or(key, |(p, _)| p)
 }
 
@@ -325,27 +325,7 @@ impl Pipeline {
                 s.index
             )));
         }
-        let mut meta = vec![
-            (FORMAT_KEY.to_string(), FORMAT.to_string()),
-            (STEP_KEY.to_string(), self.step_count().to_string()),
-        ];
-        for (name, value) in self.arithmetic_settings() {
-            meta.push((format!("{SETTING_PREFIX}{name}"), value));
-        }
-        if let Some(s) = self.loss_scaler() {
-            meta.push((
-                SCALER_KEY.to_string(),
-                crate::train::scaler::encode_state(&s),
-            ));
-        }
-        for (k, v) in &opts.metadata {
-            if k.starts_with("wgpipe.") {
-                return Err(io(format!(
-                    "the metadata key '{k}' is reserved (keys starting with 'wgpipe.')"
-                )));
-            }
-            meta.push((k.clone(), v.clone()));
-        }
+        let meta = self.checkpoint_metadata(path, opts)?;
         let entries = persist_entries(self.stages());
         let aliases = tied_aliases(&entries);
         let mut tensors: Vec<(String, Tensor)> = entries
@@ -364,46 +344,88 @@ impl Pipeline {
             std::fs::create_dir_all(dir)
                 .map_err(|e| io(format!("cannot create the folder {}: {e}", dir.display())))?;
         }
-        save_tensors_checked(path, &tensors, &meta, opts.require_finite).map_err(|e| {
-            let msg = e.to_string();
-            match msg.split_once("not saved: tensor '") {
-                Some((_, rest)) if opts.require_finite => {
-                    let tensor = rest.split('\'').next().unwrap_or_default().to_string();
-                    let value = rest
-                        .split("holds ")
-                        .nth(1)
-                        .and_then(|v| v.split(' ').next())
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or(f32::NAN);
-                    PersistError::NonFinite {
-                        path: path.to_path_buf(),
-                        tensor,
-                        value,
-                    }
-                }
-                _ => io(strip_path(&msg, path)),
-            }
-        })
+        write_checked(path, &tensors, &meta, opts.require_finite)
     }
 
-    /// Loads a checkpoint written by [`Pipeline::save`] (by a pipeline of any K over the same
-    /// layers): parameters, buffers, every stage's optimizer state (when optimizers are set)
+    /// The metadata of a checkpoint of this pipeline (format, step, arithmetic settings, loss
+    /// scaler, and the caller's `opts.metadata`); `path` is what an error names.
+    pub(crate) fn checkpoint_metadata(
+        &self,
+        path: &Path,
+        opts: &SaveOptions,
+    ) -> PResult<Vec<(String, String)>> {
+        let mut meta = vec![
+            (FORMAT_KEY.to_string(), FORMAT.to_string()),
+            (STEP_KEY.to_string(), self.step_count().to_string()),
+        ];
+        for (name, value) in self.arithmetic_settings() {
+            meta.push((format!("{SETTING_PREFIX}{name}"), value));
+        }
+        if let Some(s) = self.loss_scaler() {
+            meta.push((
+                SCALER_KEY.to_string(),
+                crate::train::scaler::encode_state(&s),
+            ));
+        }
+        for (k, v) in &opts.metadata {
+            if k.starts_with("wgpipe.") {
+                return Err(PersistError::Io {
+                    path: path.to_path_buf(),
+                    why: format!(
+                        "the metadata key '{k}' is reserved (keys starting with 'wgpipe.')"
+                    ),
+                });
+            }
+            meta.push((k.clone(), v.clone()));
+        }
+        Ok(meta)
+    }
+
+    /// Loads a checkpoint written by [`Pipeline::save`], or the sharded one in a folder (or
+    /// named by its index) written by [`Pipeline::save_sharded`] or
+    /// [`split`](crate::train::shards::split), by a pipeline of any K over the same layers
+    /// (each process reads only the shards that hold its stages): parameters, buffers, every stage's optimizer state (when optimizers are set)
     /// and the step (which keys the dropout RNG, so training continues bit-exactly). Every
     /// tensor is checked and every new value built before anything changes; on error the
-    /// pipeline is as before. Gradients are cleared (they belonged to the old weights).
+    /// pipeline is as before. Gradients are cleared (they belonged to the old weights). Over
+    /// MPI every rank must call it at the same point: the ranks agree before anything changes,
+    /// so that all load or none does.
     pub fn load(&mut self, path: impl AsRef<Path>, opts: &LoadOptions) -> PResult<Restored> {
         let path = path.as_ref();
         // A timed-out step still holding stages: what is loaded would miss them.
-        self.settle().map_err(|e| PersistError::Io {
+        let settled = self.settle().map_err(|e| PersistError::Io {
             path: path.to_path_buf(),
             why: e.to_string(),
-        })?;
-        // Each held replica loads the same file (the same structure, so only the first can
-        // refuse it), which also gives each its own optimizer state on its own devices.
+        });
+        // Each held replica reads the same checkpoint (the same structure, so only the first
+        // can refuse it), which also gives each its own optimizer state on its own devices;
+        // every replica's values are built before any replica changes.
         let settings = self.arithmetic_settings();
+        let prepared: PResult<Vec<Prepared>> =
+            settled
+                .and_then(|()| Source::open(path))
+                .and_then(|source| {
+                    self.replicas
+                        .iter()
+                        .map(|r| prepare_replica(r, &source, path, opts, &settings))
+                        .collect()
+                });
+        // Over MPI every rank loads, or none does: one that cannot (a shard it does not see, a
+        // value it cannot place) fails the load on every rank before anything changes.
+        self.round += 1;
+        let agreed = self.comm.agree_ok(
+            self.round,
+            self.num_devices(),
+            prepared.as_ref().map(|_| ()).map_err(to_pipeline),
+        );
+        let prepared = prepared?;
+        agreed.map_err(|e| PersistError::Io {
+            path: path.to_path_buf(),
+            why: format!("not loaded: {}", from_pipeline(e)),
+        })?;
         let mut read = None;
-        for r in &mut self.replicas {
-            read = Some(load_replica(r, path, opts, &settings)?);
+        for (r, p) in self.replicas.iter_mut().zip(prepared) {
+            read = Some(apply_replica(r, p, path)?);
         }
         let (step, scaler, metadata, other_settings) =
             read.expect("a pipeline holds at least one replica");
@@ -428,19 +450,29 @@ type ReplicaLoad = (
     Vec<OtherSetting>,
 );
 
-/// [`Pipeline::load`] into one replica: every tensor checked and built before its parameters,
-/// buffers and optimizer state change; gradients cleared.
-fn load_replica(
-    replica: &mut Replica,
+/// A checkpoint read and checked for one replica, every new value built on its device: what
+/// [`apply_replica`] puts in place.
+struct Prepared {
+    entries: Vec<Entry>,
+    values: Vec<Tensor>,
+    /// Each stage's share of the optimizer state (`None`: the replica has no optimizers).
+    optimizer_state: Option<Vec<Vec<(String, Tensor)>>>,
+    read: ReplicaLoad,
+}
+
+/// The first half of [`Pipeline::load`] for one replica: every tensor checked, read and built
+/// on its device; nothing changes.
+fn prepare_replica(
+    replica: &Replica,
+    f: &Source,
     path: &Path,
     opts: &LoadOptions,
     settings: &[(&'static str, String)],
-) -> PResult<ReplicaLoad> {
+) -> PResult<Prepared> {
     let unreadable = |why: String| PersistError::Unreadable {
         path: path.to_path_buf(),
         why,
     };
-    let f = TensorFile::open(path).map_err(|e| unreadable(strip_path(&e.to_string(), path)))?;
     let mut metadata = f.metadata();
     let step = match metadata.iter().find(|(k, _)| k == STEP_KEY) {
         None => {
@@ -493,7 +525,7 @@ fn load_replica(
         .collect();
     let by_own: HashMap<&str, &Entry> = entries.iter().map(|e| (e.own.as_str(), e)).collect();
     let mut problems: Vec<(String, String)> = Vec::new();
-    let shape_of = |name: &str| f.shape(name).map(<[usize]>::to_vec);
+    let shape_of = |name: &str| f.shape(name);
     for e in entries.iter().filter(|e| e.saved()) {
         let want = e.param.shape();
         match shape_of(&e.name) {
@@ -629,9 +661,7 @@ fn load_replica(
 
     // 2. Every value read (and checked) and built on its device before anything changes.
     let read = |name: &str| -> PResult<Vec<f32>> {
-        let v = f
-            .values(name)
-            .map_err(|e| unreadable(strip_path(&e.to_string(), path)))?;
+        let v = f.values(name)?;
         if opts.require_finite {
             if let Some(x) = v.iter().find(|x| !x.is_finite()) {
                 return Err(PersistError::NonFinite {
@@ -645,7 +675,7 @@ fn load_replica(
     };
     let place = |name: &str, device: &Device, tag: Tag| -> PResult<Tensor> {
         let v = read(name)?;
-        let shape = f.shape(name).unwrap_or_default().to_vec();
+        let shape = f.shape(name).unwrap_or_default();
         with_tag(tag, || Tensor::from_vec(v, &shape, device)).map_err(|e| PersistError::Io {
             path: path.to_path_buf(),
             why: format!("placing '{name}' on {}: {e}", device.name()),
@@ -660,17 +690,40 @@ fn load_replica(
         state.push((key.clone(), place(full, dev, Tag::OptimizerState)?));
     }
 
-    // 3. The optimizers take their state (each checks its own), rolled back together.
-    if replica.optimizers.len() == replica.stages.len() && !replica.optimizers.is_empty() {
-        let owner: HashMap<String, usize> =
-            entries.iter().map(|e| (e.own.clone(), e.stage)).collect();
-        let per = split_optimizer_state(state, &owner, replica.stages.len()).map_err(|k| {
-            PersistError::Mismatch {
-                path: path.to_path_buf(),
-                tensor: format!("{OPTIM_PREFIX}{k}"),
-                why: "optimizer state of no parameter of the pipeline".into(),
-            }
-        })?;
+    let optimizer_state =
+        if replica.optimizers.len() == replica.stages.len() && !replica.optimizers.is_empty() {
+            let owner: HashMap<String, usize> =
+                entries.iter().map(|e| (e.own.clone(), e.stage)).collect();
+            let per = split_optimizer_state(state, &owner, replica.stages.len()).map_err(|k| {
+                PersistError::Mismatch {
+                    path: path.to_path_buf(),
+                    tensor: format!("{OPTIM_PREFIX}{k}"),
+                    why: "optimizer state of no parameter of the pipeline".into(),
+                }
+            })?;
+            Some(per)
+        } else {
+            None
+        };
+    Ok(Prepared {
+        entries,
+        values,
+        optimizer_state,
+        read: (step, scaler, metadata, other_settings),
+    })
+}
+
+/// The second half of [`Pipeline::load`] for one replica: the optimizers take their state
+/// (each checks its own; rolled back together if one refuses), then the parameters and buffers
+/// their values; gradients cleared.
+fn apply_replica(replica: &mut Replica, p: Prepared, path: &Path) -> PResult<ReplicaLoad> {
+    let Prepared {
+        entries,
+        values,
+        optimizer_state,
+        read,
+    } = p;
+    if let Some(per) = optimizer_state {
         let mut kept: BTreeMap<usize, Vec<(String, Tensor)>> = BTreeMap::new();
         for (i, s) in per.into_iter().enumerate() {
             let before = replica.optimizers[i].state();
@@ -688,19 +741,51 @@ fn load_replica(
         }
     }
 
-    // 4. Commit.
     for (e, v) in entries.iter().zip(values) {
         e.param.set_value(v);
     }
     for (_, p) in replica.named_parameters() {
         p.zero_grad();
     }
-    Ok((step, scaler, metadata, other_settings))
+    Ok(read)
+}
+
+/// Writes `tensors` and `meta` to `path` atomically; with `require_finite`, a non-finite value
+/// is refused as [`PersistError::NonFinite`] naming the tensor, and nothing is written.
+pub(crate) fn write_checked(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    meta: &[(String, String)],
+    require_finite: bool,
+) -> PResult<()> {
+    save_tensors_checked(path, tensors, meta, require_finite).map_err(|e| {
+        let msg = e.to_string();
+        match msg.split_once("not saved: tensor '") {
+            Some((_, rest)) if require_finite => {
+                let tensor = rest.split('\'').next().unwrap_or_default().to_string();
+                let value = rest
+                    .split("holds ")
+                    .nth(1)
+                    .and_then(|v| v.split(' ').next())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(f32::NAN);
+                PersistError::NonFinite {
+                    path: path.to_path_buf(),
+                    tensor,
+                    value,
+                }
+            }
+            _ => PersistError::Io {
+                path: path.to_path_buf(),
+                why: strip_path(&msg, path),
+            },
+        }
+    })
 }
 
 /// An error message of the serializer without its leading `op: path: ` (the persist error
 /// shows the path once).
-fn strip_path(msg: &str, path: &Path) -> String {
+pub(crate) fn strip_path(msg: &str, path: &Path) -> String {
     let p = format!("{}: ", path.display());
     match msg.find(&p) {
         Some(i) => msg[i + p.len()..].to_string(),

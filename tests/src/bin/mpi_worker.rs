@@ -16,7 +16,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (job_args, out) = args.split_at(args.len().saturating_sub(1));
     let (Some(job), Some(out)) = (MpiJob::from_args(job_args), out.first()) else {
-        eprintln!("usage: mpi_worker <schedule> <K> <M> <steps> <R> <save at> <resume|-> [<fault rank> <step> <panic>] <out dir>");
+        eprintln!("usage: mpi_worker <schedule> <K> <M> <steps> <R> <save at>[s] <resume|-> [<fault rank> <step> <panic>] <out dir>");
         std::process::exit(2);
     };
     let comm = match MpiComm::init() {
@@ -87,7 +87,11 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
     // Each device's parameter bytes as the last step's report shows them.
     let mut report_param_bytes = Vec::new();
     for step in 0..job.steps {
-        if job.save_at == Some(step) {
+        if job.save_at == Some(step) && job.sharded {
+            // Each rank its own stages, then the index from rank 0.
+            pipe.save_sharded(out.join("ckpt"), &SaveOptions::default())
+                .map_err(|e| e.to_string())?;
+        } else if job.save_at == Some(step) {
             // The whole model on every rank, then one file from rank 0.
             pipe.gather_stages(|| MpiJob::model().0)
                 .map_err(|e| e.to_string())?;

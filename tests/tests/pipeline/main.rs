@@ -12,6 +12,7 @@ mod precision;
 mod replicas;
 mod reports;
 mod schedules;
+mod shards;
 mod sim_time;
 mod skips;
 mod tied;

@@ -15,7 +15,7 @@ use wgpipe_pipeline::{
 use wgpipe_tensor::{Device, Tensor};
 use wgpipe_tests::*;
 
-fn dir(name: &str) -> PathBuf {
+pub(crate) fn dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("wgpipe-persist-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
@@ -36,7 +36,7 @@ fn trained(k: usize, seed: u64, steps: usize) -> Pipeline {
 }
 
 /// Parameter values and every stage's optimizer state, as bits.
-fn state_bits(pipe: &Pipeline) -> Vec<(String, Vec<u32>)> {
+pub(crate) fn state_bits(pipe: &Pipeline) -> Vec<(String, Vec<u32>)> {
     let bits = |t: &Tensor| t.to_vec().unwrap().iter().map(|v| v.to_bits()).collect();
     let mut v: Vec<(String, Vec<u32>)> = pipe
         .named_parameters()
