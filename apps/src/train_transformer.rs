@@ -513,13 +513,15 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         },
         &loss_fn,
     )?;
-    // Over MPI each rank held and trained only its own stages. Evaluation and sampling run
-    // across the ranks as they are; a checkpoint is one file of the whole model, so `--save`
-    // gathers every stage to every rank first (the explicit choice for a model small enough
-    // to hold whole; nothing to do in one process). A model that cannot be built again comes
-    // out empty, which gather_stages names.
-    // A sharded save (`--save DIR/`) needs no gathering: each rank writes its own stages.
-    if p.save.as_deref().is_some_and(|s| !crate::files::is_folder_path(s)) {
+    // Over MPI each rank held and trained only its own stages. Evaluation and sampling run across
+    // the ranks as they are; a one-file checkpoint holds the whole model, so such a `--save` (not
+    // a sharded `--save DIR/`, where each rank writes its own stages) gathers every stage to every
+    // rank first (the explicit choice for a model small enough to hold whole; nothing to do in one
+    // process). A model that cannot be built again comes out empty, which gather_stages names.
+    if p.save
+        .as_deref()
+        .is_some_and(|s| !crate::files::is_folder_path(s))
+    {
         pipe.gather_stages(|| cfg.build(p.seed, &Device::cpu()).unwrap_or_default())
             .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
     }
