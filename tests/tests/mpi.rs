@@ -490,6 +490,7 @@ fn hang(replicas: usize, hung: usize) {
     }
     let _ = child.kill();
     let _ = child.wait();
+    let mut finished = 0;
     for r in live {
         assert!(
             result(r).exists(),
@@ -519,10 +520,14 @@ fn hang(replicas: usize, hung: usize) {
                 e["step"]
             );
         }
-        // Ending MPI does not wait on sends to the dead rank.
-        let finish = v["finish_secs"].as_f64().unwrap();
-        assert!(finish < 1.0, "rank {r} took {finish:.2} s to end MPI");
+        // Ending MPI does not wait on sends to the dead rank (timed by the ranks that got that
+        // far before the first one out ended the job).
+        if let Some(finish) = v["finish_secs"].as_f64() {
+            finished += 1;
+            assert!(finish < 1.0, "rank {r} took {finish:.2} s to end MPI");
+        }
     }
+    assert!(finished >= 1, "no rank timed the end of MPI");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -31,20 +31,32 @@ fn main() {
     std::fs::write(&pid, std::process::id().to_string()).expect("writing the rank's pid");
     let result = run(&job, &comm, Path::new(out));
     let rank = comm.rank();
-    // How long ending MPI takes (with a peer taken for dead: no wait for sends to it).
+    // What the rank has to say is said before MPI ends: under mpirun the first rank to exit
+    // with an error (or, with a rank dead, without finalizing MPI) ends the others.
+    let path = Path::new(out).join(format!("rank{rank}.json"));
+    let mut results = match result {
+        Ok(v) => {
+            std::fs::write(&path, v.to_string()).expect("writing the rank's results");
+            Some(v)
+        }
+        Err(e) => {
+            // One write, so that mpirun does not interleave it with another rank's line.
+            let line = format!("rank {rank}: {e}\n");
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+            None
+        }
+    };
+    // How long ending MPI takes (with a peer taken for dead: no wait for sends to it), added
+    // to the results when the rank gets that far.
     let t0 = Instant::now();
     comm.finish();
     let finish_secs = t0.elapsed().as_secs_f64();
-    match result {
-        Ok(mut v) => {
+    match results.as_mut() {
+        Some(v) => {
             v["finish_secs"] = json!(finish_secs);
-            let path = Path::new(out).join(format!("rank{rank}.json"));
             std::fs::write(&path, v.to_string()).expect("writing the rank's results");
         }
-        Err(e) => {
-            eprintln!("rank {rank}: {e}");
-            std::process::exit(1);
-        }
+        None => std::process::exit(1),
     }
 }
 

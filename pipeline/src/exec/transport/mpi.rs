@@ -792,15 +792,15 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
             }
         }
         if let Some(since) = stop {
-            // Sends to a rank taken for dead never complete: nothing to wait for there. With a
-            // rank dead, MPI cannot be finalized, and under mpirun the first rank to exit
-            // without it ends the job: so each live rank waits (5 s at most) until every other
+            // Sends to a rank taken for dead never complete: nothing to wait for there. Under
+            // mpirun the first rank to exit with an error (or, with a rank dead, without
+            // MPI_Finalize) ends the job: so each rank waits (5 s at most) until every other
             // live rank has ended its run too, so that none is cut short.
             let finished = {
                 let r = lock(sh.routes);
                 let is_dead = |p: usize| r.dead.iter().any(|(d, _)| *d == p);
                 pending.iter().all(|p| is_dead(p.dest))
-                    && (r.dead.is_empty() || peers.iter().all(|&p| is_dead(p) || r.done[p]))
+                    && peers.iter().all(|&p| is_dead(p) || r.done[p])
             };
             if finished || since.elapsed() > Duration::from_secs(5) {
                 // Sends a dead peer never took: their buffers stay leaked, and the requests
@@ -810,6 +810,11 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
                 }
                 for red in reductions {
                     red.abandon();
+                }
+                if !lock(sh.routes).dead.is_empty() {
+                    // A collective with a dead rank never completes, and freeing its
+                    // communicator may wait for it: the communicators are left to the exit.
+                    std::mem::forget(devices);
                 }
                 return;
             }
