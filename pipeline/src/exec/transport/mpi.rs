@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use mpi::datatype::Equivalence;
 use mpi::point_to_point::{Destination, Source};
+use mpi::raw::AsRawMut;
 use mpi::request::{Request, StaticScope};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
@@ -495,7 +496,7 @@ impl MpiComm {
             };
             let take = || -> Result<(), String> {
                 let mut got = self.collect(round, MsgKind::Reduce, &[peer], None)?;
-                let frame = got.remove(&peer).unwrap_or_else(|| Frame::for_receive(0));
+                let frame = got.remove(&peer).unwrap_or_else(|| Frame::zeroed(0));
                 let (h, v) = wire::decode_frame(frame).map_err(|e| e.to_string())?;
                 wire::tensor_of(&h, v).map_err(|e| e.to_string())?;
                 Ok(())
@@ -773,8 +774,22 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
         while let Some((msg, status)) = world.any_process().immediate_matched_probe_with_tag(TAG) {
             let src = status.source_rank() as usize;
             let len = status.count(u8::equivalent_datatype()).max(0) as usize;
-            let mut frame = Frame::for_receive(len);
-            msg.matched_receive_into(frame.bytes_mut());
+            let mut msg = msg;
+            // SAFETY: MPI_Mrecv writes the message's `len` bytes (the probed count) at `at`
+            // before it returns, and consumes the message handle.
+            let frame = unsafe {
+                Frame::received(len, |at| {
+                    let mut st = std::mem::MaybeUninit::<mpi::ffi::MPI_Status>::uninit();
+                    mpi::ffi::MPI_Mrecv(
+                        at.cast(),
+                        len as i32,
+                        mpi::ffi::RSMPI_UINT8_T,
+                        msg.as_raw_mut(),
+                        st.as_mut_ptr(),
+                    );
+                })
+            };
+            drop(msg);
             let mut r = lock(sh.routes);
             if let Some(t) = r.heard.get_mut(src) {
                 *t = Instant::now();

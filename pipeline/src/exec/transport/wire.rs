@@ -131,20 +131,35 @@ pub struct Frame {
 }
 
 impl Frame {
-    /// A frame of `len` bytes to receive into (zeroed: never read before it is written).
-    pub fn for_receive(len: usize) -> Frame {
+    /// A zeroed frame of `len` bytes.
+    pub fn zeroed(len: usize) -> Frame {
         Frame {
             words: vec![0.0; len.div_ceil(4)],
             len,
         }
     }
 
-    pub fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
+    /// A frame of `len` bytes written by `fill`, which is given where they go and must write
+    /// all of them (a receive into it): no zeroing first, which for a large message costs as
+    /// much as a copy of it.
+    ///
+    /// # Safety
+    /// `fill` must initialize the `len` bytes at the pointer it is given.
+    pub unsafe fn received(len: usize, fill: impl FnOnce(*mut u8)) -> Frame {
+        let words = len.div_ceil(4);
+        let mut v: Vec<f32> = Vec::with_capacity(words);
+        let at = v.as_mut_ptr();
+        if !len.is_multiple_of(4) {
+            // The last word's bytes past `len` are not written by `fill`.
+            at.add(words - 1).write(0.0);
+        }
+        fill(at.cast::<u8>());
+        v.set_len(words);
+        Frame { words: v, len }
     }
 
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    pub fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
     }
 
     /// Its words, to hand to a non-blocking send (which owns them until it completes).
@@ -598,6 +613,29 @@ mod tests {
         bad[header_at] = 9;
         let e = decode(&bad).unwrap_err();
         assert_eq!(e.to_string(), "unknown kind code 9 in a message header");
+    }
+
+    /// A frame received without zeroing holds what was written, and zeros past an odd length
+    /// (bytes of its last word that nobody wrote).
+    #[test]
+    fn a_received_frame_holds_what_was_written_and_zeros_past_an_odd_length() {
+        let fill = |src: &[u8]| {
+            let src = src.to_vec();
+            // SAFETY: the closure writes all `src.len()` bytes.
+            unsafe {
+                Frame::received(src.len(), |at| {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), at, src.len())
+                })
+            }
+        };
+        let sent = encode_abort(3, "rank 2 failed");
+        let got = fill(sent.bytes());
+        assert_eq!(got.bytes(), sent.bytes());
+        assert_eq!(text_of(got.bytes()), "rank 2 failed");
+        let odd = fill(&[1, 2, 3, 4, 5]);
+        assert_eq!(odd.bytes(), &[1, 2, 3, 4, 5]);
+        let words: &[u8] = bytemuck::cast_slice(&odd.words);
+        assert_eq!(&words[5..8], &[0, 0, 0]);
     }
 
     #[test]
