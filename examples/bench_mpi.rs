@@ -21,13 +21,14 @@
 use std::time::Instant;
 
 use wgpipe::autograd::{Module, Sgd};
-use wgpipe::models::{mse, Linear, Relu, TransformerLm};
+use wgpipe::models::{mse, Linear, Relu};
 use wgpipe::pipeline::sim::timeline::{simulate, ActionCost};
 use wgpipe::pipeline::MpiComm;
 use wgpipe::pipeline::{
     ActionKind, Balance, CheckpointMode, DeviceSpec, LinkSpec, Pipeline, ScheduleKind, Transport,
 };
 use wgpipe::tensor::{Device, Tensor};
+use wgpipe_apps::bench_train::{workload, Work, Workload};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -74,32 +75,6 @@ fn main() -> Res<()> {
     }
 }
 
-/// The main job's model (TransformerLm d 64, 4 heads, 4 blocks, context 64, vocabulary 28)
-/// and a batch of 32 sequences of random tokens.
-/// A model's layers, inputs and targets.
-type Job = (Vec<Box<dyn Module>>, Tensor, Tensor);
-
-fn main_job_model() -> Res<Job> {
-    let cpu = Device::cpu();
-    let cfg = TransformerLm {
-        vocab: 28,
-        d_model: 64,
-        heads: 4,
-        layers: 4,
-        seq_len: 64,
-        dropout: 0.0,
-        tie_embeddings: false,
-    };
-    let layers = cfg.build(7, &cpu)?;
-    let n = 32 * 64;
-    let ids = |seed: u64| -> Res<Tensor> {
-        let u = Tensor::rand_uniform(&[n], 0.0, 27.99, seed, &cpu)?.to_vec()?;
-        let ids: Vec<f32> = u.iter().map(|v| v.floor()).collect();
-        Ok(Tensor::from_vec(ids, &[32, 64], &cpu)?)
-    };
-    Ok((layers, ids(1)?, ids(2)?))
-}
-
 /// K = 2 steps of the main job's model: the median wall time of `steps` after two warm-ups.
 fn main_job_steps(
     transport: Transport,
@@ -107,7 +82,8 @@ fn main_job_steps(
     replicas: Option<&MpiComm>,
     steps: usize,
 ) -> Res<(f64, f64)> {
-    let (layers, x, y) = main_job_model()?;
+    // The main job's model and batch, as bench_train times them.
+    let Work { layers, x, y } = workload(Workload::Lm, &Device::cpu())?;
     let cpu = Device::cpu();
     let mut pipe = Pipeline::builder(layers)
         .devices(vec![cpu.clone(); devices])

@@ -170,13 +170,15 @@ impl BenchRow {
 }
 
 /// A workload: its layers, input and target (deterministic).
-struct Work {
-    layers: Vec<Box<dyn Module>>,
-    x: Tensor,
-    y: Tensor,
+/// A workload's layers, inputs and targets.
+pub struct Work {
+    pub layers: Vec<Box<dyn Module>>,
+    pub x: Tensor,
+    pub y: Tensor,
 }
 
-fn workload(w: Workload, dev: &Device) -> AppResult<Work> {
+/// The layers and the batch of workload `w` on `dev` (the same for every bench that times it).
+pub fn workload(w: Workload, dev: &Device) -> AppResult<Work> {
     Ok(match w {
         Workload::Mlp => {
             let mut layers: Vec<Box<dyn Module>> = Vec::new();
