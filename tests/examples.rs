@@ -399,7 +399,7 @@ fn a_sharded_save_resumes_with_other_stages_and_converts_to_one_file_and_back() 
     // Convert with the examples' flags (what `main` does before `run`).
     let convert = |extra: &[&str]| {
         let a = TransformerArgs::parse_from_args(flags(extra)).unwrap();
-        assert!(wgpipe_apps::files::convert_checkpoint(&a.pipe).unwrap());
+        assert!(a.pipe.convert_checkpoint().unwrap());
     };
     let one = dir.join("one.safetensors");
     convert(&["--consolidate", &sharded, &s(&one)]);

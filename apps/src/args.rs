@@ -14,6 +14,7 @@ use clap::{Args, ValueEnum};
 
 use crate::autograd::optim::Optimizer;
 use crate::autograd::{ModelFactory, Module};
+use crate::bail;
 use crate::error::{AppError, AppResult};
 use crate::limits::{check_positive, check_range};
 use crate::pipeline::microbatch::{micro_batch_sizes, MicroBatchError};
@@ -247,6 +248,32 @@ pub struct PipelineArgs {
 }
 
 impl PipelineArgs {
+    /// `--consolidate FOLDER FILE` / `--split FILE FOLDER`: converts and returns true (the program
+    /// then ends without training); false when neither flag is given.
+    pub fn convert_checkpoint(&self) -> AppResult<bool> {
+        let p = self;
+        let (flag, paths) = match (&p.consolidate, &p.split) {
+            (Some(c), None) => ("consolidate", c),
+            (None, Some(s)) => ("split", s),
+            (None, None) => return Ok(false),
+            (Some(_), Some(_)) => bail!("--consolidate and --split: give one of them"),
+        };
+        if p.transport == TransportArg::Mpi {
+            bail!("--{flag}: run it in one process (without --transport mpi)");
+        }
+        let [from, to] = paths.as_slice() else {
+            bail!("--{flag} takes two paths");
+        };
+        let done = if flag == "consolidate" {
+            crate::pipeline::consolidate(from, to)
+        } else {
+            crate::pipeline::split(from, to, p.stages)
+        };
+        done.map_err(|e| AppError(format!("--{flag} {} {}: {e}", from.display(), to.display())))?;
+        crate::say!("wrote {} from {}", to.display(), from.display());
+        Ok(true)
+    }
+
     /// The stage devices of the flags: `place`, or `place_rank` under `--transport mpi`.
     pub fn placement(&self) -> AppResult<Placement> {
         match self.transport {

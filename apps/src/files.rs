@@ -2,18 +2,16 @@
 //! the pipeline crate's [`persist`](crate::pipeline::train::persist) and
 //! [`shards`](crate::pipeline::train::shards) modules, with messages that tell a damaged or
 //! foreign file (nothing to do with the flags) from a checkpoint of another model (the flags
-//! differ: which tensor, and which model each side describes); `--consolidate` and `--split`.
+//! differ: which tensor, and which model each side describes). `--consolidate` and `--split` are
+//! [`PipelineArgs::convert_checkpoint`](crate::args::PipelineArgs::convert_checkpoint).
 
 use std::path::Path;
 
-use crate::args::{PipelineArgs, TransportArg};
 use crate::autograd::serialize::OPTIM_PREFIX;
 use crate::bail;
 use crate::error::{AppError, AppResult};
 use crate::pipeline::train::persist::list_settings;
-use crate::pipeline::{
-    checkpoint_metadata, consolidate, split, LoadOptions, PersistError, Pipeline, SaveOptions,
-};
+use crate::pipeline::{checkpoint_metadata, LoadOptions, PersistError, Pipeline, SaveOptions};
 
 /// Whether `--save path` asks for a sharded checkpoint: a path that ends in a separator
 /// (`ckpt/`; an existing folder named without one is refused, as a mistaken file path).
@@ -21,31 +19,6 @@ pub fn is_folder_path(path: &Path) -> bool {
     path.as_os_str()
         .to_string_lossy()
         .ends_with(std::path::is_separator)
-}
-
-/// `--consolidate FOLDER FILE` / `--split FILE FOLDER`: converts and returns true (the program
-/// then ends without training); false when neither flag is given.
-pub fn convert_checkpoint(p: &PipelineArgs) -> AppResult<bool> {
-    let (flag, paths) = match (&p.consolidate, &p.split) {
-        (Some(c), None) => ("consolidate", c),
-        (None, Some(s)) => ("split", s),
-        (None, None) => return Ok(false),
-        (Some(_), Some(_)) => bail!("--consolidate and --split: give one of them"),
-    };
-    if p.transport == TransportArg::Mpi {
-        bail!("--{flag}: run it in one process (without --transport mpi)");
-    }
-    let [from, to] = paths.as_slice() else {
-        bail!("--{flag} takes two paths");
-    };
-    let done = if flag == "consolidate" {
-        consolidate(from, to)
-    } else {
-        split(from, to, p.stages)
-    };
-    done.map_err(|e| AppError(format!("--{flag} {} {}: {e}", from.display(), to.display())))?;
-    crate::say!("wrote {} from {}", to.display(), from.display());
-    Ok(true)
 }
 
 /// `Err` naming `--flag` unless `path` is a readable file.
