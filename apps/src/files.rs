@@ -3,7 +3,7 @@
 //! [`shards`](crate::pipeline::train::shards) modules, with messages that tell a damaged or
 //! foreign file (nothing to do with the flags) from a checkpoint of another model (the flags
 //! differ: which tensor, and which model each side describes). `--consolidate` and `--split` are
-//! [`PipelineArgs::convert_checkpoint`](crate::args::PipelineArgs::convert_checkpoint).
+//! `PipelineArgs::convert_checkpoint`, with the flags.
 
 use std::path::Path;
 

@@ -154,16 +154,21 @@ impl Buckets {
         }
     }
 
-    fn start(&self, state: &mut State, stage: usize, values: Vec<f32>) {
+    /// Hands a bucket of `values` to the communication thread: its sum, and when it started.
+    fn post(&self, values: Vec<f32>) -> (Sum, f64, std::result::Result<(), String>) {
         let (reply, sum) = channel();
         let red = Reduction::new(self.k, values, self.weights.clone(), reply);
-        if let Err(why) = self.comm.start_reduction(red) {
+        let started = self.clock.elapsed().as_secs_f64();
+        (sum, started, self.comm.start_reduction(red))
+    }
+
+    fn start(&self, state: &mut State, stage: usize, values: Vec<f32>) {
+        let (sum, started, posted) = self.post(values);
+        if let Err(why) = posted {
             state.error.get_or_insert(why);
         }
         state.sums.insert(stage, sum);
-        state
-            .started
-            .insert(stage, self.clock.elapsed().as_secs_f64());
+        state.started.insert(stage, started);
     }
 
     /// Starts the buckets not started yet, in order: from `stages` when the step went well
@@ -193,13 +198,8 @@ impl Buckets {
 
     /// Starts a bucket now (a stage with tied parameters, after the tied exchange).
     pub(crate) fn start_late(&self, stage: &Stage) -> Result<(Sum, f64)> {
-        let values = grads_of(stage)?;
-        let (reply, sum) = channel();
-        let red = Reduction::new(self.k, values, self.weights.clone(), reply);
-        let started = self.clock.elapsed().as_secs_f64();
-        self.comm
-            .start_reduction(red)
-            .map_err(|why| rank_error(self.comm.rank(), self.comm.rank() % self.k, why))?;
+        let (sum, started, posted) = self.post(grads_of(stage)?);
+        posted.map_err(|why| rank_error(self.comm.rank(), self.comm.rank() % self.k, why))?;
         Ok((sum, started))
     }
 }

@@ -496,7 +496,9 @@ impl MpiComm {
             };
             let take = || -> Result<(), String> {
                 let mut got = self.collect(round, MsgKind::Reduce, &[peer], None)?;
-                let frame = got.remove(&peer).unwrap_or_else(|| Frame::zeroed(0));
+                let frame = got
+                    .remove(&peer)
+                    .ok_or_else(|| format!("rank {peer} sent nothing"))?;
                 let (h, v) = wire::decode_frame(frame).map_err(|e| e.to_string())?;
                 wire::tensor_of(&h, v).map_err(|e| e.to_string())?;
                 Ok(())

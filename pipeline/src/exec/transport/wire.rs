@@ -131,14 +131,6 @@ pub struct Frame {
 }
 
 impl Frame {
-    /// A zeroed frame of `len` bytes.
-    pub fn zeroed(len: usize) -> Frame {
-        Frame {
-            words: vec![0.0; len.div_ceil(4)],
-            len,
-        }
-    }
-
     /// A frame of `len` bytes written by `fill`, which is given where they go and must write
     /// all of them (a receive into it): no zeroing first, which for a large message costs as
     /// much as a copy of it.
