@@ -407,6 +407,12 @@ pub enum FaultKind {
 pub struct FaultState {
     /// Fire on this micro-batch's (first, not recomputed) forward, or its backward.
     pub armed: Option<(FaultKind, u64)>,
+    /// Fire in an evaluation's forward (not training) instead: a rank that fails while the
+    /// pipeline evaluates.
+    pub in_evaluation: bool,
+    /// Stop the process (as [`FaultKind::Stop`]) at the next call of `parameters()`, once: a
+    /// save reads them, so this is a rank that hangs in the middle of a save.
+    pub stop_in_parameters: bool,
     /// When it fired.
     pub fired_at: Option<Instant>,
 }
@@ -446,7 +452,12 @@ impl Module for Fault {
         let Some((kind, m)) = armed else {
             return gated();
         };
-        if !ctx.train || ctx.micro_batch != m {
+        let in_evaluation = self
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .in_evaluation;
+        if ctx.train == in_evaluation || ctx.micro_batch != m {
             return gated();
         }
         match kind {
@@ -464,13 +475,7 @@ impl Module for Fault {
             FaultKind::Abort if !ctx.recompute => std::process::abort(),
             FaultKind::Stop if !ctx.recompute => {
                 fire(&self.state);
-                let me = std::process::id().to_string();
-                let stopped = std::process::Command::new("kill")
-                    .args(["-STOP", &me])
-                    .status();
-                if !stopped.as_ref().is_ok_and(|s| s.success()) {
-                    panic!("cannot stop this process with `kill -STOP` (procps): {stopped:?}");
-                }
+                stop_this_process();
                 gated()
             }
             FaultKind::DeviceError if !ctx.recompute => {
@@ -522,6 +527,12 @@ impl Module for Fault {
         }
     }
     fn parameters(&self) -> Vec<(String, Param)> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if std::mem::take(&mut state.stop_in_parameters) {
+            state.fired_at = Some(Instant::now());
+            drop(state);
+            stop_this_process();
+        }
         vec![("gate".into(), self.gate.clone())]
     }
     fn cost(&self, input_shape: &[usize]) -> CostHint {
@@ -529,6 +540,17 @@ impl Module for Fault {
             output_shape: input_shape.to_vec(),
             ..CostHint::default()
         }
+    }
+}
+
+/// SIGSTOP to this process: every thread frozen until a SIGCONT or a kill.
+fn stop_this_process() {
+    let me = std::process::id().to_string();
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &me])
+        .status();
+    if !stopped.as_ref().is_ok_and(|s| s.success()) {
+        panic!("cannot stop this process with `kill -STOP` (procps): {stopped:?}");
     }
 }
 
@@ -737,10 +759,17 @@ pub enum MpiFault {
     /// The Fault layer's output overflows at micro-batch 1; the job runs with loss scaling
     /// (see [`MpiJob::cfg`]), so the step is skipped on every rank.
     Overflow,
+    /// Every rank saves a sharded checkpoint at that step (besides the job's `save_at`); this
+    /// one stops (SIGSTOP) in the middle of it, when the save reads the Fault layer's
+    /// parameters.
+    StopInSave,
+    /// Every rank evaluates the mini-batch before training that step; this one stops (SIGSTOP)
+    /// in the forward of its micro-batch 1 of the evaluation.
+    StopInEvaluation,
 }
 
 impl MpiFault {
-    pub const ALL: [MpiFault; 7] = [
+    pub const ALL: [MpiFault; 9] = [
         MpiFault::Error,
         MpiFault::Panic,
         MpiFault::OutOfMemory,
@@ -748,6 +777,8 @@ impl MpiFault {
         MpiFault::Optimizer,
         MpiFault::Stop,
         MpiFault::Overflow,
+        MpiFault::StopInSave,
+        MpiFault::StopInEvaluation,
     ];
 }
 

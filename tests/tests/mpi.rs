@@ -1119,3 +1119,138 @@ fn a_rank_that_ends_early_fails_the_others_next_step_at_once_naming_it() {
     println!("the job ended after {secs:.1} s; rank 1's third step: {what}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Killed during a sharded save: rank 1 stops in the middle of save 2 (rank 0 has written its
+/// shard, or is writing it, and waits for rank 1's), and is killed. The job ends at once
+/// naming rank 1, and the folder still holds save 1, which loads.
+#[test]
+fn a_rank_killed_during_a_sharded_save_ends_the_job_and_the_last_checkpoint_loads() {
+    killed_after_a_checkpoint(MpiJob {
+        fault: Some((1, 2, MpiFault::StopInSave)),
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    });
+}
+
+/// Killed during a reduction: K=2 x R=2; rank 3 (device 1 of replica 1) stops in the forward
+/// of step 2 and is killed a second later, while rank 1 (device 1 of replica 0) has finished
+/// its backward and its gradient bucket waits for rank 3 in the collective.
+#[test]
+fn a_rank_killed_during_a_reduction_ends_the_job_and_the_last_checkpoint_loads() {
+    killed_after_a_checkpoint(MpiJob {
+        replicas: 2,
+        fault: Some((3, 2, MpiFault::Stop)),
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    });
+}
+
+/// Killed during an evaluation: every rank evaluates before step 2; rank 1 stops in the
+/// forward of its micro-batch 1 there and is killed.
+#[test]
+fn a_rank_killed_during_an_evaluation_ends_the_job_and_the_last_checkpoint_loads() {
+    killed_after_a_checkpoint(MpiJob {
+        fault: Some((1, 2, MpiFault::StopInEvaluation)),
+        ..MpiJob::new(ScheduleKind::OneFOneB, 2)
+    });
+}
+
+/// Runs `job` (a stopping fault at step 2) with a sharded save after step 1, kills the rank
+/// that stops (SIGKILL) once it has stood still a second (the other ranks are then waiting on
+/// it), and checks that the job ends within a bound naming the rank, that no rank finished,
+/// and that the checkpoint folder loads in one process as the checkpoint of step 1.
+fn killed_after_a_checkpoint(job: MpiJob) {
+    let (victim, _, fault) = job.fault.unwrap();
+    let job = MpiJob {
+        save_at: Some(1),
+        sharded: true,
+        steps: 3,
+        ..job
+    };
+    let ranks = job.k * job.replicas;
+    let tag = format!("killed-{fault:?}");
+    let dir = fresh_dir(&tag);
+    // The ranks must not give up on the stopped rank before it is killed.
+    let mut child = mpirun_np(ranks)
+        .args(["-x", "WGPIPE_MPI_PEER_TIMEOUT=60"])
+        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
+        .args(job.args())
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = stopped_rank(&mut child, &dir, victim, &tag);
+    std::thread::sleep(Duration::from_secs(1));
+    let killed = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+    assert!(killed.is_ok_and(|s| s.success()), "{tag}: kill failed");
+    let (ok, text, secs) = output_within(child, Instant::now(), Duration::from_secs(20), &tag);
+    assert!(!ok, "{tag}: the job succeeded: {text}");
+    assert!(
+        text.contains(&format!("rank {victim}")) && text.contains("signal 9"),
+        "{tag}: the message does not name the killed rank: {text}"
+    );
+    for r in 0..ranks {
+        assert!(
+            !dir.join(format!("rank{r}.json")).exists(),
+            "{tag}: rank {r} finished the job"
+        );
+    }
+    println!("{tag}: the job ended {secs:.1} s after the kill");
+    if fault == MpiFault::StopInSave {
+        // Save 2 was half done: rank 0 had written its shard, which the index never named.
+        let half = dir
+            .join("ckpt")
+            .join("model-save2-00001-of-00002.safetensors");
+        assert!(half.exists(), "{tag}: rank 0 wrote no shard of save 2");
+    }
+    // The last complete checkpoint: step 1's, as the uninterrupted run in one process has it.
+    let (x, y) = MpiJob::data();
+    let mut straight = dp_sim_pipeline(job.replicas, || MpiJob::model().0, &job.cfg()).unwrap();
+    let (at1, _) = pipe_train(&mut straight, &x, &y, &mse, 1);
+    let mut one = dp_sim_pipeline(job.replicas, || MpiJob::model().0, &job.cfg()).unwrap();
+    let restored = one
+        .load(dir.join("ckpt"), &wgpipe_pipeline::LoadOptions::default())
+        .unwrap_or_else(|e| panic!("{tag}: the last checkpoint does not load: {e}"));
+    assert_eq!(restored.step, 1, "{tag}");
+    assert!(
+        snapshot(&one.named_parameters()) == at1.params,
+        "{tag}: the loaded parameters are not step 1's"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The pid of rank `rank` of the job `child` runs (into `dir`) once that rank has stopped
+/// (its state in `/proc` is `T`); fails the test if the job ends first or nothing stops
+/// within 60 s.
+fn stopped_rank(
+    child: &mut std::process::Child,
+    dir: &std::path::Path,
+    rank: usize,
+    tag: &str,
+) -> u32 {
+    let start = Instant::now();
+    loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{tag}: rank {rank} did not stop within 60 s"
+        );
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("{tag}: the job ended ({status}) before rank {rank} stopped");
+        }
+        let pid = std::fs::read_to_string(dir.join(format!("rank{rank}.pid")))
+            .ok()
+            .and_then(|p| p.trim().parse::<u32>().ok());
+        if let Some(pid) = pid {
+            // `/proc/<pid>/stat`: "pid (comm) state ...".
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let state = stat
+                .rsplit_once(") ")
+                .and_then(|(_, rest)| rest.chars().next());
+            if state == Some('T') {
+                return pid;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

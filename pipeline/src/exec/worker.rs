@@ -436,7 +436,11 @@ impl<'a> Worker<'a, '_> {
         let input = input_var(&tape, &x, s);
         let skips_in: Vec<Var> = popped.iter().map(|t| tape.leaf(t.clone())).collect();
         let ctx = if io.forward_only {
-            ForwardCtx::eval()
+            // Which micro-batch it is, as in training (a layer may log or check it).
+            ForwardCtx {
+                micro_batch: io.first_micro_batch + m as u64,
+                ..ForwardCtx::eval()
+            }
         } else {
             ForwardCtx::train(io.seed, io.step, io.first_micro_batch + m as u64)
         }

@@ -98,8 +98,20 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
     let mut rows = 0;
     // Each device's parameter bytes as the last step's report shows them.
     let mut report_param_bytes = Vec::new();
+    let mut eval_losses = Vec::new();
     for step in 0..job.steps {
-        if job.save_at == Some(step) && job.sharded {
+        let injected = job
+            .fault
+            .filter(|&(r, s, _)| r == comm.rank() && s == step)
+            .map(|(_, _, f)| f);
+        // This replica's micro-batch 1, as the layers number it (replica r's are rM..rM+M).
+        let m1 = ((comm.rank() / job.k) * job.m + 1) as u64;
+        if injected == Some(MpiFault::StopInSave) {
+            fault.lock().unwrap().stop_in_parameters = true;
+        }
+        // Every rank saves at the step where one of them is to stop in a save.
+        let save_to_stop_in = matches!(job.fault, Some((_, s, MpiFault::StopInSave)) if s == step);
+        if (job.save_at == Some(step) && job.sharded) || save_to_stop_in {
             // Each rank its own stages, then the index from rank 0.
             pipe.save_sharded(out.join("ckpt"), &SaveOptions::default())
                 .map_err(|e| e.to_string())?;
@@ -112,12 +124,17 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
                     .map_err(|e| e.to_string())?;
             }
         }
-        let injected = job
-            .fault
-            .filter(|&(r, s, _)| r == comm.rank() && s == step)
-            .map(|(_, _, f)| f);
-        // This replica's micro-batch 1, as the layers number it (replica r's are rM..rM+M).
-        let m1 = ((comm.rank() / job.k) * job.m + 1) as u64;
+        // Every rank evaluates at the step where one of them is to stop in an evaluation.
+        if matches!(job.fault, Some((_, s, MpiFault::StopInEvaluation)) if s == step) {
+            let evaluating = injected == Some(MpiFault::StopInEvaluation);
+            {
+                let mut state = fault.lock().unwrap();
+                state.in_evaluation = evaluating;
+                state.armed = evaluating.then_some((FaultKind::Stop, m1));
+            }
+            eval_losses.push(pipe.evaluate(&x, &y, &mse).map_err(|e| e.to_string())?);
+            fault.lock().unwrap().in_evaluation = false;
+        }
         fault.lock().unwrap().armed = match injected {
             Some(MpiFault::Error) => Some((FaultKind::Error, m1)),
             Some(MpiFault::Panic) => Some((FaultKind::Panic, m1)),
@@ -182,6 +199,7 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
         "rank": comm.rank(),
         "size": comm.size(),
         "losses": losses,
+        "eval_losses": eval_losses,
         "skipped": skipped,
         "loss_scale": pipe.loss_scaler().map(|s| s.scale),
         "errors": errors,
