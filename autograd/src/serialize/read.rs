@@ -1,35 +1,65 @@
-//! Reading a safetensors file: parsing and validating it, widening F16/BF16 to f32, and the
-//! whole-file and one-tensor-at-a-time readers.
+//! Reading a safetensors file: parsing and validating its header, reading one tensor at a time
+//! from its offset (never the whole file: a rank loading its stages from a checkpoint of the
+//! whole model holds only what it asks for), and widening F16/BF16 to f32.
 
 use std::fs;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use wgpipe_tensor::{Device, Result, Tensor};
 
 use super::err;
 
-/// A parsed file: its bytes and header, validated by the safetensors parser.
+/// The largest header read (safetensors' own limit is 100 MB).
+const MAX_HEADER: u64 = 100 << 20;
+
+/// A parsed file: its header, validated as the safetensors parser validates it (offsets
+/// contiguous, each tensor's bytes matching its dtype and shape, the file as long as the header
+/// says), and the open file its tensors are read from.
 pub(super) struct Parsed {
     pub(super) path: PathBuf,
-    bytes: Vec<u8>,
-    header_len: usize,
+    file: Mutex<fs::File>,
+    /// Where the tensors' bytes start in the file (after the length and the header).
+    data_start: u64,
     meta: Metadata,
 }
 
 pub(super) fn parse(op: &'static str, path: &Path) -> Result<Parsed> {
-    let bytes = fs::read(path).map_err(|e| err(op, path, format!("cannot read the file: {e}")))?;
-    let (header_len, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| {
+    let cannot = |e: std::io::Error| err(op, path, format!("cannot read the file: {e}"));
+    let mut file = fs::File::open(path).map_err(cannot)?;
+    let len = file.metadata().map_err(cannot)?.len();
+    let bad = |why: String| {
         err(
             op,
             path,
-            format!("not a valid safetensors file (truncated or corrupted?): {e}"),
+            format!("not a valid safetensors file (truncated or corrupted?): {why}"),
         )
-    })?;
+    };
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n)
+        .map_err(|_| bad(format!("{len} bytes, shorter than a header")))?;
+    let n = u64::from_le_bytes(n);
+    if n > len.saturating_sub(8) || n > MAX_HEADER {
+        return Err(bad(format!("a header of {n} bytes in a file of {len}")));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header).map_err(cannot)?;
+    // Deserializing validates the offsets, dtypes and shapes against each other.
+    let meta: Metadata =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("its header: {e}")))?;
+    let data = len - 8 - n;
+    if meta.data_len() as u64 != data {
+        return Err(bad(format!(
+            "the header describes {} bytes of tensors, the file holds {data}",
+            meta.data_len()
+        )));
+    }
     Ok(Parsed {
         path: path.to_path_buf(),
-        bytes,
-        header_len,
+        file: Mutex::new(file),
+        data_start: 8 + n,
         meta,
     })
 }
@@ -52,12 +82,17 @@ impl Parsed {
         m.sort();
         m
     }
-    /// The values of tensor `name`, widened to f32.
+    /// The values of tensor `name`, widened to f32, read from the file.
     pub(super) fn values(&self, op: &'static str, name: &str) -> Result<Vec<f32>> {
         let info = self.info(name);
-        // Offsets were validated against the file length by `read_metadata`.
-        let start = 8 + self.header_len;
-        let raw = &self.bytes[start + info.data_offsets.0..start + info.data_offsets.1];
+        let (begin, end) = info.data_offsets;
+        let mut raw = vec![0u8; end - begin];
+        {
+            let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());
+            f.seek(SeekFrom::Start(self.data_start + begin as u64))
+                .and_then(|_| f.read_exact(&mut raw))
+                .map_err(|e| err(op, &self.path, format!("reading tensor '{name}': {e}")))?;
+        }
         match info.dtype {
             Dtype::F32 => Ok(raw
                 .chunks_exact(4)
@@ -154,7 +189,8 @@ pub fn load_file(path: impl AsRef<Path>, device: &Device) -> Result<Loaded> {
     })
 }
 
-/// Only the metadata of a safetensors file (reads the whole file to validate it).
+/// Only the metadata of a safetensors file (reads its header, and checks the file's length
+/// against it).
 pub fn load_metadata(path: impl AsRef<Path>) -> Result<Vec<(String, String)>> {
     Ok(parse("load_metadata", path.as_ref())?.metadata())
 }
