@@ -2,6 +2,7 @@
 //! streamed to a temporary file, synced, then renamed over the target (see `temporary.rs`).
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::path::Path;
@@ -12,23 +13,54 @@ use wgpipe_tensor::{Result, Tensor};
 use super::err;
 use super::temporary::{clean_stale_temporaries, create_temporary, sync_dir};
 
-struct F32Bytes {
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
+/// A tensor as the writer streams it: read back from its device and turned into little-endian
+/// F32 bytes only when the writer reaches it, so a save holds one tensor's bytes at a time, not
+/// a second copy of the model. What goes wrong on the way (a failed read-back, a non-finite
+/// value under `require_finite`) is kept in `failed`; the file is then thrown away.
+struct StreamedF32<'a> {
+    name: &'a str,
+    tensor: &'a Tensor,
+    require_finite: bool,
+    failed: &'a RefCell<Option<String>>,
 }
 
-impl View for &F32Bytes {
+impl StreamedF32<'_> {
+    fn bytes(&self) -> std::result::Result<Vec<u8>, String> {
+        let values = self
+            .tensor
+            .to_vec()
+            .map_err(|e| format!("tensor '{}': {e}", self.name))?;
+        if self.require_finite {
+            if let Some(v) = values.iter().find(|v| !v.is_finite()) {
+                return Err(format!(
+                    "not saved: tensor '{}' holds {v} (a non-finite value)",
+                    self.name
+                ));
+            }
+        }
+        Ok(values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+}
+
+impl View for &StreamedF32<'_> {
     fn dtype(&self) -> Dtype {
         Dtype::F32
     }
     fn shape(&self) -> &[usize] {
-        &self.shape
+        self.tensor.shape()
     }
     fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.bytes)
+        match self.bytes() {
+            Ok(bytes) => Cow::Owned(bytes),
+            Err(e) => {
+                self.failed.borrow_mut().get_or_insert(e);
+                // The file is removed; what is written in its place does not matter.
+                Cow::Owned(Vec::new())
+            }
+        }
     }
     fn data_len(&self) -> usize {
-        self.bytes.len()
+        4 * self.tensor.numel()
     }
 }
 
@@ -44,7 +76,7 @@ pub fn save_tensors(
 
 /// [`save_tensors`]; with `require_finite`, a tensor holding NaN or infinity is refused (naming
 /// it) and nothing is written. The check runs on the values read back for writing (no second
-/// read-back).
+/// read-back), one tensor at a time as the file is streamed.
 pub fn save_tensors_checked(
     path: impl AsRef<Path>,
     tensors: &[(String, Tensor)],
@@ -69,35 +101,28 @@ pub fn save_tensors_checked(
             ));
         }
     }
-    let mut data = Vec::with_capacity(tensors.len());
-    for (name, t) in tensors {
-        let values = t.to_vec()?;
-        if require_finite {
-            if let Some(v) = values.iter().find(|v| !v.is_finite()) {
-                return Err(err(
-                    op,
-                    path,
-                    format!("not saved: tensor '{name}' holds {v} (a non-finite value)"),
-                ));
-            }
-        }
-        let mut bytes = Vec::with_capacity(values.len() * 4);
-        for v in values {
-            bytes.extend_from_slice(&v.to_le_bytes());
-        }
-        data.push((
-            name.as_str(),
-            F32Bytes {
-                shape: t.shape().to_vec(),
-                bytes,
-            },
-        ));
-    }
+    let failed = RefCell::new(None);
+    let data: Vec<(&str, StreamedF32)> = tensors
+        .iter()
+        .map(|(name, tensor)| {
+            let view = StreamedF32 {
+                name,
+                tensor,
+                require_finite,
+                failed: &failed,
+            };
+            (name.as_str(), view)
+        })
+        .collect();
     let meta = (!meta.is_empty()).then_some(meta);
 
     clean_stale_temporaries(path);
     let tmp = create_temporary(path).map_err(|e| err(op, path, e))?;
     let written = write_synced(&tmp, data.iter().map(|(n, d)| (*n, d)), meta);
+    if let Some(e) = failed.into_inner() {
+        let _ = fs::remove_file(&tmp);
+        return Err(err(op, path, e));
+    }
     if let Err(e) = written {
         let _ = fs::remove_file(&tmp);
         return Err(err(
@@ -120,10 +145,10 @@ pub fn save_tensors_checked(
 
 fn write_synced<'a>(
     tmp: &Path,
-    data: impl Iterator<Item = (&'a str, &'a F32Bytes)>,
+    data: impl Iterator<Item = (&'a str, &'a StreamedF32<'a>)>,
     meta: Option<HashMap<String, String>>,
 ) -> std::result::Result<(), String> {
-    // Streams the tensors to the file (no second copy of the model in memory), then syncs.
+    // Streams the tensors to the file (one tensor's bytes in memory at a time), then syncs.
     safetensors::serialize_to_file(data, meta, tmp).map_err(|e| e.to_string())?;
     fs::OpenOptions::new()
         .write(true)
