@@ -300,6 +300,12 @@ impl PipelineArgs {
             .unwrap_or_else(|| self.schedule.default_chunks())
     }
 
+    /// Whether each rank builds only the layers of its own stages (from a factory of layer
+    /// ranges): under MPI, except for `--balance time`, which runs every layer.
+    pub fn builds_rank_local(&self) -> bool {
+        self.transport == TransportArg::Mpi && !matches!(self.balance, BalanceArg::Time)
+    }
+
     /// Replicas held by this process: R in one process, 1 under MPI (the others are ranks).
     pub fn local_replicas(&self) -> usize {
         match self.transport {

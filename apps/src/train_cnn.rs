@@ -3,12 +3,13 @@
 //! learning (`--init` a previously trained model, a fresh head, optionally a frozen body).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use clap::{Parser, ValueEnum};
 
 use crate::autograd::optim::{AdamConfig, LrSchedule};
 use crate::autograd::serialize::load_tensors;
-use crate::autograd::{AdamW, Module, Var};
+use crate::autograd::{AdamW, ModelFactory, Module, Var};
 use crate::bail;
 use std::sync::atomic::AtomicBool;
 
@@ -18,7 +19,7 @@ use crate::files::{check_readable, is_optimizer_key, load_pipeline, save_pipelin
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
 use crate::metrics::write_curves;
 use crate::models::data::{read_cifar10_bins, read_mnist, ImageSet, SyntheticTask};
-use crate::models::{cross_entropy, parameter_count, AmoebaNet, ResNet};
+use crate::models::{cross_entropy, factory, parameter_count, AmoebaNet, ResNet};
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::{Pipeline, StepReport};
 use crate::plan::{build_or_plan, print_predicted_vs_measured, PlanRun};
@@ -291,6 +292,15 @@ pub fn accuracy(pipe: &mut Pipeline, set: &ImageSet, chunk: usize) -> AppResult<
 }
 
 fn build_model(args: &CnnArgs, train: &ImageSet) -> AppResult<Vec<Box<dyn Module>>> {
+    let factory = cnn_factory(args, train)?;
+    factory
+        .build_range(0..factory.num_layers())
+        .context("building the model")
+}
+
+/// The chosen CNN for `train`'s images as a factory of layer ranges (the whole model, or
+/// under MPI only a rank's stages), after checking the flags and the images' size.
+fn cnn_factory(args: &CnnArgs, train: &ImageSet) -> AppResult<Arc<dyn ModelFactory>> {
     if args.width == 0 || args.depth == 0 {
         bail!("--width and --depth must be positive");
     }
@@ -301,35 +311,31 @@ fn build_model(args: &CnnArgs, train: &ImageSet) -> AppResult<Vec<Box<dyn Module
             train.w
         );
     }
-    cnn_maker(args, train)().context("building the model")
-}
-
-/// What builds the chosen CNN for `train`'s images (checked by [`build_model`]).
-fn cnn_maker(
-    args: &CnnArgs,
-    train: &ImageSet,
-) -> impl Fn() -> wgpipe_tensor::Result<Vec<Box<dyn Module>>> + 'static {
-    let (model, depth, width, seed) = (args.model, args.depth, args.width, args.pipe.seed);
+    let (depth, width, seed) = (args.depth, args.width, args.pipe.seed);
     let (num_classes, in_channels) = (train.num_classes, train.c);
-    move || {
-        let cpu = Device::cpu();
-        match model {
-            CnnModel::Resnet => ResNet {
+    let cpu = Device::cpu();
+    Ok(match args.model {
+        CnnModel::Resnet => factory(
+            &ResNet {
                 blocks: vec![depth; 3],
                 width,
                 num_classes,
                 in_channels,
-            }
-            .build(seed, &cpu),
-            CnnModel::Amoebanet => AmoebaNet {
+            },
+            seed,
+            &cpu,
+        ),
+        CnnModel::Amoebanet => factory(
+            &AmoebaNet {
                 normal_cells: depth,
                 filters: width,
                 num_classes,
                 in_channels,
-            }
-            .build(seed, &cpu),
-        }
-    }
+            },
+            seed,
+            &cpu,
+        ),
+    })
 }
 
 /// Loads every tensor of `path` whose name and shape match a parameter or buffer of the body
@@ -451,15 +457,26 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
             p.micro_batches
         );
     }
-    let layers = build_model(&args, &train)?;
-    let n_layers = layers.len();
+    let cnn = cnn_factory(&args, &train)?;
+    let rank_local = p.builds_rank_local();
+    let n_layers = cnn.num_layers();
     p.validate(
         n_layers,
         &format!("{:?} with --depth {}", args.model, args.depth),
         batch,
         "images",
     )?;
-    let n_params = parameter_count(&layers);
+    // Counted one layer at a time: no process holds the whole model to count it.
+    let mut n_params = 0;
+    for i in 0..n_layers {
+        let layer = cnn.build_range(i..i + 1).context("building the model")?;
+        n_params += parameter_count(&layer);
+    }
+    let model = if rank_local {
+        crate::args::Model::Factory(cnn.clone())
+    } else {
+        crate::args::Model::Layers(cnn.build_range(0..n_layers).context("building the model")?)
+    };
     let placement = p.placement()?;
     let mb = batch / p.micro_batches;
     let sample = Tensor::zeros(&[mb, train.c, train.h, train.w], &Device::cpu())?;
@@ -486,12 +503,12 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         seed: p.seed,
     };
     let make_copy = {
-        let make = cnn_maker(&args, &train);
+        let cnn = cnn.clone();
         // A failure leaves the copy empty, which the builder reports as a model mismatch.
-        Box::new(move || make().unwrap_or_default())
+        Box::new(move || cnn.build_range(0..n_layers).unwrap_or_default())
     };
     let (mut pipe, plan) = build_or_plan(
-        crate::args::Model::Layers(layers),
+        model,
         copies,
         make_copy,
         p,

@@ -12,7 +12,7 @@ use crate::autograd::{AdamW, Var};
 use crate::bail;
 use std::sync::atomic::AtomicBool;
 
-use crate::args::{describe_replicas, describe_stages, Model, PipelineArgs, TransportArg};
+use crate::args::{describe_replicas, describe_stages, Model, PipelineArgs};
 use crate::error::{AppError, AppResult, Context};
 use crate::files::{load_pipeline, save_pipeline};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
@@ -365,11 +365,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         dropout: args.dropout,
         tie_embeddings: !args.untie_embeddings,
     };
-    // Under MPI each rank builds only the layers of its own stages (from a factory of layer
-    // ranges); in one process, and for `--balance time` (which runs every layer), the whole
-    // model.
-    let rank_local =
-        p.transport == TransportArg::Mpi && !matches!(p.balance, crate::args::BalanceArg::Time);
+    let rank_local = p.builds_rank_local();
     let model = if rank_local {
         Model::Factory(cfg.factory(p.seed, &Device::cpu()))
     } else {

@@ -18,7 +18,7 @@ pub mod sequence;
 
 pub use layers::*;
 pub use loss::{cross_entropy, mse};
-pub use models::{replace_head, AmoebaNet, ResNet, TransformerLm};
+pub use models::{factory, replace_head, AmoebaNet, BuildsRanges, ResNet, TransformerLm};
 pub use sequence::{
     finish_step_all, forward_all, parameter_count, sequence_buffers, sequence_parameters,
 };

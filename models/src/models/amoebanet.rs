@@ -507,9 +507,25 @@ impl Module for Cell {
 }
 
 impl AmoebaNet {
+    /// The number of layers: the stem, the 3N + 2 cells, the pooling and the head.
+    pub fn num_layers(&self) -> usize {
+        3 * self.normal_cells + 5
+    }
+
     /// Element `i` is initialised from `sub_seed(seed, i)`: the stem, the 3N + 2 cells, the
     /// pooling and the head.
     pub fn build(&self, seed: u64, dev: &Device) -> Result<Vec<Box<dyn Module>>> {
+        self.build_range(seed, 0..self.num_layers(), dev)
+    }
+
+    /// Layers `range` of [`AmoebaNet::build`]'s sequence alone, with the same values: a rank
+    /// builds only its stages' layers.
+    pub fn build_range(
+        &self,
+        seed: u64,
+        range: std::ops::Range<usize>,
+        dev: &Device,
+    ) -> Result<Vec<Box<dyn Module>>> {
         if self.filters == 0 || self.num_classes == 0 || self.in_channels == 0 {
             return Err(Error::Invalid {
                 op: "AmoebaNet",
@@ -522,19 +538,23 @@ impl AmoebaNet {
                 msg: format!("filters must be even (factorized reductions halve them): {self:?}"),
             });
         }
+        super::check_range("AmoebaNet", &range, self.num_layers())?;
         let f = self.filters;
-        let mut v: Vec<Box<dyn Module>> = Vec::new();
-        v.push(Box::new(
-            Sequential::new(format!("Stem({}->{f})", self.in_channels))
-                .with(
-                    "conv",
-                    conv(self.in_channels, f, 3, 1, 1, sub_seed(seed, 0), dev)?,
-                )
-                .with("bn", BatchNorm2d::new(f, dev)?),
-        ));
+        let mut v: Vec<Box<dyn Module>> = Vec::with_capacity(range.len());
+        if range.contains(&0) {
+            v.push(Box::new(
+                Sequential::new(format!("Stem({}->{f})", self.in_channels))
+                    .with(
+                        "conv",
+                        conv(self.in_channels, f, 3, 1, 1, sub_seed(seed, 0), dev)?,
+                    )
+                    .with("bn", BatchNorm2d::new(f, dev)?),
+            ));
+        }
         let n = self.normal_cells;
         let reductions = [n, 2 * n + 1];
         let cells = 3 * n + 2;
+        // The channels are followed through every cell; only those in `range` are built.
         let (mut c_prev_prev, mut c_prev, mut c) = (f, f, f);
         let mut reduction_prev = false;
         for j in 0..cells {
@@ -549,25 +569,45 @@ impl AmoebaNet {
                 reduction,
                 reduction_prev,
             };
-            let pop = (j > 0).then(|| format!("cell{}.input", j - 1));
-            let stash = (j + 1 < cells).then(|| format!("cell{j}.input"));
-            let cell = Cell::new(shape, pop, stash, sub_seed(seed, 1 + j as u64), dev)?;
+            if range.contains(&(1 + j)) {
+                let pop = (j > 0).then(|| format!("cell{}.input", j - 1));
+                let stash = (j + 1 < cells).then(|| format!("cell{j}.input"));
+                let cell = Cell::new(shape, pop, stash, sub_seed(seed, 1 + j as u64), dev)?;
+                v.push(Box::new(cell));
+            }
             c_prev_prev = c_prev;
             c_prev = shape.c_out();
             reduction_prev = reduction;
-            v.push(Box::new(cell));
         }
-        v.push(Box::new(
-            Sequential::new("ReLU+GlobalAvgPool")
-                .with("relu", Relu)
-                .with("pool", GlobalAvgPool),
-        ));
-        v.push(Box::new(Linear::new(
-            c_prev,
-            self.num_classes,
-            sub_seed(seed, 2 + cells as u64),
-            dev,
-        )?));
+        if range.contains(&(1 + cells)) {
+            v.push(Box::new(
+                Sequential::new("ReLU+GlobalAvgPool")
+                    .with("relu", Relu)
+                    .with("pool", GlobalAvgPool),
+            ));
+        }
+        if range.contains(&(2 + cells)) {
+            v.push(Box::new(Linear::new(
+                c_prev,
+                self.num_classes,
+                sub_seed(seed, 2 + cells as u64),
+                dev,
+            )?));
+        }
         Ok(v)
+    }
+}
+
+impl super::BuildsRanges for AmoebaNet {
+    fn num_layers(&self) -> usize {
+        AmoebaNet::num_layers(self)
+    }
+    fn build_range(
+        &self,
+        seed: u64,
+        range: std::ops::Range<usize>,
+        dev: &Device,
+    ) -> Result<Vec<Box<dyn Module>>> {
+        AmoebaNet::build_range(self, seed, range, dev)
     }
 }

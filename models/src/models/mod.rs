@@ -9,10 +9,64 @@ pub use amoebanet::AmoebaNet;
 pub use resnet::ResNet;
 pub use transformer_lm::TransformerLm;
 
-use wgpipe_autograd::Module;
+use std::ops::Range;
+use std::sync::Arc;
+
+use wgpipe_autograd::{ModelFactory, Module};
 use wgpipe_tensor::{Device, Error, Result};
 
 use crate::layers::Linear;
+
+/// A model description whose layers can be built by range, each from the seed and its own
+/// index alone (so any cut, built in any order, gives the whole model's values).
+pub trait BuildsRanges: Clone + Send + Sync + 'static {
+    /// The number of layers of the whole model.
+    fn num_layers(&self) -> usize;
+    /// Layers `range` of the model from `seed`, on `dev`.
+    fn build_range(
+        &self,
+        seed: u64,
+        range: Range<usize>,
+        dev: &Device,
+    ) -> Result<Vec<Box<dyn Module>>>;
+}
+
+/// A [`ModelFactory`] of `config` from `seed` on `dev`: what a pipeline builds only the layers
+/// it holds from (`Pipeline::builder_from`).
+pub fn factory<M: BuildsRanges>(config: &M, seed: u64, dev: &Device) -> Arc<dyn ModelFactory> {
+    Arc::new(RangeFactory {
+        config: config.clone(),
+        seed,
+        device: dev.clone(),
+    })
+}
+
+/// [`factory`].
+struct RangeFactory<M> {
+    config: M,
+    seed: u64,
+    device: Device,
+}
+
+impl<M: BuildsRanges> ModelFactory for RangeFactory<M> {
+    fn num_layers(&self) -> usize {
+        self.config.num_layers()
+    }
+    fn build_range(&self, range: Range<usize>) -> Result<Vec<Box<dyn Module>>> {
+        self.config.build_range(self.seed, range, &self.device)
+    }
+}
+
+/// The error for `range` outside a model of `n` layers (`op` names the model).
+fn check_range(op: &'static str, range: &Range<usize>, n: usize) -> Result<()> {
+    if range.start > range.end || range.end > n {
+        return Err(Error::Invalid {
+            op,
+            msg: format!("layers {range:?} of a model of {n} layers"),
+        });
+    }
+    Ok(())
+}
 
 /// Replaces the classifier head (the last element, a `Linear` with a `weight [classes, in]`)
 /// by a freshly initialised `Linear(in, num_classes)` (transfer learning: keep the body,
@@ -49,4 +103,72 @@ pub fn replace_head(
     let head = Linear::new(w[1], num_classes, seed, dev)?;
     *layers.last_mut().expect("checked above") = Box::new(head);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wgpipe_autograd::layer_param_name;
+
+    /// Every parameter and buffer of `layers` (the first at global index `first`) by global
+    /// name, as bits, with the layer's name.
+    fn bits(first: usize, layers: &[Box<dyn Module>]) -> Vec<(String, String, Vec<u32>)> {
+        let mut out = Vec::new();
+        for (i, l) in layers.iter().enumerate() {
+            for (n, p) in l.parameters().into_iter().chain(l.buffers()) {
+                let v = p.value().to_vec().unwrap();
+                out.push((
+                    layer_param_name(first + i, &n),
+                    l.name(),
+                    v.iter().map(|x| x.to_bits()).collect(),
+                ));
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// Cuts of `model` into pieces, built last piece first, give the whole model's layers
+    /// and values bit for bit.
+    fn ranges_give_the_whole<M: BuildsRanges>(model: &M) {
+        let cpu = Device::cpu();
+        let n = model.num_layers();
+        let whole = model.build_range(5, 0..n, &cpu).unwrap();
+        assert_eq!(whole.len(), n);
+        let whole = bits(0, &whole);
+        for cuts in [vec![1], vec![2, n - 2], vec![1, 3, n - 1], (1..n).collect()] {
+            let mut bounds = vec![0];
+            bounds.extend(cuts.iter().copied().filter(|&c| c > 0 && c < n));
+            bounds.push(n);
+            let mut got = Vec::new();
+            for w in bounds.windows(2).rev() {
+                let piece = model.build_range(5, w[0]..w[1], &cpu).unwrap();
+                assert_eq!(piece.len(), w[1] - w[0], "cuts {cuts:?}");
+                got.extend(bits(w[0], &piece));
+            }
+            got.sort();
+            assert_eq!(got, whole, "cuts {cuts:?}");
+        }
+        let Err(err) = model.build_range(5, 1..n + 1, &cpu) else {
+            panic!("layers 1..{} of {n} were built", n + 1);
+        };
+        let err = err.to_string();
+        assert!(err.contains(&format!("of a model of {n} layers")), "{err}");
+    }
+
+    #[test]
+    fn cnn_ranges_built_in_any_order_give_the_whole_models_values() {
+        ranges_give_the_whole(&ResNet {
+            blocks: vec![2, 1, 1],
+            width: 4,
+            num_classes: 3,
+            in_channels: 2,
+        });
+        ranges_give_the_whole(&AmoebaNet {
+            normal_cells: 1,
+            filters: 4,
+            num_classes: 3,
+            in_channels: 2,
+        });
+    }
 }

@@ -167,40 +167,90 @@ impl Module for BasicBlock {
 }
 
 impl ResNet {
-    /// Element `i` is initialised from `sub_seed(seed, i)`.
+    /// The number of layers: the stem, the blocks, the pool and the head.
+    pub fn num_layers(&self) -> usize {
+        self.blocks.iter().sum::<usize>() + 3
+    }
+
+    /// Element `i` is initialised from `sub_seed(seed, i)` (the head, after the pool, which has
+    /// no parameters, from `sub_seed(seed, i - 1)`).
     pub fn build(&self, seed: u64, dev: &Device) -> Result<Vec<Box<dyn Module>>> {
+        self.build_range(seed, 0..self.num_layers(), dev)
+    }
+
+    /// Layers `range` of [`ResNet::build`]'s sequence alone, with the same values: a rank
+    /// builds only its stages' layers.
+    pub fn build_range(
+        &self,
+        seed: u64,
+        range: std::ops::Range<usize>,
+        dev: &Device,
+    ) -> Result<Vec<Box<dyn Module>>> {
         if self.blocks.is_empty() || self.width == 0 || self.num_classes == 0 {
             return Err(Error::Invalid {
                 op: "ResNet",
                 msg: format!("needs at least one stage, width > 0 and classes > 0: {self:?}"),
             });
         }
-        let mut k = 0u64;
-        let mut next = || {
-            k += 1;
-            sub_seed(seed, k - 1)
-        };
-        let mut v: Vec<Box<dyn Module>> = Vec::new();
-        v.push(Box::new(
-            Sequential::new(format!("Stem({}->{})", self.in_channels, self.width))
-                .with(
-                    "conv1",
-                    conv(self.in_channels, self.width, 3, 1, 1, next(), dev)?,
-                )
-                .with("bn1", BatchNorm2d::new(self.width, dev)?)
-                .with("relu", Relu),
-        ));
+        super::check_range("ResNet", &range, self.num_layers())?;
+        let seed_of = |i: usize| sub_seed(seed, i as u64);
+        let mut v: Vec<Box<dyn Module>> = Vec::with_capacity(range.len());
+        if range.contains(&0) {
+            v.push(Box::new(
+                Sequential::new(format!("Stem({}->{})", self.in_channels, self.width))
+                    .with(
+                        "conv1",
+                        conv(self.in_channels, self.width, 3, 1, 1, seed_of(0), dev)?,
+                    )
+                    .with("bn1", BatchNorm2d::new(self.width, dev)?)
+                    .with("relu", Relu),
+            ));
+        }
+        // The channels are followed through every block; only those in `range` are built.
+        let mut i = 1;
         let mut c_in = self.width;
         for (s, &n) in self.blocks.iter().enumerate() {
             let c_out = self.width << s;
             for b in 0..n {
                 let stride = if s > 0 && b == 0 { 2 } else { 1 };
-                v.push(Box::new(BasicBlock::new(c_in, c_out, stride, next(), dev)?));
+                if range.contains(&i) {
+                    v.push(Box::new(BasicBlock::new(
+                        c_in,
+                        c_out,
+                        stride,
+                        seed_of(i),
+                        dev,
+                    )?));
+                }
                 c_in = c_out;
+                i += 1;
             }
         }
-        v.push(Box::new(GlobalAvgPool));
-        v.push(Box::new(Linear::new(c_in, self.num_classes, next(), dev)?));
+        if range.contains(&i) {
+            v.push(Box::new(GlobalAvgPool));
+        }
+        if range.contains(&(i + 1)) {
+            v.push(Box::new(Linear::new(
+                c_in,
+                self.num_classes,
+                seed_of(i),
+                dev,
+            )?));
+        }
         Ok(v)
+    }
+}
+
+impl super::BuildsRanges for ResNet {
+    fn num_layers(&self) -> usize {
+        ResNet::num_layers(self)
+    }
+    fn build_range(
+        &self,
+        seed: u64,
+        range: std::ops::Range<usize>,
+        dev: &Device,
+    ) -> Result<Vec<Box<dyn Module>>> {
+        ResNet::build_range(self, seed, range, dev)
     }
 }

@@ -74,12 +74,7 @@ impl TransformerLm {
             });
         }
         let n = self.num_layers();
-        if range.start > range.end || range.end > n {
-            return Err(Error::Invalid {
-                op: "TransformerLm",
-                msg: format!("layers {range:?} of a model of {n} layers"),
-            });
-        }
+        super::check_range("TransformerLm", &range, n)?;
         let head_index = n - 1;
         let mut v: Vec<Box<dyn Module>> = Vec::with_capacity(range.len());
         for i in range {
@@ -140,27 +135,21 @@ impl TransformerLm {
     /// A [`ModelFactory`] of this model from `seed` on `dev`: what a pipeline builds only the
     /// layers it holds from (`Pipeline::builder_from`).
     pub fn factory(&self, seed: u64, dev: &Device) -> Arc<dyn ModelFactory> {
-        Arc::new(LmFactory {
-            config: self.clone(),
-            seed,
-            device: dev.clone(),
-        })
+        super::factory(self, seed, dev)
     }
 }
 
-/// [`TransformerLm::factory`].
-struct LmFactory {
-    config: TransformerLm,
-    seed: u64,
-    device: Device,
-}
-
-impl ModelFactory for LmFactory {
+impl super::BuildsRanges for TransformerLm {
     fn num_layers(&self) -> usize {
-        self.config.num_layers()
+        TransformerLm::num_layers(self)
     }
-    fn build_range(&self, range: Range<usize>) -> Result<Vec<Box<dyn Module>>> {
-        self.config.build_range(self.seed, range, &self.device)
+    fn build_range(
+        &self,
+        seed: u64,
+        range: Range<usize>,
+        dev: &Device,
+    ) -> Result<Vec<Box<dyn Module>>> {
+        TransformerLm::build_range(self, seed, range, dev)
     }
 }
 
