@@ -264,6 +264,27 @@ pub fn policies(k: usize, chunked: bool) -> Vec<Policy> {
     out
 }
 
+/// The few policies that win most often on issue 33's grid (warm-up to the cap, weight parts
+/// filling), for searches that synthesize many schedules (the planner): 4 on one stage per
+/// device, 8 with chunks.
+pub fn quick_policies(chunked: bool) -> Vec<Policy> {
+    let deep: &[bool] = if chunked { &[true, false] } else { &[false] };
+    let mut out = Vec::new();
+    for backward_first in [true, false] {
+        for weights in [Weights::Fill, Weights::FillAhead] {
+            for &deep_first in deep {
+                out.push(Policy {
+                    warmup: Warmup::Cap,
+                    backward_first,
+                    weights,
+                    deep_first,
+                });
+            }
+        }
+    }
+    out
+}
+
 /// A placement: each device's compute actions in order, and the step the placer's clock
 /// predicts (the simulator's, on links that only delay).
 #[derive(Debug, Clone, PartialEq)]
@@ -619,4 +640,33 @@ impl<'a> Placer<'a> {
             predicted,
         })
     }
+}
+
+/// `schedule` (without recomputes) with a recompute before each backward or input part whose
+/// micro-batch `mode` re-materializes, where the generators put it: before the receive of its
+/// gradient when that comes right before, so that the recompute overlaps the wait.
+pub fn with_recomputes(schedule: &Schedule, mode: CheckpointMode) -> Schedule {
+    let m = schedule.num_micro_batches;
+    let is_backward =
+        |a: Action| matches!(a.kind, ActionKind::Backward | ActionKind::BackwardInput);
+    let mut out = schedule.clone();
+    for list in &mut out.devices {
+        let mut with = Vec::with_capacity(list.len() + list.len() / 3);
+        for (i, &a) in list.iter().enumerate() {
+            let next = list.get(i + 1).filter(|b| {
+                is_backward(**b) && (b.stage, b.micro_batch) == (a.stage, a.micro_batch)
+            });
+            let before_receive = a.kind == ActionKind::RecvGrad && next.is_some();
+            let prev_is_receive = i > 0
+                && list[i - 1].kind == ActionKind::RecvGrad
+                && (list[i - 1].stage, list[i - 1].micro_batch) == (a.stage, a.micro_batch);
+            let before_backward = is_backward(a) && !prev_is_receive;
+            if (before_receive || before_backward) && mode.recomputes(a.micro_batch, m) {
+                with.push(Action::new(ActionKind::Recompute, a.stage, a.micro_batch));
+            }
+            with.push(a);
+        }
+        *list = with;
+    }
+    out
 }

@@ -94,14 +94,20 @@ pub fn fits_cap(schedule: &Schedule, spec: &SynthSpec) -> bool {
         .all(|(&held, cap)| held <= cap)
 }
 
-/// The synthesized schedule for `spec` (see the module docs).
+/// The synthesized schedule for `spec` (see the module docs), trying every policy of
+/// [`policies`].
 pub fn synthesize(spec: &SynthSpec) -> Result<Synthesis, SynthError> {
-    spec.check()?;
     let chunked = spec.chunks().iter().any(|&v| v > 1);
+    synthesize_with(spec, &policies(spec.num_devices(), chunked))
+}
+
+/// [`synthesize`] trying only `policies` (at least one) with the placer.
+pub fn synthesize_with(spec: &SynthSpec, policies: &[Policy]) -> Result<Synthesis, SynthError> {
+    spec.check()?;
     let mut seen: HashSet<Vec<Vec<Action>>> = HashSet::new();
     let mut best: Option<Synthesis> = None;
     let mut last_error = None;
-    for policy in policies(spec.num_devices(), chunked) {
+    for &policy in policies {
         let placed = match place(spec, policy) {
             Ok(p) => p,
             Err(e) => {

@@ -4,7 +4,7 @@
 
 use super::grid::{cells, evaluate};
 use super::*;
-use crate::schedule::synth::Placed;
+use crate::schedule::synth::{with_recomputes, Placed};
 
 fn costs(forward: f64, input: f64, weight: f64) -> StageCosts {
     StageCosts {
@@ -65,6 +65,14 @@ fn every_placed_schedule_validates_keeps_its_cap_and_is_timed_as_simulated() {
                 assert!(fits_cap(&s, &spec), "{policy} {spec:?}");
             }
             let s = p.schedule("synth", &spec, CheckpointMode::Never).unwrap();
+            // The planner's way to the recomputes gives the generators' lists.
+            for mode in CheckpointMode::ALL {
+                assert_eq!(
+                    with_recomputes(&s, mode),
+                    p.schedule("synth", &spec, mode).unwrap(),
+                    "{policy} {mode}"
+                );
+            }
             let simulated = simulate_spec(&s, &spec).unwrap();
             assert!(
                 (simulated - p.predicted).abs() <= 1e-9 * simulated.max(1.0),
