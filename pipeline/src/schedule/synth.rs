@@ -217,6 +217,13 @@ pub struct Policy {
     /// Among ready forwards of several chunks: the deepest stage first (it is nearer the turn
     /// where its gradient starts), or the oldest micro-batch.
     pub deep_first: bool,
+    /// Whether a new micro-batch is admitted only with room left for its later chunks on the
+    /// device (which keeps the placer from deadlocking), or whenever one pair fits (as ZB-V does
+    /// at the turn of its V; a policy that gets stuck is simply not a candidate).
+    pub reserve: bool,
+    /// Whether a forward that only memory holds back goes first: the weight part that frees the
+    /// memory runs before any ready input part, so that the pipeline keeps its forwards flowing.
+    pub free_first: bool,
 }
 
 impl std::fmt::Display for Policy {
@@ -232,31 +239,43 @@ impl std::fmt::Display for Policy {
             Weights::FillAhead => "fill-ahead",
         };
         let chunk = if self.deep_first { "deep" } else { "oldest" };
-        write!(f, ", {first} first, W {w}, {chunk} chunk first")
+        write!(f, ", {first} first, W {w}, {chunk} chunk first")?;
+        if !self.reserve {
+            f.write_str(", no reserve")?;
+        }
+        if self.free_first {
+            f.write_str(", free for F first")?;
+        }
+        Ok(())
     }
 }
 
-/// The policies worth trying on K devices: every combination of the warm-ups (the cap, and
-/// 1F1B's staircase plus 0, 1, 2, K/2 and K pairs), the two orders, the three weight policies
-/// and, where devices hold several stages, the two chunk orders.
-pub fn policies(k: usize, chunked: bool) -> Vec<Policy> {
-    let mut warmups = vec![Warmup::Cap];
-    let mut extras = vec![0, 1, 2, k / 2, k];
-    extras.sort_unstable();
-    extras.dedup();
-    warmups.extend(extras.into_iter().map(|extra| Warmup::Staircase { extra }));
+/// The policies worth trying: every combination of the warm-ups (to the cap, and 1F1B's
+/// staircase), the two orders, weight parts filling or eager, and where devices hold several
+/// stages the two chunk orders and admission with or without the reserve; each with and without
+/// freeing memory for a forward first. (Deeper staircases and `FillAhead` never won on issue
+/// 33's grid and are left to callers of [`place`].)
+pub fn policies(chunked: bool) -> Vec<Policy> {
+    let warmups = [Warmup::Cap, Warmup::Staircase { extra: 0 }];
     let deep: &[bool] = if chunked { &[true, false] } else { &[false] };
+    let reserve: &[bool] = if chunked { &[true, false] } else { &[true] };
     let mut out = Vec::new();
     for &warmup in &warmups {
         for backward_first in [true, false] {
-            for weights in [Weights::Fill, Weights::FillAhead, Weights::Eager] {
+            for weights in [Weights::Fill, Weights::Eager] {
                 for &deep_first in deep {
-                    out.push(Policy {
-                        warmup,
-                        backward_first,
-                        weights,
-                        deep_first,
-                    });
+                    for &reserve in reserve {
+                        for free_first in [false, true] {
+                            out.push(Policy {
+                                warmup,
+                                backward_first,
+                                weights,
+                                deep_first,
+                                reserve,
+                                free_first,
+                            });
+                        }
+                    }
                 }
             }
         }
@@ -265,19 +284,21 @@ pub fn policies(k: usize, chunked: bool) -> Vec<Policy> {
 }
 
 /// The few policies that win most often on issue 33's grid (warm-up to the cap, weight parts
-/// filling), for searches that synthesize many schedules (the planner): 4 on one stage per
-/// device, 8 with chunks.
+/// filling, with the reserve), for searches that synthesize many schedules (the planner): 4 on
+/// one stage per device, 8 with chunks.
 pub fn quick_policies(chunked: bool) -> Vec<Policy> {
     let deep: &[bool] = if chunked { &[true, false] } else { &[false] };
     let mut out = Vec::new();
     for backward_first in [true, false] {
-        for weights in [Weights::Fill, Weights::FillAhead] {
+        for free_first in [false, true] {
             for &deep_first in deep {
                 out.push(Policy {
                     warmup: Warmup::Cap,
                     backward_first,
-                    weights,
+                    weights: Weights::Fill,
                     deep_first,
+                    reserve: true,
+                    free_first,
                 });
             }
         }
@@ -343,7 +364,7 @@ pub fn synthesized(
     let spec = SynthSpec::uniform(k, placement, m, unit, 0.0, k.min(m));
     let mut best: Option<Placed> = None;
     let mut last_error = None;
-    for policy in policies(k, chunks > 1) {
+    for policy in policies(chunks > 1) {
         match place(&spec, policy) {
             Ok(p) if best.as_ref().is_none_or(|b| p.predicted < b.predicted) => best = Some(p),
             Ok(_) => {}
@@ -476,7 +497,8 @@ impl<'a> Placer<'a> {
     fn memory_allows(&self, d: usize, s: usize) -> bool {
         let v = self.stages_of[d].len();
         if s == self.stages_of[d][0] {
-            self.held[d] + v <= self.admit[d].max(v).min(self.cap[d])
+            let room = if self.policy.reserve { v } else { 1 };
+            self.held[d] + room <= self.admit[d]
         } else {
             self.held[d] < self.cap[d]
         }
@@ -531,6 +553,11 @@ impl<'a> Placer<'a> {
                         ready_f = Some(Action::new(ActionKind::Forward, s, mb));
                     }
                 }
+            }
+        }
+        if p.free_first && memory_blocked {
+            if let Some(&w) = self.pending_w[d].front() {
+                return Choice::Run(w);
             }
         }
         let pick = if p.backward_first {

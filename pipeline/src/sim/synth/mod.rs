@@ -98,7 +98,7 @@ pub fn fits_cap(schedule: &Schedule, spec: &SynthSpec) -> bool {
 /// [`policies`].
 pub fn synthesize(spec: &SynthSpec) -> Result<Synthesis, SynthError> {
     let chunked = spec.chunks().iter().any(|&v| v > 1);
-    synthesize_with(spec, &policies(spec.num_devices(), chunked))
+    synthesize_with(spec, &policies(chunked))
 }
 
 /// [`synthesize`] trying only `policies` (at least one) with the placer.

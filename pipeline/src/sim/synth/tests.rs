@@ -2,7 +2,7 @@
 //! the simulator's, a small case checked by hand, errors that name the cause, and the grid of
 //! issue 33 against the generators.
 
-use super::grid::{cells, evaluate};
+use super::grid::{cells, evaluate, Cell, CellResult};
 use super::*;
 use crate::schedule::synth::{with_recomputes, Placed};
 
@@ -23,9 +23,9 @@ fn one_per_device() -> Placement {
 fn specs() -> Vec<SynthSpec> {
     let mut out = Vec::new();
     for k in 1..=4usize {
-        for m in [1, 2, 3, k, 2 * k + 1] {
+        for m in [1, 3, 2 * k + 1] {
             for placement in [one_per_device(), Placement::V] {
-                for cap in [1, k.div_ceil(2), k, 2 * k] {
+                for cap in [1, k.div_ceil(2), 2 * k] {
                     for transfer in [0.0, 0.7] {
                         let mut spec = SynthSpec::uniform(
                             k,
@@ -54,24 +54,25 @@ fn every_placed_schedule_validates_keeps_its_cap_and_is_timed_as_simulated() {
     let mut placed = 0;
     for spec in specs() {
         let chunked = spec.chunks().iter().any(|&v| v > 1);
-        for policy in policies(spec.num_devices(), chunked) {
-            let p: Placed = place(&spec, policy).unwrap_or_else(|e| panic!("{spec:?}: {e}"));
-            for mode in CheckpointMode::ALL {
-                // `schedule` validates, the declared limit (the cap) included.
-                let s = p
+        for policy in policies(chunked) {
+            // Only a policy without the reserve may get stuck (it is then no candidate).
+            let p: Placed = match place(&spec, policy) {
+                Ok(p) => p,
+                Err(SynthError::Stuck { .. }) if !policy.reserve => continue,
+                Err(e) => panic!("{spec:?}: {e}"),
+            };
+            // `schedule` validates, the declared limit (the cap) included.
+            let s = p
+                .schedule("synth", &spec, CheckpointMode::Never)
+                .unwrap_or_else(|e| panic!("{policy} {spec:?}: {e}"));
+            assert_eq!(s.in_flight_limit, Some(spec.cap_pairs()));
+            assert!(fits_cap(&s, &spec), "{policy} {spec:?}");
+            // With recomputes too; the planner's way to them gives the generators' lists.
+            for mode in [CheckpointMode::Always, CheckpointMode::ExceptLast] {
+                let with = p
                     .schedule("synth", &spec, mode)
                     .unwrap_or_else(|e| panic!("{policy} {mode} {spec:?}: {e}"));
-                assert_eq!(s.in_flight_limit, Some(spec.cap_pairs()));
-                assert!(fits_cap(&s, &spec), "{policy} {spec:?}");
-            }
-            let s = p.schedule("synth", &spec, CheckpointMode::Never).unwrap();
-            // The planner's way to the recomputes gives the generators' lists.
-            for mode in CheckpointMode::ALL {
-                assert_eq!(
-                    with_recomputes(&s, mode),
-                    p.schedule("synth", &spec, mode).unwrap(),
-                    "{policy} {mode}"
-                );
+                assert_eq!(with_recomputes(&s, mode), with, "{policy} {mode}");
             }
             let simulated = simulate_spec(&s, &spec).unwrap();
             assert!(
@@ -177,9 +178,26 @@ fn bad_specs_are_errors_that_name_the_cause() {
 fn on_the_grid_synthesis_is_never_slower_and_often_3_percent_faster() {
     let all = cells();
     assert_eq!(all.len(), 144);
+    // Two threads (CI's two cores): the cells are independent.
+    let (even, odd): (Vec<Cell>, Vec<Cell>) = {
+        let (a, b): (Vec<_>, Vec<_>) = all.iter().enumerate().partition(|(i, _)| i % 2 == 0);
+        (
+            a.into_iter().map(|(_, c)| *c).collect(),
+            b.into_iter().map(|(_, c)| *c).collect(),
+        )
+    };
+    let run = |cells: Vec<Cell>| -> Vec<CellResult> {
+        cells.into_iter().map(|c| evaluate(c).unwrap()).collect()
+    };
+    let results: Vec<CellResult> = std::thread::scope(|scope| {
+        let other = scope.spawn(|| run(odd));
+        let mut mine = run(even);
+        mine.extend(other.join().unwrap());
+        mine
+    });
     let mut faster = 0;
-    for cell in all.iter().copied() {
-        let r = evaluate(cell).unwrap();
+    for r in &results {
+        let cell = r.cell;
         assert!(
             r.ratio() <= 1.0 + 1e-12,
             "{cell:?}: synthesized {} vs {} {}",
@@ -192,6 +210,7 @@ fn on_the_grid_synthesis_is_never_slower_and_often_3_percent_faster() {
             assert!(matches!(r.synthesis.origin, Origin::Placer(_)), "{cell:?}");
         }
     }
+    assert_eq!(results.len(), all.len());
     assert!(
         3 * faster >= all.len(),
         "3% faster in only {faster} of {} cells",
