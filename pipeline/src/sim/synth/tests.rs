@@ -217,3 +217,33 @@ fn on_the_grid_synthesis_is_never_slower_and_often_3_percent_faster() {
         all.len()
     );
 }
+
+/// The registry's synthesized schedule (equal costs, 1F1B's memory, the V) takes no longer than
+/// ZB-V, so its closed form is ZB-V's step bubble.
+#[test]
+fn the_registry_entry_is_as_fast_as_zb_v_with_equal_costs() {
+    for k in 2..=6 {
+        for m in [2 * k - 1, 2 * k, 4 * k] {
+            let spec = SynthSpec::uniform(k, Placement::V, m, costs(1.0, 1.0, 1.0), 0.0, k);
+            let synth = ScheduleKind::Synthesized
+                .generate(k, 2, m, CheckpointMode::Never)
+                .unwrap();
+            assert_eq!(synth.name, "synth");
+            assert!(fits_cap(&synth, &spec), "K={k} M={m}");
+            let zb_v = ScheduleKind::ZbV
+                .generate(k, 2, m, CheckpointMode::Never)
+                .unwrap();
+            let (got, want) = (
+                simulate_spec(&synth, &spec).unwrap(),
+                simulate_spec(&zb_v, &spec).unwrap(),
+            );
+            assert!(got <= want, "K={k} M={m}: synth {got} zb-v {want}");
+            let (closed, measure) =
+                (ScheduleKind::Synthesized.def().bubble)(k as f64, m as f64, 2.0);
+            assert_eq!(measure, "step");
+            // Busy time per device: M micro-batches of F + I + W = 1 + 1 + 1.
+            let bubble = 1.0 - 3.0 * m as f64 / got;
+            assert!(bubble <= closed + 1e-9, "K={k} M={m}: {bubble} > {closed}");
+        }
+    }
+}
