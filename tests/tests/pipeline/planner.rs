@@ -1088,4 +1088,3 @@ fn measured_layer_times_plan_wgpu_devices() {
         report.best.prediction.step_secs, r.wall_secs
     );
 }
-
