@@ -175,6 +175,10 @@ pub enum SynthError {
         cap: usize,
         minimum: usize,
     },
+    #[error("no policy to synthesize with was given")]
+    NoPolicies,
+    #[error("the simulator refused a synthesized schedule: {0}")]
+    Simulation(String),
     #[error("the placer got stuck with policy {policy}: device {device} waits at {action}")]
     Stuck {
         policy: Policy,
@@ -374,7 +378,14 @@ pub fn synthesized(
     match (best, last_error) {
         (Some(p), _) => p.schedule("synth", &spec, mode),
         (None, Some(SynthError::Schedule(e))) => Err(e),
-        (None, e) => unreachable!("every policy failed on a valid spec: {e:?}"),
+        // The policies with the reserve do not get stuck (a test holds it over many specs);
+        // were they all to, this is what it would be.
+        (None, Some(SynthError::Stuck { device, action, .. })) => Err(ScheduleError::Deadlock {
+            stuck: vec![(device, action)],
+        }),
+        // The spec is made here from checked K and M, with valid costs and caps, and
+        // `policies` is never empty.
+        (None, e) => unreachable!("no policy placed a valid spec: {e:?}"),
     }
 }
 

@@ -102,7 +102,7 @@ pub fn evaluate(cell: Cell) -> Result<CellResult, SynthError> {
         if !fits_cap(&s, &spec) {
             continue;
         }
-        let step = simulate_spec(&s, &spec).expect("generated schedules simulate");
+        let step = simulate_spec(&s, &spec).map_err(|e| SynthError::Simulation(e.to_string()))?;
         if best.is_none_or(|(_, b)| step < b) {
             best = Some((kind, step));
         }

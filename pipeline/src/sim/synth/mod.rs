@@ -131,7 +131,7 @@ pub fn synthesize_with(spec: &SynthSpec, policies: &[Policy]) -> Result<Synthesi
         }
     }
     let Some(mut best) = best else {
-        return Err(last_error.expect("at least one policy"));
+        return Err(last_error.unwrap_or(SynthError::NoPolicies));
     };
     let mut candidates = seen.len();
     for (kind, schedule) in generated_on(spec) {
@@ -172,11 +172,11 @@ fn generated_on(spec: &SynthSpec) -> Vec<(ScheduleKind, Schedule)> {
         .collect()
 }
 
-/// The simulator refused a schedule the placer made: a bug, reported as the schedule error.
+/// The simulator refused a schedule the placer made (a bug: the spec was checked).
 fn simulation_failed(e: TimelineError) -> SynthError {
     match e {
         TimelineError::Schedule(e) => SynthError::Schedule(e),
-        other => panic!("the synthesizer's own simulation failed: {other}"),
+        other => SynthError::Simulation(other.to_string()),
     }
 }
 
