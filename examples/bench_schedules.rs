@@ -15,16 +15,27 @@
 //!   steps of all schedules are interleaved so load changes hit all alike; run it on an idle
 //!   machine.
 //!
+//! The synthesized schedule (`synth`) is in every table: in the first with the registry's
+//! defaults (equal costs, 1F1B's memory, the V); in the real-thread rows also synthesized from
+//! the costs measured on this machine (per-stage F, I, W from a ZB-H1 and a ZB-V step's wall
+//! timeline, in-process transfers taken as free) under 1F1B's peak and twice that.
+//!
+//! `--synth` adds issue 33's grid: the synthesizer against the best of the eight generators that
+//! fits the same memory cap, simulated in 144 cells (K, M, I/F, W/F, transfer/F, cap).
+//!
 //! `cargo run --release --example bench_schedules` (about a minute on 2 cores);
-//! `-- --quick` skips the real-thread runs.
+//! `-- --quick` skips the real-thread runs; `-- --quick --synth` prints the grid alone.
 
 use std::time::Instant;
 
 use wgpipe::autograd::{Module, Sgd};
 use wgpipe::models::{mse, Linear, Relu};
+use wgpipe::pipeline::schedule::{Placement, StageCosts, SynthSpec};
+use wgpipe::pipeline::sim::synth::{grid, synthesize, Origin, Synthesis};
 use wgpipe::pipeline::sim::timeline::{simulate, ActionCost, DeviceSpec, LinkSpec};
 use wgpipe::pipeline::{
-    ActionKind, Balance, CheckpointMode, Pipeline, Schedule, ScheduleKind, SimCluster,
+    ActionKind, Balance, CheckpointMode, Pipeline, Schedule, ScheduleKind, ScheduleSpec,
+    SimCluster, StepReport,
 };
 use wgpipe::tensor::{Device, Tag, Tensor};
 use wgpipe_apps::Parser;
@@ -76,14 +87,25 @@ fn pipeline(
     layers: Vec<Box<dyn Module>>,
     m: usize,
 ) -> Res<Pipeline> {
-    let n = layers.len();
     let pieces = devices.len() * kind.default_chunks();
+    pipeline_of(kind.into(), pieces, devices, layers, m)
+}
+
+/// A pipeline running `schedule` over `pieces` stages of equal layer counts.
+fn pipeline_of(
+    schedule: ScheduleSpec,
+    pieces: usize,
+    devices: Vec<Device>,
+    layers: Vec<Box<dyn Module>>,
+    m: usize,
+) -> Res<Pipeline> {
+    let n = layers.len();
     Ok(Pipeline::builder(layers)
         .devices(devices)
         .balance(Balance::Explicit(vec![n / pieces; pieces]))
         .micro_batches(m)
         .checkpoint(CheckpointMode::Never)
-        .schedule(kind)
+        .schedule(schedule)
         .optimizer(|| Box::new(Sgd::new(1e-3)))
         .build()?)
 }
@@ -109,27 +131,119 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 const THREADS_M: usize = 8;
+const THREADS_K: usize = 2;
 
-/// Real threads: median step ms of each schedule on K = 2 CPU devices, one thread each.
-fn thread_times() -> Res<Vec<(ScheduleKind, f64, f64)>> {
+/// Per stage, the median wall time of its forwards, input parts and weight parts in a step
+/// (`stages` stages; a kind absent on a stage costs 0).
+fn measured_costs(report: &StepReport, stages: usize) -> Vec<StageCosts> {
+    let median_of = |stage: usize, kind: ActionKind| {
+        let times: Vec<f64> = report
+            .wall_timeline
+            .events
+            .iter()
+            .filter(|e| e.stage == stage && e.kind == kind)
+            .map(|e| e.end - e.start)
+            .collect();
+        if times.is_empty() {
+            0.0
+        } else {
+            median(times)
+        }
+    };
+    (0..stages)
+        .map(|s| StageCosts {
+            forward: median_of(s, ActionKind::Forward),
+            input: median_of(s, ActionKind::BackwardInput),
+            weight: median_of(s, ActionKind::BackwardWeight),
+        })
+        .collect()
+}
+
+/// The synthesized schedule for the measured costs under `cap`: the faster (simulated) of the
+/// one-stage-per-device placement and the V.
+fn synthesized_for(costs: &[(Placement, Vec<StageCosts>)], cap: usize) -> Res<Synthesis> {
+    let mut best: Option<Synthesis> = None;
+    for (placement, stages) in costs {
+        let spec = SynthSpec {
+            placement: placement.devices(THREADS_K),
+            micro_batches: THREADS_M,
+            stages: stages.clone(),
+            transfer: 0.0,
+            memory_cap: vec![cap; THREADS_K],
+        };
+        let s = synthesize(&spec)?;
+        if best.as_ref().is_none_or(|b| s.step < b.step) {
+            best = Some(s);
+        }
+    }
+    Ok(best.expect("two placements"))
+}
+
+/// One real-thread row: its label, median step seconds, median measured bubble, and the most
+/// micro-batches a device holds (in 1F1B-stage units).
+struct ThreadRow {
+    label: String,
+    kind: Option<ScheduleKind>,
+    secs: f64,
+    bubble: f64,
+    held: f64,
+}
+
+/// Real threads: median step ms of each schedule on K = 2 CPU devices, one thread each; then
+/// the schedules synthesized from the costs measured in ZB-H1's and ZB-V's first steps, under
+/// 1F1B's peak and twice that.
+fn thread_times() -> Res<Vec<ThreadRow>> {
     const BLOCKS: usize = 8;
     const WIDTH: usize = 1024;
     const BATCH: usize = 2048;
     const STEPS: usize = 5;
     let x = Tensor::rand_normal(&[BATCH, WIDTH], 0.0, 1.0, 1, &Device::cpu())?;
     let y = Tensor::rand_normal(&[BATCH, WIDTH], 0.0, 1.0, 2, &Device::cpu())?;
-    let mut pipes = Vec::new();
+    let devices = || vec![Device::new_cpu("cpu0"), Device::new_cpu("cpu1")];
+    let mut pipes: Vec<(String, Option<ScheduleKind>, Pipeline)> = Vec::new();
     for kind in ScheduleKind::ALL {
-        let devices = vec![Device::new_cpu("cpu0"), Device::new_cpu("cpu1")];
-        pipes.push((
-            kind,
-            pipeline(kind, devices, mlp(BLOCKS, WIDTH)?, THREADS_M)?,
-        ));
+        let pipe = pipeline(kind, devices(), mlp(BLOCKS, WIDTH)?, THREADS_M)?;
+        pipes.push((kind.name().to_string(), Some(kind), pipe));
+    }
+    // The costs: the second of two steps of ZB-H1 (one stage per device) and ZB-V (the V).
+    let mut costs = Vec::new();
+    for (kind, placement) in [
+        (ScheduleKind::ZbH1, Placement::Looped { chunks: 1 }),
+        (ScheduleKind::ZbV, Placement::V),
+    ] {
+        let (_, _, pipe) = pipes
+            .iter_mut()
+            .find(|p| p.1 == Some(kind))
+            .expect("listed");
+        pipe.train_step(&x, &y, &mse)?;
+        pipe.optimizer_step()?;
+        let r = pipe.train_step(&x, &y, &mse)?;
+        pipe.optimizer_step()?;
+        let stages = placement.devices(THREADS_K).len();
+        costs.push((placement, measured_costs(&r, stages)));
+    }
+    let peak = grid::one_f_one_b_peak(THREADS_K, THREADS_M)?;
+    for factor in [1, 2] {
+        let s = synthesized_for(&costs, factor * peak)?;
+        let made_by = match s.origin {
+            Origin::Placer(_) => "placer".to_string(),
+            Origin::Generator(kind) => format!("= {kind}"),
+        };
+        let label = format!("synth, measured costs, cap {factor}x 1F1B ({made_by})");
+        let pieces = s.schedule.num_stages();
+        let pipe = pipeline_of(
+            s.schedule.into(),
+            pieces,
+            devices(),
+            mlp(BLOCKS, WIDTH)?,
+            THREADS_M,
+        )?;
+        pipes.push((label, None, pipe));
     }
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); pipes.len()];
     let mut bubbles: Vec<Vec<f64>> = vec![Vec::new(); pipes.len()];
     for round in 0..=STEPS {
-        for (i, (_, pipe)) in pipes.iter_mut().enumerate() {
+        for (i, (_, _, pipe)) in pipes.iter_mut().enumerate() {
             let t0 = Instant::now();
             let r = pipe.train_step(&x, &y, &mse)?;
             pipe.optimizer_step()?;
@@ -142,8 +256,74 @@ fn thread_times() -> Res<Vec<(ScheduleKind, f64, f64)>> {
     Ok(pipes
         .iter()
         .enumerate()
-        .map(|(i, (kind, _))| (*kind, median(times[i].clone()), median(bubbles[i].clone())))
+        .map(|(i, (label, kind, pipe))| {
+            let s = pipe.schedule();
+            let v = s.max_chunks().max(1) as f64;
+            let held = s.max_in_flight().into_iter().max().unwrap_or(0) as f64 / v;
+            ThreadRow {
+                label: label.clone(),
+                kind: *kind,
+                secs: median(times[i].clone()),
+                bubble: median(bubbles[i].clone()),
+                held,
+            }
+        })
         .collect())
+}
+
+/// Issue 33's grid (see `wgpipe_pipeline::sim::synth::grid`): one row per cell, then the
+/// summary.
+fn synth_grid() -> Res<()> {
+    println!("\n# The synthesizer against the generators (simulated)\n");
+    println!(
+        "Costs per device and micro-batch with F = 1 (split evenly among a schedule's chunks), \
+         every message between devices taking the transfer time; the cap is 1F1B's peak \
+         (min(K, M) micro-batches of a device's share of the model) or twice that; a generator \
+         counts only where its micro-batches in flight, over its chunks, fit the cap. \
+         synth / best < 1: the synthesized step is faster; made by: the placer policy that won, \
+         or the generator whose schedule the search kept (never faster than the best generator \
+         by construction).\n"
+    );
+    println!("| K | M | I/F | W/F | transfer/F | cap | best generator (step) | synth step | synth / best | placer alone / best | made by |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let (mut faster, mut slower, mut placer_wins, mut n) = (0, 0, 0, 0);
+    let (mut worst, mut best_ratio) = (0.0f64, f64::INFINITY);
+    for cell in grid::cells() {
+        let r = grid::evaluate(cell)?;
+        let ratio = r.ratio();
+        let placer = r.synthesis.placer_step / r.best_generator.1;
+        n += 1;
+        faster += usize::from(ratio <= 0.97);
+        slower += usize::from(ratio > 1.0);
+        placer_wins += usize::from(placer < 1.0);
+        worst = worst.max(ratio);
+        best_ratio = best_ratio.min(ratio);
+        let made_by = match r.synthesis.origin {
+            Origin::Placer(p) => format!("placer: {p}"),
+            Origin::Generator(kind) => format!("generator {kind}"),
+        };
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} ({:.2}) | {:.2} | {:.3} | {:.3} | {made_by} |",
+            cell.k,
+            cell.m,
+            cell.input,
+            cell.weight,
+            cell.transfer,
+            r.cap,
+            r.best_generator.0,
+            r.best_generator.1,
+            r.synthesis.step,
+            ratio,
+            placer,
+        );
+    }
+    println!(
+        "\n{n} cells: synthesized at least 3% faster than the best generator in {faster} \
+         ({:.0}%), slower in {slower}; worst ratio {worst:.3}, best {best_ratio:.3}; the placer \
+         alone beats the best generator in {placer_wins}.",
+        100.0 * faster as f64 / n as f64
+    );
+    Ok(())
 }
 
 /// Every schedule side by side: simulated bubbles and memory, and real-thread step times.
@@ -152,6 +332,9 @@ struct Args {
     /// Skip the real-thread runs (simulated columns only)
     #[arg(long)]
     quick: bool,
+    /// Also print issue 33's grid: the synthesizer against the generators, simulated
+    #[arg(long)]
+    synth: bool,
 }
 
 fn main() -> Res<()> {
@@ -168,8 +351,8 @@ fn main() -> Res<()> {
     };
     let base = threads
         .iter()
-        .find(|(k, _, _)| *k == ScheduleKind::OneFOneB)
-        .map(|(_, t, b)| (*t, *b));
+        .find(|r| r.kind == Some(ScheduleKind::OneFOneB))
+        .map(|r| (r.secs, r.bubble));
     let base_bubble =
         unit_timeline(&ScheduleKind::OneFOneB.generate(2, 1, THREADS_M, CheckpointMode::Never)?)?
             .bubble_fraction();
@@ -204,8 +387,9 @@ fn main() -> Res<()> {
                 .iter()
                 .map(|p| format!("{p:.0}"))
                 .collect();
-            let real = match (threads.iter().find(|(x, _, _)| *x == kind), base) {
-                (Some((_, ms, bubble)), Some((b, b_bubble))) if (k, m) == (2, THREADS_M) => {
+            let real = match (threads.iter().find(|r| r.kind == Some(kind)), base) {
+                (Some(r), Some((b, b_bubble))) if (k, m) == (2, THREADS_M) => {
+                    let (ms, bubble) = (r.secs, r.bubble);
                     format!(
                         "{:.0} ms, {:.1}%, {:.2}x ({:.2}x; {:.2}x)",
                         ms * 1e3,
@@ -227,6 +411,29 @@ fn main() -> Res<()> {
                 peaks.join(" / ")
             );
         }
+    }
+    if let Some((b, _)) = base {
+        println!(
+            "\n## Real threads, K = {THREADS_K}, M = {THREADS_M} (the rows above and the synthesized \
+             schedules)\n"
+        );
+        println!("| schedule | most held per device (1F1B units) | step ms | measured bubble | vs 1F1B |");
+        println!("|---|---|---|---|---|");
+        let mut rows: Vec<&ThreadRow> = threads.iter().collect();
+        rows.sort_by(|a, b| a.secs.total_cmp(&b.secs));
+        for r in rows {
+            println!(
+                "| {} | {:.1} | {:.0} | {:.1}% | {:.2}x |",
+                r.label,
+                r.held,
+                r.secs * 1e3,
+                r.bubble * 100.0,
+                b / r.secs
+            );
+        }
+    }
+    if args.synth {
+        synth_grid()?;
     }
     println!("\nwall time {:.1} s", t0.elapsed().as_secs_f64());
     Ok(())

@@ -29,8 +29,8 @@ pub const ALL_MODES: [CheckpointMode; 3] = [
     CheckpointMode::ExceptLast,
     CheckpointMode::Never,
 ];
-/// Every generated schedule.
-pub const ALL_SCHEDULES: [ScheduleKind; 8] = ScheduleKind::ALL;
+/// Every schedule of the registry (the eight generators and the synthesized one).
+pub const ALL_SCHEDULES: [ScheduleKind; 9] = ScheduleKind::ALL;
 /// The single-chunk schedules without split backward (tests about their specific memory shape).
 pub const CLASSIC_SCHEDULES: [ScheduleKind; 2] = [ScheduleKind::GPipe, ScheduleKind::OneFOneB];
 

@@ -167,10 +167,12 @@ impl Search<'_, '_> {
         self.structures
             .entry((index, k, v, m, skips.to_vec()))
             .or_insert_with(|| {
-                let always = kind
-                    .generate(k, v, m, CheckpointMode::Always)
-                    .ok()?
-                    .with_skip_transfers(skips);
+                let always = match kind {
+                    // Made for the profile's costs rather than generated (plan/cost/synth.rs).
+                    ScheduleKind::Synthesized => self.model.synthesized(k, v, m).ok()?,
+                    _ => kind.generate(k, v, m, CheckpointMode::Always).ok()?,
+                }
+                .with_skip_transfers(skips);
                 let uniform: Vec<Schedule> = MODES
                     .iter()
                     .map(|&mode| with_remat(&always, &vec![mode; k]))

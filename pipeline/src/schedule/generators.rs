@@ -46,8 +46,9 @@ fn check_looped(k: usize, v: usize, m: usize) -> Result<(), ScheduleError> {
 }
 
 /// Adds the recomputes `mode` asks for (right before each backward or input part), inserts the
-/// transfers, declares the in-flight limit and validates.
-fn finish(
+/// transfers, declares the in-flight limit and validates (the synthesizer's placer ends the
+/// same way).
+pub(super) fn finish(
     name: &str,
     m: usize,
     placement: Vec<usize>,

@@ -20,6 +20,7 @@ mod generators;
 mod kind;
 pub mod random;
 mod skips;
+pub mod synth;
 mod text;
 mod validate;
 
@@ -34,6 +35,7 @@ pub use generators::{
 };
 pub use kind::{ChunkRule, ScheduleDef, ScheduleKind, SCHEDULES};
 pub use skips::SkipLink;
+pub use synth::{StageCosts, SynthError, SynthSpec};
 
 pub use validate::ScheduleError;
 

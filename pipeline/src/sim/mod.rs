@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod collectives;
+pub mod synth;
 pub mod timeline;
 pub mod trace;
 

@@ -78,8 +78,11 @@ fn grid(
         "{name}: {ran} (K, M, schedule) x 3 modes; worst relative error vs plain {:.3e} ({})",
         worst.0, worst.1
     );
-    // Every schedule ran at every K and M (DualPipeV where M >= 2K: 14 of the 192 are below).
-    assert!(ran == 4 * 6 * 8 - 14, "{name}: {ran} configurations ran");
+    // Every schedule ran at every K and M (DualPipeV where M >= 2K: 14 of the 216 are below).
+    assert!(
+        ran == 4 * 6 * ALL_SCHEDULES.len() - 14,
+        "{name}: {ran} configurations ran"
+    );
 }
 
 #[test]

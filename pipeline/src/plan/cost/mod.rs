@@ -23,6 +23,7 @@
 mod facts;
 mod memory;
 mod stage;
+mod synth;
 mod time;
 
 use crate::microbatch::micro_batch_sizes;
