@@ -27,6 +27,7 @@
 
 pub mod error;
 pub mod exec;
+mod fast_hash;
 pub mod microbatch;
 pub mod partition;
 pub mod plan;
