@@ -8,18 +8,27 @@
 //! * The largest Transformer (in blocks) that fits the same memory caps by hand and with the
 //!   planner (the planner's verdict is checked by running two Adam steps).
 //! * How long the search takes for 100 layers on 16 devices.
+//! * Scale: a 96-layer GPT-like Transformer (an analytic profile: d_model 4096, sequences of
+//!   2048, FLOPs and bytes by the usual formulas) on 16, 64, 256 and 1024 simulated devices in
+//!   nodes of 8 (300 GB/s inside a node, 25 GB/s between nodes): planning time, the chosen
+//!   R x K, schedule, M and balance; and the same 16 devices as one node, where the choice
+//!   differs.
 //!
-//! `cargo run --release --example bench_planner` (a minute or two on 2 cores).
+//! `cargo run --release --example bench_planner` (a minute or two on 2 cores);
+//! `-- --speed` for the search-speed and scale sections only.
 
 use std::time::Instant;
 
 use wgpipe::autograd::optim::Optimizer;
 use wgpipe::autograd::{Adam, Module};
 use wgpipe::models::{cross_entropy, AmoebaNet, TransformerLm};
-use wgpipe::pipeline::plan::{plan, profile_layers, PlanError, PlanOptions, Profile};
+use wgpipe::pipeline::plan::{
+    plan, plan_on, profile_layers, Affine, LayerProfile, PlanError, PlanOptions, PlanReport,
+    Profile,
+};
 use wgpipe::pipeline::{
     Balance, CheckpointMode, DeviceSpec, LinkSpec, LossFn, Pipeline, PipelineError, PlanInputs,
-    ScheduleKind, SimCluster,
+    ScheduleKind, SimCluster, Topology,
 };
 use wgpipe::tensor::{Device, Tensor};
 use wgpipe_apps::Parser;
@@ -251,16 +260,154 @@ fn search_speed(profile: &Profile) -> Res<()> {
     Ok(())
 }
 
+/// One block of a GPT-like Transformer (d_model 4096, sequences of 2048 tokens, flash-style
+/// attention), per sample: forward 24 s d^2 + 4 s^2 d FLOPs, backward twice that (half for
+/// the input, half for the weights); 12 d^2 parameters at 16 bytes each in all (16-bit
+/// weights and gradients, 32-bit master copy and two Adam moments); 34 s d bytes of
+/// activations kept for the backward, 2 s d bytes sent to the next stage.
+fn gpt_block() -> LayerProfile {
+    let (s, d) = (2048.0, 4096.0);
+    let per = |x: f64| Affine {
+        fixed: 0.0,
+        per_sample: x,
+    };
+    let forward = 24.0 * s * d * d + 4.0 * s * s * d;
+    let params = (12.0 * d * d) as u64;
+    LayerProfile {
+        name: "gpt block".into(),
+        forward_flops: per(forward),
+        backward_flops: per(2.0 * forward),
+        backward_flops_from_data: per(2.0 * forward),
+        backward_input_flops: per(forward),
+        backward_input_flops_from_data: per(forward),
+        backward_weight_flops: per(forward),
+        accumulate_flops: params as f64,
+        param_bytes: 2 * params,
+        grad_bytes: 2 * params,
+        optimizer_state_bytes: 12 * params,
+        optimizer_step_bytes: 4 * params,
+        stash_bytes: per(34.0 * s * d),
+        forward_extra_bytes: per(4.0 * s * d),
+        no_grad_peak_bytes: per(6.0 * s * d),
+        backward_extra_bytes: per(8.0 * s * d),
+        backward_input_extra_bytes: per(8.0 * s * d),
+        weight_keep_bytes: per(4.0 * s * d),
+        backward_weight_extra_bytes: per(2.0 * s * d),
+        output_bytes: per(2.0 * s * d),
+        ..LayerProfile::default()
+    }
+}
+
+const NODE: usize = 8;
+const NVLINK: LinkSpec = LinkSpec {
+    bandwidth_bytes_per_sec: 300e9,
+    latency_sec: 2e-6,
+};
+const NETWORK: LinkSpec = LinkSpec {
+    bandwidth_bytes_per_sec: 25e9,
+    latency_sec: 10e-6,
+};
+/// 80 GB devices at 300 TFLOP/s (a data-centre GPU at a realistic share of its 16-bit peak).
+const GPU: DeviceSpec = DeviceSpec {
+    flops_per_sec: 300e12,
+    memory_bytes: 80_000_000_000,
+};
+const GPT_LAYERS: usize = 96;
+const GPT_BATCH: usize = 1024;
+
+/// "min-max layers per stage (stages)" for a balance.
+fn balance_summary(b: &[usize]) -> String {
+    let (lo, hi) = (b.iter().min().unwrap_or(&0), b.iter().max().unwrap_or(&0));
+    if lo == hi {
+        format!("{lo} x {}", b.len())
+    } else {
+        format!("{lo}-{hi} ({} stages)", b.len())
+    }
+}
+
+fn remat_summary(r: &PlanReport) -> String {
+    let mut modes: Vec<String> = r
+        .best
+        .candidate
+        .remat
+        .iter()
+        .map(|m| m.to_string())
+        .collect();
+    modes.dedup();
+    modes.join("/")
+}
+
+/// One row of the scale table.
+fn scale_row(devices: usize, what: &str, links: &Topology) -> Res<PlanReport> {
+    let profile = Profile {
+        layers: vec![gpt_block(); GPT_LAYERS],
+        input_bytes: Affine {
+            fixed: 0.0,
+            per_sample: 2.0 * 2048.0 * 4096.0,
+        },
+        profiled_at: 1,
+        ..Profile::default()
+    };
+    let specs = vec![GPU; devices];
+    let started = Instant::now();
+    let r = plan_on(&profile, &specs, links, GPT_BATCH, &PlanOptions::default())?;
+    let secs = started.elapsed().as_secs_f64();
+    let c = &r.best.candidate;
+    println!(
+        "| {devices:>7} | {what:<13} | {GPT_LAYERS:>6} | {secs:>8.2} | {:>10} | {:>11.3} | {:>4} x {:<4} | {:<15} | {:>3} | {:>3} | {:<16} | {:<11} |",
+        r.evaluated,
+        r.best.prediction.step_secs,
+        c.pipeline_devices(),
+        c.replicas,
+        format!("{:?}", c.kind),
+        c.chunks,
+        c.micro_batches,
+        balance_summary(&c.balance),
+        remat_summary(&r),
+    );
+    Ok(r)
+}
+
+/// Planning time and the chosen plan for a 96-layer Transformer on 16 to 1024 devices in
+/// nodes of 8, and on 16 devices as one node.
+fn scale() -> Res<()> {
+    println!(
+        "\n## scale: a 96-layer GPT-like Transformer (d_model 4096, seq 2048, batch {GPT_BATCH}; \
+         analytic profile), devices of 80 GB at 300 TFLOP/s, nodes of {NODE}: 300 GB/s inside \
+         a node, 25 GB/s between nodes (step: the plan's predicted, simulated step; plan: wall \
+         clock of the search; candidates: those predicted in full)\n"
+    );
+    println!(
+        "| devices | links         | layers | plan (s) | candidates | step (s)    | K x R       | schedule        | v   | M   | balance          | remat       |"
+    );
+    println!(
+        "|---------|---------------|--------|----------|------------|-------------|-------------|-----------------|-----|-----|------------------|-------------|"
+    );
+    for devices in [16, 64, 256, 1024] {
+        let links = Topology::nodes(devices, NODE, NVLINK, NETWORK)?;
+        scale_row(devices, "nodes of 8", &links)?;
+    }
+    scale_row(16, "one node", &Topology::flat(NVLINK))?;
+    Ok(())
+}
+
 /// The planner against hand-picked configurations on a heterogeneous simulated cluster.
 #[derive(Parser)]
 struct Args {
-    /// Only the search-speed row (100 layers on 16 devices)
+    /// Only the search-speed row (100 layers on 16 devices) and the scale table
     #[arg(long)]
     speed: bool,
+    /// Only the scale table
+    #[arg(long)]
+    scale: bool,
 }
 
 fn main() -> Res<()> {
-    let only_speed = Args::parse().speed;
+    let args = Args::parse();
+    if args.scale {
+        return scale();
+    }
+    let only_speed = args.speed;
     let specs = cluster_specs(64 << 20, 16 << 20);
     let lm_model = Model {
         name: "Transformer LM (24 blocks, d_model 64, seq 32, batch 64)",
@@ -279,6 +426,7 @@ fn main() -> Res<()> {
         &Device::cpu(),
     )?;
     search_speed(&profile)?;
+    scale()?;
     if only_speed {
         return Ok(());
     }

@@ -27,6 +27,7 @@
 
 pub mod error;
 pub mod exec;
+mod fast_hash;
 pub mod microbatch;
 pub mod partition;
 pub mod plan;
@@ -49,7 +50,7 @@ pub use schedule::{
     SkipPort,
 };
 pub use sim::timeline::{Collective, DeviceSpec, LinkSpec, Timeline};
-pub use sim::SimCluster;
+pub use sim::{SimCluster, Topology, TopologyError};
 pub use skips::{SkipRoute, StageSkips};
 pub use train::builder::{Balance, PipelineBuilder, ScheduleSpec};
 pub use train::persist::{LoadOptions, OtherSetting, PersistError, Restored, SaveOptions};

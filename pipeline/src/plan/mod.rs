@@ -11,8 +11,12 @@
 //! its share of the batch, then each device's ring all-reduce of its gradients).
 
 pub mod cost;
+pub mod dp;
 pub mod profile;
 pub mod search;
+
+#[cfg(test)]
+mod layout_tests;
 
 use std::fmt;
 
@@ -27,6 +31,7 @@ use wgpipe_tensor::Tensor;
 use crate::schedule::Schedule;
 use crate::schedule::ScheduleKind;
 use crate::sim::timeline::{DeviceSpec, LinkSpec};
+use crate::sim::topology::Topology;
 use crate::LossFn;
 
 /// What the search may choose from.
@@ -55,6 +60,11 @@ pub struct PlanOptions {
     pub refine_passes: usize,
     /// Next-best plans to report.
     pub alternatives: usize,
+    /// The search stops after this many layouts (R x K, taken in the order of a lower bound of
+    /// their step) in a row that did not improve the best plan, even where the bound would let
+    /// later ones compete: a heuristic for large clusters, where hundreds of layouts have
+    /// bounds within the bubble of the best plan (`usize::MAX`: only the bound stops it).
+    pub layout_patience: usize,
     /// Repetitions of each layer's timing when planning on real devices (median).
     pub measure_reps: usize,
 }
@@ -73,6 +83,7 @@ impl Default for PlanOptions {
             refine: 4,
             refine_passes: 8,
             alternatives: 4,
+            layout_patience: 24,
             measure_reps: 5,
         }
     }
@@ -142,10 +153,25 @@ pub fn plan(
     batch: usize,
     options: &PlanOptions,
 ) -> Result<PlanReport, PlanError> {
+    plan_on(profile, specs, &Topology::flat(link), batch, options)
+}
+
+/// [`plan`] on a cluster of nodes: `links` says which link joins which of `specs`' devices
+/// (see [`Topology::nodes`]), and stages and replicas are placed knowing the links they cross.
+pub fn plan_on(
+    profile: &Profile,
+    specs: &[DeviceSpec],
+    links: &Topology,
+    batch: usize,
+    options: &PlanOptions,
+) -> Result<PlanReport, PlanError> {
+    links
+        .check_devices(specs.len())
+        .map_err(|e| PlanError::Empty(e.to_string()))?;
     let model = CostModel {
         profile,
         specs,
-        link,
+        links,
         batch,
     };
     search::search(&model, options)

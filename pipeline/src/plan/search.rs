@@ -1,10 +1,20 @@
 //! The search: every replica count R (data parallelism: R copies of a K-device pipeline, each
 //! on its share of the batch, R x K devices at most), device count K, device order, schedule
-//! kind, chunks v and micro-batch count M; for each, balances (all of them on small instances, else a min-max time partition
-//! and a memory partition weighted by each stage's device, refined by moving stage boundaries);
-//! for each balance, per device the least re-materialization that fits its memory. Candidates
-//! are predicted in the order of a lower bound of their step (the busiest device's compute and
-//! the pipeline's ramps), and the search stops where that bound passes the plans worth showing.
+//! kind, chunks v and micro-batch count M; for each, balances (all of them on small instances,
+//! else the pace-optimal partition by dynamic programming over layer ranges ([`dp`]: compute
+//! and the transfers on the links each boundary crosses), the compute-only and the memory
+//! min-max partitions, refined by moving stage boundaries); for each balance, per device the
+//! least re-materialization that fits its memory.
+//!
+//! Layouts (R, K) are taken in the order of a bound that holds for all their candidates
+//! ([`CostModel::layout_bound`]), and inside a layout candidates in the order of a bound of
+//! their own step (the busiest device's compute and the pipeline's ramps); the search stops
+//! where a bound passes the plans worth showing, or after `PlanOptions::layout_patience`
+//! layouts in a row that found nothing better (on a thousand devices, hundreds of layouts have
+//! bounds within the bubble of the best plan; those first in bound order are the ones that
+//! use the cluster best). On a cluster of nodes the device orders include both ways of laying
+//! out replicas (each replica's stages together, or each stage's replicas together), and
+//! orders that cross the same links count once.
 
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -13,6 +23,7 @@ use crate::schedule::ScheduleKind;
 use crate::schedule::{CheckpointMode, Schedule, SkipLink};
 
 use super::cost::{with_remat, Candidate, CandidateCosts, CostModel, Prediction, ScheduleFacts};
+use super::dp;
 use super::profile::LayerProfile;
 use super::{NoFit, PlanError, PlanOptions, PlanReport, Planned};
 
@@ -83,31 +94,52 @@ pub fn search(model: &CostModel<'_>, options: &PlanOptions) -> Result<PlanReport
         .max_devices
         .unwrap_or(model.specs.len())
         .min(model.specs.len());
-    // Every candidate with a lower bound of its step ([`CostModel::compute_bound`]), predicted in
-    // that order: once the bound passes the plans worth showing, the rest cannot matter.
-    let mut queue: Vec<(f64, Candidate)> = Vec::new();
+    // Layouts (R replicas of K devices) in the order of a bound that holds for all their
+    // candidates ([`CostModel::layout_bound`]): once it passes the plans worth showing, no
+    // later layout can matter, so a cluster of a thousand devices builds the candidates of a
+    // few layouts (those that use most of it), not of every R x K.
+    let mut layouts: Vec<(f64, usize, usize)> = Vec::new();
     for r in 1..=options.max_replicas.min(max_devices).min(model.batch) {
         // The smallest replica's share: every micro-batch of it needs its samples.
         let shard = model.batch / r;
         for k in options.min_stages.max(1)..=(max_devices / r).min(n) {
-            for order in replica_orders(model, r, k) {
-                for (kind, v) in kinds_and_chunks(options, k) {
-                    if k * v > n {
-                        continue;
-                    }
-                    for m in micro_batch_counts(options, k, shard) {
-                        queue.extend(s.structure_candidates(&order, r, kind, v, m));
-                    }
+            let most_m = micro_batch_counts(options, k, shard)
+                .last()
+                .copied()
+                .unwrap_or(1);
+            layouts.push((model.layout_bound(r, k, most_m), r, k));
+        }
+    }
+    layouts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut fruitless = 0;
+    for (layout_bound, r, k) in layouts {
+        if layout_bound >= s.bar() || fruitless >= options.layout_patience {
+            break;
+        }
+        let best_before = s.best_times.first().copied().unwrap_or(f64::INFINITY);
+        let shard = model.batch / r;
+        // This layout's candidates with a lower bound of each step
+        // ([`CostModel::compute_bound`]), predicted in that order while they can matter.
+        let mut queue: Vec<(f64, Candidate)> = Vec::new();
+        for order in replica_orders(model, r, k) {
+            for (kind, v) in kinds_and_chunks(options, k) {
+                if k * v > n {
+                    continue;
+                }
+                for m in micro_batch_counts(options, k, shard) {
+                    queue.extend(s.structure_candidates(&order, r, kind, v, m));
                 }
             }
         }
-    }
-    queue.sort_by(|a, b| a.0.total_cmp(&b.0));
-    for (bound, c) in queue {
-        if bound >= s.bar() {
-            break;
+        queue.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for (bound, c) in queue {
+            if bound >= s.bar() {
+                break;
+            }
+            s.evaluate(c);
         }
-        s.evaluate(c);
+        let improved = s.best_times.first().is_some_and(|&t| t < best_before);
+        fruitless = if improved { 0 } else { fruitless + 1 };
     }
     s.refine_best();
     s.found
@@ -213,10 +245,21 @@ impl Search<'_, '_> {
         let balances = if count_compositions(n, stages) <= self.options.exhaustive_balances as f64 {
             compositions(n, stages)
         } else {
-            let mut b = vec![self.time_balance(order, replicas, &placement, m)];
-            let mem = self.memory_balance(order, replicas, &placement, m);
-            if !b.contains(&mem) {
-                b.push(mem);
+            // The pace by dynamic programming (transfers on the links they cross included),
+            // the compute-only min-max where it differs (it breaks ties differently), and the
+            // memory min-max; the refinement moves boundaries from there.
+            let mut b = Vec::new();
+            for x in [
+                self.paced_balance(order, replicas, &placement, m),
+                Some(self.time_balance(order, replicas, &placement, m)),
+                Some(self.memory_balance(order, replicas, &placement, m)),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                if !b.contains(&x) {
+                    b.push(x);
+                }
             }
             b
         };
@@ -256,8 +299,14 @@ impl Search<'_, '_> {
         for d in 0..k {
             for (i, &mode) in MODES.iter().enumerate() {
                 let mut all_fit = true;
+                let mut last: Option<(usize, (u64, u64))> = None;
                 for (r, rc) in costs.iter().enumerate() {
-                    let (s, p) = model.device_memory(rc, &st.uniform[i], &st.facts[i], d);
+                    // Replicas of the same share hold the same bytes.
+                    let (s, p) = match last {
+                        Some((b, m)) if b == rc.batch() => m,
+                        _ => model.device_memory(rc, &st.uniform[i], &st.facts[i], d),
+                    };
+                    last = Some((rc.batch(), (s, p)));
                     all_fit &= p <= model.specs[c.order[r * k + d]].memory_bytes;
                     step_peak[r * k + d] = s;
                     peak[r * k + d] = p;
@@ -366,6 +415,50 @@ impl Search<'_, '_> {
             .iter()
             .find(|p| p.candidate.balance == c.balance && p.candidate.same_structure(c))
             .map(|p| p.prediction.step_secs)
+    }
+
+    /// [`dp::min_max_partition`] of each stage's forward + backward seconds on its device (the
+    /// slowest of the replicas' devices at that position) and of the seconds each boundary's
+    /// activation (and its gradient, the same bytes back) takes on the link it crosses (the
+    /// slowest of the replicas' links there), for the largest micro-batch.
+    fn paced_balance(
+        &self,
+        order: &[usize],
+        r: usize,
+        placement: &[usize],
+        m: usize,
+    ) -> Option<Vec<usize>> {
+        let model = self.model;
+        let b = model.batch.div_ceil(r).div_ceil(m);
+        let layers = &model.profile.layers;
+        let work: Vec<f64> = layers
+            .iter()
+            .map(|l| l.forward_flops.at(b) + l.backward_flops.at(b))
+            .collect();
+        let weights: Vec<f64> = placement
+            .iter()
+            .map(|&d| 1.0 / self.position_min(order, r, d, |s| s.flops_per_sec))
+            .collect();
+        let k = order.len() / r;
+        // Seconds per byte on the link from position `from` to `to`: the slowest replica's.
+        let per_byte: Vec<f64> = placement
+            .windows(2)
+            .map(|w| {
+                if w[0] == w[1] {
+                    return 0.0;
+                }
+                (0..r)
+                    .map(|i| {
+                        let link = model.links.link(order[i * k + w[0]], order[i * k + w[1]]);
+                        1.0 / link.bandwidth_bytes_per_sec
+                    })
+                    .fold(0.0, f64::max)
+            })
+            .collect();
+        dp::min_max_partition(&work, &weights, |s, j| match per_byte.get(s) {
+            Some(&x) if x > 0.0 => layers[j - 1].output_bytes.at(b) * x,
+            _ => 0.0,
+        })
     }
 
     /// Min-max of each stage's forward + backward seconds on its device (the slowest of the
@@ -575,18 +668,18 @@ pub fn device_orders(model: &CostModel<'_>, k: usize) -> Vec<Vec<usize>> {
         }
     }
     let mut orders: Vec<Vec<usize>> = Vec::new();
+    // Orders of the same device kinds whose devices share nodes alike cost the same.
+    let key = |o: &[usize]| -> (Vec<(u64, u64)>, Vec<usize>) {
+        let kinds = o
+            .iter()
+            .map(|&d| (specs[d].flops_per_sec.to_bits(), specs[d].memory_bytes))
+            .collect();
+        (kinds, model.links.node_pattern(o))
+    };
     for subset in subsets {
         for o in arrangements(model, &subset) {
-            let key: Vec<(u64, u64)> = o
-                .iter()
-                .map(|&d| (specs[d].flops_per_sec.to_bits(), specs[d].memory_bytes))
-                .collect();
-            let dup = orders.iter().any(|x| {
-                x.iter()
-                    .map(|&d| (specs[d].flops_per_sec.to_bits(), specs[d].memory_bytes))
-                    .collect::<Vec<_>>()
-                    == key
-            });
+            let key_o = key(&o);
+            let dup = orders.iter().any(|x| key(x) == key_o);
             if !dup {
                 orders.push(o);
             }
@@ -598,19 +691,28 @@ pub fn device_orders(model: &CostModel<'_>, k: usize) -> Vec<Vec<usize>> {
 /// Device orders for R replicas of K devices (R x K entries, replica r at rK..(r+1)K): for
 /// one replica, [`device_orders`]; for several, the orders of R x K devices, without those
 /// that only swap replicas of equal shares, plus for each chosen set the devices dealt out by
-/// speed (the R fastest at position 0 of each replica, the next R at position 1, ...).
+/// speed (the R fastest at position 0 of each replica, the next R at position 1, ...). On a
+/// cluster of nodes the two differ in the links they cross: the first keeps each replica's
+/// stages together (in a node where K fits one), the dealt one keeps the replicas of each
+/// stage together (their all-reduce inside a node where R fits one) and sends between stages
+/// across nodes; the links decide which is faster.
 pub fn replica_orders(model: &CostModel<'_>, r: usize, k: usize) -> Vec<Vec<usize>> {
     let orders = device_orders(model, r * k);
     if r == 1 {
         return orders;
     }
     let specs = model.specs;
-    let key = |o: &[usize]| -> Vec<Vec<(u64, u64)>> {
-        let mut rows: Vec<Vec<(u64, u64)>> = o
+    // Each device's kind and node (numbered by first appearance in the whole order, so that
+    // rows keep which of them share a node).
+    let key = |o: &[usize]| -> Vec<Vec<(u64, u64, usize)>> {
+        let nodes = model.links.node_pattern(o);
+        let mut rows: Vec<Vec<(u64, u64, usize)>> = o
             .chunks(k)
-            .map(|row| {
+            .zip(nodes.chunks(k))
+            .map(|(row, nodes)| {
                 row.iter()
-                    .map(|&d| (specs[d].flops_per_sec.to_bits(), specs[d].memory_bytes))
+                    .zip(nodes)
+                    .map(|(&d, &n)| (specs[d].flops_per_sec.to_bits(), specs[d].memory_bytes, n))
                     .collect()
             })
             .collect();
@@ -621,7 +723,7 @@ pub fn replica_orders(model: &CostModel<'_>, r: usize, k: usize) -> Vec<Vec<usiz
         rows
     };
     let mut out: Vec<Vec<usize>> = Vec::new();
-    let mut seen: Vec<Vec<Vec<(u64, u64)>>> = Vec::new();
+    let mut seen: Vec<Vec<Vec<(u64, u64, usize)>>> = Vec::new();
     let mut push = |o: Vec<usize>| {
         let kk = key(&o);
         if !seen.contains(&kk) {

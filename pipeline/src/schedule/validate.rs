@@ -3,7 +3,7 @@
 //! they agree on what can run when).
 
 use super::{Action, ActionKind, Link, Schedule};
-use std::collections::HashMap;
+use crate::fast_hash::FastMap;
 
 /// Why a schedule was rejected. Every variant names the device and action concerned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -150,6 +150,13 @@ pub(crate) fn check_counts(k: usize, m: usize) -> Result<(), ScheduleError> {
     Ok(())
 }
 
+/// How often an action occurs (on the device its stage is placed on: checked first) and its
+/// first position in that device's list.
+struct Seen {
+    count: usize,
+    first: usize,
+}
+
 impl Schedule {
     /// Checks that the schedule is complete, consistent and cannot deadlock, in this order:
     /// sizes and placement; every action in range and on the device its stage is placed on, and
@@ -187,10 +194,11 @@ impl Schedule {
         Ok(())
     }
 
-    /// Range, placement and peer checks; returns each action's positions in its device's list.
-    fn check_actions(&self) -> Result<HashMap<Action, Vec<(usize, usize)>>, ScheduleError> {
+    /// Range, placement and peer checks; returns each action's count and first position in
+    /// its device's list.
+    fn check_actions(&self) -> Result<FastMap<Action, Seen>, ScheduleError> {
         let (s_total, m_total) = (self.num_stages(), self.num_micro_batches);
-        let mut positions: HashMap<Action, Vec<(usize, usize)>> = HashMap::new();
+        let mut positions: FastMap<Action, Seen> = FastMap::default();
         for (device, list) in self.devices.iter().enumerate() {
             for (pos, &action) in list.iter().enumerate() {
                 if action.stage >= s_total || action.micro_batch >= m_total {
@@ -212,7 +220,13 @@ impl Schedule {
                 if !action.is_compute() && action.link(s_total).is_none() {
                     return Err(ScheduleError::NoPeer { device, action });
                 }
-                positions.entry(action).or_default().push((device, pos));
+                positions
+                    .entry(action)
+                    .and_modify(|seen| seen.count += 1)
+                    .or_insert(Seen {
+                        count: 1,
+                        first: pos,
+                    });
             }
         }
         Ok(positions)
@@ -220,11 +234,11 @@ impl Schedule {
 
     fn check_counts_and_order(
         &self,
-        positions: &HashMap<Action, Vec<(usize, usize)>>,
+        positions: &FastMap<Action, Seen>,
     ) -> Result<(), ScheduleError> {
         use ActionKind::*;
         let last = self.num_stages() - 1;
-        let count = |a: Action| positions.get(&a).map_or(0, Vec::len);
+        let count = |a: Action| positions.get(&a).map_or(0, |seen| seen.count);
         for s in 0..=last {
             let device = self.placement[s];
             for m in 0..self.num_micro_batches {
@@ -260,7 +274,7 @@ impl Schedule {
                     }
                 }
                 for (earlier, later) in ORDER_RULES {
-                    let first = |kind| positions.get(&at(kind)).map(|v| v[0].1);
+                    let first = |kind| positions.get(&at(kind)).map(|seen| seen.first);
                     if let (Some(a), Some(b)) = (first(earlier), first(later)) {
                         if a > b {
                             return Err(ScheduleError::Order {
@@ -311,7 +325,7 @@ impl Schedule {
     {
         let k = self.num_devices();
         let s_total = self.num_stages();
-        let mut pending: HashMap<(Link, usize), T> = HashMap::new();
+        let mut pending: FastMap<(Link, usize), T> = FastMap::default();
         let mut next = vec![0usize; k];
         loop {
             let mut progressed = false;

@@ -5,6 +5,7 @@
 
 use crate::schedule::{ActionKind, Schedule};
 use crate::sim::timeline::{Collective, Event, LinkSpec, Timeline};
+use crate::sim::topology::Topology;
 
 /// Seconds a ring all-reduce of `bytes` across `replicas` takes on `link`.
 pub fn ring_all_reduce_secs(bytes: u64, replicas: usize, link: &LinkSpec) -> f64 {
@@ -43,18 +44,20 @@ pub(crate) fn holder_devices(
     devices
 }
 
-/// Adds the exchanges to a timeline: measured (`link` `None`), or simulated from when the last
-/// of the holders finished its work, as a ring all-reduce among them over `link`.
+/// Adds the exchanges to a timeline: measured (`links` `None`), or simulated from when the last
+/// of the holders finished its work, as a ring all-reduce among them over the slowest link its
+/// ring crosses (`links` indexed as the timeline's devices).
 pub(crate) fn add_to_timeline(
     t: &mut Timeline,
     schedule: &Schedule,
     exchanges: &[TiedExchange],
-    link: Option<&LinkSpec>,
+    links: Option<&Topology>,
 ) {
     for x in exchanges {
-        let (start, end) = match link {
+        let (start, end) = match links {
             None => (x.start, x.end),
-            Some(link) => {
+            Some(links) => {
+                let link = links.ring_link(x.devices.iter().map(|&(d, _)| d));
                 let start = t
                     .events
                     .iter()
@@ -63,7 +66,7 @@ pub(crate) fn add_to_timeline(
                     .fold(0.0, f64::max);
                 (
                     start,
-                    start + ring_all_reduce_secs(x.bytes, x.devices.len(), link),
+                    start + ring_all_reduce_secs(x.bytes, x.devices.len(), &link),
                 )
             }
         };
@@ -88,17 +91,29 @@ pub(crate) fn add_to_timeline(
 
 /// The simulated step of R replicas of a K-device pipeline: their timelines side by side
 /// (replica r's device d is row rK + d) with each device's ring all-reduce of `grad_bytes[d]`
-/// after them. The planner predicts a replicated candidate with this same function.
+/// after them, over the slowest link its ring crosses (`links` indexed as the rows). The
+/// planner predicts a replicated candidate by the same rule ([`all_reduce_window`]).
 pub(crate) fn replicated_timeline(
     parts: &[&Timeline],
     k: usize,
     grad_bytes: &[u64],
-    link: &LinkSpec,
+    links: &Topology,
 ) -> Timeline {
     let r = parts.len();
     let mut t = concat_timelines(parts.iter().copied(), k);
-    add_ring_all_reduce(&mut t, k, r, grad_bytes, link);
+    add_ring_all_reduce(&mut t, k, r, grad_bytes, links);
     t
+}
+
+/// The link of pipeline position `d`'s ring across `r` replicas of `k` devices (rows rK + d).
+pub(crate) fn position_ring_link(links: &Topology, k: usize, r: usize, d: usize) -> LinkSpec {
+    links.ring_link((0..r).map(|i| i * k + d))
+}
+
+/// When a ring all-reduce of `bytes` across `r` replicas over `link` runs: from `ready` (the
+/// last of its devices done with its work) for [`ring_all_reduce_secs`].
+pub(crate) fn all_reduce_window(ready: f64, bytes: u64, r: usize, link: &LinkSpec) -> (f64, f64) {
+    (ready, ready + ring_all_reduce_secs(bytes, r, link))
 }
 
 /// The timelines of the replicas side by side: replica r's device d becomes row rK + d.
@@ -129,7 +144,7 @@ pub(crate) fn concat_timelines<'a>(
 
 /// Each device's ring all-reduce across its R replicas: from when the last of them finished
 /// its work (compute and sends) to that plus [`ring_all_reduce_secs`].
-fn add_ring_all_reduce(t: &mut Timeline, k: usize, r: usize, bytes: &[u64], link: &LinkSpec) {
+fn add_ring_all_reduce(t: &mut Timeline, k: usize, r: usize, bytes: &[u64], links: &Topology) {
     for (d, &bytes) in bytes.iter().enumerate().take(k) {
         let start = (0..r)
             .flat_map(|i| {
@@ -140,7 +155,8 @@ fn add_ring_all_reduce(t: &mut Timeline, k: usize, r: usize, bytes: &[u64], link
                     .map(|e| e.end)
             })
             .fold(0.0, f64::max);
-        let end = start + ring_all_reduce_secs(bytes, r, link);
+        let link = position_ring_link(links, k, r, d);
+        let (start, end) = all_reduce_window(start, bytes, r, &link);
         for i in 0..r {
             t.collectives.push(Collective {
                 device: i * k + d,

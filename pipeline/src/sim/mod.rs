@@ -1,17 +1,19 @@
 //! Simulated time: the timeline of a schedule replayed against a cost model, the simulated
-//! cluster of virtual devices, the cost of collectives, and the pictures (Chrome trace, SVG).
+//! cluster of virtual devices and the links between them (nodes of devices), the cost of collectives, and the pictures (Chrome trace, SVG).
 //! The runtime reports and the planner predicts with these same functions.
 
 pub mod cluster;
 pub mod collectives;
 pub mod synth;
 pub mod timeline;
+pub mod topology;
 pub mod trace;
 
 #[cfg(test)]
 mod schedule_timelines;
 
 pub use cluster::SimCluster;
+pub use topology::{Topology, TopologyError};
 
 use wgpipe_tensor::Tensor;
 

@@ -7,9 +7,9 @@
 //! list of timed events, the makespan, and the bubble: the share of device time spent idle.
 //! All times are simulated seconds.
 
-use std::collections::HashMap;
-
+use crate::fast_hash::FastMap;
 use crate::schedule::{Action, ActionKind, Schedule, ScheduleError};
+use crate::sim::topology::Topology;
 
 /// One simulated accelerator.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -166,7 +166,7 @@ pub enum TimelineError {
 fn check_specs(
     schedule: &Schedule,
     devices: &[DeviceSpec],
-    link: &LinkSpec,
+    links: &Topology,
 ) -> Result<(), TimelineError> {
     if devices.len() != schedule.num_devices() {
         return Err(TimelineError::DeviceCount {
@@ -184,13 +184,15 @@ fn check_specs(
             flops_per_sec: d.flops_per_sec,
         });
     }
-    let bandwidth_ok = link.bandwidth_bytes_per_sec > 0.0; // false for NaN
-    let latency_ok = link.latency_sec.is_finite() && link.latency_sec >= 0.0;
-    if !bandwidth_ok || !latency_ok {
-        return Err(TimelineError::InvalidLink {
-            bandwidth: link.bandwidth_bytes_per_sec,
-            latency: link.latency_sec,
-        });
+    for link in [links.intra(), links.inter()] {
+        let bandwidth_ok = link.bandwidth_bytes_per_sec > 0.0; // false for NaN
+        let latency_ok = link.latency_sec.is_finite() && link.latency_sec >= 0.0;
+        if !bandwidth_ok || !latency_ok {
+            return Err(TimelineError::InvalidLink {
+                bandwidth: link.bandwidth_bytes_per_sec,
+                latency: link.latency_sec,
+            });
+        }
     }
     Ok(())
 }
@@ -199,16 +201,20 @@ fn check_specs(
 struct Sim<'a> {
     schedule: &'a Schedule,
     devices: &'a [DeviceSpec],
-    link: LinkSpec,
+    /// The links between the schedule's devices.
+    links: &'a Topology,
     clock: Vec<f64>,
     /// When each directed device-to-device link is next free.
-    link_free: HashMap<(usize, usize), f64>,
+    link_free: FastMap<(usize, usize), f64>,
     busy: Vec<f64>,
     /// Whether to keep the events (the planner needs only the makespan and busy times).
     record: bool,
     events: Vec<Event>,
     /// The latest end of any event, kept or not.
     latest_end: f64,
+    /// Per device, the latest end of its events (compute, and the arrival of its sends), kept
+    /// or not.
+    ends: Vec<f64>,
     error: Option<TimelineError>,
 }
 
@@ -264,15 +270,17 @@ impl Sim<'_> {
             return self.clock[from];
         }
         let free = self.link_free.entry((from, to)).or_insert(0.0);
+        let link = self.links.link(from, to);
         let start = self.clock[from].max(*free);
-        *free = start + self.link.occupancy(bytes);
-        let arrival = *free + self.link.latency_sec;
+        *free = start + link.occupancy(bytes);
+        let arrival = *free + link.latency_sec;
         self.push(from, action, start, arrival, Some(to));
         arrival
     }
 
     fn push(&mut self, device: usize, action: Action, start: f64, end: f64, peer: Option<usize>) {
         self.latest_end = self.latest_end.max(end);
+        self.ends[device] = self.ends[device].max(end);
         if !self.record {
             return;
         }
@@ -302,8 +310,22 @@ pub fn simulate<F>(
 where
     F: FnMut(usize, Action) -> ActionCost,
 {
+    simulate_on(schedule, devices, &Topology::flat(*link), cost)
+}
+
+/// [`simulate`] on devices joined by the links of `links` (a device's link to another of its
+/// node, or to one of another node), indexed as the schedule's devices.
+pub fn simulate_on<F>(
+    schedule: &Schedule,
+    devices: &[DeviceSpec],
+    links: &Topology,
+    cost: F,
+) -> Result<Timeline, TimelineError>
+where
+    F: FnMut(usize, Action) -> ActionCost,
+{
     schedule.validate()?;
-    simulate_valid(schedule, devices, link, true, cost)
+    simulate_valid(schedule, devices, links, true, cost)
 }
 
 /// [`simulate`] for a schedule known to be valid (the planner's: generated, then recomputes
@@ -312,25 +334,42 @@ where
 pub(crate) fn simulate_valid<F>(
     schedule: &Schedule,
     devices: &[DeviceSpec],
-    link: &LinkSpec,
+    links: &Topology,
     record: bool,
-    mut cost: F,
+    cost: F,
 ) -> Result<Timeline, TimelineError>
 where
     F: FnMut(usize, Action) -> ActionCost,
 {
-    check_specs(schedule, devices, link)?;
+    simulate_with_ends(schedule, devices, links, record, cost).map(|(t, _)| t)
+}
+
+/// [`simulate_valid`], with each device's end of work: the latest end of its events (compute,
+/// and the arrival of its sends), recorded or not. A replicated plan's all-reduce starts
+/// from these, so the planner need not keep (and sort) the events to know them.
+pub(crate) fn simulate_with_ends<F>(
+    schedule: &Schedule,
+    devices: &[DeviceSpec],
+    links: &Topology,
+    record: bool,
+    mut cost: F,
+) -> Result<(Timeline, Vec<f64>), TimelineError>
+where
+    F: FnMut(usize, Action) -> ActionCost,
+{
+    check_specs(schedule, devices, links)?;
     let k = schedule.num_devices();
     let mut sim = Sim {
         schedule,
         devices,
-        link: *link,
+        links,
         clock: vec![0.0; k],
-        link_free: HashMap::new(),
+        link_free: FastMap::default(),
         busy: vec![0.0; k],
         record,
         events: Vec::new(),
         latest_end: 0.0,
+        ends: vec![0.0; k],
         error: None,
     };
     schedule.drive(|device, action, arrival: Option<f64>| {
@@ -346,12 +385,15 @@ where
     let makespan = sim.clock.iter().copied().fold(sim.latest_end, f64::max);
     let mut events = sim.events;
     events.sort_by(|a, b| a.start.total_cmp(&b.start).then(a.device.cmp(&b.device)));
-    Ok(Timeline {
-        events,
-        makespan,
-        busy: sim.busy,
-        collectives: Vec::new(),
-    })
+    Ok((
+        Timeline {
+            events,
+            makespan,
+            busy: sim.busy,
+            collectives: Vec::new(),
+        },
+        sim.ends,
+    ))
 }
 
 #[cfg(test)]

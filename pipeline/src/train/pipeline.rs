@@ -25,7 +25,7 @@ use crate::exec::Stage;
 use crate::microbatch::split_batch;
 use crate::schedule::Schedule;
 use crate::sim::collectives::TiedExchange;
-use crate::sim::SimCluster;
+use crate::sim::{SimCluster, Topology};
 use crate::train::builder::PipelineBuilder;
 use crate::train::replica::{Replica, ReplicaStep, Saved, StepCtx};
 use crate::train::replicas::{copy_buffers, merge_reports};
@@ -389,8 +389,21 @@ impl Pipeline {
             one.wall_timeline.collectives.extend(buckets);
             one
         } else {
-            let (k, sim) = (self.schedule.num_devices(), self.first().sim.as_ref());
-            merge_reports(sim, k, reports, agreed.loss, reduced)
+            // The links among all the replicas' devices: each replica's cluster is its part
+            // of the whole, nodes and all.
+            let parts: Option<Vec<(&Topology, usize)>> = self
+                .replicas
+                .iter()
+                .map(|rep| rep.sim.as_ref().map(|c| (c.topology(), c.len())))
+                .collect();
+            let links = parts.map(|p| Topology::concat(&p));
+            merge_reports(
+                links.as_ref(),
+                self.schedule.num_devices(),
+                reports,
+                agreed.loss,
+                reduced,
+            )
         };
         report.skipped = agreed.skipped;
         self.step += 1;

@@ -5,7 +5,7 @@ use wgpipe_tensor::Device;
 
 use crate::error::PipelineError;
 use crate::plan::{
-    plan, profile_layers_timed, PlanError, PlanInputs, PlanReport, Profile, ProfileRun,
+    plan, plan_on, profile_layers_timed, PlanError, PlanInputs, PlanReport, Profile, ProfileRun,
 };
 use crate::sim::timeline::{DeviceSpec, LinkSpec};
 use crate::sim::SimCluster;
@@ -130,10 +130,10 @@ impl PipelineBuilder {
             options.max_replicas = 1;
         }
         let report = match target {
-            Target::Sim(cluster) => plan(
+            Target::Sim(cluster) => plan_on(
                 &profile,
                 cluster.specs(),
-                cluster.link(),
+                cluster.topology(),
                 plan_inputs.batch,
                 &options,
             )?,

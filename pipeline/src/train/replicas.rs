@@ -13,7 +13,7 @@ use wgpipe_tensor::memory::Tag;
 use crate::error::{PipelineError, Result};
 use crate::sim::collectives::{concat_timelines, replicated_timeline};
 use crate::sim::timeline::{Collective, Timeline};
-use crate::sim::SimCluster;
+use crate::sim::Topology;
 use crate::train::replica::Replica;
 use crate::train::report::{SimReport, StepReport};
 
@@ -60,7 +60,7 @@ pub(crate) fn copy_buffers(from: &Replica, to: &Replica) -> Result<()> {
 /// the all-reduce: measured (`reduce`: start and end on the step's clock) on the wall
 /// timeline, ring-modelled on the simulated one.
 pub(crate) fn merge_reports(
-    sim: Option<&SimCluster>,
+    links: Option<&Topology>,
     k: usize,
     reports: Vec<StepReport>,
     loss: f32,
@@ -83,13 +83,13 @@ pub(crate) fn merge_reports(
             replicas: r,
         });
     }
-    let simulated = match (sim, reports.iter().all(|rep| rep.simulated.is_some())) {
-        (Some(cluster), true) => {
+    let simulated = match (links, reports.iter().all(|rep| rep.simulated.is_some())) {
+        (Some(links), true) => {
             let parts: Vec<&Timeline> = reports
                 .iter()
                 .filter_map(|rep| rep.simulated.as_ref().map(|s| &s.timeline))
                 .collect();
-            let t = replicated_timeline(&parts, k, &grad_bytes, &cluster.link());
+            let t = replicated_timeline(&parts, k, &grad_bytes, links);
             Some(SimReport {
                 makespan_secs: t.makespan,
                 bubble_fraction: t.bubble_fraction(),

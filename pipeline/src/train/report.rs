@@ -11,7 +11,7 @@ use crate::exec::worker::{ActionRecord, NonFiniteAt};
 use crate::schedule::Action;
 use crate::schedule::Schedule;
 use crate::sim::collectives::{add_to_timeline, TiedExchange};
-use crate::sim::timeline::{simulate, ActionCost};
+use crate::sim::timeline::{simulate_on, ActionCost};
 use crate::sim::timeline::{Event, Timeline};
 use crate::sim::trace::{chrome_trace_json_on, svg_timeline_on, Clock};
 use crate::sim::SimCluster;
@@ -252,7 +252,12 @@ pub(crate) fn add_to_report(
     add_to_timeline(&mut report.wall_timeline, schedule, exchanges, None);
     report.wall_bubble_fraction = report.wall_timeline.bubble_fraction();
     if let (Some(s), Some(cluster)) = (report.simulated.as_mut(), sim) {
-        add_to_timeline(&mut s.timeline, schedule, exchanges, Some(&cluster.link()));
+        add_to_timeline(
+            &mut s.timeline,
+            schedule,
+            exchanges,
+            Some(cluster.topology()),
+        );
         s.makespan_secs = s.timeline.makespan;
         s.bubble_fraction = s.timeline.bubble_fraction();
         s.steady_bubble_fraction = s.timeline.steady_bubble_fraction();
@@ -316,7 +321,7 @@ impl crate::train::replica::Replica {
                         })
                         .unwrap_or_default()
                 };
-                let t = simulate(schedule, cluster.specs(), &cluster.link(), cost)?;
+                let t = simulate_on(schedule, cluster.specs(), cluster.topology(), cost)?;
                 Some(SimReport {
                     makespan_secs: t.makespan,
                     bubble_fraction: t.bubble_fraction(),

@@ -5,10 +5,10 @@
 use wgpipe_autograd::Module;
 use wgpipe_pipeline::plan::cost::{with_remat, Candidate, CostModel, ScheduleFacts};
 use wgpipe_pipeline::plan::search::compositions;
-use wgpipe_pipeline::plan::{plan, profile_layers, PlanError, PlanOptions, Profile};
+use wgpipe_pipeline::plan::{plan, plan_on, profile_layers, PlanError, PlanOptions, Profile};
 use wgpipe_pipeline::{
     Balance, CheckpointMode, DeviceSpec, LinkSpec, Pipeline, PipelineError, PlanInputs,
-    ScheduleKind, SimCluster,
+    ScheduleKind, SimCluster, Topology,
 };
 use wgpipe_tensor::Device;
 use wgpipe_tests::*;
@@ -62,12 +62,16 @@ const LINK: LinkSpec = LinkSpec {
     latency_sec: 2e-6,
 };
 
-/// The cost model of `profile` on `specs` for the tests' mini-batch of N.
-fn cost_model<'a>(profile: &'a Profile, specs: &'a [DeviceSpec], link: LinkSpec) -> CostModel<'a> {
+/// The cost model of `profile` on `specs` joined by `links` for the tests' mini-batch of N.
+fn cost_model<'a>(
+    profile: &'a Profile,
+    specs: &'a [DeviceSpec],
+    links: &'a Topology,
+) -> CostModel<'a> {
     CostModel {
         profile,
         specs,
-        link,
+        links,
         batch: N,
     }
 }
@@ -80,14 +84,15 @@ fn specs4() -> Vec<DeviceSpec> {
     s
 }
 
-/// Runs `c` on the simulated cluster `specs` for two steps (with its replicas) on the first
+/// Runs `c` on the simulated cluster `specs` joined by `links` for two steps (with its replicas) on the first
 /// `rows` samples; returns (simulated makespan of the second step, per device peak of its
 /// train step, per device peak over the whole run, all-reduce and optimizer step included).
-fn run(
+fn run_on(
     c: &Candidate,
     schedule: &wgpipe_pipeline::Schedule,
     specs: Vec<DeviceSpec>,
     rows: usize,
+    links: &Topology,
 ) -> (f64, Vec<u64>, Vec<u64>) {
     let (x, y) = data();
     let (x, y) = (x.narrow(0, 0, rows).unwrap(), y.narrow(0, 0, rows).unwrap());
@@ -99,7 +104,9 @@ fn run(
             ..s
         })
         .collect();
-    let cluster = SimCluster::new(&Device::cpu(), &unlimited, LINK).select(&c.order);
+    let cluster = SimCluster::on(&Device::cpu(), &unlimited, links.clone())
+        .unwrap()
+        .select(&c.order);
     let mut builder = Pipeline::builder(model())
         .sim(cluster.clone())
         .balance(Balance::Explicit(c.balance.clone()))
@@ -130,7 +137,8 @@ fn run(
 fn predicted_step_time_and_memory_agree_with_the_simulated_cluster() {
     let (_, profile) = profiled();
     let specs = specs();
-    let model = cost_model(&profile, &specs, LINK);
+    let flat = Topology::flat(LINK);
+    let model = cost_model(&profile, &specs, &flat);
     let mut worst = 0.0f64;
     for kind in ScheduleKind::ALL {
         let (k, v) = match kind.default_chunks() {
@@ -161,7 +169,7 @@ fn predicted_step_time_and_memory_agree_with_the_simulated_cluster() {
             };
             let facts = ScheduleFacts::of(&schedule);
             let p = model.predict(&c, &schedule, &facts).unwrap();
-            let err = check_prediction(&c, &p, &schedule, specs.clone(), N);
+            let err = check_prediction(&c, &p, &schedule, specs.clone(), N, model.links);
             worst = worst.max(err);
         }
     }
@@ -177,8 +185,9 @@ fn check_prediction(
     schedule: &wgpipe_pipeline::Schedule,
     specs: Vec<DeviceSpec>,
     rows: usize,
+    links: &Topology,
 ) -> f64 {
-    let (measured, step_peaks, all_peaks) = run(c, schedule, specs, rows);
+    let (measured, step_peaks, all_peaks) = run_on(c, schedule, specs, rows, links);
     let what = format!(
         "{:?} R={} batch {rows} remat {:?}",
         c.kind, c.replicas, c.remat
@@ -218,7 +227,7 @@ fn check_prediction(
 fn predicted_replicated_step_agrees_with_the_simulated_cluster() {
     let (_, profile) = profiled();
     let specs = specs4();
-    let model = cost_model(&profile, &specs, LINK);
+    let flat = Topology::flat(LINK);
     let cases = [
         (
             vec![0, 1, 2, 3],
@@ -253,11 +262,47 @@ fn predicted_replicated_step_agrees_with_the_simulated_cluster() {
         ),
         (10, vec![0, 1, 3], 3, ScheduleKind::GPipe, 1, 2, vec![8]),
     ];
-    let cases = cases
+    let cases: Vec<_> = cases
         .into_iter()
         .map(|(o, r, kind, v, m, b)| (N, o, r, kind, v, m, b))
-        .chain(uneven);
-    for (batch, order, r, kind, v, m, balance) in cases {
+        .chain(uneven)
+        .collect();
+    // On one kind of link, and on two nodes of two devices with a slow link between them
+    // (each transfer and ring priced on the links it crosses, by the runtime as by the
+    // prediction).
+    let nodes = two_nodes();
+    for links in [&flat, &nodes] {
+        check_replicated_cases(&profile, &specs, links, &cases);
+    }
+}
+
+type ReplicatedCase = (
+    usize,
+    Vec<usize>,
+    usize,
+    ScheduleKind,
+    usize,
+    usize,
+    Vec<usize>,
+);
+
+/// 4 devices in 2 nodes of 2: [`LINK`] inside a node, a link 20 times slower between them.
+fn two_nodes() -> Topology {
+    let slow = LinkSpec {
+        bandwidth_bytes_per_sec: LINK.bandwidth_bytes_per_sec / 20.0,
+        latency_sec: 10.0 * LINK.latency_sec,
+    };
+    Topology::nodes(4, 2, LINK, slow).unwrap()
+}
+
+fn check_replicated_cases(
+    profile: &Profile,
+    specs: &[DeviceSpec],
+    links: &Topology,
+    cases: &[ReplicatedCase],
+) {
+    let model = cost_model(profile, specs, links);
+    for (batch, order, r, kind, v, m, balance) in cases.iter().cloned() {
         let model = CostModel { batch, ..model };
         let k = order.len() / r;
         for remat in [
@@ -279,7 +324,7 @@ fn predicted_replicated_step_agrees_with_the_simulated_cluster() {
                 .predict(&c, &schedule, &ScheduleFacts::of(&schedule))
                 .unwrap();
             assert_eq!(p.step_peak_bytes.len(), r * k);
-            check_prediction(&c, &p, &schedule, specs.clone(), batch);
+            check_prediction(&c, &p, &schedule, specs.to_vec(), batch, model.links);
         }
     }
 }
@@ -453,10 +498,10 @@ fn check_search_against(
             exhaustive_balances,
             ..PlanOptions::default()
         };
-        let r = plan(
+        let r = plan_on(
             model.profile,
             model.specs,
-            model.link,
+            model.links,
             model.batch,
             &options,
         )
@@ -497,7 +542,8 @@ fn search_is_within_one_percent_of_exhaustive_enumeration() {
         ScheduleKind::Interleaved1F1B,
     ];
     let ms = [2, 4, 6];
-    let model = cost_model(&profile, &specs, LINK);
+    let flat = Topology::flat(LINK);
+    let model = cost_model(&profile, &specs, &flat);
     let (best, best_c, tried) = brute_force(&model, &kinds, &ms, true);
     eprintln!("exhaustive: {tried} configurations, best {best:.4e} s: {best_c:?}");
     assert!(
@@ -521,10 +567,11 @@ fn search_with_replicas_is_within_one_percent_of_exhaustive_enumeration() {
     };
     let kinds = [ScheduleKind::GPipe, ScheduleKind::OneFOneB];
     let ms = [1, 2, 3];
+    let flat = Topology::flat(link);
     let model = CostModel {
         profile: &profile,
         specs: &specs,
-        link,
+        links: &flat,
         batch: N,
     };
     let (best, best_c, tried) = brute_force(&model, &kinds, &ms, false);
@@ -566,6 +613,62 @@ fn search_with_replicas_is_within_one_percent_of_exhaustive_enumeration() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("at least 5 stages"), "{err}");
+}
+
+/// On a two-level cluster (two nodes of a fast and a slow device; a fast link inside a node,
+/// one a hundred times slower between them), brute force over the same space as above (every
+/// R x K, ordered device choice, kind, M and balance, nothing re-materialized), priced on the
+/// links each candidate crosses: the search is within 1% of the optimum, exact and heuristic.
+/// The slow link moves the optimum: it differs from the one-level cluster's, and crosses
+/// between the nodes less.
+#[test]
+fn search_on_two_nodes_is_within_one_percent_of_exhaustive_enumeration() {
+    let (_, profile) = profiled();
+    let specs = specs4();
+    let fast = LinkSpec {
+        bandwidth_bytes_per_sec: 1e10,
+        latency_sec: 1e-7,
+    };
+    let slow = LinkSpec {
+        bandwidth_bytes_per_sec: 1e8,
+        latency_sec: 1e-5,
+    };
+    // specs4 is fast, slow, fast, slow: each node holds one of each.
+    let nodes = Topology::nodes(4, 2, fast, slow).unwrap();
+    let flat = Topology::flat(fast);
+    let kinds = [ScheduleKind::GPipe, ScheduleKind::OneFOneB];
+    let ms = [1, 2, 3];
+    let on_nodes = cost_model(&profile, &specs, &nodes);
+    let (best, best_c, tried) = brute_force(&on_nodes, &kinds, &ms, false);
+    eprintln!("exhaustive on two nodes: {tried} configurations, best {best:.4e} s: {best_c:?}");
+    let (flat_best, flat_c, _) =
+        brute_force(&cost_model(&profile, &specs, &flat), &kinds, &ms, false);
+    eprintln!("exhaustive on one node: best {flat_best:.4e} s: {flat_c:?}");
+    let crossings = |c: &Candidate| {
+        let k = c.pipeline_devices();
+        let stage_links = (0..c.replicas)
+            .flat_map(|r| (1..k).map(move |d| (r * k + d - 1, r * k + d)))
+            .filter(|&(a, b)| nodes.node(c.order[a]) != nodes.node(c.order[b]))
+            .count();
+        let rings = (0..k)
+            .filter(|&d| {
+                let ring = (0..c.replicas).map(|r| c.order[r * k + d]);
+                nodes.ring_link(ring) == slow
+            })
+            .count();
+        stage_links + rings
+    };
+    assert!(
+        best > flat_best * 1.01,
+        "the slow link between nodes should cost the one-level optimum time"
+    );
+    assert!(
+        crossings(&best_c) < crossings(&flat_c),
+        "the optimum on two nodes should cross between them less than the one-level one: \
+         {best_c:?} vs {flat_c:?}"
+    );
+    let chosen = check_search_against(&on_nodes, &kinds, &ms, best);
+    assert_eq!(crossings(&chosen), crossings(&best_c), "{chosen:?}");
 }
 
 /// `builder.plan(..)` end to end on a Transformer LM and 4 unequal devices: the chosen plan

@@ -30,7 +30,8 @@ use crate::microbatch::micro_batch_sizes;
 use crate::partition::stage_ranges;
 use crate::schedule::ScheduleKind;
 use crate::schedule::{Action, CheckpointMode, Schedule, SkipLink};
-use crate::sim::timeline::{DeviceSpec, LinkSpec};
+use crate::sim::timeline::DeviceSpec;
+use crate::sim::topology::Topology;
 use crate::skips::{skip_links, SkipRoute};
 
 use super::profile::Profile;
@@ -125,7 +126,9 @@ struct StageAt {
 pub struct CostModel<'a> {
     pub profile: &'a Profile,
     pub specs: &'a [DeviceSpec],
-    pub link: LinkSpec,
+    /// The links between the cluster's devices (indexed as `specs`): each transfer and each
+    /// all-reduce is priced on the links it crosses.
+    pub links: &'a Topology,
     pub batch: usize,
 }
 
@@ -150,6 +153,10 @@ impl CandidateCosts {
     /// Parameters, gradients and optimizer state of each pipeline device.
     pub fn static_bytes(&self) -> &[u64] {
         &self.static_bytes
+    }
+    /// The samples these costs are for (one replica's share).
+    pub fn batch(&self) -> usize {
+        self.batch
     }
     fn size_index(&self, micro_batch: usize) -> usize {
         usize::from(self.sizes[micro_batch] != self.sizes[0])

@@ -14,6 +14,12 @@ impl CostModel<'_> {
             .into_iter()
             .enumerate()
             .map(|(s, r)| {
+                if self.profile.skips.is_empty() {
+                    // Without skips there is nothing to look up for each pair of stages (which
+                    // costs S^2 walks of the ranges).
+                    let one = |b: usize| self.stage_at(r.clone(), s == 0, s == last, b);
+                    return [one(sizes[0]), one(small)];
+                }
                 let local = self.skip_bytes_between(balance, s, s);
                 let out = |b: usize| {
                     (s + 1..balance.len())
