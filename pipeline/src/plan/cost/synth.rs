@@ -47,9 +47,15 @@ impl CostModel<'_> {
                 }
             })
             .collect();
-        let outputs: f64 = (0..last).map(|s| costs.at(s, 0).output).sum();
-        let transfer = outputs / last.max(1) as f64 / self.link.bandwidth_bytes_per_sec
-            + self.link.latency_sec;
+        // One delay for every message (the synthesizer's model): the mean over the stage
+        // boundaries, each priced on the link it crosses.
+        let transfer = (0..last)
+            .map(|s| {
+                let link = self.links.link(placement[s], placement[s + 1]);
+                costs.at(s, 0).output / link.bandwidth_bytes_per_sec + link.latency_sec
+            })
+            .sum::<f64>()
+            / last.max(1) as f64;
         let spec = SynthSpec {
             placement,
             micro_batches: m,

@@ -16,6 +16,7 @@ use crate::schedule::{
     SynthSpec,
 };
 use crate::sim::timeline::{simulate_valid, ActionCost, DeviceSpec, LinkSpec, TimelineError};
+use crate::sim::Topology;
 
 /// Where the synthesized schedule came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,7 +79,7 @@ pub fn simulate_spec(schedule: &Schedule, spec: &SynthSpec) -> Result<f64, Timel
         bandwidth_bytes_per_sec: f64::INFINITY,
         latency_sec: spec.transfer,
     };
-    let t = simulate_valid(schedule, &devices, &link, false, |_, a| {
+    let t = simulate_valid(schedule, &devices, &Topology::flat(link), false, |_, a| {
         action_cost(spec, a)
     })?;
     Ok(t.makespan)
