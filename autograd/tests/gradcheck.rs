@@ -395,13 +395,17 @@ fn grad_matmul_of_permuted_head_views() {
         q.matmul(&k.transpose(-2, -1)?)?.matmul(&w)
     };
     let x = randn(&[2, 5, 3 * 6], 60);
-    gradcheck("q @ k^T @ v on permuted heads", &[x.clone()], scores);
+    gradcheck(
+        "q @ k^T @ v on permuted heads",
+        std::slice::from_ref(&x),
+        scores,
+    );
     let copied = |v: &[Var]| -> Result<Var> {
         let [q, k, w] = split_packed(&v[0], 2)?;
         let (q, k, w) = (q.contiguous()?, k.contiguous()?, w.contiguous()?);
         q.matmul(&k.transpose(-2, -1)?.contiguous()?)?.matmul(&w)
     };
-    let (y, g) = SMOOTH.gradients(&[x.clone()], scores).unwrap();
+    let (y, g) = SMOOTH.gradients(std::slice::from_ref(&x), scores).unwrap();
     let (y_ref, g_ref) = SMOOTH.gradients(&[x], copied).unwrap();
     let close = |a: &Tensor, b: &Tensor| {
         let (a, b) = (a.to_vec().unwrap(), b.to_vec().unwrap());
