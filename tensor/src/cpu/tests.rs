@@ -1109,3 +1109,60 @@ fn every_simd_build_gives_the_same_bits() {
         }
     }
 }
+
+/// Where splitting an elementwise or row kernel over the threads starts to pay (same command as
+/// `bench_matmul`, `bench_par_threshold`): each kernel at each size on a one-thread pool and
+/// on a two-thread pool, called from inside the pool as a training loop's kernels are
+/// (`on_cpu_pool`); the median of many calls. Where two threads are not faster, the hand-off
+/// to the other thread (waking it, stealing, joining) costs what the split saves.
+#[test]
+#[ignore]
+fn bench_par_threshold() {
+    let d = dev();
+    let pools = [1usize, 2].map(|n| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .unwrap()
+    });
+    let median_us = |pool: &rayon::ThreadPool, f: &(dyn Fn() + Sync)| {
+        pool.install(|| {
+            let reps = 400;
+            let mut times: Vec<f64> = (0..reps)
+                .map(|_| {
+                    let s = std::time::Instant::now();
+                    f();
+                    s.elapsed().as_secs_f64()
+                })
+                .collect();
+            times.sort_by(f64::total_cmp);
+            times[reps / 2] * 1e6
+        })
+    };
+    println!("| kernel | elements | 1 thread (us) | 2 threads (us) | 2 / 1 |");
+    println!("|---|---|---|---|---|");
+    for n in [
+        4usize << 10,
+        8 << 10,
+        16 << 10,
+        32 << 10,
+        64 << 10,
+        128 << 10,
+        256 << 10,
+    ] {
+        let x = t(rand(n, 1), &[n / 64, 64], &d);
+        let y = t(rand(n, 2), &[n / 64, 64], &d);
+        let add = || drop(std::hint::black_box(K.binary(BinaryOp::Add, &x, &y)));
+        let gelu = || drop(std::hint::black_box(K.unary(UnaryOp::Gelu, &x)));
+        let softmax = || drop(std::hint::black_box(K.softmax_rows(&x, n / 64, 64, false)));
+        let kernels: [(&str, &(dyn Fn() + Sync)); 3] = [
+            ("add", &add),
+            ("gelu", &gelu),
+            ("softmax rows of 64", &softmax),
+        ];
+        for (name, f) in &kernels {
+            let [one, two] = [&pools[0], &pools[1]].map(|p| median_us(p, *f));
+            println!("| {name} | {n} | {one:.1} | {two:.1} | {:.2} |", two / one);
+        }
+    }
+}
