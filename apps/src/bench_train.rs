@@ -6,6 +6,8 @@
 //! * `block`: one pre-LayerNorm decoder block (d_model 256, 4 heads, causal attention with q, k
 //!   and v from one projection, MLP 4x with exact GELU), batch 8, sequence 128, MSE loss against
 //!   a random target, forward + backward + SGD;
+//! * `prim`: the same block written from primitive ops ([`PrimitiveBlock`]: narrow, reshape,
+//!   permute, `q @ k^T`, masked_fill, softmax, `@ v`), as PyTorch's reference block is written;
 //! * `lm`: the main job's model on one device (TransformerLm vocab 28, d_model 64, 4 heads, 4
 //!   blocks, context 64, tanh GELU), batch 32, cross-entropy, AdamW lr 3e-4.
 //!
@@ -13,7 +15,9 @@
 //! re-materialization), which shows the pipeline's own overhead. With `--torch-python` (or
 //! `WGPIPE_TORCH_PYTHON`) naming a Python that imports torch, the same steps run in PyTorch on
 //! as many threads, alternating with wgpipe's (`--rounds`), and the table gets a measured
-//! reference column and the ratio; Burn's figures (wgpu on lavapipe) are quoted from issue 15.
+//! reference column and the ratio; with `--torch-preload` PyTorch runs a second time in each
+//! round with that library preloaded (MKL's vendor check overridden, see README), and the table
+//! gets that column and ratio too. Burn's figures (wgpu on lavapipe) are quoted from issue 15.
 
 use std::time::Instant;
 
@@ -28,17 +32,19 @@ use crate::models::{
     TransformerBlock, TransformerLm,
 };
 use crate::pipeline::{CheckpointMode, Pipeline};
+use crate::prim_block::PrimitiveBlock;
 use crate::tensor::{Device, Tensor, UnaryOp};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Workload {
     Mlp,
     Block,
+    Prim,
     Lm,
 }
 
 impl Workload {
-    pub const ALL: [Workload; 3] = [Workload::Mlp, Workload::Block, Workload::Lm];
+    pub const ALL: [Workload; 4] = [Workload::Mlp, Workload::Block, Workload::Prim, Workload::Lm];
 
     pub fn describe(self) -> &'static str {
         match self {
@@ -46,14 +52,18 @@ impl Workload {
             Workload::Block => {
                 "pre-LN decoder block d256 h4 (fused QKV), batch 8 x seq 128, exact GELU, SGD"
             }
+            Workload::Prim => {
+                "the same block from primitive ops (narrow/permute/matmul/masked_fill/softmax)"
+            }
             Workload::Lm => "main job's LM (d64, 4 blocks, ctx 64), batch 32, AdamW",
         }
     }
-    /// The name `torch_reference.py` knows the workload by.
+    /// The name `torch_reference.py` knows the workload by. Both blocks have PyTorch's block as
+    /// reference: it is written from primitive ops, as `prim` is.
     pub fn key(self) -> &'static str {
         match self {
             Workload::Mlp => "mlp",
-            Workload::Block => "block",
+            Workload::Block | Workload::Prim => "block",
             Workload::Lm => "lm",
         }
     }
@@ -62,7 +72,7 @@ impl Workload {
         match self {
             Workload::Mlp => Some(1.61),
             Workload::Block => Some(1.58),
-            Workload::Lm => None,
+            Workload::Prim | Workload::Lm => None,
         }
     }
 }
@@ -102,6 +112,11 @@ pub struct BenchArgs {
     /// (default: $WGPIPE_TORCH_PYTHON; no column when unset).
     #[arg(long)]
     pub torch_python: Option<String>,
+    /// A shared library preloaded into a second PyTorch run per round (LD_PRELOAD), for
+    /// PyTorch at full speed beside PyTorch as shipped: on AMD CPUs, MKL's vendor check
+    /// overridden (README, bench_train, shows how to build it).
+    #[arg(long)]
+    pub torch_preload: Option<String>,
     /// Measurements per cell, wgpipe and PyTorch alternating; the table shows medians.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
@@ -136,6 +151,8 @@ pub struct BenchRow {
     pub plain_rounds: Vec<f64>,
     /// Every round's PyTorch figure (its spread is the machine's noise, for comparison).
     pub torch_rounds: Vec<f64>,
+    /// Every round's figure of PyTorch with `--torch-preload` (MKL at full speed).
+    pub torch_full_rounds: Vec<f64>,
     /// FLOPs of one plain training step, as the device's counter saw them (matmuls at 2 m k n,
     /// elementwise ops at their own counts).
     pub flops_per_step: f64,
@@ -147,13 +164,12 @@ impl BenchRow {
     /// wgpipe / PyTorch: the median of each round's own ratio (a round runs wgpipe, then
     /// PyTorch), which a slow stretch of the machine moves less than a ratio of medians.
     pub fn torch_ratio(&self) -> Option<f64> {
-        let ratios: Vec<f64> = self
-            .plain_rounds
-            .iter()
-            .zip(&self.torch_rounds)
-            .map(|(w, t)| w / t)
-            .collect();
-        (!ratios.is_empty()).then(|| median(&ratios))
+        median_ratio(&self.plain_rounds, &self.torch_rounds)
+    }
+
+    /// wgpipe / PyTorch with `--torch-preload`, as [`BenchRow::torch_ratio`].
+    pub fn torch_full_ratio(&self) -> Option<f64> {
+        median_ratio(&self.plain_rounds, &self.torch_full_rounds)
     }
 
     /// The spread of wgpipe's and PyTorch's rounds: `max / min - 1` (with 2 rounds or more).
@@ -169,8 +185,7 @@ impl BenchRow {
     }
 }
 
-/// A workload: its layers, input and target (deterministic).
-/// A workload's layers, inputs and targets.
+/// A workload's layers, inputs and targets (deterministic).
 pub struct Work {
     pub layers: Vec<Box<dyn Module>>,
     pub x: Tensor,
@@ -200,6 +215,13 @@ pub fn workload(w: Workload, dev: &Device) -> AppResult<Work> {
                 .with_gelu(Gelu::Exact)
                 .with_packed_qkv()?;
             let layers: Vec<Box<dyn Module>> = vec![Box::new(block)];
+            let x = Tensor::rand_normal(&[8, 128, 256], 0.0, 1.0, 4, dev)?;
+            let y = Tensor::rand_normal(&[8, 128, 256], 0.0, 1.0, 5, dev)?;
+            Work { layers, x, y }
+        }
+        Workload::Prim => {
+            let layers: Vec<Box<dyn Module>> =
+                vec![Box::new(PrimitiveBlock::new(256, 4, 128, 3, dev)?)];
             let x = Tensor::rand_normal(&[8, 128, 256], 0.0, 1.0, 4, dev)?;
             let y = Tensor::rand_normal(&[8, 128, 256], 0.0, 1.0, 5, dev)?;
             Work { layers, x, y }
@@ -373,10 +395,14 @@ fn torch_python(args: &BenchArgs) -> Option<String> {
 }
 
 /// PyTorch's steps/s for `w` on as many threads as wgpipe's CPU backend, measured by the
-/// embedded `torch_reference.py`.
-fn bench_torch(args: &BenchArgs, py: &str, w: Workload) -> AppResult<f64> {
+/// embedded `torch_reference.py`, with `preload` in its LD_PRELOAD when given.
+fn bench_torch(args: &BenchArgs, py: &str, w: Workload, preload: Option<&str>) -> AppResult<f64> {
     use std::io::Write;
-    let mut child = std::process::Command::new(py)
+    let mut cmd = std::process::Command::new(py);
+    if let Some(lib) = preload {
+        cmd.env("LD_PRELOAD", lib);
+    }
+    let mut child = cmd
         .arg("-")
         .args(["--workloads", w.key()])
         .args(["--threads", &crate::tensor::cpu_threads().to_string()])
@@ -417,6 +443,12 @@ fn bench_torch(args: &BenchArgs, py: &str, w: Workload) -> AppResult<f64> {
         })
 }
 
+/// The median of the rounds' ratios `own / reference` (`None` without reference rounds).
+fn median_ratio(own: &[f64], reference: &[f64]) -> Option<f64> {
+    let ratios: Vec<f64> = own.iter().zip(reference).map(|(w, t)| w / t).collect();
+    (!ratios.is_empty()).then(|| median(&ratios))
+}
+
 /// `max / min - 1` over `v`, with 2 values or more.
 fn spread(v: &[f64]) -> Option<f64> {
     let min = v.iter().copied().fold(f64::INFINITY, f64::min);
@@ -436,6 +468,13 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
+/// A CPU row's device: the CPU's vendor and family beside every figure (on AMD, family 25 is Zen
+/// 4 and 26 Zen 5, whose AVX-512 units differ in width: the ratios differ with them).
+fn cpu_label() -> String {
+    let model = crate::peak::cpu_model().unwrap_or_else(|| "model unknown".into());
+    format!("cpu ({})", model.split(':').next().unwrap_or(&model))
+}
+
 /// The devices to measure: the CPU and every wgpu adapter, or those named.
 fn devices(args: &BenchArgs) -> AppResult<Vec<(String, Result<Device, String>)>> {
     let mut out = Vec::new();
@@ -446,13 +485,14 @@ fn devices(args: &BenchArgs) -> AppResult<Vec<(String, Result<Device, String>)>>
                 // The adapter's name in the label (it says which reference column applies).
                 let label = match dev.as_ref().ok().and_then(Device::adapter_info) {
                     Some(a) => format!("{spec} {} ({})", a.name, a.backend),
+                    None if dev.as_ref().is_ok_and(Device::is_cpu) => cpu_label(),
                     None => spec.clone(),
                 };
                 out.push((label, dev));
             }
         }
         None => {
-            out.push(("cpu".into(), Ok(Device::cpu())));
+            out.push((cpu_label(), Ok(Device::cpu())));
             for a in Device::adapters() {
                 let label = format!(
                     "wgpu:{} {} ({}{})",
@@ -511,7 +551,8 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
                 }
             };
             let with_torch = py.as_deref().filter(|_| dev.is_cpu());
-            let (mut plain, mut piped, mut torch) = (vec![], vec![], vec![]);
+            let (mut plain, mut piped, mut torch, mut torch_full) =
+                (vec![], vec![], vec![], vec![]);
             let (mut loss, mut flops_per_step) = (0.0, 0.0);
             for round in 0..args.rounds {
                 eprintln!("measuring {w:?} on {label} (round {}) ...", round + 1);
@@ -526,11 +567,14 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
                     );
                 }
                 if let Some(py) = with_torch {
-                    torch.push(bench_torch(&args, py, *w)?);
+                    torch.push(bench_torch(&args, py, *w, None)?);
+                    if let Some(lib) = &args.torch_preload {
+                        torch_full.push(bench_torch(&args, py, *w, Some(lib))?);
+                    }
                 }
                 // Each round's figures, so that a wide spread can be traced to its rounds.
                 eprintln!(
-                    "  round {}: wgpipe {:.2}{}{} steps/s",
+                    "  round {}: wgpipe {:.2}{}{}{} steps/s",
                     round + 1,
                     t.steps_per_sec,
                     piped
@@ -541,6 +585,10 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
                         .last()
                         .filter(|_| torch.len() == round + 1)
                         .map_or(String::new(), |p| format!(", PyTorch {p:.2}")),
+                    torch_full
+                        .last()
+                        .filter(|_| torch_full.len() == round + 1)
+                        .map_or(String::new(), |p| format!(", PyTorch preloaded {p:.2}")),
                 );
             }
             rows.push(BenchRow {
@@ -552,6 +600,7 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
                 torch: (!torch.is_empty()).then(|| median(&torch)),
                 plain_rounds: plain,
                 torch_rounds: torch,
+                torch_full_rounds: torch_full,
                 flops_per_step,
                 fma_peak_gflops: fma_peak.filter(|_| dev.is_cpu()),
             });
@@ -569,13 +618,14 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
     Ok(rows)
 }
 
-/// The rows as a markdown table: wgpipe's figures, PyTorch's from this run and the ratio, the
+/// The rows as a markdown table: wgpipe's figures, PyTorch's from this run and the ratio (as
+/// shipped, and with `--torch-preload` when given), the
 /// FLOPs of a step and, on the CPU, the steps/s the FMA peak would allow and the share of it
 /// wgpipe and PyTorch reach, the spread of each over the rounds (`max / min - 1`), and Burn's
 /// figures as issue 15 quotes them.
 pub fn table(rows: &[BenchRow]) -> String {
     let mut s = String::from(
-        "| workload | device | wgpipe plain (steps/s) | wgpipe 1-stage pipeline (steps/s) | PyTorch CPU, this run (steps/s) | wgpipe / PyTorch (median of the rounds' ratios) | GFLOP per step | steps/s at the CPU's FMA peak | wgpipe / PyTorch, % of that | spread over rounds, wgpipe / PyTorch | Burn wgpu lavapipe (from issue 15) |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| workload | device | wgpipe plain (steps/s) | wgpipe 1-stage pipeline (steps/s) | PyTorch CPU, this run (steps/s) | wgpipe / PyTorch (median of the rounds' ratios) | PyTorch preloaded, e.g. MKL at full speed (steps/s) | wgpipe / PyTorch preloaded | GFLOP per step | steps/s at the CPU's FMA peak | wgpipe / PyTorch, % of that | spread over rounds, wgpipe / PyTorch | Burn wgpu lavapipe (from issue 15) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let opt = |v: Option<f64>| v.map_or("-".into(), |p| format!("{p:.2}"));
     let pct = |v: Option<f64>| v.map_or("-".into(), |p| format!("{:.0}%", 100.0 * p));
@@ -588,13 +638,15 @@ pub fn table(rows: &[BenchRow]) -> String {
         let ceiling = r.steps_at_peak();
         let (own_spread, torch_spread) = r.spreads();
         s.push_str(&format!(
-            "| {} | {} | {:.2} | {} | {} | {} | {:.3} | {} | {} / {} | {} / {} | {} |\n",
+            "| {} | {} | {:.2} | {} | {} | {} | {} | {} | {:.3} | {} | {} / {} | {} / {} | {} |\n",
             r.workload.describe(),
             r.device,
             r.plain,
             opt(r.pipelined),
             opt(r.torch),
             opt(r.torch_ratio()),
+            opt((!r.torch_full_rounds.is_empty()).then(|| median(&r.torch_full_rounds))),
+            opt(r.torch_full_ratio()),
             r.flops_per_step / 1e9,
             opt(ceiling),
             pct(ceiling.map(|c| r.plain / c)),
@@ -622,6 +674,7 @@ mod tests {
             torch: Some(30.0),
             plain_rounds: vec![30.0, 20.0, 33.0],
             torch_rounds: vec![30.0, 25.0, 30.0],
+            torch_full_rounds: vec![],
             flops_per_step: 3e9,
             fma_peak_gflops: Some(300.0),
         };

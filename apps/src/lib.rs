@@ -13,7 +13,8 @@
 //! - [`train`]: the training loop and Ctrl-C;
 //! - [`output`]: the progress bar, the per-device table, the trace and the SVG timeline;
 //! - [`metrics`]: `--metrics` (JSON Lines) and the loss-curve SVG;
-//! - the programs: [`train_transformer`], [`train_cnn`], [`bench_train`].
+//! - the programs: [`train_transformer`], [`train_cnn`], [`bench_train`] (and the model only it
+//!   runs, [`prim_block`]).
 
 pub use clap::Parser;
 pub use wgpipe_autograd as autograd;
@@ -30,6 +31,7 @@ pub mod output;
 pub mod peak;
 pub mod placement;
 pub mod plan;
+pub mod prim_block;
 pub mod train;
 
 pub mod bench_train;

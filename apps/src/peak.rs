@@ -7,8 +7,9 @@
 
 use std::time::{Duration, Instant};
 
-/// The CPU's vendor and model as Linux names them (`AuthenticAMD: AMD EPYC`), so that a figure
-/// quoted against the peak says which CPU it came from; `None` where /proc/cpuinfo is missing.
+/// The CPU's vendor, family and model as Linux names them (`AuthenticAMD family 25: AMD EPYC`),
+/// so that a figure quoted against the peak says which CPU it came from; `None` where
+/// /proc/cpuinfo is missing.
 pub fn cpu_model() -> Option<String> {
     let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
     let field = |key: &str| {
@@ -17,7 +18,13 @@ pub fn cpu_model() -> Option<String> {
             .and_then(|l| l.split_once(':'))
             .map(|(_, v)| v.trim().to_string())
     };
-    match (field("vendor_id"), field("model name")) {
+    // The family beside the model: on AMD it tells Zen 4 (25) from Zen 5 (26), whose AVX-512
+    // units differ in width, and every speed figure depends on which.
+    let vendor = match (field("vendor_id"), field("cpu family")) {
+        (Some(v), Some(f)) => Some(format!("{v} family {f}")),
+        (v, _) => v,
+    };
+    match (vendor, field("model name")) {
         (Some(v), Some(m)) => Some(format!("{v}: {m}")),
         (v, m) => v.or(m),
     }

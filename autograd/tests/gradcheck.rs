@@ -385,6 +385,41 @@ fn grad_matmul() {
     );
 }
 
+/// The attention's products over head views of a packed projection (batch axes that need two
+/// strides, read in place by the kernel): gradients against central differences, and against
+/// the same graph on contiguous copies of the views (the one-stride path the kernel had before).
+#[test]
+fn grad_matmul_of_permuted_head_views() {
+    let scores = |v: &[Var]| -> Result<Var> {
+        let [q, k, w] = split_packed(&v[0], 2)?;
+        q.matmul(&k.transpose(-2, -1)?)?.matmul(&w)
+    };
+    let x = randn(&[2, 5, 3 * 6], 60);
+    gradcheck(
+        "q @ k^T @ v on permuted heads",
+        std::slice::from_ref(&x),
+        scores,
+    );
+    let copied = |v: &[Var]| -> Result<Var> {
+        let [q, k, w] = split_packed(&v[0], 2)?;
+        let (q, k, w) = (q.contiguous()?, k.contiguous()?, w.contiguous()?);
+        q.matmul(&k.transpose(-2, -1)?.contiguous()?)?.matmul(&w)
+    };
+    let (y, g) = SMOOTH.gradients(std::slice::from_ref(&x), scores).unwrap();
+    let (y_ref, g_ref) = SMOOTH.gradients(&[x], copied).unwrap();
+    let close = |a: &Tensor, b: &Tensor| {
+        let (a, b) = (a.to_vec().unwrap(), b.to_vec().unwrap());
+        a.iter()
+            .zip(&b)
+            .all(|(p, q)| (p - q).abs() <= 1e-5 * (1.0 + q.abs()))
+    };
+    assert!(close(&y, &y_ref), "values differ from the copied views'");
+    assert!(
+        close(&g[0], &g_ref[0]),
+        "gradients differ from the copied views'"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // reductions
 

@@ -16,13 +16,48 @@ pub use wgpipe_shaders::ops::{BinaryOp, ReduceOp, UnaryOp};
 
 /// How one matmul operand sits in its storage: element (b, i, j) is at
 /// `offset + b * batch_stride + i * row_stride + j * col_stride` (so a transposed operand is just
-/// swapped strides, and a broadcast batch is `batch_stride = 0`).
+/// swapped strides, and a broadcast batch is `batch_stride = 0`), or, with `groups`, at
+/// `offset + (b / len) * groups.stride + (b % len) * batch_stride + ...`: two batch axes that no
+/// single stride walks, such as the batch and head axes of a `[B, T, H, D]` tensor permuted to
+/// `[B, H, T, D]` (see [`MatLayout::matrix_offset`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatLayout {
     pub offset: usize,
     pub batch_stride: usize,
     pub row_stride: usize,
     pub col_stride: usize,
+    /// The outer batch axis, when the batch needs two (only backends whose
+    /// [`Kernels::matmul_grouped_batches`] says so are given one).
+    pub groups: Option<MatGroups>,
+}
+
+/// The outer of two batch axes of a [`MatLayout`]: matrices `g * len .. (g + 1) * len` are group
+/// `g`, which starts `g * stride` after the offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatGroups {
+    pub len: usize,
+    pub stride: usize,
+}
+
+impl MatLayout {
+    /// A one-axis batch layout.
+    pub fn new(offset: usize, batch_stride: usize, row_stride: usize, col_stride: usize) -> Self {
+        MatLayout {
+            offset,
+            batch_stride,
+            row_stride,
+            col_stride,
+            groups: None,
+        }
+    }
+
+    /// Where matrix `b` of the batch starts.
+    pub fn matrix_offset(&self, b: usize) -> usize {
+        match self.groups {
+            None => self.offset + b * self.batch_stride,
+            Some(g) => self.offset + (b / g.len) * g.stride + (b % g.len) * self.batch_stride,
+        }
+    }
 }
 
 /// `out[b] = a[b] (m x k) @ b[b] (k x n)` for `b` in `0..batch`.
@@ -224,6 +259,11 @@ pub(crate) trait Kernels: Send + Sync {
         rows: usize,
         cols: usize,
     ) -> Result<Tensor>;
+    /// Whether [`Kernels::matmul`] takes operands whose batch needs two strides
+    /// ([`MatLayout::groups`]); where it does not, such operands are copied to one stride first.
+    fn matmul_grouped_batches(&self) -> bool {
+        false
+    }
     /// Batched matmul on strided operands; output contiguous `[batch, m, n]`.
     fn matmul(
         &self,

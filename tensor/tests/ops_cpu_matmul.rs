@@ -190,3 +190,76 @@ fn matmul_errors_name_shapes() {
         "other-cpu"
     );
 }
+
+/// `[b, t, 3 * h * d]` (a packed QKV projection's output) split into three `[b, h, t, d]`
+/// views: `narrow` + `reshape` + `permute`, as a model written from primitive ops makes them.
+fn heads(qkv: &Tensor, h: usize) -> Vec<Tensor> {
+    let (b, t, w) = (qkv.shape()[0], qkv.shape()[1], qkv.shape()[2] / 3);
+    (0..3)
+        .map(|i| {
+            qkv.narrow(2, i * w, w)
+                .unwrap()
+                .reshape(&[b, t, h, w / h])
+                .unwrap()
+                .permute(&[0, 2, 1, 3])
+                .unwrap()
+        })
+        .collect()
+}
+
+fn nd_of(t: &Tensor) -> Nd {
+    Nd::new(t.shape(), t.to_vec().unwrap())
+}
+
+/// The attention's two products over permuted head views (batch axes `[b, h]` that no single
+/// stride walks) match the naive loop, with the operands read where they lie: the only memory
+/// the product takes is its output.
+#[test]
+fn products_of_permuted_head_views_read_them_in_place() {
+    for (b, t, h, d) in [(2, 5, 3, 4), (3, 8, 2, 16), (1, 7, 4, 3)] {
+        let dev = Device::new_cpu("mm-heads");
+        let qkv = Nd::rand(&[b, t, 3 * h * d], 7, -1.0, 1.0).tensor_as(0);
+        let qkv = Tensor::from_vec(qkv.to_vec().unwrap(), &[b, t, 3 * h * d], &dev).unwrap();
+        let hv = heads(&qkv, h);
+        let (q, k, v) = (&hv[0], &hv[1], &hv[2]);
+        assert!(!q.is_contiguous());
+        let kt = k.transpose(-2, -1).unwrap();
+        dev.memory().reset_peak();
+        let live = dev.memory_stats().live;
+        let s = q.matmul(&kt).unwrap();
+        let out_bytes = 4 * b * h * t * t;
+        assert_eq!(
+            dev.memory_stats().peak - live,
+            out_bytes,
+            "the product copied an operand"
+        );
+        let want = matmul_ref(
+            &nd_of(&q.contiguous().unwrap()),
+            &nd_of(&kt.contiguous().unwrap()),
+            &[b, h],
+        );
+        assert_nd(&s, &want, 1e-5, 1e-5);
+        // scores @ v: a contiguous left operand, a permuted right one.
+        let y = s.matmul(v).unwrap();
+        let want = matmul_ref(&nd_of(&s), &nd_of(&v.contiguous().unwrap()), &[b, h]);
+        assert_nd(&y, &want, 1e-4, 1e-4);
+    }
+}
+
+/// Batch axes that even two strides do not walk (three permuted axes) still multiply right,
+/// through a copy; as do two-stride batches broadcast against a plain one.
+#[test]
+fn products_of_any_batch_layout_match_naive() {
+    let x = Nd::rand(&[3, 2, 4, 5, 6], 11, -1.0, 1.0).tensor_as(0);
+    // [4, 2, 3, 5, 6], batch strides (30, 120, 240): no two strides walk it.
+    let a = x.permute(&[2, 1, 0, 3, 4]).unwrap();
+    let w = Nd::rand(&[6, 2], 12, -1.0, 1.0).tensor_as(0);
+    let want = matmul_ref(&nd_of(&a.contiguous().unwrap()), &nd_of(&w), &[4, 2, 3]);
+    assert_nd(&a.matmul(&w).unwrap(), &want, 1e-5, 1e-5);
+    // [2, 3, 5, 6] (two strides) @ [3, 6, 4] broadcast over the first axis.
+    let a2 = x.narrow(1, 1, 1).unwrap().reshape(&[3, 4, 5, 6]).unwrap();
+    let a2 = a2.permute(&[1, 0, 2, 3]).unwrap();
+    let b2 = Nd::rand(&[3, 6, 4], 13, -1.0, 1.0).tensor_as(0);
+    let want = matmul_ref(&nd_of(&a2.contiguous().unwrap()), &nd_of(&b2), &[4, 3]);
+    assert_nd(&a2.matmul(&b2).unwrap(), &want, 1e-5, 1e-5);
+}

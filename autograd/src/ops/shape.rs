@@ -3,7 +3,7 @@
 
 use wgpipe_tensor::{DType, Result, Tensor};
 
-use super::{resolve_axis, same_tape};
+use super::{resolve_axis, same_tape, zero_scalar};
 use crate::var::Var;
 
 /// Records a view-like op whose gradient is `bwd(g)`.
@@ -73,11 +73,13 @@ impl Var {
             if start == 0 && after == 0 {
                 return Ok(g.clone());
             }
-            // In the gradient's dtype, so a half graph's narrow back-propagates in half.
+            // In the gradient's dtype, so a half graph's narrow back-propagates in half; a
+            // broadcast zero (no memory of its own) that `concat` reads as it writes its output,
+            // rather than zero-filled tensors it would copy.
             let zeros = |n: usize| {
                 let mut s = shape.clone();
                 s[a] = n;
-                Tensor::zeros_in(&s, g.dtype(), g.device())
+                zero_scalar(g)?.broadcast_to(&s)
             };
             let mut parts = Vec::with_capacity(3);
             if start > 0 {
@@ -147,7 +149,8 @@ impl Var {
                 .zip(&shapes)
                 .map(|(g, s)| match g {
                     Some(g) => Ok(g.clone()),
-                    None => Tensor::zeros_in(s, like.dtype(), like.device()),
+                    // A broadcast zero, as in `narrow`'s backward.
+                    None => zero_scalar(like)?.broadcast_to(s),
                 })
                 .collect::<Result<_>>()?;
             let parts: Vec<&Tensor> = parts.iter().collect();

@@ -54,8 +54,8 @@ pub(crate) fn matmul(
         return;
     }
     let one = |bi: usize, o: &mut [f32], par: Parallelism| {
-        let pa = &a[la.offset + bi * la.batch_stride..];
-        let pb = &b[lb.offset + bi * lb.batch_stride..];
+        let pa = &a[la.matrix_offset(bi)..];
+        let pb = &b[lb.matrix_offset(bi)..];
         // SAFETY: `check_bounds` showed every element (i, j) of both operands lies inside its
         // slice; `o` is exactly `m * n` elements, written row-major (row stride n, col stride 1);
         // `read_dst = false`, so its old contents are ignored.
@@ -217,10 +217,15 @@ impl SharedOut {
 
 /// Panics unless the last element of every batch of an operand is inside `data`.
 fn check_bounds(data: &[f32], l: MatLayout, batch: usize, rows: usize, cols: usize) {
-    let last = l.offset
-        + (batch - 1) * l.batch_stride
-        + (rows - 1) * l.row_stride
-        + (cols - 1) * l.col_stride;
+    // The farthest matrix starts at most this far (exactly there when the batch is whole
+    // groups, as the front-end makes it): the last group, at the last place in a group.
+    let farthest = match l.groups {
+        Some(g) => {
+            l.offset + (batch - 1) / g.len * g.stride + (g.len.min(batch) - 1) * l.batch_stride
+        }
+        None => l.matrix_offset(batch - 1),
+    };
+    let last = farthest + (rows - 1) * l.row_stride + (cols - 1) * l.col_stride;
     assert!(
         last < data.len(),
         "matmul operand {l:?} ({batch} x {rows} x {cols}) reaches past its storage of {} values",

@@ -308,6 +308,10 @@ impl Kernels for CpuKernels {
         Ok(out.into_tensor(&[rows, cols], y.device()))
     }
 
+    fn matmul_grouped_batches(&self) -> bool {
+        true
+    }
+
     fn matmul(
         &self,
         a: &Tensor,

@@ -386,10 +386,8 @@ fn naive_matmul(a: &[f32], la: MatLayout, b: &[f32], lb: MatLayout, d: MatDims) 
             for j in 0..d.n {
                 let mut s = 0f64;
                 for p in 0..d.k {
-                    let x =
-                        a[la.offset + bi * la.batch_stride + i * la.row_stride + p * la.col_stride];
-                    let y =
-                        b[lb.offset + bi * lb.batch_stride + p * lb.row_stride + j * lb.col_stride];
+                    let x = a[la.matrix_offset(bi) + i * la.row_stride + p * la.col_stride];
+                    let y = b[lb.matrix_offset(bi) + p * lb.row_stride + j * lb.col_stride];
                     s += x as f64 * y as f64;
                 }
                 out[(bi * d.m + i) * d.n + j] = s as f32;
@@ -430,18 +428,18 @@ fn matmul_transposed_and_broadcast_operands() {
             let off = 3;
             let av = rand(off + batch * m * k, 30);
             let bv = rand(off + batch * k * n, 31);
-            let la = MatLayout {
-                offset: off,
-                batch_stride: if bca { 0 } else { m * k },
-                row_stride: if ta { 1 } else { k },
-                col_stride: if ta { m } else { 1 },
-            };
-            let lb = MatLayout {
-                offset: off,
-                batch_stride: if bcb { 0 } else { k * n },
-                row_stride: if tb { 1 } else { n },
-                col_stride: if tb { k } else { 1 },
-            };
+            let la = MatLayout::new(
+                off,
+                if bca { 0 } else { m * k },
+                if ta { 1 } else { k },
+                if ta { m } else { 1 },
+            );
+            let lb = MatLayout::new(
+                off,
+                if bcb { 0 } else { k * n },
+                if tb { 1 } else { n },
+                if tb { k } else { 1 },
+            );
             let dims = MatDims { batch, m, k, n };
             let a = t(av.clone(), &[av.len()], &dv);
             let b = t(bv.clone(), &[bv.len()], &dv);
@@ -789,19 +787,9 @@ fn capped_device_refuses_without_leaking() {
     assert!(K
         .matmul(
             &x,
-            MatLayout {
-                offset: 0,
-                batch_stride: 0,
-                row_stride: 16,
-                col_stride: 1
-            },
+            MatLayout::new(0, 0, 16, 1),
             &x,
-            MatLayout {
-                offset: 0,
-                batch_stride: 0,
-                row_stride: 16,
-                col_stride: 1
-            },
+            MatLayout::new(0, 0, 16, 1),
             MatDims {
                 batch: 1,
                 m: 8,
@@ -826,12 +814,7 @@ fn bench_matmul() {
     for n in [256usize, 512, 1024, 2048] {
         let a = t(rand(n * n, 1), &[n, n], &d);
         let b = t(rand(n * n, 2), &[n, n], &d);
-        let l = MatLayout {
-            offset: 0,
-            batch_stride: 0,
-            row_stride: n,
-            col_stride: 1,
-        };
+        let l = MatLayout::new(0, 0, n, 1);
         let dims = MatDims {
             batch: 1,
             m: n,
@@ -1123,6 +1106,63 @@ fn every_simd_build_gives_the_same_bits() {
                 same(got, want),
                 "{name}: the {level:?} build differs from the widest"
             );
+        }
+    }
+}
+
+/// Where splitting an elementwise or row kernel over the threads starts to pay (same command as
+/// `bench_matmul`, `bench_par_threshold`): each kernel at each size on a one-thread pool and
+/// on a two-thread pool, called from inside the pool as a training loop's kernels are
+/// (`on_cpu_pool`); the median of many calls. Where two threads are not faster, the hand-off
+/// to the other thread (waking it, stealing, joining) costs what the split saves.
+#[test]
+#[ignore]
+fn bench_par_threshold() {
+    let d = dev();
+    let pools = [1usize, 2].map(|n| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .unwrap()
+    });
+    let median_us = |pool: &rayon::ThreadPool, f: &(dyn Fn() + Sync)| {
+        pool.install(|| {
+            let reps = 400;
+            let mut times: Vec<f64> = (0..reps)
+                .map(|_| {
+                    let s = std::time::Instant::now();
+                    f();
+                    s.elapsed().as_secs_f64()
+                })
+                .collect();
+            times.sort_by(f64::total_cmp);
+            times[reps / 2] * 1e6
+        })
+    };
+    println!("| kernel | elements | 1 thread (us) | 2 threads (us) | 2 / 1 |");
+    println!("|---|---|---|---|---|");
+    for n in [
+        4usize << 10,
+        8 << 10,
+        16 << 10,
+        32 << 10,
+        64 << 10,
+        128 << 10,
+        256 << 10,
+    ] {
+        let x = t(rand(n, 1), &[n / 64, 64], &d);
+        let y = t(rand(n, 2), &[n / 64, 64], &d);
+        let add = || drop(std::hint::black_box(K.binary(BinaryOp::Add, &x, &y)));
+        let gelu = || drop(std::hint::black_box(K.unary(UnaryOp::Gelu, &x)));
+        let softmax = || drop(std::hint::black_box(K.softmax_rows(&x, n / 64, 64, false)));
+        let kernels: [(&str, &(dyn Fn() + Sync)); 3] = [
+            ("add", &add),
+            ("gelu", &gelu),
+            ("softmax rows of 64", &softmax),
+        ];
+        for (name, f) in &kernels {
+            let [one, two] = [&pools[0], &pools[1]].map(|p| median_us(p, *f));
+            println!("| {name} | {n} | {one:.1} | {two:.1} | {:.2} |", two / one);
         }
     }
 }

@@ -2,7 +2,7 @@
 //! matrices ([`MatLayout`]), so transposed views and broadcast batches cost no copy. FLOPs:
 //! `2 * batch * m * k * n`.
 
-use crate::backend::{Kernels, MatDims, MatLayout};
+use crate::backend::{Kernels, MatDims, MatGroups, MatLayout};
 use crate::dtype_policy::{DTypePolicy::WidenThenRound, Precision};
 use crate::error::{Error, Result};
 use crate::layout::broadcast_shapes;
@@ -42,8 +42,11 @@ impl Tensor {
         if batch * m * n == 0 || k == 0 {
             return Tensor::zeros_in(&out_shape, self.dtype(), dev);
         }
-        let (a, la) = as_matrix(self, &batch_shape, m, k)?;
-        let (b, lb) = as_matrix(other, &batch_shape, k, n)?;
+        // Operands whose batch needs two strides (heads split out of a row, then permuted) go
+        // to the kernel as they lie where the backend walks two; elsewhere they are copied.
+        let grouped = dev.kernels().matmul_grouped_batches();
+        let (a, la) = as_matrix(self, &batch_shape, m, k, grouped)?;
+        let (b, lb) = as_matrix(other, &batch_shape, k, n, grouped)?;
         let dims = MatDims { batch, m, k, n };
         // A native half product (f32 accumulation) where the backend has one, else the f32
         // kernel, on widened copies for half operands.
@@ -66,18 +69,35 @@ impl Tensor {
 }
 
 /// `x` broadcast to `batch ++ [rows, cols]` as one strided batch of matrices. When its batch
-/// axes cannot be walked with a single stride (e.g. batch `[2, 3]` broadcast from `[2, 1]`), the
-/// broadcast view is materialised: correct, costs a copy, and only happens for mixed broadcasts.
-fn as_matrix(x: &Tensor, batch: &[usize], rows: usize, cols: usize) -> Result<(Tensor, MatLayout)> {
+/// axes cannot be walked with a single stride (e.g. batch `[2, 3]` broadcast from `[2, 1]`, or
+/// the `[B, H]` of a `[B, T, H, D]` tensor permuted to `[B, H, T, D]`), they are walked with two
+/// ([`MatGroups`]) when `grouped`; otherwise, or when even two do not do, the broadcast view is
+/// materialised: correct, and costs a copy.
+fn as_matrix(
+    x: &Tensor,
+    batch: &[usize],
+    rows: usize,
+    cols: usize,
+    grouped: bool,
+) -> Result<(Tensor, MatLayout)> {
     let mut shape = batch.to_vec();
     shape.extend([rows, cols]);
     let mut v = x.broadcast_to(&shape)?;
     let nb = batch.len();
-    let batch_stride = match single_stride(batch, &v.strides()[..nb]) {
-        Some(s) => s,
-        None => {
+    let axes = batch_axes(batch, &v.strides()[..nb]);
+    let (batch_stride, groups) = match axes.as_slice() {
+        [] => (0, None),
+        [(_, s)] => (*s, None),
+        [(_, outer), (len, inner)] if grouped => (
+            *inner,
+            Some(MatGroups {
+                len: *len,
+                stride: *outer,
+            }),
+        ),
+        _ => {
             v = v.contiguous()?;
-            rows * cols
+            (rows * cols, None)
         }
     };
     let l = v.layout();
@@ -86,21 +106,23 @@ fn as_matrix(x: &Tensor, batch: &[usize], rows: usize, cols: usize) -> Result<(T
         batch_stride,
         row_stride: l.strides[nb],
         col_stride: l.strides[nb + 1],
+        groups,
     };
     Ok((v, layout))
 }
 
-/// The one stride that walks all batch axes in row-major order, if there is one.
-fn single_stride(shape: &[usize], strides: &[usize]) -> Option<usize> {
-    let dims: Vec<(usize, usize)> = shape
-        .iter()
-        .zip(strides)
-        .filter(|(&d, _)| d != 1)
-        .map(|(&d, &s)| (d, s))
-        .collect();
-    if dims.windows(2).all(|w| w[0].1 == w[1].1 * w[1].0) {
-        Some(dims.last().map_or(0, |&(_, s)| s))
-    } else {
-        None
+/// The batch axes as `(length, stride)`, outermost first, with axes of length 1 left out and
+/// neighbours that one stride walks (`outer stride = inner stride * inner length`) merged.
+fn batch_axes(shape: &[usize], strides: &[usize]) -> Vec<(usize, usize)> {
+    let mut axes: Vec<(usize, usize)> = Vec::with_capacity(shape.len());
+    for (&d, &s) in shape.iter().zip(strides) {
+        if d == 1 {
+            continue;
+        }
+        match axes.last_mut() {
+            Some(last) if last.1 == s * d => *last = (last.0 * d, s),
+            _ => axes.push((d, s)),
+        }
     }
+    axes
 }

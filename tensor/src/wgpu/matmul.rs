@@ -70,6 +70,18 @@ fn operand_load(
     }
 }
 
+/// An error for operands whose batch needs two strides: the shaders walk the batch with one per
+/// operand (`matmul_grouped_batches` is false here, so the front-end copies such operands first).
+pub(super) fn one_batch_stride(la: &MatLayout, lb: &MatLayout) -> Result<()> {
+    if la.groups.is_some() || lb.groups.is_some() {
+        return Err(crate::error::Error::invalid(
+            "matmul",
+            "the wgpu backend takes one batch stride per operand, not MatLayout::groups",
+        ));
+    }
+    Ok(())
+}
+
 impl WgpuContext {
     /// The matmul variant for these operands on this adapter.
     pub(super) fn matmul_config(
@@ -259,6 +271,7 @@ impl WgpuContext {
             batch_stride: if dims.batch == 1 { 0 } else { l.batch_stride },
             row_stride: if rows == 1 { 0 } else { l.row_stride },
             col_stride: if cols == 1 { 0 } else { l.col_stride },
+            groups: None,
         };
         let la = norm(la, dims.m, dims.k);
         let lb = norm(lb, dims.k, dims.n);

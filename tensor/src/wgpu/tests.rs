@@ -549,10 +549,8 @@ fn matmul_ref(a: &[f32], la: MatLayout, b: &[f32], lb: MatLayout, d: MatDims) ->
             for j in 0..d.n {
                 let mut s = 0.0f64;
                 for kk in 0..d.k {
-                    let x = a
-                        [la.offset + bi * la.batch_stride + i * la.row_stride + kk * la.col_stride];
-                    let y = b
-                        [lb.offset + bi * lb.batch_stride + kk * lb.row_stride + j * lb.col_stride];
+                    let x = a[la.matrix_offset(bi) + i * la.row_stride + kk * la.col_stride];
+                    let y = b[lb.matrix_offset(bi) + kk * lb.row_stride + j * lb.col_stride];
                     s += f64::from(x) * f64::from(y);
                 }
                 out[(bi * d.m + i) * d.n + j] = s as f32;
@@ -566,19 +564,9 @@ fn matmul_ref(a: &[f32], la: MatLayout, b: &[f32], lb: MatLayout, d: MatDims) ->
 fn layout(rows: usize, cols: usize, transposed: bool, offset: usize, batch: bool) -> MatLayout {
     let bs = if batch { rows * cols } else { 0 };
     if transposed {
-        MatLayout {
-            offset,
-            batch_stride: bs,
-            row_stride: 1,
-            col_stride: rows,
-        }
+        MatLayout::new(offset, bs, 1, rows)
     } else {
-        MatLayout {
-            offset,
-            batch_stride: bs,
-            row_stride: cols,
-            col_stride: 1,
-        }
+        MatLayout::new(offset, bs, cols, 1)
     }
 }
 

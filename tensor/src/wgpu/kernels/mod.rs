@@ -271,6 +271,7 @@ impl Kernels for WgpuContext {
         lb: MatLayout,
         dims: MatDims,
     ) -> Result<Tensor> {
+        super::matmul::one_batch_stride(&la, &lb)?;
         self.matmul_with(a, la, b, lb, dims, None)
     }
 
@@ -282,7 +283,10 @@ impl Kernels for WgpuContext {
         lb: MatLayout,
         dims: MatDims,
     ) -> Option<Result<Tensor>> {
-        Some(self.matmul_tuned(a, la, b, lb, dims))
+        Some(
+            super::matmul::one_batch_stride(&la, &lb)
+                .and_then(|()| self.matmul_tuned(a, la, b, lb, dims)),
+        )
     }
 
     fn layer_norm_rows(
