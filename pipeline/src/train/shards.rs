@@ -152,7 +152,7 @@ fn read_header(path: &Path) -> Result<Header, String> {
 }
 
 /// A sharded checkpoint, opened: the index checked against every shard's header; the shards'
-/// tensors are read when asked for (each shard file once).
+/// tensors are read when asked for, each from its offset (a shard's header is parsed once).
 pub(crate) struct Sharded {
     /// The index file (what errors about the checkpoint as a whole name).
     index: PathBuf,
@@ -314,8 +314,8 @@ impl Sharded {
         })
     }
 
-    /// The values of tensor `name` (reading its shard the first time one of its tensors is
-    /// asked for); errors name the shard.
+    /// The values of tensor `name`, read from its offset (its shard is opened, header only,
+    /// the first time one of its tensors is asked for); errors name the shard.
     fn values(&self, name: &str) -> PResult<Vec<f32>> {
         let Some((i, _, _)) = self.tensors.get(name) else {
             return Err(PersistError::Unreadable {
