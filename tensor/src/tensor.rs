@@ -235,6 +235,24 @@ impl Tensor {
         self.device.kernels().to_host(self)
     }
 
+    /// The values' bytes where they lie in host memory (f32 values, or a half dtype's 16-bit
+    /// patterns; native byte order), for a tensor on the host whose layout is contiguous: what a
+    /// transport sends without copying them. `None` for a GPU tensor or a strided view (read
+    /// those with [`Tensor::to_vec`]). The storage cannot change while the tensor lives: a
+    /// storage is written in place only by its one holder.
+    pub fn host_bytes(&self) -> Option<&[u8]> {
+        if !self.is_contiguous() {
+            return None;
+        }
+        let at = self.layout.offset..self.layout.offset + self.numel();
+        if let Some(values) = self.storage.as_cpu() {
+            return Some(bytemuck::cast_slice(&values[at]));
+        }
+        self.storage
+            .as_cpu_half()
+            .map(|bits| bytemuck::cast_slice(&bits[at]))
+    }
+
     /// [`Tensor::to_vec`] with room for `extra` more values, so that appending them (a
     /// message header, say) does not copy the values again.
     pub fn to_vec_reserving(&self, extra: usize) -> Result<Vec<f32>> {

@@ -93,3 +93,36 @@ fn capacity_refuses_then_keeps_working() {
     dev.memory().set_capacity(None);
     assert!(Tensor::ones(&[1000], &dev).is_ok());
 }
+
+/// A host tensor's bytes are borrowed where they lie (no copy), for contiguous views at an
+/// offset too; strided views and GPU-resident tensors have none to borrow.
+#[test]
+fn host_bytes_borrow_contiguous_values_in_place() {
+    let dev = Device::cpu();
+    let values: Vec<f32> = (0..12).map(|i| i as f32 - 5.5).collect();
+    let a = Tensor::from_vec(values.clone(), &[3, 4], &dev).unwrap();
+    let bytes = a.host_bytes().expect("a contiguous host tensor");
+    assert_eq!(bytes, bytemuck::cast_slice::<f32, u8>(&values));
+    // A row further on: the same storage, from its offset.
+    let row = a.narrow(0, 1, 2).unwrap();
+    let row_bytes = row.host_bytes().expect("rows 1..3 are contiguous");
+    assert_eq!(row_bytes, bytemuck::cast_slice::<f32, u8>(&values[4..]));
+    assert_eq!(
+        row_bytes.as_ptr(),
+        bytes[16..].as_ptr(),
+        "the row was copied"
+    );
+    // A column, or a transpose, is strided: nothing to borrow.
+    assert!(a.narrow(1, 1, 1).unwrap().host_bytes().is_none());
+    assert!(a.transpose(0, 1).unwrap().host_bytes().is_none());
+    // Halves lend their 16-bit patterns.
+    let h = a.to_dtype(wgpipe_tensor::DType::F16).unwrap();
+    let bits: Vec<u16> = values
+        .iter()
+        .map(|&v| half::f16::from_f32(v).to_bits())
+        .collect();
+    assert_eq!(
+        h.host_bytes().unwrap(),
+        bytemuck::cast_slice::<u16, u8>(&bits)
+    );
+}

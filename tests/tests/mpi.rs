@@ -777,6 +777,71 @@ fn a_load_that_fails_on_one_rank_fails_on_every_rank() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Activations and gradients large enough to leave from their tensors' storage (the values
+/// and then the rest of the message, joined on arrival): training, evaluation and sampling
+/// under mpirun give one process's bits.
+#[test]
+fn large_activations_cross_ranks_from_their_storage_and_train_like_one_process() {
+    let dir = fresh_dir("large-messages");
+    // Micro-batches of 8 sequences of 64 positions of d_model 64: 128 KiB per activation.
+    let (rows, seq, d) = (8, 64, 64);
+    assert!(
+        rows * seq * d * 4 >= wgpipe_pipeline::exec::transport::wire::SPLIT_FROM,
+        "the messages of this test no longer take the split path"
+    );
+    let flags: Vec<String> = [
+        "--quiet",
+        "--device",
+        "sim",
+        "--stages",
+        "2",
+        "--micro-batches",
+        "2",
+        "--layers",
+        "2",
+        "--d-model",
+        &d.to_string(),
+        "--heads",
+        "2",
+        "--seq-len",
+        &seq.to_string(),
+        "--batch",
+        &(2 * rows).to_string(),
+        "--steps",
+        "3",
+        "--sample-len",
+        "4",
+        "--schedule",
+        "1f1b",
+    ]
+    .map(String::from)
+    .to_vec();
+    let summary = dir.join("np2.json");
+    let out = mpirun_np(2)
+        .arg(env!("CARGO_BIN_EXE_mpi_example"))
+        .arg(&summary)
+        .args(&flags)
+        .args(["--transport", "mpi"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    let args = wgpipe_apps::train_transformer::TransformerArgs::parse_from_args(flags).unwrap();
+    let want =
+        wgpipe_apps::train_transformer::run_with(args, &std::sync::atomic::AtomicBool::new(false))
+            .unwrap();
+    assert_eq!(floats(&got["losses"]), want.losses);
+    assert_eq!(got["eval_loss"].as_f64().unwrap() as f32, want.eval_loss);
+    assert_eq!(got["sample"].as_str().unwrap(), want.sample);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// The flags of a small transformer example run on a simulated 2-device pipeline.
 fn tiny_example_flags() -> Vec<String> {
     [
@@ -1179,6 +1244,18 @@ fn killed_after_a_checkpoint(job: MpiJob) {
         .spawn()
         .unwrap();
     let pid = stopped_rank(&mut child, &dir, victim, &tag);
+    // Save 2 half done: rank 0 writes its shard while the victim stands still, which on a
+    // loaded machine can take longer than the second below (the shard appears whole, by a
+    // rename).
+    let half = dir
+        .join("ckpt")
+        .join("model-save2-00001-of-00002.safetensors");
+    if fault == MpiFault::StopInSave {
+        let since = Instant::now();
+        while !half.exists() && since.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
     std::thread::sleep(Duration::from_secs(1));
     let killed = Command::new("kill")
         .args(["-KILL", &pid.to_string()])
@@ -1199,9 +1276,6 @@ fn killed_after_a_checkpoint(job: MpiJob) {
     println!("{tag}: the job ended {secs:.1} s after the kill");
     if fault == MpiFault::StopInSave {
         // Save 2 was half done: rank 0 had written its shard, which the index never named.
-        let half = dir
-            .join("ckpt")
-            .join("model-save2-00001-of-00002.safetensors");
         assert!(half.exists(), "{tag}: rank 0 wrote no shard of save 2");
     }
     // The last complete checkpoint: step 1's, as the uninterrupted run in one process has it.

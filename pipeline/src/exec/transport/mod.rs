@@ -140,14 +140,14 @@ struct LoopbackSend {
 
 impl LinkSend for LoopbackSend {
     fn send(&self, msg: Msg) -> Result<(), StageCause> {
-        let frame = encode_msg(self.step, self.link, &msg)?;
+        let frame = encode_msg(self.step, self.link, &msg)?.received();
         let received = decode_msg(frame, self.step, self.link)?;
         LinkSend::send(&self.tx, received)
     }
 }
 
 /// `msg` as sent on `link` during `step`.
-pub(crate) fn encode_msg(step: u64, link: Link, msg: &Msg) -> Result<wire::Frame, StageCause> {
+pub(crate) fn encode_msg(step: u64, link: Link, msg: &Msg) -> Result<wire::Outgoing, StageCause> {
     let kind = if link.grad {
         MsgKind::Gradient
     } else {
@@ -236,7 +236,7 @@ mod tests {
 
     #[test]
     fn a_message_comes_back_whole() {
-        let frame = encode_msg(4, LINK, &msg()).unwrap();
+        let frame = encode_msg(4, LINK, &msg()).unwrap().received();
         let got = decode_msg(frame, 4, LINK).unwrap();
         assert_eq!((got.micro_batch, got.finite), (3, true));
         assert_eq!(got.tensor.shape(), &[2, 2]);
@@ -245,7 +245,7 @@ mod tests {
 
     #[test]
     fn a_message_of_another_step_or_link_is_refused() {
-        let frame = encode_msg(4, LINK, &msg()).unwrap();
+        let frame = encode_msg(4, LINK, &msg()).unwrap().received();
         let e = decode_msg(frame.clone(), 5, LINK)
             .err()
             .unwrap()

@@ -4,8 +4,9 @@
 //! hands encoded bytes to this thread, and receive from in-process channels that this thread
 //! feeds.
 //!
-//! Every message is one byte buffer in the [`crate::exec::transport::wire`] format; its header, not the MPI tag,
-//! says what it is. Each `train_step` is a round: the thread delivers a round's tensors to the
+//! Every message is a byte buffer in the [`crate::exec::transport::wire`] format; its header, not the MPI tag,
+//! says what it is (a large host tensor leaves as two: its values from its storage, then the
+//! rest of its frame, joined again on arrival). Each `train_step` is a round: the thread delivers a round's tensors to the
 //! receivers registered for that round, keeps messages of later rounds until their round
 //! begins (a fast peer may start the next step early), and drops those of rounds that are over
 //! (what a failed step left in flight). Receives are probes polled by this thread, so nothing
@@ -13,8 +14,9 @@
 //! when polled (a blocking MPI call spins too), so the thread polls without pause while
 //! anyone waits for a message (a worker's receive, an exchange, a send or a collective in
 //! flight: see [`crate::exec::transport::Waiter`]) and rests between looks only when nobody
-//! does. Messages are [`Frame`]s: a tensor's values are read into the vector that is sent,
-//! and received into the vector that becomes the tensor.
+//! does. Messages are [`Frame`]s: a tensor's values are sent from its storage (or, from a
+//! GPU or a strided view, read into the vector that is sent), and received into the vector
+//! that becomes the tensor.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -33,7 +35,7 @@ use mpi::Threading;
 use crate::error::{PipelineError, StageCause};
 use crate::exec::threads::lock;
 use crate::exec::transport::mpi_reduce::{self, Reduction};
-use crate::exec::transport::wire::{self, Frame, MsgKind};
+use crate::exec::transport::wire::{self, Frame, MsgKind, Outgoing};
 use crate::exec::transport::{decode_msg, encode_msg, LinkSend};
 use crate::exec::transport::{Msg, Waiter, Waiting};
 use crate::schedule::Link;
@@ -43,10 +45,14 @@ use crate::schedule::Link;
 /// that arrive early are all it can find then).
 const IDLE: Duration = Duration::from_micros(500);
 
-/// The MPI tag of every message of the transport; [`MpiComm::raw_ping_pong`] uses another, so
-/// that the two never take each other's messages.
+/// The MPI tags of the transport: a whole message (a [`Frame`]); a tensor's values sent apart
+/// from their storage ([`Outgoing::Split`]); and the rest of that message, which its sender
+/// sends right after the values. The receiver probes for any tag, so MPI's order of two
+/// messages from one sender holds: a tail is the next message after its values.
+/// [`MpiComm::raw_ping_pong`] runs on a communicator of its own.
 const TAG: i32 = 0;
-const RAW_TAG: i32 = 1;
+const VALUES_TAG: i32 = 2;
+const TAIL_TAG: i32 = 3;
 
 /// This process's place in the MPI job and its communication thread. Cheap to clone; the
 /// thread stops (and MPI is finalized) when [`MpiComm::finish`] is called.
@@ -114,7 +120,7 @@ impl PartialEq for MpiComm {
 enum Out {
     Send {
         dest: usize,
-        frame: Frame,
+        msg: Outgoing,
     },
     /// Someone began to wait: poll without pause from now on.
     Wake,
@@ -375,7 +381,11 @@ impl MpiComm {
     }
 
     fn send(&self, dest: usize, frame: Frame) -> Result<(), StageCause> {
-        self.post(Out::Send { dest, frame })
+        self.send_msg(dest, Outgoing::Whole(frame))
+    }
+
+    fn send_msg(&self, dest: usize, msg: Outgoing) -> Result<(), StageCause> {
+        self.post(Out::Send { dest, msg })
     }
 
     fn post(&self, what: Out) -> Result<(), StageCause> {
@@ -490,9 +500,9 @@ impl MpiComm {
             let round = u64::MAX / 2 + i as u64;
             let t0 = Instant::now();
             let send = || -> Result<(), String> {
-                let frame = wire::encode_tensor(MsgKind::Reduce, round, link, 0, true, &tensor)
+                let msg = wire::encode_tensor(MsgKind::Reduce, round, link, 0, true, &tensor)
                     .map_err(|e| e.to_string())?;
-                self.send(peer, frame).map_err(|e| e.to_string())
+                self.send_msg(peer, msg).map_err(|e| e.to_string())
             };
             let take = || -> Result<(), String> {
                 let mut got = self.collect(round, MsgKind::Reduce, &[peer], None)?;
@@ -610,19 +620,39 @@ struct MpiSend {
 
 impl LinkSend for MpiSend {
     fn send(&self, msg: Msg) -> Result<(), StageCause> {
-        // Reads the tensor back to host memory (from any device) into the frame sent.
-        let frame = encode_msg(self.round, self.link, &msg)?;
-        self.comm.send(self.dest, frame)
+        // A host tensor's values leave from its storage; any other's are read back to host
+        // memory (from any device) into the frame sent.
+        let msg = encode_msg(self.round, self.link, &msg)?;
+        self.comm.send_msg(self.dest, msg)
     }
 }
 
-/// A send in flight and its frame, freed once MPI is done with it.
+/// A send in flight and what it sends from, kept until MPI is done with it.
 struct Pending {
     request: Request<'static, [u8], StaticScope>,
-    buf: *mut [f32],
+    from: SentFrom,
     dest: usize,
     /// A heartbeat's (nobody waits for it).
     beat: bool,
+}
+
+/// The memory of a send in flight.
+enum SentFrom {
+    /// A frame's words, leaked for the send and freed when it completes.
+    Frame(*mut [f32]),
+    /// A tensor whose storage's bytes are sent: held, never read (a clone: the storage cannot
+    /// change or go while it lives).
+    Tensor { _held: wgpipe_tensor::Tensor },
+}
+
+impl SentFrom {
+    /// Frees what the completed send used.
+    fn release(self) {
+        if let SentFrom::Frame(words) = self {
+            // SAFETY: MPI has finished with the words leaked for it (see `serve`'s `post`).
+            drop(unsafe { Box::from_raw(words) });
+        }
+    }
 }
 
 /// What the communication thread shares with the handles.
@@ -649,23 +679,53 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
     let mut devices: HashMap<usize, SimpleCommunicator> = HashMap::new();
     let mut stop: Option<Instant> = None;
     let mut last_beat: Option<Instant> = None;
-    let post = |pending: &mut Vec<Pending>, dest: usize, frame: Frame, beat: bool| {
+    // The raw ping-pong's own communicator, so that its messages never meet the transport's
+    // any-tag probes (made on every rank at once: every rank starts this thread at init).
+    let raw = world.duplicate();
+    // Values of split messages received, by source rank, waiting for their tails.
+    let mut partial: HashMap<usize, Frame> = HashMap::new();
+    let post_bytes =
+        |pending: &mut Vec<Pending>, dest: usize, bytes: &'static [u8], tag, from, beat| {
+            let request =
+                world
+                    .process_at_rank(dest as i32)
+                    .immediate_send_with_tag(StaticScope, bytes, tag);
+            pending.push(Pending {
+                request,
+                from,
+                dest,
+                beat,
+            });
+        };
+    let post_frame = |pending: &mut Vec<Pending>, dest: usize, frame: Frame, tag, beat| {
         let (words, len) = frame.into_words();
         let buf: &'static mut [f32] = Box::leak(words.into_boxed_slice());
         let ptr: *mut [f32] = buf;
         // SAFETY of the 'static borrow: the buffer is freed only after the request
-        // completed (below), or never.
+        // completed (`SentFrom::release`), or never.
         let bytes: &'static [u8] = &bytemuck::cast_slice(unsafe { &*ptr })[..len];
-        let request =
-            world
-                .process_at_rank(dest as i32)
-                .immediate_send_with_tag(StaticScope, bytes, TAG);
-        pending.push(Pending {
-            request,
-            buf: ptr,
-            dest,
-            beat,
-        });
+        post_bytes(pending, dest, bytes, tag, SentFrom::Frame(ptr), beat);
+    };
+    let post = |pending: &mut Vec<Pending>, dest: usize, msg: Outgoing, beat: bool| match msg {
+        Outgoing::Whole(frame) => post_frame(pending, dest, frame, TAG, beat),
+        Outgoing::Split { values, tail } => {
+            let bytes = values
+                .host_bytes()
+                .expect("a split tensor lies in host memory");
+            // SAFETY of the 'static borrow: the tensor that owns the bytes is kept in the
+            // pending send until the request completed, or forgotten (never freed).
+            let bytes: &'static [u8] =
+                unsafe { std::slice::from_raw_parts(bytes.as_ptr(), bytes.len()) };
+            post_bytes(
+                pending,
+                dest,
+                bytes,
+                VALUES_TAG,
+                SentFrom::Tensor { _held: values },
+                beat,
+            );
+            post_frame(pending, dest, tail, TAIL_TAG, beat);
+        }
     };
     let peers: Vec<usize> = (0..size).filter(|&p| p != me).collect();
     loop {
@@ -675,7 +735,7 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
                 post(
                     &mut pending,
                     p,
-                    wire::encode_text(MsgKind::Beat, 0, ""),
+                    Outgoing::Whole(wire::encode_text(MsgKind::Beat, 0, "")),
                     true,
                 );
             }
@@ -692,8 +752,8 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
                 out.recv_timeout(IDLE)
             };
             match next {
-                Ok(Out::Send { dest, frame }) => {
-                    post(&mut pending, dest, frame, false);
+                Ok(Out::Send { dest, msg }) => {
+                    post(&mut pending, dest, msg, false);
                     busy = true;
                 }
                 Ok(Out::Wake) => busy = true,
@@ -703,7 +763,7 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
                     reps,
                     reply,
                 }) => {
-                    let _ = reply.send(raw_ping_pong(world, peer, bytes, reps));
+                    let _ = reply.send(raw_ping_pong(&raw, peer, bytes, reps));
                     busy = true;
                 }
                 Ok(Out::Split { k, reply }) => {
@@ -736,7 +796,7 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
                             post(
                                 &mut pending,
                                 p,
-                                wire::encode_text(MsgKind::Bye, 0, ""),
+                                Outgoing::Whole(wire::encode_text(MsgKind::Bye, 0, "")),
                                 true,
                             );
                         }
@@ -752,8 +812,7 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
         for p in pending {
             match p.request.test() {
                 Ok(_) => {
-                    // SAFETY: MPI has finished with the buffer leaked above.
-                    drop(unsafe { Box::from_raw(p.buf) });
+                    p.from.release();
                     busy = true;
                 }
                 Err(request) => still.push(Pending { request, ..p }),
@@ -773,14 +832,21 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
             reductions.retain(|r| !r.is_done());
         }
         // Incoming.
-        while let Some((msg, status)) = world.any_process().immediate_matched_probe_with_tag(TAG) {
+        while let Some((msg, status)) = world.any_process().immediate_matched_probe() {
             let src = status.source_rank() as usize;
             let len = status.count(u8::equivalent_datatype()).max(0) as usize;
+            let tag = status.tag();
+            // Values received apart keep room for their tail, which joins them in place.
+            let room = if tag == VALUES_TAG {
+                wire::TAIL_ROOM
+            } else {
+                0
+            };
             let mut msg = msg;
             // SAFETY: MPI_Mrecv writes the message's `len` bytes (the probed count) at `at`
             // before it returns, and consumes the message handle.
             let frame = unsafe {
-                Frame::received(len, |at| {
+                Frame::received_with_room(len, room, |at| {
                     let mut st = std::mem::MaybeUninit::<mpi::ffi::MPI_Status>::uninit();
                     mpi::ffi::MPI_Mrecv(
                         at.cast(),
@@ -796,7 +862,18 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
             if let Some(t) = r.heard.get_mut(src) {
                 *t = Instant::now();
             }
-            r.route(frame, src);
+            match tag {
+                VALUES_TAG => {
+                    partial.insert(src, frame);
+                }
+                TAIL_TAG => match partial.remove(&src) {
+                    Some(values) => r.route(values.join(frame), src),
+                    None => r.fail(format!(
+                        "rank {src} sent the end of a tensor message without its values"
+                    )),
+                },
+                _ => r.route(frame, src),
+            }
             drop(r);
             sh.arrived.notify_all();
             busy = true;
@@ -825,7 +902,7 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
                 // Sends a dead peer never took: their buffers stay leaked, and the requests
                 // are forgotten rather than dropped (dropping an active request panics).
                 for p in pending {
-                    std::mem::forget(p.request);
+                    std::mem::forget(p);
                 }
                 for red in reductions {
                     red.abandon();
@@ -847,22 +924,22 @@ fn serve(world: &SimpleCommunicator, out: &std::sync::mpsc::Receiver<Out>, sh: &
     }
 }
 
-/// [`MpiComm::raw_ping_pong`] on the communication thread: blocking sends and receives with
-/// the raw tag, buffers allocated once.
-fn raw_ping_pong(world: &SimpleCommunicator, peer: usize, bytes: usize, reps: usize) -> Vec<f64> {
+/// [`MpiComm::raw_ping_pong`] on the communication thread: blocking sends and receives on the
+/// raw ping-pong's own communicator, buffers allocated once.
+fn raw_ping_pong(raw: &SimpleCommunicator, peer: usize, bytes: usize, reps: usize) -> Vec<f64> {
     let out = vec![7u8; bytes];
     let mut back = vec![0u8; bytes];
-    let other = world.process_at_rank(peer as i32);
-    let first = world.rank() < peer as i32;
+    let other = raw.process_at_rank(peer as i32);
+    let first = raw.rank() < peer as i32;
     let mut times = Vec::with_capacity(reps);
     for _ in 0..reps {
         let t0 = Instant::now();
         if first {
-            other.send_with_tag(&out[..], RAW_TAG);
-            other.receive_into_with_tag(&mut back[..], RAW_TAG);
+            other.send(&out[..]);
+            other.receive_into(&mut back[..]);
         } else {
-            other.receive_into_with_tag(&mut back[..], RAW_TAG);
-            other.send_with_tag(&out[..], RAW_TAG);
+            other.receive_into(&mut back[..]);
+            other.send(&out[..]);
         }
         times.push(t0.elapsed().as_secs_f64());
     }

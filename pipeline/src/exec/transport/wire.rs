@@ -138,8 +138,17 @@ impl Frame {
     /// # Safety
     /// `fill` must initialize the `len` bytes at the pointer it is given.
     pub unsafe fn received(len: usize, fill: impl FnOnce(*mut u8)) -> Frame {
+        Frame::received_with_room(len, 0, fill)
+    }
+
+    /// [`Frame::received`] with room for `room` more words: a tensor's values received
+    /// apart, which their frame's tail then joins ([`Frame::join`]) without a copy.
+    ///
+    /// # Safety
+    /// `fill` must initialize the `len` bytes at the pointer it is given.
+    pub unsafe fn received_with_room(len: usize, room: usize, fill: impl FnOnce(*mut u8)) -> Frame {
         let words = len.div_ceil(4);
-        let mut v: Vec<f32> = Vec::with_capacity(words);
+        let mut v: Vec<f32> = Vec::with_capacity(words + room);
         let at = v.as_mut_ptr();
         if !len.is_multiple_of(4) {
             // The last word's bytes past `len` are not written by `fill`.
@@ -148,6 +157,18 @@ impl Frame {
         fill(at.cast::<u8>());
         v.set_len(words);
         Frame { words: v, len }
+    }
+
+    /// A tensor's values received apart (this frame, [`Outgoing::Split`]'s first message) and
+    /// then the rest of their message (`tail`): the frame the whole message would have been.
+    pub fn join(mut self, tail: Frame) -> Frame {
+        self.words.truncate(self.len.div_ceil(4));
+        self.words.extend_from_slice(&tail.words);
+        let len = self.words.len() * 4;
+        Frame {
+            words: self.words,
+            len,
+        }
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -162,20 +183,27 @@ impl Frame {
     /// A frame of `payload` (`len` bytes of it, in words) and `header`, which must say `len`.
     fn seal(mut words: Vec<f32>, len: usize, header: &Header) -> Frame {
         words.truncate(len.div_ceil(4));
+        words.extend(Frame::tail(header, len).words);
+        let len = words.len() * 4;
+        Frame { words, len }
+    }
+
+    /// What follows `len` bytes of payload (padded to a word) in a frame: the header, which
+    /// must say `len`, its length and the magic, in whole words.
+    fn tail(header: &Header, len: usize) -> Frame {
         let mut tail = Vec::with_capacity(FIXED + 8 * header.shape.len() + TAIL + 3);
         header_bytes(header, len, &mut tail);
         let n = tail.len() + TAIL;
         tail.extend_from_slice(&(n as u32).to_le_bytes());
         tail.extend_from_slice(&MAGIC);
-        // Padding before the header, so that the frame ends on a word.
-        let start = words.len() * 4;
-        let mut bytes = vec![0u8; (start + tail.len()).div_ceil(4) * 4 - start - tail.len()];
+        // Padding before the header, so that the frame ends on a word (the payload before it
+        // is padded to a word already).
+        let mut bytes = vec![0u8; tail.len().div_ceil(4) * 4 - tail.len()];
         bytes.extend_from_slice(&tail);
-        words.extend(
-            bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_ne_bytes(c.try_into().expect("4 bytes"))),
-        );
+        let words: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_ne_bytes(c.try_into().expect("4 bytes")))
+            .collect();
         let len = words.len() * 4;
         Frame { words, len }
     }
@@ -433,8 +461,50 @@ fn header_room(ndim: usize) -> usize {
     (FIXED + 8 * ndim + TAIL).div_ceil(4) + 1
 }
 
-/// A tensor as one message: read back to host memory (from any device) into the vector that
-/// becomes the frame, in its own dtype.
+/// Payloads from this size on leave as [`Outgoing::Split`] when they can: below it, one message
+/// with a copy costs less than two.
+pub const SPLIT_FROM: usize = 64 << 10;
+
+/// The words kept free after a tensor's values received apart, for their tail: the tail of up
+/// to 8 dimensions fits without moving the values.
+pub const TAIL_ROOM: usize = (FIXED + 8 * 8 + TAIL).div_ceil(4);
+
+/// A tensor message as it leaves.
+pub enum Outgoing {
+    /// The whole message in one frame.
+    Whole(Frame),
+    /// The tensor's values sent straight from its storage (no copy: the sender keeps the
+    /// tensor until the send completes), then the rest of its frame: header, length, magic.
+    /// Sent back to back to one destination, the receiver joins them ([`Frame::join`]) into
+    /// the frame [`Outgoing::Whole`] would have carried.
+    Split { values: Tensor, tail: Frame },
+}
+
+impl Outgoing {
+    /// The frame a receiver ends up with (what the loopback transport and the tests check):
+    /// a split message is received as MPI receives it, into room for its tail, then joined.
+    pub fn received(self) -> Frame {
+        match self {
+            Outgoing::Whole(frame) => frame,
+            Outgoing::Split { values, tail } => {
+                let bytes = values
+                    .host_bytes()
+                    .expect("a split tensor lies in host memory");
+                // SAFETY: the copy writes all `bytes.len()` bytes.
+                let frame = unsafe {
+                    Frame::received_with_room(bytes.len(), TAIL_ROOM, |at| {
+                        std::ptr::copy_nonoverlapping(bytes.as_ptr(), at, bytes.len())
+                    })
+                };
+                frame.join(tail)
+            }
+        }
+    }
+}
+
+/// A tensor as a message, in its own dtype: a host tensor whose values lie contiguous (and
+/// are [`SPLIT_FROM`] bytes or more) leaves without a copy as [`Outgoing::Split`]; any other is
+/// read back to host memory (from any device) into the vector that becomes the frame.
 pub fn encode_tensor(
     kind: MsgKind,
     step: u64,
@@ -442,7 +512,7 @@ pub fn encode_tensor(
     micro_batch: usize,
     finite: bool,
     tensor: &Tensor,
-) -> wgpipe_tensor::Result<Frame> {
+) -> wgpipe_tensor::Result<Outgoing> {
     let header = Header {
         kind,
         step,
@@ -452,8 +522,23 @@ pub fn encode_tensor(
         dtype: WireDtype::of(tensor.dtype()),
         shape: tensor.shape().to_vec(),
     };
+    // The wire is little-endian: a big-endian host's values are converted on the way (a copy).
+    if let Some(bytes) = tensor
+        .host_bytes()
+        .filter(|_| cfg!(target_endian = "little"))
+    {
+        if bytes.len() >= SPLIT_FROM {
+            return Ok(Outgoing::Split {
+                values: tensor.clone(),
+                tail: Frame::tail(&header, bytes.len()),
+            });
+        }
+    }
     let room = header_room(header.shape.len());
-    Ok(encode(&header, tensor.to_vec_reserving(room)?))
+    Ok(Outgoing::Whole(encode(
+        &header,
+        tensor.to_vec_reserving(room)?,
+    )))
 }
 
 /// The tensor of a decoded message, in host memory and in the dtype it was sent in (the
@@ -525,6 +610,65 @@ mod tests {
         assert_eq!(back.to_vec().unwrap(), t.to_vec().unwrap());
     }
 
+    /// A large host tensor leaves as its storage's own bytes (no copy) and a tail; joined, the
+    /// receiver holds exactly the frame of the one-message path (the reference: `encode` of
+    /// the values read back), for f32 and for halves of an odd count, whole tensors and views
+    /// at an offset. Small and strided tensors leave whole.
+    #[test]
+    fn large_host_tensors_leave_uncopied_and_join_into_the_same_frame() {
+        let link = Link {
+            from: 2,
+            to: 3,
+            grad: true,
+            skip: Some(1),
+        };
+        let big = Tensor::rand_normal(&[3, 12001], 0.0, 1.0, 7, &Device::cpu()).unwrap();
+        let small = Tensor::rand_normal(&[4, 5], 0.0, 1.0, 8, &Device::cpu()).unwrap();
+        let cases = [
+            (big.clone(), true),
+            (big.narrow(0, 1, 2).unwrap(), true),
+            (big.to_dtype(DType::F16).unwrap(), true),
+            (big.to_dtype(DType::BF16).unwrap(), true),
+            (small.clone(), false),
+            (big.t().unwrap(), false),
+        ];
+        for (t, split) in cases {
+            let what = format!("{:?} {:?}", t.shape(), t.dtype());
+            let sent = encode_tensor(MsgKind::Gradient, 9, link, 4, false, &t).unwrap();
+            match &sent {
+                Outgoing::Split { values, tail } => {
+                    assert!(split, "{what} was split");
+                    assert_eq!(
+                        values.host_bytes().unwrap().as_ptr(),
+                        t.host_bytes().unwrap().as_ptr(),
+                        "{what}: the values were copied"
+                    );
+                    assert_eq!(tail.len % 4, 0);
+                }
+                Outgoing::Whole(_) => assert!(!split, "{what} was not split"),
+            }
+            let header = Header {
+                kind: MsgKind::Gradient,
+                step: 9,
+                link,
+                micro_batch: 4,
+                finite: false,
+                dtype: WireDtype::of(t.dtype()),
+                shape: t.shape().to_vec(),
+            };
+            let reference = encode(&header, t.to_vec().unwrap());
+            let got = sent.received();
+            assert_eq!(got.bytes(), reference.bytes(), "{what}");
+            let (h, v) = decode_frame(got).unwrap();
+            assert_eq!(h, header);
+            let back = tensor_of(&h, v).unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> {
+                t.to_vec().unwrap().iter().map(|x| x.to_bits()).collect()
+            };
+            assert_eq!(bits(&back), bits(&t), "{what}");
+        }
+    }
+
     #[test]
     fn f16_halves_the_bytes_and_rounds_to_nearest() {
         let values = [1.0f32, 0.1, -65504.0];
@@ -555,7 +699,9 @@ mod tests {
                 .unwrap()
                 .to_dtype(dtype)
                 .unwrap();
-            let frame = encode_tensor(MsgKind::Activation, 1, link, 0, true, &t).unwrap();
+            let frame = encode_tensor(MsgKind::Activation, 1, link, 0, true, &t)
+                .unwrap()
+                .received();
             assert_eq!(
                 frame.bytes().len(),
                 6 * dtype.size_of() + FIXED + 16 + TAIL,
