@@ -534,3 +534,22 @@ fn elementwise_errors_name_op_and_shapes() {
         "other-cpu"
     );
 }
+
+/// `mul_scalar` and `div_scalar` are the rounded product and nothing else: a -0.0 product stays
+/// -0.0, as `x * s` on the host (what a bit-exact reduction compares with).
+#[test]
+fn scalar_products_keep_the_sign_of_zero() {
+    let dev = Device::cpu();
+    let xs = [-0.0f32, 0.0, -1.5, 3.0e-39, f32::MIN_POSITIVE, 7.0];
+    let x = Tensor::from_vec(xs.to_vec(), &[6], &dev).unwrap();
+    for s in [0.5f32, 2.0, -0.25, 0.0] {
+        let got = x.mul_scalar(s).unwrap().to_vec().unwrap();
+        let want: Vec<u32> = xs.iter().map(|v| (v * s).to_bits()).collect();
+        let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(got, want, "x * {s}");
+        let got = x.div_scalar(4.0).unwrap().to_vec().unwrap();
+        let want: Vec<u32> = xs.iter().map(|v| (v * 0.25).to_bits()).collect();
+        let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(got, want, "x / 4");
+    }
+}

@@ -225,12 +225,15 @@ impl Tensor {
     pub fn sub_scalar(&self, s: f32) -> Result<Tensor> {
         self.affine(1.0, -s)
     }
+    /// `x * s`, exactly as the product rounds (a -0.0 product stays -0.0: the affine map adds
+    /// -0.0, the one addend that changes no value, where + 0.0 would turn -0.0 into +0.0).
     pub fn mul_scalar(&self, s: f32) -> Result<Tensor> {
-        self.affine(s, 0.0)
+        self.affine(s, -0.0)
     }
-    /// `x * (1 / s)` (may differ from `x / s` in the last bit).
+    /// `x * (1 / s)` (may differ from `x / s` in the last bit; signed zeros kept as in
+    /// [`Tensor::mul_scalar`]).
     pub fn div_scalar(&self, s: f32) -> Result<Tensor> {
-        self.affine(1.0 / s, 0.0)
+        self.affine(1.0 / s, -0.0)
     }
     /// `x ^ p`.
     pub fn powf(&self, p: f32) -> Result<Tensor> {

@@ -1,5 +1,6 @@
 //! The step communicator of one process: every replica of the job is held here, so agreeing is
-//! looking at each replica's result, and the gradient reduction sums on the host.
+//! looking at each replica's result, and the gradient reduction sums with tensor ops on GPUs
+//! of one backend (on the host otherwise).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
@@ -148,7 +149,8 @@ impl StepComm for LocalComm {
     }
 }
 
-/// [`LocalComm::reduce_gradients`] itself.
+/// [`LocalComm::reduce_gradients`] itself: each parameter's gradient becomes the weighted sum
+/// over the replicas, in replica order, on every replica.
 fn average(held: &[&[Stage]], weights: &[f32]) -> Result<()> {
     let _tag = TagGuard::new(Tag::Gradients);
     let lists: Vec<Vec<_>> = held
@@ -156,23 +158,124 @@ fn average(held: &[&[Stage]], weights: &[f32]) -> Result<()> {
         .map(|stages| stages.iter().flat_map(|s| s.named_parameters()).collect())
         .collect();
     for i in 0..lists[0].len() {
-        let mut sum = None;
-        for (list, &w) in lists.iter().zip(weights) {
-            let Some(g) = list[i].1.grad() else { continue };
-            add_weighted(&mut sum, &g.to_vec()?, w);
-        }
-        let Some(sum) = sum else { continue };
-        let shape = lists[0][i].1.value().shape().to_vec();
-        let per_replica = lists
+        let grads: Vec<(Tensor, f32)> = lists
             .iter()
-            .map(|list| {
-                let device: Device = list[i].1.value().device().clone();
-                Tensor::from_slice(&sum, &shape, &device)
-            })
-            .collect::<wgpipe_tensor::Result<Vec<_>>>()?;
-        for (list, g) in lists.iter().zip(per_replica) {
-            list[i].1.set_grad(Some(g));
+            .zip(weights)
+            .filter_map(|(list, &w)| Some((list[i].1.grad()?, w)))
+            .collect();
+        if grads.is_empty() {
+            continue;
+        }
+        let shape = lists[0][i].1.value().shape().to_vec();
+        let sum = if tensor_ops_fit(&grads) {
+            sum_with_tensor_ops(&grads)?
+        } else {
+            sum_on_host(&grads, &shape)?
+        };
+        for list in &lists {
+            let device: Device = list[i].1.value().device().clone();
+            list[i].1.set_grad(Some(sum.to_device(&device)?));
         }
     }
     Ok(())
+}
+
+/// Whether the replicas' gradients are summed by tensor ops on their devices: f32 on GPUs of
+/// one backend (one adapter's queues), whose gradients would otherwise be read back to host
+/// memory and written again. Host devices sum on the host: their memory is the host's already,
+/// and the vectors there are scratch no device accounts for (a device-side sum would raise
+/// the first replica's accounted peak by two gradients).
+fn tensor_ops_fit(grads: &[(Tensor, f32)]) -> bool {
+    let first = grads[0].0.device();
+    first.is_wgpu()
+        && grads
+            .iter()
+            .all(|(g, _)| g.dtype() == wgpipe_tensor::DType::F32 && g.device().same_backend(first))
+}
+
+/// `sum_r w_r g_r` by tensor ops on the first gradient's device, with the host sum's
+/// arithmetic (each product rounded, then added in replica order; a -0.0 product kept), so
+/// that the bits equal [`sum_on_host`]'s (a GPU may flush subnormals to zero).
+fn sum_with_tensor_ops(grads: &[(Tensor, f32)]) -> Result<Tensor> {
+    let device = grads[0].0.device().clone();
+    let mut sum: Option<Tensor> = None;
+    for (g, w) in grads {
+        let term = g.mul_scalar(*w)?.to_device(&device)?;
+        match &mut sum {
+            None => sum = Some(term),
+            Some(acc) => acc.add_assign(&term)?,
+        }
+    }
+    Ok(sum.expect("at least one gradient"))
+}
+
+/// `sum_r w_r g_r` through host vectors, on the first gradient's device.
+fn sum_on_host(grads: &[(Tensor, f32)], shape: &[usize]) -> Result<Tensor> {
+    let mut sum = None;
+    for (g, w) in grads {
+        add_weighted(&mut sum, &g.to_vec()?, *w);
+    }
+    let sum = sum.expect("at least one gradient");
+    Ok(Tensor::from_slice(&sum, shape, grads[0].0.device())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.to_vec().unwrap().iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// Gradients of three replicas with signed zeros, subnormals and values whose sum
+    /// depends on the order of the additions.
+    fn replica_values() -> Vec<(Vec<f32>, f32)> {
+        vec![
+            (vec![-0.0, 1.0e8, 3.0e-39, -1.5, 0.1, -0.0], 0.25),
+            (vec![-0.0, 1.0, -3.0e-39, 2.5, 0.2, 0.0], 0.5),
+            (vec![-0.0, -1.0e8, 1.0e-39, 7.0, 0.3, -0.0], 0.25),
+        ]
+    }
+
+    /// The device-side sum is the host sum, bit for bit (the reference: `add_weighted`, what
+    /// the MPI path computes), -0.0 and subnormals included, on the CPU.
+    #[test]
+    fn the_tensor_op_sum_is_the_host_sum_bit_for_bit() {
+        let dev = Device::cpu();
+        let grads: Vec<(Tensor, f32)> = replica_values()
+            .into_iter()
+            .map(|(v, w)| (Tensor::from_vec(v, &[6], &dev).unwrap(), w))
+            .collect();
+        let on_host = sum_on_host(&grads, &[6]).unwrap();
+        let by_ops = sum_with_tensor_ops(&grads).unwrap();
+        assert_eq!(bits(&by_ops), bits(&on_host));
+        assert_eq!(bits(&on_host)[0], (-0.0f32).to_bits());
+        // Host devices keep the host sum.
+        assert!(!tensor_ops_fit(&grads));
+    }
+
+    /// On a GPU (lavapipe here) gradients are summed there, with the host sum's bits for
+    /// normal values.
+    #[test]
+    fn gpu_replicas_sum_on_the_gpu_with_the_host_sums_bits() {
+        let gpu = match std::panic::catch_unwind(Device::test_wgpu) {
+            Ok(Ok(d)) => d,
+            Ok(Err(e)) => return eprintln!("SKIPPED: no wgpu device to test on: {e}"),
+            Err(_) => return eprintln!("SKIPPED: opening the wgpu test device panicked"),
+        };
+        let grads: Vec<(Tensor, f32)> = replica_values()
+            .into_iter()
+            .map(|(v, w)| {
+                let normal: Vec<f32> = v
+                    .iter()
+                    .map(|x| if x.abs() < 1e-30 { 0.0 } else { *x })
+                    .collect();
+                (Tensor::from_vec(normal, &[6], &gpu).unwrap(), w)
+            })
+            .collect();
+        assert!(tensor_ops_fit(&grads));
+        let by_ops = sum_with_tensor_ops(&grads).unwrap();
+        assert!(by_ops.device().is_wgpu());
+        assert_eq!(bits(&by_ops), bits(&sum_on_host(&grads, &[6]).unwrap()));
+    }
 }
