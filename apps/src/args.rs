@@ -218,9 +218,10 @@ pub struct PipelineArgs {
     #[arg(long, default_value_t = 10.0)]
     pub sim_link_gbs: f64,
     /// Choose K, the device order, schedule, chunks, M, balance and re-materialization by the
-    /// planner on the simulated cluster (auto: when none of --stages, --micro-batches, --replicas,
-    /// --balance, --schedule, --chunks, --checkpoint is given; --stages is then the most
-    /// devices it may use).
+    /// planner, on the simulated cluster or on real devices from measured layer times (auto:
+    /// when none of --stages, --micro-batches, --replicas, --balance, --schedule, --chunks,
+    /// --checkpoint is given, and not on real devices under --transport mpi; --stages is then
+    /// the most devices it may use).
     #[arg(long, value_enum, default_value_t = PlanArg::Auto)]
     pub plan: PlanArg,
     /// Whether the shape flags of `--plan auto` were given (set from the command line by the

@@ -1,6 +1,7 @@
 //! `--plan`: the examples' pipeline chosen by the planner (data-parallel replicas R, K, device
-//! order, schedule, chunks, M, balance, re-materialization per device) on the simulated cluster, printed with its
-//! alternatives, and after training its prediction against what the cluster measured.
+//! order, schedule, chunks, M, balance, re-materialization per device) on the simulated cluster
+//! or, from measured layer times, on real devices, printed with its alternatives, and after
+//! training its prediction against what was measured.
 
 use clap::parser::ValueSource;
 use clap::ArgMatches;
@@ -33,11 +34,19 @@ pub fn shape_given(matches: &ArgMatches) -> bool {
         .any(|id| matches.value_source(id) == Some(ValueSource::CommandLine))
 }
 
-/// Whether to plan: `--plan on`, or `auto` with no shape flag given and simulated stages.
-pub fn wants_plan(plan: PlanArg, shape_given: bool, placement: &Placement) -> bool {
+/// Whether to plan: `--plan on`, or `auto` with no shape flag given, on the simulated cluster
+/// or on real devices (from measured layer times) in one process. Ranks of an MPI job do not
+/// plan real devices on their own: each would time the layers differently and choose its own
+/// plan, which the ranks' agreement at build would refuse; they take the flags' shape.
+pub fn wants_plan(
+    plan: PlanArg,
+    shape_given: bool,
+    placement: &Placement,
+    multi_process: bool,
+) -> bool {
     match plan {
         PlanArg::On => true,
-        PlanArg::Auto => !shape_given && placement.sim.is_some(),
+        PlanArg::Auto => !shape_given && (placement.sim.is_some() || !multi_process),
         PlanArg::Off => false,
     }
 }
@@ -71,7 +80,8 @@ pub fn build_or_plan(
     run: &PlanRun<'_>,
     optimizer: impl Fn() -> Box<dyn Optimizer> + 'static,
 ) -> AppResult<(Pipeline, Option<PlanReport>)> {
-    let wanted = wants_plan(args.plan, args.shape_given, placement);
+    let multi_process = args.transport == crate::args::TransportArg::Mpi;
+    let wanted = wants_plan(args.plan, args.shape_given, placement, multi_process);
     if wanted {
         if args.replicas > 1 {
             return Err(AppError(format!(
@@ -182,6 +192,46 @@ mod tests {
     fn given(flags: &[&str]) -> bool {
         let argv = std::iter::once("train_transformer").chain(flags.iter().copied());
         shape_given(&TransformerArgs::command().get_matches_from(argv))
+    }
+
+    /// `--plan auto` plans the simulated cluster, and real devices in one process (from
+    /// measured layer times), but not real devices of an MPI rank (each would time its own).
+    #[test]
+    fn auto_planning_takes_real_devices_in_one_process() {
+        let sim = crate::placement::place(
+            crate::placement::DeviceChoice::Sim,
+            2,
+            crate::placement::SimSpec {
+                gflops: 100.0,
+                memory_gib: 1.0,
+                link_gbs: 10.0,
+            },
+        )
+        .unwrap();
+        let real = Placement {
+            devices: vec![
+                crate::tensor::Device::new_cpu("a"),
+                crate::tensor::Device::new_cpu("b"),
+            ],
+            sim: None,
+            description: String::new(),
+        };
+        for (placement, mpi, want) in [
+            (&sim, false, true),
+            (&sim, true, true),
+            (&real, false, true),
+            (&real, true, false),
+        ] {
+            let what = format!("sim {} mpi {mpi}", placement.sim.is_some());
+            assert_eq!(
+                wants_plan(PlanArg::Auto, false, placement, mpi),
+                want,
+                "{what}"
+            );
+            assert!(!wants_plan(PlanArg::Auto, true, placement, mpi), "{what}");
+            assert!(wants_plan(PlanArg::On, true, placement, mpi), "{what}");
+            assert!(!wants_plan(PlanArg::Off, false, placement, mpi), "{what}");
+        }
     }
 
     #[test]
