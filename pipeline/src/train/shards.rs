@@ -21,10 +21,8 @@
 //!   a shard missing, truncated, of another save, or not holding what the index says it holds,
 //!   is an error naming it.
 
-use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
@@ -79,92 +77,27 @@ fn next_save(dir: &Path) -> u64 {
     saved.map_or(1, |n| n + 1)
 }
 
-/// What a shard's header says: its tensors (name, dtype, shape) in file order and its string
-/// metadata.
-struct Header {
-    tensors: Vec<(String, String, Vec<usize>)>,
-    metadata: BTreeMap<String, String>,
-}
-
-/// Reads only the header of the safetensors file at `path` and checks that the file is as
-/// long as the header says (a shard cut short by a dying save is found here, without reading
-/// its tensors).
-fn read_header(path: &Path) -> Result<Header, String> {
-    let mut f = fs::File::open(path).map_err(|e| format!("cannot open it: {e}"))?;
-    let len = f
-        .metadata()
-        .map_err(|e| format!("cannot read its size: {e}"))?
-        .len();
-    let bad =
-        |why: String| format!("not a valid safetensors file (truncated or corrupted?): {why}");
-    let mut n = [0u8; 8];
-    f.read_exact(&mut n)
-        .map_err(|_| bad(format!("{len} bytes, shorter than a header")))?;
-    let n = u64::from_le_bytes(n);
-    if n > len.saturating_sub(8) || n > 100 << 20 {
-        return Err(bad(format!("a header of {n} bytes in a file of {len}")));
-    }
-    let mut text = vec![0u8; n as usize];
-    f.read_exact(&mut text)
-        .map_err(|e| bad(format!("reading the header: {e}")))?;
-    let v: Map<String, Value> =
-        serde_json::from_slice(&text).map_err(|e| bad(format!("its header: {e}")))?;
-    let data = len - 8 - n;
-    let mut tensors = Vec::new();
-    let mut metadata = BTreeMap::new();
-    let mut end = 0u64;
-    for (name, t) in &v {
-        if name == "__metadata__" {
-            for (k, v) in t.as_object().into_iter().flatten() {
-                metadata.insert(k.clone(), v.as_str().unwrap_or_default().to_string());
-            }
-            continue;
-        }
-        let offsets = t["data_offsets"].as_array();
-        let (Some(dtype), Some(shape), Some([_, stop])) = (
-            t["dtype"].as_str(),
-            t["shape"].as_array(),
-            offsets.map(Vec::as_slice),
-        ) else {
-            return Err(bad(format!(
-                "tensor '{name}' has no dtype, shape or offsets"
-            )));
-        };
-        let begin = offsets.and_then(|o| o[0].as_u64()).unwrap_or(0);
-        let shape: Vec<usize> = shape
-            .iter()
-            .map(|d| d.as_u64().unwrap_or(0) as usize)
-            .collect();
-        let stop = stop.as_u64().unwrap_or(u64::MAX);
-        end = end.max(stop);
-        tensors.push((begin, name.clone(), dtype.to_string(), shape));
-    }
-    if end > data {
-        return Err(bad(format!(
-            "the header describes {end} bytes of tensors, the file holds {data} (cut short?)"
-        )));
-    }
-    tensors.sort();
-    Ok(Header {
-        tensors: tensors.into_iter().map(|(_, n, d, s)| (n, d, s)).collect(),
-        metadata,
-    })
+/// A shard opened through the one-file checkpoints' reader: its header parsed once (and the
+/// file's length checked against it; a shard cut short by a dying save is found here, without
+/// reading its tensors); the error says why, without the path (the caller names the shard).
+fn open_shard(path: &Path) -> Result<TensorFile, String> {
+    TensorFile::open(path).map_err(|e| strip_path(&e.to_string(), path))
 }
 
 /// A sharded checkpoint, opened: the index checked against every shard's header; the shards'
-/// tensors are read when asked for, each from its offset (a shard's header is parsed once).
+/// tensors are read when asked for, each from its offset (a shard's header is parsed once, at
+/// open).
 pub(crate) struct Sharded {
     /// The index file (what errors about the checkpoint as a whole name).
     index: PathBuf,
     /// The string metadata of the index, sorted by key.
     metadata: Vec<(String, String)>,
-    shards: Vec<PathBuf>,
+    /// Each shard's path, and the shard opened.
+    shards: Vec<(PathBuf, TensorFile)>,
     /// Each tensor: its shard, dtype and shape.
     tensors: HashMap<String, (usize, String, Vec<usize>)>,
     /// Tensor names by shard, then in file order.
     order: Vec<String>,
-    /// The shards read so far.
-    opened: RefCell<HashMap<usize, TensorFile>>,
 }
 
 impl Sharded {
@@ -262,7 +195,7 @@ impl Sharded {
         let mut shards = Vec::new();
         for (i, file) in files.iter().enumerate() {
             let shard = dir.join(file);
-            let h = read_header(&shard).map_err(|why| {
+            let h = open_shard(&shard).map_err(|why| {
                 let why = if shard.exists() {
                     why
                 } else {
@@ -274,8 +207,12 @@ impl Sharded {
                 };
                 unreadable(&shard, why)
             })?;
-            if let (Some(want), Some(got)) = (&save, h.metadata.get(SAVE_KEY)) {
-                if want != got {
+            let shard_save = h
+                .metadata()
+                .into_iter()
+                .find_map(|(k, v)| (k == SAVE_KEY).then_some(v));
+            if let (Some(want), Some(got)) = (&save, shard_save) {
+                if *want != got {
                     return Err(unreadable(
                         &shard,
                         format!(
@@ -285,17 +222,19 @@ impl Sharded {
                     ));
                 }
             }
-            for (name, dtype, shape) in h.tensors {
+            for name in h.names() {
                 if map.get(&name).and_then(Value::as_str) != Some(*file) {
                     return Err(unreadable(
                         &shard,
                         format!("holds tensor '{name}', which the index does not list in it"),
                     ));
                 }
+                let dtype = h.dtype(&name).unwrap_or_default();
+                let shape = h.shape(&name).unwrap_or_default().to_vec();
                 order.push(name.clone());
                 tensors.insert(name, (i, dtype, shape));
             }
-            shards.push(shard);
+            shards.push((shard, h));
         }
         if let Some((name, file)) = map.iter().find(|(n, _)| !tensors.contains_key(*n)) {
             let file = file.as_str().unwrap_or_default();
@@ -310,12 +249,10 @@ impl Sharded {
             shards,
             tensors,
             order,
-            opened: RefCell::new(HashMap::new()),
         })
     }
 
-    /// The values of tensor `name`, read from its offset (its shard is opened, header only,
-    /// the first time one of its tensors is asked for); errors name the shard.
+    /// The values of tensor `name`, read from its offset in its shard; errors name the shard.
     fn values(&self, name: &str) -> PResult<Vec<f32>> {
         let Some((i, _, _)) = self.tensors.get(name) else {
             return Err(PersistError::Unreadable {
@@ -323,16 +260,11 @@ impl Sharded {
                 why: format!("no tensor '{name}'"),
             });
         };
-        let path = &self.shards[*i];
-        let unreadable = |e: wgpipe_tensor::Error| PersistError::Unreadable {
+        let (path, file) = &self.shards[*i];
+        file.values(name).map_err(|e| PersistError::Unreadable {
             path: path.clone(),
             why: strip_path(&e.to_string(), path),
-        };
-        let mut opened = self.opened.borrow_mut();
-        if !opened.contains_key(i) {
-            opened.insert(*i, TensorFile::open(path).map_err(unreadable)?);
-        }
-        opened[i].values(name).map_err(unreadable)
+        })
     }
 }
 
@@ -424,11 +356,12 @@ fn write_index(dir: &Path, metadata: &[(String, String)], files: &[String]) -> P
     let mut total = 0u64;
     for file in files {
         let shard = dir.join(file);
-        let h = read_header(&shard).map_err(|why| PersistError::Io {
+        let h = open_shard(&shard).map_err(|why| PersistError::Io {
             path: shard.clone(),
             why: format!("not indexed (the previous checkpoint stays): {why}"),
         })?;
-        for (name, _, shape) in h.tensors {
+        for name in h.names() {
+            let shape = h.shape(&name).unwrap_or_default();
             total += 4 * shape.iter().product::<usize>() as u64;
             if let Some(other) = weight_map.insert(name.clone(), Value::from(file.as_str())) {
                 return Err(PersistError::Io {
