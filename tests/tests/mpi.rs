@@ -789,33 +789,8 @@ fn large_activations_cross_ranks_from_their_storage_and_train_like_one_process()
         rows * seq * d * 4 >= wgpipe_pipeline::exec::transport::wire::SPLIT_FROM,
         "the messages of this test no longer take the split path"
     );
-    let flags: Vec<String> = [
-        "--quiet",
-        "--device",
-        "sim",
-        "--stages",
-        "2",
-        "--micro-batches",
-        "2",
-        "--layers",
-        "2",
-        "--d-model",
-        &d.to_string(),
-        "--heads",
-        "2",
-        "--seq-len",
-        &seq.to_string(),
-        "--batch",
-        &(2 * rows).to_string(),
-        "--steps",
-        "3",
-        "--sample-len",
-        "4",
-        "--schedule",
-        "1f1b",
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut flags = example_flags(d, seq, 2 * rows);
+    flags.extend(["--steps", "3", "--sample-len", "4", "--schedule", "1f1b"].map(String::from));
     let summary = dir.join("np2.json");
     let out = mpirun_np(2)
         .arg(env!("CARGO_BIN_EXE_mpi_example"))
@@ -831,7 +806,14 @@ fn large_activations_cross_ranks_from_their_storage_and_train_like_one_process()
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    let got: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    same_as_one_process(&summary, flags);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Checks the summary an MPI job of `mpi_example` wrote against the same flags run in this
+/// process: the same losses, held-out loss and sample, bit for bit.
+fn same_as_one_process(summary: &std::path::Path, flags: Vec<String>) {
+    let got: Value = serde_json::from_str(&std::fs::read_to_string(summary).unwrap()).unwrap();
     let args = wgpipe_apps::train_transformer::TransformerArgs::parse_from_args(flags).unwrap();
     let want =
         wgpipe_apps::train_transformer::run_with(args, &std::sync::atomic::AtomicBool::new(false))
@@ -839,12 +821,17 @@ fn large_activations_cross_ranks_from_their_storage_and_train_like_one_process()
     assert_eq!(floats(&got["losses"]), want.losses);
     assert_eq!(got["eval_loss"].as_f64().unwrap() as f32, want.eval_loss);
     assert_eq!(got["sample"].as_str().unwrap(), want.sample);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// The flags of a small transformer example run on a simulated 2-device pipeline.
 fn tiny_example_flags() -> Vec<String> {
-    [
+    example_flags(16, 16, 8)
+}
+
+/// The flags of a 2-block transformer example of width `d_model` over sequences of `seq_len`,
+/// `batch` of them per step in 2 micro-batches, on a simulated 2-device pipeline.
+fn example_flags(d_model: usize, seq_len: usize, batch: usize) -> Vec<String> {
+    let mut v: Vec<String> = [
         "--quiet",
         "--device",
         "sim",
@@ -854,17 +841,19 @@ fn tiny_example_flags() -> Vec<String> {
         "2",
         "--layers",
         "2",
-        "--d-model",
-        "16",
         "--heads",
         "2",
-        "--seq-len",
-        "16",
-        "--batch",
-        "8",
     ]
     .map(String::from)
-    .to_vec()
+    .to_vec();
+    for (flag, value) in [
+        ("--d-model", d_model),
+        ("--seq-len", seq_len),
+        ("--batch", batch),
+    ] {
+        v.extend([flag.to_string(), value.to_string()]);
+    }
+    v
 }
 
 #[test]
@@ -1053,14 +1042,7 @@ fn each_rank_of_the_transformer_example_builds_only_its_own_layers() {
         );
         assert!(peak < whole / 2, "rank {rank}: {peak} of {whole}");
     }
-    let got: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
-    let args = wgpipe_apps::train_transformer::TransformerArgs::parse_from_args(flags).unwrap();
-    let want =
-        wgpipe_apps::train_transformer::run_with(args, &std::sync::atomic::AtomicBool::new(false))
-            .unwrap();
-    assert_eq!(floats(&got["losses"]), want.losses);
-    assert_eq!(got["eval_loss"].as_f64().unwrap() as f32, want.eval_loss);
-    assert_eq!(got["sample"].as_str().unwrap(), want.sample);
+    same_as_one_process(&summary, flags);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -107,6 +107,10 @@ fn run(job: &MpiJob, comm: &MpiComm, out: &Path) -> Result<serde_json::Value, St
         // This replica's micro-batch 1, as the layers number it (replica r's are rM..rM+M).
         let m1 = ((comm.rank() / job.k) * job.m + 1) as u64;
         if injected == Some(MpiFault::StopInSave) {
+            // The stop halts the whole process, its communication thread too: give that thread
+            // time to send what the last step queued (the optimizer step's verdict), which a
+            // loaded machine may not have scheduled yet, so that the others reach the save.
+            std::thread::sleep(std::time::Duration::from_millis(300));
             fault.lock().unwrap().stop_in_parameters = true;
         }
         // Every rank saves at the step where one of them is to stop in a save.
