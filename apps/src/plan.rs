@@ -1,5 +1,5 @@
 //! `--plan`: the examples' pipeline chosen by the planner (data-parallel replicas R, K, device
-//! order, schedule, chunks, M, balance, re-materialization per device) on the simulated cluster
+//! order, schedule, chunks, M, balance, re-materialization per stage) on the simulated cluster
 //! or, from measured layer times, on real devices, printed with its alternatives, and after
 //! training its prediction against what was measured.
 

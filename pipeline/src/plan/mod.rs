@@ -1,5 +1,5 @@
 //! The planner: chooses K, the device order, the schedule, chunks per device, M, the balance and
-//! each device's re-materialization, by predicting every candidate on the simulated cluster.
+//! each stage's re-materialization, by predicting every candidate on the simulated cluster.
 //!
 //! - [`profile`]: per-layer FLOPs and bytes, measured by a dry run of small micro-batches.
 //! - [`cost`]: the cost model: step time by the simulator's own replay of the candidate's

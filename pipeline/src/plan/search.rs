@@ -33,6 +33,44 @@ const MODES: [CheckpointMode; 3] = [
     CheckpointMode::Always,
 ];
 
+/// Devices with more stages than this choose one mode for all of them (3^n mixes to walk).
+const MAX_MIXED_STAGES: usize = 3;
+
+/// The re-materialization mixes to try for a device holding `stages`, least recomputation
+/// first (the forwards' seconds each mix runs again, in `costs`): every combination of
+/// [`MODES`] over its stages (up to [`MAX_MIXED_STAGES`]), else the uniform modes. A device
+/// of one stage gets [`MODES`] in their order.
+fn remat_mixes(stages: &[usize], costs: &CandidateCosts) -> Vec<Vec<CheckpointMode>> {
+    let uniform = || MODES.iter().map(|&m| vec![m; stages.len()]).collect();
+    if stages.len() <= 1 || stages.len() > MAX_MIXED_STAGES {
+        return uniform();
+    }
+    let mut mixes: Vec<Vec<CheckpointMode>> = vec![Vec::new()];
+    for _ in stages {
+        mixes = mixes
+            .into_iter()
+            .flat_map(|mix| {
+                MODES.iter().map(move |&m| {
+                    let mut next = mix.clone();
+                    next.push(m);
+                    next
+                })
+            })
+            .collect();
+    }
+    let secs = |mix: &Vec<CheckpointMode>| -> f64 {
+        stages
+            .iter()
+            .zip(mix)
+            .map(|(&s, &m)| costs.recompute_secs(s, m))
+            .sum()
+    };
+    // Stable: mixes of equal cost stay in the order made (Never before ExceptLast before
+    // Always, the first stage varying slowest).
+    mixes.sort_by(|a, b| secs(a).total_cmp(&secs(b)));
+    mixes
+}
+
 /// Schedules generated with every micro-batch re-materialized (with the transfers of the skips
 /// that cross stages, as the builder adds them), and their facts per uniform mode.
 struct Structure {
@@ -205,9 +243,10 @@ impl Search<'_, '_> {
                     _ => kind.generate(k, v, m, CheckpointMode::Always).ok()?,
                 }
                 .with_skip_transfers(skips);
+                let stages = always.num_stages();
                 let uniform: Vec<Schedule> = MODES
                     .iter()
-                    .map(|&mode| with_remat(&always, &vec![mode; k]))
+                    .map(|&mode| with_remat(&always, &vec![mode; stages]))
                     .collect();
                 let facts = uniform.iter().map(ScheduleFacts::of).collect();
                 Some(Rc::new(Structure {
@@ -273,7 +312,7 @@ impl Search<'_, '_> {
                     chunks: v,
                     micro_batches: m,
                     balance,
-                    remat: vec![CheckpointMode::Never; k],
+                    remat: vec![CheckpointMode::Never; stages],
                 };
                 let costs = self.model.replica_costs(&c, &placement).ok()?;
                 Some((self.model.compute_bound(&c, &costs, &placement), c))
@@ -281,7 +320,7 @@ impl Search<'_, '_> {
             .collect()
     }
 
-    /// Chooses each device's re-materialization (the least that fits its memory) and predicts
+    /// Chooses each stage's re-materialization (per device, the mix that recomputes least and fits its memory) and predicts
     /// the candidate; keeps it when it fits. Returns its prediction and whether it fits (None
     /// when it was pruned or cannot be built).
     fn evaluate(&mut self, mut c: Candidate) -> Option<(Prediction, bool)> {
@@ -294,28 +333,53 @@ impl Search<'_, '_> {
         let mut step_peak = vec![0; c.order.len()];
         let mut peak = vec![0; c.order.len()];
         let mut fits = true;
-        // Every replica runs the same schedule: device d's mode is the least that fits on each
-        // replica's device d.
+        // Every replica runs the same schedule: device d's stages get the mix of modes that
+        // recomputes least (in the forwards' seconds) among those that fit on each replica's
+        // device d.
         for d in 0..k {
-            for (i, &mode) in MODES.iter().enumerate() {
+            let mine: Vec<usize> = (0..placement.len())
+                .filter(|&s| placement[s] == d)
+                .collect();
+            let mixes = remat_mixes(&mine, &costs[0]);
+            for (i, mix) in mixes.iter().enumerate() {
+                let made;
+                let (schedule, facts) =
+                    match MODES.iter().position(|&m| mix.iter().all(|&x| x == m)) {
+                        // One mode for all of the device's stages: the structure's schedule.
+                        Some(u) => (&st.uniform[u], &st.facts[u]),
+                        // A mix: d's list with each stage's recomputes as its mode asks (the other
+                        // devices' lists do not change d's memory).
+                        None => {
+                            let mut remat = c.remat.clone();
+                            for (&s, &m) in mine.iter().zip(mix) {
+                                remat[s] = m;
+                            }
+                            let schedule = with_remat(&st.always, &remat);
+                            let facts = ScheduleFacts::of(&schedule);
+                            made = (schedule, facts);
+                            (&made.0, &made.1)
+                        }
+                    };
                 let mut all_fit = true;
                 let mut last: Option<(usize, (u64, u64))> = None;
                 for (r, rc) in costs.iter().enumerate() {
                     // Replicas of the same share hold the same bytes.
                     let (s, p) = match last {
                         Some((b, m)) if b == rc.batch() => m,
-                        _ => model.device_memory(rc, &st.uniform[i], &st.facts[i], d),
+                        _ => model.device_memory(rc, schedule, facts, d),
                     };
                     last = Some((rc.batch(), (s, p)));
                     all_fit &= p <= model.specs[c.order[r * k + d]].memory_bytes;
                     step_peak[r * k + d] = s;
                     peak[r * k + d] = p;
                 }
-                c.remat[d] = mode;
+                for (&s, &m) in mine.iter().zip(mix) {
+                    c.remat[s] = m;
+                }
                 if all_fit {
                     break;
                 }
-                if i == MODES.len() - 1 {
+                if i == mixes.len() - 1 {
                     fits = false;
                 }
             }

@@ -146,11 +146,14 @@ fn predicted_step_time_and_memory_agree_with_the_simulated_cluster() {
             _ => (2, 2),
         };
         let order: Vec<usize> = vec![2, 0, 1][..k].to_vec();
+        // By stage: uniform, and modes alternating so that with two chunks each device holds
+        // one re-materialized stage and one that is not (a mix on one device).
+        let stages = k * v;
         for remat in [
-            vec![CheckpointMode::Never; k],
-            vec![CheckpointMode::Always; k],
-            (0..k)
-                .map(|d| [CheckpointMode::ExceptLast, CheckpointMode::Never][d % 2])
+            vec![CheckpointMode::Never; stages],
+            vec![CheckpointMode::Always; stages],
+            (0..stages)
+                .map(|s| [CheckpointMode::ExceptLast, CheckpointMode::Never][(s / k + s) % 2])
                 .collect(),
         ] {
             let m = 4;
@@ -306,8 +309,8 @@ fn check_replicated_cases(
         let model = CostModel { batch, ..model };
         let k = order.len() / r;
         for remat in [
-            vec![CheckpointMode::Never; k],
-            vec![CheckpointMode::Always; k],
+            vec![CheckpointMode::Never; k * v],
+            vec![CheckpointMode::Always; k * v],
         ] {
             let always = kind.generate(k, v, m, CheckpointMode::Always).unwrap();
             let schedule = with_remat(&always, &remat);
@@ -380,7 +383,7 @@ fn ordered_subsets(n: usize, k: usize) -> Vec<Vec<usize>> {
     out
 }
 
-/// Every per-device re-materialization of `k` devices.
+/// Every per-stage re-materialization of `k` stages.
 fn remat_choices(k: usize) -> Vec<Vec<CheckpointMode>> {
     let modes = [
         CheckpointMode::Never,
@@ -402,7 +405,7 @@ fn remat_choices(k: usize) -> Vec<Vec<CheckpointMode>> {
 
 /// The best fitting configuration by brute force: R replicas of K devices (R x K at most the
 /// devices), every ordered choice of R x K devices, `kinds` (interleaved with v = 2), `ms`
-/// (within each replica's share), every balance, and every per-device re-materialization or,
+/// (within each replica's share), every balance, and every per-stage re-materialization or,
 /// when `remat_all` is false, none (the search re-materializes only to fit, so with memory to
 /// spare that is its whole space). Returns (best step, its candidate, configurations tried).
 fn brute_force(
@@ -442,9 +445,9 @@ fn brute_force_from(
                     for &m in ms.iter().filter(|&&m| m <= model.batch / r) {
                         let always = kind.generate(k, v, m, CheckpointMode::Always).unwrap();
                         let remats = if remat_all {
-                            remat_choices(k)
+                            remat_choices(k * v)
                         } else {
-                            vec![vec![CheckpointMode::Never; k]]
+                            vec![vec![CheckpointMode::Never; k * v]]
                         };
                         for remat in remats {
                             let schedule = with_remat(&always, &remat);
@@ -524,7 +527,7 @@ fn check_search_against(
 }
 
 /// The search against brute force over the same space (replicas, device subsets in every
-/// order, kinds, M, every balance, every per-device re-materialization), with memories tight
+/// order, kinds, M, every balance, every per-stage re-materialization), with memories tight
 /// enough that the fastest configurations do not fit: both the exact mode (few balances, all
 /// tried) and the heuristic mode (min-max balances refined by moving boundaries) are within 1%
 /// of the optimum.
@@ -1190,4 +1193,36 @@ fn measured_layer_times_plan_wgpu_devices() {
         "predicted step {:.3e} s, measured wall step {:.3e} s (the first, with shader compilation)",
         report.best.prediction.step_secs, r.wall_secs
     );
+}
+
+/// Re-materialization chosen per stage: with two chunks per device and memories tight enough,
+/// the optimum over every per-stage choice re-materializes one of a device's stages and not
+/// the other, and the search finds it (within 1%, as above).
+#[test]
+fn remat_is_chosen_per_stage_where_a_device_holds_two() {
+    let (_, profile) = profiled();
+    let mut specs = specs();
+    for (s, cap) in specs.iter_mut().zip([20_000u64, 18_000, 14_000]) {
+        s.memory_bytes = cap;
+    }
+    let kinds = [ScheduleKind::Interleaved1F1B];
+    let ms = [2, 4, 6];
+    let flat = Topology::flat(LINK);
+    let model = cost_model(&profile, &specs, &flat);
+    let (best, best_c, tried) = brute_force(&model, &kinds, &ms, true);
+    eprintln!("exhaustive: {tried} configurations, best {best:.4e} s: {best_c:?}");
+    let k = best_c.pipeline_devices();
+    let placement = ScheduleKind::Interleaved1F1B
+        .generate(k, 2, best_c.micro_batches, CheckpointMode::Always)
+        .unwrap()
+        .placement;
+    let mixed = (0..k).any(|d| {
+        let modes: Vec<CheckpointMode> = (0..placement.len())
+            .filter(|&s| placement[s] == d)
+            .map(|s| best_c.remat[s])
+            .collect();
+        modes.windows(2).any(|w| w[0] != w[1])
+    });
+    assert!(mixed, "no device of the optimum mixes modes: {best_c:?}");
+    check_search_against(&model, &kinds, &ms, best);
 }

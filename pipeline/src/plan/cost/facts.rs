@@ -125,13 +125,16 @@ impl ScheduleFacts {
     }
 }
 
-/// `schedule` with each device's recomputes kept only where its mode asks for them (the
-/// schedule must have been generated with [`CheckpointMode::Always`]).
+/// `schedule` with each stage's recomputes kept only where its mode (`remat`, by stage) asks
+/// for them (the schedule must have been generated with [`CheckpointMode::Always`]).
 pub fn with_remat(schedule: &Schedule, remat: &[CheckpointMode]) -> Schedule {
+    debug_assert_eq!(remat.len(), schedule.num_stages());
     let m = schedule.num_micro_batches;
     let mut s = schedule.clone();
-    for (d, list) in s.devices.iter_mut().enumerate() {
-        list.retain(|a| a.kind != ActionKind::Recompute || remat[d].recomputes(a.micro_batch, m));
+    for list in &mut s.devices {
+        list.retain(|a| {
+            a.kind != ActionKind::Recompute || remat[a.stage].recomputes(a.micro_batch, m)
+        });
     }
     s
 }

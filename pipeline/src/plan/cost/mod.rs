@@ -50,8 +50,8 @@ pub struct Candidate {
     pub micro_batches: usize,
     /// Layers per virtual stage.
     pub balance: Vec<usize>,
-    /// Re-materialization of each pipeline device's stages (K entries: every replica runs
-    /// the same schedule).
+    /// Re-materialization of each (virtual) stage (K x chunks entries, in model order: a
+    /// device's chunks may differ; every replica runs the same schedule).
     pub remat: Vec<CheckpointMode>,
 }
 
@@ -150,6 +150,15 @@ pub struct CandidateCosts {
 }
 
 impl CandidateCosts {
+    /// Seconds that re-materializing `stage` under `mode` adds to a step: its forward run again
+    /// for each micro-batch the mode recomputes.
+    pub fn recompute_secs(&self, stage: usize, mode: CheckpointMode) -> f64 {
+        let m = self.sizes.len();
+        (0..m)
+            .filter(|&mb| mode.recomputes(mb, m))
+            .map(|mb| self.at(stage, mb).forward)
+            .sum()
+    }
     /// Parameters, gradients and optimizer state of each pipeline device.
     pub fn static_bytes(&self) -> &[u64] {
         &self.static_bytes

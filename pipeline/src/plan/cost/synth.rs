@@ -31,7 +31,7 @@ impl CostModel<'_> {
             chunks: v,
             micro_batches: m,
             balance,
-            remat: vec![CheckpointMode::Never; k],
+            remat: vec![CheckpointMode::Never; stages],
         };
         let costs = self.costs(&c, &placement)?;
         let last = stages - 1;
