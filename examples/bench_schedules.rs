@@ -23,9 +23,14 @@
 //! `--synth` adds issue 33's grid: the synthesizer against the best of the eight generators that
 //! fits the same memory cap, simulated in 144 cells (K, M, I/F, W/F, transfer/F, cap).
 //!
+//! `--back-to-back` prints issue 33's steps back to back alone: 20 steps (`--steps`) of 1F1B,
+//! ZB-H1 and ZB-V on real threads, one at a time and back to back (`Pipeline::train_steps`).
+//!
 //! `cargo run --release --example bench_schedules` (about a minute on 2 cores);
-//! `-- --quick` skips the real-thread runs; `-- --quick --synth` prints the grid alone.
+//! `-- --quick` skips the real-thread runs; `-- --quick --synth` prints the grid alone;
+//! `-- --back-to-back` the back-to-back table alone.
 
+use std::ops::ControlFlow;
 use std::time::Instant;
 
 use wgpipe::autograd::{Module, Sgd};
@@ -35,7 +40,7 @@ use wgpipe::pipeline::sim::synth::{grid, synthesize, Origin, Synthesis};
 use wgpipe::pipeline::sim::timeline::{simulate, ActionCost, DeviceSpec, LinkSpec};
 use wgpipe::pipeline::{
     ActionKind, Balance, CheckpointMode, Pipeline, Schedule, ScheduleKind, ScheduleSpec,
-    SimCluster, StepReport,
+    SimCluster, StepReport, StepsOptions, StepsPath,
 };
 use wgpipe::tensor::{Device, Tag, Tensor};
 use wgpipe_apps::Parser;
@@ -132,6 +137,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 const THREADS_M: usize = 8;
 const THREADS_K: usize = 2;
+/// The real-thread MLP: BLOCKS x [Linear(WIDTH), ReLU] on mini-batches of BATCH.
+const BLOCKS: usize = 8;
+const WIDTH: usize = 1024;
+const BATCH: usize = 2048;
 
 /// Per stage, the median wall time of its forwards, input parts and weight parts in a step
 /// (`stages` stages; a kind absent on a stage costs 0).
@@ -193,9 +202,6 @@ struct ThreadRow {
 /// the schedules synthesized from the costs measured in ZB-H1's and ZB-V's first steps, under
 /// 1F1B's peak and twice that.
 fn thread_times() -> Res<Vec<ThreadRow>> {
-    const BLOCKS: usize = 8;
-    const WIDTH: usize = 1024;
-    const BATCH: usize = 2048;
     const STEPS: usize = 5;
     let x = Tensor::rand_normal(&[BATCH, WIDTH], 0.0, 1.0, 1, &Device::cpu())?;
     let y = Tensor::rand_normal(&[BATCH, WIDTH], 0.0, 1.0, 2, &Device::cpu())?;
@@ -326,6 +332,98 @@ fn synth_grid() -> Res<()> {
     Ok(())
 }
 
+/// Issue 33's steps back to back on real threads (K = 2, the MLP of the real-thread rows):
+/// `steps` steps of 1F1B, ZB-H1 and ZB-V through `Pipeline::train_steps`, one step at a time
+/// and back to back, each pipeline after one warm-up step. The two alternate in `rounds` runs
+/// of steps / rounds so that load changes hit both alike (each run's first step cannot overlap
+/// the one before it: a little against back to back). Printed: wall time per step, compute
+/// time per step and device (the load's drift shows there), the bubble measured over the runs
+/// (1 - busy / (K x wall), the time between steps idle) beside the simulator's bubble with equal
+/// costs, of one step and steady (inside each device's span: what is left when the ramps of a
+/// step are filled by its neighbours).
+fn back_to_back(steps: u64, rounds: u64) -> Res<()> {
+    let x = Tensor::rand_normal(&[BATCH, WIDTH], 0.0, 1.0, 1, &Device::cpu())?;
+    let y = Tensor::rand_normal(&[BATCH, WIDTH], 0.0, 1.0, 2, &Device::cpu())?;
+    let per_run = (steps / rounds).max(1);
+    println!("# Steps back to back (real threads)\n");
+    println!(
+        "K = {THREADS_K}, M = {THREADS_M}, two CPU devices with one thread each, MLP {BLOCKS} x \
+         Linear({WIDTH}) + ReLU, batch {BATCH}, SGD; {} steps each way through train_steps, in \
+         {rounds} alternating runs of {per_run}, after a warm-up step. Bubble over the runs: \
+         1 - busy / (K x wall) from the first action of a run to the end of its last (the time \
+         between steps idle); simulated: equal costs, of one step (steady: inside each device's \
+         span).\n",
+        per_run * rounds
+    );
+    println!("| schedule | one at a time: ms/step | back to back: ms/step | speed-up | busy ms/step/device: one at a time, back to back | bubble over the runs: one at a time | back to back | simulated bubble (steady) | steps begun before the last one ended | rollbacks |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for kind in [
+        ScheduleKind::OneFOneB,
+        ScheduleKind::ZbH1,
+        ScheduleKind::ZbV,
+    ] {
+        let sim = unit_timeline(&kind.generate(
+            THREADS_K,
+            kind.default_chunks(),
+            THREADS_M,
+            CheckpointMode::Never,
+        )?)?;
+        // Per way (one at a time, back to back): the pipeline, call seconds, busy device
+        // seconds, run seconds, overlapped steps, rollbacks.
+        let mut ways = Vec::new();
+        for _ in 0..2 {
+            let devices = vec![Device::new_cpu("cpu0"), Device::new_cpu("cpu1")];
+            let mut pipe = pipeline(kind, devices, mlp(BLOCKS, WIDTH)?, THREADS_M)?;
+            pipe.train_step(&x, &y, &mse)?;
+            pipe.optimizer_step()?;
+            ways.push((pipe, 0.0, 0.0, 0.0, 0, 0));
+        }
+        for _ in 0..rounds {
+            for (i, way) in ways.iter_mut().enumerate() {
+                let opts = StepsOptions {
+                    steps: per_run,
+                    step_at_a_time: i == 0,
+                    ..StepsOptions::default()
+                };
+                let t0 = Instant::now();
+                let r = way.0.train_steps(
+                    &opts,
+                    |_| Ok((x.clone(), y.clone())),
+                    &mse,
+                    |_| ControlFlow::Continue(()),
+                )?;
+                way.1 += t0.elapsed().as_secs_f64();
+                way.2 += r.busy_secs.iter().sum::<f64>();
+                way.3 += r.wall_secs();
+                way.4 += r.overlapped_steps();
+                way.5 += r.rollbacks;
+                assert_eq!(r.path == StepsPath::BackToBack, i == 1);
+            }
+        }
+        let n = (per_run * rounds) as f64;
+        let k = THREADS_K as f64;
+        let bubble = |w: &(Pipeline, f64, f64, f64, usize, u64)| 1.0 - w.2 / (k * w.3);
+        let (one, b2b) = (&ways[0], &ways[1]);
+        println!(
+            "| {} | {:.0} | {:.0} | {:.3}x | {:.0}, {:.0} | {:.1}% | {:.1}% | {:.1}% ({:.1}%) | {} of {} | {} |",
+            kind.name(),
+            one.1 / n * 1e3,
+            b2b.1 / n * 1e3,
+            one.1 / b2b.1,
+            one.2 / (n * k) * 1e3,
+            b2b.2 / (n * k) * 1e3,
+            bubble(one) * 100.0,
+            bubble(b2b) * 100.0,
+            sim.bubble_fraction() * 100.0,
+            sim.steady_bubble_fraction() * 100.0,
+            b2b.4,
+            (per_run - 1) * rounds,
+            b2b.5
+        );
+    }
+    Ok(())
+}
+
 /// Every schedule side by side: simulated bubbles and memory, and real-thread step times.
 #[derive(Parser)]
 struct Args {
@@ -335,6 +433,15 @@ struct Args {
     /// Also print issue 33's grid: the synthesizer against the generators, simulated
     #[arg(long)]
     synth: bool,
+    /// Print issue 33's steps-back-to-back table alone (real threads)
+    #[arg(long)]
+    back_to_back: bool,
+    /// Steps of each way of --back-to-back
+    #[arg(long, default_value_t = 20)]
+    steps: u64,
+    /// Alternating runs the steps of --back-to-back are cut into
+    #[arg(long, default_value_t = 2)]
+    rounds: u64,
 }
 
 fn main() -> Res<()> {
@@ -344,6 +451,11 @@ fn main() -> Res<()> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build_global()?;
+    if args.back_to_back {
+        back_to_back(args.steps, args.rounds.max(1))?;
+        println!("\nwall time {:.1} s", t0.elapsed().as_secs_f64());
+        return Ok(());
+    }
     let threads = if args.quick {
         Vec::new()
     } else {

@@ -1,10 +1,11 @@
 //! The training loop of the examples, and Ctrl-C.
 
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::error::{AppResult, Context};
+use crate::error::{AppError, AppResult};
 use crate::output::progress_bar;
-use crate::pipeline::{LossFn, Pipeline, StepReport};
+use crate::pipeline::{LossFn, Pipeline, PipelineError, StepReport, StepsOptions, StepsPath};
 use crate::tensor::Tensor;
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -56,6 +57,8 @@ pub struct LoopResult {
     pub items_per_sec: f64,
     /// Stopped by Ctrl-C.
     pub interrupted: bool,
+    /// How the steps ran: back to back, or one at a time and why (`None` before any ran).
+    pub path: Option<StepsPath>,
 }
 
 impl LoopResult {
@@ -70,9 +73,11 @@ impl LoopResult {
     }
 }
 
-/// Steps `cfg.start..cfg.steps`: learning rate from the schedule, `train_step` on
-/// `batch(step)`, clip, optimizer step; a progress bar (or, with `quiet`, ten log lines) with
-/// loss, throughput and bubble. Stops early after the step during which Ctrl-C was pressed.
+/// Steps `cfg.start..cfg.steps` through [`Pipeline::train_steps`] (back to back where the
+/// pipeline allows it, else one at a time, with the same results): learning rate from the
+/// schedule, `train_step` on `batch(step)`, clip, optimizer step; a progress bar (or, with
+/// `quiet`, ten log lines) with loss, throughput and bubble. Stops early after the step during
+/// which Ctrl-C was pressed.
 pub fn train_loop(
     pipe: &mut Pipeline,
     cfg: &LoopConfig<'_>,
@@ -88,77 +93,102 @@ pub fn train_loop(
         wall_secs: 0.0,
         items_per_sec: 0.0,
         interrupted: false,
+        path: None,
     };
     let log_every = (cfg.steps / 10).max(1);
     let mut items = 0usize;
-    for step in cfg.start..cfg.steps {
-        let (x, y) = batch(step)?;
-        // One learning rate for every stage of every replica (all step together): replicas
-        // with their own rates would drift apart.
-        if let Some(done) = pipe.optimizers().first().map(|o| o.steps()) {
-            pipe.set_lr(cfg.schedule.lr_at(cfg.base_lr, done));
-        }
-        let report = pipe
-            .train_step(&x, &y, loss_fn)
-            .context(format!("training step {step}"))?;
-        if let Some(c) = cfg.clip {
-            pipe.clip_grad_norm(c)
-                .context(format!("clipping the gradients of step {step}"))?;
-        }
-        pipe.optimizer_step()
-            .context(format!("optimizer step {step}"))?;
-        items += cfg.items_per_step;
-        r.losses.push(report.loss);
-        let elapsed = clock.elapsed().as_secs_f64();
-        r.metrics.push(crate::metrics::StepMetrics {
-            step,
-            loss: report.loss,
-            items_per_sec: items as f64 / elapsed,
-            bubble: report.bubble_fraction(),
-            lr: pipe.optimizers().first().map_or(cfg.base_lr, |o| o.lr()),
-            loss_scale: report.loss_scale,
-            skipped: report.skipped.is_some(),
-        });
-        let msg = format!(
-            "loss {:.3}  {:.0} {}/s  bubble {:.0}%{}",
-            report.loss,
-            items as f64 / elapsed,
-            cfg.unit,
-            report.bubble_fraction() * 100.0,
-            if report.simulated.is_some() {
-                " (simulated)"
-            } else {
-                " (measured)"
+    // One learning rate for every stage of every replica (all step together): replicas with
+    // their own rates would drift apart. train_steps sets it before each step from the
+    // optimizer steps done; the metrics follow the same count (a skipped step does not add).
+    let lr = |done: u64| cfg.schedule.lr_at(cfg.base_lr, done);
+    let mut done = pipe.optimizers().first().map(|o| o.steps());
+    let opts = StepsOptions {
+        steps: cfg.steps.saturating_sub(cfg.start),
+        clip: cfg.clip,
+        lr: Some(&lr),
+        step_at_a_time: false,
+    };
+    // The batch's own error comes back as it was (train_steps carries it as text).
+    let mut batch_error = None;
+    let ran = pipe.train_steps(
+        &opts,
+        |i| {
+            batch(cfg.start + i).map_err(|e| {
+                let msg = e.to_string();
+                batch_error = Some(e);
+                PipelineError::Config(msg)
+            })
+        },
+        loss_fn,
+        |report| {
+            let step = cfg.start + r.losses.len() as u64;
+            items += cfg.items_per_step;
+            r.losses.push(report.loss);
+            let elapsed = clock.elapsed().as_secs_f64();
+            r.metrics.push(crate::metrics::StepMetrics {
+                step,
+                loss: report.loss,
+                items_per_sec: items as f64 / elapsed,
+                bubble: report.bubble_fraction(),
+                lr: done.map_or(cfg.base_lr, lr),
+                loss_scale: report.loss_scale,
+                skipped: report.skipped.is_some(),
+            });
+            if report.skipped.is_none() {
+                done = done.map(|d| d + 1);
             }
-        );
-        // With loss scaling an overflowed step is skipped, not an error.
-        let msg = match (&report.skipped, report.loss_scale) {
-            (Some(at), Some(scale)) => format!(
-                "{msg}  skipped: overflow at stage {} (scale {scale} halved)",
-                at.stage
-            ),
-            _ => msg,
-        };
-        pb.set_message(msg.clone());
-        pb.set_position(step + 1);
-        if cfg.quiet && ((step + 1) % log_every == 0 || step + 1 == cfg.steps) {
-            crate::say!("step {:>5}/{}  {msg}", step + 1, cfg.steps);
+            let msg = format!(
+                "loss {:.3}  {:.0} {}/s  bubble {:.0}%{}",
+                report.loss,
+                items as f64 / elapsed,
+                cfg.unit,
+                report.bubble_fraction() * 100.0,
+                if report.simulated.is_some() {
+                    " (simulated)"
+                } else {
+                    " (measured)"
+                }
+            );
+            // With loss scaling an overflowed step is skipped, not an error.
+            let msg = match (&report.skipped, report.loss_scale) {
+                (Some(at), Some(scale)) => format!(
+                    "{msg}  skipped: overflow at stage {} (scale {scale} halved)",
+                    at.stage
+                ),
+                _ => msg,
+            };
+            pb.set_message(msg.clone());
+            pb.set_position(step + 1);
+            if cfg.quiet && ((step + 1).is_multiple_of(log_every) || step + 1 == cfg.steps) {
+                crate::say!("step {:>5}/{}  {msg}", step + 1, cfg.steps);
+            }
+            r.last_report = Some(report.clone());
+            let why = if cfg.stop.load(Ordering::SeqCst) {
+                Some("Ctrl-C")
+            } else if cfg.stop_at == Some(step + 1) && step + 1 < cfg.steps {
+                Some("--stop-at")
+            } else {
+                None
+            };
+            match why {
+                Some(why) => {
+                    r.interrupted = true;
+                    pb.abandon();
+                    eprintln!("stopped by {why} after step {}", step + 1);
+                    ControlFlow::Break(())
+                }
+                None => ControlFlow::Continue(()),
+            }
+        },
+    );
+    let ran = match (ran, batch_error) {
+        (Ok(ran), _) => ran,
+        (Err(_), Some(e)) => return Err(e),
+        (Err(e), None) => {
+            return Err(AppError(format!("{}: {}", e.context(cfg.start), e.error)));
         }
-        r.last_report = Some(report);
-        let why = if cfg.stop.load(Ordering::SeqCst) {
-            Some("Ctrl-C")
-        } else if cfg.stop_at == Some(step + 1) && step + 1 < cfg.steps {
-            Some("--stop-at")
-        } else {
-            None
-        };
-        if let Some(why) = why {
-            r.interrupted = true;
-            pb.abandon();
-            eprintln!("stopped by {why} after step {}", step + 1);
-            break;
-        }
-    }
+    };
+    r.path = Some(ran.path);
     pb.finish();
     if let Some(s) = pipe.loss_scaler() {
         crate::say!(

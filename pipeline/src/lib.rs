@@ -11,6 +11,9 @@
 //!     .build()?;
 //! let report = pipe.train_step(&x, &y, &loss_fn)?;
 //! pipe.optimizer_step()?;
+//! // Or a whole loop, back to back where it can run so (see `Pipeline::train_steps`):
+//! let opts = StepsOptions { steps: 100, clip: Some(1.0), ..StepsOptions::default() };
+//! pipe.train_steps(&opts, |i| batch(i), &loss_fn, |report| ControlFlow::Continue(()))?;
 //! ```
 
 //! The crate in layers, each folder importing only from those below it (a test in
@@ -57,6 +60,7 @@ pub use train::persist::{LoadOptions, OtherSetting, PersistError, Restored, Save
 pub use train::report::{SimReport, StageReport, StepReport};
 pub use train::scaler::{LossScaling, ScalerState};
 pub use train::shards::{checkpoint_metadata, consolidate, is_sharded, split, INDEX_FILE};
+pub use train::steps::{StepPhase, StepSpan, StepsError, StepsOptions, StepsPath, StepsReport};
 pub use train::Pipeline;
 
 use wgpipe_autograd::Var;

@@ -90,6 +90,9 @@ impl Drop for RunningMark<'_> {
 /// which computes the scaled loss and answers with its gradient with respect to the output and
 /// whether the loss is finite (or with the loss function's error).
 pub(crate) struct LossRequest {
+    /// The step's RNG key ([`StepInputs::step`]): which step asks, when steps run back to back
+    /// and the caller's thread serves two at once.
+    pub step: u64,
     pub micro_batch: usize,
     pub output: Tensor,
     pub reply: Sender<Result<(Tensor, bool), StageCause>>,
@@ -713,6 +716,7 @@ impl<'a> Worker<'a, '_> {
         self.io
             .loss
             .send(LossRequest {
+                step: self.io.step,
                 micro_batch: m,
                 output,
                 reply,

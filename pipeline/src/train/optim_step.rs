@@ -37,26 +37,22 @@ impl Pipeline {
         // Over MPI each rank has its own stages' gradients: every rank takes each stage's part
         // from the rank that trains it, so that all sum the same parts in the same order.
         let parts = self.comm.stage_parts(self.round, &self.schedule, parts)?;
-        let mut sq = 0.0f64;
-        for (s, &part) in self.stages().iter().zip(&parts) {
-            if !part.is_finite() {
-                return Err(s.error(
-                    0,
-                    "clip_grad_norm",
-                    StageCause::Tensor(wgpipe_tensor::Error::Invalid {
-                        op: "clip_grad_norm",
-                        msg: format!(
-                            "the squared norm of this stage's gradients is {part}: a gradient holds NaN or infinity (no gradient was clipped)"
-                        ),
-                    }),
-                ));
-            }
-            sq += part;
-        }
         // Gradients of a loss-scaled step are unscaled here, in the same pass as the clipping.
         let unscale = self.grads_scale.get().map_or(1.0, |g| 1.0 / g);
-        let norm = (sq.sqrt() * unscale as f64) as f32;
-        let factor = wgpipe_autograd::optim::clip_factor(norm, max_norm) * unscale;
+        let (norm, clip) = clip_norm(&parts, unscale, max_norm).map_err(|i| {
+            let part = parts[i];
+            self.stages()[i].error(
+                0,
+                "clip_grad_norm",
+                StageCause::Tensor(wgpipe_tensor::Error::Invalid {
+                    op: "clip_grad_norm",
+                    msg: format!(
+                        "the squared norm of this stage's gradients is {part}: a gradient holds NaN or infinity (no gradient was clipped)"
+                    ),
+                }),
+            )
+        })?;
+        let factor = clip * unscale;
         if factor != 1.0 {
             self.scale_grads_everywhere(factor, "clip_grad_norm")?;
         }
@@ -70,16 +66,7 @@ impl Pipeline {
     /// are computed before any is stored; the replicas (which hold the same gradients) get
     /// replica 0's.
     fn scale_grads_everywhere(&self, factor: f32, what: &str) -> Result<()> {
-        let mut scaled = Vec::new();
-        for s in self.stages() {
-            scaled.push(
-                wgpipe_autograd::optim::scaled_grads(&s.named_parameters(), factor)
-                    .map_err(|e| s.error(0, what, StageCause::Tensor(e)))?,
-            );
-        }
-        for (p, g) in scaled.into_iter().flatten() {
-            p.set_grad(Some(g));
-        }
+        scale_stage_grads(self.stages(), factor, what)?;
         for r in &self.replicas[1..] {
             for ((_, src), (_, dst)) in self.named_parameters().iter().zip(r.named_parameters()) {
                 if let Some(g) = src.grad() {
@@ -125,8 +112,8 @@ impl Pipeline {
                 self.zero_grad();
                 return Ok(());
             }
-            if let Some(g) = self.grads_scale.get().filter(|&g| g != 1.0) {
-                self.scale_grads_everywhere(1.0 / g, "optimizer step (unscaling)")?;
+            if let Some(factor) = unscaling(self.grads_scale.get()) {
+                self.scale_grads_everywhere(factor, UNSCALING)?;
                 self.grads_scale.set(Some(1.0));
             }
         }
@@ -148,13 +135,7 @@ impl Pipeline {
                 .iter_mut()
                 .map(|(s, o)| {
                     let params = s.named_parameters();
-                    let h = spawn_stage(scope, s.index, move || {
-                        let step = || wgpipe_tensor::share_cpu_threads(|| o.step(&params));
-                        match catch_unwind(AssertUnwindSafe(step)) {
-                            Ok(r) => r.map_err(StageCause::Tensor),
-                            Err(p) => Err(StageCause::Panic(threads::panic_message(p))),
-                        }
-                    });
+                    let h = spawn_stage(scope, s.index, move || step_stage(&params, o.as_mut()));
                     (*s, h)
                 })
                 .collect();
@@ -207,15 +188,73 @@ impl Pipeline {
     }
 }
 
+/// The arithmetic of [`Pipeline::clip_grad_norm`] once each stage's squared gradient norm
+/// (`parts`, in stage order) is known: the norm of the unscaled gradients (`unscale`: 1 / the
+/// loss scale they carry, else 1) and the clip factor (1 exactly when no clipping is needed),
+/// or the index of the first part that is not finite. Steps back to back validate a step with
+/// it, so that they decide as the step-at-a-time path does, bit for bit.
+pub(super) fn clip_norm(
+    parts: &[f64],
+    unscale: f32,
+    max_norm: f32,
+) -> std::result::Result<(f32, f32), usize> {
+    let mut sq = 0.0f64;
+    for (i, &part) in parts.iter().enumerate() {
+        if !part.is_finite() {
+            return Err(i);
+        }
+        sq += part;
+    }
+    let norm = (sq.sqrt() * unscale as f64) as f32;
+    Ok((norm, wgpipe_autograd::optim::clip_factor(norm, max_norm)))
+}
+
+/// Multiplies the gradients of `stages` by `factor`, all or nothing: every new gradient is
+/// computed before any is stored.
+pub(super) fn scale_stage_grads(stages: &[Stage], factor: f32, what: &str) -> Result<()> {
+    let mut scaled = Vec::new();
+    for s in stages {
+        scaled.push(
+            wgpipe_autograd::optim::scaled_grads(&s.named_parameters(), factor)
+                .map_err(|e| s.error(0, what, StageCause::Tensor(e)))?,
+        );
+    }
+    for (p, g) in scaled.into_iter().flatten() {
+        p.set_grad(Some(g));
+    }
+    Ok(())
+}
+
+/// What the optimizer step multiplies gradients that carry the loss scale `carried` by before
+/// it applies them: 1 / scale, or nothing when they carry none (or 1).
+pub(super) fn unscaling(carried: Option<f32>) -> Option<f32> {
+    carried.filter(|&g| g != 1.0).map(|g| 1.0 / g)
+}
+
+/// What an error while unscaling gradients says it was doing.
+pub(super) const UNSCALING: &str = "optimizer step (unscaling)";
+
+/// One stage's optimizer step on its parameters `params`, a panic of the optimizer caught.
+pub(super) fn step_stage(
+    params: &[(String, Param)],
+    o: &mut dyn Optimizer,
+) -> std::result::Result<(), StageCause> {
+    let step = || wgpipe_tensor::share_cpu_threads(|| o.step(params));
+    match catch_unwind(AssertUnwindSafe(step)) {
+        Ok(r) => r.map_err(StageCause::Tensor),
+        Err(p) => Err(StageCause::Panic(threads::panic_message(p))),
+    }
+}
+
 /// What a stage needs to undo an optimizer step: parameter values, gradients and the
 /// optimizer's state, as they were before it.
-struct StageKeep {
+pub(super) struct StageKeep {
     params: Vec<(Param, Tensor, Option<Tensor>)>,
     optimizer: Vec<(String, Tensor)>,
 }
 
 impl StageKeep {
-    fn take(s: &Stage, o: &dyn Optimizer) -> StageKeep {
+    pub(super) fn take(s: &Stage, o: &dyn Optimizer) -> StageKeep {
         StageKeep {
             params: s
                 .named_parameters()
@@ -229,7 +268,7 @@ impl StageKeep {
         }
     }
 
-    fn restore(self, o: &mut dyn Optimizer) -> wgpipe_tensor::Result<()> {
+    pub(super) fn restore(self, o: &mut dyn Optimizer) -> wgpipe_tensor::Result<()> {
         for (p, v, g) in self.params {
             p.set_value(v);
             p.set_grad(g);

@@ -221,6 +221,13 @@ impl Pipeline {
             }
         }
         let mut report = self.step_replicas(inputs, targets, loss_fn, scale)?;
+        self.note_scaled_step(&mut report, scale);
+        Ok(report)
+    }
+
+    /// What a step trained with the loss scale `scale` (`None`: no loss scaling) leaves for
+    /// the optimizer step: an overflow makes it skip, else the gradients carry the scale.
+    pub(super) fn note_scaled_step(&mut self, report: &mut StepReport, scale: Option<f32>) {
         if let Some(scale) = scale {
             if report.skipped.is_some() {
                 self.overflowed = true;
@@ -229,7 +236,6 @@ impl Pipeline {
             }
             report.loss_scale = Some(scale);
         }
-        Ok(report)
     }
 
     /// The dtype the layers compute in (set by [`PipelineBuilder::precision`]).
@@ -530,7 +536,11 @@ type Reduced = (
 /// The mini-batch `(inputs, targets)` as R shards (sizes differing by at most one), each with
 /// its share of the samples: the one check that inputs and targets agree and that every
 /// replica gets a sample.
-fn shard_batch(inputs: &Tensor, targets: &Tensor, r: usize) -> Result<Vec<(Tensor, Tensor, f32)>> {
+pub(super) fn shard_batch(
+    inputs: &Tensor,
+    targets: &Tensor,
+    r: usize,
+) -> Result<Vec<(Tensor, Tensor, f32)>> {
     let n = inputs.shape().first().copied().unwrap_or(0);
     if targets.shape().first() != Some(&n) {
         return Err(PipelineError::Config(format!(

@@ -118,11 +118,7 @@ impl Replica {
         targets: &Tensor,
         loss_fn: LossUse<'_>,
     ) -> Result<ReplicaStep> {
-        let m = ctx.schedule.num_micro_batches;
-        let xs = split_batch("inputs", inputs, m)?;
-        let ys = split_batch("targets", targets, m)?;
-        let n = inputs.shape()[0] as f32;
-        let scales: Vec<f32> = xs.iter().map(|x| x.shape()[0] as f32 / n).collect();
+        let (xs, ys, scales) = micro_batches(inputs, targets, ctx.schedule.num_micro_batches)?;
         for s in &self.stages {
             s.device.memory().reset_peak();
         }
@@ -189,6 +185,20 @@ impl Replica {
     }
 }
 
+/// A shard `(inputs, targets)` as M micro-batches, with each one's share of the shard (what
+/// its mean loss is multiplied by).
+pub(crate) fn micro_batches(
+    inputs: &Tensor,
+    targets: &Tensor,
+    m: usize,
+) -> Result<(Vec<Tensor>, Vec<Tensor>, Vec<f32>)> {
+    let xs = split_batch("inputs", inputs, m)?;
+    let ys = split_batch("targets", targets, m)?;
+    let n = inputs.shape()[0] as f32;
+    let scales = xs.iter().map(|x| x.shape()[0] as f32 / n).collect();
+    Ok((xs, ys, scales))
+}
+
 /// What a step puts back when it fails, is skipped or times out: the parameters' gradients and
 /// the buffers as before the step.
 pub(crate) struct Saved {
@@ -200,9 +210,15 @@ pub(crate) struct Saved {
 
 impl Saved {
     pub(crate) fn take(replica: &Replica) -> Saved {
-        let params = replica.named_parameters();
+        Saved::of(&replica.stages)
+    }
+
+    /// The gradients and buffers of `stages` (a replica's, or one device's).
+    pub(crate) fn of(stages: &[Stage]) -> Saved {
+        let params: Vec<(String, Param)> =
+            stages.iter().flat_map(Stage::named_parameters).collect();
         let grads = params.iter().map(|(_, p)| p.grad()).collect();
-        let buffers = replica.named_buffers();
+        let buffers: Vec<(String, Param)> = stages.iter().flat_map(Stage::named_buffers).collect();
         let values = buffers.iter().map(|(_, b)| b.value()).collect();
         Saved {
             params,

@@ -276,40 +276,97 @@ impl crate::train::replica::Replica {
         loss: f32,
         memory: Option<Vec<wgpipe_tensor::memory::MemoryStats>>,
     ) -> Result<StepReport> {
+        ReportFrame::of(self, schedule).report(
+            schedule,
+            step,
+            outcomes,
+            wall,
+            loss,
+            memory,
+            self.sim.as_ref(),
+        )
+    }
+}
+
+/// What a step's report needs of a replica besides the step's records: each device's handle
+/// (its name and memory counters), the layers of its chunks and their parameter count. Taken
+/// once before a run that lends the stages to long-lived device threads (steps back to back),
+/// so that each step's report is made while the stages are away.
+pub(crate) struct ReportFrame {
+    devices: Vec<DeviceFrame>,
+}
+
+struct DeviceFrame {
+    device: wgpipe_tensor::Device,
+    chunks: Vec<usize>,
+    layers: Vec<Range<usize>>,
+    num_params: usize,
+}
+
+impl ReportFrame {
+    pub(crate) fn of(replica: &crate::train::replica::Replica, schedule: &Schedule) -> Self {
+        let stages = replica.stages();
+        let devices = replica
+            .device_stages(schedule)
+            .into_iter()
+            .enumerate()
+            .map(|(d, first)| {
+                let chunks = schedule.stages_of(d);
+                DeviceFrame {
+                    device: first.device.clone(),
+                    layers: chunks
+                        .iter()
+                        .map(|&c| {
+                            let s = &stages[c];
+                            s.first_layer..s.first_layer + s.layers.len()
+                        })
+                        .collect(),
+                    num_params: chunks.iter().map(|&c| stages[c].num_params()).sum(),
+                    chunks,
+                }
+            })
+            .collect();
+        ReportFrame { devices }
+    }
+
+    /// The report of a step whose devices gave `outcomes`, on the replica's simulated cluster
+    /// `sim` (if any).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn report(
+        &self,
+        schedule: &Schedule,
+        step: u64,
+        outcomes: Vec<StageOutcome>,
+        wall: f64,
+        loss: f32,
+        memory: Option<Vec<wgpipe_tensor::memory::MemoryStats>>,
+        sim: Option<&SimCluster>,
+    ) -> Result<StepReport> {
         let messages: Vec<u64> = outcomes.iter().map(|o| o.messages_sent).collect();
         let records: Vec<Vec<ActionRecord>> = outcomes.into_iter().map(|o| o.records).collect();
         let timeline = wall_timeline(schedule, &records, wall);
         let stages = self
-            .device_stages(schedule)
-            .into_iter()
+            .devices
+            .iter()
             .zip(&records)
             .enumerate()
-            .map(|(d, (first, recs))| {
-                let chunks = schedule.stages_of(d);
-                StageReport {
-                    stage: d,
-                    device: first.device.name().to_string(),
-                    layers: chunks
-                        .iter()
-                        .map(|&c| {
-                            let s = &self.stages[c];
-                            s.first_layer..s.first_layer + s.layers.len()
-                        })
-                        .collect(),
-                    num_params: chunks.iter().map(|&c| self.stages[c].num_params()).sum(),
-                    chunks,
-                    busy_secs: timeline.busy[d],
-                    flops: recs.iter().map(|r| r.flops).sum(),
-                    bytes_sent: recs.iter().map(|r| r.bytes).sum(),
-                    messages_sent: messages[d],
-                    memory: memory
-                        .as_ref()
-                        .and_then(|m| m.get(d).cloned())
-                        .unwrap_or_else(|| first.device.memory_stats()),
-                }
+            .map(|(d, (frame, recs))| StageReport {
+                stage: d,
+                device: frame.device.name().to_string(),
+                layers: frame.layers.clone(),
+                num_params: frame.num_params,
+                chunks: frame.chunks.clone(),
+                busy_secs: timeline.busy[d],
+                flops: recs.iter().map(|r| r.flops).sum(),
+                bytes_sent: recs.iter().map(|r| r.bytes).sum(),
+                messages_sent: messages[d],
+                memory: memory
+                    .as_ref()
+                    .and_then(|m| m.get(d).cloned())
+                    .unwrap_or_else(|| frame.device.memory_stats()),
             })
             .collect();
-        let simulated = match &self.sim {
+        let simulated = match sim {
             Some(cluster) => {
                 let cost = |device: usize, action: Action| {
                     records[device]

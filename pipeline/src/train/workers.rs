@@ -252,19 +252,25 @@ pub(super) fn first_error(
             )),
         }
     }
-    let root = errors
-        .iter()
-        .position(|e| !matches!(e.cause(), Some(StageCause::Disconnected(_))))
-        .unwrap_or(0);
-    match errors.into_iter().nth(root) {
+    match root_cause(errors) {
         Some(e) => Err(e),
         None => Ok(ok),
     }
 }
 
+/// The root cause among the devices' errors (in device order): the first that is a device's
+/// own failure, not a "stopped because another stage failed".
+pub(super) fn root_cause(errors: Vec<PipelineError>) -> Option<PipelineError> {
+    let root = errors
+        .iter()
+        .position(|e| !matches!(e.cause(), Some(StageCause::Disconnected(_))))
+        .unwrap_or(0);
+    errors.into_iter().nth(root)
+}
+
 /// A device's failure as an error: the virtual stage of the failing action (`first_stage`, the
 /// device's first, before any), and the layer when one was running (named from `stages`).
-fn device_error(
+pub(super) fn device_error(
     stages: &[Stage],
     first_stage: usize,
     device: &str,
@@ -363,7 +369,7 @@ impl LossSide<'_> {
     /// The gradient of micro-batch `req.micro_batch`'s scaled loss with respect to the last
     /// stage's output, and whether the loss is finite; the loss goes to `losses`. Under
     /// [`NonFinite::Error`] a non-finite loss is an error; a panic of the loss function is one.
-    fn gradient(
+    pub(super) fn gradient(
         &self,
         req: &LossRequest,
         losses: &mut Vec<Tensor>,

@@ -2,6 +2,7 @@
 //! One test binary (one link) with a module per theme.
 
 mod atomic;
+mod back_to_back;
 mod equivalence;
 mod faults;
 mod locality;

@@ -1,0 +1,802 @@
+//! Steps back to back (issue 33), after the zero-bubble paper's post-update validation
+//! ("bypassing optimizer synchronizations"): one long-lived thread per device runs step after
+//! step. When a device has done its last action of step s it applies its own stages' update at
+//! once, as if the step were valid (no overflow or non-finite value, clip factor exactly 1,
+//! gradients unscaled by 1 / loss scale as `optimizer_step` does), keeps what undoes it, and
+//! begins step s+1, whose loss scale is the one a good step s leaves. The caller's thread
+//! serves the loss of both steps, gathers every device's report of step s and validates it with
+//! the step-at-a-time path's own arithmetic (the agreement of `train_step`, the clip norm of
+//! `clip_grad_norm` over the stages in order). A device applies step s+1's update only once
+//! step s is validated, so at most one update per device is ever unconfirmed.
+//!
+//! A step that fails validation ends the segment: step s+1 is stopped, every device's update
+//! of s and s+1's partial gradients and batch-norm statistics are undone, and step s is
+//! finished by the step-at-a-time code (`clip_grad_norm` + `optimizer_step`, or the skip);
+//! the next segment resumes back to back from s+1. Dropout is keyed by the step's counter, so a
+//! step run again draws the same masks.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use wgpipe_autograd::optim::{grad_norm_sq, Optimizer};
+use wgpipe_tensor::{Device, Tensor};
+
+use crate::error::{NonFinite, PipelineError, Result, StageCause};
+use crate::exec::comm::ReplicaRun;
+use crate::exec::threads::{self, spawn_stage};
+use crate::exec::transport::{wire_links, DeviceLinks};
+use crate::exec::worker::{run_device, LossRequest, Position, StageOutcome, StepInputs};
+use crate::exec::Stage;
+use crate::train::optim_step::{
+    clip_norm, scale_stage_grads, step_stage, unscaling, StageKeep, UNSCALING,
+};
+use crate::train::pipeline::shard_batch;
+use crate::train::replica::{micro_batches, Saved};
+use crate::train::report::{ReportFrame, StepReport};
+use crate::train::scaler::GradScaler;
+use crate::train::steps::{failed, Batches, OnStep, Run, StepPhase, StepsError, StepsOptions};
+use crate::train::workers::{device_error, root_cause, LossSide, LossUse};
+use crate::LossFn;
+
+use super::Pipeline;
+
+/// How often the caller's thread looks at devices' reports between loss requests.
+const POLL: Duration = Duration::from_millis(1);
+
+/// One step's work for one device.
+struct Work {
+    /// The step's index in the run.
+    index: u64,
+    io: StepInputs,
+    links: DeviceLinks,
+    update: Update,
+}
+
+/// How a device updates its stages after a step, assuming the step valid.
+#[derive(Clone, Copy)]
+struct Update {
+    /// The learning rate of the update.
+    lr: Option<f32>,
+    /// The loss scale the step's gradients carry (`None`: no loss scaling).
+    scale: Option<f32>,
+    /// Whether the clip norm is checked: each stage's squared gradient norm is computed
+    /// before the update.
+    clip: bool,
+}
+
+/// What the caller's thread tells a device, in this order for steps 0, 1, 2...: work 0,
+/// work 1, verdict 0, work 2, verdict 1, ... The channel closing means stop: a device then
+/// gives back its stages with what undoes its unvalidated step.
+enum Ctl {
+    Work(Box<Work>),
+    /// The oldest unvalidated step is valid: its undo copies can go.
+    Commit,
+}
+
+/// A device's report of a step.
+struct Finished {
+    device: usize,
+    index: u64,
+    result: Result<After>,
+}
+
+/// What a device did after a step that ran well on it.
+struct After {
+    outcome: StageOutcome,
+    /// Its layers' deferred updates (`finish_step`): an error fails the step, as the
+    /// step-at-a-time reduction's does.
+    finish: Result<()>,
+    /// Each of its stages' squared gradient norm (stage, part), when clipping.
+    parts: Vec<(usize, f64)>,
+    /// Whether it applied its update. It does not when the step is void here (non-finite
+    /// values), or when a norm or an update failed: the step is then finished one step at a
+    /// time, which meets (and reports) the same failure.
+    updated: bool,
+}
+
+/// What undoes a device's step that is not validated yet.
+struct Pending {
+    index: u64,
+    /// Each stage's values, gradients (as the backward left them) and optimizer state before
+    /// the update; empty when none was applied.
+    keeps: Vec<StageKeep>,
+    /// The gradients and buffers before the step.
+    before: Saved,
+}
+
+/// A device's stages and optimizers, lent to its thread for a segment and given back with
+/// what undoes what was not validated.
+struct Lent {
+    stages: Vec<Stage>,
+    optimizers: Vec<Box<dyn Optimizer>>,
+    pending: Option<Pending>,
+    /// The gradients and buffers when it began the step after the pending one.
+    next: Option<Saved>,
+}
+
+impl Lent {
+    /// Undoes what is not validated: the step begun after the pending one, and the pending
+    /// one: back to just after its backward when `keep_trained` names it (its update undone,
+    /// its gradients kept), else to before it.
+    fn undo(&mut self, keep_trained: Option<u64>) -> Result<()> {
+        if let Some(next) = self.next.take() {
+            next.restore(&self.stages);
+        }
+        let Some(p) = self.pending.take() else {
+            return Ok(());
+        };
+        let mut errors = Vec::new();
+        for ((s, o), keep) in self.stages.iter().zip(&mut self.optimizers).zip(p.keeps) {
+            if let Err(e) = keep.restore(o.as_mut()) {
+                errors.push(format!("stage {}: {e}", s.index));
+            }
+        }
+        if keep_trained != Some(p.index) {
+            p.before.restore(&self.stages);
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(PipelineError::Config(format!(
+                "rolling back an update made ahead of its validation failed: {} (the optimizer's load_state does not take back its own state())",
+                errors.join("; ")
+            )))
+        }
+    }
+}
+
+/// A device's thread: step after step until the channel closes.
+fn device_loop(
+    device: usize,
+    mut lent: Lent,
+    ctl: Receiver<Ctl>,
+    events: Sender<Finished>,
+) -> Lent {
+    loop {
+        let work = match ctl.recv() {
+            Ok(Ctl::Work(w)) => w,
+            Ok(Ctl::Commit) => {
+                lent.pending = None;
+                continue;
+            }
+            Err(_) => return lent,
+        };
+        let Work {
+            index,
+            io,
+            links,
+            update,
+        } = *work;
+        lent.next = Some(Saved::of(&lent.stages));
+        let ran = run_step(&lent.stages, &io, links);
+        // This step's update goes on top of the previous one's: only once that is valid.
+        if lent.pending.is_some() {
+            match ctl.recv() {
+                Ok(Ctl::Commit) => lent.pending = None,
+                _ => return lent,
+            }
+        }
+        let before = lent.next.take().expect("saved when the step began");
+        let (result, keeps) = match ran {
+            Ok(outcome) => {
+                let (after, keeps) =
+                    after_step(&lent.stages, &mut lent.optimizers, outcome, update);
+                (Ok(after), keeps)
+            }
+            Err(e) => (Err(e), Vec::new()),
+        };
+        lent.pending = Some(Pending {
+            index,
+            keeps,
+            before,
+        });
+        if events
+            .send(Finished {
+                device,
+                index,
+                result,
+            })
+            .is_err()
+        {
+            return lent;
+        }
+    }
+}
+
+/// One step's actions on the device holding `stages`; a failure stops the step's other
+/// devices.
+fn run_step(stages: &[Stage], io: &StepInputs, links: DeviceLinks) -> Result<StageOutcome> {
+    let refs: Vec<&Stage> = stages.iter().collect();
+    let mut pos = Position::default();
+    let r = catch_unwind(AssertUnwindSafe(|| run_device(&refs, &links, io, &mut pos)))
+        .unwrap_or_else(|p| Err(StageCause::Panic(threads::panic_message(p))));
+    if r.is_err() {
+        io.abort.store(true, Ordering::SeqCst);
+    }
+    // Dropping the links closes this device's channels, which also wakes a neighbour blocked
+    // on them.
+    drop(links);
+    r.map_err(|cause| {
+        let (index, name) = stages
+            .first()
+            .map_or((0, ""), |s| (s.index, s.device.name()));
+        device_error(stages, index, name, pos, cause)
+    })
+}
+
+/// After a step ran well on a device: its layers' deferred updates, then its update applied
+/// as if the step were valid, with what undoes it.
+fn after_step(
+    stages: &[Stage],
+    optimizers: &mut [Box<dyn Optimizer>],
+    outcome: StageOutcome,
+    update: Update,
+) -> (After, Vec<StageKeep>) {
+    let finish = finish_layers(stages);
+    let mut after = After {
+        outcome,
+        finish,
+        parts: Vec::new(),
+        updated: false,
+    };
+    // Non-finite values here make the step void everywhere: nothing to apply.
+    if after.finish.is_err() || after.outcome.non_finite.is_some() {
+        return (after, Vec::new());
+    }
+    if update.clip {
+        for s in stages {
+            match grad_norm_sq(&s.named_parameters()) {
+                Ok(part) => after.parts.push((s.index, part)),
+                Err(_) => return (after, Vec::new()),
+            }
+        }
+    }
+    let keeps = stages
+        .iter()
+        .zip(optimizers.iter_mut())
+        .map(|(s, o)| {
+            if let Some(lr) = update.lr {
+                o.set_lr(lr);
+            }
+            StageKeep::take(s, o.as_ref())
+        })
+        .collect();
+    after.updated = apply_update(stages, optimizers, update.scale);
+    (after, keeps)
+}
+
+/// The layers' deferred updates (batch-norm statistics), a panic caught.
+fn finish_layers(stages: &[Stage]) -> Result<()> {
+    let finish = || -> Result<()> {
+        for s in stages {
+            for l in &s.layers {
+                l.finish_step()?;
+            }
+        }
+        Ok(())
+    };
+    catch_unwind(AssertUnwindSafe(finish)).unwrap_or_else(|p| {
+        Err(PipelineError::Config(format!(
+            "a layer's deferred update panicked: {}",
+            threads::panic_message(p)
+        )))
+    })
+}
+
+/// `optimizer_step`'s work on one device's stages: unscale, step each stage, drop the
+/// gradients. Whether it all went well (the undo copies cover a failure part way).
+fn apply_update(
+    stages: &[Stage],
+    optimizers: &mut [Box<dyn Optimizer>],
+    scale: Option<f32>,
+) -> bool {
+    if let Some(factor) = unscaling(scale) {
+        if scale_stage_grads(stages, factor, UNSCALING).is_err() {
+            return false;
+        }
+    }
+    for (s, o) in stages.iter().zip(optimizers.iter_mut()) {
+        if step_stage(&s.named_parameters(), o.as_mut()).is_err() {
+            return false;
+        }
+    }
+    for s in stages {
+        for (_, p) in s.named_parameters() {
+            p.zero_grad();
+        }
+    }
+    true
+}
+
+/// A step launched on the devices and not validated yet.
+struct InFlight {
+    index: u64,
+    /// Its RNG key (the step counter it runs under).
+    key: u64,
+    round: u64,
+    /// Its mini-batch, kept for a run again when it is dropped before it ends.
+    batch: (Tensor, Tensor),
+    targets: Vec<Tensor>,
+    scales: Vec<f32>,
+    /// The loss scale its backward is seeded with.
+    seed: Option<f32>,
+    abort: Arc<AtomicBool>,
+    /// The scaled loss of each micro-batch, in the order the last stage ran them.
+    losses: Vec<Tensor>,
+    results: Vec<Option<Result<After>>>,
+}
+
+/// How the validation of a step came out.
+enum Verdict {
+    Valid(StepReport, f64),
+    /// Its update must be redone one step at a time: from its gradients, or (skipped) as a
+    /// skip from before it.
+    Redo(StepReport, f64),
+    Failed(PipelineError),
+}
+
+/// How a segment ended (once every device gave its stages back and what was not validated
+/// was undone).
+enum End {
+    /// Every step launched was validated (the run is over, or it was stopped), or the next
+    /// step could not be launched (the error).
+    Kept(Option<StepsError>),
+    /// Step `index` needs its update redone one step at a time.
+    Redo {
+        index: u64,
+        report: Box<StepReport>,
+        offset: f64,
+        seed: Option<f32>,
+    },
+    Failed(StepsError),
+}
+
+/// What the caller's thread needs through a segment.
+struct Segment<'a> {
+    ctls: Vec<Sender<Ctl>>,
+    loss_tx: Sender<LossRequest>,
+    frame: ReportFrame,
+    last_device: Device,
+    non_finite: NonFinite,
+    opts: &'a StepsOptions<'a>,
+    /// The scaler as it will be once every step launched is valid.
+    ahead: Option<GradScaler>,
+    /// Optimizer steps done when the segment began (`None`: no optimizer reports any).
+    done: Option<u64>,
+    first: u64,
+    inflight: VecDeque<InFlight>,
+    /// A step that could not be launched: the error, returned once every step before it is
+    /// done, and its mini-batch (or the failure to get it), kept for a later segment when a
+    /// step before it is redone.
+    launch_error: Option<StepsError>,
+    unlaunched: Option<(u64, Result<(Tensor, Tensor)>)>,
+}
+
+impl Pipeline {
+    /// Runs steps back to back from `run.next` until the run ends or a step needs its update
+    /// redone (which it then does, one step at a time).
+    pub(super) fn run_back_to_back(
+        &mut self,
+        run: &mut Run,
+        opts: &StepsOptions<'_>,
+        batches: &mut Batches<'_>,
+        loss_fn: &LossFn,
+        on_step: &mut OnStep<'_>,
+    ) -> std::result::Result<(), StepsError> {
+        let k = self.schedule.num_devices();
+        let rep = &mut self.replicas[0];
+        let frame = ReportFrame::of(rep, &self.schedule);
+        let last_device = rep.stages[rep.stages.len() - 1].device.clone();
+        let done = rep.optimizers.first().map(|o| o.steps());
+        let mut by_device: Vec<Lent> = (0..k)
+            .map(|_| Lent {
+                stages: Vec::new(),
+                optimizers: Vec::new(),
+                pending: None,
+                next: None,
+            })
+            .collect();
+        let stages = std::mem::take(&mut rep.stages);
+        let optimizers = std::mem::take(&mut rep.optimizers);
+        for (s, o) in stages.into_iter().zip(optimizers) {
+            let lent = &mut by_device[self.schedule.placement[s.index]];
+            lent.stages.push(s);
+            lent.optimizers.push(o);
+        }
+        let (loss_tx, loss_rx) = channel::<LossRequest>();
+        let (events_tx, events) = channel::<Finished>();
+        let mut seg = Segment {
+            ctls: Vec::with_capacity(k),
+            loss_tx,
+            frame,
+            last_device,
+            // Loss scaling needs to find overflows and skip, whatever the policy.
+            non_finite: if self.scaler.is_some() {
+                NonFinite::SkipStep
+            } else {
+                self.non_finite
+            },
+            opts,
+            ahead: self.scaler.clone(),
+            done,
+            first: run.next,
+            inflight: VecDeque::new(),
+            launch_error: None,
+            unlaunched: None,
+        };
+        let (back, end) = std::thread::scope(|scope| {
+            let mut handles = Vec::with_capacity(k);
+            let mut unstarted = Vec::new();
+            for (d, lent) in by_device.into_iter().enumerate() {
+                let (ctl_tx, ctl_rx) = channel();
+                // The stages reach the thread through a channel, so that a thread that cannot
+                // be started does not take them with it.
+                let (give, take) = channel::<Lent>();
+                let events = events_tx.clone();
+                let spawned = spawn_stage(scope, d, move || {
+                    let lent = take.recv().ok()?;
+                    Some(wgpipe_tensor::share_cpu_threads(|| {
+                        device_loop(d, lent, ctl_rx, events)
+                    }))
+                });
+                match spawned {
+                    Ok(h) => {
+                        let _ = give.send(lent);
+                        handles.push(h);
+                    }
+                    Err(e) => {
+                        unstarted.push((lent, format!("could not start device {d}'s thread: {e}")));
+                    }
+                }
+                seg.ctls.push(ctl_tx);
+            }
+            drop(events_tx);
+            let end = if let Some((_, why)) = unstarted.first() {
+                End::Failed(failed(run.next, StepPhase::Train)(PipelineError::Config(
+                    why.clone(),
+                )))
+            } else {
+                self.drive(
+                    &mut seg, run, batches, loss_fn, on_step, &loss_rx, &events, &handles,
+                )
+            };
+            // Whatever is still in flight stops; closing the channels sends every device home.
+            for f in &seg.inflight {
+                f.abort.store(true, Ordering::SeqCst);
+            }
+            seg.ctls.clear();
+            let mut back: Vec<Option<Lent>> = unstarted.into_iter().map(|(l, _)| Some(l)).collect();
+            back.extend(handles.into_iter().map(|h| h.join().ok().flatten()));
+            (back, end)
+        });
+        // A step dropped before it ended runs again with the same mini-batch (each batch is
+        // asked for once).
+        for f in &seg.inflight {
+            run.keep_batch(f.index, Ok(f.batch.clone()));
+        }
+        if let Some((index, batch)) = seg.unlaunched.take() {
+            run.keep_batch(index, batch);
+        }
+        let keep_trained = match &end {
+            End::Redo { index, report, .. } if report.skipped.is_none() => Some(*index),
+            _ => None,
+        };
+        let rep = &mut self.replicas[0];
+        let mut lost = false;
+        let mut undo_error = None;
+        let mut pairs = Vec::new();
+        for lent in back {
+            let Some(mut lent) = lent else {
+                lost = true;
+                continue;
+            };
+            if let Err(e) = lent.undo(keep_trained) {
+                undo_error.get_or_insert(e);
+            }
+            pairs.extend(lent.stages.into_iter().zip(lent.optimizers));
+        }
+        pairs.sort_by_key(|(s, _)| s.index);
+        for (s, o) in pairs {
+            rep.stages.push(s);
+            rep.optimizers.push(o);
+        }
+        if lost {
+            return Err(failed(run.next, StepPhase::Train)(PipelineError::Config(
+                "a device's thread ended without giving its stages back: the pipeline lost them"
+                    .into(),
+            )));
+        }
+        if let Some(e) = undo_error {
+            return Err(failed(run.next, StepPhase::Update)(e));
+        }
+        match end {
+            End::Kept(None) => Ok(()),
+            End::Kept(Some(e)) | End::Failed(e) => Err(e),
+            End::Redo {
+                index,
+                mut report,
+                offset,
+                seed,
+            } => {
+                // As after `train_step`: the step counter moves on, then the plain loop's end
+                // of the step.
+                self.step += 1;
+                self.set_lr_from(opts.lr);
+                self.note_scaled_step(&mut report, seed);
+                self.plain_update(index, report.skipped.is_some(), opts.clip)?;
+                run.report.rollbacks += 1;
+                run.done(&report, offset, on_step);
+                Ok(())
+            }
+        }
+    }
+
+    /// The caller's thread through a segment: launches steps (two ahead of the oldest
+    /// unvalidated one at most), serves their losses, validates each in order, commits it or
+    /// ends the segment.
+    #[allow(clippy::too_many_arguments)]
+    fn drive(
+        &mut self,
+        seg: &mut Segment<'_>,
+        run: &mut Run,
+        batches: &mut Batches<'_>,
+        loss_fn: &LossFn,
+        on_step: &mut OnStep<'_>,
+        loss_rx: &Receiver<LossRequest>,
+        events: &Receiver<Finished>,
+        handles: &[std::thread::ScopedJoinHandle<'_, Option<Lent>>],
+    ) -> End {
+        self.launch(seg, run, batches);
+        self.launch(seg, run, batches);
+        loop {
+            if seg.inflight.is_empty() {
+                return End::Kept(seg.launch_error.take());
+            }
+            // Losses first: the last device waits for them.
+            if let Ok(req) = loss_rx.recv_timeout(POLL) {
+                serve_loss(seg, req, loss_fn);
+                continue;
+            }
+            while let Ok(f) = events.try_recv() {
+                if let Some(s) = seg.inflight.iter_mut().find(|s| s.index == f.index) {
+                    s.results[f.device] = Some(f.result);
+                }
+            }
+            if seg.inflight[0].results.iter().any(Option::is_none) {
+                // A device's thread ends only when told to, or when it lost its stages.
+                if handles.iter().any(|h| h.is_finished()) {
+                    return End::Failed(failed(seg.inflight[0].index, StepPhase::Train)(
+                        PipelineError::Config(
+                            "a device's thread ended in the middle of the run".into(),
+                        ),
+                    ));
+                }
+                continue;
+            }
+            let f = seg.inflight.pop_front().expect("not empty");
+            let (index, seed) = (f.index, f.seed);
+            match self.validate(seg, f) {
+                Verdict::Valid(report, offset) => {
+                    for c in &seg.ctls {
+                        let _ = c.send(Ctl::Commit);
+                    }
+                    self.step += 1;
+                    if let Some(s) = &mut self.scaler {
+                        s.stepped();
+                    }
+                    run.done(&report, offset, on_step);
+                    if run.report.stopped {
+                        return End::Kept(None);
+                    }
+                    self.launch(seg, run, batches);
+                }
+                Verdict::Redo(report, offset) => {
+                    return End::Redo {
+                        index,
+                        report: Box::new(report),
+                        offset,
+                        seed,
+                    }
+                }
+                Verdict::Failed(e) => return End::Failed(failed(index, StepPhase::Train)(e)),
+            }
+        }
+    }
+
+    /// Sends the next step (after those in flight) to every device, unless the run has no
+    /// more steps or one could not be launched.
+    fn launch(&mut self, seg: &mut Segment<'_>, run: &mut Run, batches: &mut Batches<'_>) {
+        let index = run.next + seg.inflight.len() as u64;
+        if index >= seg.opts.steps || seg.launch_error.is_some() {
+            return;
+        }
+        let batch = match run.batch(index, batches) {
+            Ok(b) => b,
+            Err(e) => {
+                seg.unlaunched = Some((index, Err(e.clone())));
+                seg.launch_error = Some(failed(index, StepPhase::Batch)(e));
+                return;
+            }
+        };
+        let split = shard_batch(&batch.0, &batch.1, 1)
+            .and_then(|_| micro_batches(&batch.0, &batch.1, self.schedule.num_micro_batches));
+        let (xs, targets, scales) = match split {
+            Ok(s) => s,
+            Err(e) => {
+                seg.unlaunched = Some((index, Ok(batch)));
+                seg.launch_error = Some(failed(index, StepPhase::Train)(e));
+                return;
+            }
+        };
+        self.round += 1;
+        let abort = Arc::new(AtomicBool::new(false));
+        let links = wire_links(&self.transport, &self.schedule, self.round, &abort);
+        let seed = seg.ahead.as_ref().map(|s| s.state.scale);
+        if let Some(s) = &mut seg.ahead {
+            s.stepped();
+        }
+        let ahead = index - seg.first;
+        let update = Update {
+            lr: seg.opts.lr.zip(seg.done).map(|(lr, done)| lr(done + ahead)),
+            scale: seed,
+            clip: seg.opts.clip.is_some(),
+        };
+        let key = self.step + seg.inflight.len() as u64;
+        let inputs = Arc::new(xs);
+        for (d, (links, ctl)) in links.into_iter().zip(&seg.ctls).enumerate() {
+            let io = StepInputs {
+                actions: self.schedule.devices[d].clone(),
+                num_stages: self.schedule.num_stages(),
+                seed: self.seed,
+                step: key,
+                first_micro_batch: 0,
+                inputs: inputs.clone(),
+                abort: abort.clone(),
+                clock: run.clock,
+                non_finite: seg.non_finite,
+                compute: self.precision,
+                forward_only: false,
+                loss: seg.loss_tx.clone(),
+                running: Arc::new(Mutex::new(None)),
+                grads_final: None,
+            };
+            let _ = ctl.send(Ctl::Work(Box::new(Work {
+                index,
+                io,
+                links,
+                update,
+            })));
+        }
+        seg.inflight.push_back(InFlight {
+            index,
+            key,
+            round: self.round,
+            batch,
+            targets,
+            scales,
+            seed,
+            abort,
+            losses: Vec::new(),
+            results: (0..seg.ctls.len()).map(|_| None).collect(),
+        });
+    }
+
+    /// A step every device reported on, validated as the step-at-a-time path decides: the
+    /// agreement of `train_step` (failures, then non-finite values), the layers' deferred
+    /// updates, each device's update, then the clip norm.
+    fn validate(&self, seg: &Segment<'_>, f: InFlight) -> Verdict {
+        let mut errors = Vec::new();
+        let mut outcomes = Vec::new();
+        let mut rest = Vec::new();
+        for r in f.results.into_iter().flatten() {
+            match r {
+                Ok(a) => {
+                    outcomes.push(a.outcome);
+                    rest.push((a.finish, a.parts, a.updated));
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+        let outcome = match root_cause(errors) {
+            Some(e) => Err(e),
+            None => Ok(outcomes),
+        };
+        let run = ReplicaRun {
+            outcome,
+            losses: f.losses,
+            weight: 1.0,
+            // Only a communicator across processes reads them; this path runs in one.
+            stages: &[],
+        };
+        let mut agreed = match self.comm.agree(f.round, &self.schedule, vec![run]) {
+            Ok(a) => a,
+            Err(e) => return Verdict::Failed(e),
+        };
+        let mut outcomes = agreed.outcomes.pop().unwrap_or_default();
+        let offset = on_step_clock(&mut outcomes);
+        let wall = outcomes
+            .iter()
+            .flat_map(|o| &o.records)
+            .fold(0.0f64, |a, r| a.max(r.end));
+        let mut report = match seg.frame.report(
+            &self.schedule,
+            f.key,
+            outcomes,
+            wall,
+            agreed.loss,
+            None,
+            None,
+        ) {
+            Ok(r) => r,
+            Err(e) => return Verdict::Failed(e),
+        };
+        report.skipped = agreed.skipped;
+        report.loss_scale = f.seed;
+        if report.skipped.is_some() {
+            return Verdict::Redo(report, offset);
+        }
+        let mut parts = Vec::new();
+        let mut updated = true;
+        for (finish, p, u) in rest {
+            if let Err(e) = finish {
+                return Verdict::Failed(e);
+            }
+            parts.extend(p);
+            updated &= u;
+        }
+        let clipped = seg.opts.clip.is_some_and(|max_norm| {
+            parts.sort_by_key(|(stage, _)| *stage);
+            let parts: Vec<f64> = parts.iter().map(|(_, p)| *p).collect();
+            let unscale = f.seed.map_or(1.0, |g| 1.0 / g);
+            // Exactly 1 is what the step-at-a-time path leaves unclipped.
+            clip_norm(&parts, unscale, max_norm).map_or(true, |(_, factor)| factor != 1.0)
+        });
+        if !updated || clipped {
+            return Verdict::Redo(report, offset);
+        }
+        Verdict::Valid(report, offset)
+    }
+}
+
+/// Answers a loss request of a step in flight (one that is not is left unanswered: its
+/// device stops).
+fn serve_loss(seg: &mut Segment<'_>, req: LossRequest, loss_fn: &LossFn) {
+    let Some(f) = seg.inflight.iter_mut().find(|f| f.key == req.step) else {
+        return;
+    };
+    let side = LossSide {
+        targets: &f.targets,
+        scales: &f.scales,
+        loss_fn: LossUse::Train(loss_fn),
+        collected: Default::default(),
+        device: seg.last_device.clone(),
+        non_finite: seg.non_finite,
+        seed: f.seed.unwrap_or(1.0),
+    };
+    let answer = side.gradient(&req, &mut f.losses);
+    if answer.is_err() {
+        f.abort.store(true, Ordering::SeqCst);
+    }
+    let _ = req.reply.send(answer);
+}
+
+/// Moves a step's records from the run's clock to its own (zero at its first action), as a
+/// step's report has them; where that zero is on the run's clock.
+fn on_step_clock(outcomes: &mut [StageOutcome]) -> f64 {
+    let zero = outcomes
+        .iter()
+        .flat_map(|o| &o.records)
+        .fold(f64::INFINITY, |a, r| a.min(r.start));
+    if !zero.is_finite() {
+        return 0.0;
+    }
+    for r in outcomes.iter_mut().flat_map(|o| o.records.iter_mut()) {
+        r.start -= zero;
+        r.end -= zero;
+    }
+    zero
+}
