@@ -81,6 +81,60 @@ struct Structure {
 
 type StructureKey = (usize, usize, usize, usize, Vec<SkipLink>);
 
+/// A candidate's re-materialization chosen and its memory predicted ([`Search::fit`]).
+struct Fit {
+    st: Rc<Structure>,
+    costs: Vec<CandidateCosts>,
+    step_peak: Vec<u64>,
+    peak: Vec<u64>,
+    /// Whether every device's peak fits its memory.
+    fits: bool,
+    /// Each device's peak / capacity, largest first: compared in that order, a move that
+    /// lowers one of two devices at the top counts as progress.
+    ratios: Vec<f64>,
+}
+
+/// Stages beyond which [`memory_moves`] moves a layer only to a stage at most two away.
+const FAR_MOVES_UP_TO: usize = 16;
+
+/// The balances one move from `balance`: one layer taken from a stage and given to another,
+/// the stages between them each shifted by one layer. Moves between distant stages change
+/// which layers a device with several chunks holds where moves between neighbours would first
+/// have to grow it; past [`FAR_MOVES_UP_TO`] stages, only moves to a stage at most two away
+/// (a boundary moved, or a stage slid by one layer) keep each pass linear in the stages.
+fn memory_moves(balance: &[usize]) -> Vec<Vec<usize>> {
+    let s = balance.len();
+    let reach = if s <= FAR_MOVES_UP_TO { s } else { 2 };
+    let mut out = Vec::new();
+    for from in (0..s).filter(|&f| balance[f] > 1) {
+        for to in from.saturating_sub(reach)..(from + reach + 1).min(s) {
+            if to != from {
+                let mut b = balance.to_vec();
+                b[from] -= 1;
+                b[to] += 1;
+                out.push(b);
+            }
+        }
+    }
+    out
+}
+
+/// Whether peak / capacity ratios `a` (largest first) are closer to fitting than `b`.
+fn closer_to_fitting(a: &[f64], b: &[f64]) -> bool {
+    a.iter()
+        .zip(b)
+        .find(|(x, y)| x != y)
+        .is_some_and(|(x, y)| x < y)
+}
+
+/// The candidate of a structure closest to fitting, where none of its balances tried fit.
+struct Unfit {
+    ratios: Vec<f64>,
+    /// Its compute bound ([`CostModel::compute_bound`]).
+    bound: f64,
+    candidate: Candidate,
+}
+
 struct Search<'a, 'p> {
     model: &'a CostModel<'p>,
     options: &'a PlanOptions,
@@ -94,6 +148,8 @@ struct Search<'a, 'p> {
     best_times: Vec<f64>,
     /// The candidate closest to fitting: (largest peak / capacity, its candidate, prediction).
     closest: Option<(f64, Candidate, Prediction)>,
+    /// Per structure whose balances were chosen by heuristics and none fit, the closest.
+    unfit: Vec<Unfit>,
 }
 
 pub fn search(model: &CostModel<'_>, options: &PlanOptions) -> Result<PlanReport, PlanError> {
@@ -127,6 +183,7 @@ pub fn search(model: &CostModel<'_>, options: &PlanOptions) -> Result<PlanReport
         evaluated: 0,
         best_times: Vec::new(),
         closest: None,
+        unfit: Vec::new(),
     };
     let max_devices = options
         .max_devices
@@ -179,6 +236,7 @@ pub fn search(model: &CostModel<'_>, options: &PlanOptions) -> Result<PlanReport
         let improved = s.best_times.first().is_some_and(|&t| t < best_before);
         fruitless = if improved { 0 } else { fruitless + 1 };
     }
+    s.repair_unfit();
     s.refine_best();
     s.found
         .sort_by(|a, b| a.prediction.step_secs.total_cmp(&b.prediction.step_secs));
@@ -320,16 +378,16 @@ impl Search<'_, '_> {
             .collect()
     }
 
-    /// Chooses each stage's re-materialization (per device, the mix that recomputes least and fits its memory) and predicts
-    /// the candidate; keeps it when it fits. Returns its prediction and whether it fits (None
-    /// when it was pruned or cannot be built).
-    fn evaluate(&mut self, mut c: Candidate) -> Option<(Prediction, bool)> {
+    /// Chooses each stage's re-materialization: per device, the mix of modes that recomputes
+    /// least and fits its memory on every replica (or, where none fits, the last mix tried,
+    /// which recomputes most). None when the candidate cannot be built.
+    fn fit(&mut self, c: &mut Candidate) -> Option<Fit> {
         let k = c.pipeline_devices();
         let model = self.model;
         let skips = model.skip_links(&c.balance);
         let st = self.structure(c.kind, k, c.chunks, c.micro_batches, &skips)?;
         let placement = &st.always.placement;
-        let costs = model.replica_costs(&c, placement).ok()?;
+        let costs = model.replica_costs(c, placement).ok()?;
         let mut step_peak = vec![0; c.order.len()];
         let mut peak = vec![0; c.order.len()];
         let mut fits = true;
@@ -384,13 +442,40 @@ impl Search<'_, '_> {
                 }
             }
         }
+        let mut ratios: Vec<f64> = peak
+            .iter()
+            .zip(&c.order)
+            .map(|(&b, &d)| b as f64 / model.specs[d].memory_bytes as f64)
+            .collect();
+        ratios.sort_by(|a, b| b.total_cmp(a));
+        Some(Fit {
+            st,
+            costs,
+            step_peak,
+            peak,
+            fits,
+            ratios,
+        })
+    }
+
+    /// Chooses each stage's re-materialization ([`Search::fit`]) and predicts the candidate;
+    /// keeps it when it fits. Returns its prediction and whether it fits (None when it was
+    /// pruned or cannot be built).
+    fn evaluate(&mut self, mut c: Candidate) -> Option<(Prediction, bool)> {
+        let model = self.model;
+        let Fit {
+            st,
+            costs,
+            step_peak,
+            peak,
+            fits,
+            ratios,
+        } = self.fit(&mut c)?;
+        let ratio = ratios[0];
+        let placement = &st.always.placement;
         if !fits {
+            self.note_unfit(&ratios, &c, model.compute_bound(&c, &costs, placement));
             // Kept for the error when nothing fits: the configuration closest to fitting.
-            let ratio = peak
-                .iter()
-                .zip(&c.order)
-                .map(|(&b, &d)| b as f64 / model.specs[d].memory_bytes as f64)
-                .fold(0.0, f64::max);
             if self.closest.as_ref().is_none_or(|(r, _, _)| ratio < *r) {
                 let timed = model.step_time(&c, &costs, &st.uniform[2], &st.facts[2]);
                 let p = prediction(timed.ok()?, step_peak, peak, &costs);
@@ -419,6 +504,120 @@ impl Search<'_, '_> {
             schedule,
         });
         Some((p, true))
+    }
+
+    /// Keeps `c` as its structure's closest to fitting when its balances were chosen by
+    /// heuristics (where every balance is tried, there is nothing to repair) and nothing fits
+    /// yet.
+    fn note_unfit(&mut self, ratios: &[f64], c: &Candidate, bound: f64) {
+        let n = self.model.profile.layers.len();
+        // Repairs are only for a search where nothing fits ([`Search::repair_unfit`]).
+        if !self.found.is_empty() {
+            self.unfit = Vec::new();
+            return;
+        }
+        if count_compositions(n, c.balance.len()) <= self.options.exhaustive_balances as f64 {
+            return;
+        }
+        let unfit = Unfit {
+            ratios: ratios.to_vec(),
+            bound,
+            candidate: c.clone(),
+        };
+        match self
+            .unfit
+            .iter_mut()
+            .find(|u| u.candidate.same_structure(c))
+        {
+            Some(u) if closer_to_fitting(ratios, &u.ratios) => *u = unfit,
+            Some(_) => {}
+            None => self.unfit.push(unfit),
+        }
+    }
+
+    /// The heuristic balances (pace, compute and memory min-max) weigh each stage alone, while
+    /// a device's memory holds all its chunks and its schedule's in-flight micro-batches: they
+    /// can all overflow a device where another balance fits. For each structure none of whose
+    /// balances fit (fastest bound first, while the bound can beat the plans worth showing),
+    /// moves one layer across a boundary at a time, the move that brings the devices' peak /
+    /// capacity ratios closest to fitting (largest first), until the candidate fits (it is
+    /// then evaluated, and refined for time with the rest) or no move helps. Stops after
+    /// `refine` structures were repaired.
+    fn repair_unfit(&mut self) {
+        let mut unfit = std::mem::take(&mut self.unfit);
+        if !self.found.is_empty() {
+            // Only where nothing fits: elsewhere the plans found stand, and on large clusters
+            // the descent over many unfit structures costs more than the search itself.
+            return;
+        }
+        unfit.sort_by(|a, b| a.bound.total_cmp(&b.bound));
+        let n = self.model.profile.layers.len();
+        let mut repaired = 0;
+        for u in &unfit {
+            if repaired >= self.options.refine || u.bound >= self.bar() {
+                break;
+            }
+            if self.has_plan_like(&u.candidate) {
+                continue;
+            }
+            let (mut c, mut ratios) = (u.candidate.clone(), u.ratios.clone());
+            for _ in 0..2 * n {
+                let mut best: Option<(Vec<f64>, bool, Candidate)> = None;
+                for balance in memory_moves(&c.balance) {
+                    let mut moved = Candidate {
+                        balance,
+                        ..c.clone()
+                    };
+                    if let Some(f) = self.fit(&mut moved) {
+                        if best
+                            .as_ref()
+                            .is_none_or(|(r, _, _)| closer_to_fitting(&f.ratios, r))
+                        {
+                            best = Some((f.ratios, f.fits, moved));
+                        }
+                    }
+                }
+                match best {
+                    Some((r, fits, moved)) if closer_to_fitting(&r, &ratios) => {
+                        (c, ratios) = (moved, r);
+                        if fits {
+                            repaired += 1;
+                            self.evaluate(c);
+                            break;
+                        }
+                    }
+                    _ => break,
+                }
+            }
+        }
+        // A balance that fits a structure of the same shape (kind, K, chunks, M) on other
+        // devices often fits where the descent above stopped short: a device's memory depends
+        // on its position in the pipeline more than on which device it is.
+        for u in unfit {
+            if u.bound >= self.bar() || self.has_plan_like(&u.candidate) {
+                continue;
+            }
+            let shape = |c: &Candidate| (c.kind, c.chunks, c.micro_batches, c.pipeline_devices());
+            let mut siblings: Vec<Vec<usize>> = self
+                .found
+                .iter()
+                .filter(|p| shape(&p.candidate) == shape(&u.candidate))
+                .map(|p| p.candidate.balance.clone())
+                .collect();
+            siblings.sort();
+            siblings.dedup();
+            for balance in siblings {
+                self.evaluate(Candidate {
+                    balance,
+                    ..u.candidate.clone()
+                });
+            }
+        }
+    }
+
+    /// Whether a plan of `c`'s structure was found.
+    fn has_plan_like(&self, c: &Candidate) -> bool {
+        self.found.iter().any(|p| p.candidate.same_structure(c))
     }
 
     /// Moves stage boundaries one layer at a time while the predicted step gets faster, for the

@@ -1226,3 +1226,26 @@ fn remat_is_chosen_per_stage_where_a_device_holds_two() {
     assert!(mixed, "no device of the optimum mixes modes: {best_c:?}");
     check_search_against(&model, &kinds, &ms, best);
 }
+
+/// Tight memories on every device alike, where the balances the heuristic search starts from
+/// (the pace, compute and memory min-max partitions) may all overflow a device: the search
+/// must still find what brute force finds, within 1%.
+#[test]
+fn heuristic_search_finds_a_plan_where_its_first_balances_do_not_fit() {
+    let (_, profile) = profiled();
+    for caps in [[18_000u64; 3], [16_000, 18_000, 18_000]] {
+        let mut specs = specs();
+        for (s, cap) in specs.iter_mut().zip(caps) {
+            s.memory_bytes = cap;
+        }
+        let kinds = [ScheduleKind::Interleaved1F1B];
+        let ms = [2, 4, 6];
+        let flat = Topology::flat(LINK);
+        let model = cost_model(&profile, &specs, &flat);
+        let (best, best_c, tried) = brute_force(&model, &kinds, &ms, true);
+        eprintln!(
+            "caps {caps:?}: exhaustive: {tried} configurations, best {best:.4e} s: {best_c:?}"
+        );
+        check_search_against(&model, &kinds, &ms, best);
+    }
+}
