@@ -39,6 +39,16 @@ fn profiled() -> (Vec<Box<dyn Module>>, Profile) {
     (layers, p)
 }
 
+/// [`specs`] with these memories: tight enough that re-materialization and the balance
+/// decide what fits.
+fn capped_specs(caps: [u64; 3]) -> Vec<DeviceSpec> {
+    let mut specs = specs();
+    for (s, cap) in specs.iter_mut().zip(caps) {
+        s.memory_bytes = cap;
+    }
+    specs
+}
+
 /// 2 fast devices with room and 1 slow device with little; a link that costs time.
 fn specs() -> Vec<DeviceSpec> {
     vec![
@@ -534,10 +544,7 @@ fn check_search_against(
 #[test]
 fn search_is_within_one_percent_of_exhaustive_enumeration() {
     let (_, profile) = profiled();
-    let mut specs = specs();
-    for (s, cap) in specs.iter_mut().zip([26_000u64, 22_000, 16_000]) {
-        s.memory_bytes = cap;
-    }
+    let specs = capped_specs([26_000u64, 22_000, 16_000]);
     let kinds = [
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
@@ -1201,10 +1208,7 @@ fn measured_layer_times_plan_wgpu_devices() {
 #[test]
 fn remat_is_chosen_per_stage_where_a_device_holds_two() {
     let (_, profile) = profiled();
-    let mut specs = specs();
-    for (s, cap) in specs.iter_mut().zip([20_000u64, 18_000, 14_000]) {
-        s.memory_bytes = cap;
-    }
+    let specs = capped_specs([20_000u64, 18_000, 14_000]);
     let kinds = [ScheduleKind::Interleaved1F1B];
     let ms = [2, 4, 6];
     let flat = Topology::flat(LINK);
@@ -1234,10 +1238,7 @@ fn remat_is_chosen_per_stage_where_a_device_holds_two() {
 fn heuristic_search_finds_a_plan_where_its_first_balances_do_not_fit() {
     let (_, profile) = profiled();
     for caps in [[18_000u64; 3], [16_000, 18_000, 18_000]] {
-        let mut specs = specs();
-        for (s, cap) in specs.iter_mut().zip(caps) {
-            s.memory_bytes = cap;
-        }
+        let specs = capped_specs(caps);
         let kinds = [ScheduleKind::Interleaved1F1B];
         let ms = [2, 4, 6];
         let flat = Topology::flat(LINK);
