@@ -124,7 +124,8 @@ fn walk_memory(
                 held += it.stash;
             }
             ActionKind::Backward | ActionKind::BackwardInput => {
-                let rest = held - it.stash - it.seed;
+                let stash = it.stash;
+                let rest = held - stash - it.seed;
                 // The popped skips' gradients (sent back) and their non-finite checks.
                 let grads = it.skips_in;
                 let (top, after) = if a.kind == ActionKind::Backward {
@@ -153,11 +154,12 @@ fn walk_memory(
                 it.seed = 0.0;
                 outgoing = if s > 0 { st.input } else { 0.0 };
                 if s > 0 {
-                    // The check of the input gradient runs while the output and its gradient
-                    // are still referenced: the input (in `rest`), output, seed, the input
-                    // gradient and the check's temporary.
-                    peak =
-                        peak.max(rest + 2.0 * st.output + 2.0 * st.input + skip_top + CHECK_SCALAR);
+                    // The check of the input gradient runs before the tape is dropped: the
+                    // input (in `rest`), the tape's stash, output, seed, the input gradient and
+                    // the check's temporary.
+                    peak = peak.max(
+                        rest + stash + 2.0 * st.output + 2.0 * st.input + skip_top + CHECK_SCALAR,
+                    );
                 }
                 held += outgoing;
             }
