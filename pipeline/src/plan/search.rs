@@ -413,7 +413,7 @@ impl Search<'_, '_> {
                                 remat[s] = m;
                             }
                             let schedule = with_remat(&st.always, &remat);
-                            let facts = ScheduleFacts::of(&schedule);
+                            let facts = ScheduleFacts::of_device(&schedule, d);
                             made = (schedule, facts);
                             (&made.0, &made.1)
                         }
