@@ -152,9 +152,65 @@ pub(crate) fn check_counts(k: usize, m: usize) -> Result<(), ScheduleError> {
 
 /// How often an action occurs (on the device its stage is placed on: checked first) and its
 /// first position in that device's list.
+#[derive(Clone, Copy, Default)]
 struct Seen {
     count: usize,
     first: usize,
+}
+
+/// Where each action was seen: actions without a skip in a table by (kind, stage,
+/// micro-batch), skip transfers in a map (hashing every action was a third of the planner's
+/// time on large clusters, where it validates every schedule it generates).
+struct Positions {
+    stages: usize,
+    micro_batches: usize,
+    dense: Vec<Seen>,
+    skips: FastMap<Action, Seen>,
+}
+
+impl Positions {
+    fn new(stages: usize, micro_batches: usize) -> Positions {
+        Positions {
+            stages,
+            micro_batches,
+            // Every kind has a row, so that no action (however malformed) falls outside.
+            dense: vec![
+                Seen::default();
+                (ActionKind::ExchangeTied as usize + 1) * stages * micro_batches
+            ],
+            skips: FastMap::default(),
+        }
+    }
+
+    /// The table's index of `a` (stage and micro-batch in range: checked before it is
+    /// recorded).
+    fn index(&self, a: &Action) -> usize {
+        (a.kind as usize * self.stages + a.stage) * self.micro_batches + a.micro_batch
+    }
+
+    /// The table's slot of `a`, or `None` for the map (skip transfers, a kind without a row).
+    fn slot(&self, a: &Action) -> Option<usize> {
+        let i = self.index(a);
+        (a.skip.is_none() && i < self.dense.len()).then_some(i)
+    }
+
+    fn record(&mut self, action: Action, pos: usize) {
+        let seen = match self.slot(&action) {
+            Some(i) => &mut self.dense[i],
+            None => self.skips.entry(action).or_default(),
+        };
+        if seen.count == 0 {
+            seen.first = pos;
+        }
+        seen.count += 1;
+    }
+
+    fn get(&self, a: &Action) -> Option<&Seen> {
+        match self.slot(a) {
+            Some(i) => Some(&self.dense[i]).filter(|seen| seen.count > 0),
+            None => self.skips.get(a),
+        }
+    }
 }
 
 impl Schedule {
@@ -196,9 +252,9 @@ impl Schedule {
 
     /// Range, placement and peer checks; returns each action's count and first position in
     /// its device's list.
-    fn check_actions(&self) -> Result<FastMap<Action, Seen>, ScheduleError> {
+    fn check_actions(&self) -> Result<Positions, ScheduleError> {
         let (s_total, m_total) = (self.num_stages(), self.num_micro_batches);
-        let mut positions: FastMap<Action, Seen> = FastMap::default();
+        let mut positions = Positions::new(s_total, m_total);
         for (device, list) in self.devices.iter().enumerate() {
             for (pos, &action) in list.iter().enumerate() {
                 if action.stage >= s_total || action.micro_batch >= m_total {
@@ -220,22 +276,13 @@ impl Schedule {
                 if !action.is_compute() && action.link(s_total).is_none() {
                     return Err(ScheduleError::NoPeer { device, action });
                 }
-                positions
-                    .entry(action)
-                    .and_modify(|seen| seen.count += 1)
-                    .or_insert(Seen {
-                        count: 1,
-                        first: pos,
-                    });
+                positions.record(action, pos);
             }
         }
         Ok(positions)
     }
 
-    fn check_counts_and_order(
-        &self,
-        positions: &FastMap<Action, Seen>,
-    ) -> Result<(), ScheduleError> {
+    fn check_counts_and_order(&self, positions: &Positions) -> Result<(), ScheduleError> {
         use ActionKind::*;
         let last = self.num_stages() - 1;
         let count = |a: Action| positions.get(&a).map_or(0, |seen| seen.count);
