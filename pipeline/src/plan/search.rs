@@ -474,7 +474,11 @@ impl Search<'_, '_> {
         let ratio = ratios[0];
         let placement = &st.always.placement;
         if !fits {
-            self.note_unfit(&ratios, &c, model.compute_bound(&c, &costs, placement));
+            // Repairs are only for a search where nothing fits ([`Search::repair_unfit`]): the
+            // bound is not computed once something does.
+            if self.found.is_empty() {
+                self.note_unfit(&ratios, &c, model.compute_bound(&c, &costs, placement));
+            }
             // Kept for the error when nothing fits: the configuration closest to fitting.
             if self.closest.as_ref().is_none_or(|(r, _, _)| ratio < *r) {
                 let timed = model.step_time(&c, &costs, &st.uniform[2], &st.facts[2]);
@@ -511,11 +515,6 @@ impl Search<'_, '_> {
     /// yet.
     fn note_unfit(&mut self, ratios: &[f64], c: &Candidate, bound: f64) {
         let n = self.model.profile.layers.len();
-        // Repairs are only for a search where nothing fits ([`Search::repair_unfit`]).
-        if !self.found.is_empty() {
-            self.unfit = Vec::new();
-            return;
-        }
         if count_compositions(n, c.balance.len()) <= self.options.exhaustive_balances as f64 {
             return;
         }

@@ -89,27 +89,6 @@ impl ScheduleFacts {
                 }
             }
         }
-        // Per device, its receives in list order: (index, sending device, index of the send
-        // there); a send's release looks up the first of these after it (a scan of the whole
-        // list per send made this quadratic in the actions: the planner's largest cost at a
-        // thousand devices).
-        let recvs_on: Vec<Vec<(usize, usize, usize)>> = schedule
-            .devices
-            .iter()
-            .enumerate()
-            .map(|(d, list)| {
-                if !wanted(d) {
-                    return Vec::new();
-                }
-                list.iter()
-                    .enumerate()
-                    .filter(|(_, b)| is_recv(b.kind))
-                    .filter_map(|(j, b)| {
-                        transfer_slot(b, stages, m).map(|x| (j, sends[x].0, sends[x].1))
-                    })
-                    .collect()
-            })
-            .collect();
         let release = schedule
             .devices
             .iter()
@@ -118,6 +97,18 @@ impl ScheduleFacts {
                 if !wanted(d) {
                     return Vec::new();
                 }
+                // d's receives in list order: (index, sending device, index of the send
+                // there); a send's release looks up the first of these after it (a scan of the
+                // whole list per send made this quadratic in the actions: the planner's
+                // largest cost at a thousand devices).
+                let on: Vec<(usize, usize, usize)> = list
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, b)| is_recv(b.kind))
+                    .filter_map(|(j, b)| {
+                        transfer_slot(b, stages, m).map(|x| (j, sends[x].0, sends[x].1))
+                    })
+                    .collect();
                 list.iter()
                     .enumerate()
                     .map(|(i, a)| {
@@ -136,7 +127,6 @@ impl ScheduleFacts {
                         }
                         // The first later receive on d of something p sent after it took the
                         // message: p's list is sequential, so p had taken it by then.
-                        let on = &recvs_on[d];
                         on[on.partition_point(|&(j, _, _)| j <= i)..]
                             .iter()
                             .find(|&&(_, q, sent)| q == p && sent > r)
