@@ -1,6 +1,9 @@
 //! Re-materialization: run a segment without keeping its activations, re-run it in backward.
 
-use wgpipe_tensor::Result;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use wgpipe_tensor::{Result, Tensor};
 
 use crate::tape::{BackwardFn, Tape};
 use crate::var::Var;
@@ -46,4 +49,72 @@ pub fn checkpoint(x: &Var, f: impl Fn(&Var) -> Result<Var> + 'static) -> Result<
     });
     // `force`: the segment may hold trainable parameters even when `x` wants no gradient.
     tape.record("checkpoint", &[x], y, true, backward, None)
+}
+
+/// A segment recorded by [`checkpoint_rerun_later`]: what its re-run needs (the input's value)
+/// and the slot the re-run's tape goes in before the backward reaches the segment.
+pub struct Rerun {
+    input: Tensor,
+    slot: RefCell<Option<(Tape, Var, Var)>>,
+}
+
+impl Rerun {
+    /// The segment's input value, to re-run it from.
+    pub fn input(&self) -> &Tensor {
+        &self.input
+    }
+
+    /// Hands over the re-run: `tape` (a [`Tape::recompute`] tape), the leaf on it holding
+    /// [`Rerun::input`], and the segment's output recorded from that leaf.
+    pub fn supply(&self, tape: Tape, leaf: Var, output: Var) {
+        *self.slot.borrow_mut() = Some((tape, leaf, output));
+    }
+
+    /// Whether the re-run was supplied and not yet used by the backward.
+    pub fn is_supplied(&self) -> bool {
+        self.slot.borrow().is_some()
+    }
+}
+
+/// [`checkpoint`] for a segment that the caller runs itself: `y` is the value the segment gave
+/// for `x` (computed without recording), and the recorded node's backward back-propagates
+/// through the re-run the caller hands to the returned [`Rerun`] before the backward reaches it
+/// (a pipeline stage re-runs its checkpointed layers just before its backward, where it holds
+/// the layers: the node cannot keep them itself). Parameters of the segment get their
+/// gradients in that backward, as with [`checkpoint`], bit for bit like a plain run.
+///
+/// On a tape that does not record, the result is `y` as a constant and nothing is kept.
+pub fn checkpoint_rerun_later(x: &Var, y: Tensor) -> Result<(Var, Option<Rc<Rerun>>)> {
+    let tape = x.tape().clone();
+    if !tape.is_recording() {
+        return Ok((tape.constant(y), None));
+    }
+    let rerun = Rc::new(Rerun {
+        input: x.value().clone(),
+        slot: RefCell::new(None),
+    });
+    let y_shape = y.shape().to_vec();
+    let held = rerun.clone();
+    let backward: BackwardFn = Box::new(move |g, wants| {
+        let Some((re, leaf, out)) = held.slot.borrow_mut().take() else {
+            return Err(crate::tape::invalid(
+                "checkpoint",
+                "the backward reached a checkpointed segment whose re-run was not supplied"
+                    .to_string(),
+            ));
+        };
+        if out.shape() != y_shape.as_slice() {
+            return Err(crate::tape::invalid(
+                "checkpoint",
+                format!(
+                    "the re-run segment gave shape {:?}, the first run {y_shape:?}",
+                    out.shape()
+                ),
+            ));
+        }
+        let mut grads = re.backward_with(&out, g)?;
+        Ok(vec![if wants[0] { grads.take(&leaf) } else { None }])
+    });
+    let var = tape.record("checkpoint", &[x], y, true, backward, None)?;
+    Ok((var, Some(rerun)))
 }

@@ -14,7 +14,7 @@ pub mod tape;
 pub mod tied;
 pub mod var;
 
-pub use checkpoint::checkpoint;
+pub use checkpoint::{checkpoint, checkpoint_rerun_later, Rerun};
 pub use module::{layer_param_name, CostHint, ForwardCtx, ModelFactory, Module};
 pub use optim::{Adam, AdamW, LrSchedule, Optimizer, Sgd};
 pub use param::Param;

@@ -5,7 +5,7 @@ use std::cell::Cell;
 use std::rc::Rc;
 
 use wgpipe_autograd::tensor::{Device, Result, Tensor};
-use wgpipe_autograd::{checkpoint, ForwardCtx, Param, Tape, Var};
+use wgpipe_autograd::{checkpoint, checkpoint_rerun_later, ForwardCtx, Param, Rerun, Tape, Var};
 
 /// One block: `x + dropout(gelu(x @ w1 + b1)) @ w2` then tanh, with its params.
 #[derive(Clone)]
@@ -63,9 +63,27 @@ struct Run {
     peak: usize,
 }
 
-/// Forward + backward of `blocks` on `x`, each block checkpointed or not; the param grads are
-/// read and cleared.
-fn run(blocks: &[Block], x: &Tensor, ckpt: bool, x_wants_grad: bool, ctx: ForwardCtx) -> Run {
+/// How `run` records each block.
+#[derive(Clone, Copy, PartialEq)]
+enum Ckpt {
+    Plain,
+    /// `checkpoint` with the block in its closure.
+    Closure,
+    /// `checkpoint_rerun_later`: the block run here without recording, re-run here before the
+    /// backward (as a pipeline stage does).
+    RerunLater,
+}
+
+/// Forward + backward of `blocks` on `x`, each block checkpointed as `ckpt` says; the param
+/// grads are read and cleared.
+fn run(
+    blocks: &[Block],
+    x: &Tensor,
+    ckpt: impl Into<Ckpt>,
+    x_wants_grad: bool,
+    ctx: ForwardCtx,
+) -> Run {
+    let ckpt = ckpt.into();
     let dev = x.device().clone();
     dev.memory().reset_peak();
     let tape = Tape::new();
@@ -75,16 +93,32 @@ fn run(blocks: &[Block], x: &Tensor, ckpt: bool, x_wants_grad: bool, ctx: Forwar
         tape.constant(x.clone())
     };
     let mut h = xv.clone();
+    let mut reruns: Vec<(Rc<Rerun>, &Block)> = Vec::new();
     for b in blocks {
-        h = if ckpt {
-            let b = b.clone();
-            checkpoint(&h, move |x| b.forward(x, &ctx)).unwrap()
-        } else {
-            b.forward(&h, &ctx).unwrap()
+        h = match ckpt {
+            Ckpt::Plain => b.forward(&h, &ctx).unwrap(),
+            Ckpt::Closure => {
+                let b = b.clone();
+                checkpoint(&h, move |x| b.forward(x, &ctx)).unwrap()
+            }
+            Ckpt::RerunLater => {
+                let y = b
+                    .forward(&Tape::no_grad().constant(h.value().clone()), &ctx)
+                    .unwrap();
+                let (v, rerun) = checkpoint_rerun_later(&h, y.value().clone()).unwrap();
+                reruns.push((rerun.expect("the tape records"), b));
+                v
+            }
         };
     }
     let loss = h.square().unwrap().mean_all().unwrap();
     drop(h);
+    for (rerun, b) in reruns {
+        let re = Tape::recompute();
+        let leaf = re.leaf(rerun.input().clone());
+        let out = b.forward(&leaf, &ctx).unwrap();
+        rerun.supply(re, leaf, out);
+    }
     let grads = tape.backward(&loss).unwrap();
     let peak = dev.memory_stats().peak;
     let out = Run {
@@ -106,6 +140,16 @@ fn run(blocks: &[Block], x: &Tensor, ckpt: bool, x_wants_grad: bool, ctx: Forwar
         p.zero_grad();
     }
     out
+}
+
+impl From<bool> for Ckpt {
+    fn from(closure: bool) -> Ckpt {
+        if closure {
+            Ckpt::Closure
+        } else {
+            Ckpt::Plain
+        }
+    }
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -135,6 +179,15 @@ fn checkpointed_gradients_equal_plain_bit_for_bit_with_dropout() {
     for (a, b) in plain.param_grads.iter().zip(&ck.param_grads) {
         assert_eq!(bits(a), bits(b));
     }
+    let later = run(&bs, &x, Ckpt::RerunLater, true, ctx);
+    assert_eq!(plain.loss.to_bits(), later.loss.to_bits());
+    assert_eq!(
+        bits(plain.x_grad.as_ref().unwrap()),
+        bits(later.x_grad.as_ref().unwrap())
+    );
+    for (a, b) in plain.param_grads.iter().zip(&later.param_grads) {
+        assert_eq!(bits(a), bits(b));
+    }
     // dropout really dropped something, and another micro-batch drops something else
     let other = run(&bs, &x, false, true, ForwardCtx::train(42, 5, 3));
     assert_ne!(other.loss.to_bits(), plain.loss.to_bits());
@@ -150,9 +203,16 @@ fn params_get_gradients_when_the_input_wants_none() {
     let ctx = ForwardCtx::train(1, 0, 0);
     let plain = run(&bs, &x, false, false, ctx);
     let ck = run(&bs, &x, true, false, ctx);
-    assert!(plain.x_grad.is_none() && ck.x_grad.is_none());
-    for (a, b) in plain.param_grads.iter().zip(&ck.param_grads) {
+    let later = run(&bs, &x, Ckpt::RerunLater, false, ctx);
+    assert!(plain.x_grad.is_none() && ck.x_grad.is_none() && later.x_grad.is_none());
+    for ((a, b), c) in plain
+        .param_grads
+        .iter()
+        .zip(&ck.param_grads)
+        .zip(&later.param_grads)
+    {
         assert_eq!(bits(a), bits(b));
+        assert_eq!(bits(a), bits(c));
     }
 }
 
@@ -261,4 +321,41 @@ fn checkpoint_errors_propagate() {
     let x = tape.leaf(Tensor::zeros(&[2, 3], &Device::cpu()).unwrap());
     let e = checkpoint(&x, |v| v.matmul(v)).expect_err("shape error");
     assert!(e.to_string().contains("matmul"), "{e}");
+}
+
+#[test]
+fn a_segment_re_run_later_errors_when_its_re_run_was_not_supplied() {
+    let tape = Tape::new();
+    let x = tape.leaf(Tensor::from_slice(&[1.0, 2.0], &[2], &Device::cpu()).unwrap());
+    let y = x.value().mul_scalar(3.0).unwrap();
+    let (v, rerun) = checkpoint_rerun_later(&x, y).unwrap();
+    let rerun = rerun.expect("the tape records");
+    assert_eq!(rerun.input().to_vec().unwrap(), vec![1.0, 2.0]);
+    assert!(!rerun.is_supplied());
+    let e = tape
+        .backward(&v.sum_all().unwrap())
+        .expect_err("no re-run was supplied");
+    assert!(e.to_string().contains("not supplied"), "{e}");
+    // Supplied, it back-propagates through the re-run: d(sum 3x)/dx = 3.
+    let tape = Tape::new();
+    let x = tape.leaf(Tensor::from_slice(&[1.0, 2.0], &[2], &Device::cpu()).unwrap());
+    let (v, rerun) = checkpoint_rerun_later(&x, x.value().mul_scalar(3.0).unwrap()).unwrap();
+    let rerun = rerun.unwrap();
+    let re = Tape::recompute();
+    let leaf = re.leaf(rerun.input().clone());
+    let out = leaf.mul_scalar(3.0).unwrap();
+    rerun.supply(re, leaf, out);
+    assert!(rerun.is_supplied());
+    let g = tape.backward(&v.sum_all().unwrap()).unwrap();
+    assert_eq!(g.get(&x).unwrap().to_vec().unwrap(), vec![3.0, 3.0]);
+    assert!(!rerun.is_supplied(), "the backward took the re-run");
+    // On a tape that does not record, nothing is kept.
+    let nt = Tape::no_grad();
+    let (c, none) = checkpoint_rerun_later(
+        &nt.constant(Tensor::zeros(&[1], &Device::cpu()).unwrap()),
+        Tensor::ones(&[1], &Device::cpu()).unwrap(),
+    )
+    .unwrap();
+    assert!(none.is_none() && nt.is_empty());
+    assert_eq!(c.value().to_vec().unwrap(), vec![1.0]);
 }

@@ -203,6 +203,8 @@ pub struct PipeCfg {
     pub precision: DType,
     /// Loss scaling: `None` keeps the precision's default.
     pub loss_scaling: Option<Option<LossScaling>>,
+    /// Layers re-materialized in every recording forward (`PipelineBuilder::checkpoint_layers`).
+    pub checkpoint_layers: Vec<usize>,
 }
 
 impl PipeCfg {
@@ -220,6 +222,7 @@ impl PipeCfg {
             skip_route: SkipRoute::Direct,
             precision: DType::F32,
             loss_scaling: None,
+            checkpoint_layers: Vec::new(),
         }
     }
     pub fn balance(mut self, b: Vec<usize>) -> Self {
@@ -269,6 +272,7 @@ fn sim_builder(
         )))
         .micro_batches(cfg.m)
         .checkpoint(cfg.mode)
+        .checkpoint_layers(cfg.checkpoint_layers.clone())
         .skip_route(cfg.skip_route)
         .schedule(cfg.schedule)
         .seed(SEED)

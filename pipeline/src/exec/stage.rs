@@ -1,7 +1,13 @@
 //! A virtual stage: a contiguous run of the model's layers on one device, and how it runs them
 //! (with the skips that enter and leave it).
 
-use wgpipe_autograd::{layer_param_name, ForwardCtx, Module, Param, SkipRouter, Var};
+use std::ops::Range;
+use std::rc::Rc;
+
+use wgpipe_autograd::{
+    checkpoint_rerun_later, layer_param_name, ForwardCtx, Module, Param, Rerun, SkipRouter, Tape,
+    Var,
+};
 use wgpipe_tensor::Device;
 
 use crate::error::{PipelineError, StageCause};
@@ -18,6 +24,19 @@ pub struct Stage {
     pub skips: StageSkips,
     /// Over MPI, a stage another rank holds: `layers` are placeholders (see [`crate::exec::absent`]).
     pub(crate) absent: Option<crate::exec::absent::AbsentStage>,
+    /// Runs of `layers` (indices into it, ascending, disjoint, none of them with skips)
+    /// re-materialized inside every recording forward: each keeps only its input and the
+    /// layers run again just before the stage's backward (per-layer re-materialization, set by
+    /// `PipelineBuilder::checkpoint_layers`).
+    pub(crate) checkpointed: Vec<Range<usize>>,
+}
+
+/// A checkpointed run of a stage's layers recorded by a forward: what it needs to run again
+/// before the backward reaches it ([`Stage::rerun`]).
+pub(crate) struct PendingRerun {
+    rerun: Rc<Rerun>,
+    layers: Range<usize>,
+    ctx: ForwardCtx,
 }
 
 /// A parameter or buffer of a run of layers under its global name
@@ -103,38 +122,102 @@ impl Stage {
     /// Runs the stage's layers on `x`, each with its global layer index in the context; `at`
     /// holds the index of the layer running (so an error or a panic can say which), and is
     /// cleared after. `skips` holds the skips that entered the stage; the ones that leave it
-    /// are left there.
+    /// are left there. On a recording tape each checkpointed run of layers runs without
+    /// recording and is pushed on `reruns`, to be run again by [`Stage::rerun`] before the
+    /// backward.
     pub(crate) fn run_layers(
         &self,
         x: &Var,
         skips: &mut SkipRouter,
         ctx: ForwardCtx,
         at: &mut Option<usize>,
+        reruns: &mut Vec<PendingRerun>,
     ) -> wgpipe_tensor::Result<Var> {
         let mut h = x.clone();
-        for (i, layer) in self.layers.iter().enumerate() {
+        let mut i = 0;
+        while i < self.layers.len() {
+            if let Some(run) = self.checkpointed.iter().find(|r| r.start == i) {
+                if x.tape().is_recording() {
+                    let free = Tape::no_grad();
+                    let y =
+                        self.run_plain(run.clone(), &free.constant(h.value().clone()), ctx, at)?;
+                    let (v, rerun) = checkpoint_rerun_later(&h, y.value().clone())?;
+                    reruns.extend(rerun.map(|rerun| PendingRerun {
+                        rerun,
+                        layers: run.clone(),
+                        ctx,
+                    }));
+                    h = v;
+                    i = run.end;
+                    continue;
+                }
+            }
             let index = self.first_layer + i;
             *at = Some(index);
-            h = skips.forward(layer.as_ref(), index, &h, &ctx.at_layer(index as u64))?;
+            h = skips.forward(
+                self.layers[i].as_ref(),
+                index,
+                &h,
+                &ctx.at_layer(index as u64),
+            )?;
+            i += 1;
         }
         *at = None;
         Ok(h)
     }
 
+    /// Runs `layers` (indices into the stage's, without skips) on `x`.
+    fn run_plain(
+        &self,
+        layers: Range<usize>,
+        x: &Var,
+        ctx: ForwardCtx,
+        at: &mut Option<usize>,
+    ) -> wgpipe_tensor::Result<Var> {
+        let mut h = x.clone();
+        for i in layers {
+            let index = self.first_layer + i;
+            *at = Some(index);
+            h = self.layers[i].forward(&h, &ctx.at_layer(index as u64))?;
+        }
+        Ok(h)
+    }
+
+    /// Runs a checkpointed run of layers again, recording, from the input it kept, and hands
+    /// the record to its tape node (whose backward back-propagates through it).
+    pub(crate) fn rerun(
+        &self,
+        pending: PendingRerun,
+        at: &mut Option<usize>,
+    ) -> wgpipe_tensor::Result<()> {
+        let tape = Tape::recompute();
+        let leaf = tape.leaf(pending.rerun.input().clone());
+        let ctx = ForwardCtx {
+            recompute: true,
+            ..pending.ctx
+        };
+        let out = self.run_plain(pending.layers, &leaf, ctx, at)?;
+        *at = None;
+        pending.rerun.supply(tape, leaf, out);
+        Ok(())
+    }
+
     /// Runs the stage on `x` with the skips it pops (`skips_in`, by [`StageSkips::incoming`]);
-    /// the output and the skips it sends on (by [`StageSkips::outgoing`]).
+    /// the output and the skips it sends on (by [`StageSkips::outgoing`]); checkpointed runs of
+    /// layers go on `reruns` (see [`Stage::run_layers`]).
     pub(crate) fn run_with_skips(
         &self,
         x: &Var,
         skips_in: &[Var],
         ctx: ForwardCtx,
         at: &mut Option<usize>,
+        reruns: &mut Vec<PendingRerun>,
     ) -> wgpipe_tensor::Result<(Var, Vec<Var>)> {
         let mut router = SkipRouter::new();
         for ((_, name), v) in self.skips.incoming.iter().zip(skips_in) {
             router.insert(name.clone(), v.clone());
         }
-        let y = self.run_layers(x, &mut router, ctx, at)?;
+        let y = self.run_layers(x, &mut router, ctx, at, reruns)?;
         let out = self
             .skips
             .outgoing

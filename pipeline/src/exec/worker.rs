@@ -16,7 +16,7 @@ use wgpipe_tensor::memory::{Tag, TagGuard};
 use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::error::{NonFinite, StageCause};
-use crate::exec::stage::Stage;
+use crate::exec::stage::{PendingRerun, Stage};
 use crate::exec::threads::lock;
 use crate::exec::transport::{DeviceLinks, Msg};
 use crate::schedule::{Action, ActionKind, Link};
@@ -112,6 +112,8 @@ enum Stash {
         output: Var,
         skips_in: Vec<Var>,
         skips_out: Vec<Var>,
+        /// The checkpointed runs of layers on the tape, run again before the backward.
+        reruns: Vec<PendingRerun>,
     },
     /// After the input part of a split backward: what the weight part needs.
     Weights(WeightGrads),
@@ -448,8 +450,9 @@ impl<'a> Worker<'a, '_> {
             ForwardCtx::train(io.seed, io.step, io.first_micro_batch + m as u64)
         }
         .with_compute(io.compute);
+        let mut reruns = Vec::new();
         let (output, skips_out) =
-            stage.run_with_skips(&input, &skips_in, ctx, &mut self.pos.layer)?;
+            stage.run_with_skips(&input, &skips_in, ctx, &mut self.pos.layer, &mut reruns)?;
         // A skip leaves at once (sent right after this forward); its recompute is not sent
         // again. Its finiteness is that of what the stage received: a non-finite skip is
         // caught where it is popped, as the stage's output is at the next stage.
@@ -501,6 +504,7 @@ impl<'a> Worker<'a, '_> {
                 output,
                 skips_in,
                 skips_out,
+                reruns,
             }
         };
         self.stash.insert((s, m), kept);
@@ -527,9 +531,14 @@ impl<'a> Worker<'a, '_> {
         let tape = Tape::recompute();
         let input = input_var(&tape, &x, s);
         let skips_in: Vec<Var> = popped.into_iter().map(|t| tape.leaf(t)).collect();
-        let (output, skips_out) =
-            self.stage(s)?
-                .run_with_skips(&input, &skips_in, ctx, &mut self.pos.layer)?;
+        let mut reruns = Vec::new();
+        let (output, skips_out) = self.stage(s)?.run_with_skips(
+            &input,
+            &skips_in,
+            ctx,
+            &mut self.pos.layer,
+            &mut reruns,
+        )?;
         self.stash.insert(
             (s, m),
             Stash::Recorded {
@@ -538,6 +547,7 @@ impl<'a> Worker<'a, '_> {
                 output,
                 skips_in,
                 skips_out,
+                reruns,
             },
         );
         Ok(())
@@ -545,14 +555,15 @@ impl<'a> Worker<'a, '_> {
 
     /// A full backward, or the input part of a split one (`split`), whose weight part is kept.
     fn backward(&mut self, s: usize, m: usize, split: bool) -> Result<(), StageCause> {
-        let (tape, input, output, skips_in, skips_out) = match self.stash.remove(&(s, m)) {
+        let (tape, input, output, skips_in, skips_out, reruns) = match self.stash.remove(&(s, m)) {
             Some(Stash::Recorded {
                 tape,
                 input,
                 output,
                 skips_in,
                 skips_out,
-            }) => (tape, input, output, skips_in, skips_out),
+                reruns,
+            }) => (tape, input, output, skips_in, skips_out, reruns),
             _ => {
                 return Err(internal(format!(
                     "stage {s} micro-batch {m} has no recorded forward to back-propagate"
@@ -565,6 +576,12 @@ impl<'a> Worker<'a, '_> {
             .ok_or_else(|| internal(format!("no gradient for stage {s} micro-batch {m}")))?;
         let mut seed_finite = self.finite_in.remove(&(s, m, true)).unwrap_or(true);
         let stage = self.stage(s)?;
+        // The checkpointed runs of layers run again now, where the stage's layers are at hand
+        // (their tape nodes cannot hold them), so the whole stage's record is back for this
+        // backward, as after a Recompute.
+        for pending in reruns {
+            stage.rerun(pending, &mut self.pos.layer)?;
+        }
         // The gradients of the skips stashed here seed the backward beside the output's.
         let mut skip_seeds = Vec::with_capacity(skips_out.len());
         for (id, name) in &stage.skips.outgoing {

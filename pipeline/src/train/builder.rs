@@ -1,6 +1,7 @@
 //! Building a pipeline: devices, partitioning, schedule, placement.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -67,6 +68,8 @@ pub struct PipelineBuilder {
     micro_batches: Option<usize>,
     chunks: Option<usize>,
     checkpoint: CheckpointMode,
+    /// Layers re-materialized inside every recording forward (global indices, ascending).
+    checkpoint_layers: Vec<usize>,
     pub(crate) skip_route: SkipRoute,
     schedule: ScheduleSpec,
     non_finite: NonFinite,
@@ -101,6 +104,7 @@ impl PipelineBuilder {
             micro_batches: None,
             chunks: None,
             checkpoint: CheckpointMode::ExceptLast,
+            checkpoint_layers: Vec::new(),
             skip_route: SkipRoute::Direct,
             schedule: ScheduleSpec::Kind(ScheduleKind::GPipe),
             non_finite: NonFinite::default(),
@@ -197,6 +201,20 @@ impl PipelineBuilder {
     /// How skips crossing several stages travel ([`SkipRoute::Direct`] by default). The planner
     /// (`plan`) models direct skips only and refuses a relaying builder; `Balance::ByMemory`
     /// charges a skip to its consumer only (as direct routing holds it).
+    /// Re-materializes these layers (global indices) in every forward that records, whatever
+    /// the [`checkpoint`](Self::checkpoint) mode of the micro-batches: each run of consecutive
+    /// ones inside a stage keeps only its input between the forward and the backward, and
+    /// runs again just before that stage's backward (per-layer re-materialization, as wrapping
+    /// modules in torch's `checkpoint_wrapper`; the gradients are bit for bit the same). Layers
+    /// that pop or stash skips cannot be among them. The planner sets it where it pays.
+    pub fn checkpoint_layers(mut self, layers: impl IntoIterator<Item = usize>) -> Self {
+        let mut layers: Vec<usize> = layers.into_iter().collect();
+        layers.sort_unstable();
+        layers.dedup();
+        self.checkpoint_layers = layers;
+        self
+    }
+
     pub fn skip_route(mut self, route: SkipRoute) -> Self {
         self.skip_route = route;
         self
@@ -313,6 +331,8 @@ impl PipelineBuilder {
         comm.agree_settings(&self.settings(&schedule, &balance))?;
         comm.connect(schedule.num_devices())?;
         let ranges = stage_ranges(&balance);
+        let mut checkpointed =
+            checkpointed_runs(&self.layers, &self.checkpoint_layers, &ranges)?.into_iter();
         let (skip_links, mut stage_skips) = plan_skips(&self.layers, &ranges, self.skip_route)?;
         let schedule = schedule.with_skip_transfers(&skip_links);
         schedule.validate_skips(&skip_links)?;
@@ -357,6 +377,7 @@ impl PipelineBuilder {
                 layers: stage_layers,
                 skips: std::mem::take(&mut stage_skips[index]),
                 absent,
+                checkpointed: checkpointed.next().unwrap_or_default(),
             });
         }
         crate::exec::tied::check_stage_ties(&stages)?;
@@ -427,6 +448,10 @@ impl PipelineBuilder {
             ("stages".into(), schedule.num_stages().to_string()),
             ("balance".into(), format!("{balance:?}")),
             ("re-materialization".into(), self.checkpoint.name().into()),
+            (
+                "re-materialized layers".into(),
+                format!("{:?}", self.checkpoint_layers),
+            ),
         ];
         out.extend(self.agreed.iter().cloned());
         out
@@ -464,6 +489,7 @@ impl PipelineBuilder {
                 micro_batches: b.micro_batches,
                 chunks: b.chunks,
                 checkpoint: b.checkpoint,
+                checkpoint_layers: b.checkpoint_layers.clone(),
                 skip_route: b.skip_route,
                 schedule: b.schedule.clone(),
                 non_finite: b.non_finite,
@@ -497,6 +523,47 @@ impl PipelineBuilder {
         }
         Ok(first)
     }
+}
+
+/// Each stage's runs of consecutive checkpointed `layers` (global indices, ascending), as
+/// indices into the stage's layers; an error names a layer out of range or one with skips.
+fn checkpointed_runs(
+    model: &[Box<dyn Module>],
+    layers: &[usize],
+    stages: &[Range<usize>],
+) -> Result<Vec<Vec<Range<usize>>>> {
+    for &i in layers {
+        let Some(l) = model.get(i) else {
+            return Err(PipelineError::Config(format!(
+                "checkpoint_layers: layer {i} does not exist (the model has {} layers)",
+                model.len()
+            )));
+        };
+        let skips = l.skips();
+        if !skips.is_empty() {
+            return Err(PipelineError::Config(format!(
+                "checkpoint_layers: layer {i} ({}) pops or stashes skips ({:?} / {:?}); a \
+                 re-materialized run of layers takes one input and gives one output",
+                l.name(),
+                skips.pops,
+                skips.stashes
+            )));
+        }
+    }
+    Ok(stages
+        .iter()
+        .map(|range| {
+            let mut runs: Vec<Range<usize>> = Vec::new();
+            for &i in layers.iter().filter(|&&i| range.contains(&i)) {
+                let local = i - range.start;
+                match runs.last_mut() {
+                    Some(run) if run.end == local => run.end += 1,
+                    _ => runs.push(local..local + 1),
+                }
+            }
+            runs
+        })
+        .collect())
 }
 
 /// The cost of each layer under a balancing rule.

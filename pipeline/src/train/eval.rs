@@ -42,6 +42,8 @@ impl Pipeline {
                         &mut skips,
                         ForwardCtx::eval().with_compute(self.precision),
                         &mut None,
+                        // A tape that does not record re-runs nothing.
+                        &mut Vec::new(),
                     )?
                     .value()
                     .clone())

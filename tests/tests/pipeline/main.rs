@@ -10,6 +10,7 @@ mod memory;
 mod persist;
 mod planner;
 mod precision;
+mod remat_layers;
 mod replicas;
 mod reports;
 mod schedules;
