@@ -55,6 +55,7 @@ pub fn checkpoint(x: &Var, f: impl Fn(&Var) -> Result<Var> + 'static) -> Result<
 /// and the slot the re-run's tape goes in before the backward reaches the segment.
 pub struct Rerun {
     input: Tensor,
+    input_wants_grad: bool,
     slot: RefCell<Option<(Tape, Var, Var)>>,
 }
 
@@ -64,8 +65,15 @@ impl Rerun {
         &self.input
     }
 
-    /// Hands over the re-run: `tape` (a [`Tape::recompute`] tape), the leaf on it holding
-    /// [`Rerun::input`], and the segment's output recorded from that leaf.
+    /// Whether the segment's input wants a gradient: the re-run starts from a leaf then, from
+    /// a constant otherwise (so its backward does not compute an input gradient nobody uses).
+    pub fn input_wants_grad(&self) -> bool {
+        self.input_wants_grad
+    }
+
+    /// Hands over the re-run: `tape` (a [`Tape::recompute`] tape), the var on it holding
+    /// [`Rerun::input`] (a leaf or a constant, as [`Rerun::input_wants_grad`] says), and the
+    /// segment's output recorded from it.
     pub fn supply(&self, tape: Tape, leaf: Var, output: Var) {
         *self.slot.borrow_mut() = Some((tape, leaf, output));
     }
@@ -91,6 +99,7 @@ pub fn checkpoint_rerun_later(x: &Var, y: Tensor) -> Result<(Var, Option<Rc<Reru
     }
     let rerun = Rc::new(Rerun {
         input: x.value().clone(),
+        input_wants_grad: x.requires_grad(),
         slot: RefCell::new(None),
     });
     let y_shape = y.shape().to_vec();

@@ -191,7 +191,12 @@ impl Stage {
         at: &mut Option<usize>,
     ) -> wgpipe_tensor::Result<()> {
         let tape = Tape::recompute();
-        let leaf = tape.leaf(pending.rerun.input().clone());
+        let input = pending.rerun.input().clone();
+        let leaf = if pending.rerun.input_wants_grad() {
+            tape.leaf(input)
+        } else {
+            tape.constant(input)
+        };
         let ctx = ForwardCtx {
             recompute: true,
             ..pending.ctx

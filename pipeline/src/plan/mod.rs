@@ -67,6 +67,10 @@ pub struct PlanOptions {
     pub layout_patience: usize,
     /// Repetitions of each layer's timing when planning on real devices (median).
     pub measure_reps: usize,
+    /// Whether a device whose stages need re-materializing to fit may checkpoint single
+    /// layers inside them instead of whole stages' micro-batches (default: yes, where it
+    /// recomputes less and the step comes out shorter).
+    pub layer_remat: bool,
 }
 
 impl Default for PlanOptions {
@@ -85,6 +89,7 @@ impl Default for PlanOptions {
             alternatives: 4,
             layout_patience: 24,
             measure_reps: 5,
+            layer_remat: true,
         }
     }
 }
@@ -186,9 +191,14 @@ fn row(f: &mut fmt::Formatter<'_>, tag: &str, p: &Planned) -> fmt::Result {
     let c = &p.candidate;
     let remat: Vec<String> = c.remat.iter().map(|m| m.to_string()).collect();
     let peaks: Vec<String> = p.prediction.peak_bytes.iter().map(|&b| mib(b)).collect();
+    let layers = if c.checkpoint_layers.is_empty() {
+        String::new()
+    } else {
+        format!(" checkpointed layers {:?}", c.checkpoint_layers)
+    };
     writeln!(
         f,
-        "{tag:<6} {:<14} {:>2} {:>2} {:>2} {:>4} {:>12.6} {:>6.1}%  devices {:?} balance {:?} remat [{}] peak MiB [{}]",
+        "{tag:<6} {:<14} {:>2} {:>2} {:>2} {:>4} {:>12.6} {:>6.1}%  devices {:?} balance {:?} remat [{}]{layers} peak MiB [{}]",
         format!("{:?}", c.kind),
         c.replicas,
         c.pipeline_devices(),

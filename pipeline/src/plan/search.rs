@@ -371,6 +371,7 @@ impl Search<'_, '_> {
                     micro_batches: m,
                     balance,
                     remat: vec![CheckpointMode::Never; stages],
+                    checkpoint_layers: Vec::new(),
                 };
                 let costs = self.model.replica_costs(&c, &placement).ok()?;
                 Some((self.model.compute_bound(&c, &costs, &placement), c))
@@ -381,13 +382,14 @@ impl Search<'_, '_> {
     /// Chooses each stage's re-materialization: per device, the mix of modes that recomputes
     /// least and fits its memory on every replica (or, where none fits, the last mix tried,
     /// which recomputes most). None when the candidate cannot be built.
-    fn fit(&mut self, c: &mut Candidate) -> Option<Fit> {
+    fn fit(&mut self, c: &mut Candidate, per_layer: bool) -> Option<Fit> {
         let k = c.pipeline_devices();
         let model = self.model;
         let skips = model.skip_links(&c.balance);
         let st = self.structure(c.kind, k, c.chunks, c.micro_batches, &skips)?;
         let placement = &st.always.placement;
-        let costs = model.replica_costs(c, placement).ok()?;
+        c.checkpoint_layers.clear();
+        let mut costs = model.replica_costs(c, placement).ok()?;
         let mut step_peak = vec![0; c.order.len()];
         let mut peak = vec![0; c.order.len()];
         let mut fits = true;
@@ -399,7 +401,8 @@ impl Search<'_, '_> {
                 .filter(|&s| placement[s] == d)
                 .collect();
             let mixes = remat_mixes(&mine, &costs[0]);
-            for (i, mix) in mixes.iter().enumerate() {
+            let mut mix_fits = false;
+            for mix in &mixes {
                 let made;
                 let (schedule, facts) =
                     match MODES.iter().position(|&m| mix.iter().all(|&x| x == m)) {
@@ -435,12 +438,29 @@ impl Search<'_, '_> {
                     c.remat[s] = m;
                 }
                 if all_fit {
+                    mix_fits = true;
                     break;
                 }
-                if i == mixes.len() - 1 {
-                    fits = false;
+            }
+            if per_layer && mine.iter().any(|&s| c.remat[s] != CheckpointMode::Never) {
+                // The mix recomputes whole stages: checkpointing some layers may fit with less.
+                let budget = if mix_fits {
+                    mine.iter()
+                        .map(|&s| costs[0].recompute_secs(s, c.remat[s]))
+                        .sum()
+                } else {
+                    f64::INFINITY
+                };
+                if let Some(peaks) = self.checkpoint_layers_on(c, &mut costs, &st, d, &mine, budget)
+                {
+                    for (r, (s, p)) in peaks.into_iter().enumerate() {
+                        step_peak[r * k + d] = s;
+                        peak[r * k + d] = p;
+                    }
+                    mix_fits = true;
                 }
             }
+            fits &= mix_fits;
         }
         let mut ratios: Vec<f64> = peak
             .iter()
@@ -458,10 +478,122 @@ impl Search<'_, '_> {
         })
     }
 
+    /// Per-layer re-materialization on pipeline device `d` (holding stages `mine`), for a
+    /// device whose stages need a recomputing mode to fit: the first layers of its stages
+    /// (those without skips), as few as make `d` fit on every replica with every
+    /// micro-batch's forward recorded. Taken when that recomputes less than
+    /// `budget` (the chosen mix's recomputed forwards): `c` (its `checkpoint_layers`, `Never`
+    /// for `mine`) and `costs` are updated and d's (step peak, peak) per replica returned.
+    fn checkpoint_layers_on(
+        &self,
+        c: &mut Candidate,
+        costs: &mut [CandidateCosts],
+        st: &Structure,
+        d: usize,
+        mine: &[usize],
+        budget: f64,
+    ) -> Option<Vec<(u64, u64)>> {
+        let model = self.model;
+        let k = c.pipeline_devices();
+        let ranges = crate::partition::stage_ranges(&c.balance);
+        let with_skips = |i: usize| {
+            model
+                .profile
+                .skips
+                .iter()
+                .any(|s| s.edge.producer == i || s.edge.consumer == i)
+        };
+        // Each stage's first layers first, one position at a time across d's stages
+        // (Megatron's "block" re-computation: the first n layers of each stage): a run from
+        // a stage's start keeps only the stage's input, which the stage holds anyway, and
+        // its last output, so the run saves all its layers keep but that output; layers
+        // chosen one by one for their own bytes would each keep their output.
+        let longest = mine.iter().map(|&s| ranges[s].len()).max().unwrap_or(0);
+        let order: Vec<usize> = (0..longest)
+            .flat_map(|n| mine.iter().map(move |&s| (s, n)))
+            .filter(|&(s, n)| n < ranges[s].len())
+            .map(|(s, n)| ranges[s].start + n)
+            .filter(|&i| !with_skips(i))
+            .collect();
+        if order.is_empty() {
+            return None;
+        }
+        // The peaks of `d` with the first `n` of `order` checkpointed (None: over a memory).
+        let trial = |n: usize| -> Option<(Candidate, Vec<CandidateCosts>, Vec<(u64, u64)>)> {
+            let mut tried = c.clone();
+            tried.checkpoint_layers.extend_from_slice(&order[..n]);
+            tried.checkpoint_layers.sort_unstable();
+            for &s in mine {
+                tried.remat[s] = CheckpointMode::Never;
+            }
+            let mut tried_costs = costs.to_vec();
+            let mut peaks = Vec::with_capacity(tried_costs.len());
+            for (r, rc) in tried_costs.iter_mut().enumerate() {
+                for &s in mine {
+                    rc.restage(model, &tried, s);
+                }
+                let (sp, p) = model.device_memory(rc, &st.uniform[0], &st.facts[0], d);
+                if p > model.specs[c.order[r * k + d]].memory_bytes {
+                    return None;
+                }
+                peaks.push((sp, p));
+            }
+            Some((tried, tried_costs, peaks))
+        };
+        // Fewest layers that fit: more checkpointed layers keep less, so bisect.
+        let (mut lo, mut hi) = (1, order.len());
+        trial(hi)?;
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if trial(mid).is_some() {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        if costs[0].layer_recompute(model, &order[..lo]) >= budget {
+            return None;
+        }
+        let (tried, tried_costs, peaks) = trial(lo)?;
+        *c = tried;
+        costs.clone_from_slice(&tried_costs);
+        Some(peaks)
+    }
+
     /// Chooses each stage's re-materialization ([`Search::fit`]) and predicts the candidate;
     /// keeps it when it fits. Returns its prediction and whether it fits (None when it was
-    /// pruned or cannot be built).
-    fn evaluate(&mut self, mut c: Candidate) -> Option<(Prediction, bool)> {
+    /// pruned or cannot be built). Where the choice checkpoints layers inside stages, the
+    /// candidate with whole stages' modes only is predicted too, and the faster kept: fewer
+    /// recomputed FLOPs need not make a shorter step (a stage's Recompute may fill a bubble
+    /// where a longer backward lies on the critical path).
+    fn evaluate(&mut self, c: Candidate) -> Option<(Prediction, bool)> {
+        let (with_layers, used) = self.evaluate_as(c.clone(), self.options.layer_remat);
+        if !used {
+            return with_layers;
+        }
+        let (whole, _) = self.evaluate_as(c, false);
+        let rank = |r: &(Prediction, bool)| (!r.1, r.0.step_secs);
+        match (with_layers, whole) {
+            (Some(a), Some(b)) => Some(if rank(&b) < rank(&a) { b } else { a }),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// [`Search::evaluate`] of one way to choose: with per-layer re-materialization or
+    /// without; also whether the choice checkpointed layers.
+    fn evaluate_as(
+        &mut self,
+        mut c: Candidate,
+        per_layer: bool,
+    ) -> (Option<(Prediction, bool)>, bool) {
+        let Some(fit) = self.fit(&mut c, per_layer) else {
+            return (None, false);
+        };
+        let used = !c.checkpoint_layers.is_empty();
+        (self.evaluate_fitted(c, fit), used)
+    }
+
+    fn evaluate_fitted(&mut self, c: Candidate, fit: Fit) -> Option<(Prediction, bool)> {
         let model = self.model;
         let Fit {
             st,
@@ -470,7 +602,7 @@ impl Search<'_, '_> {
             peak,
             fits,
             ratios,
-        } = self.fit(&mut c)?;
+        } = fit;
         let ratio = ratios[0];
         let placement = &st.always.placement;
         if !fits {
@@ -567,7 +699,7 @@ impl Search<'_, '_> {
                         balance,
                         ..c.clone()
                     };
-                    if let Some(f) = self.fit(&mut moved) {
+                    if let Some(f) = self.fit(&mut moved, self.options.layer_remat) {
                         if best
                             .as_ref()
                             .is_none_or(|(r, _, _)| closer_to_fitting(&f.ratios, r))

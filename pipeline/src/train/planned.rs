@@ -35,8 +35,8 @@ impl Target<'_> {
 impl PipelineBuilder {
     /// Profiles the layers on `plan.inputs`, searches the fastest configuration of one
     /// pipeline (no replicas) that fits `cluster`'s memories, and sets this builder to it: the
-    /// chosen devices in the chosen order, the balance, M and the schedule (with each device's
-    /// re-materialization). Call it after `.optimizer(..)`, so that the optimizer's state is
+    /// chosen devices in the chosen order, the balance, M and the schedule (with each stage's
+    /// re-materialization), and the layers checkpointed inside their stages. Call it after `.optimizer(..)`, so that the optimizer's state is
     /// planned for; a later `.sim`, `.balance`, `.micro_batches` or `.schedule` overrides the
     /// plan.
     pub fn plan(
@@ -169,6 +169,7 @@ impl PipelineBuilder {
         let mut builder = placed
             .balance(Balance::Explicit(best.candidate.balance.clone()))
             .micro_batches(best.candidate.micro_batches)
+            .checkpoint_layers(best.candidate.checkpoint_layers.clone())
             .schedule(best.schedule.clone());
         if let (r @ 2.., Some(make_layers)) = (best.candidate.replicas, make_layers) {
             builder = builder.replicas(r, make_layers);

@@ -179,6 +179,7 @@ fn predicted_step_time_and_memory_agree_with_the_simulated_cluster() {
                 micro_batches: m,
                 balance,
                 remat: remat.clone(),
+                checkpoint_layers: Vec::new(),
             };
             let facts = ScheduleFacts::of(&schedule);
             let p = model.predict(&c, &schedule, &facts).unwrap();
@@ -332,6 +333,7 @@ fn check_replicated_cases(
                 micro_batches: m,
                 balance: balance.clone(),
                 remat,
+                checkpoint_layers: Vec::new(),
             };
             let p = model
                 .predict(&c, &schedule, &ScheduleFacts::of(&schedule))
@@ -471,6 +473,7 @@ fn brute_force_from(
                                     micro_batches: m,
                                     balance,
                                     remat: remat.clone(),
+                                    checkpoint_layers: Vec::new(),
                                 };
                                 let p = model.predict(&c, &schedule, &facts).unwrap();
                                 tried += 1;
@@ -509,6 +512,9 @@ fn check_search_against(
             chunks: vec![2],
             micro_batches: Some(ms.to_vec()),
             exhaustive_balances,
+            // Brute force enumerates whole stages' modes: the search is held to that space
+            // (checkpointed layers are tested against the same search without them).
+            layer_remat: false,
             ..PlanOptions::default()
         };
         let r = plan_on(
@@ -1246,4 +1252,115 @@ fn heuristic_search_finds_a_plan_where_its_first_balances_do_not_fit() {
         );
         check_search_against(&model, &kinds, &ms, best);
     }
+}
+
+/// 4 blocks of [Linear(16, 256), GELU, Linear(256, 16), ReLU]: the GELUs keep wide outputs
+/// for little arithmetic, the cheapest layers to re-materialize.
+fn wide_mlp() -> Vec<Box<dyn Module>> {
+    let d = Device::cpu();
+    (0..4u64)
+        .flat_map(|i| {
+            [
+                Box::new(wgpipe_models::Linear::new(16, 256, 300 + i, &d).unwrap())
+                    as Box<dyn Module>,
+                Box::new(wgpipe_models::Gelu::Tanh),
+                Box::new(wgpipe_models::Linear::new(256, 16, 310 + i, &d).unwrap()),
+                Box::new(wgpipe_models::Relu),
+            ]
+        })
+        .collect()
+}
+
+/// Per-layer re-materialization where it pays: on two devices whose memories hold less than
+/// the plain step, the planner checkpoints layers inside stages (the GELUs first) instead of
+/// recomputing whole stages, its step is shorter than the best plan without that choice, and
+/// the plan runs as predicted (simulated step within 5%, measured peaks at most predicted).
+/// Where memory is ample it checkpoints nothing.
+#[test]
+fn checkpointed_layers_are_planned_where_they_pay_and_run_as_predicted() {
+    // Enough rows that the activations, not the parameters, fill the memories.
+    let rows = 512;
+    let x = normal_data(&[rows, 16], 83);
+    let y = normal_data(&[rows, 16], 84);
+    let loss = |out: &wgpipe_autograd::Var, t: &wgpipe_tensor::Tensor| mse(out, t);
+    let plan_at = |memory_bytes: u64, layer_remat: bool| {
+        let specs = vec![
+            DeviceSpec {
+                flops_per_sec: 1e9,
+                memory_bytes,
+            };
+            2
+        ];
+        let cluster = SimCluster::new(&Device::cpu(), &specs, LINK);
+        let inputs = PlanInputs {
+            inputs: &x,
+            targets: &y,
+            loss: &loss,
+            batch: rows,
+            options: PlanOptions {
+                kinds: vec![ScheduleKind::GPipe, ScheduleKind::OneFOneB],
+                micro_batches: Some(vec![8]),
+                min_stages: 2,
+                layer_remat,
+                ..PlanOptions::default()
+            },
+        };
+        Pipeline::builder(wide_mlp())
+            .optimizer(sgd)
+            .plan(&cluster, &inputs)
+    };
+    let (_, ample, _) = plan_at(u64::MAX, true).unwrap();
+    assert!(
+        ample.best.candidate.checkpoint_layers.is_empty()
+            && ample
+                .best
+                .candidate
+                .remat
+                .iter()
+                .all(|&m| m == CheckpointMode::Never),
+        "memory to spare, yet something is re-materialized: {:?}",
+        ample.best.candidate
+    );
+    eprintln!("{ample}");
+    let plain_peak = *ample.best.prediction.peak_bytes.iter().max().unwrap();
+    let mut paid = 0;
+    for fraction in [0.9, 0.85, 0.8, 0.65] {
+        let cap = (plain_peak as f64 * fraction) as u64;
+        let (builder, with, _) = match plan_at(cap, true) {
+            Ok(p) => p,
+            Err(e @ PlanError::NoFit(_)) => {
+                eprintln!("cap {fraction} x {plain_peak}: {e}");
+                continue;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let whole = plan_at(cap, false).map(|(_, r, _)| r.best.prediction.step_secs);
+        let c = &with.best.candidate;
+        eprintln!(
+            "cap {fraction} x {plain_peak}: {:.4e} s with layers {:?} (remat {:?}), {whole:?} s without",
+            with.best.prediction.step_secs, c.checkpoint_layers, c.remat
+        );
+        if let Ok(whole) = whole {
+            assert!(
+                with.best.prediction.step_secs <= whole * (1.0 + 1e-9),
+                "checkpointed layers made the plan slower: {} vs {whole}",
+                with.best.prediction.step_secs
+            );
+        }
+        for (d, &p) in with.best.prediction.peak_bytes.iter().enumerate() {
+            assert!(p <= cap, "device {d}: predicted {p} over the cap {cap}");
+        }
+        if c.checkpoint_layers.is_empty() {
+            continue;
+        }
+        assert!(
+            whole
+                .as_ref()
+                .map_or(true, |&w| with.best.prediction.step_secs < w),
+            "layers were checkpointed without a shorter step"
+        );
+        paid += 1;
+        check_planned(builder, &with, &x, &y, &loss, &format!("cap {fraction}"));
+    }
+    assert!(paid > 0, "no cap made checkpointed layers pay");
 }

@@ -53,6 +53,10 @@ pub struct Candidate {
     /// Re-materialization of each (virtual) stage (K x chunks entries, in model order: a
     /// device's chunks may differ; every replica runs the same schedule).
     pub remat: Vec<CheckpointMode>,
+    /// Layers re-materialized inside their stages whatever the stage's mode (global indices,
+    /// ascending; `PipelineBuilder::checkpoint_layers`): the planner checkpoints layers where
+    /// that recomputes less than a whole stage's mode would to fit.
+    pub checkpoint_layers: Vec<usize>,
 }
 
 impl Candidate {
@@ -159,6 +163,25 @@ impl CandidateCosts {
             .map(|mb| self.at(stage, mb).forward)
             .sum()
     }
+    /// Recomputed FLOPs (seconds on a timed profile) of a step's forwards of layers `layers`,
+    /// re-materialized inside their stages: each runs again for every micro-batch.
+    pub fn layer_recompute(&self, model: &CostModel, layers: &[usize]) -> f64 {
+        self.sizes
+            .iter()
+            .map(|&b| {
+                layers
+                    .iter()
+                    .map(|&l| model.profile.layers[l].forward_flops.at(b))
+                    .sum::<f64>()
+            })
+            .sum()
+    }
+
+    /// Stage `s`'s costs again, after `c.checkpoint_layers` changed.
+    pub fn restage(&mut self, model: &CostModel, c: &Candidate, s: usize) {
+        self.stages[s] = model.stage_entry(&c.balance, &c.checkpoint_layers, &self.sizes, s);
+    }
+
     /// Parameters, gradients and optimizer state of each pipeline device.
     pub fn static_bytes(&self) -> &[u64] {
         &self.static_bytes
@@ -268,7 +291,7 @@ impl CostModel<'_> {
             })
             .collect();
         Ok(CandidateCosts {
-            stages: self.stage_table(&c.balance, &sizes),
+            stages: self.stage_table(&c.balance, &c.checkpoint_layers, &sizes),
             skip_bytes,
             sizes,
             batch: self.batch,

@@ -32,6 +32,7 @@ impl CostModel<'_> {
             micro_batches: m,
             balance,
             remat: vec![CheckpointMode::Never; stages],
+            checkpoint_layers: Vec::new(),
         };
         let costs = self.costs(&c, &placement)?;
         let last = stages - 1;
