@@ -467,12 +467,10 @@ fn layer_remat() -> Res<()> {
         let cap = (peak as f64 * fraction) as u64;
         let step = |r: &Result<(_, PlanReport), PlanError>| match r {
             Ok((_, r)) => format!(
-                "{:.4e} s ({}, {})",
+                "{:.4e} s ({:?} M={}, {})",
                 r.best.prediction.step_secs,
-                format!(
-                    "{:?} M={}",
-                    r.best.candidate.kind, r.best.candidate.micro_batches
-                ),
+                r.best.candidate.kind,
+                r.best.candidate.micro_batches,
                 remat_summary(r)
             ),
             Err(PlanError::NoFit(_)) => "does not fit".to_string(),

@@ -94,6 +94,10 @@ struct Fit {
     ratios: Vec<f64>,
 }
 
+/// A candidate with some layers checkpointed, its costs per replica, and one device's (step
+/// peak, peak) per replica ([`Search::checkpoint_layers_on`]).
+type LayerTrial = (Candidate, Vec<CandidateCosts>, Vec<(u64, u64)>);
+
 /// Stages beyond which [`memory_moves`] moves a layer only to a stage at most two away.
 const FAR_MOVES_UP_TO: usize = 16;
 
@@ -519,7 +523,7 @@ impl Search<'_, '_> {
             return None;
         }
         // The peaks of `d` with the first `n` of `order` checkpointed (None: over a memory).
-        let trial = |n: usize| -> Option<(Candidate, Vec<CandidateCosts>, Vec<(u64, u64)>)> {
+        let trial = |n: usize| -> Option<LayerTrial> {
             let mut tried = c.clone();
             tried.checkpoint_layers.extend_from_slice(&order[..n]);
             tried.checkpoint_layers.sort_unstable();
