@@ -121,6 +121,7 @@ fn run_on(
         .sim(cluster.clone())
         .balance(Balance::Explicit(c.balance.clone()))
         .schedule(schedule.clone())
+        .checkpoint_layers(c.checkpoint_layers.clone())
         .optimizer(sgd);
     if c.replicas > 1 {
         builder = builder.replicas(c.replicas, model);
@@ -157,15 +158,21 @@ fn predicted_step_time_and_memory_agree_with_the_simulated_cluster() {
         };
         let order: Vec<usize> = vec![2, 0, 1][..k].to_vec();
         // By stage: uniform, and modes alternating so that with two chunks each device holds
-        // one re-materialized stage and one that is not (a mix on one device).
+        // one re-materialized stage and one that is not (a mix on one device); each without
+        // and with layers checkpointed inside the stages (runs at a stage's start, inside it
+        // and at its end, depending on the balance).
         let stages = k * v;
-        for remat in [
+        let modes: [Vec<CheckpointMode>; 3] = [
             vec![CheckpointMode::Never; stages],
             vec![CheckpointMode::Always; stages],
             (0..stages)
                 .map(|s| [CheckpointMode::ExceptLast, CheckpointMode::Never][(s / k + s) % 2])
                 .collect(),
-        ] {
+        ];
+        for (remat, checkpoint_layers) in modes
+            .into_iter()
+            .flat_map(|r| [(r.clone(), vec![]), (r, vec![0, 1, 3, 4, 5, 7])])
+        {
             let m = 4;
             let always = kind.generate(k, v, m, CheckpointMode::Always).unwrap();
             let schedule = with_remat(&always, &remat);
@@ -179,7 +186,7 @@ fn predicted_step_time_and_memory_agree_with_the_simulated_cluster() {
                 micro_batches: m,
                 balance,
                 remat: remat.clone(),
-                checkpoint_layers: Vec::new(),
+                checkpoint_layers,
             };
             let facts = ScheduleFacts::of(&schedule);
             let p = model.predict(&c, &schedule, &facts).unwrap();
@@ -203,8 +210,8 @@ fn check_prediction(
 ) -> f64 {
     let (measured, step_peaks, all_peaks) = run_on(c, schedule, specs, rows, links);
     let what = format!(
-        "{:?} R={} batch {rows} remat {:?}",
-        c.kind, c.replicas, c.remat
+        "{:?} R={} batch {rows} remat {:?} checkpointed layers {:?}",
+        c.kind, c.replicas, c.remat, c.checkpoint_layers
     );
     let err = (p.step_secs - measured).abs() / measured;
     eprintln!(

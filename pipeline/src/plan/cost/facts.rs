@@ -17,6 +17,9 @@ pub struct ScheduleFacts {
     /// The first backward (full or weight part) of each stage: it stores the parameter
     /// gradients, later ones add to them.
     first_backward: Vec<Option<Action>>,
+    /// The first input part of a split backward of each stage: layers re-materialized inside
+    /// the stage store their parameter gradients there.
+    first_input: Vec<Option<Action>>,
 }
 
 /// Where a transfer of `link`'s `from` stage, direction and micro-batch sits: by
@@ -68,6 +71,7 @@ impl ScheduleFacts {
         let mut recvs = vec![none; (stages + skips) * 2 * m];
         let mut checkpointed = vec![false; stages * m];
         let mut first_backward = vec![None; stages];
+        let mut first_input = vec![None; stages];
         for (d, list) in schedule.devices.iter().enumerate() {
             for (i, a) in list.iter().enumerate() {
                 match a.kind {
@@ -84,6 +88,9 @@ impl ScheduleFacts {
                     ActionKind::Recompute => checkpointed[a.stage * m + a.micro_batch] = true,
                     ActionKind::Backward | ActionKind::BackwardWeight => {
                         first_backward[a.stage].get_or_insert(*a);
+                    }
+                    ActionKind::BackwardInput => {
+                        first_input[a.stage].get_or_insert(*a);
                     }
                     _ => {}
                 }
@@ -140,11 +147,16 @@ impl ScheduleFacts {
             checkpointed,
             release,
             first_backward,
+            first_input,
         }
     }
 
     pub(super) fn is_first_backward(&self, a: &Action) -> bool {
         self.first_backward[a.stage] == Some(*a)
+    }
+
+    pub(super) fn is_first_input(&self, a: &Action) -> bool {
+        self.first_input[a.stage] == Some(*a)
     }
 }
 

@@ -107,6 +107,9 @@ struct StageAt {
     backward_input: f64,
     backward_weight: f64,
     accumulate: f64,
+    /// The part of `accumulate` in the input part of a split backward (layers re-materialized
+    /// inside the stage run their whole backward there).
+    accumulate_input: f64,
     loss: f64,
     input: f64,
     output: f64,

@@ -102,9 +102,11 @@ impl CostModel<'_> {
             st.accumulate += l.accumulate_flops;
             full_prefix += l.stash_bytes.at(b);
             let keep = if ck(i) {
-                // Run again, then its whole backward in the input part.
+                // Run again, then its whole backward (a plain one, weight gradients included)
+                // in the input part.
                 st.backward += forward + backward;
-                st.backward_input += forward + backward_input + l.backward_weight_flops.at(b);
+                st.backward_input += forward + backward;
+                st.accumulate_input += l.accumulate_flops;
                 if !ck(i + 1) || i + 1 == r.end {
                     prefix += out; // the run's output, on the stage's tape
                     run_outputs += out;
@@ -137,17 +139,14 @@ impl CostModel<'_> {
                 .backward_peak
                 .max(full_prefix + out + l.backward_extra_bytes.at(b));
             st.keep += keep;
-            // A re-run layer's weight gradients come in its input part.
-            let weight_there = if ck(i) {
-                l.backward_weight_extra_bytes.at(b)
+            // A re-run layer's whole backward (its weight gradients too) runs in the input part.
+            let extra = if ck(i) {
+                l.backward_extra_bytes.at(b)
             } else {
                 st.backward_weight_peak += l.backward_weight_extra_bytes.at(b);
-                0.0
+                l.backward_input_extra_bytes.at(b)
             };
-            input_parts.push((
-                full_prefix + out + l.backward_input_extra_bytes.at(b) + weight_there,
-                keep,
-            ));
+            input_parts.push((full_prefix + out + extra, keep));
             in_bytes = out;
             st.output = out;
         }

@@ -130,8 +130,13 @@ impl CostModel<'_> {
                 ActionKind::Recompute => st.forward,
                 ActionKind::Backward if first() => st.backward - st.accumulate,
                 ActionKind::Backward => st.backward,
+                ActionKind::BackwardInput if facts.is_first_input(&a) => {
+                    st.backward_input - st.accumulate_input
+                }
                 ActionKind::BackwardInput => st.backward_input,
-                ActionKind::BackwardWeight if first() => st.backward_weight - st.accumulate,
+                ActionKind::BackwardWeight if first() => {
+                    st.backward_weight - (st.accumulate - st.accumulate_input)
+                }
                 ActionKind::BackwardWeight => st.backward_weight,
                 _ => 0.0,
             };
