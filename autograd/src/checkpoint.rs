@@ -35,20 +35,34 @@ pub fn checkpoint(x: &Var, f: impl Fn(&Var) -> Result<Var> + 'static) -> Result<
         let re = Tape::recompute();
         let xl = re.leaf(x_value.clone());
         let out = f(&xl)?;
-        if out.shape() != y_shape.as_slice() {
-            return Err(crate::tape::invalid(
-                "checkpoint",
-                format!(
-                    "the recomputed segment gave shape {:?}, the first run {y_shape:?}",
-                    out.shape()
-                ),
-            ));
-        }
-        let mut grads = re.backward_with(&out, g)?;
-        Ok(vec![if wants[0] { grads.take(&xl) } else { None }])
+        through_rerun(&re, &xl, &out, &y_shape, g, wants[0])
     });
     // `force`: the segment may hold trainable parameters even when `x` wants no gradient.
     tape.record("checkpoint", &[x], y, true, backward, None)
+}
+
+/// The backward of a checkpointed segment through its re-run `out` (recorded on `re` from
+/// `input`): the output gradient `g` back-propagated there (the segment's parameters get their
+/// gradients), and `input`'s gradient when `wants` it.
+fn through_rerun(
+    re: &Tape,
+    input: &Var,
+    out: &Var,
+    first_shape: &[usize],
+    g: &Tensor,
+    wants: bool,
+) -> Result<Vec<Option<Tensor>>> {
+    if out.shape() != first_shape {
+        return Err(crate::tape::invalid(
+            "checkpoint",
+            format!(
+                "the re-run segment gave shape {:?}, the first run {first_shape:?}",
+                out.shape()
+            ),
+        ));
+    }
+    let mut grads = re.backward_with(out, g)?;
+    Ok(vec![if wants { grads.take(input) } else { None }])
 }
 
 /// A segment recorded by [`checkpoint_rerun_later`]: what its re-run needs (the input's value)
@@ -112,17 +126,7 @@ pub fn checkpoint_rerun_later(x: &Var, y: Tensor) -> Result<(Var, Option<Rc<Reru
                     .to_string(),
             ));
         };
-        if out.shape() != y_shape.as_slice() {
-            return Err(crate::tape::invalid(
-                "checkpoint",
-                format!(
-                    "the re-run segment gave shape {:?}, the first run {y_shape:?}",
-                    out.shape()
-                ),
-            ));
-        }
-        let mut grads = re.backward_with(&out, g)?;
-        Ok(vec![if wants[0] { grads.take(&leaf) } else { None }])
+        through_rerun(&re, &leaf, &out, &y_shape, g, wants[0])
     });
     let var = tape.record("checkpoint", &[x], y, true, backward, None)?;
     Ok((var, Some(rerun)))
