@@ -339,11 +339,14 @@ fn remat_summary(r: &PlanReport) -> String {
         .map(|m| m.to_string())
         .collect();
     modes.dedup();
-    modes.join("/")
+    match r.best.candidate.checkpoint_layers.len() {
+        0 => modes.join("/"),
+        n => format!("{} + {n} layers", modes.join("/")),
+    }
 }
 
 /// One row of the scale table.
-fn scale_row(devices: usize, what: &str, links: &Topology) -> Res<PlanReport> {
+fn scale_row(devices: usize, what: &str, links: &Topology, layer_remat: bool) -> Res<PlanReport> {
     let profile = Profile {
         layers: vec![gpt_block(); GPT_LAYERS],
         input_bytes: Affine {
@@ -355,7 +358,11 @@ fn scale_row(devices: usize, what: &str, links: &Topology) -> Res<PlanReport> {
     };
     let specs = vec![GPU; devices];
     let started = Instant::now();
-    let r = plan_on(&profile, &specs, links, GPT_BATCH, &PlanOptions::default())?;
+    let options = PlanOptions {
+        layer_remat,
+        ..PlanOptions::default()
+    };
+    let r = plan_on(&profile, &specs, links, GPT_BATCH, &options)?;
     let secs = started.elapsed().as_secs_f64();
     let c = &r.best.candidate;
     println!(
@@ -375,7 +382,7 @@ fn scale_row(devices: usize, what: &str, links: &Topology) -> Res<PlanReport> {
 
 /// Planning time and the chosen plan for a 96-layer Transformer on 16 to 1024 devices in
 /// nodes of 8, and on 16 devices as one node.
-fn scale() -> Res<()> {
+fn scale(layer_remat: bool) -> Res<()> {
     println!(
         "\n## scale: a 96-layer GPT-like Transformer (d_model 4096, seq 2048, batch {GPT_BATCH}; \
          analytic profile), devices of 80 GB at 300 TFLOP/s, nodes of {NODE}: 300 GB/s inside \
@@ -390,9 +397,9 @@ fn scale() -> Res<()> {
     );
     for devices in [16, 64, 256, 1024] {
         let links = Topology::nodes(devices, NODE, NVLINK, NETWORK)?;
-        scale_row(devices, "nodes of 8", &links)?;
+        scale_row(devices, "nodes of 8", &links, layer_remat)?;
     }
-    scale_row(16, "one node", &Topology::flat(NVLINK))?;
+    scale_row(16, "one node", &Topology::flat(NVLINK), layer_remat)?;
     Ok(())
 }
 
@@ -408,6 +415,9 @@ struct Args {
     /// Only the per-layer re-materialization section
     #[arg(long)]
     layer_remat: bool,
+    /// Plan the scale table with re-materialization chosen per stage only
+    #[arg(long)]
+    no_layer_remat: bool,
 }
 
 /// The Transformer LM (8 blocks) on two devices with memory caps below its plain step's peak:
@@ -531,7 +541,7 @@ fn layer_remat() -> Res<()> {
 fn main() -> Res<()> {
     let args = Args::parse();
     if args.scale {
-        return scale();
+        return scale(!args.no_layer_remat);
     }
     if args.layer_remat {
         return layer_remat();
@@ -555,7 +565,7 @@ fn main() -> Res<()> {
         &Device::cpu(),
     )?;
     search_speed(&profile)?;
-    scale()?;
+    scale(!args.no_layer_remat)?;
     if only_speed {
         return Ok(());
     }
