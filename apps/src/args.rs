@@ -27,7 +27,7 @@ use crate::tensor::{DType, Tensor};
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PlanArg {
     /// Plan when the stages are simulated and none of --stages, --micro-batches, --balance,
-    /// --schedule, --chunks, --checkpoint, --replicas is given.
+    /// --schedule, --chunks, --checkpoint, --checkpoint-layers, --replicas is given.
     Auto,
     /// Plan: on the simulated cluster (--stages is then the number of devices it may use, for
     /// R replicas of a K-stage pipeline, R x K <= --stages); on real devices (a GPU, --device
@@ -150,6 +150,10 @@ pub struct PipelineArgs {
     /// Which micro-batches re-compute their forward in the backward instead of keeping it.
     #[arg(long, value_parser = checkpoint_values(), default_value = "except-last")]
     pub checkpoint: CheckpointMode,
+    /// Layers (global indices, e.g. 1,2,5) re-computed inside their stage in every backward,
+    /// whatever --checkpoint says: each run of consecutive ones keeps only its input and output.
+    #[arg(long, value_delimiter = ',')]
+    pub checkpoint_layers: Vec<usize>,
     /// Pipeline schedule.
     #[arg(long, value_parser = schedule_values(), default_value = "gpipe")]
     pub schedule: ScheduleKind,
@@ -220,7 +224,7 @@ pub struct PipelineArgs {
     /// Choose K, the device order, schedule, chunks, M, balance and re-materialization by the
     /// planner, on the simulated cluster or on real devices from measured layer times (auto:
     /// when none of --stages, --micro-batches, --replicas, --balance, --schedule, --chunks,
-    /// --checkpoint is given, and not on real devices under --transport mpi; --stages is then
+    /// --checkpoint, --checkpoint-layers is given, and not on real devices under --transport mpi; --stages is then
     /// the most devices it may use).
     #[arg(long, value_enum, default_value_t = PlanArg::Auto)]
     pub plan: PlanArg,
@@ -504,6 +508,7 @@ pub fn build_pipeline(
         .balance(balance)
         .micro_batches(args.micro_batches)
         .checkpoint(args.checkpoint)
+        .checkpoint_layers(args.checkpoint_layers.clone())
         .schedule(args.schedule)
         .chunks(args.chunks())
         .seed(args.seed)

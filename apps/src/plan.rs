@@ -17,13 +17,14 @@ use crate::tensor::Tensor;
 
 /// The flags that fix the pipeline's shape: given on the command line, `--plan auto` does not
 /// plan.
-const SHAPE_FLAGS: [&str; 7] = [
+const SHAPE_FLAGS: [&str; 8] = [
     "stages",
     "micro_batches",
     "balance",
     "schedule",
     "chunks",
     "checkpoint",
+    "checkpoint_layers",
     "replicas",
 ];
 
@@ -247,6 +248,7 @@ mod tests {
             ["--schedule", "1f1b"],
             ["--chunks", "2"],
             ["--checkpoint", "never"],
+            ["--checkpoint-layers", "1,2"],
             ["--replicas", "2"],
         ] {
             assert!(given(&flag), "{flag:?}");
