@@ -198,9 +198,6 @@ impl PipelineBuilder {
         self.checkpoint = mode;
         self
     }
-    /// How skips crossing several stages travel ([`SkipRoute::Direct`] by default). The planner
-    /// (`plan`) models direct skips only and refuses a relaying builder; `Balance::ByMemory`
-    /// charges a skip to its consumer only (as direct routing holds it).
     /// Re-materializes these layers (global indices) in every forward that records, whatever
     /// the [`checkpoint`](Self::checkpoint) mode of the micro-batches: each run of consecutive
     /// ones inside a stage keeps only its input between the forward and the backward, and
@@ -215,6 +212,9 @@ impl PipelineBuilder {
         self
     }
 
+    /// How skips crossing several stages travel ([`SkipRoute::Direct`] by default). The planner
+    /// (`plan`) models direct skips only and refuses a relaying builder; `Balance::ByMemory`
+    /// charges a skip to its consumer only (as direct routing holds it).
     pub fn skip_route(mut self, route: SkipRoute) -> Self {
         self.skip_route = route;
         self
