@@ -100,9 +100,11 @@ impl Rerun {
 
 /// [`checkpoint`] for a segment that the caller runs itself: `y` is the value the segment gave
 /// for `x` (computed without recording), and the recorded node's backward back-propagates
-/// through the re-run the caller hands to the returned [`Rerun`] before the backward reaches it
-/// (a pipeline stage re-runs its checkpointed layers just before its backward, where it holds
-/// the layers: the node cannot keep them itself). Parameters of the segment get their
+/// through the re-run the caller hands to the returned [`Rerun`]: before the backward, or when
+/// the backward reaches the node, from the supplier given to
+/// [`Tape::backward_roots_rerunning`] (a pipeline stage re-runs its checkpointed layers so, as
+/// torch's checkpoint does, one run's record alive at a time; it holds the layers, which the
+/// node cannot keep itself). Parameters of the segment get their
 /// gradients in that backward, as with [`checkpoint`], bit for bit like a plain run.
 ///
 /// On a tape that does not record, the result is `y` as a constant and nothing is kept.
@@ -129,5 +131,6 @@ pub fn checkpoint_rerun_later(x: &Var, y: Tensor) -> Result<(Var, Option<Rc<Reru
         through_rerun(&re, &leaf, &out, &y_shape, g, wants[0])
     });
     let var = tape.record("checkpoint", &[x], y, true, backward, None)?;
+    tape.attach_rerun(rerun.clone());
     Ok((var, Some(rerun)))
 }

@@ -70,8 +70,11 @@ enum Ckpt {
     /// `checkpoint` with the block in its closure.
     Closure,
     /// `checkpoint_rerun_later`: the block run here without recording, re-run here before the
-    /// backward (as a pipeline stage does).
+    /// backward.
     RerunLater,
+    /// The same, re-run when the backward reaches it (`backward_roots_rerunning`, as a pipeline
+    /// stage does).
+    RerunLazily,
 }
 
 /// Forward + backward of `blocks` on `x`, each block checkpointed as `ckpt` says; the param
@@ -101,7 +104,7 @@ fn run(
                 let b = b.clone();
                 checkpoint(&h, move |x| b.forward(x, &ctx)).unwrap()
             }
-            Ckpt::RerunLater => {
+            Ckpt::RerunLater | Ckpt::RerunLazily => {
                 let y = b
                     .forward(&Tape::no_grad().constant(h.value().clone()), &ctx)
                     .unwrap();
@@ -113,13 +116,36 @@ fn run(
     }
     let loss = h.square().unwrap().mean_all().unwrap();
     drop(h);
-    for (rerun, b) in reruns {
+    let rerun = |r: &Rc<Rerun>, b: &Block| {
         let re = Tape::recompute();
-        let leaf = re.leaf(rerun.input().clone());
+        let leaf = re.leaf(r.input().clone());
         let out = b.forward(&leaf, &ctx).unwrap();
-        rerun.supply(re, leaf, out);
-    }
-    let grads = tape.backward(&loss).unwrap();
+        r.supply(re, leaf, out);
+    };
+    let grads = if ckpt == Ckpt::RerunLazily {
+        let one = Tensor::ones(&[1], &dev)
+            .unwrap()
+            .reshape(loss.shape())
+            .unwrap();
+        // Each block's re-run is asked for once, the last block's first.
+        let mut asked = Vec::new();
+        let g = tape
+            .backward_roots_rerunning(&[(&loss, &one)], &mut |r| {
+                let i = reruns.iter().position(|(p, _)| Rc::ptr_eq(p, r)).unwrap();
+                asked.push(i);
+                rerun(r, reruns[i].1);
+                Ok(())
+            })
+            .unwrap();
+        let expected: Vec<usize> = (0..reruns.len()).rev().collect();
+        assert_eq!(asked, expected, "re-runs asked for out of order");
+        g
+    } else {
+        for (r, b) in &reruns {
+            rerun(r, b);
+        }
+        tape.backward(&loss).unwrap()
+    };
     let peak = dev.memory_stats().peak;
     let out = Run {
         loss: loss.to_scalar().unwrap(),
@@ -179,14 +205,16 @@ fn checkpointed_gradients_equal_plain_bit_for_bit_with_dropout() {
     for (a, b) in plain.param_grads.iter().zip(&ck.param_grads) {
         assert_eq!(bits(a), bits(b));
     }
-    let later = run(&bs, &x, Ckpt::RerunLater, true, ctx);
-    assert_eq!(plain.loss.to_bits(), later.loss.to_bits());
-    assert_eq!(
-        bits(plain.x_grad.as_ref().unwrap()),
-        bits(later.x_grad.as_ref().unwrap())
-    );
-    for (a, b) in plain.param_grads.iter().zip(&later.param_grads) {
-        assert_eq!(bits(a), bits(b));
+    for mode in [Ckpt::RerunLater, Ckpt::RerunLazily] {
+        let later = run(&bs, &x, mode, true, ctx);
+        assert_eq!(plain.loss.to_bits(), later.loss.to_bits());
+        assert_eq!(
+            bits(plain.x_grad.as_ref().unwrap()),
+            bits(later.x_grad.as_ref().unwrap())
+        );
+        for (a, b) in plain.param_grads.iter().zip(&later.param_grads) {
+            assert_eq!(bits(a), bits(b));
+        }
     }
     // dropout really dropped something, and another micro-batch drops something else
     let other = run(&bs, &x, false, true, ForwardCtx::train(42, 5, 3));

@@ -5,7 +5,7 @@
 use wgpipe_tensor::{Error, Result, Tensor};
 
 use super::grads::{Grads, WeightGrads};
-use super::walk::{flush_params, leaf_grads, run_nodes, Part};
+use super::walk::{flush_params, leaf_grads, run_nodes, Part, Supply};
 use super::{invalid, Node, Tape};
 use crate::param::Param;
 use crate::var::Var;
@@ -39,6 +39,17 @@ impl Tape {
     /// [`Tape::backward_with`] from several outputs at once, each seeded with its gradient (a
     /// pipeline stage's output and the skips it stashed); seeds of one var add up.
     pub fn backward_roots(&self, roots: &[(&Var, &Tensor)]) -> Result<Grads> {
+        self.backward_roots_rerunning(roots, &mut |_| Ok(()))
+    }
+
+    /// [`Tape::backward_roots`] where segments recorded by [`crate::checkpoint_rerun_later`]
+    /// get their re-run from `supply` when the walk reaches them (one segment's record alive
+    /// at a time), unless one was supplied before.
+    pub fn backward_roots_rerunning(
+        &self,
+        roots: &[(&Var, &Tensor)],
+        supply: Supply<'_>,
+    ) -> Result<Grads> {
         let Taken {
             nodes,
             leaves,
@@ -50,7 +61,14 @@ impl Tape {
         // (so they are not all held at once), in reverse creation order (the order a
         // checkpointed segment's recompute would accumulate them in, so both give bit-identical
         // sums).
-        run_nodes(nodes, &mut grads, &mut params, Part::Full, &mut Vec::new())?;
+        run_nodes(
+            nodes,
+            &mut grads,
+            &mut params,
+            Part::Full,
+            &mut Vec::new(),
+            supply,
+        )?;
         flush_params(&mut params, &mut grads, None)?;
         leaf_grads(tape_id, leaves, &mut grads)
     }
@@ -72,6 +90,16 @@ impl Tape {
 
     /// [`Tape::backward_split`] from several seeded outputs (see [`Tape::backward_roots`]).
     pub fn backward_split_roots(&self, roots: &[(&Var, &Tensor)]) -> Result<(Grads, WeightGrads)> {
+        self.backward_split_roots_rerunning(roots, &mut |_| Ok(()))
+    }
+
+    /// [`Tape::backward_split_roots`] with re-runs supplied as in
+    /// [`Tape::backward_roots_rerunning`] (checkpointed segments run in the input part).
+    pub fn backward_split_roots_rerunning(
+        &self,
+        roots: &[(&Var, &Tensor)],
+        supply: Supply<'_>,
+    ) -> Result<(Grads, WeightGrads)> {
         let Taken {
             nodes,
             leaves,
@@ -86,6 +114,7 @@ impl Tape {
             &mut Vec::new(),
             Part::Input,
             &mut deferred,
+            supply,
         )?;
         let leaves = leaf_grads(tape_id, leaves, &mut grads)?;
         // What is left are gradients of parameter-only vars the input part could not pass on:

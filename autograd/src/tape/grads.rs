@@ -48,12 +48,14 @@ impl WeightGrads {
             }
             nodes.push(node);
         }
+        // Segments re-run later run in the input part (their input depends on data).
         run_nodes(
             nodes,
             &mut grads,
             &mut params,
             Part::Weight,
             &mut Vec::new(),
+            &mut |_| Ok(()),
         )?;
         flush_params(&mut params, &mut grads, None)
     }

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use wgpipe_tensor::{DType, Error, Result, Tensor};
 
 pub use grads::{Grads, WeightGrads};
+pub use walk::Supply;
 
 use crate::param::Param;
 use crate::var::Var;
@@ -60,6 +61,9 @@ struct Node {
     /// `(input index, slot)`: before the backward runs, the gradient accumulated so far for that
     /// input moves into the slot; the backward returns the sum (see [`Var::from_op_carrying`]).
     carry: Option<(usize, CarrySlot)>,
+    /// A segment checkpointed by [`crate::checkpoint_rerun_later`]: the walk asks the caller's
+    /// supplier for its re-run just before this node's backward, where it is needed.
+    rerun: Option<Rc<crate::checkpoint::Rerun>>,
 }
 
 struct NodeInput {
@@ -201,6 +205,14 @@ impl Tape {
         v.cast_to(param.value_in(dtype)?)
     }
 
+    /// Marks the node recorded last as a segment whose re-run the caller supplies during the
+    /// backward (see [`crate::checkpoint_rerun_later`]).
+    pub(crate) fn attach_rerun(&self, rerun: Rc<crate::checkpoint::Rerun>) {
+        if let Some(node) = self.inner.borrow_mut().nodes.last_mut() {
+            node.rerun = Some(rerun);
+        }
+    }
+
     /// Records the result `value` of op `op` on `inputs` (all on this tape) with its backward.
     /// Nothing is recorded, and `backward` is dropped at once, when the tape does not record or
     /// no input wants a gradient (unless `force`, used by `checkpoint` whose segment may hold
@@ -274,6 +286,7 @@ impl Tape {
                 .collect(),
             backward,
             carry,
+            rerun: None,
         };
         self.inner.borrow_mut().nodes.push(node);
         Ok(out)

@@ -3,11 +3,13 @@
 //! their params as soon as they are final.
 
 use std::collections::HashMap;
+use std::rc::Rc;
 
 use wgpipe_tensor::{Error, Result, Tensor};
 
 use super::grads::Grads;
 use super::{invalid, CarrySlot, Node, NodeInput};
+use crate::checkpoint::Rerun;
 use crate::param::Param;
 
 /// The leaves' gradients (contiguous) after a walk.
@@ -46,6 +48,10 @@ pub(super) fn flush_params(
     Ok(())
 }
 
+/// Hands a checkpointed segment its re-run when the walk reaches it (see
+/// [`crate::checkpoint_rerun_later`]).
+pub type Supply<'a> = &'a mut dyn FnMut(&Rc<Rerun>) -> Result<()>;
+
 /// Which inputs a walk computes gradients for.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Part {
@@ -78,6 +84,7 @@ pub(super) fn run_nodes(
     params: &mut Vec<(usize, Param)>,
     part: Part,
     deferred: &mut Vec<(Node, Vec<Option<Tensor>>)>,
+    supply: Supply<'_>,
 ) -> Result<()> {
     while let Some(mut node) = nodes.pop() {
         flush_params(params, grads, Some(node.outputs.start))?;
@@ -103,6 +110,10 @@ pub(super) fn run_nodes(
         // the backward, which may have effects of its own (`checkpoint` accumulates the
         // gradients of its segment's parameters, even when its input wants none).
         let carried = take_carry(&node, &wants, grads);
+        if let Some(rerun) = node.rerun.as_ref().filter(|r| !r.is_supplied()) {
+            // A segment re-run only now: one segment's record alive at a time.
+            supply(rerun)?;
+        }
         let mut input_grads = if part != Part::Weight || wants.iter().any(|w| *w) {
             (node.backward)(&g, &wants)?
         } else {

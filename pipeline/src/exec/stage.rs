@@ -32,11 +32,18 @@ pub struct Stage {
 }
 
 /// A checkpointed run of a stage's layers recorded by a forward: what it needs to run again
-/// before the backward reaches it ([`Stage::rerun`]).
+/// when the backward reaches it ([`Stage::rerun`]).
 pub(crate) struct PendingRerun {
     rerun: Rc<Rerun>,
     layers: Range<usize>,
     ctx: ForwardCtx,
+}
+
+impl PendingRerun {
+    /// Whether this is the run whose tape node holds `rerun`.
+    pub(crate) fn is(&self, rerun: &Rc<Rerun>) -> bool {
+        Rc::ptr_eq(&self.rerun, rerun)
+    }
 }
 
 /// A parameter or buffer of a run of layers under its global name

@@ -6,12 +6,13 @@
 //! says, to the virtual stage (chunk) the action names.
 
 use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use wgpipe_autograd::{ForwardCtx, Tape, Var, WeightGrads};
+use wgpipe_autograd::{ForwardCtx, Rerun, Tape, Var, WeightGrads};
 use wgpipe_tensor::memory::{Tag, TagGuard};
 use wgpipe_tensor::{DType, Device, Tensor};
 
@@ -576,12 +577,6 @@ impl<'a> Worker<'a, '_> {
             .ok_or_else(|| internal(format!("no gradient for stage {s} micro-batch {m}")))?;
         let mut seed_finite = self.finite_in.remove(&(s, m, true)).unwrap_or(true);
         let stage = self.stage(s)?;
-        // The checkpointed runs of layers run again now, where the stage's layers are at hand
-        // (their tape nodes cannot hold them), so the whole stage's record is back for this
-        // backward, as after a Recompute.
-        for pending in reruns {
-            stage.rerun(pending, &mut self.pos.layer)?;
-        }
         // The gradients of the skips stashed here seed the backward beside the output's.
         let mut skip_seeds = Vec::with_capacity(skips_out.len());
         for (id, name) in &stage.skips.outgoing {
@@ -596,12 +591,26 @@ impl<'a> Worker<'a, '_> {
         let roots: Vec<(&Var, &Tensor)> = std::iter::once((&output, &seed))
             .chain(skips_out.iter().zip(&skip_seeds))
             .collect();
+        // Each checkpointed run of layers runs again when the backward reaches it, here where
+        // the stage's layers are at hand (its tape node cannot hold them): one run's record
+        // alive at a time.
+        let mut reruns = reruns;
+        let at = &mut self.pos.layer;
+        let mut supply = |r: &Rc<Rerun>| -> wgpipe_tensor::Result<()> {
+            let i = reruns.iter().position(|p| p.is(r)).ok_or_else(|| {
+                wgpipe_tensor::Error::Invalid {
+                    op: "checkpoint",
+                    msg: format!("stage {s}: a checkpointed run of layers was re-run twice"),
+                }
+            })?;
+            stage.rerun(reruns.swap_remove(i), at)
+        };
         let mut grads = if split {
-            let (grads, weights) = tape.backward_split_roots(&roots)?;
+            let (grads, weights) = tape.backward_split_roots_rerunning(&roots, &mut supply)?;
             self.stash.insert((s, m), Stash::Weights(weights));
             grads
         } else {
-            tape.backward_roots(&roots)?
+            tape.backward_roots_rerunning(&roots, &mut supply)?
         };
         for ((id, _), v) in stage.skips.incoming.iter().zip(&skips_in) {
             // A popped skip the stage did not use gets a zero gradient.

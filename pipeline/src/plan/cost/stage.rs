@@ -52,10 +52,10 @@ impl CostModel<'_> {
 
     /// One stage at micro-batch size `b`; `ck(i)` tells whether layer `i` is re-materialized
     /// inside it (the executor's `Stage::checkpointed` runs): such a run keeps only its output
-    /// (its input is the output the layer before keeps, or the stage's input), runs again
-    /// before the stage's backward (its forward added there), computes its weight gradients in
-    /// the input part of a split backward, and once run again holds what it would have held
-    /// without re-materialization.
+    /// (its input is the output the layer before keeps, or the stage's input), runs again when
+    /// the backward reaches it (its forward added to the backward), computes its weight
+    /// gradients in the input part of a split backward, and while its backward runs holds its
+    /// whole record beside what the layers before it keep.
     fn stage_at(
         &self,
         r: std::ops::Range<usize>,
@@ -70,12 +70,12 @@ impl CostModel<'_> {
             ..StageAt::default()
         };
         let mut prefix = 0.0;
-        // The stash as if nothing were re-materialized: what the backward holds after the
-        // runs ran again.
-        let mut full_prefix = 0.0;
-        // The runs' outputs of their first forward: held on the stage's tape beside their
-        // re-run's record during the backward.
-        let mut run_outputs = 0.0;
+        // The checkpointed run being walked: the stash before it, its layers' stashes (its
+        // record once run again) and, per layer, the peaks of its backward above that record
+        // (full, and input part: the same, its weight gradients come there).
+        let mut run_base = 0.0;
+        let mut run_stash = 0.0;
+        let mut run_layers: Vec<f64> = Vec::new();
         let mut in_bytes = 0.0;
         // Per layer: the peak of its input part, and what it keeps for the weight part.
         let mut input_parts = Vec::with_capacity(r.len());
@@ -100,65 +100,69 @@ impl CostModel<'_> {
             st.forward += forward;
             st.residue += l.forward_residue_bytes.at(b);
             st.accumulate += l.accumulate_flops;
-            full_prefix += l.stash_bytes.at(b);
-            let keep = if ck(i) {
-                // Run again, then its whole backward (a plain one, weight gradients included)
-                // in the input part.
+            st.no_grad_peak = st.no_grad_peak.max(in_bytes + l.no_grad_peak_bytes.at(b));
+            if ck(i) {
+                if i == r.start || !ck(i - 1) {
+                    run_base = prefix;
+                    run_stash = 0.0;
+                    run_layers.clear();
+                }
+                // Run again when the backward reaches the run, then its whole backward (a
+                // plain one, weight gradients included) in the input part.
                 st.backward += forward + backward;
                 st.backward_input += forward + backward;
                 st.accumulate_input += l.accumulate_flops;
-                if !ck(i + 1) || i + 1 == r.end {
-                    prefix += out; // the run's output, on the stage's tape
-                    run_outputs += out;
-                }
-                // Run again before the backward, with what the layers before it kept.
+                run_stash += l.stash_bytes.at(b);
+                // Run without recording: its input is live (kept by the layer before).
+                st.forward_peak = st.forward_peak.max(prefix + l.no_grad_peak_bytes.at(b));
+                // Run again: what the layers before it keep, its record so far.
                 st.backward_peak = st
                     .backward_peak
-                    .max(full_prefix + l.forward_extra_bytes.at(b));
-                // Run without recording: the layer's input is live (kept by the layer before).
-                st.forward_peak = st.forward_peak.max(prefix + l.no_grad_peak_bytes.at(b));
-                0.0
+                    .max(run_base + run_stash + l.forward_extra_bytes.at(b));
+                run_layers.push(out + l.backward_extra_bytes.at(b));
+                if i + 1 == r.end || !ck(i + 1) {
+                    // The run's record is alive during its backward, beside its first output
+                    // (on the stage's tape); the runs after it are gone by then, those before
+                    // it still keep only their outputs.
+                    let held = run_base + run_stash + out;
+                    for &above in &run_layers {
+                        st.backward_peak = st.backward_peak.max(held + above);
+                        input_parts.push((held + above, 0.0));
+                    }
+                    prefix += out;
+                }
             } else {
                 st.backward += backward;
                 st.backward_input += backward_input;
                 st.backward_weight += l.backward_weight_flops.at(b);
                 prefix += l.stash_bytes.at(b);
                 st.forward_peak = st.forward_peak.max(prefix + l.forward_extra_bytes.at(b));
+                st.backward_peak = st
+                    .backward_peak
+                    .max(prefix + out + l.backward_extra_bytes.at(b));
                 // A layer's weight part may need its input, which inside a stage is the
                 // output of the layer before (not in that layer's own measured keep); the
                 // stage's input is held until the weight part anyway.
-                l.weight_keep_bytes.at(b)
+                let keep = l.weight_keep_bytes.at(b)
                     + if i > r.start && l.param_bytes > 0 {
                         in_bytes
                     } else {
                         0.0
-                    }
-            };
-            st.no_grad_peak = st.no_grad_peak.max(in_bytes + l.no_grad_peak_bytes.at(b));
-            st.backward_peak = st
-                .backward_peak
-                .max(full_prefix + out + l.backward_extra_bytes.at(b));
-            st.keep += keep;
-            // A re-run layer's whole backward (its weight gradients too) runs in the input part.
-            let extra = if ck(i) {
-                l.backward_extra_bytes.at(b)
-            } else {
+                    };
+                st.keep += keep;
                 st.backward_weight_peak += l.backward_weight_extra_bytes.at(b);
-                l.backward_input_extra_bytes.at(b)
-            };
-            input_parts.push((full_prefix + out + extra, keep));
+                input_parts.push((prefix + out + l.backward_input_extra_bytes.at(b), keep));
+            }
             in_bytes = out;
             st.output = out;
         }
         st.stash = prefix;
-        st.backward_peak += run_outputs;
         // The input parts run from the last layer back; what the later layers kept is alive.
         let mut kept_after = 0.0;
         for &(peak, keep) in input_parts.iter().rev() {
             st.backward_input_peak = st.backward_input_peak.max(peak + kept_after);
             kept_after += keep;
         }
-        st.backward_input_peak += run_outputs;
         if last {
             st.loss = p.loss.flops.at(b);
             st.loss_peak = p.loss.peak_bytes.at(b);
