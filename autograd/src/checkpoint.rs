@@ -1,10 +1,10 @@
 //! Re-materialization: run a segment without keeping its activations, re-run it in backward.
 
-use std::cell::RefCell;
 use std::rc::Rc;
 
 use wgpipe_tensor::{Result, Tensor};
 
+pub use crate::tape::Rerun;
 use crate::tape::{BackwardFn, Tape};
 use crate::var::Var;
 
@@ -65,39 +65,6 @@ fn through_rerun(
     Ok(vec![if wants { grads.take(input) } else { None }])
 }
 
-/// A segment recorded by [`checkpoint_rerun_later`]: what its re-run needs (the input's value)
-/// and the slot the re-run's tape goes in before the backward reaches the segment.
-pub struct Rerun {
-    input: Tensor,
-    input_wants_grad: bool,
-    slot: RefCell<Option<(Tape, Var, Var)>>,
-}
-
-impl Rerun {
-    /// The segment's input value, to re-run it from.
-    pub fn input(&self) -> &Tensor {
-        &self.input
-    }
-
-    /// Whether the segment's input wants a gradient: the re-run starts from a leaf then, from
-    /// a constant otherwise (so its backward does not compute an input gradient nobody uses).
-    pub fn input_wants_grad(&self) -> bool {
-        self.input_wants_grad
-    }
-
-    /// Hands over the re-run: `tape` (a [`Tape::recompute`] tape), the var on it holding
-    /// [`Rerun::input`] (a leaf or a constant, as [`Rerun::input_wants_grad`] says), and the
-    /// segment's output recorded from it.
-    pub fn supply(&self, tape: Tape, leaf: Var, output: Var) {
-        *self.slot.borrow_mut() = Some((tape, leaf, output));
-    }
-
-    /// Whether the re-run was supplied and not yet used by the backward.
-    pub fn is_supplied(&self) -> bool {
-        self.slot.borrow().is_some()
-    }
-}
-
 /// [`checkpoint`] for a segment that the caller runs itself: `y` is the value the segment gave
 /// for `x` (computed without recording), and the recorded node's backward back-propagates
 /// through the re-run the caller hands to the returned [`Rerun`]: before the backward, or when
@@ -113,15 +80,11 @@ pub fn checkpoint_rerun_later(x: &Var, y: Tensor) -> Result<(Var, Option<Rc<Reru
     if !tape.is_recording() {
         return Ok((tape.constant(y), None));
     }
-    let rerun = Rc::new(Rerun {
-        input: x.value().clone(),
-        input_wants_grad: x.requires_grad(),
-        slot: RefCell::new(None),
-    });
+    let rerun = Rc::new(Rerun::new(x.value().clone(), x.requires_grad()));
     let y_shape = y.shape().to_vec();
     let held = rerun.clone();
     let backward: BackwardFn = Box::new(move |g, wants| {
-        let Some((re, leaf, out)) = held.slot.borrow_mut().take() else {
+        let Some((re, leaf, out)) = held.take() else {
             return Err(crate::tape::invalid(
                 "checkpoint",
                 "the backward reached a checkpointed segment whose re-run was not supplied"

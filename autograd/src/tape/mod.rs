@@ -9,6 +9,7 @@
 
 mod backward;
 mod grads;
+mod rerun;
 mod walk;
 
 use std::cell::RefCell;
@@ -19,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use wgpipe_tensor::{DType, Error, Result, Tensor};
 
 pub use grads::{Grads, WeightGrads};
+pub use rerun::Rerun;
 pub use walk::Supply;
 
 use crate::param::Param;
@@ -63,7 +65,7 @@ struct Node {
     carry: Option<(usize, CarrySlot)>,
     /// A segment checkpointed by [`crate::checkpoint_rerun_later`]: the walk asks the caller's
     /// supplier for its re-run just before this node's backward, where it is needed.
-    rerun: Option<Rc<crate::checkpoint::Rerun>>,
+    rerun: Option<Rc<Rerun>>,
 }
 
 struct NodeInput {
@@ -207,7 +209,7 @@ impl Tape {
 
     /// Marks the node recorded last as a segment whose re-run the caller supplies during the
     /// backward (see [`crate::checkpoint_rerun_later`]).
-    pub(crate) fn attach_rerun(&self, rerun: Rc<crate::checkpoint::Rerun>) {
+    pub(crate) fn attach_rerun(&self, rerun: Rc<Rerun>) {
         if let Some(node) = self.inner.borrow_mut().nodes.last_mut() {
             node.rerun = Some(rerun);
         }

@@ -8,8 +8,7 @@ use std::rc::Rc;
 use wgpipe_tensor::{Error, Result, Tensor};
 
 use super::grads::Grads;
-use super::{invalid, CarrySlot, Node, NodeInput};
-use crate::checkpoint::Rerun;
+use super::{invalid, CarrySlot, Node, NodeInput, Rerun};
 use crate::param::Param;
 
 /// The leaves' gradients (contiguous) after a walk.
