@@ -545,20 +545,20 @@ impl Search<'_, '_> {
             Some((tried, tried_costs, peaks))
         };
         // Fewest layers that fit: more checkpointed layers keep less, so bisect.
+        // `fitting` is the trial of `hi` layers, the fewest known to fit.
         let (mut lo, mut hi) = (1, order.len());
-        trial(hi)?;
+        let mut fitting = trial(hi)?;
         while lo < hi {
             let mid = (lo + hi) / 2;
-            if trial(mid).is_some() {
-                hi = mid;
-            } else {
-                lo = mid + 1;
+            match trial(mid) {
+                Some(t) => (hi, fitting) = (mid, t),
+                None => lo = mid + 1,
             }
         }
-        if costs[0].layer_recompute(model, &order[..lo]) >= budget {
+        if costs[0].layer_recompute(model, &order[..hi]) >= budget {
             return None;
         }
-        let (tried, tried_costs, peaks) = trial(lo)?;
+        let (tried, tried_costs, peaks) = fitting;
         *c = tried;
         costs.clone_from_slice(&tried_costs);
         Some(peaks)
