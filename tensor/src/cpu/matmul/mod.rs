@@ -1,7 +1,13 @@
-//! Batched matmul through the `gemm` crate (AVX-512 / AVX2 / NEON kernels picked at run time).
-//! Operands are read in place through their strides, so transposed and batch-broadcast operands
-//! cost no copy, but for the column-major right operand of a big product (see
-//! `matmul_by_panels`).
+//! Batched matmul: on CPUs with AVX2 and FMA but no AVX-512 through this crate's own blocked
+//! product (`blocked`), elsewhere through the `gemm` crate (AVX-512 / NEON kernels picked at run
+//! time). Operands are read in place through their strides, so transposed and batch-broadcast
+//! operands cost no copy, but for the column-major right operand of a big product in `gemm`
+//! (see `matmul_by_panels`).
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod blocked;
 
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -43,7 +49,12 @@ pub(crate) fn matmul(
     // gemm packs a column-major right operand (e.g. the `w.t()` of a Linear layer) element by
     // element: measured on AVX-512 with 256 x 1024 x 1024, about 117 GFLOP/s against 218 with a
     // row-major one. Big single products copy it to row-major first, a panel at a time.
-    if batch == 1
+    #[cfg(target_arch = "x86_64")]
+    let own = blocked::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    let own = false;
+    if !own
+        && batch == 1
         && macs >= B_COPY_MACS
         && lb.row_stride == 1
         && lb.col_stride >= k
@@ -53,9 +64,39 @@ pub(crate) fn matmul(
         matmul_by_panels(out, a, la, b, lb, d);
         return;
     }
-    let one = |bi: usize, o: &mut [f32], par: Parallelism| {
+    let one = |bi: usize, o: &mut [f32], threads: usize| {
         let pa = &a[la.matrix_offset(bi)..];
         let pb = &b[lb.matrix_offset(bi)..];
+        #[cfg(target_arch = "x86_64")]
+        if own {
+            let operand = |p: &[f32], l: MatLayout| blocked::Strided {
+                ptr: p.as_ptr(),
+                rs: l.row_stride,
+                cs: l.col_stride,
+            };
+            // SAFETY: `available` was checked; `check_bounds` showed both operands lie inside
+            // their slices; `o` is this product's own `m * n` values, row stride `n`.
+            unsafe {
+                blocked::gemm(
+                    m,
+                    n,
+                    k,
+                    operand(pa, la),
+                    operand(pb, lb),
+                    blocked::Out {
+                        ptr: o.as_mut_ptr(),
+                        ldc: n,
+                    },
+                    threads,
+                );
+            }
+            return;
+        }
+        let par = if threads > 1 {
+            Parallelism::Rayon(0)
+        } else {
+            Parallelism::None
+        };
         // SAFETY: `check_bounds` showed every element (i, j) of both operands lies inside its
         // slice; `o` is exactly `m * n` elements, written row-major (row stride n, col stride 1);
         // `read_dst = false`, so its old contents are ignored.
@@ -85,23 +126,18 @@ pub(crate) fn matmul(
     };
     let threads = super::par::kernel_threads();
     if macs >= GEMM_PAR_MACS && (batch < threads || macs >= 4 * GEMM_PAR_MACS) {
-        // Big products: one after another, each spread over every core by gemm.
-        let par = if threads > 1 {
-            Parallelism::Rayon(0)
-        } else {
-            Parallelism::None
-        };
+        // Big products: one after another, each spread over every core.
         for (bi, o) in out.chunks_mut(mn).enumerate() {
-            one(bi, o, par);
+            one(bi, o, threads);
         }
     } else if threads > 1 && batch > 1 && batch * macs >= 32 * 1024 {
         // Many small products: one per task (one thread runs them in the loop below).
         out.par_chunks_mut(mn)
             .enumerate()
-            .for_each(|(bi, o)| one(bi, o, Parallelism::None));
+            .for_each(|(bi, o)| one(bi, o, 1));
     } else {
         for (bi, o) in out.chunks_mut(mn).enumerate() {
-            one(bi, o, Parallelism::None);
+            one(bi, o, 1);
         }
     }
 }

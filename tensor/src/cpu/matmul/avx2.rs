@@ -1,0 +1,165 @@
+//! The AVX2 + FMA micro-kernel of [`super::blocked`]: a 6 x 16 tile of `C` kept in twelve
+//! 8-lane registers through the whole `kc` loop (BLIS's shape for Haswell and Zen: twelve
+//! accumulators, two registers of `B`, one broadcast of `A`, 15 of the 16 registers), and the
+//! packing loops that transpose in registers. x86-64 only (the module is).
+
+use std::arch::x86_64::*;
+
+/// Rows of the tile.
+pub(crate) const MR: usize = 6;
+/// Columns of the tile (two 8-lane registers).
+pub(crate) const NR: usize = 16;
+
+/// `C[0..6][0..16] (+)= A_panel · B_panel` over `kc` steps.
+///
+/// `a` is a packed panel of `A`: `kc` groups of [`MR`] values (column `p` of six rows); `b` a
+/// packed panel of `B`: `kc` groups of [`NR`] values (row `p` of sixteen columns), 32-byte
+/// aligned. Row `i` of the tile is at `c + i * ldc`. With `accumulate` false the tile is
+/// overwritten, else added to.
+///
+/// # Safety
+/// AVX2 and FMA must be present; `a` must hold `kc * MR` values, `b` `kc * NR` from a 32-byte
+/// boundary, and `c` six rows of sixteen writable values `ldc` apart.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn kernel_6x16(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    // The tile's rows are far apart (a row of C each) and were last touched a whole block of
+    // `A` ago: fetched now, they arrive while the loop runs instead of stalling the stores.
+    for i in 0..MR {
+        _mm_prefetch::<_MM_HINT_T0>(c.add(i * ldc) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(c.add(i * ldc + NR - 1) as *const i8);
+    }
+    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+    let (mut a, mut b) = (a, b);
+    for _ in 0..kc {
+        // The panel of A streams from L2: asked for eight steps ahead.
+        _mm_prefetch::<_MM_HINT_T0>(a.add(8 * MR) as *const i8);
+        let b0 = _mm256_load_ps(b);
+        let b1 = _mm256_load_ps(b.add(8));
+        for (i, row) in acc.iter_mut().enumerate() {
+            let ai = _mm256_broadcast_ss(&*a.add(i));
+            row[0] = _mm256_fmadd_ps(ai, b0, row[0]);
+            row[1] = _mm256_fmadd_ps(ai, b1, row[1]);
+        }
+        a = a.add(MR);
+        b = b.add(NR);
+    }
+    for (i, row) in acc.iter().enumerate() {
+        let ci = c.add(i * ldc);
+        let (mut lo, mut hi) = (row[0], row[1]);
+        if accumulate {
+            lo = _mm256_add_ps(lo, _mm256_loadu_ps(ci));
+            hi = _mm256_add_ps(hi, _mm256_loadu_ps(ci.add(8)));
+        }
+        _mm256_storeu_ps(ci, lo);
+        _mm256_storeu_ps(ci.add(8), hi);
+    }
+}
+
+/// `out[c] = [rows[0][c], .., rows[7][c]]`: an 8 x 8 block transposed in registers.
+#[inline(always)]
+unsafe fn transpose_8x8(r: [__m256; 8]) -> [__m256; 8] {
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(s0, s4),
+        _mm256_permute2f128_ps::<0x20>(s1, s5),
+        _mm256_permute2f128_ps::<0x20>(s2, s6),
+        _mm256_permute2f128_ps::<0x20>(s3, s7),
+        _mm256_permute2f128_ps::<0x31>(s0, s4),
+        _mm256_permute2f128_ps::<0x31>(s1, s5),
+        _mm256_permute2f128_ps::<0x31>(s2, s6),
+        _mm256_permute2f128_ps::<0x31>(s3, s7),
+    ]
+}
+
+/// Packs one panel of `A` from rows whose values are contiguous (`a` at row 0, column 0 of the
+/// block, rows `lda` apart): `dst[p * MR + r] = a[r * lda + p]` for `p < kc`, `r < rows`
+/// (at most [`MR`]), zero for the rows past `rows`. Eight columns at a time through an 8 x 8
+/// transpose, each column's eight lanes stored where its six belong (the two extra are
+/// overwritten by the next column's store, so `dst` needs two values of room past the panel).
+///
+/// # Safety
+/// AVX2 must be present; `rows` rows of `kc` values must be readable; `dst` must hold
+/// `kc * MR + 2` values.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn pack_a_rows(dst: *mut f32, a: *const f32, lda: usize, rows: usize, kc: usize) {
+    let zero = _mm256_setzero_ps();
+    let full = kc / 8 * 8;
+    for p0 in (0..full).step_by(8) {
+        let mut r = [zero; 8];
+        for (i, v) in r.iter_mut().enumerate().take(rows) {
+            *v = _mm256_loadu_ps(a.add(i * lda + p0));
+        }
+        for (p, col) in transpose_8x8(r).iter().enumerate() {
+            _mm256_storeu_ps(dst.add((p0 + p) * MR), *col);
+        }
+    }
+    for p in full..kc {
+        for i in 0..MR {
+            *dst.add(p * MR + i) = if i < rows { *a.add(i * lda + p) } else { 0.0 };
+        }
+    }
+}
+
+/// Packs one panel of `B` from columns whose values are contiguous (`b` at row 0, column 0 of
+/// the block, columns `ldb` apart; a transposed weight): `dst[p * NR + c] = b[c * ldb + p]` for
+/// `p < kc`, `c < cols` (at most [`NR`]), zero for the columns past `cols`. Eight rows by eight
+/// columns at a time through an 8 x 8 transpose.
+///
+/// # Safety
+/// AVX2 must be present; `cols` columns of `kc` values must be readable; `dst` must hold
+/// `kc * NR` values.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn pack_b_columns(
+    dst: *mut f32,
+    b: *const f32,
+    ldb: usize,
+    cols: usize,
+    kc: usize,
+) {
+    let zero = _mm256_setzero_ps();
+    let full = kc / 8 * 8;
+    for half in 0..2 {
+        let c0 = half * 8;
+        let here = cols.saturating_sub(c0).min(8);
+        for p0 in (0..full).step_by(8) {
+            let mut r = [zero; 8];
+            for (c, v) in r.iter_mut().enumerate().take(here) {
+                *v = _mm256_loadu_ps(b.add((c0 + c) * ldb + p0));
+            }
+            for (p, row) in transpose_8x8(r).iter().enumerate() {
+                _mm256_storeu_ps(dst.add((p0 + p) * NR + c0), *row);
+            }
+        }
+        for p in full..kc {
+            for c in 0..8 {
+                *dst.add(p * NR + c0 + c) = if c < here {
+                    *b.add((c0 + c) * ldb + p)
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+}

@@ -1,0 +1,592 @@
+//! A blocked f32 product `C = A · B` (Goto's and BLIS's loops: `B` packed a `KC x NC` block at
+//! a time into 16-column panels, `A` an `MC x KC` block at a time into 6-row panels, a 6 x 16
+//! micro-kernel over each pair), run on CPUs with AVX2 and FMA but no AVX-512. Beside the `gemm`
+//! crate's AVX2 path, alternating on a 2-core Zen 3 (`bench_against_the_gemm_crate` below):
+//! square products about equal (both ~90% of a core's FMA peak on one thread), products with a
+//! transposed operand, which this packs through 8 x 8 register transposes, up to 1.2x ahead
+//! (a decoder block's Q/K/V 150 against 125 GFLOP/s on two threads), and the threads share a
+//! product out with one fork and join.
+//!
+//! Operands are read through any strides while they are packed, so transposed views cost no
+//! copy. Every element of `C` sums its `k` products in the same order whatever the threads, the
+//! blocking of `m` and `n` or the batch: results do not depend on how the work is shared out.
+
+use std::cell::Cell;
+
+use rayon::prelude::*;
+
+use super::avx2::{MR, NR};
+
+/// Depth of a packed block: a `KC x NR` panel of `B` (16 KiB) stays in L1 while the micro-kernel
+/// runs down a block of `A`.
+const KC: usize = 256;
+/// Rows of a packed block of `A` at most (`MC x KC` = 144 KiB, in L2).
+const MC: usize = 144;
+/// Columns of a packed block of `B` at most (`KC x NC` = 3 MiB, in L3).
+const NC: usize = 3072;
+
+/// An operand read through its strides: element `(i, j)` is at `ptr + i * rs + j * cs`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Strided {
+    pub ptr: *const f32,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+// SAFETY: the operands are only read, while `gemm` runs (its caller keeps them alive).
+unsafe impl Send for Strided {}
+unsafe impl Sync for Strided {}
+
+impl Strided {
+    /// The operand whose element `(0, 0)` is this one's `(i, j)`.
+    ///
+    /// # Safety
+    /// `(i, j)` must be inside the operand.
+    unsafe fn from(self, i: usize, j: usize) -> Strided {
+        Strided {
+            ptr: self.ptr.add(i * self.rs + j * self.cs),
+            ..self
+        }
+    }
+}
+
+/// The row-major output: element `(i, j)` at `ptr + i * ldc + j`, written by parts that each own
+/// a different set of its tiles.
+#[derive(Clone, Copy)]
+pub(crate) struct Out {
+    pub ptr: *mut f32,
+    pub ldc: usize,
+}
+
+// SAFETY: parts write disjoint tiles (see `gemm`).
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+impl Out {
+    /// The output whose element `(0, 0)` is this one's `(i, j)`.
+    ///
+    /// # Safety
+    /// `(i, j)` must be inside the output.
+    unsafe fn from(self, i: usize, j: usize) -> Out {
+        Out {
+            ptr: self.ptr.add(i * self.ldc + j),
+            ..self
+        }
+    }
+}
+
+/// Whether matmul should run [`gemm`] here: AVX2 and FMA without AVX-512 (with AVX-512 the
+/// `gemm` crate's 16-lane kernels run), unless `WGPIPE_CPU_MATMUL=gemm-crate` asks for the
+/// `gemm` crate everywhere (to compare the two on one machine).
+pub(crate) fn available() -> bool {
+    static CRATE_ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let crate_asked = *CRATE_ASKED
+        .get_or_init(|| std::env::var("WGPIPE_CPU_MATMUL").is_ok_and(|v| v == "gemm-crate"));
+    !crate_asked && super::super::simd::has_avx2() && !super::super::simd::has_avx512()
+}
+
+/// Whether [`gemm`] can run here at all: the CPU has AVX2 and FMA (whatever build level tests
+/// cap the other kernels' dispatch to meanwhile).
+pub(crate) fn supported() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
+/// `C = A · B` for `m x k` `A`, `k x n` `B` and row-major `C`, over up to
+/// `threads` rayon threads. `k` must be at least 1.
+///
+/// Threads share the product out as whole sub-products (ranges of columns, and of rows where
+/// the columns are few), each packing its own operands: one fork and join per product. Sharing
+/// one packed block of `B` instead (BLIS's way) needs two joins per `KC` step: a first version
+/// that did ran a 256 x 1024 x 1024 product at 95 GFLOP/s on two threads against the `gemm`
+/// crate's 105; with one join, 101 against 93 in the same sitting.
+///
+/// # Safety
+/// [`supported`] must be true; every element `(i, p)` of `A` for `i < m, p < k`, and `(p, j)`
+/// of `B` for `j < n`, must be readable; `C`'s `m` rows of `n` values must be writable and not
+/// read or written by anyone else meanwhile.
+pub(crate) unsafe fn gemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Strided,
+    b: Strided,
+    out: Out,
+    threads: usize,
+) {
+    assert!(k > 0 && supported());
+    let (row_parts, col_parts) = grid(m, n, threads);
+    if row_parts * col_parts == 1 {
+        serial(m, n, k, a, b, out);
+        return;
+    }
+    // Part boundaries on whole tiles, so that every part's tiles are full where the product's
+    // are.
+    let rows = m.div_ceil(row_parts).next_multiple_of(MR);
+    let cols = n.div_ceil(col_parts).next_multiple_of(NR);
+    let row_parts = m.div_ceil(rows);
+    let col_parts = n.div_ceil(cols);
+    (0..row_parts * col_parts).into_par_iter().for_each(|t| {
+        let (i0, j0) = ((t / col_parts) * rows, (t % col_parts) * cols);
+        let (sub_a, sub_b, sub_c) = (a.from(i0, 0), b.from(0, j0), out.from(i0, j0));
+        serial(rows.min(m - i0), cols.min(n - j0), k, sub_a, sub_b, sub_c);
+    });
+}
+
+/// How many ranges of rows and of columns the threads share out: columns first (each part
+/// packs all of `A` for its columns, a cost that stays small while parts are at least
+/// [`MIN_PART`] wide), then rows; up to four parts per thread, so that a thread slowed by
+/// another process does not hold the others up.
+fn grid(m: usize, n: usize, threads: usize) -> (usize, usize) {
+    if threads <= 1 {
+        return (1, 1);
+    }
+    let want = 4 * threads;
+    let col_parts = (n / MIN_PART).clamp(1, want);
+    let row_parts = want.div_ceil(col_parts).min(m / MIN_PART).max(1);
+    if row_parts * col_parts >= threads {
+        return (row_parts, col_parts);
+    }
+    // A mid-sized product: still one part per thread, down to parts of 64 (packing then costs
+    // more per multiply, but an idle thread costs more still).
+    let col_parts = threads.min(n / 64).max(1);
+    let row_parts = threads.div_ceil(col_parts).min(m / 64).max(1);
+    (row_parts, col_parts)
+}
+
+/// The narrowest range of rows or columns a thread takes on its own: it packs the other
+/// operand's whole `k` for it, about `16 / MIN_PART` of its multiply time per packed value.
+const MIN_PART: usize = 256;
+
+/// [`gemm`] on the calling thread.
+///
+/// # Safety
+/// As [`gemm`]'s.
+unsafe fn serial(m: usize, n: usize, k: usize, a: Strided, b: Strided, out: Out) {
+    // Blocks of `A` of equal height (a multiple of MR).
+    let blocks_m = m.div_ceil(MC);
+    let mc = m.div_ceil(blocks_m).next_multiple_of(MR);
+    for jc in (0..n).step_by(NC) {
+        let nc = NC.min(n - jc);
+        let panels = nc.div_ceil(NR);
+        for pc in (0..k).step_by(KC) {
+            let kc = KC.min(k - pc);
+            with_buffer(&B_PACK, panels * kc * NR, |bp| {
+                for (jp, dst) in bp.chunks_exact_mut(kc * NR).enumerate() {
+                    let j = jc + jp * NR;
+                    pack_b(dst, b, pc, j, kc, NR.min(n - j));
+                }
+                for i0 in (0..m).step_by(mc) {
+                    let rows = mc.min(m - i0);
+                    with_buffer(&A_PACK, rows.div_ceil(MR) * kc * MR + 2, |ap| {
+                        pack_a(ap, a, i0, rows, pc, kc);
+                        let block = Block {
+                            ap,
+                            bp,
+                            kc,
+                            accumulate: pc > 0,
+                        };
+                        for jp in 0..panels {
+                            let j = jc + jp * NR;
+                            block.row_of_tiles(out, i0, rows, jp, j, NR.min(n - j));
+                        }
+                    });
+                }
+            });
+        }
+    }
+}
+
+/// The packed blocks of one `kc` step.
+struct Block<'a> {
+    ap: &'a [f32],
+    bp: &'a [f32],
+    kc: usize,
+    accumulate: bool,
+}
+
+impl Block<'_> {
+    /// The tiles of panel `jp` of `B` (columns `j..j + cols` of `C`) with every panel of the
+    /// packed block of `A` (rows `i0..i0 + rows`).
+    ///
+    /// # Safety
+    /// As [`gemm`]'s: the tiles are inside `C` and this task's own.
+    unsafe fn row_of_tiles(
+        &self,
+        out: Out,
+        i0: usize,
+        rows: usize,
+        jp: usize,
+        j: usize,
+        cols: usize,
+    ) {
+        let kc = self.kc;
+        let b = self.bp[jp * kc * NR..].as_ptr();
+        for ip in 0..rows.div_ceil(MR) {
+            let a = self.ap[ip * kc * MR..].as_ptr();
+            let i = i0 + ip * MR;
+            let h = MR.min(rows - ip * MR);
+            let c = out.ptr.add(i * out.ldc + j);
+            if h == MR && cols == NR {
+                super::avx2::kernel_6x16(kc, a, b, c, out.ldc, self.accumulate);
+            } else {
+                // An edge tile: the full tile into a scratch one, then its valid part (added in
+                // the same order as the kernel adds).
+                let mut tile = Tile([0.0; MR * NR]);
+                super::avx2::kernel_6x16(kc, a, b, tile.0.as_mut_ptr(), NR, false);
+                for r in 0..h {
+                    let dst = std::slice::from_raw_parts_mut(c.add(r * out.ldc), cols);
+                    let src = &tile.0[r * NR..r * NR + cols];
+                    if self.accumulate {
+                        dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+                    } else {
+                        dst.copy_from_slice(src);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A scratch tile, aligned as the kernel's stores like.
+#[repr(align(32))]
+struct Tile([f32; MR * NR]);
+
+/// Packs rows `i0..i0 + rows`, columns `pc..pc + kc` of `A` into 6-row panels: panel `ip` holds
+/// `kc` groups of six values (column `p` of its rows), rows past the block zero.
+///
+/// # Safety
+/// The block must be inside `A`.
+unsafe fn pack_a(dst: &mut [f32], a: Strided, i0: usize, rows: usize, pc: usize, kc: usize) {
+    // A row-major block packs through transposes, which store two values past each panel:
+    // `dst` has them (see `serial`), and the next panel overwrites them.
+    assert!(dst.len() >= rows.div_ceil(MR) * kc * MR + 2);
+    for ip in 0..rows.div_ceil(MR) {
+        let panel = &mut dst[ip * kc * MR..];
+        let h = MR.min(rows - ip * MR);
+        let base = a.ptr.add((i0 + ip * MR) * a.rs + pc * a.cs);
+        if a.cs == 1 {
+            super::avx2::pack_a_rows(panel.as_mut_ptr(), base, a.rs, h, kc);
+        } else if a.rs == 1 && h == MR {
+            // Column-major (a transposed view): six neighbouring values per column.
+            for (p, group) in panel[..kc * MR].chunks_exact_mut(MR).enumerate() {
+                group.copy_from_slice(std::slice::from_raw_parts(base.add(p * a.cs), MR));
+            }
+        } else {
+            for (p, group) in panel[..kc * MR].chunks_exact_mut(MR).enumerate() {
+                let col = base.add(p * a.cs);
+                for (r, v) in group.iter_mut().enumerate() {
+                    *v = if r < h { *col.add(r * a.rs) } else { 0.0 };
+                }
+            }
+        }
+    }
+}
+
+/// Packs rows `pc..pc + kc`, columns `j..j + cols` of `B` into one panel: `kc` groups of sixteen
+/// values (row `p` of the columns), columns past `cols` zero.
+///
+/// # Safety
+/// The block must be inside `B`.
+unsafe fn pack_b(dst: &mut [f32], b: Strided, pc: usize, j: usize, kc: usize, cols: usize) {
+    assert!(dst.len() >= kc * NR);
+    let base = b.ptr.add(pc * b.rs + j * b.cs);
+    if b.cs == 1 {
+        for (p, group) in dst.chunks_exact_mut(NR).enumerate() {
+            let row = std::slice::from_raw_parts(base.add(p * b.rs), cols);
+            group[..cols].copy_from_slice(row);
+            group[cols..].fill(0.0);
+        }
+    } else if b.rs == 1 {
+        // Column-major (a transposed weight): each column read along `k`.
+        super::avx2::pack_b_columns(dst.as_mut_ptr(), base, b.cs, cols, kc);
+    } else {
+        for (p, group) in dst[..kc * NR].chunks_exact_mut(NR).enumerate() {
+            for (c, v) in group.iter_mut().enumerate() {
+                *v = if c < cols {
+                    *base.add(p * b.rs + c * b.cs)
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// This thread's packing buffers, kept between products.
+    static A_PACK: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    static B_PACK: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
+/// Runs `f` on `len` values of a buffer taken from `cell` (aligned to 64 bytes; contents stale)
+/// and puts it back. Taken, not borrowed: a thread waiting inside `f` for rayon may run another
+/// product's task, which then finds the cell empty and makes its own buffer.
+fn with_buffer<R>(
+    cell: &'static std::thread::LocalKey<Cell<Vec<f32>>>,
+    len: usize,
+    f: impl FnOnce(&mut [f32]) -> R,
+) -> R {
+    const ALIGN: usize = 16; // values: 64 bytes
+    let mut buf = cell.with(Cell::take);
+    if buf.len() < len + ALIGN {
+        buf = vec![0.0; len + ALIGN];
+    }
+    let skip = buf.as_ptr().align_offset(64).min(ALIGN);
+    let r = f(&mut buf[skip..skip + len]);
+    cell.with(|c| c.set(buf));
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `A · B` summed in f64 straight from the strides.
+    fn naive(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &[f32],
+        la: (usize, usize),
+        b: &[f32],
+        lb: (usize, usize),
+    ) -> Vec<f32> {
+        let mut c = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let s: f64 = (0..k)
+                    .map(|p| a[i * la.0 + p * la.1] as f64 * b[p * lb.0 + j * lb.1] as f64)
+                    .sum();
+                c[i * n + j] = s as f32;
+            }
+        }
+        c
+    }
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2654435761).wrapping_add(12345);
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x as f32 / u32::MAX as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Strides of a `rows x cols` operand: row-major, column-major, or every other value of a
+    /// row-major matrix twice as wide (neither stride 1).
+    fn strides(kind: usize, rows: usize, cols: usize) -> ((usize, usize), usize) {
+        match kind {
+            0 => ((cols, 1), rows * cols),
+            1 => ((1, rows), rows * cols),
+            _ => ((2 * cols, 2), 2 * rows * cols),
+        }
+    }
+
+    fn run(
+        m: usize,
+        n: usize,
+        k: usize,
+        ka: usize,
+        kb: usize,
+        threads: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (la, a_len) = strides(ka, m, k);
+        let (lb, b_len) = strides(kb, k, n);
+        let a = values(a_len, 1 + m as u32);
+        let b = values(b_len, 2 + n as u32);
+        // A row stride wider than n: the tiles must not write between rows.
+        let ldc = n + 3;
+        let mut c = vec![f32::NAN; m * ldc];
+        let sa = Strided {
+            ptr: a.as_ptr(),
+            rs: la.0,
+            cs: la.1,
+        };
+        let sb = Strided {
+            ptr: b.as_ptr(),
+            rs: lb.0,
+            cs: lb.1,
+        };
+        // SAFETY: the operands hold exactly the strided extents; `c` m rows of ldc values.
+        unsafe {
+            gemm(
+                m,
+                n,
+                k,
+                sa,
+                sb,
+                Out {
+                    ptr: c.as_mut_ptr(),
+                    ldc,
+                },
+                threads,
+            )
+        };
+        for row in c.chunks(ldc) {
+            assert!(
+                row[n..].iter().all(|v| v.is_nan()),
+                "a value past column {n} was written"
+            );
+        }
+        let got = c.chunks(ldc).flat_map(|r| r[..n].to_vec()).collect();
+        (got, naive(m, n, k, &a, la, &b, lb))
+    }
+
+    /// Against the f64 product, over shapes that leave edge tiles in both directions and cross
+    /// the `KC`, `MC` and `NC` blocks, every operand layout, one and several threads; the
+    /// threads never change a bit.
+    #[test]
+    fn blocked_product_matches_the_naive_one_for_every_layout_and_thread_count() {
+        if !supported() {
+            eprintln!("skipped: this CPU has no AVX2 + FMA, so the blocked product never runs");
+            return;
+        }
+        let shapes = [
+            (1, 1, 1),
+            (5, 15, 3),
+            (6, 16, 256),
+            (7, 17, 257),
+            (13, 40, 600),
+            (150, 33, 70),
+            (300, 100, 20),
+            (4, NC + 20, 9),
+        ];
+        for &(m, n, k) in &shapes {
+            for ka in 0..3 {
+                for kb in 0..3 {
+                    let (one, want) = run(m, n, k, ka, kb, 1);
+                    let tol = 2e-6 * (k as f32).sqrt().max(1.0) * 4.0;
+                    for (i, (g, w)) in one.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - w).abs() <= tol,
+                            "{m}x{k}x{n} layouts {ka}/{kb}: value {i} is {g}, the f64 product {w}"
+                        );
+                    }
+                    for threads in [2, 3] {
+                        let (several, _) = run(m, n, k, ka, kb, threads);
+                        assert!(
+                            one.iter()
+                                .zip(&several)
+                                .all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{m}x{k}x{n} layouts {ka}/{kb}: {threads} threads changed the result"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// GFLOP/s of this product against the `gemm` crate's on the shapes of an MLP layer's three
+    /// products and square ones, alternating (run: `cargo test -p wgpipe-tensor --release --lib
+    /// blocked::tests::bench -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn bench_against_the_gemm_crate() {
+        if !supported() {
+            eprintln!("skipped: no AVX2 + FMA");
+            return;
+        }
+        let threads = rayon::current_num_threads();
+        // (name, m, k, n, A column-major, B column-major)
+        let shapes = [
+            ("square 512", 512, 512, 512, false, false),
+            ("square 1024", 1024, 1024, 1024, false, false),
+            ("square 2048", 2048, 2048, 2048, false, false),
+            ("x @ w.t() 256x1024x1024", 256, 1024, 1024, false, true),
+            ("dy @ w 256x1024x1024", 256, 1024, 1024, false, false),
+            ("dy.t() @ x 1024x256x1024", 1024, 256, 1024, true, false),
+            ("qkv 1024x256x768 (w.t())", 1024, 256, 768, false, true),
+            ("head 128x64x128 (k.t())", 128, 64, 128, false, true),
+            ("mid 256x256x256", 256, 256, 256, false, false),
+        ];
+        // `BENCH_SHAPES=x@w` runs only the shapes whose names contain it.
+        let only = std::env::var("BENCH_SHAPES").unwrap_or_default();
+        for (name, m, k, n, ta, tb) in shapes {
+            if !name.contains(&only) {
+                continue;
+            }
+            let a = values(m * k, 1);
+            let b = values(k * n, 2);
+            let mut c = vec![0.0f32; m * n];
+            let (ars, acs) = if ta { (1, m) } else { (k, 1) };
+            let (brs, bcs) = if tb { (1, k) } else { (n, 1) };
+            let flops = 2.0 * (m * n * k) as f64;
+            let reps = ((3e9 / flops) as usize).clamp(3, 2000);
+            for t in [1, threads] {
+                let mut ours = Vec::new();
+                let mut crate_ = Vec::new();
+                for _ in 0..5 {
+                    let s = std::time::Instant::now();
+                    for _ in 0..reps {
+                        let sa = Strided {
+                            ptr: a.as_ptr(),
+                            rs: ars,
+                            cs: acs,
+                        };
+                        let sb = Strided {
+                            ptr: b.as_ptr(),
+                            rs: brs,
+                            cs: bcs,
+                        };
+                        unsafe {
+                            gemm(
+                                m,
+                                n,
+                                k,
+                                sa,
+                                sb,
+                                Out {
+                                    ptr: c.as_mut_ptr(),
+                                    ldc: n,
+                                },
+                                t,
+                            )
+                        };
+                    }
+                    ours.push(flops * reps as f64 / s.elapsed().as_secs_f64() / 1e9);
+                    let par = if t > 1 {
+                        ::gemm::Parallelism::Rayon(0)
+                    } else {
+                        ::gemm::Parallelism::None
+                    };
+                    let s = std::time::Instant::now();
+                    for _ in 0..reps {
+                        unsafe {
+                            ::gemm::gemm(
+                                m,
+                                n,
+                                k,
+                                c.as_mut_ptr(),
+                                1,
+                                n as isize,
+                                false,
+                                a.as_ptr(),
+                                acs as isize,
+                                ars as isize,
+                                b.as_ptr(),
+                                bcs as isize,
+                                brs as isize,
+                                0.0,
+                                1.0,
+                                false,
+                                false,
+                                false,
+                                par,
+                            )
+                        };
+                    }
+                    crate_.push(flops * reps as f64 / s.elapsed().as_secs_f64() / 1e9);
+                }
+                ours.sort_by(f64::total_cmp);
+                crate_.sort_by(f64::total_cmp);
+                println!(
+                    "{name:28} {t} thread(s): blocked {:6.1} GFLOP/s, gemm crate {:6.1} (medians of 5)",
+                    ours[2], crate_[2]
+                );
+            }
+        }
+    }
+}
