@@ -98,7 +98,7 @@ pub(crate) fn supported() -> bool {
 /// the columns are few), each packing its own operands: one fork and join per product. Sharing
 /// one packed block of `B` instead (BLIS's way) needs two joins per `KC` step: a first version
 /// that did ran a 256 x 1024 x 1024 product at 95 GFLOP/s on two threads against the `gemm`
-/// crate's 105; with one join, 101 against 93 in the same sitting.
+/// crate's 105 (alternating); with one join, 101 against 93 (a later sitting, as noisy).
 ///
 /// # Safety
 /// [`supported`] must be true; every element `(i, p)` of `A` for `i < m, p < k`, and `(p, j)`
@@ -319,8 +319,9 @@ thread_local! {
 }
 
 /// Runs `f` on `len` values of a buffer taken from `cell` (aligned to 64 bytes; contents stale)
-/// and puts it back. Taken, not borrowed: a thread waiting inside `f` for rayon may run another
-/// product's task, which then finds the cell empty and makes its own buffer.
+/// and puts it back. Taken, not borrowed: should `f` ever reach another product on this thread
+/// (a wait inside rayon runs other tasks), that one finds the cell empty and makes its own
+/// buffer instead of panicking on a second borrow.
 fn with_buffer<R>(
     cell: &'static std::thread::LocalKey<Cell<Vec<f32>>>,
     len: usize,

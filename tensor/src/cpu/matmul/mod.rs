@@ -15,7 +15,8 @@ use rayon::prelude::*;
 use crate::backend::{MatDims, MatLayout};
 use crate::layout::Layout;
 
-/// Products with at least this many multiply-adds use gemm's own rayon parallelism.
+/// Products with at least this many multiply-adds are spread over the threads (by `blocked` or
+/// by gemm's own rayon parallelism).
 const GEMM_PAR_MACS: usize = 96 * 96 * 96;
 /// Single products with at least this many multiply-adds get a column-major right operand copied
 /// to row-major first (see `matmul`).
@@ -46,13 +47,14 @@ pub(crate) fn matmul(
     let macs = m * n * k;
     check_bounds(a, la, batch, m, k);
     check_bounds(b, lb, batch, k, n);
-    // gemm packs a column-major right operand (e.g. the `w.t()` of a Linear layer) element by
-    // element: measured on AVX-512 with 256 x 1024 x 1024, about 117 GFLOP/s against 218 with a
-    // row-major one. Big single products copy it to row-major first, a panel at a time.
     #[cfg(target_arch = "x86_64")]
     let own = blocked::available();
     #[cfg(not(target_arch = "x86_64"))]
     let own = false;
+    // gemm packs a column-major right operand (e.g. the `w.t()` of a Linear layer) element by
+    // element: measured on AVX-512 with 256 x 1024 x 1024, about 117 GFLOP/s against 218 with a
+    // row-major one. Big single products copy it to row-major first, a panel at a time (`blocked`
+    // packs such an operand through register transposes and needs no copy).
     if !own
         && batch == 1
         && macs >= B_COPY_MACS
