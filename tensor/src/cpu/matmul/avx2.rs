@@ -134,3 +134,65 @@ pub(crate) unsafe fn pack_b_columns(
         }
     }
 }
+
+/// A mask of the first `n` lanes (at most 8) of an 8-lane register, for `maskload`, which
+/// neither reads nor faults past them.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn first_lanes(n: usize) -> __m256i {
+    let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lane)
+}
+
+/// Packs one panel of `A` from columns whose values are contiguous (`a` at row 0, column 0 of
+/// the block, columns `lda` apart; a transposed view such as `dy.t()`): `dst[p * MR + r] =
+/// a[p * lda + r]` for `p < kc`, `r < rows` (at most [`MR`]), zero for the rows past `rows`.
+/// One masked load and one 8-lane store per column (the two extra lanes are overwritten by the
+/// next column's store, so `dst` needs two values of room past the panel): a copy of six values
+/// through `copy_from_slice` was a library call per column.
+///
+/// # Safety
+/// AVX2 must be present; `kc` columns of `rows` values must be readable; `dst` must hold
+/// `kc * MR + 2` values.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn pack_a_columns(
+    dst: *mut f32,
+    a: *const f32,
+    lda: usize,
+    rows: usize,
+    kc: usize,
+) {
+    let mask = first_lanes(rows.min(MR));
+    for p in 0..kc {
+        _mm256_storeu_ps(dst.add(p * MR), _mm256_maskload_ps(a.add(p * lda), mask));
+    }
+}
+
+/// Packs one panel of `B` from rows whose values are contiguous (`b` at row 0, column 0 of the
+/// block, rows `ldb` apart): `dst[p * NR + c] = b[p * ldb + c]` for `p < kc`, `c < cols` (at
+/// most [`NR`]), zero for the columns past `cols`. Two 8-lane loads and stores per row, masked
+/// where the panel is narrower (a copy of sixteen values through `copy_from_slice` was a library
+/// call per row).
+///
+/// # Safety
+/// AVX2 must be present; `kc` rows of `cols` values must be readable; `dst` must hold
+/// `kc * NR` values from a 32-byte boundary.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn pack_b_rows(dst: *mut f32, b: *const f32, ldb: usize, cols: usize, kc: usize) {
+    if cols == NR {
+        for p in 0..kc {
+            let row = b.add(p * ldb);
+            _mm256_store_ps(dst.add(p * NR), _mm256_loadu_ps(row));
+            _mm256_store_ps(dst.add(p * NR + 8), _mm256_loadu_ps(row.add(8)));
+        }
+        return;
+    }
+    let lo = first_lanes(cols.min(8));
+    let hi = first_lanes(cols.saturating_sub(8));
+    for p in 0..kc {
+        let row = b.add(p * ldb);
+        _mm256_store_ps(dst.add(p * NR), _mm256_maskload_ps(row, lo));
+        // Past the row when `cols <= 8`: then the mask reads nothing.
+        let high = row.wrapping_add(8);
+        _mm256_store_ps(dst.add(p * NR + 8), _mm256_maskload_ps(high, hi));
+    }
+}

@@ -94,8 +94,8 @@ pub(crate) fn supported() -> bool {
 /// `C = A · B` for `m x k` `A`, `k x n` `B` and row-major `C`, over up to
 /// `threads` rayon threads. `k` must be at least 1.
 ///
-/// Threads share the product out as whole sub-products (ranges of columns, and of rows where
-/// the columns are few), each packing its own operands: one fork and join per product. Sharing
+/// Threads share the product out as whole sub-products (ranges of rows and of columns, see
+/// [`grid`]), each packing its own operands: one fork and join per product. Sharing
 /// one packed block of `B` instead (BLIS's way) needs two joins per `KC` step: a first version
 /// that did ran a 256 x 1024 x 1024 product at 95 GFLOP/s on two threads against the `gemm`
 /// crate's 105 (alternating); with one join, 101 against 93 (a later sitting, as noisy).
@@ -119,42 +119,53 @@ pub(crate) unsafe fn gemm(
         serial(m, n, k, a, b, out);
         return;
     }
-    // Part boundaries on whole tiles, so that every part's tiles are full where the product's
-    // are.
-    let rows = m.div_ceil(row_parts).next_multiple_of(MR);
-    let cols = n.div_ceil(col_parts).next_multiple_of(NR);
-    let row_parts = m.div_ceil(rows);
-    let col_parts = n.div_ceil(cols);
     (0..row_parts * col_parts).into_par_iter().for_each(|t| {
-        let (i0, j0) = ((t / col_parts) * rows, (t % col_parts) * cols);
+        let (i0, i1) = share(m, MR, row_parts, t / col_parts);
+        let (j0, j1) = share(n, NR, col_parts, t % col_parts);
         let (sub_a, sub_b, sub_c) = (a.from(i0, 0), b.from(0, j0), out.from(i0, j0));
-        serial(rows.min(m - i0), cols.min(n - j0), k, sub_a, sub_b, sub_c);
+        serial(i1 - i0, j1 - j0, k, sub_a, sub_b, sub_c);
     });
 }
 
-/// How many ranges of rows and of columns the threads share out: columns first (each part
-/// packs all of `A` for its columns, a cost that stays small while parts are at least
-/// [`MIN_PART`] wide), then rows; up to four parts per thread, so that a thread slowed by
-/// another process does not hold the others up.
+/// Part `index` of `parts` of `0..len`: whole tiles of `tile`, shared out as evenly as tiles go
+/// (only the product's own edge tile is partial), so that equal threads finish together.
+fn share(len: usize, tile: usize, parts: usize, index: usize) -> (usize, usize) {
+    let tiles = len.div_ceil(tile);
+    let at = |i: usize| (i * tiles / parts * tile).min(len);
+    (at(index), at(index + 1))
+}
+
+/// How many ranges of rows and of columns the threads share out: one part per thread, each at
+/// least [`MIN_PART`] long where it splits, and of such splits the one that packs least (each
+/// part packs the rows of `A` and the columns of `B` it covers). Mid-sized products, too small
+/// for that, get parts down to 64 long (packing then costs more per multiply, but an idle
+/// thread costs more).
+///
+/// Up to four parts per thread (a first version, so that a thread slowed by another process
+/// would leave its later parts to the others) packed more: on 2 threads of a Zen 3, alternating
+/// four times each in a quiet moment, square 1024 ran at 169 against 180 GFLOP/s with one part
+/// per thread, 512 at 165 against 177, a weight gradient's `dy.t() @ x` (1024 x 256 x 1024) at
+/// 159 against 174. A part count that was not a multiple of the threads (3 x 3 on two) left one
+/// idle: a block's Q/K/V weight gradient (768 x 256 x 1024) ran at 132 GFLOP/s before, 175 now.
 fn grid(m: usize, n: usize, threads: usize) -> (usize, usize) {
     if threads <= 1 {
         return (1, 1);
     }
-    let want = 4 * threads;
-    let col_parts = (n / MIN_PART).clamp(1, want);
-    let row_parts = want.div_ceil(col_parts).min(m / MIN_PART).max(1);
-    if row_parts * col_parts >= threads {
-        return (row_parts, col_parts);
-    }
-    // A mid-sized product: still one part per thread, down to parts of 64 (packing then costs
-    // more per multiply, but an idle thread costs more still).
-    let col_parts = threads.min(n / 64).max(1);
-    let row_parts = threads.div_ceil(col_parts).min(m / 64).max(1);
-    (row_parts, col_parts)
+    let split = |min: usize| {
+        (1..=threads)
+            .filter(|rows| threads % rows == 0)
+            .map(|rows| (rows, threads / rows))
+            .filter(|&(rows, cols)| {
+                (rows == 1 || m >= rows * min) && (cols == 1 || n >= cols * min)
+            })
+            .min_by_key(|&(rows, cols)| m / rows + n / cols)
+    };
+    split(MIN_PART).or_else(|| split(64)).unwrap_or((1, 1))
 }
 
-/// The narrowest range of rows or columns a thread takes on its own: it packs the other
-/// operand's whole `k` for it, about `16 / MIN_PART` of its multiply time per packed value.
+/// The narrowest range of rows or columns a part has where the grid has more than one: it packs
+/// the other operand's whole `k` for it, about `16 / MIN_PART` of its multiply time per packed
+/// value.
 const MIN_PART: usize = 256;
 
 /// [`gemm`] on the calling thread.
@@ -257,8 +268,8 @@ struct Tile([f32; MR * NR]);
 /// # Safety
 /// The block must be inside `A`.
 unsafe fn pack_a(dst: &mut [f32], a: Strided, i0: usize, rows: usize, pc: usize, kc: usize) {
-    // A row-major block packs through transposes, which store two values past each panel:
-    // `dst` has them (see `serial`), and the next panel overwrites them.
+    // Row- and column-major blocks pack with 8-lane stores, which write two values past each
+    // panel: `dst` has room for them (see `serial`), and the next panel overwrites them.
     assert!(dst.len() >= rows.div_ceil(MR) * kc * MR + 2);
     for ip in 0..rows.div_ceil(MR) {
         let panel = &mut dst[ip * kc * MR..];
@@ -266,11 +277,9 @@ unsafe fn pack_a(dst: &mut [f32], a: Strided, i0: usize, rows: usize, pc: usize,
         let base = a.ptr.add((i0 + ip * MR) * a.rs + pc * a.cs);
         if a.cs == 1 {
             super::avx2::pack_a_rows(panel.as_mut_ptr(), base, a.rs, h, kc);
-        } else if a.rs == 1 && h == MR {
-            // Column-major (a transposed view): six neighbouring values per column.
-            for (p, group) in panel[..kc * MR].chunks_exact_mut(MR).enumerate() {
-                group.copy_from_slice(std::slice::from_raw_parts(base.add(p * a.cs), MR));
-            }
+        } else if a.rs == 1 {
+            // Column-major (a transposed view): neighbouring values in each column.
+            super::avx2::pack_a_columns(panel.as_mut_ptr(), base, a.cs, h, kc);
         } else {
             for (p, group) in panel[..kc * MR].chunks_exact_mut(MR).enumerate() {
                 let col = base.add(p * a.cs);
@@ -288,14 +297,10 @@ unsafe fn pack_a(dst: &mut [f32], a: Strided, i0: usize, rows: usize, pc: usize,
 /// # Safety
 /// The block must be inside `B`.
 unsafe fn pack_b(dst: &mut [f32], b: Strided, pc: usize, j: usize, kc: usize, cols: usize) {
-    assert!(dst.len() >= kc * NR);
+    assert!(dst.len() >= kc * NR && dst.as_ptr().align_offset(32) == 0);
     let base = b.ptr.add(pc * b.rs + j * b.cs);
     if b.cs == 1 {
-        for (p, group) in dst.chunks_exact_mut(NR).enumerate() {
-            let row = std::slice::from_raw_parts(base.add(p * b.rs), cols);
-            group[..cols].copy_from_slice(row);
-            group[cols..].fill(0.0);
-        }
+        super::avx2::pack_b_rows(dst.as_mut_ptr(), base, b.rs, cols, kc);
     } else if b.rs == 1 {
         // Column-major (a transposed weight): each column read along `k`.
         super::avx2::pack_b_columns(dst.as_mut_ptr(), base, b.cs, cols, kc);
@@ -436,6 +441,40 @@ mod tests {
         (got, naive(m, n, k, &a, la, &b, lb))
     }
 
+    /// The parts cover the product once, on whole tiles, as evenly as tiles go; there is one per
+    /// thread (or one, for a product too small to share), and the products of an MLP and a decoder block split as
+    /// worked out by hand.
+    #[test]
+    fn products_split_into_even_parts_one_per_thread() {
+        for (len, tile, parts) in [(1024, MR, 4), (768, MR, 2), (257, NR, 3), (5, MR, 2)] {
+            let ranges: Vec<_> = (0..parts).map(|i| share(len, tile, parts, i)).collect();
+            assert_eq!(ranges[0].0, 0);
+            assert_eq!(ranges[parts - 1].1, len);
+            for pair in ranges.windows(2) {
+                assert_eq!(pair[0].1, pair[1].0, "{len}/{parts}: {ranges:?}");
+            }
+            let tiles: Vec<_> = ranges.iter().map(|r| (r.1 - r.0).div_ceil(tile)).collect();
+            let (least, most) = (tiles.iter().min().unwrap(), tiles.iter().max().unwrap());
+            assert!(most - least <= 1, "{len}/{parts}: uneven {ranges:?}");
+            assert!(ranges.iter().all(|r| r.0 % tile == 0), "{ranges:?}");
+        }
+        // (m, n, threads) -> (row parts, column parts)
+        let cases = [
+            ((256, 1024, 2), (1, 2)),   // an MLP layer: columns of 512
+            ((1024, 768, 2), (2, 1)),   // a block's Q/K/V: the split that packs less
+            ((768, 256, 2), (2, 1)),    // its weight gradient: 2 parts, not 3
+            ((256, 256, 2), (1, 2)),    // mid-sized: one part of 128 per thread
+            ((100, 100, 2), (1, 1)),    // too small to share
+            ((4096, 4096, 1), (1, 1)),  // one thread
+            ((1024, 4096, 16), (2, 8)), // many threads: a grid that packs least
+        ];
+        for ((m, n, threads), want) in cases {
+            let got = grid(m, n, threads);
+            assert_eq!(got, want, "{m} x {n} on {threads} threads");
+            assert!(got == (1, 1) || got.0 * got.1 == threads);
+        }
+    }
+
     /// Against the f64 product, over shapes that leave edge tiles in both directions and cross
     /// the `KC`, `MC` and `NC` blocks, every operand layout, one and several threads; the
     /// threads never change a bit.
@@ -500,6 +539,7 @@ mod tests {
             ("dy @ w 256x1024x1024", 256, 1024, 1024, false, false),
             ("dy.t() @ x 1024x256x1024", 1024, 256, 1024, true, false),
             ("qkv 1024x256x768 (w.t())", 1024, 256, 768, false, true),
+            ("dW qkv 768x1024x256 (dy.t())", 768, 1024, 256, true, false),
             ("head 128x64x128 (k.t())", 128, 64, 128, false, true),
             ("mid 256x256x256", 256, 256, 256, false, false),
         ];
