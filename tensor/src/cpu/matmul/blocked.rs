@@ -1,11 +1,21 @@
 //! A blocked f32 product `C = A · B` (Goto's and BLIS's loops: `B` packed a `KC x NC` block at
 //! a time into 16-column panels, `A` an `MC x KC` block at a time into 6-row panels, a 6 x 16
-//! micro-kernel over each pair), run on CPUs with AVX2 and FMA but no AVX-512. Beside the `gemm`
-//! crate's AVX2 path, alternating on a 2-core Zen 3 (`bench_against_the_gemm_crate` below):
-//! square products about equal (both ~90% of a core's FMA peak on one thread), products with a
-//! transposed operand, which this packs through 8 x 8 register transposes, up to 1.2x ahead
-//! (a decoder block's Q/K/V 150 against 125 GFLOP/s on two threads), and the threads share a
-//! product out with one fork and join.
+//! micro-kernel over each pair, or with AVX-512 a 12 x 16 one over two panels of `A`), run by
+//! default on CPUs with AVX2 and FMA but no AVX-512. Beside the `gemm` crate's AVX2 path,
+//! alternating on a 2-core Zen 3 (`bench_against_the_gemm_crate` below): square products about
+//! equal (both ~90% of a core's FMA peak on one thread), products with a transposed operand,
+//! which this packs through 8 x 8 register transposes, up to 1.2x ahead (a decoder block's
+//! Q/K/V 150 against 125 GFLOP/s on two threads), and the threads share a product out with one
+//! fork and join.
+//!
+//! On a 2-core Zen 4 (AVX-512 on 256-bit units; 3 rounds, medians, GFLOP/s on two threads)
+//! the 12 x 16 kernel brings it to the `gemm` crate's AVX-512 path on square products (1024:
+//! 197 against 200, 2048: 199 against 198) and ahead where an operand is transposed (Q/K/V
+//! `w.t()` 189 against 177, its weight gradient `dy.t()` 199 against 178), behind on `dy @ w`
+//! of an MLP layer (185 against 195). Whole steps (`bench_train`, `WGPIPE_CPU_MATMUL` below,
+//! alternating): the MLP and the decoder block at parity, the main job's model 11% slower
+//! (its products have `k` or `n` of 64, and packing took 14% of its step against the kernel's
+//! 43%), so with AVX-512 the `gemm` crate stays the default.
 //!
 //! Operands are read through any strides while they are packed, so transposed views cost no
 //! copy. Every element of `C` sums its `k` products in the same order whatever the threads, the
@@ -76,13 +86,22 @@ impl Out {
 }
 
 /// Whether matmul should run [`gemm`] here: AVX2 and FMA without AVX-512 (with AVX-512 the
-/// `gemm` crate's 16-lane kernels run), unless `WGPIPE_CPU_MATMUL=gemm-crate` asks for the
-/// `gemm` crate everywhere (to compare the two on one machine).
+/// `gemm` crate's 16-lane kernels run). `WGPIPE_CPU_MATMUL` overrides that, to compare the two
+/// on one machine: `gemm-crate` asks for the `gemm` crate everywhere, `blocked` for this
+/// product wherever AVX2 and FMA are.
 pub(crate) fn available() -> bool {
-    static CRATE_ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let crate_asked = *CRATE_ASKED
-        .get_or_init(|| std::env::var("WGPIPE_CPU_MATMUL").is_ok_and(|v| v == "gemm-crate"));
-    !crate_asked && super::super::simd::has_avx2() && !super::super::simd::has_avx512()
+    static ASKED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    match ASKED
+        .get_or_init(|| std::env::var("WGPIPE_CPU_MATMUL").ok())
+        .as_deref()
+    {
+        Some("gemm-crate") => false,
+        Some("blocked") => supported(),
+        // The CPU's own features, not the level tests cap the other kernels to: the `gemm`
+        // crate and this product sum in different orders, and the choice must not change
+        // while another test's products run.
+        _ => supported() && !std::arch::is_x86_feature_detected!("avx512f"),
+    }
 }
 
 /// Whether [`gemm`] can run here at all: the CPU has AVX2 and FMA (whatever build level tests
@@ -114,16 +133,18 @@ pub(crate) unsafe fn gemm(
     threads: usize,
 ) {
     assert!(k > 0 && supported());
+    // Chosen once: every part must split the rows by the same tile.
+    let tiles = Tiles::here();
     let (row_parts, col_parts) = grid(m, n, threads);
     if row_parts * col_parts == 1 {
-        serial(m, n, k, a, b, out);
+        serial(m, n, k, a, b, out, tiles);
         return;
     }
     (0..row_parts * col_parts).into_par_iter().for_each(|t| {
-        let (i0, i1) = share(m, MR, row_parts, t / col_parts);
+        let (i0, i1) = share(m, tiles.rows(), row_parts, t / col_parts);
         let (j0, j1) = share(n, NR, col_parts, t % col_parts);
         let (sub_a, sub_b, sub_c) = (a.from(i0, 0), b.from(0, j0), out.from(i0, j0));
-        serial(i1 - i0, j1 - j0, k, sub_a, sub_b, sub_c);
+        serial(i1 - i0, j1 - j0, k, sub_a, sub_b, sub_c, tiles);
     });
 }
 
@@ -153,7 +174,7 @@ fn grid(m: usize, n: usize, threads: usize) -> (usize, usize) {
     }
     let split = |min: usize| {
         (1..=threads)
-            .filter(|rows| threads % rows == 0)
+            .filter(|rows| threads.is_multiple_of(*rows))
             .map(|rows| (rows, threads / rows))
             .filter(|&(rows, cols)| {
                 (rows == 1 || m >= rows * min) && (cols == 1 || n >= cols * min)
@@ -172,10 +193,10 @@ const MIN_PART: usize = 256;
 ///
 /// # Safety
 /// As [`gemm`]'s.
-unsafe fn serial(m: usize, n: usize, k: usize, a: Strided, b: Strided, out: Out) {
-    // Blocks of `A` of equal height (a multiple of MR).
+unsafe fn serial(m: usize, n: usize, k: usize, a: Strided, b: Strided, out: Out, tiles: Tiles) {
+    // Blocks of `A` of equal height (a multiple of the tile's).
     let blocks_m = m.div_ceil(MC);
-    let mc = m.div_ceil(blocks_m).next_multiple_of(MR);
+    let mc = m.div_ceil(blocks_m).next_multiple_of(tiles.rows());
     for jc in (0..n).step_by(NC) {
         let nc = NC.min(n - jc);
         let panels = nc.div_ceil(NR);
@@ -195,6 +216,7 @@ unsafe fn serial(m: usize, n: usize, k: usize, a: Strided, b: Strided, out: Out)
                             bp,
                             kc,
                             accumulate: pc > 0,
+                            tiles,
                         };
                         for jp in 0..panels {
                             let j = jc + jp * NR;
@@ -213,6 +235,7 @@ struct Block<'a> {
     bp: &'a [f32],
     kc: usize,
     accumulate: bool,
+    tiles: Tiles,
 }
 
 impl Block<'_> {
@@ -232,11 +255,21 @@ impl Block<'_> {
     ) {
         let kc = self.kc;
         let b = self.bp[jp * kc * NR..].as_ptr();
-        for ip in 0..rows.div_ceil(MR) {
-            let a = self.ap[ip * kc * MR..].as_ptr();
+        let panel = |ip: usize| self.ap[ip * kc * MR..].as_ptr();
+        let wide = cols == NR && self.tiles == Tiles::Wide;
+        let mut ip = 0;
+        while ip < rows.div_ceil(MR) {
             let i = i0 + ip * MR;
-            let h = MR.min(rows - ip * MR);
             let c = out.ptr.add(i * out.ldc + j);
+            if wide && rows >= (ip + 2) * MR {
+                let (a0, a1) = (panel(ip), panel(ip + 1));
+                super::avx512::kernel_12x16(kc, a0, a1, b, c, out.ldc, self.accumulate);
+                ip += 2;
+                continue;
+            }
+            let a = panel(ip);
+            let h = MR.min(rows - ip * MR);
+            ip += 1;
             if h == MR && cols == NR {
                 super::avx2::kernel_6x16(kc, a, b, c, out.ldc, self.accumulate);
             } else {
@@ -254,6 +287,34 @@ impl Block<'_> {
                     }
                 }
             }
+        }
+    }
+}
+
+/// The micro-kernel for full tiles: the AVX2 one (6 x 16), or, where the CPU has AVX-512 (and
+/// tests have not capped the kernels' level below it), the AVX-512 one (12 x 16, two panels of
+/// `A` at a time; the odd panel and the edges still go through the AVX2 kernel). Both give the
+/// same bits.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tiles {
+    Avx2,
+    Wide,
+}
+
+impl Tiles {
+    fn here() -> Tiles {
+        if super::super::simd::has_avx512() {
+            Tiles::Wide
+        } else {
+            Tiles::Avx2
+        }
+    }
+
+    /// Rows of a full tile.
+    fn rows(self) -> usize {
+        match self {
+            Tiles::Avx2 => MR,
+            Tiles::Wide => 2 * MR,
         }
     }
 }
@@ -515,6 +576,54 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// The AVX-512 kernel's tile is the AVX2 kernel's two tiles, bit for bit: written over and
+    /// added to, for `kc` of one step, an odd count and a whole block, rows farther apart than
+    /// a tile is wide.
+    #[test]
+    fn wide_kernel_gives_the_bits_of_two_avx2_tiles() {
+        if !(supported() && std::arch::is_x86_feature_detected!("avx512f")) {
+            eprintln!("skipped: this CPU has no AVX-512, so the 12 x 16 kernel never runs");
+            return;
+        }
+        let ldc = NR + 5;
+        for kc in [1, 7, KC] {
+            let a = values(2 * kc * MR, kc as u32);
+            let mut b = vec![0.0f32; kc * NR + 16];
+            let skip = b.as_ptr().align_offset(64);
+            b[skip..skip + kc * NR].copy_from_slice(&values(kc * NR, 3));
+            let b = &b[skip..];
+            for accumulate in [false, true] {
+                let start = values(2 * MR * ldc, 4);
+                let (mut wide, mut narrow) = (start.clone(), start.clone());
+                let (a0, a1) = (a.as_ptr(), a[kc * MR..].as_ptr());
+                // SAFETY: AVX-512 (checked above); each panel holds kc * MR values, `b` kc * NR
+                // from a 64-byte boundary, the tiles twelve (six) rows `ldc` apart.
+                unsafe {
+                    crate::cpu::matmul::avx512::kernel_12x16(
+                        kc,
+                        a0,
+                        a1,
+                        b.as_ptr(),
+                        wide.as_mut_ptr(),
+                        ldc,
+                        accumulate,
+                    );
+                    let c = narrow.as_mut_ptr();
+                    super::super::avx2::kernel_6x16(kc, a0, b.as_ptr(), c, ldc, accumulate);
+                    let c = c.add(MR * ldc);
+                    super::super::avx2::kernel_6x16(kc, a1, b.as_ptr(), c, ldc, accumulate);
+                }
+                assert!(
+                    wide.iter()
+                        .zip(&narrow)
+                        .all(|(w, n)| w.to_bits() == n.to_bits()),
+                    "kc {kc}, accumulate {accumulate}: the 12 x 16 kernel differs"
+                );
+                assert_ne!(wide, start, "kc {kc}: the kernel wrote nothing");
             }
         }
     }

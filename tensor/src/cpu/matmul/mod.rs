@@ -1,11 +1,13 @@
 //! Batched matmul: on CPUs with AVX2 and FMA but no AVX-512 through this crate's own blocked
 //! product (`blocked`), elsewhere through the `gemm` crate (AVX-512 / NEON kernels picked at run
-//! time). Operands are read in place through their strides, so transposed and batch-broadcast
-//! operands cost no copy, but for the column-major right operand of a big product in `gemm`
-//! (see `matmul_by_panels`).
+//! time; `WGPIPE_CPU_MATMUL` picks either, see `blocked::available`). Operands are read in place
+//! through their strides, so transposed and batch-broadcast operands cost no copy, but for the
+//! column-major right operand of a big product in `gemm` (see `matmul_by_panels`).
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod blocked;
 

@@ -1,0 +1,59 @@
+//! The AVX-512 micro-kernel of [`super::blocked`]: a 12 x 16 tile of `C` in twelve 16-lane
+//! registers, fed by two of the packed 6-row panels of `A` that the AVX2 kernel reads (so both
+//! kernels share one packing). Each step loads one register of `B` and broadcasts twelve values
+//! of `A` into the multiply-adds: twelve FMAs for thirteen loads, where the AVX2 kernel issues
+//! twelve 8-lane FMAs for eight loads, half the instructions per multiply. x86-64 only.
+
+use std::arch::x86_64::*;
+
+use super::avx2::{MR, NR};
+
+/// `C[0..12][0..16] (+)= A_panels · B_panel` over `kc` steps: rows 0..6 from panel `a0`, rows
+/// 6..12 from panel `a1`, each `kc` groups of [`MR`] values as [`super::avx2::kernel_6x16`]
+/// reads them; `b` a packed panel of `B` (`kc` groups of [`NR`] values), 64-byte aligned. Row
+/// `i` of the tile is at `c + i * ldc`. Each element sums its products in the order the AVX2
+/// kernel does, one FMA per step, so the two give the same bits.
+///
+/// # Safety
+/// AVX-512F must be present; `a0` and `a1` must hold `kc * MR` values each, `b` `kc * NR` from
+/// a 64-byte boundary, and `c` twelve rows of sixteen writable values `ldc` apart.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub(crate) unsafe fn kernel_12x16(
+    kc: usize,
+    a0: *const f32,
+    a1: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    const ROWS: usize = 2 * MR;
+    // As in the AVX2 kernel: the tile's rows arrive while the loop runs.
+    for i in 0..ROWS {
+        _mm_prefetch::<_MM_HINT_T0>(c.add(i * ldc) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(c.add(i * ldc + NR - 1) as *const i8);
+    }
+    let mut acc = [_mm512_setzero_ps(); ROWS];
+    let (mut a0, mut a1, mut b) = (a0, a1, b);
+    for _ in 0..kc {
+        // Both panels of A stream from L2: asked for eight steps ahead.
+        _mm_prefetch::<_MM_HINT_T0>(a0.add(8 * MR) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(a1.add(8 * MR) as *const i8);
+        let bv = _mm512_load_ps(b);
+        for i in 0..MR {
+            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(*a0.add(i)), bv, acc[i]);
+            acc[MR + i] = _mm512_fmadd_ps(_mm512_set1_ps(*a1.add(i)), bv, acc[MR + i]);
+        }
+        a0 = a0.add(MR);
+        a1 = a1.add(MR);
+        b = b.add(NR);
+    }
+    for (i, row) in acc.iter().enumerate() {
+        let ci = c.add(i * ldc);
+        let mut v = *row;
+        if accumulate {
+            v = _mm512_add_ps(v, _mm512_loadu_ps(ci));
+        }
+        _mm512_storeu_ps(ci, v);
+    }
+}
