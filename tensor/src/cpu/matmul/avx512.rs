@@ -28,11 +28,7 @@ pub(crate) unsafe fn kernel_12x16(
     accumulate: bool,
 ) {
     const ROWS: usize = 2 * MR;
-    // As in the AVX2 kernel: the tile's rows arrive while the loop runs.
-    for i in 0..ROWS {
-        _mm_prefetch::<_MM_HINT_T0>(c.add(i * ldc) as *const i8);
-        _mm_prefetch::<_MM_HINT_T0>(c.add(i * ldc + NR - 1) as *const i8);
-    }
+    prefetch_tile(c, ldc);
     let mut acc = [_mm512_setzero_ps(); ROWS];
     let (mut a0, mut a1, mut b) = (a0, a1, b);
     for _ in 0..kc {
@@ -48,6 +44,56 @@ pub(crate) unsafe fn kernel_12x16(
         a1 = a1.add(MR);
         b = b.add(NR);
     }
+    store_tile(&acc, c, ldc, accumulate);
+}
+
+/// [`kernel_12x16`] reading `A` where it lies instead of from packed panels: element `(i, p)`
+/// of the tile's rows at `rows[i] + p * cs`. For products whose `B` is a few panels wide, where
+/// packing `A` for them cost about as much as a sixth of the multiplies. The same multiply-adds
+/// in the same order, so the same bits.
+///
+/// # Safety
+/// AVX-512F must be present; elements `(i, p)` of `A` for `i < 12`, `p < kc` must be readable;
+/// `b` and `c` as for [`kernel_12x16`].
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub(crate) unsafe fn kernel_12x16_direct(
+    kc: usize,
+    rows: &[*const f32; 2 * MR],
+    cs: usize,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    const ROWS: usize = 2 * MR;
+    prefetch_tile(c, ldc);
+    let mut acc = [_mm512_setzero_ps(); ROWS];
+    let mut b = b;
+    for p in 0..kc {
+        let at = p * cs;
+        let bv = _mm512_load_ps(b);
+        for (row, sum) in rows.iter().zip(acc.iter_mut()) {
+            *sum = _mm512_fmadd_ps(_mm512_set1_ps(*row.add(at)), bv, *sum);
+        }
+        b = b.add(NR);
+    }
+    store_tile(&acc, c, ldc, accumulate);
+}
+
+/// Asks for the tile's rows of `C` (as the AVX2 kernel does: they arrive while the loop runs).
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn prefetch_tile(c: *mut f32, ldc: usize) {
+    for i in 0..2 * MR {
+        _mm_prefetch::<_MM_HINT_T0>(c.add(i * ldc) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(c.add(i * ldc + NR - 1) as *const i8);
+    }
+}
+
+/// Writes the accumulators over the tile at `c`, or adds them to it.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn store_tile(acc: &[__m512; 2 * MR], c: *mut f32, ldc: usize, accumulate: bool) {
     for (i, row) in acc.iter().enumerate() {
         let ci = c.add(i * ldc);
         let mut v = *row;

@@ -12,10 +12,13 @@
 //! the 12 x 16 kernel brings it to the `gemm` crate's AVX-512 path on square products (1024:
 //! 197 against 200, 2048: 199 against 198) and ahead where an operand is transposed (Q/K/V
 //! `w.t()` 189 against 177, its weight gradient `dy.t()` 199 against 178), behind on `dy @ w`
-//! of an MLP layer (185 against 195). Whole steps (`bench_train`, `WGPIPE_CPU_MATMUL` below,
-//! alternating): the MLP and the decoder block at parity, the main job's model 11% slower
-//! (its products have `k` or `n` of 64, and packing took 14% of its step against the kernel's
-//! 43%), so with AVX-512 the `gemm` crate stays the default.
+//! of an MLP layer (185 against 195). Where `B` is at most [`DIRECT_PANELS`] panels wide, whole
+//! 12-row tiles read `A` where it lies: packing it for so few panels had cost ~15% of such a
+//! product (the main job's `n = 64` products ran at 148-181 against the crate's 177-205; now
+//! `dy @ w` of 2048 x 256 x 64 runs at 110 against 111 on one thread). Whole steps
+//! (`bench_train`, `WGPIPE_CPU_MATMUL` below, alternating, three runs of each): the MLP and both
+//! decoder blocks at parity, the main job's model at 0.82 and 0.96 of the crate's in two runs
+//! (not settled in the machine's noise), so with AVX-512 the `gemm` crate stays the default.
 //!
 //! Operands are read through any strides while they are packed, so transposed views cost no
 //! copy. Every element of `C` sums its `k` products in the same order whatever the threads, the
@@ -207,7 +210,27 @@ unsafe fn serial(m: usize, n: usize, k: usize, a: Strided, b: Strided, out: Out,
                     let j = jc + jp * NR;
                     pack_b(dst, b, pc, j, kc, NR.min(n - j));
                 }
-                for i0 in (0..m).step_by(mc) {
+                // A few panels of `B`: whole 12-row tiles read `A` where it lies, the rows
+                // left over are packed as usual.
+                let direct_rows = if tiles == Tiles::Wide && panels <= DIRECT_PANELS {
+                    m / (2 * MR) * (2 * MR)
+                } else {
+                    0
+                };
+                let direct = Block {
+                    ap: &[],
+                    bp,
+                    kc,
+                    accumulate: pc > 0,
+                    tiles,
+                };
+                for i in (0..direct_rows).step_by(2 * MR) {
+                    for jp in 0..panels {
+                        let j = jc + jp * NR;
+                        direct.direct_tile(out, a.from(i, pc), i, jp, j, NR.min(n - j));
+                    }
+                }
+                for i0 in (direct_rows..m).step_by(mc) {
                     let rows = mc.min(m - i0);
                     with_buffer(&A_PACK, rows.div_ceil(MR) * kc * MR + 2, |ap| {
                         pack_a(ap, a, i0, rows, pc, kc);
@@ -228,6 +251,11 @@ unsafe fn serial(m: usize, n: usize, k: usize, a: Strided, b: Strided, out: Out,
         }
     }
 }
+
+/// Panels of `B` (of [`NR`] columns) up to which the AVX-512 kernel reads `A` unpacked: each
+/// value of `A` is then used at most this many times, and packing it cost ~15% of such a
+/// product (the main job's `n = 64` products on a Zen 4).
+const DIRECT_PANELS: usize = 4;
 
 /// The packed blocks of one `kc` step.
 struct Block<'a> {
@@ -277,19 +305,62 @@ impl Block<'_> {
                 // the same order as the kernel adds).
                 let mut tile = Tile([0.0; MR * NR]);
                 super::avx2::kernel_6x16(kc, a, b, tile.0.as_mut_ptr(), NR, false);
-                for r in 0..h {
-                    let dst = std::slice::from_raw_parts_mut(c.add(r * out.ldc), cols);
-                    let src = &tile.0[r * NR..r * NR + cols];
-                    if self.accumulate {
-                        dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
-                    } else {
-                        dst.copy_from_slice(src);
-                    }
-                }
+                write_part(&tile.0, c, out.ldc, h, cols, self.accumulate);
             }
         }
     }
 }
+
+impl Block<'_> {
+    /// The 12 x 16 tile at rows `i..i + 12`, columns `j..j + cols` of `C` from `A` unpacked (`a`
+    /// at row `i`, column `pc` of the block) and panel `jp` of `B`.
+    ///
+    /// # Safety
+    /// As [`gemm`]'s: the tile's rows are inside `A` and `C`, and this task's own.
+    unsafe fn direct_tile(&self, out: Out, a: Strided, i: usize, jp: usize, j: usize, cols: usize) {
+        let b = self.bp[jp * self.kc * NR..].as_ptr();
+        let c = out.ptr.add(i * out.ldc + j);
+        let rows = std::array::from_fn(|r| a.ptr.add(r * a.rs));
+        let kernel = |c: *mut f32, ldc: usize, accumulate: bool| {
+            super::avx512::kernel_12x16_direct(self.kc, &rows, a.cs, b, c, ldc, accumulate)
+        };
+        if cols == NR {
+            kernel(c, out.ldc, self.accumulate);
+            return;
+        }
+        let mut tile = WideTile([0.0; 2 * MR * NR]);
+        kernel(tile.0.as_mut_ptr(), NR, false);
+        write_part(&tile.0, c, out.ldc, 2 * MR, cols, self.accumulate);
+    }
+}
+
+/// The first `rows x cols` values of an edge tile computed in scratch (rows [`NR`] apart) into
+/// `C` at `c`, or added to it, in the order the kernels add.
+///
+/// # Safety
+/// `c` must have `rows` rows of `cols` writable values `ldc` apart, this task's own.
+unsafe fn write_part(
+    tile: &[f32],
+    c: *mut f32,
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+    accumulate: bool,
+) {
+    for r in 0..rows {
+        let dst = std::slice::from_raw_parts_mut(c.add(r * ldc), cols);
+        let src = &tile[r * NR..r * NR + cols];
+        if accumulate {
+            dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+        } else {
+            dst.copy_from_slice(src);
+        }
+    }
+}
+
+/// A scratch tile of the AVX-512 kernel.
+#[repr(align(64))]
+struct WideTile([f32; 2 * MR * NR]);
 
 /// The micro-kernel for full tiles: the AVX2 one (6 x 16), or, where the CPU has AVX-512 (and
 /// tests have not capped the kernels' level below it), the AVX-512 one (12 x 16, two panels of
@@ -580,9 +651,9 @@ mod tests {
         }
     }
 
-    /// The AVX-512 kernel's tile is the AVX2 kernel's two tiles, bit for bit: written over and
-    /// added to, for `kc` of one step, an odd count and a whole block, rows farther apart than
-    /// a tile is wide.
+    /// The AVX-512 kernel's tile is the AVX2 kernel's two tiles, bit for bit, and so is the one
+    /// that reads `A` unpacked: written over and added to, for `kc` of one step, an odd count
+    /// and a whole block, rows farther apart than a tile is wide.
     #[test]
     fn wide_kernel_gives_the_bits_of_two_avx2_tiles() {
         if !(supported() && std::arch::is_x86_feature_detected!("avx512f")) {
@@ -624,6 +695,41 @@ mod tests {
                     "kc {kc}, accumulate {accumulate}: the 12 x 16 kernel differs"
                 );
                 assert_ne!(wide, start, "kc {kc}: the kernel wrote nothing");
+                // The same twelve rows read where they lie: row-major (rows `kc + 3` apart)
+                // and column-major (columns 12 + 5 apart).
+                let (lda, ldt) = (kc + 3, 2 * MR + 5);
+                let mut rows = vec![0.0f32; 2 * MR * lda];
+                let mut cols = vec![0.0f32; kc * ldt];
+                for i in 0..2 * MR {
+                    for p in 0..kc {
+                        let v = a[(i / MR) * kc * MR + p * MR + i % MR];
+                        rows[i * lda + p] = v;
+                        cols[p * ldt + i] = v;
+                    }
+                }
+                for (name, src, rs, cs) in [("rows", &rows, lda, 1), ("columns", &cols, 1, ldt)] {
+                    let mut direct = start.clone();
+                    let starts = std::array::from_fn(|i| src[i * rs..].as_ptr());
+                    // SAFETY: as above; elements (i, p) for i < 12, p < kc lie inside `src`.
+                    unsafe {
+                        crate::cpu::matmul::avx512::kernel_12x16_direct(
+                            kc,
+                            &starts,
+                            cs,
+                            b.as_ptr(),
+                            direct.as_mut_ptr(),
+                            ldc,
+                            accumulate,
+                        );
+                    }
+                    assert!(
+                        direct
+                            .iter()
+                            .zip(&wide)
+                            .all(|(d, w)| d.to_bits() == w.to_bits()),
+                        "kc {kc}, accumulate {accumulate}: A read in {name} differs from packed"
+                    );
+                }
             }
         }
     }
@@ -650,6 +756,8 @@ mod tests {
             ("qkv 1024x256x768 (w.t())", 1024, 256, 768, false, true),
             ("dW qkv 768x1024x256 (dy.t())", 768, 1024, 256, true, false),
             ("head 128x64x128 (k.t())", 128, 64, 128, false, true),
+            ("n = 64: 2048x256x64 (dy @ w)", 2048, 256, 64, false, false),
+            ("n = 64: dW 192x2048x64 (dy.t)", 192, 2048, 64, true, false),
             ("mid 256x256x256", 256, 256, 256, false, false),
         ];
         // `BENCH_SHAPES=x@w` runs only the shapes whose names contain it.
