@@ -2,7 +2,8 @@
 //! registers, fed by two of the packed 6-row panels of `A` that the AVX2 kernel reads (so both
 //! kernels share one packing). Each step loads one register of `B` and broadcasts twelve values
 //! of `A` into the multiply-adds: twelve FMAs for thirteen loads, where the AVX2 kernel issues
-//! twelve 8-lane FMAs for eight loads, half the instructions per multiply. x86-64 only.
+//! twelve 8-lane FMAs for eight loads, half the instructions per multiply. A second kernel
+//! reads `A` unpacked, for products whose `B` is only a few panels wide. x86-64 only.
 
 use std::arch::x86_64::*;
 

@@ -14,11 +14,12 @@
 //! `w.t()` 189 against 177, its weight gradient `dy.t()` 199 against 178), behind on `dy @ w`
 //! of an MLP layer (185 against 195). Where `B` is at most [`DIRECT_PANELS`] panels wide, whole
 //! 12-row tiles read `A` where it lies: packing it for so few panels had cost ~15% of such a
-//! product (the main job's `n = 64` products ran at 148-181 against the crate's 177-205; now
-//! `dy @ w` of 2048 x 256 x 64 runs at 110 against 111 on one thread). Whole steps
-//! (`bench_train`, `WGPIPE_CPU_MATMUL` below, alternating, three runs of each): the MLP and both
-//! decoder blocks at parity, the main job's model at 0.82 and 0.96 of the crate's in two runs
-//! (not settled in the machine's noise), so with AVX-512 the `gemm` crate stays the default.
+//! product (the main job's `dy @ w`, FFN2 and projection, `n = 64`, ran at 148-181 against the
+//! crate's 177-205; now `dy @ w` of 2048 x 256 x 64 runs at 110 against 111 on one thread).
+//! Whole steps (`bench_train`, `WGPIPE_CPU_MATMUL` below, alternating, three runs of each):
+//! the MLP and both decoder blocks at parity, the main job's model at 0.82 and 0.96 of the
+//! crate's in two runs (not settled in the machine's noise), so with AVX-512 the `gemm` crate
+//! stays the default.
 //!
 //! Operands are read through any strides while they are packed, so transposed views cost no
 //! copy. Every element of `C` sums its `k` products in the same order whatever the threads, the
@@ -218,7 +219,7 @@ unsafe fn serial(m: usize, n: usize, k: usize, a: Strided, b: Strided, out: Out,
                     0
                 };
                 let direct = Block {
-                    ap: &[],
+                    ap: &[], // its tiles read `A` in place
                     bp,
                     kc,
                     accumulate: pc > 0,
@@ -303,15 +304,13 @@ impl Block<'_> {
             } else {
                 // An edge tile: the full tile into a scratch one, then its valid part (added in
                 // the same order as the kernel adds).
-                let mut tile = Tile([0.0; MR * NR]);
+                let mut tile = Tile([0.0; 2 * MR * NR]);
                 super::avx2::kernel_6x16(kc, a, b, tile.0.as_mut_ptr(), NR, false);
                 write_part(&tile.0, c, out.ldc, h, cols, self.accumulate);
             }
         }
     }
-}
 
-impl Block<'_> {
     /// The 12 x 16 tile at rows `i..i + 12`, columns `j..j + cols` of `C` from `A` unpacked (`a`
     /// at row `i`, column `pc` of the block) and panel `jp` of `B`.
     ///
@@ -328,7 +327,7 @@ impl Block<'_> {
             kernel(c, out.ldc, self.accumulate);
             return;
         }
-        let mut tile = WideTile([0.0; 2 * MR * NR]);
+        let mut tile = Tile([0.0; 2 * MR * NR]);
         kernel(tile.0.as_mut_ptr(), NR, false);
         write_part(&tile.0, c, out.ldc, 2 * MR, cols, self.accumulate);
     }
@@ -358,10 +357,6 @@ unsafe fn write_part(
     }
 }
 
-/// A scratch tile of the AVX-512 kernel.
-#[repr(align(64))]
-struct WideTile([f32; 2 * MR * NR]);
-
 /// The micro-kernel for full tiles: the AVX2 one (6 x 16), or, where the CPU has AVX-512 (and
 /// tests have not capped the kernels' level below it), the AVX-512 one (12 x 16, two panels of
 /// `A` at a time; the odd panel and the edges still go through the AVX2 kernel). Both give the
@@ -390,9 +385,10 @@ impl Tiles {
     }
 }
 
-/// A scratch tile, aligned as the kernel's stores like.
-#[repr(align(32))]
-struct Tile([f32; MR * NR]);
+/// A scratch tile for either kernel (the AVX2 one fills its first half), aligned as their
+/// stores like.
+#[repr(align(64))]
+struct Tile([f32; 2 * MR * NR]);
 
 /// Packs rows `i0..i0 + rows`, columns `pc..pc + kc` of `A` into 6-row panels: panel `ip` holds
 /// `kc` groups of six values (column `p` of its rows), rows past the block zero.
@@ -574,8 +570,8 @@ mod tests {
     }
 
     /// The parts cover the product once, on whole tiles, as evenly as tiles go; there is one per
-    /// thread (or one, for a product too small to share), and the products of an MLP and a decoder block split as
-    /// worked out by hand.
+    /// thread (or one, for a product too small to share), and the products of an MLP and a
+    /// decoder block split as worked out by hand.
     #[test]
     fn products_split_into_even_parts_one_per_thread() {
         for (len, tile, parts) in [(1024, MR, 4), (768, MR, 2), (257, NR, 3), (5, MR, 2)] {
