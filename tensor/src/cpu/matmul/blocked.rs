@@ -18,8 +18,10 @@
 //! crate's 177-205; now `dy @ w` of 2048 x 256 x 64 runs at 110 against 111 on one thread).
 //! Whole steps (`bench_train`, `WGPIPE_CPU_MATMUL` below, alternating, three runs of each):
 //! the MLP and both decoder blocks at parity, the main job's model at 0.82 and 0.96 of the
-//! crate's in two runs (not settled in the machine's noise), so with AVX-512 the `gemm` crate
-//! stays the default.
+//! crate's in two runs. Timing each product inside the main job's steps showed where: its
+//! narrow and batched products (64 x 2048 x 64 weight gradients, 128 heads of 64 x 16 x 64)
+//! run slower here than in the crate, its wide ones with a transposed operand faster. So with
+//! AVX-512 this runs the big products with a transposed operand only (see [`chosen`]).
 //!
 //! Operands are read through any strides while they are packed, so transposed views cost no
 //! copy. Every element of `C` sums its `k` products in the same order whatever the threads, the
@@ -89,11 +91,17 @@ impl Out {
     }
 }
 
-/// Whether matmul should run [`gemm`] here: AVX2 and FMA without AVX-512 (with AVX-512 the
-/// `gemm` crate's 16-lane kernels run). `WGPIPE_CPU_MATMUL` overrides that, to compare the two
+/// Whether matmul should run [`gemm`] for a product; `big_transposed`: it is one product (no
+/// batch) at least [`BIG_SIDE`] rows and columns wide with an operand whose `k` axis is the
+/// wrong one for its packing (`w.t()`, `dy.t()`). On CPUs with AVX2 and FMA but no AVX-512 it
+/// runs every product; with AVX-512 those only, where it packs the transposed operand through
+/// register transposes and the `gemm` crate packs it element by element or after a transposing
+/// copy (`matmul_by_panels`), and the crate's 16-lane kernels run the rest (ahead on the
+/// narrow and batched products of the main job's model: its 64 x 2048 x 64 weight gradients
+/// take the crate ~100 us, this ~200). `WGPIPE_CPU_MATMUL` overrides that, to compare the two
 /// on one machine: `gemm-crate` asks for the `gemm` crate everywhere, `blocked` for this
 /// product wherever AVX2 and FMA are.
-pub(crate) fn available() -> bool {
+pub(crate) fn chosen(big_transposed: bool) -> bool {
     static ASKED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     match ASKED
         .get_or_init(|| std::env::var("WGPIPE_CPU_MATMUL").ok())
@@ -104,9 +112,13 @@ pub(crate) fn available() -> bool {
         // The CPU's own features, not the level tests cap the other kernels to: the `gemm`
         // crate and this product sum in different orders, and the choice must not change
         // while another test's products run.
-        _ => supported() && !std::arch::is_x86_feature_detected!("avx512f"),
+        _ => supported() && (big_transposed || !std::arch::is_x86_feature_detected!("avx512f")),
     }
 }
+
+/// The fewest rows and columns of a product with a transposed operand that runs here on
+/// AVX-512 CPUs (see [`chosen`]).
+pub(crate) const BIG_SIDE: usize = 128;
 
 /// Whether [`gemm`] can run here at all: the CPU has AVX2 and FMA (whatever build level tests
 /// cap the other kernels' dispatch to meanwhile).
@@ -755,6 +767,9 @@ mod tests {
             ("n = 64: 2048x256x64 (dy @ w)", 2048, 256, 64, false, false),
             ("n = 64: dW 192x2048x64 (dy.t)", 192, 2048, 64, true, false),
             ("mid 256x256x256", 256, 256, 256, false, false),
+            ("lm ffn1 2048x64x256 (w.t())", 2048, 64, 256, false, true),
+            ("lm dW 64x2048x64 (dy.t())", 64, 2048, 64, true, false),
+            ("lm att q @ k.t() 64x16x64", 64, 16, 64, false, true),
         ];
         // `BENCH_SHAPES=x@w` runs only the shapes whose names contain it.
         let only = std::env::var("BENCH_SHAPES").unwrap_or_default();

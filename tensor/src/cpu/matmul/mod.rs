@@ -1,8 +1,10 @@
 //! Batched matmul: on CPUs with AVX2 and FMA but no AVX-512 through this crate's own blocked
-//! product (`blocked`), elsewhere through the `gemm` crate (AVX-512 / NEON kernels picked at run
-//! time; `WGPIPE_CPU_MATMUL` picks either, see `blocked::available`). Operands are read in place
-//! through their strides, so transposed and batch-broadcast operands cost no copy, but for the
-//! column-major right operand of a big product in `gemm` (see `matmul_by_panels`).
+//! product (`blocked`); with AVX-512 through it where a big product has a transposed operand,
+//! and through the `gemm` crate for the rest; elsewhere through the `gemm` crate (NEON kernels
+//! picked at run time). `WGPIPE_CPU_MATMUL` picks either everywhere (see `blocked::chosen`).
+//! Operands are read in place through their strides, so transposed and batch-broadcast operands
+//! cost no copy, but for the column-major right operand of a big product in `gemm` (see
+//! `matmul_by_panels`).
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -50,7 +52,7 @@ pub(crate) fn matmul(
     check_bounds(a, la, batch, m, k);
     check_bounds(b, lb, batch, k, n);
     #[cfg(target_arch = "x86_64")]
-    let own = blocked::available();
+    let own = blocked::chosen(big_transposed(la, lb, d));
     #[cfg(not(target_arch = "x86_64"))]
     let own = false;
     // gemm packs a column-major right operand (e.g. the `w.t()` of a Linear layer) element by
@@ -144,6 +146,17 @@ pub(crate) fn matmul(
             one(bi, o, 1);
         }
     }
+}
+
+/// Whether this is one product (no batch), at least [`blocked::BIG_SIDE`] rows and columns
+/// wide, with a transposed operand: `A` whose `k` axis is not its contiguous one (`dy.t()`), or
+/// `B` whose `k` axis is (`w.t()`). Those run the blocked product on AVX-512 CPUs too (see
+/// `blocked::chosen`).
+fn big_transposed(la: MatLayout, lb: MatLayout, d: MatDims) -> bool {
+    let MatDims { batch, m, k, n } = d;
+    let a_transposed = la.col_stride != 1;
+    let b_transposed = lb.row_stride == 1 && lb.col_stride != 1;
+    batch == 1 && m.min(n) >= blocked::BIG_SIDE && k > 1 && (a_transposed || b_transposed)
 }
 
 /// One product (`d.batch == 1`) whose right operand is column-major: a panel of its columns at
@@ -271,4 +284,66 @@ fn check_bounds(data: &[f32], l: MatLayout, batch: usize, rows: usize, cols: usi
         "matmul operand {l:?} ({batch} x {rows} x {cols}) reaches past its storage of {} values",
         data.len()
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Which products count as big and transposed: an MLP layer's `x @ w.t()` and `dy.t() @ x`
+    /// do, its `dy @ w` does not, nor batched attention products or narrow ones.
+    #[test]
+    fn big_transposed_products_are_the_single_wide_ones_with_a_transposed_operand() {
+        let dims = |batch, m, k, n| MatDims { batch, m, k, n };
+        let row_major = |rows: usize, cols: usize| MatLayout::new(0, rows * cols, cols, 1);
+        let col_major = |rows: usize, cols: usize| MatLayout::new(0, rows * cols, 1, rows);
+        let (m, k, n) = (256, 1024, 512);
+        let cases = [
+            (
+                "x @ w.t()",
+                row_major(m, k),
+                col_major(k, n),
+                dims(1, m, k, n),
+                true,
+            ),
+            (
+                "dy.t() @ x",
+                col_major(m, k),
+                row_major(k, n),
+                dims(1, m, k, n),
+                true,
+            ),
+            (
+                "dy @ w",
+                row_major(m, k),
+                row_major(k, n),
+                dims(1, m, k, n),
+                false,
+            ),
+            (
+                "batched q @ k.t()",
+                row_major(m, k),
+                col_major(k, n),
+                dims(8, m, k, n),
+                false,
+            ),
+            (
+                "narrow x @ w.t()",
+                row_major(m, k),
+                col_major(k, 64),
+                dims(1, m, k, 64),
+                false,
+            ),
+            (
+                "short dy.t() @ x",
+                col_major(64, k),
+                row_major(k, n),
+                dims(1, 64, k, n),
+                false,
+            ),
+        ];
+        for (name, la, lb, d, want) in cases {
+            assert_eq!(big_transposed(la, lb, d), want, "{name}");
+        }
+    }
 }
