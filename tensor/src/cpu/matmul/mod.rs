@@ -148,15 +148,15 @@ pub(crate) fn matmul(
     }
 }
 
-/// Whether this is one product (no batch), at least [`blocked::BIG_SIDE`] rows and columns
-/// wide, with a transposed operand: `A` whose `k` axis is not its contiguous one (`dy.t()`), or
-/// `B` whose `k` axis is (`w.t()`). Those run the blocked product on AVX-512 CPUs too (see
-/// `blocked::chosen`).
+/// Whether each product of this batch, at least [`blocked::BIG_SIDE`] rows and columns wide,
+/// has a transposed operand: `A` whose `k` axis is not its contiguous one (`dy.t()`), or `B`
+/// whose `k` axis is (`w.t()`, an attention's `k.t()`). Those run the blocked product on AVX-512
+/// CPUs too (see `blocked::chosen`).
 fn big_transposed(la: MatLayout, lb: MatLayout, d: MatDims) -> bool {
-    let MatDims { batch, m, k, n } = d;
+    let MatDims { m, k, n, .. } = d;
     let a_transposed = la.col_stride != 1;
     let b_transposed = lb.row_stride == 1 && lb.col_stride != 1;
-    batch == 1 && m.min(n) >= blocked::BIG_SIDE && k > 1 && (a_transposed || b_transposed)
+    m.min(n) >= blocked::BIG_SIDE && k > 1 && (a_transposed || b_transposed)
 }
 
 /// One product (`d.batch == 1`) whose right operand is column-major: a panel of its columns at
@@ -291,53 +291,44 @@ mod tests {
     use super::*;
 
     /// Which products count as big and transposed: an MLP layer's `x @ w.t()` and `dy.t() @ x`
-    /// do, its `dy @ w` does not, nor batched attention products or narrow ones.
+    /// and a decoder block's `q @ k.t()` over 128 positions do, its `dy @ w` does not, nor
+    /// narrow ones (the main job's 64-wide heads and layers).
     #[test]
-    fn big_transposed_products_are_the_single_wide_ones_with_a_transposed_operand() {
+    fn big_transposed_products_are_the_wide_ones_with_a_transposed_operand() {
         let dims = |batch, m, k, n| MatDims { batch, m, k, n };
-        let row_major = |rows: usize, cols: usize| MatLayout::new(0, rows * cols, cols, 1);
-        let col_major = |rows: usize, cols: usize| MatLayout::new(0, rows * cols, 1, rows);
+        // Row-major and column-major `rows x cols` operands.
+        let rm = |rows: usize, cols: usize| MatLayout::new(0, rows * cols, cols, 1);
+        let cm = |rows: usize, cols: usize| MatLayout::new(0, rows * cols, 1, rows);
         let (m, k, n) = (256, 1024, 512);
         let cases = [
+            ("x @ w.t()", rm(m, k), cm(k, n), dims(1, m, k, n), true),
+            ("dy.t() @ x", cm(m, k), rm(k, n), dims(1, m, k, n), true),
+            ("dy @ w", rm(m, k), rm(k, n), dims(1, m, k, n), false),
             (
-                "x @ w.t()",
-                row_major(m, k),
-                col_major(k, n),
-                dims(1, m, k, n),
-                true,
-            ),
-            (
-                "dy.t() @ x",
-                col_major(m, k),
-                row_major(k, n),
-                dims(1, m, k, n),
-                true,
-            ),
-            (
-                "dy @ w",
-                row_major(m, k),
-                row_major(k, n),
-                dims(1, m, k, n),
-                false,
-            ),
-            (
-                "batched q @ k.t()",
-                row_major(m, k),
-                col_major(k, n),
+                "q @ k.t(), 8 heads",
+                rm(m, k),
+                cm(k, n),
                 dims(8, m, k, n),
+                true,
+            ),
+            (
+                "q @ k.t(), 64 wide",
+                rm(64, 16),
+                cm(16, 64),
+                dims(8, 64, 16, 64),
                 false,
             ),
             (
                 "narrow x @ w.t()",
-                row_major(m, k),
-                col_major(k, 64),
+                rm(m, k),
+                cm(k, 64),
                 dims(1, m, k, 64),
                 false,
             ),
             (
                 "short dy.t() @ x",
-                col_major(64, k),
-                row_major(k, n),
+                cm(64, k),
+                rm(k, n),
                 dims(1, 64, k, n),
                 false,
             ),
