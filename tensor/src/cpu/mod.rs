@@ -21,7 +21,7 @@ mod half_cast;
 pub(crate) mod host_pool;
 mod index;
 mod math;
-mod matmul;
+pub(crate) mod matmul;
 mod norm;
 mod optim;
 pub(crate) mod par;

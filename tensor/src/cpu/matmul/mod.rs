@@ -12,6 +12,7 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod blocked;
+pub(crate) mod timing;
 
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -48,9 +49,27 @@ pub(crate) fn matmul(
         out.fill(0.0);
         return;
     }
-    let macs = m * n * k;
     check_bounds(a, la, batch, m, k);
     check_bounds(b, lb, batch, k, n);
+    let started = timing::on().then(std::time::Instant::now);
+    let kernel = products(out, a, la, b, lb, d);
+    if let Some(t0) = started {
+        timing::record(d, la, lb, kernel, t0.elapsed());
+    }
+}
+
+/// The product of [`matmul`] (operands checked, `m * n * k > 0`); returns the kernel that ran
+/// it (see [`timing::MatmulTime::kernel`]).
+fn products(
+    out: &mut [f32],
+    a: &[f32],
+    la: MatLayout,
+    b: &[f32],
+    lb: MatLayout,
+    d: MatDims,
+) -> &'static str {
+    let MatDims { batch, m, k, n } = d;
+    let (mn, macs) = (m * n, m * n * k);
     #[cfg(target_arch = "x86_64")]
     let own = blocked::chosen(big_transposed(la, lb, d));
     #[cfg(not(target_arch = "x86_64"))]
@@ -68,7 +87,7 @@ pub(crate) fn matmul(
         && n > 1
     {
         matmul_by_panels(out, a, la, b, lb, d);
-        return;
+        return "gemm crate, B copied";
     }
     let one = |bi: usize, o: &mut [f32], threads: usize| {
         let pa = &a[la.matrix_offset(bi)..];
@@ -158,6 +177,11 @@ pub(crate) fn matmul(
         for (bi, o) in out.chunks_mut(mn).enumerate() {
             one(bi, o, 1);
         }
+    }
+    if own {
+        "blocked"
+    } else {
+        "gemm crate"
     }
 }
 
