@@ -208,8 +208,12 @@ fn cnn_example_reads_cifar_and_mnist_files() {
     assert!(e.contains("missing.bin") && e.contains("not found"), "{e}");
 }
 
+/// The bench tests run one at a time: products are timed process-wide, and both run the MLP.
+static BENCHES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn bench_example_measures_every_workload() {
+    let _one = BENCHES.lock().unwrap_or_else(|e| e.into_inner());
     let args = BenchArgs::parse_from_args([
         "--devices",
         "cpu",
@@ -265,6 +269,59 @@ fn bench_example_measures_every_workload() {
             && t.contains("FMA peak")
             && t.contains("spread over rounds"),
         "{t}"
+    );
+}
+
+/// `--matmul-times`: every product of the MLP's measured steps, by kind, against the count by
+/// hand: per step 4 forward `x @ w.t()`, 3 input gradients `dy @ w` (the input needs none), 4
+/// weight gradients `dy.t() @ x`, each 256 x 1024 x 1024 multiply-adds.
+#[test]
+fn bench_example_times_the_products_of_a_step() {
+    use wgpipe::tensor::OperandLayout::{RowMajor, Transposed};
+    let _one = BENCHES.lock().unwrap_or_else(|e| e.into_inner());
+    let args = BenchArgs::parse_from_args([
+        "--devices",
+        "cpu",
+        "--workloads",
+        "mlp",
+        "--no-pipeline",
+        "--seconds",
+        "100",
+        "--max-steps",
+        "2",
+        "--warmup",
+        "1",
+        "--torch-python",
+        "",
+        "--matmul-times",
+    ])
+    .unwrap();
+    let rows = bench_train::run(args).unwrap();
+    let timed = &rows[0].matmuls;
+    assert_eq!(timed.steps, 2, "the measured steps, not the warm-up");
+    let calls = |m, k, n, a, b| -> u64 {
+        timed
+            .times
+            .iter()
+            .filter(|t| (t.batch, t.m, t.k, t.n, t.a, t.b) == (1, m, k, n, a, b))
+            .map(|t| t.calls)
+            .sum()
+    };
+    assert_eq!(calls(256, 1024, 1024, RowMajor, Transposed), 8, "x @ w.t()");
+    assert_eq!(calls(256, 1024, 1024, RowMajor, RowMajor), 6, "dy @ w");
+    assert_eq!(
+        calls(1024, 256, 1024, Transposed, RowMajor),
+        8,
+        "dy.t() @ x"
+    );
+    let all: u64 = timed.times.iter().map(|t| t.calls).sum();
+    assert_eq!(all, 22, "no other products: {:?}", timed.times);
+    assert!(timed.times.iter().all(|t| t.seconds > 0.0));
+    let table = timed.table(1.0 / rows[0].plain);
+    assert!(
+        table.contains("| 1 x 256 x 1024 x 1024 | RowMajor | Transposed |")
+            && table.contains("all products:"),
+        "{table}"
     );
 }
 

@@ -33,7 +33,7 @@ use crate::models::{
 };
 use crate::pipeline::{CheckpointMode, Pipeline};
 use crate::prim_block::PrimitiveBlock;
-use crate::tensor::{Device, Tensor, UnaryOp};
+use crate::tensor::{take_cpu_matmul_times, time_cpu_matmuls, Device, MatmulTime, Tensor, UnaryOp};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Workload {
@@ -120,6 +120,10 @@ pub struct BenchArgs {
     /// Measurements per cell, wgpipe and PyTorch alternating; the table shows medians.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
+    /// Times every product of the CPU rows' plain steps (shape, operand layouts, kernel) and
+    /// prints where each round's matmul time went, per step, on stderr.
+    #[arg(long)]
+    pub matmul_times: bool,
 }
 
 impl BenchArgs {
@@ -158,6 +162,8 @@ pub struct BenchRow {
     pub flops_per_step: f64,
     /// The CPU's f32 FMA peak on the backend's threads, measured in this run (CPU rows).
     pub fma_peak_gflops: Option<f64>,
+    /// The last round's products, with `--matmul-times` (CPU rows).
+    pub matmuls: MatmulTimes,
 }
 
 impl BenchRow {
@@ -281,18 +287,70 @@ struct Timed {
     loss: f32,
     /// FLOPs per measured step, from `dev`'s counter.
     flops_per_step: f64,
+    /// The CPU products of the measured steps, when timed.
+    matmuls: MatmulTimes,
+}
+
+/// The CPU products of a round's measured steps, by kind (`--matmul-times`).
+#[derive(Debug, Clone, Default)]
+pub struct MatmulTimes {
+    pub times: Vec<MatmulTime>,
+    /// The steps they were timed over.
+    pub steps: usize,
+}
+
+impl MatmulTimes {
+    /// Where a step's product time went, a row per kind of product, the most time first:
+    /// calls per step, time per call and per step, GFLOP/s; then all of them together, against
+    /// `step_seconds` (the median step).
+    pub fn table(&self, step_seconds: f64) -> String {
+        let steps = self.steps.max(1) as f64;
+        let mut s = String::from(
+            "| product (batch x m x k x n) | A | B | kernel | calls per step | us per call | ms per step | GFLOP/s |\n|---|---|---|---|---|---|---|---|\n",
+        );
+        for t in &self.times {
+            s += &format!(
+                "| {} x {} x {} x {} | {:?} | {:?} | {} | {:.1} | {:.1} | {:.3} | {:.0} |\n",
+                t.batch,
+                t.m,
+                t.k,
+                t.n,
+                t.a,
+                t.b,
+                t.kernel,
+                t.calls as f64 / steps,
+                1e6 * t.seconds / t.calls.max(1) as f64,
+                1e3 * t.seconds / steps,
+                t.gflops()
+            );
+        }
+        let total: f64 = self.times.iter().map(|t| t.seconds).sum::<f64>() / steps;
+        s += &format!(
+            "all products: {:.2} ms per step, {:.0}% of the median step ({:.2} ms)\n",
+            1e3 * total,
+            100.0 * total / step_seconds,
+            1e3 * step_seconds
+        );
+        s
+    }
 }
 
 /// Runs `step` for `warmup` steps, then times it step by step for up to `seconds` /
 /// `max_steps`. Every step reads its loss back, so the device has finished when its clock stops.
+/// With `time_matmuls`, the CPU products of the measured steps are timed too.
 fn time_steps(
     args: &BenchArgs,
     dev: &Device,
+    time_matmuls: bool,
     mut step: impl FnMut(u64) -> AppResult<f32>,
 ) -> AppResult<Timed> {
     let mut loss = 0.0;
     for i in 0..args.warmup {
         loss = step(i as u64)?;
+    }
+    if time_matmuls {
+        take_cpu_matmul_times(); // the warm-up's
+        time_cpu_matmuls(true);
     }
     let flops0 = dev.flops();
     let t0 = Instant::now();
@@ -304,10 +362,19 @@ fn time_steps(
         loss = step((args.warmup + times.len()) as u64)?;
         times.push(ts.elapsed().as_secs_f64());
     }
+    let mut matmuls = MatmulTimes::default();
+    if time_matmuls {
+        time_cpu_matmuls(false);
+        matmuls = MatmulTimes {
+            times: take_cpu_matmul_times(),
+            steps: times.len(),
+        };
+    }
     Ok(Timed {
         steps_per_sec: 1.0 / median(&times),
         loss,
         flops_per_step: (dev.flops() - flops0) as f64 / times.len() as f64,
+        matmuls,
     })
 }
 
@@ -318,7 +385,7 @@ fn bench_plain(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<Timed> 
     let params = sequence_parameters(&layers);
     let mut opt = optimizer_of(w);
     let mut run = move || {
-        time_steps(args, dev, |step| {
+        time_steps(args, dev, args.matmul_times && dev.is_cpu(), |step| {
             let tape = Tape::new();
             let input = tape.constant(x.clone());
             let out = forward_all(&layers, &input, &ForwardCtx::train(0, step, 0))?;
@@ -346,7 +413,7 @@ fn bench_pipelined(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<Tim
         .optimizer(move || optimizer_of(w))
         .build()?;
     let loss_fn = move |o: &Var, t: &Tensor| loss_of(w, o, t);
-    time_steps(args, dev, |_| {
+    time_steps(args, dev, false, |_| {
         let r = pipe.train_step(&x, &y, &loss_fn)?;
         pipe.optimizer_step()?;
         Ok(r.loss)
@@ -556,11 +623,20 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
             let (mut plain, mut piped, mut torch, mut torch_full) =
                 (vec![], vec![], vec![], vec![]);
             let (mut loss, mut flops_per_step) = (0.0, 0.0);
+            let mut matmuls = MatmulTimes::default();
             for round in 0..args.rounds {
                 eprintln!("measuring {w:?} on {label} (round {}) ...", round + 1);
                 let t = bench_plain(&args, *w, dev).context(format!("{w:?} on {label}, plain"))?;
                 plain.push(t.steps_per_sec);
                 (loss, flops_per_step) = (t.loss, t.flops_per_step);
+                if !t.matmuls.times.is_empty() {
+                    eprintln!(
+                        "  round {}, {w:?}: the products of a step\n{}",
+                        round + 1,
+                        t.matmuls.table(1.0 / t.steps_per_sec)
+                    );
+                }
+                matmuls = t.matmuls;
                 if !args.no_pipeline {
                     piped.push(
                         bench_pipelined(&args, *w, dev)
@@ -605,6 +681,7 @@ pub fn run(args: BenchArgs) -> AppResult<Vec<BenchRow>> {
                 torch_full_rounds: torch_full,
                 flops_per_step,
                 fma_peak_gflops: peak_before.filter(|_| dev.is_cpu()),
+                matmuls,
             });
         }
     }
@@ -683,6 +760,7 @@ mod tests {
             torch_full_rounds: vec![],
             flops_per_step: 3e9,
             fma_peak_gflops: Some(300.0),
+            matmuls: MatmulTimes::default(),
         };
         // Rounds' ratios 1.0, 0.8, 1.1; the ratio of the medians would be 30 / 30 = 1.0 too,
         // so a fourth round tells the two apart below.
