@@ -272,7 +272,7 @@ fn bench_example_measures_every_workload() {
     );
 }
 
-/// `--matmul-times`: every product of the MLP's measured steps, by kind, against the count by
+/// `--matmul-times`: the products of the MLP's measured steps, by kind, against the count by
 /// hand: per step 4 forward `x @ w.t()`, 3 input gradients `dy @ w` (the input needs none), 4
 /// weight gradients `dy.t() @ x`, each 256 x 1024 x 1024 multiply-adds.
 #[test]
@@ -314,8 +314,8 @@ fn bench_example_times_the_products_of_a_step() {
         8,
         "dy.t() @ x"
     );
-    let all: u64 = timed.times.iter().map(|t| t.calls).sum();
-    assert_eq!(all, 22, "no other products: {:?}", timed.times);
+    // (Other kinds may be there: the tests beside this one in this binary, a CNN's and an LM's
+    // training, multiply while the timing is on. None multiplies these shapes.)
     assert!(timed.times.iter().all(|t| t.seconds > 0.0));
     let table = timed.table(1.0 / rows[0].plain);
     assert!(
