@@ -168,8 +168,9 @@ fn products(
         // place in whole steps on a 2-core Zen 4, 2026-12-04, those heads' products took 0-13%
         // less time (four runs; about 0.4 ms of a 26 ms step), a decoder block's 128-wide heads
         // from 13% less to 16% more (four runs), and no step got measurably faster. Inside a
-        // step `q @ k.t()` of the main job's heads runs at about 55 GFLOP/s on two threads,
-        // writing 2 MiB of scores: fusing it with the softmax is what is left to try.)
+        // step `q @ k.t()` of the main job's heads runs at 75-87 GFLOP/s on two threads (the
+        // crate's; `bench_train --matmul-times`), writing 2 MiB of scores: fusing it with the
+        // softmax is what is left to try.)
         out.par_chunks_mut(mn)
             .enumerate()
             .for_each(|(bi, o)| one(bi, o, 1));
