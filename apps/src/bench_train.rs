@@ -348,10 +348,18 @@ fn time_steps(
     for i in 0..args.warmup {
         loss = step(i as u64)?;
     }
-    if time_matmuls {
+    // Timing is process-wide: turned off again on every way out, a failed step included.
+    struct StopTiming;
+    impl Drop for StopTiming {
+        fn drop(&mut self) {
+            time_cpu_matmuls(false);
+        }
+    }
+    let stop_timing = time_matmuls.then(|| {
         take_cpu_matmul_times(); // the warm-up's
         time_cpu_matmuls(true);
-    }
+        StopTiming
+    });
     let flops0 = dev.flops();
     let t0 = Instant::now();
     let mut times = Vec::new();
@@ -363,8 +371,8 @@ fn time_steps(
         times.push(ts.elapsed().as_secs_f64());
     }
     let mut matmuls = MatmulTimes::default();
-    if time_matmuls {
-        time_cpu_matmuls(false);
+    if let Some(stop) = stop_timing {
+        drop(stop);
         matmuls = MatmulTimes {
             times: take_cpu_matmul_times(),
             steps: times.len(),

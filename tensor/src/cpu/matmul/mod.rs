@@ -166,8 +166,8 @@ fn products(
         // `k`, `A` read in place, the same bits as the blocked product. On one thread with an
         // output in L1 it ran the main job's 128 heads 5-31% faster than the `gemm` crate; in
         // place in whole steps on a 2-core Zen 4, 2026-12-04, those heads' products took 0-13%
-        // less time (four runs; about 0.4 ms of a 26 ms step), a decoder block's 128-wide heads
-        // from 13% less to 16% more (four runs), and no step got measurably faster. Inside a
+        // less time (four runs: 0 to 0.8 ms of a step of 26-30 ms), a decoder block's 128-wide
+        // heads from 13% less to 16% more (four runs), and no step got measurably faster. Inside a
         // step `q @ k.t()` of the main job's heads runs at 75-87 GFLOP/s on two threads (the
         // crate's; `bench_train --matmul-times`), writing 2 MiB of scores: fusing it with the
         // softmax is what is left to try.)
