@@ -252,8 +252,11 @@ fn output_and_grads(
     out
 }
 
+/// The fused attention against the unfused chain: bit for bit where dropout is on (the fused op
+/// then takes the chain's products), to rounding where it is off (on the CPU one kernel then
+/// runs each head: its own products, none of a masked score).
 #[test]
-fn fused_attention_equals_the_unfused_chain_bit_for_bit() {
+fn fused_attention_equals_the_unfused_chain() {
     for (p, ctx) in [
         (0.0, ForwardCtx::train(4, 0, 1)),
         (0.3, ForwardCtx::train(4, 2, 1)),
@@ -275,7 +278,19 @@ fn fused_attention_equals_the_unfused_chain_bit_for_bit() {
                     .get(i)
                     .copied()
                     .unwrap_or_else(|| params[i - 2].as_str());
-                assert_eq!(f, u, "{form}: {what} (dropout {p}, train {})", ctx.train);
+                let case = format!("{form}: {what} (dropout {p}, train {})", ctx.train);
+                if p > 0.0 && ctx.train {
+                    assert_eq!(f, u, "{case}");
+                    continue;
+                }
+                assert_eq!(f.len(), u.len(), "{case}");
+                for (j, (a, b)) in f.iter().zip(u).enumerate() {
+                    let tol = 1e-6 + 1e-5 * b.abs();
+                    assert!(
+                        (a - b).abs() <= tol,
+                        "{case}: element {j} is {a}, unfused {b}"
+                    );
+                }
             }
         }
     }

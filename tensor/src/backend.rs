@@ -69,6 +69,14 @@ pub struct MatDims {
     pub n: usize,
 }
 
+/// A batch of attention heads: `batch` matrices of `t` rows (queries or keys) and `dh` columns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadDims {
+    pub batch: usize,
+    pub t: usize,
+    pub dh: usize,
+}
+
 /// Geometry of a 2-D convolution, NCHW input, weight `[c_out, c_in / groups, kh, kw]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Conv2dGeometry {
@@ -224,6 +232,32 @@ pub(crate) trait Kernels: Send + Sync {
         cols: usize,
         scale: f32,
     ) -> Result<Tensor>;
+    /// Causal attention of `d.batch` heads in one kernel, each operand a strided batch of `[t,
+    /// dh]` matrices with contiguous rows (`col_stride == 1`): `p = causal_softmax(scale * q
+    /// k^T)` (as [`Kernels::causal_softmax_rows`] makes it) and `y = p v`. Returns `(y [batch, t,
+    /// dh], p [batch, t, t])`, or `None` where the backend has no such kernel (the front-end
+    /// then composes matmuls and the row kernels).
+    fn causal_attention(
+        &self,
+        _qkv: [(&Tensor, MatLayout); 3],
+        _d: HeadDims,
+        _scale: f32,
+    ) -> Option<Result<(Tensor, Tensor)>> {
+        None
+    }
+    /// The backward of [`Kernels::causal_attention`]: given its `p` (contiguous `[batch, t, t]`)
+    /// and `g`, the gradient of `y` (a batch like the operands), the gradients of `q`, `k` and
+    /// `v`, each contiguous `[batch, t, dh]`; `None` where the backend has no such kernel.
+    fn causal_attention_backward(
+        &self,
+        _qkv: [(&Tensor, MatLayout); 3],
+        _p: &Tensor,
+        _g: (&Tensor, MatLayout),
+        _d: HeadDims,
+        _scale: f32,
+    ) -> Option<Result<[Tensor; 3]>> {
+        None
+    }
     /// `y` (softmaxed rows) and `g` (their gradient) contiguous `[rows, cols]`: the gradient of
     /// the rows' inputs, `scale * y * (g - sum(g * y))`, for `y = softmax(scale * x)`.
     fn softmax_backward_rows(

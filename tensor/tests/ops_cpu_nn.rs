@@ -543,3 +543,105 @@ fn fused_loss_and_norm_split_over_threads_match_the_unfused_ops() {
         .unwrap();
     assert_eq!(loss.to_vec().unwrap(), unfused.to_vec().unwrap());
 }
+
+/// Causal attention composed of the ops the one-kernel path replaces: `(y, p, [gq, gk, gv])`.
+fn composed_attention([q, k, v, g]: [&Tensor; 4], scale: f32) -> (Tensor, Tensor, [Tensor; 3]) {
+    let p = q
+        .matmul(&k.t().unwrap())
+        .unwrap()
+        .causal_softmax(scale)
+        .unwrap();
+    let y = p.matmul(v).unwrap();
+    let gp = g.matmul(&v.t().unwrap()).unwrap();
+    let gs = Tensor::softmax_backward(&p, &gp, scale).unwrap();
+    let gq = gs.matmul(k).unwrap();
+    let gk = gs.t().unwrap().matmul(q).unwrap();
+    let gv = p.t().unwrap().matmul(g).unwrap();
+    (y, p, [gq, gk, gv])
+}
+
+/// Each output of the one-kernel attention against the composed ops, to rounding.
+fn assert_attention_matches_composed(ops: [&Tensor; 4], scale: f32) {
+    let [q, k, v, g] = ops;
+    let (y, p) = q.causal_attention(k, v, scale).unwrap();
+    let grads = q.causal_attention_backward(k, v, &p, g, scale).unwrap();
+    let (y0, p0, grads0) = composed_attention(ops, scale);
+    let got = [&y, &p, &grads[0], &grads[1], &grads[2]];
+    let want = [&y0, &p0, &grads0[0], &grads0[1], &grads0[2]];
+    for (name, (got, want)) in ["y", "p", "gq", "gk", "gv"]
+        .iter()
+        .zip(got.iter().zip(want))
+    {
+        assert_eq!(got.shape(), want.shape(), "{name}");
+        let (got, want) = (got.to_vec().unwrap(), want.to_vec().unwrap());
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 + 1e-4 * b.abs(),
+                "{name} of q {:?}: element {i} is {a}, composed {b}",
+                q.shape()
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(cases(32))]
+
+    /// The one-kernel causal attention (forward and backward) against the ops it replaces, on
+    /// every layout the operands may come in (strided rows, reversed strides, offsets).
+    #[test]
+    fn causal_attention_matches_the_composed_ops(
+        batch in prop::collection::vec(1usize..4, 0..3),
+        t in 1usize..40,
+        dh in 1usize..40,
+        variant in 0..VARIANTS,
+        scale in 0.05f32..1.0,
+        seed in 0u64..1000,
+    ) {
+        let mut shape = batch.clone();
+        shape.extend([t, dh]);
+        let x: Vec<Tensor> = (0..4)
+            .map(|i| Nd::rand(&shape, seed + i, -2.0, 2.0).tensor_as(variant + i as u8))
+            .collect();
+        assert_attention_matches_composed([&x[0], &x[1], &x[2], &x[3]], scale);
+    }
+}
+
+/// Heads split out of rows and permuted (`[B, T, H, dh]` viewed as `[B, H, T, dh]`, two batch
+/// strides), as attention layers hand them over, at the main job's and a decoder block's sizes.
+#[test]
+fn causal_attention_takes_permuted_heads_in_place() {
+    for (b, t, h, dh) in [(2, 64, 4, 16), (1, 128, 2, 64), (3, 5, 3, 7)] {
+        let heads = |seed| {
+            Nd::rand(&[b, t, h, dh], seed, -2.0, 2.0)
+                .tensor()
+                .permute(&[0, 2, 1, 3])
+                .unwrap()
+        };
+        let x = [heads(1), heads(2), heads(3), heads(4)];
+        assert_attention_matches_composed([&x[0], &x[1], &x[2], &x[3]], 0.25);
+    }
+}
+
+#[test]
+fn causal_attention_names_bad_shapes() {
+    let dev = Device::cpu();
+    let q = Tensor::zeros(&[2, 5, 4], &dev).unwrap();
+    let k = Tensor::zeros(&[2, 5, 3], &dev).unwrap();
+    let msg = q.causal_attention(&k, &q, 1.0).unwrap_err().to_string();
+    assert!(
+        msg.contains("[2, 5, 4]") && msg.contains("[2, 5, 3]"),
+        "{msg}"
+    );
+    let p = Tensor::zeros(&[2, 5, 4], &dev).unwrap();
+    let msg = q
+        .causal_attention_backward(&q, &q, &p, &q, 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("p [2, 5, 4] must be [2, 5, 5]"), "{msg}");
+    let msg = q
+        .causal_attention(&q, &q, f32::NAN)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("scale must be finite"), "{msg}");
+}

@@ -1,11 +1,14 @@
 //! Causal scaled-dot-product attention as one op: `softmax(scale * q k^T, future masked) v`.
 //!
-//! The forward is two matmuls around one fused row kernel (scale, mask, softmax); the backward
-//! is two matmul pairs around one fused row kernel (softmax backward, scale), where the unfused
-//! chain (matmul, mul_scalar, masked_fill, softmax, matmul) recorded five nodes, built and
-//! uploaded a mask every call and made about nine elementwise passes over the scores. The
-//! products are the ones the chain computed, with the same operand layouts, so the results agree
-//! with it bit for bit on the CPU.
+//! Without dropout the forward and the backward are one kernel each on the CPU
+//! ([`Tensor::causal_attention`], [`Tensor::causal_attention_backward`]: each head's scores used
+//! while in cache, no product of a masked score); elsewhere, and with dropout, the forward is two
+//! matmuls around one fused row kernel (scale, mask, softmax) and the backward two matmul pairs
+//! around one (softmax backward, scale). The unfused chain (matmul, mul_scalar, masked_fill,
+//! softmax, matmul) recorded five nodes, built and uploaded a mask every call and made about
+//! nine elementwise passes over the scores. The composed path takes the chain's products with
+//! the same operand layouts, so it agrees with the chain bit for bit on the CPU; the one-kernel
+//! path agrees to rounding.
 
 use wgpipe_tensor::{Error, Result, Tensor};
 
@@ -153,12 +156,18 @@ impl Attended {
         scale: f32,
         dropout: Option<&Tensor>,
     ) -> Result<(Tensor, Attended)> {
-        let p = q.matmul(&k.t()?)?.causal_softmax(scale)?;
-        let pd = match dropout {
-            Some(m) => p.mul(m)?,
-            None => p.clone(),
+        let (y, p, pd) = match dropout {
+            // One kernel on the CPU (see `Tensor::causal_attention`).
+            None => {
+                let (y, p) = q.causal_attention(k, v, scale)?;
+                (y, p.clone(), p)
+            }
+            Some(m) => {
+                let p = q.matmul(&k.t()?)?.causal_softmax(scale)?;
+                let pd = p.mul(m)?;
+                (pd.matmul(v)?, p, pd)
+            }
         };
-        let y = pd.matmul(v)?;
         let saved = Attended {
             q: q.clone(),
             k: k.clone(),
@@ -173,6 +182,17 @@ impl Attended {
 
     /// The gradients of q, k and v (each where `want` asks) for the output gradient `g`.
     fn backward(&self, g: &Tensor, want: [bool; 3]) -> Result<[Option<Tensor>; 3]> {
+        if self.mask.is_none() {
+            // One kernel on the CPU, all three gradients (see `Tensor::causal_attention_backward`).
+            let [gq, gk, gv] = self
+                .q
+                .causal_attention_backward(&self.k, &self.v, &self.p, g, self.scale)?;
+            return Ok([
+                want[0].then_some(gq),
+                want[1].then_some(gk),
+                want[2].then_some(gv),
+            ]);
+        }
         let gv = when(want[2], || self.pd.t()?.matmul(g))?;
         if !want[0] && !want[1] {
             return Ok([None, None, gv]);

@@ -13,6 +13,7 @@ use crate::memory::Allocation;
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
+mod attention;
 mod bias_act;
 mod conv;
 mod cross_entropy;
@@ -293,6 +294,65 @@ impl Kernels for CpuKernels {
         let mut out = Out::for_overwrite(x.device(), rows * cols)?;
         reduce::causal_softmax_rows(&mut out.data, &contig(x), cols, scale);
         Ok(out.into_tensor(&[rows, cols], x.device()))
+    }
+
+    fn causal_attention(
+        &self,
+        [(q, lq), (k, lk), (v, lv)]: [(&Tensor, MatLayout); 3],
+        d: HeadDims,
+        scale: f32,
+    ) -> Option<Result<(Tensor, Tensor)>> {
+        if !attention::chosen() {
+            return None;
+        }
+        let run = || {
+            let dev = q.device();
+            let mut y = Out::for_overwrite(dev, d.batch * d.t * d.dh)?;
+            let mut p = Out::for_overwrite(dev, d.batch * d.t * d.t)?;
+            let heads = |x, layout| attention::Heads {
+                data: data(x),
+                layout,
+            };
+            let qkv = [heads(q, lq), heads(k, lk), heads(v, lv)];
+            attention::forward(&mut y.data, &mut p.data, qkv, d, scale);
+            Ok((
+                y.into_tensor(&[d.batch, d.t, d.dh], dev),
+                p.into_tensor(&[d.batch, d.t, d.t], dev),
+            ))
+        };
+        Some(run())
+    }
+
+    fn causal_attention_backward(
+        &self,
+        [(q, lq), (k, lk), (v, lv)]: [(&Tensor, MatLayout); 3],
+        p: &Tensor,
+        (g, lg): (&Tensor, MatLayout),
+        d: HeadDims,
+        scale: f32,
+    ) -> Option<Result<[Tensor; 3]>> {
+        if !attention::chosen() {
+            return None;
+        }
+        let run = || {
+            let dev = q.device();
+            let n = d.batch * d.t * d.dh;
+            let [mut gq, mut gk, mut gv] = [
+                Out::for_overwrite(dev, n)?,
+                Out::for_overwrite(dev, n)?,
+                Out::for_overwrite(dev, n)?,
+            ];
+            let heads = |x, layout| attention::Heads {
+                data: data(x),
+                layout,
+            };
+            let qkv = [heads(q, lq), heads(k, lk), heads(v, lv)];
+            let (gq_, gk_, gv_) = (&mut gq.data, &mut gk.data, &mut gv.data);
+            attention::backward(gq_, gk_, gv_, qkv, &contig(p), heads(g, lg), d, scale);
+            let shape = [d.batch, d.t, d.dh];
+            Ok([gq, gk, gv].map(|o| o.into_tensor(&shape, dev)))
+        };
+        Some(run())
     }
 
     fn softmax_backward_rows(

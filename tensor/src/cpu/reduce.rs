@@ -260,7 +260,7 @@ multiversion! {
 /// Softmax of `scale * x[..valid]` into `out[..valid]`, zeros after it: one row of causal
 /// attention scores, the future masked out. The same arithmetic as the scaled, masked
 /// (`-1e9`) and softmaxed row the unfused chain computed, so the two agree bit for bit.
-fn causal_softmax_row(out: &mut [f32], x: &[f32], scale: f32, valid: usize) {
+pub(crate) fn causal_softmax_row(out: &mut [f32], x: &[f32], scale: f32, valid: usize) {
     let (head, tail) = out.split_at_mut(valid);
     for (o, &v) in head.iter_mut().zip(x) {
         *o = v * scale;
@@ -292,7 +292,7 @@ pub(crate) fn causal_softmax_rows(out: &mut [f32], x: &[f32], cols: usize, scale
 multiversion! {
 /// `scale * (g * y - y * sum(g * y))`: the gradient of the scores of one softmaxed row `y`
 /// (the gradient of `softmax(scale * x)` with respect to `x`), in two passes.
-fn softmax_backward_row(out: &mut [f32], y: &[f32], g: &[f32], scale: f32) {
+pub(crate) fn softmax_backward_row(out: &mut [f32], y: &[f32], g: &[f32], scale: f32) {
     for ((o, &yv), &gv) in out.iter_mut().zip(y).zip(g) {
         *o = gv * yv;
     }

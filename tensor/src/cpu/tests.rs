@@ -1081,6 +1081,18 @@ fn every_simd_build_gives_the_same_bits() {
             Tensor::softmax_backward(&p, &gp, 0.3).unwrap(),
         );
         keep("causal_softmax".into(), p);
+        // Fused attention: 2 batches of [t, dh] = [67, 19] (dh not whole lanes, rows read
+        // through strides), and [67, 32] (whole lanes, read in place).
+        for dh in [19, 32] {
+            let part = |x: &Tensor, i| x.narrow(1, i * dh, dh).unwrap().unsqueeze(0).unwrap();
+            let (q, k, v) = (part(&x, 0), part(&x, 1), part(&g, 2));
+            let gy = part(&g, 3);
+            let (y, p) = q.causal_attention(&k, &v, 0.2).unwrap();
+            let [gq, gk, gv] = q.causal_attention_backward(&k, &v, &p, &gy, 0.2).unwrap();
+            for (name, y) in [("y", y), ("p", p), ("gq", gq), ("gk", gk), ("gv", gv)] {
+                keep(format!("causal_attention {name}, dh {dh}"), y);
+            }
+        }
         keep("column sums".into(), x.sum(&[0], false).unwrap());
         keep("row sums".into(), x.sum(&[1], false).unwrap());
         keep("row max".into(), x.max(&[1], false).unwrap());

@@ -73,7 +73,7 @@ impl Tensor {
 /// the `[B, H]` of a `[B, T, H, D]` tensor permuted to `[B, H, T, D]`), they are walked with two
 /// ([`MatGroups`]) when `grouped`; otherwise, or when even two do not do, the broadcast view is
 /// materialised: correct, and costs a copy.
-fn as_matrix(
+pub(crate) fn as_matrix(
     x: &Tensor,
     batch: &[usize],
     rows: usize,

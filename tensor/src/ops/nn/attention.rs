@@ -1,12 +1,109 @@
-//! The row kernels of fused causal attention: the scaled, causally masked softmax of the scores
-//! and its backward, each one pass over the score matrix where the unfused chain (scale, mask,
-//! softmax; and softmax's four-op backward, unmask, unscale) made several.
+//! Fused causal attention: the whole op (forward and backward) in one kernel where the backend has
+//! one (the CPU's), else two products around its row kernel; and the row kernels: the scaled,
+//! causally masked softmax of the scores and its backward, each one pass over the score matrix
+//! where the unfused chain (scale, mask, softmax; and softmax's four-op backward, unmask,
+//! unscale) made several.
 
-use crate::dtype_policy::DTypePolicy::WidenThenRound;
+use crate::backend::{HeadDims, Kernels, MatLayout};
+use crate::dtype_policy::{DTypePolicy::WidenThenRound, Precision};
 use crate::error::{Error, Result};
+use crate::ops::matmul::as_matrix;
 use crate::tensor::Tensor;
 
 impl Tensor {
+    /// Causal attention of queries `self`, keys `k` and values `v`, each `[..., t, dh]` (one
+    /// shape): `p = softmax(scale * self k^T)`, query `i` seeing keys `0..=i` (see
+    /// [`Tensor::causal_softmax`]), and `y = p v`. Returns `(y [..., t, dh], p [..., t, t])`;
+    /// `p` is what [`Tensor::causal_attention_backward`] takes.
+    ///
+    /// On the CPU with f32 operands one kernel runs each head through the scores, softmax and
+    /// product while they sit in cache, and computes no product of a masked score; elsewhere
+    /// it is `self.matmul(k.t())`, `causal_softmax`, `matmul(v)`. The two agree to rounding.
+    pub fn causal_attention(&self, k: &Tensor, v: &Tensor, scale: f32) -> Result<(Tensor, Tensor)> {
+        const OP: &str = "causal_attention";
+        let d = head_dims(OP, [self, k, v], scale)?;
+        let batch_shape = &self.shape()[..self.rank() - 2];
+        let score_shape = [batch_shape, &[d.t, d.t]].concat();
+        let dev = self.device();
+        if d.batch * d.t * d.dh > 0 {
+            let [(q, lq), (k, lk), (v, lv)] = [
+                heads(self, batch_shape, d)?,
+                heads(k, batch_shape, d)?,
+                heads(v, batch_shape, d)?,
+            ];
+            let fused = |kern: &dyn Kernels, [q, k, v]: [&Tensor; 3]| {
+                kern.causal_attention([(q, lq), (k, lk), (v, lv)], d, scale)
+            };
+            let ops = [&q, &k, &v];
+            if let Some(out) = dev.run_if(OP, Precision::F32, ops, fused) {
+                let (y, p) = out?;
+                dev.add_flops(attention_flops(d));
+                return Ok((y.reshape(self.shape())?, p.reshape(&score_shape)?));
+            }
+        }
+        let p = self.matmul(&k.t()?)?.causal_softmax(scale)?;
+        let y = p.matmul(v)?;
+        Ok((y, p))
+    }
+
+    /// The gradients `[gq, gk, gv]` of [`Tensor::causal_attention`]'s `q` (`self`), `k` and
+    /// `v`, given its `p` and `g`, the gradient of its `y`: `gv = p^T g`, `gs = scale * p (g v^T
+    /// - rowsum(g v^T * p))`, `gq = gs k`, `gk = gs^T q`. One kernel on the CPU with f32 operands
+    /// (no product of a masked score), products around [`Tensor::softmax_backward`] elsewhere.
+    pub fn causal_attention_backward(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        p: &Tensor,
+        g: &Tensor,
+        scale: f32,
+    ) -> Result<[Tensor; 3]> {
+        const OP: &str = "causal_attention_backward";
+        let q = self;
+        let d = head_dims(OP, [q, k, v], scale)?;
+        let batch_shape = &q.shape()[..q.rank() - 2];
+        let score_shape = [batch_shape, &[d.t, d.t]].concat();
+        for (name, x, want) in [("p", p, &score_shape[..]), ("g", g, q.shape())] {
+            if x.shape() != want {
+                return Err(Error::shape(
+                    OP,
+                    format!(
+                        "{name} {:?} must be {want:?} (q {:?})",
+                        x.shape(),
+                        q.shape()
+                    ),
+                ));
+            }
+        }
+        let dev = q.device();
+        if d.batch * d.t * d.dh > 0 {
+            let [(q2, lq), (k2, lk), (v2, lv), (g2, lg)] = [
+                heads(q, batch_shape, d)?,
+                heads(k, batch_shape, d)?,
+                heads(v, batch_shape, d)?,
+                heads(g, batch_shape, d)?,
+            ];
+            let p = p.contiguous()?;
+            let fused = |kern: &dyn Kernels, [q, k, v, p, g]: [&Tensor; 5]| {
+                kern.causal_attention_backward([(q, lq), (k, lk), (v, lv)], p, (g, lg), d, scale)
+            };
+            if let Some(out) = dev.run_if(OP, Precision::F32, [&q2, &k2, &v2, &p, &g2], fused) {
+                let [gq, gk, gv] = out?;
+                // Four products and the softmax backward (5 a score), as the composed op counts
+                // them: twice the forward's two products and softmax (5 / 2 a score).
+                dev.add_flops(2 * attention_flops(d));
+                let shape = q.shape();
+                return Ok([gq.reshape(shape)?, gk.reshape(shape)?, gv.reshape(shape)?]);
+            }
+        }
+        let gv = p.t()?.matmul(g)?;
+        let gs = Tensor::softmax_backward(p, &g.matmul(&v.t()?)?, scale)?;
+        let gq = gs.matmul(k)?;
+        // `(q^T gs)^T`: the product the unfused chain took through `k^T`'s transpose.
+        let gk = q.t()?.matmul(&gs)?.t()?;
+        Ok([gq, gk, gv])
+    }
+
     /// `softmax(scale * x)` over the last axis of `x` `[..., t, t]` (attention scores, queries on
     /// the second-last axis), where query `i` sees keys `0..=i` only: the future gets exact zeros.
     /// Equal bit for bit to `x.mul_scalar(scale).masked_fill(future, -1e9).softmax(-1)`.
@@ -78,4 +175,45 @@ fn square_last_two(op: &'static str, shape: &[usize]) -> Result<usize> {
             format!("needs square scores [..., t, t] (queries x keys), got {shape:?}"),
         )),
     }
+}
+
+/// The heads of `q`, `k` and `v` (one shape `[..., t, dh]`, one device, finite `scale`).
+fn head_dims(op: &'static str, [q, k, v]: [&Tensor; 3], scale: f32) -> Result<HeadDims> {
+    q.same_device(op, k)?;
+    q.same_device(op, v)?;
+    let (sq, sk, sv) = (q.shape(), k.shape(), v.shape());
+    if sq.len() < 2 || sq != sk || sq != sv {
+        return Err(Error::shape(
+            op,
+            format!("q {sq:?}, k {sk:?} and v {sv:?} must be one shape [..., t, dh]"),
+        ));
+    }
+    if !scale.is_finite() {
+        return Err(Error::invalid(
+            op,
+            format!("scale must be finite, got {scale}"),
+        ));
+    }
+    let r = sq.len();
+    Ok(HeadDims {
+        batch: sq[..r - 2].iter().product(),
+        t: sq[r - 2],
+        dh: sq[r - 1],
+    })
+}
+
+/// `x` as a batch of `[t, dh]` matrices with contiguous rows, as it lies where it can (heads
+/// split out of a row and permuted take two batch strides), else copied.
+fn heads(x: &Tensor, batch_shape: &[usize], d: HeadDims) -> Result<(Tensor, MatLayout)> {
+    let (v, l) = as_matrix(x, batch_shape, d.t, d.dh, true)?;
+    if l.col_stride == 1 || d.dh == 1 {
+        return Ok((v, MatLayout { col_stride: 1, ..l }));
+    }
+    as_matrix(&x.contiguous()?, batch_shape, d.t, d.dh, true)
+}
+
+/// The FLOPs of the forward as the composed op counts them: two products, the softmax.
+fn attention_flops(d: HeadDims) -> u64 {
+    let scores = (d.batch * d.t * d.t) as u64;
+    4 * scores * d.dh as u64 + 5 * scores / 2
 }
