@@ -17,7 +17,7 @@
 //! main job's 128 heads of 64 x 16 in 0.82-0.89 ms against 1.11-1.18 for the composed op, a
 //! decoder block's 32 heads of 128 x 64 in 1.47-1.71 ms against 2.41-3.08. In whole steps the
 //! attention went from 22% of the main job's step to 18%, from 11% of the block's to 7% (perf).
-//! Left: the tile transposes of `k` and `v` and the forward softmax, ~5% and ~15% of the kernel.
+//! Left: the forward softmax, ~15-19% of the kernel, and the transposes of `k` and `v`, ~5-7%.
 
 use rayon::prelude::*;
 
@@ -41,11 +41,13 @@ pub(crate) struct Heads<'a> {
     pub layout: MatLayout,
 }
 
-impl Heads<'_> {
-    /// Row `i` of matrix `b`.
-    fn row(&self, b: usize, i: usize, dh: usize) -> &[f32] {
-        let at = self.layout.matrix_offset(b) + i * self.layout.row_stride;
-        &self.data[at..at + dh]
+impl<'a> Heads<'a> {
+    /// Matrix `b` (its offset found once: with two batch strides it takes a division).
+    fn matrix(&self, b: usize) -> Rows<'a> {
+        Rows {
+            data: &self.data[self.layout.matrix_offset(b)..],
+            ld: self.layout.row_stride,
+        }
     }
 }
 
@@ -82,12 +84,13 @@ pub(crate) fn forward(
         let Scratch {
             kt, block, v: vbuf, ..
         } = scratch;
-        pack_transposed(kt, k, b, d);
-        let v = lane_rows(v, b, d, vbuf);
+        pack_transposed(kt, k.matrix(b), d);
+        let v = lane_rows(v.matrix(b), d, vbuf);
+        let q = q.matrix(b);
         for r0 in (0..t).step_by(ROWS) {
             let rows = ROWS.min(t - r0);
             let keys = r0 + rows;
-            let qrows: [&[f32]; ROWS] = std::array::from_fn(|r| q.row(b, r0 + r.min(rows - 1), dh));
+            let qrows: [&[f32]; ROWS] = std::array::from_fn(|r| q.row(r0 + r.min(rows - 1), dh));
             scores(
                 block,
                 tp,
@@ -132,15 +135,16 @@ pub(crate) fn backward(
             k: kbuf,
         } = scratch;
         let p = &p[b * t * t..(b + 1) * t * t];
-        pack_transposed(vt, v, b, d);
-        let g_rows = lane_rows(g, b, d, gbuf);
+        pack_transposed(vt, v.matrix(b), d);
+        let g = g.matrix(b);
+        let g_rows = lane_rows(g, d, gbuf);
         // gv = p.t() @ g: row j sums i >= j.
         upper_transposed_product(gv, dh, p, t, t, g_rows, dh);
         // ds = softmax_backward(p, g @ v.t()), a row block at a time, up to the diagonal.
         for r0 in (0..t).step_by(ROWS) {
             let rows = ROWS.min(t - r0);
             let keys = r0 + rows;
-            let grows: [&[f32]; ROWS] = std::array::from_fn(|r| g.row(b, r0 + r.min(rows - 1), dh));
+            let grows: [&[f32]; ROWS] = std::array::from_fn(|r| g.row(r0 + r.min(rows - 1), dh));
             scores(gp, tp, &grows, rows, vt, dh, keys.next_multiple_of(LANES));
             for r in 0..rows {
                 let i = r0 + r;
@@ -155,14 +159,14 @@ pub(crate) fn backward(
             }
         }
         // gq = ds @ k: row i sums j <= i.
-        let k_rows = lane_rows(k, b, d, kbuf);
+        let k_rows = lane_rows(k.matrix(b), d, kbuf);
         for r0 in (0..t).step_by(ROWS) {
             let rows = ROWS.min(t - r0);
             let srows: [&[f32]; ROWS] = std::array::from_fn(|r| &ds[(r0 + r.min(rows - 1)) * tp..]);
             lower_product(&mut gq[r0 * dh..], dh, &srows, rows, r0 + rows, k_rows, dh);
         }
         // gk = ds.t() @ q: row j sums i >= j.
-        let q_rows = lane_rows(q, b, d, qbuf);
+        let q_rows = lane_rows(q.matrix(b), d, qbuf);
         upper_transposed_product(gk, dh, ds, tp, t, q_rows, dh);
     };
     for_heads(d, [(gq, t * dh), (gk, t * dh), (gv, t * dh)], one);
@@ -204,27 +208,31 @@ impl Scratch {
     }
 }
 
-/// Matrix `b` of `x` as rows whose first [`padded_dh`] values may be read whole lanes at a
-/// time: in place where `dh` is whole lanes, else copied into `buf` and padded with zeros.
-fn lane_rows<'a>(x: Heads<'a>, b: usize, d: HeadDims, buf: &'a mut [f32]) -> Rows<'a> {
+/// Rows `x` as rows whose first [`padded_dh`] values may be read whole lanes at a time: in
+/// place where `dh` is whole lanes, else copied into `buf` and padded with zeros.
+fn lane_rows<'a>(x: Rows<'a>, d: HeadDims, buf: &'a mut [f32]) -> Rows<'a> {
     if d.dh.is_multiple_of(LANES) {
-        return Rows {
-            data: &x.data[x.layout.matrix_offset(b)..],
-            ld: x.layout.row_stride,
-        };
+        return x;
     }
     let dp = padded_dh(d);
     for i in 0..d.t {
-        buf[i * dp..i * dp + d.dh].copy_from_slice(x.row(b, i, d.dh));
+        buf[i * dp..i * dp + d.dh].copy_from_slice(x.row(i, d.dh));
     }
     Rows { data: buf, ld: dp }
 }
 
-/// Rows `ld` apart, each with [`padded_dh`] values readable.
+/// Rows `ld` apart: row `i` starts at `data[i * ld]`.
 #[derive(Clone, Copy)]
 struct Rows<'a> {
     data: &'a [f32],
     ld: usize,
+}
+
+impl<'a> Rows<'a> {
+    /// The first `n` values of row `i`.
+    fn row(&self, i: usize, n: usize) -> &'a [f32] {
+        &self.data[i * self.ld..i * self.ld + n]
+    }
 }
 
 /// Runs `f(scratch, b, outs of head b)` for every head `b`, over the threads when there are
@@ -256,19 +264,61 @@ fn for_heads<const N: usize>(
     }
 }
 
+/// `out[c * tp + j] = x[j][c]`: a `[t, dh]` matrix transposed into `[dh, tp]`.
+fn pack_transposed(out: &mut [f32], x: Rows, d: HeadDims) {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx2() {
+        // SAFETY: AVX2 was just detected.
+        return unsafe { pack_transposed_8x8(out, x, d) };
+    }
+    pack_transposed_tiles(out, x, d);
+}
+
+/// [`pack_transposed`] through 8 x 8 register transposes where whole ones fit, the rest value by
+/// value. (In the main job's steps the tile copy below took ~2% of the step, ~13% of the
+/// attention; in `tests::bench`'s profile, one thread, two runs each, this takes 4.7-7.0% of the
+/// kernel's time against the tile copy's 7.7-8.4%, most of it the first reads of the rows.)
+///
+/// # Safety
+/// AVX2 must be present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn pack_transposed_8x8(out: &mut [f32], x: Rows, d: HeadDims) {
+    use std::arch::x86_64::*;
+    let (tp, dh) = (padded_t(d), d.dh);
+    let (whole_t, whole_dh) = (d.t / 8 * 8, dh / 8 * 8);
+    for j0 in (0..whole_t).step_by(8) {
+        for c0 in (0..whole_dh).step_by(8) {
+            // A loop, not `array::from_fn`: its closure would not be built with AVX2.
+            let mut rows = [_mm256_setzero_ps(); 8];
+            for (jj, row) in rows.iter_mut().enumerate() {
+                *row = _mm256_loadu_ps(x.row(j0 + jj, dh)[c0..c0 + 8].as_ptr());
+            }
+            for (cc, column) in super::simd::transpose_8x8(rows).into_iter().enumerate() {
+                _mm256_storeu_ps(out[(c0 + cc) * tp + j0..][..8].as_mut_ptr(), column);
+            }
+        }
+    }
+    for j in 0..d.t {
+        let row = x.row(j, dh);
+        let first = if j < whole_t { whole_dh } else { 0 };
+        for (c, &value) in row.iter().enumerate().skip(first) {
+            out[c * tp + j] = value;
+        }
+    }
+}
+
 multiversion! {
-/// `out[c * tp + j] = x[b][j][c]`: matrix `b` of `x` transposed into `[dh, tp]`.
-fn pack_transposed(out: &mut [f32], x: Heads, b: usize, d: HeadDims) {
+/// [`pack_transposed`] a 16 x 16 tile at a time, read row by row and written column by column.
+fn pack_transposed_tiles(out: &mut [f32], x: Rows, d: HeadDims) {
     let tp = padded_t(d);
-    // A tile of LANES rows at a time, read row by row and written column by column, so both
-    // sides touch whole lanes (writing each value where it goes took ~10% of a head's time).
     for j0 in (0..d.t).step_by(LANES) {
         let n = LANES.min(d.t - j0);
         for c0 in (0..d.dh).step_by(LANES) {
             let width = LANES.min(d.dh - c0);
             let mut tile = [[0f32; LANES]; LANES];
             for (jj, tile_row) in tile.iter_mut().enumerate().take(n) {
-                let row = &x.row(b, j0 + jj, d.dh)[c0..];
+                let row = &x.row(j0 + jj, d.dh)[c0..];
                 if width == LANES {
                     tile_row.copy_from_slice(&row[..LANES]);
                 } else {
@@ -548,7 +598,7 @@ mod tests {
     /// from the definitions.
     fn reference([q, k, v]: [Heads; 3], g: Heads, d: HeadDims, scale: f32) -> [Vec<f64>; 5] {
         let HeadDims { batch, t, dh } = d;
-        let at = |x: Heads, b: usize, i: usize, c: usize| x.row(b, i, dh)[c] as f64;
+        let at = |x: Heads, b: usize, i: usize, c: usize| x.matrix(b).row(i, dh)[c] as f64;
         let (mut y, mut p) = (vec![0.0; batch * t * dh], vec![0.0; batch * t * t]);
         let (mut gq, mut gk, mut gv) = (y.clone(), y.clone(), y.clone());
         let s = scale as f64;
