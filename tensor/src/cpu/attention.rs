@@ -561,17 +561,9 @@ fn block_portable(st: Strides, out: *mut f32, ldo: usize, rows: usize, width: us
 mod tests {
     use super::*;
 
-    /// Deterministic values in [-1, 1).
+    /// Deterministic values in [-1, 1) (the crate's generator).
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
+        crate::rng::uniform_vec(seed, 0, n, -1.0, 1.0)
     }
 
     /// Contiguous `[batch, t, dh]`.
