@@ -17,10 +17,18 @@ use wgpipe_tests::*;
 
 /// `mpirun -np <ranks>`, ready for the program and its arguments.
 fn mpirun_np(ranks: usize) -> Command {
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let mut cmd = Command::new("mpirun");
     // Root in CI containers; more ranks than cores on small machines.
     cmd.args(["--allow-run-as-root", "--oversubscribe", "-np"])
         .arg(ranks.to_string());
+    // Each mpirun its own session directory: the tests run side by side, and Open MPI 4's
+    // shared one (`$TMPDIR/ompi.<host>.<uid>`) is removed by one run while another creates its
+    // own inside it ("orte_session_dir failed", seen once in CI). Short, for its sockets' paths.
+    let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = std::env::temp_dir().join(format!("wo{}-{run}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    cmd.env("TMPDIR", &tmp);
     cmd
 }
 
