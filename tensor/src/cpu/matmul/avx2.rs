@@ -143,16 +143,21 @@ unsafe fn first_lanes(n: usize) -> __m256i {
     _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lane)
 }
 
-/// Packs one panel of `A` from columns whose values are contiguous (`a` at row 0, column 0 of
-/// the block, columns `lda` apart; a transposed view such as `dy.t()`): `dst[p * MR + r] =
-/// a[p * lda + r]` for `p < kc`, `r < rows` (at most [`MR`]), zero for the rows past `rows`.
-/// One masked load and one 8-lane store per column (the two extra lanes are overwritten by the
-/// next column's store, so `dst` needs two values of room past the panel): a copy of six values
-/// through `copy_from_slice` was a library call per column.
+/// Packs the panels of `A` for `rows` rows (`rows.div_ceil(MR)` panels, `kc * MR` values apart)
+/// from columns whose values are contiguous (`a` at row 0, column 0 of the block, columns `lda`
+/// apart; a transposed view such as `dy.t()`): `dst[ip * kc * MR + p * MR + r]` is
+/// `a[p * lda + ip * MR + r]`, zero for the rows past `rows`. Column `p` of every panel before
+/// column `p + 1` of any, so each column's values are read once, in one run: panel by panel,
+/// each 64-byte line held parts of three panels and was read three times, from lines `lda`
+/// apart that the prefetchers do not follow (4 KiB apart in a 1024-wide `dy`: a set of L1 that
+/// holds eight). How many panels a call should take: [`super::blocked`]'s `A_PANELS_TOGETHER`.
+/// One 8-lane load and store per panel and column, the two extra lanes stored over the next
+/// column's values before they are written; the last column's six values are stored alone,
+/// where the two extra would land on the next panel's first column.
 ///
 /// # Safety
 /// AVX2 must be present; `kc` columns of `rows` values must be readable; `dst` must hold
-/// `kc * MR + 2` values.
+/// `rows.div_ceil(MR) * kc * MR` values.
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn pack_a_columns(
     dst: *mut f32,
@@ -161,38 +166,70 @@ pub(crate) unsafe fn pack_a_columns(
     rows: usize,
     kc: usize,
 ) {
-    let mask = first_lanes(rows.min(MR));
-    for p in 0..kc {
-        _mm256_storeu_ps(dst.add(p * MR), _mm256_maskload_ps(a.add(p * lda), mask));
+    let panels = rows.div_ceil(MR);
+    // Panels whose eight lanes lie inside the rows read unmasked; the rest through a mask of
+    // the rows they have (the lanes past `rows` read as zero, never touched in memory).
+    let unmasked = rows.saturating_sub(2) / MR;
+    let mask = |ip: usize| first_lanes(rows - ip * MR);
+    let load = |col: *const f32, ip: usize| {
+        if ip < unmasked {
+            _mm256_loadu_ps(col.add(ip * MR))
+        } else {
+            _mm256_maskload_ps(col.add(ip * MR), mask(ip))
+        }
+    };
+    for p in 0..kc - 1 {
+        let col = a.add(p * lda);
+        for ip in 0..panels {
+            _mm256_storeu_ps(dst.add(ip * kc * MR + p * MR), load(col, ip));
+        }
+    }
+    let col = a.add((kc - 1) * lda);
+    for ip in 0..panels {
+        let v = load(col, ip);
+        let d = dst.add(ip * kc * MR + (kc - 1) * MR);
+        _mm_storeu_ps(d, _mm256_castps256_ps128(v));
+        _mm_store_sd(
+            d.add(4) as *mut f64,
+            _mm_castps_pd(_mm256_extractf128_ps::<1>(v)),
+        );
     }
 }
 
-/// Packs one panel of `B` from rows whose values are contiguous (`b` at row 0, column 0 of the
-/// block, rows `ldb` apart): `dst[p * NR + c] = b[p * ldb + c]` for `p < kc`, `c < cols` (at
-/// most [`NR`]), zero for the columns past `cols`. Two 8-lane loads and stores per row, masked
-/// where the panel is narrower (a copy of sixteen values through `copy_from_slice` was a library
-/// call per row).
+/// Packs the panels of `B` for `cols` columns (`cols.div_ceil(NR)` panels, `kc * NR` values
+/// apart) from rows whose values are contiguous (`b` at row 0, column 0 of the block, rows `ldb`
+/// apart): `dst[jp * kc * NR + p * NR + c] = b[p * ldb + jp * NR + c]`, zero for the columns past
+/// `cols`. Row `p` of every panel before row `p + 1` of any, so each row is read in one run:
+/// panel by panel, each row gave 64 bytes and the next row's were `ldb` on, where the
+/// prefetchers do not follow. How many panels a call should take: [`super::blocked`]'s
+/// `B_PANELS_TOGETHER`. Two 8-lane loads and stores per row and panel, masked where the last
+/// panel is narrower (a copy of sixteen values through `copy_from_slice` was a library call per
+/// row).
 ///
 /// # Safety
 /// AVX2 must be present; `kc` rows of `cols` values must be readable; `dst` must hold
-/// `kc * NR` values from a 32-byte boundary.
+/// `cols.div_ceil(NR) * kc * NR` values from a 32-byte boundary.
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn pack_b_rows(dst: *mut f32, b: *const f32, ldb: usize, cols: usize, kc: usize) {
-    if cols == NR {
-        for p in 0..kc {
-            let row = b.add(p * ldb);
-            _mm256_store_ps(dst.add(p * NR), _mm256_loadu_ps(row));
-            _mm256_store_ps(dst.add(p * NR + 8), _mm256_loadu_ps(row.add(8)));
-        }
-        return;
-    }
-    let lo = first_lanes(cols.min(8));
-    let hi = first_lanes(cols.saturating_sub(8));
+    let full = cols / NR;
+    let rest = cols % NR;
+    let (lo, hi) = (
+        first_lanes(rest.min(8)),
+        first_lanes(rest.saturating_sub(8)),
+    );
     for p in 0..kc {
         let row = b.add(p * ldb);
-        _mm256_store_ps(dst.add(p * NR), _mm256_maskload_ps(row, lo));
-        // Past the row when `cols <= 8`: then the mask reads nothing.
-        let high = row.wrapping_add(8);
-        _mm256_store_ps(dst.add(p * NR + 8), _mm256_maskload_ps(high, hi));
+        for jp in 0..full {
+            let d = dst.add(jp * kc * NR + p * NR);
+            _mm256_store_ps(d, _mm256_loadu_ps(row.add(jp * NR)));
+            _mm256_store_ps(d.add(8), _mm256_loadu_ps(row.add(jp * NR + 8)));
+        }
+        if rest > 0 {
+            let d = dst.add(full * kc * NR + p * NR);
+            let part = row.add(full * NR);
+            _mm256_store_ps(d, _mm256_maskload_ps(part, lo));
+            // Past the row when `rest <= 8`: then the mask reads nothing.
+            _mm256_store_ps(d.add(8), _mm256_maskload_ps(part.wrapping_add(8), hi));
+        }
     }
 }
