@@ -692,6 +692,87 @@ mod tests {
         }
     }
 
+    /// The packing loops against the layout written out value by value: several panels per
+    /// call, rows and columns that are not whole panels or whole groups, operands 4 KiB wide
+    /// (the case the grouping is for); the padding is zero and nothing is written past the
+    /// panels the block needs.
+    #[test]
+    fn packed_panels_hold_the_blocks_values_and_zeros_past_them() {
+        if !supported() {
+            eprintln!("skipped: this CPU has no AVX2 + FMA, so the packing loops never run");
+            return;
+        }
+        let sentinel = -7.5f32;
+        for (rows, kc, ld) in [
+            (1, 1, 1),
+            (7, 9, 7),
+            (13, 256, 1024),
+            (48, 5, 50),
+            (145, 33, 151),
+        ] {
+            // Column-major A: element (i, p) at p * ld + i (`dy.t()` of a `dy` `ld` wide).
+            let a = values(kc * ld, rows as u32);
+            let panels = usize::div_ceil(rows, MR);
+            let mut dst = vec![sentinel; panels * kc * MR + 2 + 64];
+            let sa = Strided {
+                ptr: a.as_ptr(),
+                rs: 1,
+                cs: ld,
+            };
+            // SAFETY: the block is inside `a`; `dst` has the room `pack_a` asks for.
+            unsafe { pack_a(&mut dst, sa, 0, rows, 0, kc) };
+            for ip in 0..panels {
+                for p in 0..kc {
+                    for r in 0..MR {
+                        let i = ip * MR + r;
+                        let want = if i < rows { a[p * ld + i] } else { 0.0 };
+                        let got = dst[ip * kc * MR + p * MR + r];
+                        assert_eq!(got, want, "A {rows}x{kc} (ld {ld}): row {i}, column {p}");
+                    }
+                }
+            }
+            assert!(
+                dst[panels * kc * MR..].iter().all(|&v| v == sentinel),
+                "A {rows}x{kc} (ld {ld}): written past its panels"
+            );
+        }
+        for (cols, kc, ld) in [
+            (1, 1, 1),
+            (17, 3, 20),
+            (64, 256, 1024),
+            (100, 7, 1024),
+            (70, 2, 75),
+        ] {
+            // Row-major B: element (p, j) at p * ld + j.
+            let b = values(kc * ld, cols as u32);
+            let panels = usize::div_ceil(cols, NR);
+            let mut buf = vec![sentinel; panels * kc * NR + 64 + 16];
+            let skip = buf.as_ptr().align_offset(64);
+            let dst = &mut buf[skip..];
+            let sb = Strided {
+                ptr: b.as_ptr(),
+                rs: ld,
+                cs: 1,
+            };
+            // SAFETY: the block is inside `b`; `dst` is aligned and holds its panels.
+            unsafe { pack_b(dst, sb, 0, 0, kc, cols) };
+            for jp in 0..panels {
+                for p in 0..kc {
+                    for c in 0..NR {
+                        let j = jp * NR + c;
+                        let want = if j < cols { b[p * ld + j] } else { 0.0 };
+                        let got = dst[jp * kc * NR + p * NR + c];
+                        assert_eq!(got, want, "B {kc}x{cols} (ld {ld}): row {p}, column {j}");
+                    }
+                }
+            }
+            assert!(
+                dst[panels * kc * NR..].iter().all(|&v| v == sentinel),
+                "B {kc}x{cols} (ld {ld}): written past its panels"
+            );
+        }
+    }
+
     /// The AVX-512 kernel's tile is the AVX2 kernel's two tiles, bit for bit, and so is the one
     /// that reads `A` unpacked: written over and added to, for `kc` of one step, an odd count
     /// and a whole block, rows farther apart than a tile is wide.
