@@ -34,7 +34,10 @@ use rayon::prelude::*;
 use super::avx2::{MR, NR};
 
 /// Depth of a packed block: a `KC x NR` panel of `B` (16 KiB) stays in L1 while the micro-kernel
-/// runs down a block of `A`.
+/// runs down a block of `A`. 512 (each tile of `C` read and written half as often where `k` is
+/// larger) was tried on a Zen 4: 2-5% ahead on warm-cache products with `k` of 1024 or 2048,
+/// but in whole steps (three alternations) the block's `dy.t() @ x` products were 2-11% slower
+/// and the rest within the noise; kept at 256.
 const KC: usize = 256;
 /// Rows of a packed block of `A` at most (`MC x KC` = 144 KiB, in L2).
 const MC: usize = 144;
@@ -270,7 +273,9 @@ unsafe fn serial(m: usize, n: usize, k: usize, a: Strided, b: Strided, out: Out,
 
 /// Panels of `B` (of [`NR`] columns) up to which the AVX-512 kernel reads `A` unpacked: each
 /// value of `A` is then used at most this many times, and packing it cost ~15% of such a
-/// product (the main job's `n = 64` products on a Zen 4).
+/// product (the main job's `n = 64` products on a Zen 4). Reading every row-major `A` unpacked
+/// was tried: an MLP layer's products (`A` 1024 wide) ran 26-45% slower, the tile's twelve rows
+/// 4 KiB apart falling in one set of L1.
 const DIRECT_PANELS: usize = 4;
 
 /// The packed blocks of one `kc` step.
