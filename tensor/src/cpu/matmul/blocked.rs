@@ -697,6 +697,34 @@ mod tests {
         }
     }
 
+    /// Checks packed panels of `width` lanes (`MR` rows of `A` or `NR` columns of `B`), `kc`
+    /// deep: lane `l` of step `p` of panel `q` holds `value(q * width + l, p)` for the first
+    /// `len` lanes of the block and zero past them, and everything after the panels is still
+    /// `sentinel`.
+    fn check_panels(
+        what: &str,
+        packed: &[f32],
+        (width, len, kc): (usize, usize, usize),
+        sentinel: f32,
+        value: impl Fn(usize, usize) -> f32,
+    ) {
+        let panels = len.div_ceil(width);
+        for q in 0..panels {
+            for p in 0..kc {
+                for l in 0..width {
+                    let i = q * width + l;
+                    let want = if i < len { value(i, p) } else { 0.0 };
+                    let got = packed[q * kc * width + p * width + l];
+                    assert_eq!(got, want, "{what}: lane {i} (of {len}), step {p}");
+                }
+            }
+        }
+        assert!(
+            packed[panels * kc * width..].iter().all(|&v| v == sentinel),
+            "{what}: written past its panels"
+        );
+    }
+
     /// The packing loops against the layout written out value by value: several panels per
     /// call, rows and columns that are not whole panels or whole groups, operands 4 KiB wide
     /// (the case the grouping is for); the padding is zero and nothing is written past the
@@ -708,17 +736,17 @@ mod tests {
             return;
         }
         let sentinel = -7.5f32;
-        for (rows, kc, ld) in [
+        let blocks: [(usize, usize, usize); 5] = [
             (1, 1, 1),
             (7, 9, 7),
             (13, 256, 1024),
             (48, 5, 50),
             (145, 33, 151),
-        ] {
+        ];
+        for (rows, kc, ld) in blocks {
             // Column-major A: element (i, p) at p * ld + i (`dy.t()` of a `dy` `ld` wide).
             let a = values(kc * ld, rows as u32);
-            let panels = usize::div_ceil(rows, MR);
-            let mut dst = vec![sentinel; panels * kc * MR + 2 + 64];
+            let mut dst = vec![sentinel; rows.div_ceil(MR) * kc * MR + 2 + 64];
             let sa = Strided {
                 ptr: a.as_ptr(),
                 rs: 1,
@@ -726,55 +754,32 @@ mod tests {
             };
             // SAFETY: the block is inside `a`; `dst` has the room `pack_a` asks for.
             unsafe { pack_a(&mut dst, sa, 0, rows, 0, kc) };
-            for ip in 0..panels {
-                for p in 0..kc {
-                    for r in 0..MR {
-                        let i = ip * MR + r;
-                        let want = if i < rows { a[p * ld + i] } else { 0.0 };
-                        let got = dst[ip * kc * MR + p * MR + r];
-                        assert_eq!(got, want, "A {rows}x{kc} (ld {ld}): row {i}, column {p}");
-                    }
-                }
-            }
-            assert!(
-                dst[panels * kc * MR..].iter().all(|&v| v == sentinel),
-                "A {rows}x{kc} (ld {ld}): written past its panels"
-            );
+            let what = format!("A {rows}x{kc} (ld {ld})");
+            check_panels(&what, &dst, (MR, rows, kc), sentinel, |i, p| a[p * ld + i]);
         }
-        for (cols, kc, ld) in [
+        let blocks: [(usize, usize, usize); 5] = [
             (1, 1, 1),
             (17, 3, 20),
             (64, 256, 1024),
             (100, 7, 1024),
             (70, 2, 75),
-        ] {
+        ];
+        for (cols, kc, ld) in blocks {
             // Row-major B: element (p, j) at p * ld + j.
             let b = values(kc * ld, cols as u32);
-            let panels = usize::div_ceil(cols, NR);
-            let mut buf = vec![sentinel; panels * kc * NR + 64 + 16];
+            let mut buf = vec![sentinel; cols.div_ceil(NR) * kc * NR + 64 + 16];
             let skip = buf.as_ptr().align_offset(64);
-            let dst = &mut buf[skip..];
             let sb = Strided {
                 ptr: b.as_ptr(),
                 rs: ld,
                 cs: 1,
             };
-            // SAFETY: the block is inside `b`; `dst` is aligned and holds its panels.
-            unsafe { pack_b(dst, sb, 0, 0, kc, cols) };
-            for jp in 0..panels {
-                for p in 0..kc {
-                    for c in 0..NR {
-                        let j = jp * NR + c;
-                        let want = if j < cols { b[p * ld + j] } else { 0.0 };
-                        let got = dst[jp * kc * NR + p * NR + c];
-                        assert_eq!(got, want, "B {kc}x{cols} (ld {ld}): row {p}, column {j}");
-                    }
-                }
-            }
-            assert!(
-                dst[panels * kc * NR..].iter().all(|&v| v == sentinel),
-                "B {kc}x{cols} (ld {ld}): written past its panels"
-            );
+            // SAFETY: the block is inside `b`; the buffer is aligned and holds its panels.
+            unsafe { pack_b(&mut buf[skip..], sb, 0, 0, kc, cols) };
+            let what = format!("B {kc}x{cols} (ld {ld})");
+            check_panels(&what, &buf[skip..], (NR, cols, kc), sentinel, |j, p| {
+                b[p * ld + j]
+            });
         }
     }
 
