@@ -116,15 +116,52 @@ pub(crate) fn map3<F>(
     for_rows(out, 1, |s, o| {
         w.runs(s, o.len(), |p, [bx, by, bz], c| {
             let o = &mut o[p..p + c];
-            if w.inner_stride == [1, 1, 1] {
-                let (xs, ys, zs) = (&x[bx..bx + c], &y[by..by + c], &z[bz..bz + c]);
-                simd::fill_with(o, &|j| f(xs[j], ys[j], zs[j]));
-            } else {
-                let [sx, sy, sz] = w.inner_stride;
-                simd::fill_with(o, &|j| f(x[bx + j * sx], y[by + j * sy], z[bz + j * sz]));
+            // Runs of values, or one value repeated along the run (a scalar or a broadcast
+            // operand: `masked_fill`'s value, `where_cond(c, x, 0.0)`), each kind its own loop:
+            // through the general strides the compiler does not vectorise the loop.
+            let (xs, ys, zs) = (&x[bx..], &y[by..], &z[bz..]);
+            match w.inner_stride {
+                [1, 1, 1] => fill3(o, &xs[..c], &ys[..c], &zs[..c], &f),
+                [1, 0, 1] => fill3(o, &xs[..c], ys[0], &zs[..c], &f),
+                [1, 1, 0] => fill3(o, &xs[..c], &ys[..c], zs[0], &f),
+                [1, 0, 0] => fill3(o, &xs[..c], ys[0], zs[0], &f),
+                [sx, sy, sz] => {
+                    simd::fill_with(o, &|j| f(x[bx + j * sx], y[by + j * sy], z[bz + j * sz]))
+                }
             }
         })
     });
+}
+
+/// One operand of [`map3`] along a run: its values, or one value repeated.
+trait Lane: Copy {
+    fn at(self, j: usize) -> f32;
+}
+
+impl Lane for &[f32] {
+    #[inline(always)]
+    fn at(self, j: usize) -> f32 {
+        self[j]
+    }
+}
+
+impl Lane for f32 {
+    #[inline(always)]
+    fn at(self, _: usize) -> f32 {
+        self
+    }
+}
+
+/// `o[j] = f(x[j], y[j], z[j])` along one run of [`map3`].
+#[inline(always)]
+fn fill3<X: Lane, Y: Lane, Z: Lane, F: Fn(f32, f32, f32) -> f32>(
+    o: &mut [f32],
+    x: X,
+    y: Y,
+    z: Z,
+    f: &F,
+) {
+    simd::fill_with(o, &|j| f(x.at(j), y.at(j), z.at(j)));
 }
 
 /// Copies ranges of one view: the walk over its strides is worked out once, not per range
