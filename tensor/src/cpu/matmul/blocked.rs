@@ -736,49 +736,44 @@ mod tests {
             return;
         }
         let sentinel = -7.5f32;
-        let blocks: [(usize, usize, usize); 5] = [
+        // (rows of A or columns of B, kc, the operand's width): each packed both ways.
+        let blocks: [(usize, usize, usize); 9] = [
             (1, 1, 1),
             (7, 9, 7),
             (13, 256, 1024),
+            (17, 3, 20),
             (48, 5, 50),
+            (64, 256, 1024),
+            (70, 2, 75),
+            (100, 7, 1024),
             (145, 33, 151),
         ];
-        for (rows, kc, ld) in blocks {
+        for (len, kc, ld) in blocks {
+            let v = values(kc * ld, len as u32);
             // Column-major A: element (i, p) at p * ld + i (`dy.t()` of a `dy` `ld` wide).
-            let a = values(kc * ld, rows as u32);
-            let mut dst = vec![sentinel; rows.div_ceil(MR) * kc * MR + 2 + 64];
+            let mut dst = vec![sentinel; len.div_ceil(MR) * kc * MR + 2 + 64];
             let sa = Strided {
-                ptr: a.as_ptr(),
+                ptr: v.as_ptr(),
                 rs: 1,
                 cs: ld,
             };
-            // SAFETY: the block is inside `a`; `dst` has the room `pack_a` asks for.
-            unsafe { pack_a(&mut dst, sa, 0, rows, 0, kc) };
-            let what = format!("A {rows}x{kc} (ld {ld})");
-            check_panels(&what, &dst, (MR, rows, kc), sentinel, |i, p| a[p * ld + i]);
-        }
-        let blocks: [(usize, usize, usize); 5] = [
-            (1, 1, 1),
-            (17, 3, 20),
-            (64, 256, 1024),
-            (100, 7, 1024),
-            (70, 2, 75),
-        ];
-        for (cols, kc, ld) in blocks {
+            // SAFETY: the block is inside `v`; `dst` has the room `pack_a` asks for.
+            unsafe { pack_a(&mut dst, sa, 0, len, 0, kc) };
+            let what = format!("A {len}x{kc} (ld {ld})");
+            check_panels(&what, &dst, (MR, len, kc), sentinel, |i, p| v[p * ld + i]);
             // Row-major B: element (p, j) at p * ld + j.
-            let b = values(kc * ld, cols as u32);
-            let mut buf = vec![sentinel; cols.div_ceil(NR) * kc * NR + 64 + 16];
+            let mut buf = vec![sentinel; len.div_ceil(NR) * kc * NR + 64 + 16];
             let skip = buf.as_ptr().align_offset(64);
             let sb = Strided {
-                ptr: b.as_ptr(),
+                ptr: v.as_ptr(),
                 rs: ld,
                 cs: 1,
             };
-            // SAFETY: the block is inside `b`; the buffer is aligned and holds its panels.
-            unsafe { pack_b(&mut buf[skip..], sb, 0, 0, kc, cols) };
-            let what = format!("B {kc}x{cols} (ld {ld})");
-            check_panels(&what, &buf[skip..], (NR, cols, kc), sentinel, |j, p| {
-                b[p * ld + j]
+            // SAFETY: the block is inside `v`; the buffer is aligned and holds its panels.
+            unsafe { pack_b(&mut buf[skip..], sb, 0, 0, kc, len) };
+            let what = format!("B {kc}x{len} (ld {ld})");
+            check_panels(&what, &buf[skip..], (NR, len, kc), sentinel, |j, p| {
+                v[p * ld + j]
             });
         }
     }
