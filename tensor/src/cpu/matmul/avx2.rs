@@ -167,15 +167,16 @@ pub(crate) unsafe fn pack_a_columns(
     kc: usize,
 ) {
     let panels = rows.div_ceil(MR);
-    // Panels whose eight lanes lie inside the rows read unmasked; the rest through a mask of
-    // the rows they have (the lanes past `rows` read as zero, never touched in memory).
+    // Panels whose eight lanes lie inside the rows read unmasked; the rest (at most two: the
+    // last, and the one before it where the last has one row) through a mask of the rows they
+    // have, worked out once (the lanes past `rows` read as zero, never touched in memory).
     let unmasked = rows.saturating_sub(2) / MR;
-    let mask = |ip: usize| first_lanes(rows - ip * MR);
+    let masks = [0, 1].map(|i| first_lanes(rows.saturating_sub((unmasked + i) * MR)));
     let load = |col: *const f32, ip: usize| {
         if ip < unmasked {
             _mm256_loadu_ps(col.add(ip * MR))
         } else {
-            _mm256_maskload_ps(col.add(ip * MR), mask(ip))
+            _mm256_maskload_ps(col.add(ip * MR), masks[ip - unmasked])
         }
     };
     for p in 0..kc - 1 {
