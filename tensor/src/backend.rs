@@ -234,12 +234,15 @@ pub(crate) trait Kernels: Send + Sync {
     ) -> Result<Tensor>;
     /// Causal attention of `d.batch` heads in one kernel, each operand a strided batch of `[t,
     /// dh]` matrices with contiguous rows (`col_stride == 1`): `p = causal_softmax(scale * q
-    /// k^T)` (as [`Kernels::causal_softmax_rows`] makes it) and `y = p v`. Returns `(y [batch, t,
-    /// dh], p [batch, t, t])`, or `None` where the backend has no such kernel (the front-end
-    /// then composes matmuls and the row kernels).
+    /// k^T)` (as [`Kernels::causal_softmax_rows`] makes it) and `y = p v`. Returns `(y, p)`:
+    /// `y` the `batch * t * dh` values of a storage that holds the matrices at `y_at` (disjoint
+    /// matrices with contiguous rows, filling it), `p` contiguous `[batch, t, t]`; or `None`
+    /// where the backend has no such kernel (the front-end then composes matmuls and the row
+    /// kernels).
     fn causal_attention(
         &self,
         _qkv: [(&Tensor, MatLayout); 3],
+        _y_at: MatLayout,
         _d: HeadDims,
         _scale: f32,
     ) -> Option<Result<(Tensor, Tensor)>> {
@@ -247,12 +250,14 @@ pub(crate) trait Kernels: Send + Sync {
     }
     /// The backward of [`Kernels::causal_attention`]: given its `p` (contiguous `[batch, t, t]`)
     /// and `g`, the gradient of `y` (a batch like the operands), the gradients of `q`, `k` and
-    /// `v`, each contiguous `[batch, t, dh]`; `None` where the backend has no such kernel.
+    /// `v`, each the `batch * t * dh` values of a storage holding the matrices at `at` (as the
+    /// forward's `y_at`); `None` where the backend has no such kernel.
     fn causal_attention_backward(
         &self,
         _qkv: [(&Tensor, MatLayout); 3],
         _p: &Tensor,
         _g: (&Tensor, MatLayout),
+        _at: [MatLayout; 3],
         _d: HeadDims,
         _scale: f32,
     ) -> Option<Result<[Tensor; 3]>> {

@@ -608,9 +608,12 @@ proptest! {
 }
 
 /// Heads split out of rows and permuted (`[B, T, H, dh]` viewed as `[B, H, T, dh]`, two batch
-/// strides), as attention layers hand them over, at the main job's and a decoder block's sizes.
+/// strides), as attention layers hand them over, at the main job's and a decoder block's sizes;
+/// the output and the gradients come back in the operands' layout, so that merging the heads
+/// back into rows (`permute(0, 2, 1, 3)`, `reshape`) is a view, not a copy.
 #[test]
 fn causal_attention_takes_permuted_heads_in_place() {
+    let fused = std::env::var("WGPIPE_CPU_ATTENTION").as_deref() != Ok("composed");
     for (b, t, h, dh) in [(2, 64, 4, 16), (1, 128, 2, 64), (3, 5, 3, 7)] {
         let heads = |seed| {
             Nd::rand(&[b, t, h, dh], seed, -2.0, 2.0)
@@ -620,6 +623,26 @@ fn causal_attention_takes_permuted_heads_in_place() {
         };
         let x = [heads(1), heads(2), heads(3), heads(4)];
         assert_attention_matches_composed([&x[0], &x[1], &x[2], &x[3]], 0.25);
+        if !fused {
+            eprintln!("skipped the layout checks: WGPIPE_CPU_ATTENTION=composed");
+            continue;
+        }
+        let (y, p) = x[0].causal_attention(&x[1], &x[2], 0.25).unwrap();
+        let grads = x[0]
+            .causal_attention_backward(&x[1], &x[2], &p, &x[3], 0.25)
+            .unwrap();
+        for (name, out) in ["y", "gq", "gk", "gv"]
+            .iter()
+            .zip([&y, &grads[0], &grads[1], &grads[2]])
+        {
+            let rows = out.permute(&[0, 2, 1, 3]).unwrap();
+            assert!(
+                rows.is_contiguous(),
+                "{name} {:?}: strides {:?}, not [B, T, H, dh] rows",
+                out.shape(),
+                out.strides()
+            );
+        }
     }
 }
 

@@ -18,6 +18,12 @@
 //! decoder block's 32 heads of 128 x 64 in 1.47-1.71 ms against 2.41-3.08. In whole steps the
 //! attention went from 22% of the main job's step to 18%, from 11% of the block's to 7% (perf).
 //! Left: the forward softmax, ~15-19% of the kernel, and the transposes of `k` and `v`, ~5-7%.
+//!
+//! The output and the gradients go where the caller's layout puts them ([`HeadsMut`]): heads
+//! split out of `[b, t, h, dh]` rows get them back in such rows, so the layer merges its heads
+//! with a view. The copies that merging made (four a block, 64-byte runs) had cost the main job
+//! ~10% of its step (`bench_train --workloads lm`, three alternations on a Zen 4: 34.5-36.0
+//! steps/s before, 38.6-40.0 after).
 
 use rayon::prelude::*;
 
@@ -70,17 +76,14 @@ fn padded_dh(d: HeadDims) -> usize {
     d.dh.next_multiple_of(LANES)
 }
 
-/// `y = p @ v` with `p = causal_softmax(scale * q @ k.t())`, into contiguous `y` (`[batch, t,
-/// dh]`) and `p` (`[batch, t, t]`, zeros above the diagonal).
-pub(crate) fn forward(
-    y: &mut [f32],
-    p: &mut [f32],
-    [q, k, v]: [Heads; 3],
-    d: HeadDims,
-    scale: f32,
-) {
+/// `y = p @ v` with `p = causal_softmax(scale * q @ k.t())`, into `y` (a batch of `[t, dh]`,
+/// see [`HeadsMut`]) and contiguous `p` (`[batch, t, t]`, zeros above the diagonal).
+pub(crate) fn forward(y: HeadsMut, p: &mut [f32], [q, k, v]: [Heads; 3], d: HeadDims, scale: f32) {
     let (t, dh, tp) = (d.t, d.dh, padded_t(d));
-    let one = |scratch: &mut Scratch, b: usize, [y, p]: [&mut [f32]; 2]| {
+    assert_eq!(y.d, d, "attention output");
+    let one = |scratch: &mut Scratch, b: usize, [p]: [&mut [f32]; 1]| {
+        // SAFETY: `for_heads` runs head `b` once.
+        let y = unsafe { y.matrix(b) };
         let Scratch {
             kt, block, v: vbuf, ..
         } = scratch;
@@ -105,19 +108,16 @@ pub(crate) fn forward(
                 causal_softmax_row(&mut p[i * t..(i + 1) * t], &block[r * tp..], scale, i + 1);
             }
             let prows: [&[f32]; ROWS] = std::array::from_fn(|r| &p[(r0 + r.min(rows - 1)) * t..]);
-            lower_product(&mut y[r0 * dh..], dh, &prows, rows, keys, v, dh);
+            lower_product(y.rows_from(r0), &prows, rows, keys, v, dh);
         }
     };
-    for_heads(d, [(y, t * dh), (p, t * t)], one);
+    for_heads(d, false, [(p, t * t)], one);
 }
 
-/// The gradients of `q`, `k` and `v` (contiguous `[batch, t, dh]` each) of [`forward`], given
-/// its `p` and the gradient `g` of `y`.
-#[allow(clippy::too_many_arguments)]
+/// The gradients of `q`, `k` and `v` (a batch of `[t, dh]` each, see [`HeadsMut`]) of
+/// [`forward`], given its `p` and the gradient `g` of `y`.
 pub(crate) fn backward(
-    gq: &mut [f32],
-    gk: &mut [f32],
-    gv: &mut [f32],
+    [gq, gk, gv]: [HeadsMut; 3],
     [q, k, v]: [Heads; 3],
     p: &[f32],
     g: Heads,
@@ -125,7 +125,12 @@ pub(crate) fn backward(
     scale: f32,
 ) {
     let (t, dh, tp) = (d.t, d.dh, padded_t(d));
-    let one = |scratch: &mut Scratch, b: usize, [gq, gk, gv]: [&mut [f32]; 3]| {
+    for out in [&gq, &gk, &gv] {
+        assert_eq!(out.d, d, "attention gradient");
+    }
+    let one = |scratch: &mut Scratch, b: usize, []: [&mut [f32]; 0]| {
+        // SAFETY: `for_heads` runs head `b` once.
+        let [gq, gk, gv] = [&gq, &gk, &gv].map(|out| unsafe { out.matrix(b) });
         let Scratch {
             kt: vt,
             block: gp,
@@ -139,7 +144,7 @@ pub(crate) fn backward(
         let g = g.matrix(b);
         let g_rows = lane_rows(g, d, gbuf);
         // gv = p.t() @ g: row j sums i >= j.
-        upper_transposed_product(gv, dh, p, t, t, g_rows, dh);
+        upper_transposed_product(gv, p, t, t, g_rows, dh);
         // ds = softmax_backward(p, g @ v.t()), a row block at a time, up to the diagonal.
         for r0 in (0..t).step_by(ROWS) {
             let rows = ROWS.min(t - r0);
@@ -163,13 +168,13 @@ pub(crate) fn backward(
         for r0 in (0..t).step_by(ROWS) {
             let rows = ROWS.min(t - r0);
             let srows: [&[f32]; ROWS] = std::array::from_fn(|r| &ds[(r0 + r.min(rows - 1)) * tp..]);
-            lower_product(&mut gq[r0 * dh..], dh, &srows, rows, r0 + rows, k_rows, dh);
+            lower_product(gq.rows_from(r0), &srows, rows, r0 + rows, k_rows, dh);
         }
         // gk = ds.t() @ q: row j sums i >= j.
         let q_rows = lane_rows(q.matrix(b), d, qbuf);
-        upper_transposed_product(gk, dh, ds, tp, t, q_rows, dh);
+        upper_transposed_product(gk, ds, tp, t, q_rows, dh);
     };
-    for_heads(d, [(gq, t * dh), (gk, t * dh), (gv, t * dh)], one);
+    for_heads(d, true, [], one);
 }
 
 /// One head's packed operands and score rows, reused from head to head by one thread.
@@ -235,15 +240,107 @@ impl<'a> Rows<'a> {
     }
 }
 
-/// Runs `f(scratch, b, outs of head b)` for every head `b`, over the threads when there are
-/// several heads and threads; `outs` are `(buffer, values per head)`.
+/// An output batch of `[t, dh]` matrices with contiguous rows that the heads' threads write
+/// at once: matrix `b` at `data[layout.matrix_offset(b)..]`, its rows `layout.row_stride`
+/// apart. Heads may interleave (the `[batch, t, heads, dh]` layout of a tensor whose `[batch,
+/// heads, t, dh]` view the caller wants back), so each thread writes through a pointer; [`new`]
+/// checks that the matrices lie in `data` and share no value.
+///
+/// [`new`]: HeadsMut::new
+pub(crate) struct HeadsMut<'a> {
+    ptr: *mut f32,
+    layout: MatLayout,
+    d: HeadDims,
+    _data: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: threads write disjoint matrices (checked in `new`), each head from one thread.
+unsafe impl Sync for HeadsMut<'_> {}
+
+impl<'a> HeadsMut<'a> {
+    /// The batch `d` of matrices of `layout` in `data`. Panics unless they lie in `data`, one
+    /// value each: what [`HeadsMut::matrix`]'s writes rely on.
+    pub(crate) fn new(data: &'a mut [f32], layout: MatLayout, d: HeadDims) -> HeadsMut<'a> {
+        let l = layout;
+        // The matrices' axes as (length, stride): the batch's one or two, the rows.
+        let (outer, inner) = match l.groups {
+            Some(g) => {
+                let outer = d.batch.div_ceil(g.len.max(1));
+                ((outer, g.stride), (g.len.min(d.batch), l.batch_stride))
+            }
+            None => ((1, 0), (d.batch, l.batch_stride)),
+        };
+        let mut axes: Vec<(usize, usize)> = [outer, inner, (d.t, l.row_stride)]
+            .into_iter()
+            .filter(|&(len, _)| len > 1)
+            .collect();
+        axes.sort_by_key(|&(_, stride)| stride);
+        // Each axis must step past everything the shorter strides reach (then no two values
+        // of the batch share an address), and the last value must lie in the buffer.
+        let mut extent = d.dh;
+        let disjoint = axes.iter().all(|&(len, stride)| {
+            let clear = stride >= extent;
+            extent += stride * (len - 1);
+            clear
+        });
+        assert!(
+            l.col_stride == 1 && disjoint && l.offset + extent <= data.len(),
+            "attention output {l:?} of {d:?} must hold disjoint matrices with contiguous rows \
+             in its {} values",
+            data.len()
+        );
+        HeadsMut {
+            ptr: data.as_mut_ptr(),
+            layout,
+            d,
+            _data: std::marker::PhantomData,
+        }
+    }
+
+    /// Matrix `b`.
+    ///
+    /// # Safety
+    /// No other thread holds matrix `b` (`b < batch`, asserted).
+    unsafe fn matrix(&self, b: usize) -> RowsMut {
+        assert!(b < self.d.batch);
+        RowsMut {
+            ptr: self.ptr.add(self.layout.matrix_offset(b)),
+            ld: self.layout.row_stride,
+            rows: self.d.t,
+            cols: self.d.dh,
+        }
+    }
+}
+
+/// One output matrix of a [`HeadsMut`]: `rows` rows of `cols` values, `ld` apart from `ptr`.
+#[derive(Clone, Copy)]
+struct RowsMut {
+    ptr: *mut f32,
+    ld: usize,
+    rows: usize,
+    cols: usize,
+}
+
+impl RowsMut {
+    /// The rows from row `r` on.
+    fn rows_from(self, r: usize) -> RowsMut {
+        assert!(r <= self.rows);
+        RowsMut {
+            ptr: self.ptr.wrapping_add(r * self.ld),
+            rows: self.rows - r,
+            ..self
+        }
+    }
+}
+
+/// Runs `f(scratch, b, outs of head b)` once for every head `b`, over the threads when there
+/// are several heads and threads; `outs` are `(buffer, values per head)`.
 fn for_heads<const N: usize>(
     d: HeadDims,
+    backward: bool,
     outs: [(&mut [f32], usize); N],
     f: impl Fn(&mut Scratch, usize, [&mut [f32]; N]) + Sync + Send,
 ) {
-    // The forward has two outputs, the backward three.
-    let backward = N == 3;
     let mut heads: Vec<[&mut [f32]; N]> = Vec::with_capacity(d.batch);
     let mut iters: Vec<_> = outs.into_iter().map(|(o, n)| o.chunks_mut(n)).collect();
     for _ in 0..d.batch {
@@ -366,23 +463,15 @@ fn scores(
     }
 }
 
-/// `out[r * ldo + c] = sum_{j < keys} m[r][j] * x[j][c]` for rows `r < rows`, `c < dh`: a row
-/// block of `m @ x`, each row of `m` read up to `keys`.
-fn lower_product(
-    out: &mut [f32],
-    ldo: usize,
-    m: &[&[f32]; ROWS],
-    rows: usize,
-    keys: usize,
-    x: Rows,
-    dh: usize,
-) {
+/// `out[r][c] = sum_{j < keys} m[r][j] * x[j][c]` for rows `r < rows`, `c < dh`: a row block
+/// of `m @ x`, each row of `m` read up to `keys`.
+fn lower_product(out: RowsMut, m: &[&[f32]; ROWS], rows: usize, keys: usize, x: Rows, dh: usize) {
     let dp = dh.next_multiple_of(LANES);
     assert!(keys > 0 && x.data.len() >= (keys - 1) * x.ld + dp);
     assert!(m.iter().all(|r| r.len() >= keys));
-    assert!((1..=ROWS).contains(&rows) && dh <= ldo && out.len() >= (rows - 1) * ldo + dh);
+    assert!((1..=ROWS).contains(&rows) && rows <= out.rows && dh <= out.cols);
     // SAFETY: step `j < keys` reads `x.data[j * x.ld..][..dp]` and `m[r][j]`; the block
-    // writes `out[r * ldo..][..dh]`, `r < rows` (asserted).
+    // writes `out`'s rows `r < rows`, `dh` values each (asserted).
     unsafe {
         block(
             Strides {
@@ -392,37 +481,29 @@ fn lower_product(
                 a: m.map(|r| r.as_ptr()),
                 a_step: 1,
             },
-            out.as_mut_ptr(),
-            ldo,
+            out.ptr,
+            out.ld,
             rows,
             dh,
         );
     }
 }
 
-/// `out[j * ldo + c] = sum_{i >= j, i < t} m[i * lm + j] * x[i][c]` for every `j < t`, `c <
-/// dh`: `m.t() @ x` for `m` zero above its diagonal.
-#[allow(clippy::too_many_arguments)]
-fn upper_transposed_product(
-    out: &mut [f32],
-    ldo: usize,
-    m: &[f32],
-    lm: usize,
-    t: usize,
-    x: Rows,
-    dh: usize,
-) {
+/// `out[j][c] = sum_{i >= j, i < t} m[i * lm + j] * x[i][c]` for every `j < t`, `c < dh`:
+/// `m.t() @ x` for `m` zero above its diagonal.
+fn upper_transposed_product(out: RowsMut, m: &[f32], lm: usize, t: usize, x: Rows, dh: usize) {
     let dp = dh.next_multiple_of(LANES);
     assert!(t > 0 && t <= lm && m.len() >= (t - 1) * lm + t);
-    assert!(x.data.len() >= (t - 1) * x.ld + dp && dh <= ldo && out.len() >= (t - 1) * ldo + dh);
+    assert!(x.data.len() >= (t - 1) * x.ld + dp && t <= out.rows && dh <= out.cols);
     for j0 in (0..t).step_by(ROWS) {
         let rows = ROWS.min(t - j0);
         // Column `j0 + r` of `m` from row `j0`; a last block short of ROWS reads its last
         // column again for the rows it leaves out (their sums are not stored).
         let a: [*const f32; ROWS] =
             std::array::from_fn(|r| m[j0 * lm + j0 + r.min(rows - 1)..].as_ptr());
+        let out = out.rows_from(j0);
         // SAFETY: step `s < t - j0` reads `x.data[(j0 + s) * x.ld..][..dp]` and `m[(j0 + s) *
-        // lm + j0 + r]`; the block writes `out[(j0 + r) * ldo..][..dh]` (asserted).
+        // lm + j0 + r]`; the block writes `out`'s rows `j0 + r`, `dh` values each (asserted).
         unsafe {
             block(
                 Strides {
@@ -432,8 +513,8 @@ fn upper_transposed_product(
                     a,
                     a_step: lm,
                 },
-                out[j0 * ldo..].as_mut_ptr(),
-                ldo,
+                out.ptr,
+                out.ld,
                 rows,
                 dh,
             );
@@ -638,13 +719,32 @@ mod tests {
         [y, p, gq, gk, gv]
     }
 
-    fn run(q: Heads, k: Heads, v: Heads, g: Heads, d: HeadDims, scale: f32) -> [Vec<f32>; 5] {
+    /// The forward and backward with the outputs written at `out` (every value, checked: the
+    /// buffers start as NaN), returned as contiguous `[batch, t, dh]` (`p`: `[batch, t, t]`).
+    fn run(q: Heads, k: Heads, v: Heads, g: Heads, out: MatLayout, d: HeadDims) -> [Vec<f32>; 5] {
+        let scale = 1.0 / (d.dh as f32).sqrt();
         let n = d.batch * d.t * d.dh;
         let (mut y, mut p) = (vec![f32::NAN; n], vec![f32::NAN; d.batch * d.t * d.t]);
-        forward(&mut y, &mut p, [q, k, v], d, scale);
-        let (mut gq, mut gk, mut gv) = (vec![f32::NAN; n], vec![f32::NAN; n], vec![f32::NAN; n]);
-        backward(&mut gq, &mut gk, &mut gv, [q, k, v], &p, g, d, scale);
-        [y, p, gq, gk, gv]
+        forward(HeadsMut::new(&mut y, out, d), &mut p, [q, k, v], d, scale);
+        let mut grads = [(); 3].map(|_| vec![f32::NAN; n]);
+        let [gq, gk, gv] = &mut grads;
+        let outs = [gq, gk, gv].map(|x| HeadsMut::new(x, out, d));
+        backward(outs, [q, k, v], &p, g, d, scale);
+        let [gq, gk, gv] = grads;
+        let rows = |x: &[f32]| -> Vec<f32> {
+            let h = Heads {
+                data: x,
+                layout: out,
+            };
+            (0..d.batch)
+                .flat_map(|b| {
+                    (0..d.t)
+                        .flat_map(move |i| h.matrix(b).row(i, d.dh))
+                        .copied()
+                })
+                .collect()
+        };
+        [rows(&y), p, rows(&gq), rows(&gk), rows(&gv)]
     }
 
     fn assert_close(name: &str, got: &[f32], want: &[f64], d: HeadDims) {
@@ -682,15 +782,52 @@ mod tests {
             let h = |x| Heads { data: x, layout: l };
             let scale = 1.0 / (dh as f32).sqrt();
             let ops = [h(&q[..]), h(&k[..]), h(&v[..]), h(&g[..])];
-            let got = run(ops[0], ops[1], ops[2], ops[3], d, scale);
             let want = reference([ops[0], ops[1], ops[2]], ops[3], d, scale);
-            for (name, (got, want)) in ["y", "p", "gq", "gk", "gv"]
-                .iter()
-                .zip(got.iter().zip(&want))
-            {
-                assert_close(name, got, want, d);
+            // Outputs contiguous, and in the operands' layout (heads interleaved in a row).
+            for out in [contiguous(d), l] {
+                let got = run(ops[0], ops[1], ops[2], ops[3], out, d);
+                for (name, (got, want)) in ["y", "p", "gq", "gk", "gv"]
+                    .iter()
+                    .zip(got.iter().zip(&want))
+                {
+                    assert_close(name, got, want, d);
+                }
             }
         }
+    }
+
+    #[test]
+    fn outputs_that_overlap_or_overrun_their_buffer_are_refused() {
+        let d = HeadDims {
+            batch: 4,
+            t: 8,
+            dh: 16,
+        };
+        let fits = |l: MatLayout, len: usize| {
+            let mut buf = vec![0.0; len];
+            std::panic::catch_unwind(move || {
+                HeadsMut::new(&mut buf, l, d);
+            })
+            .is_ok()
+        };
+        let n = 4 * 8 * 16;
+        assert!(fits(contiguous(d), n));
+        assert!(fits(split_heads(d, 2), n));
+        assert!(fits(split_heads(d, 4), n));
+        // One value short, rows overlapping, heads overlapping, strided columns.
+        assert!(!fits(contiguous(d), n - 1));
+        assert!(!fits(MatLayout::new(0, 8 * 16, 15, 1), n));
+        assert!(!fits(MatLayout::new(0, 7 * 16, 16, 1), n));
+        assert!(!fits(MatLayout::new(0, 8 * 16, 16, 2), 2 * n));
+        // Two heads a row, the second pair of heads starting half-way through the first's rows.
+        let groups_overlap = MatLayout {
+            groups: Some(crate::backend::MatGroups {
+                len: 2,
+                stride: 4 * 32,
+            }),
+            ..split_heads(d, 2)
+        };
+        assert!(!fits(groups_overlap, 2 * n));
     }
 
     /// The composed op's CPU kernels (batched products, causal softmax, softmax backward) on
@@ -758,9 +895,11 @@ mod tests {
                 let t0 = std::time::Instant::now();
                 for _ in 0..reps {
                     let [y, p, gq, gk, gv] = &mut fused_out;
+                    let y = HeadsMut::new(y, l, d);
                     forward(y, p, [h(&q[..]), h(&k[..]), h(&v[..])], d, scale);
                     let ops = [h(&q[..]), h(&k[..]), h(&v[..])];
-                    backward(gq, gk, gv, ops, p, h(&g[..]), d, scale);
+                    let outs = [gq, gk, gv].map(|x| HeadsMut::new(x, l, d));
+                    backward(outs, ops, p, h(&g[..]), d, scale);
                 }
                 fused.push(t0.elapsed().as_secs_f64() * 1e6 / reps as f64);
                 if std::env::var("BENCH_FUSED_ONLY").is_ok() {

@@ -299,6 +299,7 @@ impl Kernels for CpuKernels {
     fn causal_attention(
         &self,
         [(q, lq), (k, lk), (v, lv)]: [(&Tensor, MatLayout); 3],
+        y_at: MatLayout,
         d: HeadDims,
         scale: f32,
     ) -> Option<Result<(Tensor, Tensor)>> {
@@ -307,16 +308,18 @@ impl Kernels for CpuKernels {
         }
         let run = || {
             let dev = q.device();
-            let mut y = Out::for_overwrite(dev, d.batch * d.t * d.dh)?;
+            let n = d.batch * d.t * d.dh;
+            let mut y = Out::for_overwrite(dev, n)?;
             let mut p = Out::for_overwrite(dev, d.batch * d.t * d.t)?;
             let heads = |x, layout| attention::Heads {
                 data: data(x),
                 layout,
             };
             let qkv = [heads(q, lq), heads(k, lk), heads(v, lv)];
-            attention::forward(&mut y.data, &mut p.data, qkv, d, scale);
+            let y_heads = attention::HeadsMut::new(&mut y.data, y_at, d);
+            attention::forward(y_heads, &mut p.data, qkv, d, scale);
             Ok((
-                y.into_tensor(&[d.batch, d.t, d.dh], dev),
+                y.into_tensor(&[n], dev),
                 p.into_tensor(&[d.batch, d.t, d.t], dev),
             ))
         };
@@ -328,6 +331,7 @@ impl Kernels for CpuKernels {
         [(q, lq), (k, lk), (v, lv)]: [(&Tensor, MatLayout); 3],
         p: &Tensor,
         (g, lg): (&Tensor, MatLayout),
+        at: [MatLayout; 3],
         d: HeadDims,
         scale: f32,
     ) -> Option<Result<[Tensor; 3]>> {
@@ -337,7 +341,7 @@ impl Kernels for CpuKernels {
         let run = || {
             let dev = q.device();
             let n = d.batch * d.t * d.dh;
-            let [mut gq, mut gk, mut gv] = [
+            let mut grads = [
                 Out::for_overwrite(dev, n)?,
                 Out::for_overwrite(dev, n)?,
                 Out::for_overwrite(dev, n)?,
@@ -347,10 +351,11 @@ impl Kernels for CpuKernels {
                 layout,
             };
             let qkv = [heads(q, lq), heads(k, lk), heads(v, lv)];
-            let (gq_, gk_, gv_) = (&mut gq.data, &mut gk.data, &mut gv.data);
-            attention::backward(gq_, gk_, gv_, qkv, &contig(p), heads(g, lg), d, scale);
-            let shape = [d.batch, d.t, d.dh];
-            Ok([gq, gk, gv].map(|o| o.into_tensor(&shape, dev)))
+            let [gq, gk, gv] = &mut grads;
+            let outs = [(gq, at[0]), (gk, at[1]), (gv, at[2])]
+                .map(|(o, l)| attention::HeadsMut::new(&mut o.data, l, d));
+            attention::backward(outs, qkv, &contig(p), heads(g, lg), d, scale);
+            Ok(grads.map(|o| o.into_tensor(&[n], dev)))
         };
         Some(run())
     }

@@ -84,18 +84,9 @@ pub(crate) fn as_matrix(
     shape.extend([rows, cols]);
     let mut v = x.broadcast_to(&shape)?;
     let nb = batch.len();
-    let axes = batch_axes(batch, &v.strides()[..nb]);
-    let (batch_stride, groups) = match axes.as_slice() {
-        [] => (0, None),
-        [(_, s)] => (*s, None),
-        [(_, outer), (len, inner)] if grouped => (
-            *inner,
-            Some(MatGroups {
-                len: *len,
-                stride: *outer,
-            }),
-        ),
-        _ => {
+    let (batch_stride, groups) = match batch_strides(batch, &v.strides()[..nb], grouped) {
+        Some(walk) => walk,
+        None => {
             v = v.contiguous()?;
             (rows * cols, None)
         }
@@ -109,6 +100,27 @@ pub(crate) fn as_matrix(
         groups,
     };
     Ok((v, layout))
+}
+
+/// How a [`MatLayout`] walks batch axes of lengths `batch` and `strides`: `(batch_stride,
+/// groups)`, or `None` where one stride (two, when `grouped`) cannot.
+pub(crate) fn batch_strides(
+    batch: &[usize],
+    strides: &[usize],
+    grouped: bool,
+) -> Option<(usize, Option<MatGroups>)> {
+    match batch_axes(batch, strides).as_slice() {
+        [] => Some((0, None)),
+        [(_, s)] => Some((*s, None)),
+        [(_, outer), (len, inner)] if grouped => Some((
+            *inner,
+            Some(MatGroups {
+                len: *len,
+                stride: *outer,
+            }),
+        )),
+        _ => None,
+    }
 }
 
 /// The batch axes as `(length, stride)`, outermost first, with axes of length 1 left out and

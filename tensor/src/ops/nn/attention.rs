@@ -7,7 +7,8 @@
 use crate::backend::{HeadDims, Kernels, MatLayout};
 use crate::dtype_policy::{DTypePolicy::WidenThenRound, Precision};
 use crate::error::{Error, Result};
-use crate::ops::matmul::as_matrix;
+use crate::layout::Layout;
+use crate::ops::matmul::{as_matrix, batch_strides};
 use crate::tensor::Tensor;
 
 impl Tensor {
@@ -17,8 +18,10 @@ impl Tensor {
     /// `p` is what [`Tensor::causal_attention_backward`] takes.
     ///
     /// On the CPU with f32 operands one kernel runs each head through the scores, softmax and
-    /// product while they sit in cache, and computes no product of a masked score; elsewhere
-    /// it is `self.matmul(k.t())`, `causal_softmax`, `matmul(v)`. The two agree to rounding.
+    /// product while they sit in cache, and computes no product of a masked score, and `y`
+    /// keeps the axis order of `self`'s layout (heads split out of `[b, t, h, dh]` rows come
+    /// back in that layout; see `output_layout`); elsewhere it is `self.matmul(k.t())`,
+    /// `causal_softmax`, `matmul(v)`, contiguous. The two agree to rounding.
     pub fn causal_attention(&self, k: &Tensor, v: &Tensor, scale: f32) -> Result<(Tensor, Tensor)> {
         const OP: &str = "causal_attention";
         let d = head_dims(OP, [self, k, v], scale)?;
@@ -31,14 +34,15 @@ impl Tensor {
                 heads(k, batch_shape, d)?,
                 heads(v, batch_shape, d)?,
             ];
+            let (y_layout, y_at) = output_layout(self, batch_shape, d);
             let fused = |kern: &dyn Kernels, [q, k, v]: [&Tensor; 3]| {
-                kern.causal_attention([(q, lq), (k, lk), (v, lv)], d, scale)
+                kern.causal_attention([(q, lq), (k, lk), (v, lv)], y_at, d, scale)
             };
             let ops = [&q, &k, &v];
             if let Some(out) = dev.run_if(OP, Precision::F32, ops, fused) {
                 let (y, p) = out?;
                 dev.add_flops(attention_flops(d));
-                return Ok((y.reshape(self.shape())?, p.reshape(&score_shape)?));
+                return Ok((y.with_layout(y_layout), p.reshape(&score_shape)?));
             }
         }
         let p = self.matmul(&k.t()?)?.causal_softmax(scale)?;
@@ -49,7 +53,9 @@ impl Tensor {
     /// The gradients `[gq, gk, gv]` of [`Tensor::causal_attention`]'s `q` (`self`), `k` and
     /// `v`, given its `p` and `g`, the gradient of its `y`: `gv = p^T g`, `gs = scale * p (g v^T
     /// - rowsum(g v^T * p))`, `gq = gs k`, `gk = gs^T q`. One kernel on the CPU with f32 operands
-    /// (no product of a masked score), products around [`Tensor::softmax_backward`] elsewhere.
+    /// (no product of a masked score; each gradient in the axis order of its operand's layout,
+    /// as [`Tensor::causal_attention`]'s `y`), products around [`Tensor::softmax_backward`]
+    /// elsewhere.
     pub fn causal_attention_backward(
         &self,
         k: &Tensor,
@@ -84,16 +90,23 @@ impl Tensor {
                 heads(g, batch_shape, d)?,
             ];
             let p = p.contiguous()?;
+            let [(lgq, gq_at), (lgk, gk_at), (lgv, gv_at)] =
+                [q, k, v].map(|x| output_layout(x, batch_shape, d));
+            let at = [gq_at, gk_at, gv_at];
             let fused = |kern: &dyn Kernels, [q, k, v, p, g]: [&Tensor; 5]| {
-                kern.causal_attention_backward([(q, lq), (k, lk), (v, lv)], p, (g, lg), d, scale)
+                let qkv = [(q, lq), (k, lk), (v, lv)];
+                kern.causal_attention_backward(qkv, p, (g, lg), at, d, scale)
             };
             if let Some(out) = dev.run_if(OP, Precision::F32, [&q2, &k2, &v2, &p, &g2], fused) {
                 let [gq, gk, gv] = out?;
                 // Four products and the softmax backward (5 a score), as the composed op counts
                 // them: twice the forward's two products and softmax (5 / 2 a score).
                 dev.add_flops(2 * attention_flops(d));
-                let shape = q.shape();
-                return Ok([gq.reshape(shape)?, gk.reshape(shape)?, gv.reshape(shape)?]);
+                return Ok([
+                    gq.with_layout(lgq),
+                    gk.with_layout(lgk),
+                    gv.with_layout(lgv),
+                ]);
             }
         }
         let gv = p.t()?.matmul(g)?;
@@ -210,6 +223,44 @@ fn heads(x: &Tensor, batch_shape: &[usize], d: HeadDims) -> Result<(Tensor, MatL
         return Ok((v, MatLayout { col_stride: 1, ..l }));
     }
     as_matrix(&x.contiguous()?, batch_shape, d.t, d.dh, true)
+}
+
+/// Where the kernel writes an output shaped like `x` (`[..., t, dh]`, `d.batch` heads of
+/// `batch_shape`): every value once, the axes in the order of `x`'s strides, `dh` innermost
+/// (as PyTorch's `empty_like` keeps a permuted tensor's layout, and its CPU flash attention
+/// writes `[b, t, h, dh]`). Heads split out of `[b, t, h, dh]` rows (`permute(0, 2, 1, 3)`)
+/// so get their output and gradients in that layout, and merging them back is a view, not a
+/// copy. Contiguous where the batch would take more than two strides. Returns the tensor's
+/// layout and the kernel's view of it.
+fn output_layout(x: &Tensor, batch_shape: &[usize], d: HeadDims) -> (Layout, MatLayout) {
+    let (shape, r) = (x.shape(), x.rank());
+    // Outermost first; a stable sort keeps ties (and axes of length 1) in their order.
+    let mut order: Vec<usize> = (0..r - 1).collect();
+    order.sort_by_key(|&a| std::cmp::Reverse(x.strides()[a]));
+    let mut strides = vec![1; r];
+    let mut step = d.dh;
+    for &a in order.iter().rev() {
+        strides[a] = step;
+        step *= shape[a];
+    }
+    let nb = batch_shape.len();
+    let Some((batch_stride, groups)) = batch_strides(batch_shape, &strides[..nb], true) else {
+        let layout = Layout::contiguous(shape);
+        return (layout, MatLayout::new(0, d.t * d.dh, d.dh, 1));
+    };
+    let at = MatLayout {
+        offset: 0,
+        batch_stride,
+        row_stride: strides[nb],
+        col_stride: 1,
+        groups,
+    };
+    let layout = Layout {
+        shape: shape.to_vec(),
+        strides,
+        offset: 0,
+    };
+    (layout, at)
 }
 
 /// The FLOPs of the forward as the composed op counts them: two products, the softmax.
