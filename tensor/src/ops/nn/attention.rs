@@ -51,11 +51,11 @@ impl Tensor {
     }
 
     /// The gradients `[gq, gk, gv]` of [`Tensor::causal_attention`]'s `q` (`self`), `k` and
-    /// `v`, given its `p` and `g`, the gradient of its `y`: `gv = p^T g`, `gs = scale * p (g v^T
-    /// - rowsum(g v^T * p))`, `gq = gs k`, `gk = gs^T q`. One kernel on the CPU with f32 operands
-    /// (no product of a masked score; each gradient in the axis order of its operand's layout,
-    /// as [`Tensor::causal_attention`]'s `y`), products around [`Tensor::softmax_backward`]
-    /// elsewhere.
+    /// `v`, given its `p` and `g`, the gradient of its `y`: `gv = p^T g`,
+    /// `gs = scale * p (g v^T - rowsum(g v^T * p))`, `gq = gs k`, `gk = gs^T q`. One kernel on
+    /// the CPU with f32 operands (no product of a masked score; each gradient laid out as
+    /// [`Tensor::causal_attention`]'s `y`, in the axis order of its operand), products around
+    /// [`Tensor::softmax_backward`] elsewhere.
     pub fn causal_attention_backward(
         &self,
         k: &Tensor,
