@@ -38,7 +38,27 @@ pub(crate) fn set_max_level(level: Level) {
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
 fn allowed(level: Level) -> bool {
-    MAX_LEVEL.load(Ordering::Relaxed) >= level as u8
+    MAX_LEVEL.load(Ordering::Relaxed) >= level as u8 && process_allows(level)
+}
+
+/// Whether this process may run `level` at all: yes, unless `WGPIPE_CPU_SIMD` (`avx2` or
+/// `baseline`) caps it, read once. It runs a CPU with AVX-512 the way a CPU without it runs
+/// (its kernels, and the products' routing, see [`crate::cpu::matmul`]), so a Zen 4 can stand
+/// in for a Zen 3 in benchmarks; unlike the tests' cap it is fixed for the whole run.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[inline(always)]
+pub(crate) fn process_allows(level: Level) -> bool {
+    static CAP: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+    let cap = *CAP.get_or_init(|| match std::env::var("WGPIPE_CPU_SIMD").as_deref() {
+        Ok("avx2") => Level::Avx2 as u8,
+        Ok("baseline") => Level::Baseline as u8,
+        Err(_) => Level::Avx512 as u8,
+        Ok(other) => {
+            eprintln!("WGPIPE_CPU_SIMD={other:?} ignored: `avx2` or `baseline` caps the kernels");
+            Level::Avx512 as u8
+        }
+    });
+    cap >= level as u8
 }
 
 /// True when the AVX2 + FMA variants may run (the check is cached by std).
@@ -221,4 +241,51 @@ pub(crate) fn bias_act_grad<T: UnaryOpT>(
         *o = g * T::df(z + b, s);
     }
 }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// Set in the child process of the test below.
+    const CHILD: &str = "WGPIPE_TEST_SIMD_CHILD";
+
+    /// `WGPIPE_CPU_SIMD` caps the kernels for the whole process (read once, so checked in a
+    /// child process of this test binary): `avx2` turns the AVX-512 builds off, and with them
+    /// the products' AVX-512 routing, `baseline` the AVX2 ones too.
+    #[test]
+    fn the_environment_caps_the_kernels_for_the_whole_process() {
+        let detected = |f| std::arch::is_x86_feature_detected!("avx2") && f;
+        if let Ok(cap) = std::env::var(CHILD) {
+            assert_eq!(
+                std::env::var("WGPIPE_CPU_SIMD").as_deref(),
+                Ok(cap.as_str())
+            );
+            assert!(!has_avx512() && !process_allows(Level::Avx512));
+            let avx2 = detected(std::arch::is_x86_feature_detected!("fma"));
+            assert_eq!(has_avx2(), cap == "avx2" && avx2, "{cap}");
+            // Without AVX-512 the blocked product runs every product it can.
+            let blocked = crate::cpu::matmul::blocked_chosen(false);
+            assert_eq!(blocked, cap == "avx2" && avx2, "{cap}");
+            return;
+        }
+        let exe = std::env::current_exe().unwrap();
+        let name = "cpu::simd::tests::the_environment_caps_the_kernels_for_the_whole_process";
+        for cap in ["avx2", "baseline"] {
+            let out = std::process::Command::new(&exe)
+                .args(["--exact", name, "--test-threads", "1"])
+                .env("WGPIPE_CPU_SIMD", cap)
+                .env(CHILD, cap)
+                .env_remove("WGPIPE_CPU_MATMUL")
+                .output()
+                .unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && stdout.contains("1 passed"),
+                "WGPIPE_CPU_SIMD={cap}: {}\n{stdout}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
 }

@@ -114,10 +114,14 @@ pub(crate) fn chosen(big_transposed: bool) -> bool {
     {
         Some("gemm-crate") => false,
         Some("blocked") => supported(),
-        // The CPU's own features, not the level tests cap the other kernels to: the `gemm`
-        // crate and this product sum in different orders, and the choice must not change
-        // while another test's products run.
-        _ => supported() && (big_transposed || !std::arch::is_x86_feature_detected!("avx512f")),
+        // The CPU's own features (as `WGPIPE_CPU_SIMD` leaves them), not the level tests cap
+        // the other kernels to: the `gemm` crate and this product sum in different orders,
+        // and the choice must not change while another test's products run.
+        _ => {
+            let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+                && super::super::simd::process_allows(super::super::simd::Level::Avx512);
+            supported() && (big_transposed || !avx512)
+        }
     }
 }
 
@@ -128,7 +132,9 @@ pub(crate) const BIG_SIDE: usize = 128;
 /// Whether [`gemm`] can run here at all: the CPU has AVX2 and FMA (whatever build level tests
 /// cap the other kernels' dispatch to meanwhile).
 pub(crate) fn supported() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && super::super::simd::process_allows(super::super::simd::Level::Avx2)
 }
 
 /// `C = A · B` for `m x k` `A`, `k x n` `B` and row-major `C`, over up to

@@ -12,6 +12,8 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod blocked;
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(crate) use blocked::chosen as blocked_chosen;
 pub(crate) mod timing;
 
 use gemm::Parallelism;
