@@ -162,6 +162,11 @@ pub(crate) unsafe fn gemm(
     assert!(k > 0 && supported());
     // Chosen once: every part must split the rows by the same tile.
     let tiles = Tiles::here();
+    let depth = depth_parts(m, n, k);
+    if depth > 1 {
+        by_depth(m, n, k, a, b, out, (tiles, depth, threads));
+        return;
+    }
     let (row_parts, col_parts) = grid(m, n, threads);
     if row_parts * col_parts == 1 {
         serial(m, n, k, a, b, out, tiles);
@@ -209,6 +214,70 @@ fn grid(m: usize, n: usize, threads: usize) -> (usize, usize) {
             .min_by_key(|&(rows, cols)| m / rows + n / cols)
     };
     split(MIN_PART).or_else(|| split(64)).unwrap_or((1, 1))
+}
+
+/// How many parts of `k` [`gemm`] cuts a product into (1: none): products too narrow for the
+/// threads to share by rows or columns (see [`grid`]) with a deep `k`, such as the main job's
+/// 64 x 2048 x 64 weight gradients, which one thread ran alone at ~80 GFLOP/s on a Zen 4
+/// without AVX-512 (`WGPIPE_CPU_SIMD=avx2`), as on a Zen 3. Decided from the shape alone,
+/// never from the threads, so the result's bits do not depend on them.
+fn depth_parts(m: usize, n: usize, k: usize) -> usize {
+    if grid(m, n, 2) != (1, 1) {
+        return 1;
+    }
+    (k / DEPTH_PART).clamp(1, MAX_DEPTH_PARTS)
+}
+
+/// The least depth of a part of `k` (two `KC` blocks: each part adds its own `m x n` sum).
+const DEPTH_PART: usize = 2 * KC;
+/// Parts of `k` at most.
+const MAX_DEPTH_PARTS: usize = 4;
+
+/// [`gemm`] with `k` cut into `parts` ranges of whole `KC` blocks, run side by side over up to
+/// `threads` threads: the first range's product into `C`, the others' into buffers of their own,
+/// added to `C` in range order afterwards.
+///
+/// # Safety
+/// As [`gemm`]'s.
+unsafe fn by_depth(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Strided,
+    b: Strided,
+    out: Out,
+    (tiles, parts, threads): (Tiles, usize, usize),
+) {
+    let len = k.div_ceil(parts).next_multiple_of(KC);
+    let ranges: Vec<(usize, usize)> = (0..parts)
+        .map(|p| ((p * len).min(k), ((p + 1) * len).min(k)))
+        .filter(|(k0, k1)| k0 < k1)
+        .collect();
+    let mut sums = vec![0.0f32; (ranges.len() - 1) * m * n];
+    let outs: Vec<Out> = std::iter::once(out)
+        .chain(sums.chunks_mut(m * n).map(|s| Out {
+            ptr: s.as_mut_ptr(),
+            ldc: n,
+        }))
+        .collect();
+    let part = |(&(k0, k1), &o): (&(usize, usize), &Out)| {
+        // SAFETY: as the caller's; each range reads its own columns of `A` and rows of `B`, and
+        // writes its own output.
+        unsafe { serial(m, n, k1 - k0, a.from(0, k0), b.from(k0, 0), o, tiles) }
+    };
+    if threads > 1 {
+        let per_thread = ranges.len().div_ceil(threads);
+        let jobs = ranges.par_iter().zip(outs.par_iter());
+        jobs.with_min_len(per_thread).for_each(part);
+    } else {
+        ranges.iter().zip(&outs).for_each(part);
+    }
+    for sum in sums.chunks(m * n) {
+        for (i, row) in sum.chunks(n).enumerate() {
+            let c = std::slice::from_raw_parts_mut(out.ptr.add(i * out.ldc), n);
+            c.iter_mut().zip(row).for_each(|(c, s)| *c += s);
+        }
+    }
 }
 
 /// The narrowest range of rows or columns a part has where the grid has more than one: it packs
@@ -657,6 +726,18 @@ mod tests {
             assert_eq!(got, want, "{m} x {n} on {threads} threads");
             assert!(got == (1, 1) || got.0 * got.1 == threads);
         }
+        // (m, n, k) -> parts of k: only products the grid cannot share, at least 512 deep each.
+        let cases = [
+            ((64, 64, 2048), 4),   // the main job's weight gradients
+            ((28, 64, 2048), 4),   // its head's
+            ((64, 64, 8192), 4),   // at most four
+            ((64, 64, 1023), 1),   // too shallow for two
+            ((127, 127, 1024), 2), // the widest that is cut
+            ((128, 64, 4096), 1),  // the grid shares it by rows
+        ];
+        for ((m, n, k), want) in cases {
+            assert_eq!(depth_parts(m, n, k), want, "{m} x {k} x {n}");
+        }
     }
 
     /// Against the f64 product, over shapes that leave edge tiles in both directions and cross
@@ -677,6 +758,9 @@ mod tests {
             (150, 33, 70),
             (300, 100, 20),
             (4, NC + 20, 9),
+            // Cut along k: four parts of 512; two, the second shorter.
+            (64, 64, 2048),
+            (20, 30, 1100),
         ];
         for &(m, n, k) in &shapes {
             for ka in 0..3 {
