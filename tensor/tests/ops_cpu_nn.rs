@@ -84,6 +84,32 @@ fn future(t: usize) -> Tensor {
     Tensor::from_vec(v, &[t, t], &Device::cpu()).unwrap()
 }
 
+/// A NaN among a row's visible scores makes the whole row NaN, its masked entries too, as the
+/// chain the fused softmax replaces makes it; the other rows are untouched.
+#[test]
+fn causal_softmax_spreads_a_nan_as_the_unfused_chain_does() {
+    for t in [3, 9, 20] {
+        let mut v = Nd::rand(&[t, t], 5, -2.0, 2.0).tensor().to_vec().unwrap();
+        v[t + 1] = f32::NAN; // row 1, key 1: visible
+        let x = Tensor::from_vec(v, &[t, t], &Device::cpu()).unwrap();
+        let got = x.causal_softmax(0.5).unwrap().to_vec().unwrap();
+        let chain = x
+            .mul_scalar(0.5)
+            .unwrap()
+            .masked_fill(&future(t), -1e9)
+            .unwrap();
+        let want = chain.softmax(-1).unwrap().to_vec().unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                "{t}: {i}"
+            );
+        }
+        assert!(got[t..2 * t].iter().all(|v| v.is_nan()), "{t}: {got:?}");
+        assert!(got[..t].iter().all(|v| !v.is_nan()), "{t}: {got:?}");
+    }
+}
+
 proptest! {
     #![proptest_config(cases(32))]
 

@@ -13,7 +13,7 @@ use super::simd::multiversion;
 #[inline(always)]
 pub(crate) fn sum(xs: &[f32]) -> f32 {
     let mut total = 0f64;
-    for block in xs.chunks(4096) {
+    for block in xs.chunks(SUM_BLOCK) {
         let mut acc = [0f32; 8];
         let chunks = block.chunks_exact(8);
         let rest = chunks.remainder();
@@ -260,23 +260,58 @@ multiversion! {
 /// Softmax of `scale * x[..valid]` into `out[..valid]`, zeros after it: one row of causal
 /// attention scores, the future masked out. The same arithmetic as the scaled, masked
 /// (`-1e9`) and softmaxed row the unfused chain computed, so the two agree bit for bit.
+///
+/// The exponentials are summed as they are made, in [`sum`]'s lanes and order over the whole
+/// row: the zeros after `valid` would add nothing, so they are not visited, and the masked
+/// values are written once, at the end (`0 * (1 / sum)`, NaN where the row is, as the unfused
+/// row's are). Three passes over the valid values and one over the rest, where summing and
+/// normalising the whole row made five over the valid ones and three over the rest.
 pub(crate) fn causal_softmax_row(out: &mut [f32], x: &[f32], scale: f32, valid: usize) {
-    let (head, tail) = out.split_at_mut(valid);
-    for (o, &v) in head.iter_mut().zip(x) {
+    let len = out.len();
+    for (o, &v) in out[..valid].iter_mut().zip(x) {
         *o = v * scale;
     }
-    let m = max(head);
-    for o in head.iter_mut() {
-        *o = super::math::exp(*o - m);
-    }
-    tail.fill(0.0);
-    // Summed over the whole row (zeros included) so the lanes add as in the unfused row.
-    let inv = 1.0 / sum(out);
-    for o in out.iter_mut() {
+    let m = max(&out[..valid]);
+    let total = if len > SUM_BLOCK {
+        // Rows longer than one of `sum`'s blocks (never an attention's here): as written.
+        for o in out[..valid].iter_mut() {
+            *o = super::math::exp(*o - m);
+        }
+        out[valid..].fill(0.0);
+        sum(out)
+    } else {
+        let whole = len / 8 * 8;
+        let (lanes, rest) = out[..valid].split_at_mut(valid.min(whole));
+        let mut acc = [0f32; 8];
+        let mut chunks = lanes.chunks_exact_mut(8);
+        for c in &mut chunks {
+            for k in 0..8 {
+                c[k] = super::math::exp(c[k] - m);
+                acc[k] += c[k];
+            }
+        }
+        for (k, o) in chunks.into_remainder().iter_mut().enumerate() {
+            *o = super::math::exp(*o - m);
+            acc[k] += *o;
+        }
+        let mut s =
+            ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        for o in rest {
+            *o = super::math::exp(*o - m);
+            s += *o;
+        }
+        s
+    };
+    let inv = 1.0 / total;
+    for o in out[..valid].iter_mut() {
         *o *= inv;
     }
+    out[valid..].fill(0.0 * inv);
 }
 }
+
+/// The values [`sum`] adds in f32 before it adds the blocks in f64.
+const SUM_BLOCK: usize = 4096;
 
 /// [`causal_softmax_row`] of each row of contiguous `x`, seen as `[rows / cols, cols, cols]`
 /// score matrices: row `r` is query `r % cols`, which may look at keys `0..=r % cols`.
