@@ -14,22 +14,33 @@ use super::simd::multiversion;
 pub(crate) fn sum(xs: &[f32]) -> f32 {
     let mut total = 0f64;
     for block in xs.chunks(SUM_BLOCK) {
-        let mut acc = [0f32; 8];
-        let chunks = block.chunks_exact(8);
-        let rest = chunks.remainder();
-        for c in chunks {
-            for k in 0..8 {
-                acc[k] += c[k];
-            }
-        }
-        let mut s =
-            ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        for &v in rest {
-            s += v;
-        }
-        total += s as f64;
+        let (lanes, rest) = block.split_at(block.len() / 8 * 8);
+        total += lane_sum(lanes, rest) as f64;
     }
     total as f32
+}
+
+/// One block of [`sum`]: `lanes` into eight lanes (a last chunk shorter than eight as if padded
+/// with zeros, which add nothing: the causal softmax's sum of a row's visible values relies on
+/// it), the lanes added pairwise, then `rest` one by one.
+#[inline(always)]
+fn lane_sum(lanes: &[f32], rest: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = lanes.chunks_exact(8);
+    let last = chunks.remainder();
+    for c in chunks {
+        for k in 0..8 {
+            acc[k] += c[k];
+        }
+    }
+    for (k, &v) in last.iter().enumerate() {
+        acc[k] += v;
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for &v in rest {
+        s += v;
+    }
+    s
 }
 
 /// `out[j] = sum_i x[i * out.len() + j]`: the sums of the columns of contiguous
@@ -284,25 +295,9 @@ pub(crate) fn causal_softmax_row(out: &mut [f32], x: &[f32], scale: f32, valid: 
         for o in out[..valid].iter_mut() {
             *o = super::math::exp(*o - m);
         }
+        // The whole row's lanes and rest, cut at `valid`: zeros after it.
         let (lanes, rest) = out[..valid].split_at(valid.min(len / 8 * 8));
-        let mut acc = [0f32; 8];
-        let chunks = lanes.chunks_exact(8);
-        let last = chunks.remainder();
-        for c in chunks {
-            for k in 0..8 {
-                acc[k] += c[k];
-            }
-        }
-        // The last chunk's lanes past `valid` hold zeros in the whole row.
-        for (k, &v) in last.iter().enumerate() {
-            acc[k] += v;
-        }
-        let mut s =
-            ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        for &v in rest {
-            s += v;
-        }
-        s
+        lane_sum(lanes, rest)
     };
     let inv = 1.0 / total;
     for o in out[..valid].iter_mut() {
