@@ -21,9 +21,10 @@
 //!
 //! The output and the gradients go where the caller's layout puts them ([`HeadsMut`]): heads
 //! split out of `[b, t, h, dh]` rows get them back in such rows, so the layer merges its heads
-//! with a view. The copies that merging made (four a block, 64-byte runs) had cost the main job
-//! ~10% of its step (`bench_train --workloads lm`, three alternations on a Zen 4: 34.5-36.0
-//! steps/s before, 38.6-40.0 after).
+//! with a view, where it made four strided copies a block (64-byte runs). The main job's steps
+//! went from 34.5-36.0 to 38.6-40.0 a second with it (`bench_train --workloads lm`, three
+//! alternations on a Zen 4): more than the copies' ~3% of the step's perf samples, which is
+//! not explained.
 
 use rayon::prelude::*;
 
