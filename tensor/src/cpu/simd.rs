@@ -15,7 +15,6 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use wgpipe_shaders::ops::UnaryOpT;
 
 /// The builds of the hot loops, narrowest first.
-#[cfg_attr(not(test), allow(dead_code))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Level {
     Baseline = 0,
@@ -38,7 +37,31 @@ pub(crate) fn set_max_level(level: Level) {
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
 fn allowed(level: Level) -> bool {
-    MAX_LEVEL.load(Ordering::Relaxed) >= level as u8 && process_allows(level)
+    MAX_LEVEL.load(Ordering::Relaxed) >= level as u8
+}
+
+/// Whether the CPU has `level`'s features and this process may run them ([`process_allows`]),
+/// whatever the tests cap the dispatch to: for choices that must not change while other tests
+/// run (which product kernel takes a product).
+#[inline(always)]
+pub(crate) fn cpu_runs(level: Level) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = || {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+        };
+        process_allows(level)
+            && match level {
+                Level::Baseline => true,
+                Level::Avx2 => avx2(),
+                Level::Avx512 => std::arch::is_x86_feature_detected!("avx512f") && avx2(),
+            }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        level == Level::Baseline
+    }
 }
 
 /// Whether this process may run `level` at all: yes, unless `WGPIPE_CPU_SIMD` (`avx2` or
@@ -66,9 +89,7 @@ pub(crate) fn process_allows(level: Level) -> bool {
 pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        allowed(Level::Avx2)
-            && std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
+        allowed(Level::Avx2) && cpu_runs(Level::Avx2)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -81,7 +102,7 @@ pub(crate) fn has_avx2() -> bool {
 pub(crate) fn has_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        allowed(Level::Avx512) && std::arch::is_x86_feature_detected!("avx512f") && has_avx2()
+        allowed(Level::Avx512) && cpu_runs(Level::Avx512)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -32,6 +32,7 @@ use std::cell::Cell;
 use rayon::prelude::*;
 
 use super::avx2::{MR, NR};
+use crate::cpu::simd::{cpu_runs, Level};
 
 /// Depth of a packed block: a `KC x NR` panel of `B` (16 KiB) stays in L1 while the micro-kernel
 /// runs down a block of `A`. 512 (each tile of `C` read and written half as often where `k` is
@@ -117,11 +118,7 @@ pub(crate) fn chosen(big_transposed: bool) -> bool {
         // The CPU's own features (as `WGPIPE_CPU_SIMD` leaves them), not the level tests cap
         // the other kernels to: the `gemm` crate and this product sum in different orders,
         // and the choice must not change while another test's products run.
-        _ => {
-            let avx512 = std::arch::is_x86_feature_detected!("avx512f")
-                && super::super::simd::process_allows(super::super::simd::Level::Avx512);
-            supported() && (big_transposed || !avx512)
-        }
+        _ => supported() && (big_transposed || !cpu_runs(Level::Avx512)),
     }
 }
 
@@ -132,9 +129,7 @@ pub(crate) const BIG_SIDE: usize = 128;
 /// Whether [`gemm`] can run here at all: the CPU has AVX2 and FMA (whatever build level tests
 /// cap the other kernels' dispatch to meanwhile).
 pub(crate) fn supported() -> bool {
-    std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && super::super::simd::process_allows(super::super::simd::Level::Avx2)
+    cpu_runs(Level::Avx2)
 }
 
 /// `C = A · B` for `m x k` `A`, `k x n` `B` and row-major `C`, over up to
