@@ -21,7 +21,9 @@ mod wgpu;
 pub use backend::{BinaryOp, ReduceOp, UnaryOp};
 pub use cpu::host_pool::{clear_host_pool, pooled_host_bytes, HOST_POOL_ENV};
 pub use cpu::matmul::timing::{take_cpu_matmul_times, time_cpu_matmuls, MatmulTime, OperandLayout};
-pub use cpu::par::{cpu_threads, on_cpu_pool, set_cpu_threads, share_cpu_threads};
+pub use cpu::par::{
+    cpu_threads, on_cpu_pool, on_spare_cpu_thread, set_cpu_threads, share_cpu_threads,
+};
 pub use device::{AdapterInfo, Device, DEVICE_ENV, TEST_WGPU_ENV};
 pub use dtype::DType;
 pub use error::{Error, Result};

@@ -78,12 +78,47 @@ pub fn share_cpu_threads<R>(f: impl FnOnce() -> R) -> R {
 /// slower). README's "Where speed stands" has the figures.
 ///
 /// Run one such loop at a time, and do not wait in `f` for another thread that runs CPU
-/// kernels (a pipeline's device threads, say): `f` holds one of the pool's threads. With a
+/// kernels (a pipeline's device threads, say): `f` holds one of the pool's threads, and the
+/// other thread's kernels may find none free ([`on_spare_cpu_thread`] leaves one). With a
 /// one-thread pool, or when already on a pool thread, `f` simply runs here.
 pub fn on_cpu_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if rayon::current_num_threads() <= 1 || rayon::current_thread_index().is_some() {
         return f();
     }
+    HELD.fetch_add(1, Ordering::SeqCst);
+    run_on_pool(f)
+}
+
+/// [`on_cpu_pool`] where that leaves a pool thread free for the kernels of other threads, so
+/// that `f` may wait for them (a pipeline's lone stage thread waits for the loss its caller's
+/// thread computes); `Err(f)`, not run, where it would not (a one-thread pool, or every other
+/// pool thread held by such closures) or where this thread is already on the pool.
+pub fn on_spare_cpu_thread<R: Send, F: FnOnce() -> R + Send>(f: F) -> std::result::Result<R, F> {
+    let pool = rayon::current_num_threads();
+    if rayon::current_thread_index().is_some() {
+        return Err(f);
+    }
+    // Reserved before it is checked, so that two callers cannot both take the last one.
+    if HELD.fetch_add(1, Ordering::SeqCst) + 1 >= pool {
+        HELD.fetch_sub(1, Ordering::SeqCst);
+        return Err(f);
+    }
+    Ok(run_on_pool(f))
+}
+
+/// Pool threads held by the closures of [`on_cpu_pool`] and [`on_spare_cpu_thread`], running
+/// or about to run.
+static HELD: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs `f` on a pool thread for [`on_cpu_pool`], whose count in [`HELD`] it gives back.
+fn run_on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    struct Release;
+    impl Drop for Release {
+        fn drop(&mut self) {
+            HELD.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    let _release = Release;
     // The caller's per-thread settings go with it: its share of the threads (inside
     // `share_cpu_threads`) and the memory tag its allocations get.
     let sharing = SHARING.with(Cell::get);
@@ -231,6 +266,44 @@ mod tests {
                 (1, (0..50).map(|i| i + 2).sum())
             ]
         );
+    }
+
+    #[test]
+    fn a_spare_pool_thread_is_lent_only_while_another_stays_free() {
+        let _one_loop = LOOPS.lock().unwrap_or_else(|e| e.into_inner());
+        let pool = rayon::current_num_threads();
+        if pool == 1 {
+            assert!(
+                on_spare_cpu_thread(|| ()).is_err(),
+                "a one-thread pool lent its thread"
+            );
+            return;
+        }
+        // Lent while every other thread is free: `f` runs on the pool.
+        let on_pool = on_spare_cpu_thread(|| rayon::current_thread_index().is_some());
+        assert_eq!(on_pool.ok(), Some(true));
+        // Every pool thread but one held by loops: none is lent, and `f` is given back.
+        let (inside, release) = (std::sync::Barrier::new(pool), std::sync::Barrier::new(pool));
+        std::thread::scope(|s| {
+            for _ in 1..pool {
+                s.spawn(|| {
+                    on_cpu_pool(|| {
+                        inside.wait();
+                        release.wait();
+                    })
+                });
+            }
+            inside.wait();
+            let refused = on_spare_cpu_thread(|| 7);
+            release.wait();
+            assert_eq!(
+                refused.err().map(|f| f()),
+                Some(7),
+                "the last free thread was lent"
+            );
+        });
+        // Once they are done, it is lent again.
+        assert!(on_spare_cpu_thread(|| ()).is_ok());
     }
 
     /// The tests of pool-wide state (the sharing count, the pool's threads) run one at a time.
