@@ -300,7 +300,7 @@ fn apply_update(
         }
     }
     for (s, o) in stages.iter().zip(optimizers.iter_mut()) {
-        if step_stage(&s.named_parameters(), o.as_mut()).is_err() {
+        if step_stage(&s.named_parameters(), o.as_mut(), false).is_err() {
             return false;
         }
     }

@@ -133,6 +133,7 @@ impl Pipeline {
             grads_final: None,
             forward_only: true,
             clock: std::time::Instant::now(),
+            replicas_running: 1,
         };
         let whole = [(inputs.clone(), targets.clone(), 1.0)];
         let step = run_held(&mut self.replicas[..1], &ctx, &whole, use_).pop();

@@ -130,12 +130,16 @@ impl Pipeline {
             .iter()
             .map(|(s, o)| StageKeep::take(s, o.as_ref()))
             .collect();
+        // One stage's step has the CPU's threads to itself.
+        let alone = pairs.len() == 1;
         let results: Vec<Result<()>> = std::thread::scope(|scope| {
             let spawned: Vec<_> = pairs
                 .iter_mut()
                 .map(|(s, o)| {
                     let params = s.named_parameters();
-                    let h = spawn_stage(scope, s.index, move || step_stage(&params, o.as_mut()));
+                    let alone = alone && s.device.is_cpu();
+                    let step = move || step_stage(&params, o.as_mut(), alone);
+                    let h = spawn_stage(scope, s.index, step);
                     (*s, h)
                 })
                 .collect();
@@ -234,16 +238,20 @@ pub(super) fn unscaling(carried: Option<f32>) -> Option<f32> {
 /// What an error while unscaling gradients says it was doing.
 pub(super) const UNSCALING: &str = "optimizer step (unscaling)";
 
-/// One stage's optimizer step on its parameters `params`, a panic of the optimizer caught.
+/// One stage's optimizer step on its parameters `params`, a panic of the optimizer caught;
+/// `alone`: the only stage stepping, on a CPU device (see [`threads::run_stage_work`]).
 pub(super) fn step_stage(
     params: &[(String, Param)],
     o: &mut dyn Optimizer,
+    alone: bool,
 ) -> std::result::Result<(), StageCause> {
-    let step = || wgpipe_tensor::share_cpu_threads(|| o.step(params));
-    match catch_unwind(AssertUnwindSafe(step)) {
-        Ok(r) => r.map_err(StageCause::Tensor),
-        Err(p) => Err(StageCause::Panic(threads::panic_message(p))),
-    }
+    // Caught where it ran, which knows where it happened.
+    threads::run_stage_work(alone, || {
+        match catch_unwind(AssertUnwindSafe(|| o.step(params))) {
+            Ok(r) => r.map_err(StageCause::Tensor),
+            Err(p) => Err(StageCause::Panic(threads::panic_message(p))),
+        }
+    })
 }
 
 /// What a stage needs to undo an optimizer step: parameter values, gradients and the

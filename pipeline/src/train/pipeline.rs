@@ -292,6 +292,7 @@ impl Pipeline {
             grads_final,
             clock,
             forward_only: false,
+            replicas_running: held,
         };
         let steps = run_held(
             &mut self.replicas,

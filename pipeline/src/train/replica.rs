@@ -55,6 +55,9 @@ pub(crate) struct StepCtx<'a> {
     /// A forward-only round (`schedule` is then forwards only; see
     /// [`Schedule::forward_only`]).
     pub forward_only: bool,
+    /// How many replicas run their part of this step side by side in this process, each on
+    /// device threads of its own.
+    pub replicas_running: usize,
 }
 
 /// How a replica's part of a step ended.

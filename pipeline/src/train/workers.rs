@@ -36,6 +36,8 @@ impl Replica {
     ) -> Ran {
         let schedule = ctx.schedule;
         let k = schedule.num_devices();
+        // The only device thread of the step has the CPU's threads to itself.
+        let alone = k == 1 && ctx.replicas_running == 1;
         let mut by_device: Vec<Vec<Stage>> = (0..k).map(|_| Vec::new()).collect();
         for stage in std::mem::take(&mut self.stages) {
             by_device[schedule.placement[stage.index]].push(stage);
@@ -84,30 +86,30 @@ impl Replica {
             let (give, take) = channel::<Vec<Stage>>();
             let spawned = threads::spawn_named(device, move || -> DeviceResult {
                 let stages = take.recv().unwrap_or_default();
-                let mut pos = Position::default();
-                let r = {
-                    let refs: Vec<&Stage> = stages.iter().collect();
-                    // Device threads run side by side: their kernels share the CPU's threads.
-                    catch_unwind(AssertUnwindSafe(|| {
-                        wgpipe_tensor::share_cpu_threads(|| {
+                let alone = alone && stages.first().is_some_and(|s| s.device.is_cpu());
+                threads::run_stage_work(alone, move || {
+                    let mut pos = Position::default();
+                    let r = {
+                        let refs: Vec<&Stage> = stages.iter().collect();
+                        catch_unwind(AssertUnwindSafe(|| {
                             run_device(&refs, &links, &io, &mut pos)
-                        })
-                    }))
-                };
-                let r = match r {
-                    Ok(r) => r,
-                    Err(payload) => Err(StageCause::Panic(threads::panic_message(payload))),
-                };
-                if let Err(cause) = &r {
-                    io.abort.store(true, Ordering::SeqCst);
-                    if let Some(tell) = &links.abort_peers {
-                        tell(&cause.to_string());
+                        }))
+                    };
+                    let r = match r {
+                        Ok(r) => r,
+                        Err(payload) => Err(StageCause::Panic(threads::panic_message(payload))),
+                    };
+                    if let Err(cause) = &r {
+                        io.abort.store(true, Ordering::SeqCst);
+                        if let Some(tell) = &links.abort_peers {
+                            tell(&cause.to_string());
+                        }
                     }
-                }
-                // Dropping the links closes this device's channels, which also wakes any
-                // neighbour blocked on them.
-                drop(links);
-                (stages, pos, r)
+                    // Dropping the links closes this device's channels, which also wakes any
+                    // neighbour blocked on them.
+                    drop(links);
+                    (stages, pos, r)
+                })
             });
             match spawned {
                 Ok(h) => {

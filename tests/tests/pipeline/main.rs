@@ -3,6 +3,7 @@
 
 mod atomic;
 mod back_to_back;
+mod cpu_threads;
 mod equivalence;
 mod faults;
 mod locality;
