@@ -171,6 +171,17 @@ pub struct CostHint {
     pub output_shape: Vec<usize>,
 }
 
+impl CostHint {
+    /// A layer that costs nothing and keeps its input's shape (an identity, a probe, a layer
+    /// held elsewhere).
+    pub fn pass_through(input_shape: &[usize]) -> CostHint {
+        CostHint {
+            output_shape: input_shape.to_vec(),
+            ..CostHint::default()
+        }
+    }
+}
+
 /// The name of parameter (or buffer) `name` of layer `layer` in a layer sequence:
 /// `"{layer}.{name}"` (e.g. `3.attn.q.weight`). Checkpoint files key tensors by it, so every
 /// place that names a sequence's parameters (plain sequences, pipeline stages, checkpoints)

@@ -540,10 +540,7 @@ impl Module for Fault {
         vec![("gate".into(), self.gate.clone())]
     }
     fn cost(&self, input_shape: &[usize]) -> CostHint {
-        CostHint {
-            output_shape: input_shape.to_vec(),
-            ..CostHint::default()
-        }
+        CostHint::pass_through(input_shape)
     }
 }
 
@@ -713,10 +710,7 @@ impl Module for SkipLayer {
             .collect()
     }
     fn cost(&self, input_shape: &[usize]) -> CostHint {
-        CostHint {
-            output_shape: input_shape.to_vec(),
-            ..CostHint::default()
-        }
+        CostHint::pass_through(input_shape)
     }
 }
 

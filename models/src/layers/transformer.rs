@@ -51,10 +51,7 @@ impl Module for Mlp {
 
 /// Costs of modules applied one after the other.
 pub(crate) fn chain(mods: &[&dyn Module], input_shape: &[usize]) -> CostHint {
-    let mut total = CostHint {
-        output_shape: input_shape.to_vec(),
-        ..CostHint::default()
-    };
+    let mut total = CostHint::pass_through(input_shape);
     for m in mods {
         let c = m.cost(&total.output_shape);
         total.param_bytes += c.param_bytes;

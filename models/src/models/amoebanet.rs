@@ -66,10 +66,7 @@ impl Module for Identity {
         Vec::new()
     }
     fn cost(&self, input_shape: &[usize]) -> CostHint {
-        CostHint {
-            output_shape: input_shape.to_vec(),
-            ..CostHint::default()
-        }
+        CostHint::pass_through(input_shape)
     }
 }
 

@@ -88,12 +88,7 @@ impl Module for AbsentLayer {
     }
     fn cost(&self, input_shape: &[usize]) -> CostHint {
         // Costs are taken before the layers are dropped; nothing asks an absent layer.
-        CostHint {
-            param_bytes: 0,
-            flops: 0.0,
-            activation_bytes: 0,
-            output_shape: input_shape.to_vec(),
-        }
+        CostHint::pass_through(input_shape)
     }
     fn skips(&self) -> Skips {
         self.skips.clone()

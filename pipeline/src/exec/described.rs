@@ -60,12 +60,7 @@ impl DescribedLayer {
         let answer = match built {
             Some(l) => (l.cost(input_shape), l.stash_bytes(input_shape)),
             None => (
-                CostHint {
-                    param_bytes: 0,
-                    flops: 0.0,
-                    activation_bytes: 0,
-                    output_shape: input_shape.to_vec(),
-                },
+                CostHint::pass_through(input_shape),
                 vec![0; self.skips.stashes.len()],
             ),
         };

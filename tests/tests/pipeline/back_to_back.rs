@@ -49,12 +49,7 @@ impl Module for Boost {
         Vec::new()
     }
     fn cost(&self, input_shape: &[usize]) -> CostHint {
-        CostHint {
-            param_bytes: 0,
-            flops: 0.0,
-            activation_bytes: 0,
-            output_shape: input_shape.to_vec(),
-        }
+        CostHint::pass_through(input_shape)
     }
 }
 
