@@ -439,7 +439,9 @@ impl Pipeline {
                 let events = events_tx.clone();
                 let spawned = spawn_stage(scope, d, move || {
                     let lent = take.recv().ok()?;
-                    Some(wgpipe_tensor::share_cpu_threads(|| {
+                    // The only device thread has the CPU's threads to itself.
+                    let alone = k == 1 && lent.stages.first().is_some_and(|s| s.device.is_cpu());
+                    Some(threads::run_stage_work(alone, move || {
                         device_loop(d, lent, ctl_rx, events)
                     }))
                 });

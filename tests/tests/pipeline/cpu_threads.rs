@@ -3,14 +3,18 @@
 //! backend's own threads, so that its kernels share their work out from inside the pool;
 //! several stage threads each run on their own thread and share the CPU's threads. Either way
 //! the results are the same bits, and a panic there comes back as an error naming where it
-//! happened.
+//! happened. Each test checks in a child process of its own, where no other test's stage holds
+//! a pool thread.
 
+use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex};
 
 use wgpipe_autograd::optim::{Optimizer, Sgd};
 use wgpipe_autograd::{CostHint, ForwardCtx, Module, Param, Var};
 use wgpipe_models::{mse, Linear, Relu};
-use wgpipe_pipeline::{CheckpointMode, Pipeline, PipelineError, StageCause};
+use wgpipe_pipeline::{
+    CheckpointMode, Pipeline, PipelineError, StageCause, StepsOptions, StepsPath,
+};
 use wgpipe_tensor::{Device, Result, Tensor};
 use wgpipe_tests::*;
 
@@ -111,6 +115,33 @@ fn pipeline(seen: &Seen, stepped: &Seen, k: usize, panics: bool) -> Pipeline {
         .unwrap()
 }
 
+/// Set in the child process of [`alone_in_a_process`].
+const CHILD: &str = "WGPIPE_TEST_CPU_THREADS_CHILD";
+
+/// Whether the caller (test `name` of this module) should run its checks here: in a child
+/// process of this test binary that runs only it, where no other test's stage holds a CPU pool
+/// thread (a stage is lent one only while another stays free). In the parent, runs the child
+/// and asserts that it passed.
+fn alone_in_a_process(name: &str) -> bool {
+    if std::env::var_os(CHILD).is_some() {
+        return true;
+    }
+    let name = format!("cpu_threads::{name}");
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", &name, "--test-threads", "1"])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{name} in its own process: {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    false
+}
+
 fn batch() -> (Tensor, Tensor) {
     (normal_data(&[8, 8], 1), normal_data(&[8, 4], 2))
 }
@@ -128,6 +159,9 @@ fn train(pipe: &mut Pipeline) -> (Vec<(String, Vec<f32>)>, Vec<u32>) {
 
 #[test]
 fn a_lone_cpu_stage_runs_on_the_cpu_pool_and_gives_the_same_bits() {
+    if !alone_in_a_process("a_lone_cpu_stage_runs_on_the_cpu_pool_and_gives_the_same_bits") {
+        return;
+    }
     if wgpipe_tensor::cpu_threads() < 2 {
         eprintln!("skipped: the CPU pool has one thread, so a lone stage runs where it is");
         return;
@@ -173,7 +207,58 @@ fn a_lone_cpu_stage_runs_on_the_cpu_pool_and_gives_the_same_bits() {
 }
 
 #[test]
+fn steps_back_to_back_run_a_lone_cpu_stage_on_the_cpu_pool_too() {
+    if !alone_in_a_process("steps_back_to_back_run_a_lone_cpu_stage_on_the_cpu_pool_too") {
+        return;
+    }
+    if wgpipe_tensor::cpu_threads() < 2 {
+        eprintln!("skipped: the CPU pool has one thread, so a lone stage runs where it is");
+        return;
+    }
+    let run = |k: usize| {
+        let (seen, stepped): (Seen, Seen) = Default::default();
+        let mut pipe = pipeline(&seen, &stepped, k, false);
+        let opts = StepsOptions {
+            steps: 3,
+            clip: None,
+            lr: None,
+            step_at_a_time: false,
+        };
+        let mut losses = Vec::new();
+        let report = pipe
+            .train_steps(
+                &opts,
+                |_| Ok(batch()),
+                &mse,
+                |r| {
+                    losses.push(r.loss.to_bits());
+                    ControlFlow::Continue(())
+                },
+            )
+            .unwrap();
+        assert_eq!(report.path, StepsPath::BackToBack, "k = {k}");
+        let seen = seen.lock().unwrap().clone();
+        (seen, losses, snapshot(&pipe.named_parameters()))
+    };
+    let (alone, losses_alone, params_alone) = run(1);
+    assert_eq!(alone.len(), 12);
+    assert!(alone.iter().all(|n| n.is_none()), "{alone:?}");
+    let (shared, losses_shared, params_shared) = run(2);
+    assert!(
+        shared
+            .iter()
+            .all(|n| n.as_deref().is_some_and(|n| n.starts_with("wgpipe-stage-"))),
+        "{shared:?}"
+    );
+    assert_eq!(losses_alone, losses_shared);
+    assert_eq!(params_alone, params_shared);
+}
+
+#[test]
 fn a_panic_of_a_lone_cpu_stage_comes_back_naming_where_it_happened() {
+    if !alone_in_a_process("a_panic_of_a_lone_cpu_stage_comes_back_naming_where_it_happened") {
+        return;
+    }
     let seen: Seen = Arc::default();
     let mut pipe = pipeline(&seen, &seen, 1, true);
     let (x, y) = batch();
