@@ -299,6 +299,7 @@ fn apply_update(
             return false;
         }
     }
+    // On the device's own loop's thread, wherever that runs (see `run_stage_work`).
     for (s, o) in stages.iter().zip(optimizers.iter_mut()) {
         if step_stage(&s.named_parameters(), o.as_mut(), false).is_err() {
             return false;
