@@ -142,6 +142,23 @@ fn alone_in_a_process(name: &str) -> bool {
     false
 }
 
+/// Whether every call noted in `names` ran on a stage thread (`wgpipe-stage-N`).
+fn on_stage_threads(names: &[Option<String>]) -> bool {
+    names
+        .iter()
+        .all(|n| n.as_deref().is_some_and(|n| n.starts_with("wgpipe-stage-")))
+}
+
+/// Whether the CPU pool can lend a lone stage a thread (it keeps another free); says why the
+/// test is skipped where not.
+fn pool_lends() -> bool {
+    let lends = wgpipe_tensor::cpu_threads() >= 2;
+    if !lends {
+        eprintln!("skipped: the CPU pool has one thread, so a lone stage runs where it is");
+    }
+    lends
+}
+
 fn batch() -> (Tensor, Tensor) {
     (normal_data(&[8, 8], 1), normal_data(&[8, 4], 2))
 }
@@ -162,8 +179,7 @@ fn a_lone_cpu_stage_runs_on_the_cpu_pool_and_gives_the_same_bits() {
     if !alone_in_a_process("a_lone_cpu_stage_runs_on_the_cpu_pool_and_gives_the_same_bits") {
         return;
     }
-    if wgpipe_tensor::cpu_threads() < 2 {
-        eprintln!("skipped: the CPU pool has one thread, so a lone stage runs where it is");
+    if !pool_lends() {
         return;
     }
     let (alone, alone_stepped): (Seen, Seen) = Default::default();
@@ -181,9 +197,7 @@ fn a_lone_cpu_stage_runs_on_the_cpu_pool_and_gives_the_same_bits() {
     let shared = shared.lock().unwrap().clone();
     assert_eq!(shared.len(), 8);
     assert!(
-        shared
-            .iter()
-            .all(|n| n.as_deref().is_some_and(|n| n.starts_with("wgpipe-stage-"))),
+        on_stage_threads(&shared),
         "two stages did not run on their own threads: {shared:?}"
     );
     // The optimizer steps likewise: 2 steps of one stage, and of two.
@@ -195,12 +209,7 @@ fn a_lone_cpu_stage_runs_on_the_cpu_pool_and_gives_the_same_bits() {
     );
     let shared_stepped = shared_stepped.lock().unwrap().clone();
     assert_eq!(shared_stepped.len(), 4);
-    assert!(
-        shared_stepped
-            .iter()
-            .all(|n| n.as_deref().is_some_and(|n| n.starts_with("wgpipe-stage-"))),
-        "{shared_stepped:?}"
-    );
+    assert!(on_stage_threads(&shared_stepped), "{shared_stepped:?}");
     // Where the work ran changes no bit: one stage and two give the same steps.
     assert_eq!(losses_alone, losses_shared);
     assert_eq!(params_alone, params_shared);
@@ -211,8 +220,7 @@ fn steps_back_to_back_run_a_lone_cpu_stage_on_the_cpu_pool_too() {
     if !alone_in_a_process("steps_back_to_back_run_a_lone_cpu_stage_on_the_cpu_pool_too") {
         return;
     }
-    if wgpipe_tensor::cpu_threads() < 2 {
-        eprintln!("skipped: the CPU pool has one thread, so a lone stage runs where it is");
+    if !pool_lends() {
         return;
     }
     let run = |k: usize| {
@@ -244,12 +252,7 @@ fn steps_back_to_back_run_a_lone_cpu_stage_on_the_cpu_pool_too() {
     assert_eq!(alone.len(), 12);
     assert!(alone.iter().all(|n| n.is_none()), "{alone:?}");
     let (shared, losses_shared, params_shared) = run(2);
-    assert!(
-        shared
-            .iter()
-            .all(|n| n.as_deref().is_some_and(|n| n.starts_with("wgpipe-stage-"))),
-        "{shared:?}"
-    );
+    assert!(on_stage_threads(&shared), "{shared:?}");
     assert_eq!(losses_alone, losses_shared);
     assert_eq!(params_alone, params_shared);
 }
@@ -274,7 +277,7 @@ fn a_panic_of_a_lone_cpu_stage_comes_back_naming_where_it_happened() {
         },
         other => panic!("not a stage error: {other:?}"),
     }
-    // The pipeline is usable afterwards: a pipeline without the fault trains.
+    // A pipeline without the fault then trains in the same process.
     let mut clean = pipeline(&seen, &seen, 1, false);
     clean.train_step(&x, &y, &mse).unwrap();
     clean.optimizer_step().unwrap();
