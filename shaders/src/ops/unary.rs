@@ -22,6 +22,20 @@ pub trait UnaryOpT: 'static {
     fn df(x: f32, s: [f32; 2]) -> f32;
     /// What a backward computes `dy/dx` from, and so what it keeps of the forward.
     const GRAD_FROM: GradFrom = GradFrom::Input;
+    /// Where `f` and `df` have cheaper forms, [`UnaryOpT::f_near`] and [`UnaryOpT::df_near`],
+    /// that give the same bits: `|x| <= NEAR` (the exact GELU's polynomials). Loops that find a
+    /// whole run of values inside it run those; NaN is never inside. Negative: no such forms.
+    const NEAR: f32 = -1.0;
+    /// `f` for `|x| <= NEAR`.
+    #[inline(always)]
+    fn f_near(x: f32, s: [f32; 2]) -> f32 {
+        Self::f(x, s)
+    }
+    /// `df` for `|x| <= NEAR`.
+    #[inline(always)]
+    fn df_near(x: f32, s: [f32; 2]) -> f32 {
+        Self::df(x, s)
+    }
 }
 
 /// What an op's backward computes `dy/dx` from, and so which tensor autograd keeps from the
@@ -47,10 +61,12 @@ pub trait UnaryVisitor {
 }
 
 /// Defines one descriptor: `Type, "name", |x, s| f, "wgsl", d: df, "wgsl_grad"`, and when the
-/// backward does not read the input, `from: GradFrom::...`.
+/// backward does not read the input, `from: GradFrom::...`; with cheaper forms near zero,
+/// `near: bound => f_near, df_near` (see [`UnaryOpT::NEAR`]).
 macro_rules! unary_op {
     ($(#[$m:meta])* $ty:ident, $name:literal, |$x:ident, $s:pat_param| $f:expr, $wgsl:literal,
-     d: $df:expr, $wgsl_grad:literal $(, from: $from:expr)?) => {
+     d: $df:expr, $wgsl_grad:literal $(, from: $from:expr)?
+     $(, near: $near:expr => $f_near:expr, $df_near:expr)?) => {
         $(#[$m])*
         #[derive(Debug, Clone, Copy)]
         pub struct $ty;
@@ -69,6 +85,19 @@ macro_rules! unary_op {
             fn df($x: f32, $s: [f32; 2]) -> f32 {
                 $df
             }
+            $(
+            const NEAR: f32 = $near;
+            #[inline(always)]
+            #[allow(unused_variables)]
+            fn f_near($x: f32, $s: [f32; 2]) -> f32 {
+                $f_near
+            }
+            #[inline(always)]
+            #[allow(unused_variables)]
+            fn df_near($x: f32, $s: [f32; 2]) -> f32 {
+                $df_near
+            }
+            )?
         }
     };
 }
@@ -77,7 +106,8 @@ macro_rules! unary_op {
 pub mod desc {
     use super::super::flag;
     use super::super::math::{
-        exp, gelu, gelu_grad, gelu_grad2, gelu_tanh, gelu_tanh_grad, gelu_tanh_grad2, sigmoid,
+        exp, gelu, gelu_grad, gelu_grad2, gelu_grad_near, gelu_near, gelu_tanh, gelu_tanh_grad,
+        gelu_tanh_grad2, sigmoid, GELU_NEAR,
     };
     use super::GradFrom::{Nothing, Output};
     use super::{UnaryOp, UnaryOpT};
@@ -116,11 +146,12 @@ pub mod desc {
         d: flag(x > 0.0), "flag(a > 0.0)");
     unary_op!(
         /// GELU, exact: x Phi(x) with Phi the standard normal CDF (PyTorch's `gelu`).
-        Gelu, "gelu", |x, _| gelu(x), "gelu(a)", d: gelu_grad(x), "gelu_grad(a)");
+        Gelu, "gelu", |x, _| gelu(x), "gelu(a)", d: gelu_grad(x), "gelu_grad(a)",
+        near: GELU_NEAR => gelu_near(x), gelu_grad_near(x));
     unary_op!(
         /// d/dx of the exact GELU (for its backward).
         GeluGrad, "gelu_grad", |x, _| gelu_grad(x), "gelu_grad(a)",
-        d: gelu_grad2(x), "gelu_grad2(a)");
+        d: gelu_grad2(x), "gelu_grad2(a)", near: GELU_NEAR => gelu_grad_near(x), gelu_grad2(x));
     unary_op!(
         /// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
         /// (PyTorch's `gelu(approximate='tanh')`).

@@ -326,13 +326,22 @@ pub(crate) fn unary_scalar(op: UnaryOp, x: f32) -> f32 {
 }
 
 /// `out = op(x)`. Each op gets its own monomorphised loop: the descriptor's function is a type
-/// parameter of the loop, chosen once outside it.
+/// parameter of the loop, chosen once outside it (on a contiguous `x`, `simd::unary`, which
+/// also runs an op's near form where it can).
 pub(crate) fn unary(op: UnaryOp, out: &mut [f32], x: &[f32], lx: &Layout) {
     struct Run<'a>(&'a mut [f32], &'a [f32], &'a Layout);
     impl UnaryVisitor for Run<'_> {
         type Out = ();
         fn visit<T: UnaryOpT>(self, s: [f32; 2]) {
-            map1(self.0, self.1, self.2, move |v| T::f(v, s))
+            let Run(out, x, lx) = self;
+            if lx.is_contiguous() {
+                let xs = &x[lx.offset..lx.offset + out.len()];
+                for_rows(out, 1, |st, o| {
+                    simd::unary::<T>(o, &xs[st..st + o.len()], s)
+                });
+                return;
+            }
+            map1(out, x, lx, move |v| T::f(v, s))
         }
     }
     op.visit(Run(out, x, lx))

@@ -8,7 +8,10 @@
 //! AVX-512 pays for the transcendental loops (exp, the exact GELU and their gradients): on
 //! this machine's Xeon, 1M values on one thread, GELU 1.44 -> 0.82-1.12 ns per value forward and
 //! 2.3 -> 1.2-1.55 backward, exp 0.52 -> 0.36-0.45. Every variant runs the same operations on each
-//! element (no reassociation), so all three give the same bits.
+//! element (no reassociation), so all three give the same bits. The exact GELU's loops run its
+//! polynomials over runs of values near zero ([`by_runs`]): on a Zen 4, 1M values drawn from a
+//! normal of spread 0.6 on one thread (`bias_act`), AVX2 1.38 -> 0.42 ns per value forward and
+//! 2.10 -> 0.51 backward, AVX-512 0.80 -> 0.35 and 1.15 -> 0.40.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -230,22 +233,26 @@ pub(crate) fn zip_scalar<F: Fn(f32, f32) -> f32>(o: &mut [f32], a: &[f32], y: f3
 }
 
 multiversion! {
+/// `o[i] = T(x[i])`, the op inlined into the loop (as [`unary_grad`]), its near form run where
+/// it can be (see [`by_runs`]).
+pub(crate) fn unary<T: UnaryOpT>(o: &mut [f32], x: &[f32], s: [f32; 2]) {
+    by_runs::<T>(o, x, None, None, s)
+}
+}
+
+multiversion! {
 /// `o[i] = g[i] * T'(x[i])`: the backward of unary op `T` with its derivative inlined into the
 /// loop. Through [`zip`] the derivative sits in a closure, which LLVM leaves out of line when it
 /// is big (the exact GELU's: a quarter of a decoder-block step, one scalar call per element).
 pub(crate) fn unary_grad<T: UnaryOpT>(o: &mut [f32], x: &[f32], g: &[f32], s: [f32; 2]) {
-    for ((o, &v), &g) in o.iter_mut().zip(x).zip(g) {
-        *o = g * T::df(v, s);
-    }
+    by_runs::<T>(o, x, None, Some(g), s)
 }
 }
 
 multiversion! {
 /// `o[i] = T(z[i] + b[i])`, the op inlined into the loop (as [`unary_grad`]).
 pub(crate) fn bias_act<T: UnaryOpT>(o: &mut [f32], z: &[f32], b: &[f32], s: [f32; 2]) {
-    for ((o, &z), &b) in o.iter_mut().zip(z).zip(b) {
-        *o = T::f(z + b, s);
-    }
+    by_runs::<T>(o, z, Some(b), None, s)
 }
 }
 
@@ -258,10 +265,80 @@ pub(crate) fn bias_act_grad<T: UnaryOpT>(
     g: &[f32],
     s: [f32; 2],
 ) {
-    for (((o, &z), &b), &g) in o.iter_mut().zip(z).zip(b).zip(g) {
-        *o = g * T::df(z + b, s);
+    by_runs::<T>(o, z, Some(b), Some(g), s)
+}
+}
+
+/// Values in a run that [`by_runs`] tests for an op's near form: two AVX2 registers, one
+/// AVX-512 one. (Longer runs fall outside more often: with the values of a standard normal,
+/// a run of 16 lies inside the exact GELU's `|x| <= 2` 47% of the time, one of 64 5%.)
+const RUN: usize = 16;
+
+/// `o[i] = T(x[i] + b[i])`, or with `g`, `g[i] * T'(x[i] + b[i])` (no `b`: `x[i]` alone). For
+/// an op with a near form ([`UnaryOpT::NEAR`]), run by run of [`RUN`] values: a run whose
+/// inputs all lie inside its bound runs the near form, which gives the same bits there, so
+/// the result does not depend on where runs start or on the build. Inlined into each loop
+/// above, where the `Option`s are constants.
+#[inline(always)]
+fn by_runs<T: UnaryOpT>(
+    o: &mut [f32],
+    x: &[f32],
+    b: Option<&[f32]>,
+    g: Option<&[f32]>,
+    s: [f32; 2],
+) {
+    if T::NEAR < 0.0 {
+        return apply::<T, false>(o, x, b, g, s);
+    }
+    for (r, o) in o.chunks_mut(RUN).enumerate() {
+        let run = r * RUN..r * RUN + o.len();
+        let (x, b, g) = (
+            &x[run.clone()],
+            b.map(|b| &b[run.clone()]),
+            g.map(|g| &g[run]),
+        );
+        let inside = |all: bool, v: f32| all & (v.abs() <= T::NEAR);
+        let near = match b {
+            Some(b) => x.iter().zip(b).fold(true, |all, (x, b)| inside(all, x + b)),
+            None => x.iter().fold(true, |all, &x| inside(all, x)),
+        };
+        if near {
+            apply::<T, true>(o, x, b, g, s)
+        } else {
+            apply::<T, false>(o, x, b, g, s)
+        }
     }
 }
+
+/// [`by_runs`]' loops, with the near forms or the full ones.
+#[inline(always)]
+fn apply<T: UnaryOpT, const NEAR: bool>(
+    o: &mut [f32],
+    x: &[f32],
+    b: Option<&[f32]>,
+    g: Option<&[f32]>,
+    s: [f32; 2],
+) {
+    let f = |v: f32| if NEAR { T::f_near(v, s) } else { T::f(v, s) };
+    let df = |v: f32| if NEAR { T::df_near(v, s) } else { T::df(v, s) };
+    match (b, g) {
+        (None, None) => o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x)),
+        (Some(b), None) => {
+            for ((o, &x), &b) in o.iter_mut().zip(x).zip(b) {
+                *o = f(x + b);
+            }
+        }
+        (None, Some(g)) => {
+            for ((o, &x), &g) in o.iter_mut().zip(x).zip(g) {
+                *o = g * df(x);
+            }
+        }
+        (Some(b), Some(g)) => {
+            for (((o, &x), &b), &g) in o.iter_mut().zip(x).zip(b).zip(g) {
+                *o = g * df(x + b);
+            }
+        }
+    }
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]

@@ -1122,6 +1122,63 @@ fn every_simd_build_gives_the_same_bits() {
     }
 }
 
+/// The exact GELU's loops run its polynomials over runs of values that all lie inside
+/// `|x| <= 2` and the `erfc` form elsewhere (`UnaryOpT::NEAR`); per element that is what the
+/// scalar op does, so every loop gives the scalar op's bits whichever runs were inside: runs
+/// wholly inside, runs with one value outside at the start, middle or end, values on the bound
+/// and just past it, NaN and infinities, a tail shorter than a run; in each build.
+#[test]
+fn near_forms_run_only_where_a_whole_run_is_inside_and_give_the_scalar_bits() {
+    let d = dev();
+    let run = 16;
+    let mut xs: Vec<f32> = rand(run * 3, 21); // three runs inside
+    for (r, at) in [(0, 0), (1, 7), (2, 15)] {
+        let mut v = rand(run, 22 + r);
+        v[at] = [2.5, -3.75, 7.0][r as usize];
+        xs.extend(v);
+    }
+    let edge = 2.0f32;
+    xs.extend(
+        [edge, -edge, edge.next_up(), -edge.next_up()]
+            .iter()
+            .cycle()
+            .take(run),
+    );
+    xs.extend((0..run).map(|i| [f32::NAN, 0.5, f32::INFINITY, f32::NEG_INFINITY][i % 4]));
+    xs.extend(rand(9, 30)); // a tail
+    let n = xs.len();
+    let zero_bias = t(vec![0.0; n], &[n], &d);
+    let x = t(xs.clone(), &[n], &d);
+    let g = t(rand(n, 31), &[n], &d);
+    let gs = K.to_host(&g).unwrap();
+    let _restore = WidestBuildAfter;
+    for level in [
+        simd::Level::Avx512,
+        simd::Level::Avx2,
+        simd::Level::Baseline,
+    ] {
+        simd::set_max_level(level);
+        for op in [UnaryOp::Gelu, UnaryOp::GeluGrad] {
+            let f: Vec<f32> = xs.iter().map(|&v| op.eval(v)).collect();
+            let df: Vec<f32> = xs.iter().zip(&gs).map(|(&v, &g)| g * op.grad(v)).collect();
+            let got = |y: Tensor| K.to_host(&y).unwrap();
+            assert!(same(&got(x.unary(op).unwrap()), &f), "{op:?}, {level:?}");
+            let y = x.unary_grad(op, &g).unwrap();
+            assert!(same(&got(y), &df), "{op:?} grad, {level:?}");
+            if op == UnaryOp::Gelu {
+                // `x + 0` is `x` but for -0 (none here).
+                let y = x.bias_act(&zero_bias, op).unwrap();
+                assert!(same(&got(y), &f), "bias_act {op:?}, {level:?}");
+                let y = Tensor::bias_act_grad(&x, &zero_bias, &g, op).unwrap();
+                assert!(same(&got(y), &df), "bias_act_grad {op:?}, {level:?}");
+            }
+        }
+    }
+    // A run with a value outside taken near would show: the near form is far off out there.
+    use wgpipe_shaders::ops::math::{gelu, gelu_near};
+    assert!((gelu_near(7.0) - gelu(7.0)).abs() > 1.0);
+}
+
 /// Where splitting an elementwise or row kernel over the threads starts to pay (same command as
 /// `bench_matmul`, `bench_par_threshold`): each kernel at each size on a one-thread pool and
 /// on a two-thread pool, called from inside the pool as a training loop's kernels are
