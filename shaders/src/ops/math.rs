@@ -61,18 +61,59 @@ const GELU_C: f32 = 0.797_884_6;
 const GELU_A: f32 = 0.044_715;
 
 /// Tanh-form GELU, `0.5 x (1 + tanh(u))` with `u = c (x + a x^3)`, computed as
-/// `x * sigmoid(2u)` (the same value; accurate on both tails).
+/// `x * sigmoid(2u)` (the same value; accurate on both tails); [`gelu_tanh_near`] where
+/// `|x| <= GELU_NEAR`.
 #[inline(always)]
 pub fn gelu_tanh(x: f32) -> f32 {
-    x * sigmoid(2.0 * GELU_C * (x + GELU_A * x * x * x))
+    if x.abs() <= GELU_NEAR {
+        gelu_tanh_near(x)
+    } else {
+        x * sigmoid(2.0 * GELU_C * (x + GELU_A * x * x * x))
+    }
 }
 
 /// d/dx of [`gelu_tanh`]: `0.5 (1 + t) + 0.5 x (1 - t^2) u'`, with `0.5 (1 + t) = s = sigmoid(2u)`
-/// and `1 - t^2 = 4 s (1 - s)`.
+/// and `1 - t^2 = 4 s (1 - s)`; [`gelu_tanh_grad_near`] where `|x| <= GELU_NEAR`.
 #[inline(always)]
 pub fn gelu_tanh_grad(x: f32) -> f32 {
+    if x.abs() <= GELU_NEAR {
+        return gelu_tanh_grad_near(x);
+    }
     let s = sigmoid(2.0 * GELU_C * (x + GELU_A * x * x * x));
     s + 2.0 * x * s * (1.0 - s) * GELU_C * (1.0 + 3.0 * GELU_A * x * x)
+}
+
+/// [`gelu_tanh`] on `|x| <= GELU_NEAR`, as [`gelu_near`]: `x (0.5 + x S(x^2))`, `S` of degree 8
+/// in [`near_w`] (relative error ~1e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
+#[inline(always)]
+pub fn gelu_tanh_near(x: f32) -> f32 {
+    let w = near_w(x);
+    let s = w.mul_add(-4.447_502_7e-7, -7.804_731e-7);
+    let s = w.mul_add(s, 1.918_042e-5);
+    let s = w.mul_add(s, -1.467_912_1e-4);
+    let s = w.mul_add(s, 8.852_306_6e-4);
+    let s = w.mul_add(s, -4.556_212e-3);
+    let s = w.mul_add(s, 2.006_795_3e-2);
+    let s = w.mul_add(s, -7.544_265e-2);
+    let s = w.mul_add(s, 0.297_823_94);
+    x * x.mul_add(s, 0.5)
+}
+
+/// [`gelu_tanh_grad`] on `|x| <= GELU_NEAR`, as [`gelu_grad_near`]: `0.5 + x G(x^2)`, `G` of
+/// degree 9 in [`near_w`] (relative error ~1.4e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
+#[inline(always)]
+pub fn gelu_tanh_grad_near(x: f32) -> f32 {
+    let w = near_w(x);
+    let g = w.mul_add(2.914_203_6e-6, -5.155_937_3e-6);
+    let g = w.mul_add(g, -2.490_971_6e-5);
+    let g = w.mul_add(g, 2.525_417e-4);
+    let g = w.mul_add(g, -1.528_281e-3);
+    let g = w.mul_add(g, 7.387_154_3e-3);
+    let g = w.mul_add(g, -2.936_844_2e-2);
+    let g = w.mul_add(g, 9.306_997e-2);
+    let g = w.mul_add(g, -0.221_498_74);
+    let g = w.mul_add(g, 0.444_762_6);
+    x.mul_add(g, 0.5)
 }
 
 /// d/dx of [`gelu_tanh_grad`]: with `q = s (1 - s)`, `u' = c (1 + 3 a x^2)`:
@@ -149,12 +190,13 @@ pub fn gelu_grad(x: f32) -> f32 {
     }
 }
 
-/// Where the exact GELU and its derivative are polynomials ([`gelu_near`], [`gelu_grad_near`]):
-/// `|x| <= 2`, 95% of a standard normal's values, and nearly all of a freshly initialised
-/// layer's (~0.6 of one's spread). Loops that find a whole run of values inside it skip the
-/// `erfc` and `exp` of the far form (`UnaryOpT::NEAR`): on AVX2 the far form is ~55 operations
-/// with a division, the near one ~12. The bound is where the lower tail's cancellation (`Phi`
-/// as `0.5 + x S`) stays within 3e-6 of `x Phi(x)` relatively; past it, [`erfc_pos`] has none.
+/// Where the two GELUs and their derivatives are polynomials ([`gelu_near`], [`gelu_grad_near`],
+/// [`gelu_tanh_near`], [`gelu_tanh_grad_near`]): `|x| <= 2`, 95% of a standard normal's values,
+/// and nearly all of a freshly initialised layer's (~0.6 of one's spread). Loops that find a
+/// whole run of values inside it skip the far forms' `exp` and division (`UnaryOpT::NEAR`): on
+/// AVX2 the exact GELU's far form is ~55 operations, the near one ~12. The bound is where the
+/// lower tail's cancellation (`Phi` as `0.5 + x S`) stays within 3e-6 of `x Phi(x)` relatively;
+/// past it, [`erfc_pos`] and the sigmoid have none.
 pub const GELU_NEAR: f32 = 2.0;
 
 /// `w = x^2 / 2 - 1`: the polynomials' variable, `[-1, 1]` for `|x| <= GELU_NEAR` (in it their
@@ -291,37 +333,54 @@ mod tests {
         assert_eq!(gelu(0.0), 0.0);
     }
 
-    /// Inside `GELU_NEAR` the polynomials stand for the `erfc` forms: checked against them on a
-    /// fine grid (the integrated reference above is coarser), and across the bound.
+    /// Inside `GELU_NEAR` the polynomials stand for the far forms: checked on a fine grid (the
+    /// references above are coarser) against the exact GELU's `erfc` forms (~1e-7 relative) and
+    /// the tanh form in f64, and across the bound.
     #[test]
     fn the_near_forms_agree_with_the_far_ones_inside_their_bound() {
-        let far = |x: f32| x * normal_cdf(x);
-        let far_grad = |x: f32| x.mul_add(normal_pdf(x), normal_cdf(x));
-        let (mut worst, mut worst_grad) = (0.0f64, 0.0f64);
-        for i in -20_000..=20_000 {
-            let x = i as f32 * (GELU_NEAR / 20_000.0);
-            assert_eq!(gelu(x).to_bits(), gelu_near(x).to_bits());
-            let want = far(x) as f64;
-            let rel = (gelu_near(x) as f64 - want).abs() / want.abs().max(1e-30);
-            worst = worst.max(if x == 0.0 { 0.0 } else { rel });
-            worst_grad = worst_grad.max((gelu_grad_near(x) - far_grad(x)).abs() as f64);
-        }
-        // The lower tail's cancellation is largest at -2 (`Phi(-2)` = 0.023 from 0.5 - 0.477).
-        assert!(worst < 3e-6, "gelu_near: worst relative error {worst:e}");
-        assert!(
-            worst_grad < 3e-7,
-            "gelu_grad_near: worst error {worst_grad:e}"
-        );
-        // Across the bound the two forms meet: no step a gradient check would see.
-        let (inside, outside) = (GELU_NEAR, GELU_NEAR.next_up());
-        assert!(inside.abs() <= GELU_NEAR && outside.abs() > GELU_NEAR);
-        for x in [inside, -inside] {
-            let y = if x > 0.0 { outside } else { -outside };
-            assert!((gelu(x) - gelu(y)).abs() < 4e-7, "gelu at {x}");
-            assert!(
-                (gelu_grad(x) - gelu_grad(y)).abs() < 4e-7,
-                "gelu_grad at {x}"
-            );
+        type Forms = [fn(f32) -> f32; 4];
+        let exact: Forms = [gelu, gelu_near, gelu_grad, gelu_grad_near];
+        let tanh: Forms = [
+            gelu_tanh,
+            gelu_tanh_near,
+            gelu_tanh_grad,
+            gelu_tanh_grad_near,
+        ];
+        let exact_far = |x: f32| {
+            let (f, df) = (x * normal_cdf(x), x.mul_add(normal_pdf(x), normal_cdf(x)));
+            (f as f64, df as f64)
+        };
+        let tanh_f64 = |x: f32| {
+            let (x, c, a) = (x as f64, (2.0 / std::f64::consts::PI).sqrt(), 0.044_715);
+            let t = (c * (x + a * x * x * x)).tanh();
+            let df = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * a * x * x);
+            (0.5 * x * (1.0 + t), df)
+        };
+        type Reference<'a> = &'a dyn Fn(f32) -> (f64, f64);
+        for (name, [f, near, df, df_near], reference) in [
+            ("exact", exact, &exact_far as Reference),
+            ("tanh", tanh, &tanh_f64 as Reference),
+        ] {
+            let (mut worst, mut worst_grad) = (0.0f64, 0.0f64);
+            for i in -20_000..=20_000 {
+                let x = i as f32 * (GELU_NEAR / 20_000.0);
+                assert_eq!(f(x).to_bits(), near(x).to_bits(), "{name} at {x}");
+                assert_eq!(df(x).to_bits(), df_near(x).to_bits(), "{name}' at {x}");
+                let (want, want_grad) = reference(x);
+                let rel = (near(x) as f64 - want).abs() / want.abs().max(1e-30);
+                worst = worst.max(if x == 0.0 { 0.0 } else { rel });
+                worst_grad = worst_grad.max((df_near(x) as f64 - want_grad).abs());
+            }
+            // The lower tail's cancellation is largest at -2 (`Phi(-2)` = 0.023 from 0.5 - 0.477).
+            assert!(worst < 3e-6, "{name}: worst relative error {worst:e}");
+            assert!(worst_grad < 3e-7, "{name}': worst error {worst_grad:e}");
+            // Across the bound the two forms meet: no step a gradient check would see.
+            let (inside, outside) = (GELU_NEAR, GELU_NEAR.next_up());
+            assert!(inside.abs() <= GELU_NEAR && outside.abs() > GELU_NEAR);
+            for (x, y) in [(inside, outside), (-inside, -outside)] {
+                assert!((f(x) - f(y)).abs() < 4e-7, "{name} at {x}");
+                assert!((df(x) - df(y)).abs() < 4e-7, "{name}' at {x}");
+            }
         }
     }
 }

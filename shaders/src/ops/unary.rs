@@ -107,7 +107,7 @@ pub mod desc {
     use super::super::flag;
     use super::super::math::{
         exp, gelu, gelu_grad, gelu_grad2, gelu_grad_near, gelu_near, gelu_tanh, gelu_tanh_grad,
-        gelu_tanh_grad2, sigmoid, GELU_NEAR,
+        gelu_tanh_grad2, gelu_tanh_grad_near, gelu_tanh_near, sigmoid, GELU_NEAR,
     };
     use super::GradFrom::{Nothing, Output};
     use super::{UnaryOp, UnaryOpT};
@@ -156,11 +156,13 @@ pub mod desc {
         /// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
         /// (PyTorch's `gelu(approximate='tanh')`).
         GeluTanh, "gelu_tanh", |x, _| gelu_tanh(x), "gelu_tanh(a)",
-        d: gelu_tanh_grad(x), "gelu_tanh_grad(a)");
+        d: gelu_tanh_grad(x), "gelu_tanh_grad(a)",
+        near: GELU_NEAR => gelu_tanh_near(x), gelu_tanh_grad_near(x));
     unary_op!(
         /// d/dx of the tanh-form GELU (for its backward).
         GeluTanhGrad, "gelu_tanh_grad", |x, _| gelu_tanh_grad(x), "gelu_tanh_grad(a)",
-        d: gelu_tanh_grad2(x), "gelu_tanh_grad2(a)");
+        d: gelu_tanh_grad2(x), "gelu_tanh_grad2(a)",
+        near: GELU_NEAR => gelu_tanh_grad_near(x), gelu_tanh_grad2(x));
     unary_op!(Sin, "sin", |x, _| x.sin(), "sin(a)", d: x.cos(), "cos(a)");
     unary_op!(Cos, "cos", |x, _| x.cos(), "cos(a)", d: -x.sin(), "-sin(a)");
     unary_op!(Square, "square", |x, _| x * x, "a * a", d: 2.0 * x, "2.0 * a");

@@ -1122,9 +1122,8 @@ fn every_simd_build_gives_the_same_bits() {
     }
 }
 
-/// The exact GELU's loops run its polynomials over runs of values that all lie inside
-/// `|x| <= 2` and the `erfc` form elsewhere (`UnaryOpT::NEAR`); per element that is what the
-/// scalar op does, so every loop gives the scalar op's bits whichever runs were inside: runs
+/// The GELUs' loops run their polynomials over runs of values that all lie inside `|x| <= 2`
+/// and the far forms elsewhere (`UnaryOpT::NEAR`); per element that is what the scalar op does, so every loop gives the scalar op's bits whichever runs were inside: runs
 /// wholly inside, runs with one value outside at the start, middle or end, values on the bound
 /// and just past it, NaN and infinities, a tail shorter than a run; in each build.
 #[test]
@@ -1158,14 +1157,20 @@ fn near_forms_run_only_where_a_whole_run_is_inside_and_give_the_scalar_bits() {
         simd::Level::Baseline,
     ] {
         simd::set_max_level(level);
-        for op in [UnaryOp::Gelu, UnaryOp::GeluGrad] {
+        let ops = [
+            UnaryOp::Gelu,
+            UnaryOp::GeluGrad,
+            UnaryOp::GeluTanh,
+            UnaryOp::GeluTanhGrad,
+        ];
+        for op in ops {
             let f: Vec<f32> = xs.iter().map(|&v| op.eval(v)).collect();
             let df: Vec<f32> = xs.iter().zip(&gs).map(|(&v, &g)| g * op.grad(v)).collect();
             let got = |y: Tensor| K.to_host(&y).unwrap();
             assert!(same(&got(x.unary(op).unwrap()), &f), "{op:?}, {level:?}");
             let y = x.unary_grad(op, &g).unwrap();
             assert!(same(&got(y), &df), "{op:?} grad, {level:?}");
-            if op == UnaryOp::Gelu {
+            if matches!(op, UnaryOp::Gelu | UnaryOp::GeluTanh) {
                 // `x + 0` is `x` but for -0 (none here).
                 let y = x.bias_act(&zero_bias, op).unwrap();
                 assert!(same(&got(y), &f), "bias_act {op:?}, {level:?}");
