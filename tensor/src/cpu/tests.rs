@@ -1123,9 +1123,10 @@ fn every_simd_build_gives_the_same_bits() {
 }
 
 /// The GELUs' loops run their polynomials over runs of values that all lie inside `|x| <= 2`
-/// and the far forms elsewhere (`UnaryOpT::NEAR`); per element that is what the scalar op does, so every loop gives the scalar op's bits whichever runs were inside: runs
-/// wholly inside, runs with one value outside at the start, middle or end, values on the bound
-/// and just past it, NaN and infinities, a tail shorter than a run; in each build.
+/// and the far forms elsewhere (`UnaryOpT::NEAR`); per element that is what the scalar op
+/// does, so every loop gives the scalar op's bits whichever runs were inside: runs wholly
+/// inside, runs with one value outside at the start, middle or end, values on the bound and
+/// just past it, NaN and infinities, a tail shorter than a run; in each build.
 #[test]
 fn near_forms_run_only_where_a_whole_run_is_inside_and_give_the_scalar_bits() {
     let d = dev();
