@@ -87,15 +87,20 @@ pub fn gelu_tanh_grad(x: f32) -> f32 {
 /// in [`near_w`] (relative error ~1e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
 #[inline(always)]
 pub fn gelu_tanh_near(x: f32) -> f32 {
-    let w = near_w(x);
-    let s = w.mul_add(-4.447_502_7e-7, -7.804_731e-7);
-    let s = w.mul_add(s, 1.918_042e-5);
-    let s = w.mul_add(s, -1.467_912_1e-4);
-    let s = w.mul_add(s, 8.852_306_6e-4);
-    let s = w.mul_add(s, -4.556_212e-3);
-    let s = w.mul_add(s, 2.006_795_3e-2);
-    let s = w.mul_add(s, -7.544_265e-2);
-    let s = w.mul_add(s, 0.297_823_94);
+    let s = horner(
+        near_w(x),
+        [
+            0.297_823_94,
+            -7.544_265e-2,
+            2.006_795_3e-2,
+            -4.556_212e-3,
+            8.852_306_6e-4,
+            -1.467_912_1e-4,
+            1.918_042e-5,
+            -7.804_731e-7,
+            -4.447_502_7e-7,
+        ],
+    );
     x * x.mul_add(s, 0.5)
 }
 
@@ -103,16 +108,21 @@ pub fn gelu_tanh_near(x: f32) -> f32 {
 /// degree 9 in [`near_w`] (relative error ~1.4e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
 #[inline(always)]
 pub fn gelu_tanh_grad_near(x: f32) -> f32 {
-    let w = near_w(x);
-    let g = w.mul_add(2.914_203_6e-6, -5.155_937_3e-6);
-    let g = w.mul_add(g, -2.490_971_6e-5);
-    let g = w.mul_add(g, 2.525_417e-4);
-    let g = w.mul_add(g, -1.528_281e-3);
-    let g = w.mul_add(g, 7.387_154_3e-3);
-    let g = w.mul_add(g, -2.936_844_2e-2);
-    let g = w.mul_add(g, 9.306_997e-2);
-    let g = w.mul_add(g, -0.221_498_74);
-    let g = w.mul_add(g, 0.444_762_6);
+    let g = horner(
+        near_w(x),
+        [
+            0.444_762_6,
+            -0.221_498_74,
+            9.306_997e-2,
+            -2.936_844_2e-2,
+            7.387_154_3e-3,
+            -1.528_281e-3,
+            2.525_417e-4,
+            -2.490_971_6e-5,
+            -5.155_937_3e-6,
+            2.914_203_6e-6,
+        ],
+    );
     x.mul_add(g, 0.5)
 }
 
@@ -199,6 +209,15 @@ pub fn gelu_grad(x: f32) -> f32 {
 /// past it, [`erfc_pos`] and the sigmoid have none.
 pub const GELU_NEAR: f32 = 2.0;
 
+/// `c[0] + w (c[1] + w (c[2] + ..))`, one multiply-add a term (Horner's rule).
+#[inline(always)]
+fn horner<const N: usize>(w: f32, c: [f32; N]) -> f32 {
+    c[..N - 1]
+        .iter()
+        .rev()
+        .fold(c[N - 1], |sum, &ci| w.mul_add(sum, ci))
+}
+
 /// `w = x^2 / 2 - 1`: the polynomials' variable, `[-1, 1]` for `|x| <= GELU_NEAR` (in it their
 /// terms stay small and the sums well conditioned; in `x^2` the derivative's cancelled 13-fold).
 #[inline(always)]
@@ -210,14 +229,19 @@ fn near_w(x: f32) -> f32 {
 /// in [`near_w`] (relative error ~1e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
 #[inline(always)]
 pub fn gelu_near(x: f32) -> f32 {
-    let w = near_w(x);
-    let s = w.mul_add(-2.218_527_7e-6, 1.852_587_6e-5);
-    let s = w.mul_add(s, -1.308_833_3e-4);
-    let s = w.mul_add(s, 8.245_678_6e-4);
-    let s = w.mul_add(s, -4.437_038_7e-3);
-    let s = w.mul_add(s, 2.000_079_1e-2);
-    let s = w.mul_add(s, -7.558_853e-2);
-    let s = w.mul_add(s, 0.297_939_72);
+    let s = horner(
+        near_w(x),
+        [
+            0.297_939_72,
+            -7.558_853e-2,
+            2.000_079_1e-2,
+            -4.437_038_7e-3,
+            8.245_678_6e-4,
+            -1.308_833_3e-4,
+            1.852_587_6e-5,
+            -2.218_527_7e-6,
+        ],
+    );
     x * x.mul_add(s, 0.5)
 }
 
@@ -225,15 +249,20 @@ pub fn gelu_near(x: f32) -> f32 {
 /// [`near_w`] (relative error ~1e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
 #[inline(always)]
 pub fn gelu_grad_near(x: f32) -> f32 {
-    let w = near_w(x);
-    let g = w.mul_add(3.877_65e-6, -3.227_393_6e-5);
-    let g = w.mul_add(g, 2.220_030_9e-4);
-    let g = w.mul_add(g, -1.353_187_4e-3);
-    let g = w.mul_add(g, 6.939_879e-3);
-    let g = w.mul_add(g, -2.889_768_8e-2);
-    let g = w.mul_add(g, 9.338_208e-2);
-    let g = w.mul_add(g, -0.222_351_18);
-    let g = w.mul_add(g, 0.444_702_4);
+    let g = horner(
+        near_w(x),
+        [
+            0.444_702_4,
+            -0.222_351_18,
+            9.338_208e-2,
+            -2.889_768_8e-2,
+            6.939_879e-3,
+            -1.353_187_4e-3,
+            2.220_030_9e-4,
+            -3.227_393_6e-5,
+            3.877_65e-6,
+        ],
+    );
     x.mul_add(g, 0.5)
 }
 
