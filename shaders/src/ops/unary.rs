@@ -23,8 +23,8 @@ pub trait UnaryOpT: 'static {
     /// What a backward computes `dy/dx` from, and so what it keeps of the forward.
     const GRAD_FROM: GradFrom = GradFrom::Input;
     /// Where `f` and `df` have cheaper forms, [`UnaryOpT::f_near`] and [`UnaryOpT::df_near`],
-    /// that give the same bits: `|x| <= NEAR` (the exact GELU's polynomials). Loops that find a
-    /// whole run of values inside it run those; NaN is never inside. Negative: no such forms.
+    /// that give the same bits: `|x| <= NEAR` (the GELUs' polynomials). Loops that find a whole
+    /// run of values inside it run those; NaN is never inside. Negative: no such forms.
     const NEAR: f32 = -1.0;
     /// `f` for `|x| <= NEAR`.
     #[inline(always)]

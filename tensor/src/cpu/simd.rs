@@ -8,10 +8,10 @@
 //! AVX-512 pays for the transcendental loops (exp, the exact GELU and their gradients): on
 //! this machine's Xeon, 1M values on one thread, GELU 1.44 -> 0.82-1.12 ns per value forward and
 //! 2.3 -> 1.2-1.55 backward, exp 0.52 -> 0.36-0.45. Every variant runs the same operations on each
-//! element (no reassociation), so all three give the same bits. The exact GELU's loops run its
+//! element (no reassociation), so all three give the same bits. The GELUs' loops run their
 //! polynomials over runs of values near zero ([`by_runs`]): on a Zen 4, 1M values drawn from a
-//! normal of spread 0.6 on one thread (`bias_act`), AVX2 1.38 -> 0.42 ns per value forward and
-//! 2.10 -> 0.51 backward, AVX-512 0.80 -> 0.35 and 1.15 -> 0.40.
+//! normal of spread 0.6 on one thread (`bias_act`), the exact GELU's AVX2 1.38 -> 0.42 ns per
+//! value forward and 2.10 -> 0.51 backward, AVX-512 0.80 -> 0.35 and 1.15 -> 0.40.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -271,7 +271,7 @@ pub(crate) fn bias_act_grad<T: UnaryOpT>(
 
 /// Values in a run that [`by_runs`] tests for an op's near form: two AVX2 registers, one
 /// AVX-512 one. (Longer runs fall outside more often: with the values of a standard normal,
-/// a run of 16 lies inside the exact GELU's `|x| <= 2` 47% of the time, one of 64 5%.)
+/// a run of 16 lies inside the GELUs' `|x| <= 2` 47% of the time, one of 64 5%.)
 const RUN: usize = 16;
 
 /// `o[i] = T(x[i] + b[i])`, or with `g`, `g[i] * T'(x[i] + b[i])` (no `b`: `x[i]` alone). For
