@@ -57,9 +57,9 @@ pub fn install_quiet_panic_hook() {
 /// pool each one was handed to the pool, and the thread slept until it was done: about three
 /// thread switches a kernel (`bench_train` of the main job's model on 2 cores: a run of 100
 /// plain and 100 1-stage pipeline steps made 82-83k switches, one of the plain steps alone
-/// 6-8k, and each pipeline step was 16-19% slower than the plain one). Otherwise, and where that would leave the pool no thread free
-/// for the kernels `f` waits for (the caller's loss), the stage threads share the CPU's
-/// threads ([`wgpipe_tensor::share_cpu_threads`]).
+/// 6-8k, and each pipeline step was 16-19% slower than the plain one). Otherwise, and where
+/// that would leave the pool no thread free for the kernels `f` waits for (the caller's loss),
+/// the stage threads share the CPU's threads ([`wgpipe_tensor::share_cpu_threads`]).
 ///
 /// The thread blocks until `f` returns. Panics of `f` stay quiet, as on the stage thread;
 /// catch them inside `f`, as its thread would.

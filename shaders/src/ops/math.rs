@@ -186,7 +186,7 @@ pub fn gelu(x: f32) -> f32 {
     if x.abs() <= GELU_NEAR {
         gelu_near(x)
     } else {
-        x * normal_cdf(x)
+        gelu_far(x)
     }
 }
 
@@ -196,8 +196,20 @@ pub fn gelu_grad(x: f32) -> f32 {
     if x.abs() <= GELU_NEAR {
         gelu_grad_near(x)
     } else {
-        x.mul_add(normal_pdf(x), normal_cdf(x))
+        gelu_grad_far(x)
     }
+}
+
+/// [`gelu`] for any `x`, through [`normal_cdf`] (what it runs past `GELU_NEAR`).
+#[inline(always)]
+fn gelu_far(x: f32) -> f32 {
+    x * normal_cdf(x)
+}
+
+/// [`gelu_grad`] for any `x`, through [`normal_cdf`] and [`normal_pdf`].
+#[inline(always)]
+fn gelu_grad_far(x: f32) -> f32 {
+    x.mul_add(normal_pdf(x), normal_cdf(x))
 }
 
 /// Where the two GELUs and their derivatives are polynomials ([`gelu_near`], [`gelu_grad_near`],
@@ -375,10 +387,7 @@ mod tests {
             gelu_tanh_grad,
             gelu_tanh_grad_near,
         ];
-        let exact_far = |x: f32| {
-            let (f, df) = (x * normal_cdf(x), x.mul_add(normal_pdf(x), normal_cdf(x)));
-            (f as f64, df as f64)
-        };
+        let exact_far = |x: f32| (gelu_far(x) as f64, gelu_grad_far(x) as f64);
         let tanh_f64 = |x: f32| {
             let (x, c, a) = (x as f64, (2.0 / std::f64::consts::PI).sqrt(), 0.044_715);
             let t = (c * (x + a * x * x * x)).tanh();

@@ -297,6 +297,8 @@ fn by_runs<T: UnaryOpT>(
             b.map(|b| &b[run.clone()]),
             g.map(|g| &g[run]),
         );
+        // The op's inputs `x + b` are formed here for the test and again in `apply` (an add
+        // a value), not kept in a buffer between the two.
         let inside = |all: bool, v: f32| all & (v.abs() <= T::NEAR);
         let near = match b {
             Some(b) => x.iter().zip(b).fold(true, |all, (x, b)| inside(all, x + b)),
