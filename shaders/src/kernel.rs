@@ -3,6 +3,7 @@
 //! (`elementwise.rs`, `rows.rs`, `matmul.rs`) and the plain `.wgsl` files below.
 
 use crate::elementwise::{self, EwLayout};
+use crate::half::HalfFormat;
 use crate::matmul::{MatmulConfig, OperandLoad, SubgroupMatmulConfig};
 use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
 use crate::params;
@@ -90,25 +91,6 @@ fn read_src(i: u32) -> f32 {
     let word = src[i >> 1u];
     return {{FORMAT}}_to_f32((word >> ((i & 1u) * 16u)) & 0xFFFFu);
 }";
-
-/// The 16-bit float formats the cast kernels convert (stored two per u32 word).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum HalfFormat {
-    F16,
-    Bf16,
-}
-
-impl HalfFormat {
-    pub const ALL: [HalfFormat; 2] = [HalfFormat::F16, HalfFormat::Bf16];
-
-    /// The name `half.wgsl`'s conversion functions use.
-    pub(crate) fn wgsl(self) -> &'static str {
-        match self {
-            HalfFormat::F16 => "f16",
-            HalfFormat::Bf16 => "bf16",
-        }
-    }
-}
 
 /// The activations [`Kernel::BiasAct`] is built for (what `Tensor::bias_act` accepts).
 pub const BIAS_ACTIVATIONS: [UnaryOp; 3] = [UnaryOp::Relu, UnaryOp::Gelu, UnaryOp::GeluTanh];

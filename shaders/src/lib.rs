@@ -15,6 +15,7 @@
 //! fails `cargo test` without a GPU; `tests/params.rs` checks the parameter blocks.
 
 mod elementwise;
+mod half;
 mod kernel;
 mod matmul;
 pub mod ops;
@@ -23,7 +24,8 @@ mod rows;
 mod wgsl;
 
 pub use elementwise::EwLayout;
-pub use kernel::{HalfFormat, IndexKernel, Kernel, SpatialKernel, BIAS_ACTIVATIONS};
+pub use half::HalfFormat;
+pub use kernel::{IndexKernel, Kernel, SpatialKernel, BIAS_ACTIVATIONS};
 pub use matmul::{MatmulConfig, OperandLoad, SubgroupMatmulConfig};
 pub use ops::{BinaryOp, GradFrom, ReduceOp, UnaryOp};
 pub use rows::{ReduceMode, RowGroup};

@@ -5,7 +5,7 @@
 //! accumulator declaration, one FMA line and one `store4` call per (row, vec4 column) of the
 //! tile. Everything else is in the `.wgsl` files.
 
-use crate::kernel::HalfFormat;
+use crate::half::HalfFormat;
 use crate::render;
 
 use crate::wgsl::{
