@@ -4,7 +4,6 @@ use wgpipe_tensor::rng::{splitmix64, GOLDEN_GAMMA};
 use wgpipe_tensor::{DType, Device, Result, Tensor};
 
 use crate::param::Param;
-use crate::skips::Skips;
 use crate::var::Var;
 
 /// Where a forward call happens: which step, micro-batch and layer (the keys of the counter-based
@@ -224,7 +223,7 @@ pub trait Module: Send {
     }
     /// Cost of one forward on an input of `input_shape`.
     fn cost(&self, input_shape: &[usize]) -> CostHint;
-    /// The skips this layer pops and stashes (see [`crate::skips`]); none by default.
+    /// The skips this layer pops and stashes (see [`skips`](super::skips)); none by default.
     fn skips(&self) -> Skips {
         Skips::default()
     }
@@ -257,4 +256,19 @@ pub trait ModelFactory: Send + Sync {
     fn num_layers(&self) -> usize;
     /// Layers `range` of the model (indices into the whole model), in order.
     fn build_range(&self, range: std::ops::Range<usize>) -> Result<Vec<Box<dyn Module>>>;
+}
+
+/// What a layer pops (extra inputs, in this order in `forward_skips`' `popped`) and stashes
+/// (extra outputs, in this order in its result), by skip name: [`Module::skips`]; the
+/// [`skips`](super::skips) module pairs them up across a sequence.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Skips {
+    pub pops: Vec<String>,
+    pub stashes: Vec<String>,
+}
+
+impl Skips {
+    pub fn is_empty(&self) -> bool {
+        self.pops.is_empty() && self.stashes.is_empty()
+    }
 }

@@ -18,7 +18,7 @@ struct ParamInner {
     value: Tensor,
     grad: Option<Tensor>,
     trainable: bool,
-    /// The tie group: copies of one parameter used in several places (see [`crate::tied`]).
+    /// The tie group: copies of one parameter used in several places (see [`tied`](super::tied)).
     tie: Option<String>,
     /// The value cast to a compute dtype (see [`Param::value_in`]); dropped whenever `value`
     /// changes, so it can never be stale.
@@ -147,7 +147,7 @@ impl Param {
         }
         Ok(())
     }
-    /// The tie group of this parameter, if it is a tied copy (see [`crate::tied`]).
+    /// The tie group of this parameter, if it is a tied copy (see [`tied`](super::tied)).
     pub fn tie_group(&self) -> Option<String> {
         self.lock().tie.clone()
     }

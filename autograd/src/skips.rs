@@ -7,22 +7,9 @@ use std::collections::HashMap;
 
 use wgpipe_tensor::{Error, Result};
 
+pub use crate::module::Skips;
 use crate::module::{ForwardCtx, Module};
 use crate::var::Var;
-
-/// What a layer pops (extra inputs, in this order in `forward_skips`' `popped`) and stashes
-/// (extra outputs, in this order in its result), by skip name.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Skips {
-    pub pops: Vec<String>,
-    pub stashes: Vec<String>,
-}
-
-impl Skips {
-    pub fn is_empty(&self) -> bool {
-        self.pops.is_empty() && self.stashes.is_empty()
-    }
-}
 
 /// One skip of a layer sequence: the layer (global index) that stashes it and the one that pops
 /// it.
