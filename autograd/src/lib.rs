@@ -12,7 +12,8 @@ pub mod serialize;
 pub mod skips;
 pub mod tape;
 pub mod tied;
-pub mod var;
+/// `Var`, the tape's handle to a recorded value (its module lives in [`tape`]).
+pub use tape::var;
 
 pub use checkpoint::{checkpoint, checkpoint_rerun_later, Rerun};
 pub use module::{layer_param_name, CostHint, ForwardCtx, ModelFactory, Module};

@@ -5,10 +5,10 @@
 use wgpipe_tensor::{Error, Result, Tensor};
 
 use super::grads::{Grads, WeightGrads};
+use super::var::Var;
 use super::walk::{flush_params, leaf_grads, run_nodes, Part, Supply};
 use super::{invalid, Node, Tape};
 use crate::param::Param;
-use crate::var::Var;
 
 impl Tape {
     /// Back-propagates from a scalar (one-element) output, seeded with 1.

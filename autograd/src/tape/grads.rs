@@ -5,10 +5,10 @@ use std::collections::HashMap;
 
 use wgpipe_tensor::{Result, Tensor};
 
+use super::var::Var;
 use super::walk::{flush_params, run_nodes, Part};
 use super::Node;
 use crate::param::Param;
-use crate::var::Var;
 
 /// The weight part of a split backward (zero-bubble pipelines' "W"): the nodes with
 /// parameter-side inputs, each with its output gradient when that was computed by the input part.

@@ -10,6 +10,7 @@
 mod backward;
 mod grads;
 mod rerun;
+pub mod var;
 mod walk;
 
 use std::cell::RefCell;
@@ -24,7 +25,7 @@ pub use rerun::Rerun;
 pub use walk::Supply;
 
 use crate::param::Param;
-use crate::var::Var;
+use var::Var;
 
 /// The backward of one node: given the gradient of its output and which inputs want a gradient,
 /// the gradient of each input (`None` where none is wanted or it is zero). Gradients must have the

@@ -5,8 +5,8 @@ use std::cell::RefCell;
 
 use wgpipe_tensor::Tensor;
 
+use super::var::Var;
 use super::Tape;
-use crate::var::Var;
 
 /// A segment recorded by [`crate::checkpoint_rerun_later`]: what its re-run needs (the input's value)
 /// and the slot the re-run's tape goes in before the backward reaches the segment.

@@ -3,7 +3,7 @@
 
 use wgpipe_tensor::{Device, Result, Tensor};
 
-use crate::tape::{BackwardFn, CarrySlot, MultiBackwardFn, Tape};
+use super::{BackwardFn, CarrySlot, MultiBackwardFn, Tape};
 
 /// A value on a [`Tape`]. Cloning is cheap (the value's storage is shared).
 #[derive(Clone)]
@@ -79,9 +79,10 @@ impl Var {
         value: Tensor,
         backward: impl FnMut(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + 'static,
     ) -> Result<Var> {
-        let tape = inputs.first().map(|v| v.tape.clone()).ok_or_else(|| {
-            crate::tape::invalid(op, "an op needs at least one input var".to_string())
-        })?;
+        let tape = inputs
+            .first()
+            .map(|v| v.tape.clone())
+            .ok_or_else(|| super::invalid(op, "an op needs at least one input var".to_string()))?;
         tape.record(
             op,
             inputs,
@@ -101,9 +102,10 @@ impl Var {
         values: Vec<Tensor>,
         backward: impl FnMut(&[Option<Tensor>], &[bool]) -> Result<Vec<Option<Tensor>>> + 'static,
     ) -> Result<Vec<Var>> {
-        let tape = inputs.first().map(|v| v.tape.clone()).ok_or_else(|| {
-            crate::tape::invalid(op, "an op needs at least one input var".to_string())
-        })?;
+        let tape = inputs
+            .first()
+            .map(|v| v.tape.clone())
+            .ok_or_else(|| super::invalid(op, "an op needs at least one input var".to_string()))?;
         let backward = Box::new(backward) as MultiBackwardFn;
         tape.record_many(op, inputs, values, false, backward, None)
     }
@@ -120,9 +122,10 @@ impl Var {
         slot: CarrySlot,
         backward: impl FnMut(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + 'static,
     ) -> Result<Var> {
-        let tape = inputs.first().map(|v| v.tape.clone()).ok_or_else(|| {
-            crate::tape::invalid(op, "an op needs at least one input var".to_string())
-        })?;
+        let tape = inputs
+            .first()
+            .map(|v| v.tape.clone())
+            .ok_or_else(|| super::invalid(op, "an op needs at least one input var".to_string()))?;
         let backward = Box::new(backward) as BackwardFn;
         tape.record(op, inputs, value, false, backward, Some((carried, slot)))
     }
