@@ -132,18 +132,25 @@ impl Replica {
         // When each device's thread was seen to end (within a poll).
         let mut ended: Vec<Option<Instant>> = vec![None; k];
         loop {
-            match loss_rx.recv_timeout(POLL) {
+            let all_ended = match loss_rx.recv_timeout(POLL) {
                 Ok(req) => {
                     let answer = loss.gradient(&req, &mut losses);
                     if answer.is_err() {
                         abort.store(true, Ordering::SeqCst);
                     }
                     let _ = req.reply.send(answer);
+                    false
                 }
-                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {}
-            }
+                Err(RecvTimeoutError::Timeout) => false,
+                // Every device's work has ended (each held a sender until then) and its thread
+                // is on its way out: join them. Polling `is_finished` instead spun this thread
+                // through ~70k rounds a step (the channel answers at once once disconnected),
+                // keeping a core from the device thread that had to wake up and exit (a 1-stage
+                // pipeline's LM step took ~3 ms longer than the plain one on a 2-core Zen 4).
+                Err(RecvTimeoutError::Disconnected) => true,
+            };
             for (d, h) in handles.iter_mut().enumerate() {
-                if h.as_ref().is_some_and(|h| h.is_finished()) {
+                if h.as_ref().is_some_and(|h| all_ended || h.is_finished()) {
                     ended[d] = Some(Instant::now());
                     let joined = h.take().map(JoinHandle::join);
                     results[d] = Some(match joined {
