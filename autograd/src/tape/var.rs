@@ -79,10 +79,7 @@ impl Var {
         value: Tensor,
         backward: impl FnMut(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + 'static,
     ) -> Result<Var> {
-        let tape = inputs
-            .first()
-            .map(|v| v.tape.clone())
-            .ok_or_else(|| super::invalid(op, "an op needs at least one input var".to_string()))?;
+        let tape = tape_of(op, inputs)?;
         tape.record(
             op,
             inputs,
@@ -102,10 +99,7 @@ impl Var {
         values: Vec<Tensor>,
         backward: impl FnMut(&[Option<Tensor>], &[bool]) -> Result<Vec<Option<Tensor>>> + 'static,
     ) -> Result<Vec<Var>> {
-        let tape = inputs
-            .first()
-            .map(|v| v.tape.clone())
-            .ok_or_else(|| super::invalid(op, "an op needs at least one input var".to_string()))?;
+        let tape = tape_of(op, inputs)?;
         let backward = Box::new(backward) as MultiBackwardFn;
         tape.record_many(op, inputs, values, false, backward, None)
     }
@@ -122,13 +116,18 @@ impl Var {
         slot: CarrySlot,
         backward: impl FnMut(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + 'static,
     ) -> Result<Var> {
-        let tape = inputs
-            .first()
-            .map(|v| v.tape.clone())
-            .ok_or_else(|| super::invalid(op, "an op needs at least one input var".to_string()))?;
+        let tape = tape_of(op, inputs)?;
         let backward = Box::new(backward) as BackwardFn;
         tape.record(op, inputs, value, false, backward, Some((carried, slot)))
     }
+}
+
+/// The tape an op's inputs are on (its first input's): an op needs at least one input var.
+fn tape_of(op: &'static str, inputs: &[&Var]) -> Result<Tape> {
+    inputs
+        .first()
+        .map(|v| v.tape.clone())
+        .ok_or_else(|| super::invalid(op, "an op needs at least one input var".to_string()))
 }
 
 impl std::fmt::Debug for Var {
