@@ -1,19 +1,27 @@
 //! Shapes, strides and offsets: the layout every kernel receives, so that views cost nothing.
 
+use smallvec::SmallVec;
+
 use crate::error::{Error, Result};
+
+/// A shape or its strides: up to six axes live inline (more spill to the heap), so building,
+/// cloning and dropping a layout allocates nothing. Every op builds a few layouts (its output's,
+/// its operands' broadcast views), and with `Vec`s those allocations were about half of the
+/// main job's time in `malloc` and `free`.
+pub type Dims = SmallVec<[usize; 6]>;
 
 /// Where the elements of a tensor live in its storage: element (i0, i1, ...) is at
 /// `offset + sum(ik * strides[k])`. A stride of 0 repeats an element (broadcast).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Layout {
-    pub shape: Vec<usize>,
-    pub strides: Vec<usize>,
+    pub shape: Dims,
+    pub strides: Dims,
     pub offset: usize,
 }
 
 /// Row-major strides of a contiguous tensor of `shape`.
-pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![0; shape.len()];
+pub fn contiguous_strides(shape: &[usize]) -> Dims {
+    let mut strides = Dims::from_elem(0, shape.len());
     let mut acc = 1;
     for (s, &d) in strides.iter_mut().zip(shape).rev() {
         *s = acc;
@@ -28,9 +36,9 @@ pub fn numel(shape: &[usize]) -> usize {
 }
 
 /// Numpy-style broadcast of two shapes (aligned at the right; 1 stretches).
-pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Dims> {
     let rank = a.len().max(b.len());
-    let mut out = vec![0; rank];
+    let mut out = Dims::from_elem(0, rank);
     for i in 0..rank {
         let da = if i + a.len() >= rank {
             a[i + a.len() - rank]
@@ -69,7 +77,7 @@ pub fn resolve_axis(op: &'static str, axis: isize, rank: usize) -> Result<usize>
 impl Layout {
     pub fn contiguous(shape: &[usize]) -> Self {
         Layout {
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             strides: contiguous_strides(shape),
             offset: 0,
         }
@@ -126,7 +134,7 @@ impl Layout {
     pub fn indices(&self) -> StridedIndices<'_> {
         StridedIndices {
             layout: self,
-            pos: vec![0; self.rank()],
+            pos: Dims::from_elem(0, self.rank()),
             next: self.offset,
             remaining: self.numel(),
         }
@@ -141,7 +149,7 @@ impl Layout {
             ));
         }
         let pad = shape.len() - self.rank();
-        let mut strides = vec![0; shape.len()];
+        let mut strides = Dims::from_elem(0, shape.len());
         for (i, &d) in shape.iter().enumerate() {
             if i < pad {
                 continue;
@@ -159,7 +167,7 @@ impl Layout {
             };
         }
         Ok(Layout {
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             strides,
             offset: self.offset,
         })
@@ -167,7 +175,7 @@ impl Layout {
 
     pub fn permute(&self, op: &'static str, perm: &[usize]) -> Result<Layout> {
         let rank = self.rank();
-        let mut seen = vec![false; rank];
+        let mut seen: SmallVec<[bool; 6]> = SmallVec::from_elem(false, rank);
         if perm.len() != rank
             || perm
                 .iter()
@@ -227,7 +235,7 @@ impl Layout {
     pub fn reshape(&self, shape: &[usize]) -> Option<Layout> {
         let view = |strides| {
             Some(Layout {
-                shape: shape.to_vec(),
+                shape: Dims::from_slice(shape),
                 strides,
                 offset: self.offset,
             })
@@ -237,7 +245,7 @@ impl Layout {
         }
         // Walk the old axes from the last, in chunks that are contiguous in memory; the new
         // axes that multiply to each chunk's size take strides from that chunk's base stride.
-        let mut strides = vec![0; shape.len()];
+        let mut strides = Dims::from_elem(0, shape.len());
         let mut view_d = shape.len();
         let mut base = *self.strides.last()?;
         let (mut chunk_numel, mut view_numel) = (1, 1);
@@ -271,7 +279,7 @@ impl Layout {
 /// Row-major walk over the storage indices of a strided layout, without division per element.
 pub struct StridedIndices<'a> {
     layout: &'a Layout,
-    pos: Vec<usize>,
+    pos: Dims,
     next: usize,
     remaining: usize,
 }
@@ -321,8 +329,14 @@ mod tests {
 
     #[test]
     fn broadcast_rules() {
-        assert_eq!(broadcast_shapes("t", &[3, 1], &[4]).unwrap(), vec![3, 4]);
-        assert_eq!(broadcast_shapes("t", &[], &[2, 2]).unwrap(), vec![2, 2]);
+        assert_eq!(
+            broadcast_shapes("t", &[3, 1], &[4]).unwrap().to_vec(),
+            vec![3, 4]
+        );
+        assert_eq!(
+            broadcast_shapes("t", &[], &[2, 2]).unwrap().to_vec(),
+            vec![2, 2]
+        );
         let e = broadcast_shapes("add", &[3], &[4]).unwrap_err().to_string();
         assert!(
             e.contains("add") && e.contains("[3]") && e.contains("[4]"),
@@ -341,7 +355,7 @@ mod tests {
             .permute("t", &[1, 0])
             .unwrap()
             .is_contiguous());
-        assert_eq!(contiguous_strides(&[2, 0, 3]), vec![3, 3, 1]);
+        assert_eq!(contiguous_strides(&[2, 0, 3]).to_vec(), vec![3, 3, 1]);
     }
 
     /// Every shape with `n` elements of rank 1 to 4 (factor orders and size-1 axes included).
@@ -388,7 +402,7 @@ mod tests {
             for shape in shapes_of(v.numel()) {
                 if let Some(r) = v.reshape(&shape) {
                     found += 1;
-                    assert_eq!(r.shape, shape);
+                    assert_eq!(r.shape.to_vec(), shape);
                     let (a, b): (Vec<usize>, Vec<usize>) =
                         (r.indices().collect(), v.indices().collect());
                     assert_eq!(a, b, "{v:?} as {shape:?} gave {r:?}");
@@ -402,7 +416,10 @@ mod tests {
             .narrow("t", 2, 8, 8)
             .unwrap();
         let heads = qkv.reshape(&[2, 5, 2, 4]).unwrap();
-        assert_eq!((heads.strides, heads.offset), (vec![120, 24, 4, 1], 8));
+        assert_eq!(
+            (heads.strides.to_vec(), heads.offset),
+            (vec![120, 24, 4, 1], 8)
+        );
         let merged = Layout::contiguous(&[2, 2, 5, 4])
             .permute("t", &[0, 2, 1, 3])
             .unwrap();
@@ -411,7 +428,10 @@ mod tests {
         let b = Layout::contiguous(&[3, 1])
             .broadcast_to("t", &[3, 4])
             .unwrap();
-        assert_eq!(b.reshape(&[3, 2, 2]).unwrap().strides, vec![1, 0, 0]);
+        assert_eq!(
+            b.reshape(&[3, 2, 2]).unwrap().strides.to_vec(),
+            vec![1, 0, 0]
+        );
         assert!(b.reshape(&[12]).is_none());
     }
 

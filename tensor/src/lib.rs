@@ -27,7 +27,7 @@ pub use cpu::par::{
 pub use device::{AdapterInfo, Device, DEVICE_ENV, TEST_WGPU_ENV};
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use layout::Layout;
+pub use layout::{Dims, Layout};
 pub use memory::{MemoryStats, MemoryTracker, Tag, TagGuard};
 pub use tensor::Tensor;
 pub use wgpipe_shaders::BIAS_ACTIVATIONS;

@@ -7,7 +7,7 @@ use crate::device::Device;
 use crate::dtype::DType;
 use crate::dtype_policy::DTypePolicy::WidenThenRound;
 use crate::error::{Error, Result};
-use crate::layout::{contiguous_strides, numel, resolve_axis, Layout};
+use crate::layout::{numel, resolve_axis, Dims, Layout};
 use crate::memory::Tag;
 use crate::storage::Storage;
 
@@ -348,11 +348,7 @@ impl Tensor {
         let shape = infer_shape("reshape", shape, self.numel(), self.shape())?;
         match self.layout.reshape(&shape) {
             Some(l) => Ok(self.with_layout(l)),
-            None => Ok(self.contiguous()?.with_layout(Layout {
-                shape: shape.clone(),
-                strides: contiguous_strides(&shape),
-                offset: 0,
-            })),
+            None => Ok(self.contiguous()?.with_layout(Layout::contiguous(&shape))),
         }
     }
 
@@ -516,15 +512,13 @@ impl Tensor {
 }
 
 /// Resolves one `usize::MAX` placeholder and checks the element count.
-fn infer_shape(op: &'static str, shape: &[usize], n: usize, from: &[usize]) -> Result<Vec<usize>> {
-    let unknown: Vec<usize> = (0..shape.len())
-        .filter(|&i| shape[i] == usize::MAX)
-        .collect();
+fn infer_shape(op: &'static str, shape: &[usize], n: usize, from: &[usize]) -> Result<Dims> {
+    let mut unknown = (0..shape.len()).filter(|&i| shape[i] == usize::MAX);
     let known: usize = shape.iter().filter(|&&d| d != usize::MAX).product();
-    let mut out = shape.to_vec();
-    match unknown.len() {
-        0 => {}
-        1 if known > 0 && n.is_multiple_of(known) => out[unknown[0]] = n / known,
+    let mut out = Dims::from_slice(shape);
+    match (unknown.next(), unknown.next()) {
+        (None, _) => {}
+        (Some(i), None) if known > 0 && n.is_multiple_of(known) => out[i] = n / known,
         _ => {
             return Err(Error::shape(
                 op,

@@ -104,20 +104,23 @@ enum Stash {
     /// Checkpointed: only the stage input and the skips it popped; the forward is re-run
     /// before backward.
     Input { x: Tensor, skips: Vec<Tensor> },
-    /// Recorded: the tape, its input var, the var to back-propagate from (the stage output),
-    /// and the skips popped (leaves) and stashed here (seeded by their gradients), in the
-    /// order of the stage's [`StageSkips`].
-    Recorded {
-        tape: Tape,
-        input: Var,
-        output: Var,
-        skips_in: Vec<Var>,
-        skips_out: Vec<Var>,
-        /// The checkpointed runs of layers on the tape, run again before the backward.
-        reruns: Vec<PendingRerun>,
-    },
+    /// Recorded (boxed: several times the size of the other variants).
+    Recorded(Box<Recorded>),
     /// After the input part of a split backward: what the weight part needs.
     Weights(WeightGrads),
+}
+
+/// A recorded forward: the tape, its input var, the var to back-propagate from (the stage
+/// output), and the skips popped (leaves) and stashed here (seeded by their gradients), in the
+/// order of the stage's [`StageSkips`].
+struct Recorded {
+    tape: Tape,
+    input: Var,
+    output: Var,
+    skips_in: Vec<Var>,
+    skips_out: Vec<Var>,
+    /// The checkpointed runs of layers on the tape, run again before the backward.
+    reruns: Vec<PendingRerun>,
 }
 
 /// The worker's result: records of every action, and where non-finite values first appeared
@@ -499,14 +502,14 @@ impl<'a> Worker<'a, '_> {
         let kept = if checkpointed {
             Stash::Input { x, skips: popped }
         } else {
-            Stash::Recorded {
+            Stash::Recorded(Box::new(Recorded {
                 tape,
                 input,
                 output,
                 skips_in,
                 skips_out,
                 reruns,
-            }
+            }))
         };
         self.stash.insert((s, m), kept);
         Ok(())
@@ -542,29 +545,29 @@ impl<'a> Worker<'a, '_> {
         )?;
         self.stash.insert(
             (s, m),
-            Stash::Recorded {
+            Stash::Recorded(Box::new(Recorded {
                 tape,
                 input,
                 output,
                 skips_in,
                 skips_out,
                 reruns,
-            },
+            })),
         );
         Ok(())
     }
 
     /// A full backward, or the input part of a split one (`split`), whose weight part is kept.
     fn backward(&mut self, s: usize, m: usize, split: bool) -> Result<(), StageCause> {
-        let (tape, input, output, skips_in, skips_out, reruns) = match self.stash.remove(&(s, m)) {
-            Some(Stash::Recorded {
-                tape,
-                input,
-                output,
-                skips_in,
-                skips_out,
-                reruns,
-            }) => (tape, input, output, skips_in, skips_out, reruns),
+        let Recorded {
+            tape,
+            input,
+            output,
+            skips_in,
+            skips_out,
+            reruns,
+        } = match self.stash.remove(&(s, m)) {
+            Some(Stash::Recorded(recorded)) => *recorded,
             _ => {
                 return Err(internal(format!(
                     "stage {s} micro-batch {m} has no recorded forward to back-propagate"

@@ -2,14 +2,16 @@
 //! dims dropped, adjacent dims merged where every view is contiguous across them), and the walk
 //! hands out runs along the innermost dim, so inner loops see a fixed stride.
 
-use crate::layout::Layout;
+use smallvec::SmallVec;
+
+use crate::layout::{Dims, Layout};
 
 /// A joint walk over `N` views of one shape, in row-major logical order.
 #[derive(Debug, Clone)]
 pub(crate) struct Walk<const N: usize> {
     /// Sizes of the collapsed dims above the innermost one.
-    outer_shape: Vec<usize>,
-    outer_strides: Vec<[usize; N]>,
+    outer_shape: Dims,
+    outer_strides: SmallVec<[[usize; N]; 6]>,
     offset: [usize; N],
     /// Length of the innermost collapsed dim (1 for a scalar).
     pub inner: usize,
@@ -20,7 +22,7 @@ pub(crate) struct Walk<const N: usize> {
 impl<const N: usize> Walk<N> {
     /// `layouts` must all have `shape` (broadcasts already applied as zero strides).
     pub fn new(shape: &[usize], layouts: [&Layout; N]) -> Self {
-        let mut dims: Vec<(usize, [usize; N])> = Vec::with_capacity(shape.len());
+        let mut dims: SmallVec<[(usize, [usize; N]); 6]> = SmallVec::new();
         for (i, &d) in shape.iter().enumerate() {
             if d == 1 {
                 continue;

@@ -246,8 +246,8 @@ fn fill_from_host_contiguous_and_concat() {
     // Concatenating a stride-2 view along axis 0 of a 1-D result.
     let s = t(rand(8, 4), &[8], &d);
     let s2 = s.with_layout(Layout {
-        shape: vec![4],
-        strides: vec![2],
+        shape: [4][..].into(),
+        strides: [2][..].into(),
         offset: 1,
     });
     let y = K.to_host(&K.concat(&[&s2, &s2], 0, &[8]).unwrap()).unwrap();

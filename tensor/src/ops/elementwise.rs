@@ -75,7 +75,7 @@ impl Tensor {
         self.same_device(name, other)?;
         let shape = broadcast_shapes(name, self.shape(), other.shape())?;
         let f32s = self.dtype() == DType::F32 && other.dtype() == DType::F32;
-        if shape == self.shape() && self.numel() > 0 && f32s && self.is_exclusive() {
+        if shape[..] == *self.shape() && self.numel() > 0 && f32s && self.is_exclusive() {
             let b = other.broadcast_to(&shape)?;
             let dev = self.device().clone();
             // In-place kernels are f32 only: half tensors took the out-of-place path below.

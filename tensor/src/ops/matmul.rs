@@ -5,7 +5,7 @@
 use crate::backend::{Kernels, MatDims, MatGroups, MatLayout};
 use crate::dtype_policy::{DTypePolicy::WidenThenRound, Precision};
 use crate::error::{Error, Result};
-use crate::layout::broadcast_shapes;
+use crate::layout::{broadcast_shapes, Dims};
 use crate::tensor::Tensor;
 
 impl Tensor {
@@ -80,7 +80,7 @@ pub(crate) fn as_matrix(
     cols: usize,
     grouped: bool,
 ) -> Result<(Tensor, MatLayout)> {
-    let mut shape = batch.to_vec();
+    let mut shape = Dims::from_slice(batch);
     shape.extend([rows, cols]);
     let mut v = x.broadcast_to(&shape)?;
     let nb = batch.len();

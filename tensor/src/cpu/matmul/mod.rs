@@ -20,7 +20,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use crate::backend::{MatDims, MatLayout};
-use crate::layout::Layout;
+use crate::layout::{Dims, Layout};
 
 /// Products with at least this many multiply-adds are spread over the threads (by `blocked` or
 /// by gemm's own rayon parallelism).
@@ -230,8 +230,8 @@ fn matmul_by_panels(
     // columns of `out`.
     let panel_product = |j0: usize, w: usize, panel: &mut [f32], par: Parallelism| {
         let columns = Layout {
-            shape: vec![k, w],
-            strides: vec![1, lb.col_stride],
+            shape: Dims::from_slice(&[k, w]),
+            strides: Dims::from_slice(&[1, lb.col_stride]),
             offset: lb.offset + j0 * lb.col_stride,
         };
         super::elementwise::copy(panel, b, &columns);

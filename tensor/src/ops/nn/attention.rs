@@ -7,7 +7,7 @@
 use crate::backend::{HeadDims, Kernels, MatLayout};
 use crate::dtype_policy::{DTypePolicy::WidenThenRound, Precision};
 use crate::error::{Error, Result};
-use crate::layout::Layout;
+use crate::layout::{Dims, Layout};
 use crate::ops::matmul::{as_matrix, batch_strides};
 use crate::tensor::Tensor;
 
@@ -237,7 +237,7 @@ fn output_layout(x: &Tensor, batch_shape: &[usize], d: HeadDims) -> (Layout, Mat
     // Outermost first; a stable sort keeps ties (and axes of length 1) in their order.
     let mut order: Vec<usize> = (0..r - 1).collect();
     order.sort_by_key(|&a| std::cmp::Reverse(x.strides()[a]));
-    let mut strides = vec![1; r];
+    let mut strides = Dims::from_elem(1, r);
     let mut step = d.dh;
     for &a in order.iter().rev() {
         strides[a] = step;
@@ -256,7 +256,7 @@ fn output_layout(x: &Tensor, batch_shape: &[usize], d: HeadDims) -> (Layout, Mat
         groups,
     };
     let layout = Layout {
-        shape: shape.to_vec(),
+        shape: Dims::from_slice(shape),
         strides,
         offset: 0,
     };
