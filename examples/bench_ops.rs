@@ -1,7 +1,8 @@
 //! Op throughput on every device of this machine: the CPU backend and each wgpu adapter
 //! (lavapipe included). Prints a Markdown table.
 //!
-//! `cargo run --release --example bench_ops [-- --quick | --matmul-only | --list-adapters]`
+//! `cargo run --release --example bench_ops [-- --quick | --matmul-only | --cpu-only |
+//! --list-adapters]`
 //!
 //! On wgpu adapters matmul picks its variant by the autotune where it is on (`WGPIPE_AUTOTUNE`;
 //! default on for GPUs, off for software adapters): the warm-up call runs the trial.
@@ -13,6 +14,8 @@
 //! - elementwise add of two 16M-float tensors: GB/s counting 12 bytes per element (two reads,
 //!   one write);
 //! - softmax over the rows of a 4096 x 1024 matrix: rows per second;
+//! - a chain of six ops on a 2 x 4 x 8 tensor: microseconds per op, the cost of an op beyond
+//!   its arithmetic (checks, layouts, allocation, dispatch);
 //! - on the CPU, its f32 FMA peak: every thread running chains of vector multiply-adds on
 //!   registers (`wgpipe_apps::peak`), the ceiling for the matmul rows;
 //! - cores busy: CPU time of this process over wall time during the queued runs (on a shared
@@ -35,6 +38,9 @@ struct Args {
     /// Only the matmul rows (and the CPU's FMA peak)
     #[arg(long)]
     matmul_only: bool,
+    /// Only the CPU backend (no wgpu adapters)
+    #[arg(long)]
+    cpu_only: bool,
 }
 
 /// CPU seconds this process has used (all threads), from /proc on Linux.
@@ -94,7 +100,12 @@ fn main() {
     let budget = Duration::from_millis(if quick { 300 } else { 1500 });
 
     let mut devices = vec![Device::cpu()];
-    for a in Device::adapters() {
+    let adapters = if args.cpu_only {
+        Vec::new()
+    } else {
+        Device::adapters()
+    };
+    for a in adapters {
         match Device::wgpu(a.index) {
             Ok(d) => devices.push(d),
             Err(e) => eprintln!("skipping adapter {} ({}): {e}", a.index, a.name),
@@ -233,6 +244,37 @@ fn main() {
             queued: format!("{:.3} M rows/s", r as f64 / queued / 1e6),
             cores: busy,
             readback: format!("{:.3} M rows/s", r as f64 / readback / 1e6),
+        });
+
+        // Ops on tensors so small that the arithmetic is nothing: what each op costs beyond it
+        // (checks, layouts, the output's allocation; on wgpu the dispatch). A model written from
+        // many small ops pays it per op.
+        let t = Tensor::rand_uniform(&[2, 4, 8], -1.0, 1.0, 6, dev).unwrap();
+        let bias = Tensor::rand_uniform(&[8], -1.0, 1.0, 7, dev).unwrap();
+        const TINY_OPS: usize = 6;
+        let tiny_chain = || -> wgpipe::tensor::Result<Tensor> {
+            let h = t.add(&bias)?.permute(&[0, 2, 1])?.mul_scalar(0.5)?;
+            h.reshape(&[2, 32])?.exp()?.sum(&[1], false)
+        };
+        let queued = time_per_call(budget, || {
+            for _ in 0..64 {
+                let _ = tiny_chain().unwrap();
+            }
+            dev.synchronize().unwrap();
+            64 * TINY_OPS
+        });
+        let busy = cores();
+        let readback = time_per_call(budget, || {
+            std::hint::black_box(tiny_chain().unwrap().to_vec().unwrap());
+            TINY_OPS
+        });
+        rows.push(Row {
+            device: kind.clone(),
+            op: format!("{TINY_OPS} tiny ops in a chain (add, permute, scale, reshape, exp, sum)"),
+            size: "2x4x8".into(),
+            queued: format!("{:.2} us/op", queued * 1e6),
+            cores: busy,
+            readback: format!("{:.2} us/op", readback * 1e6),
         });
     }
 
