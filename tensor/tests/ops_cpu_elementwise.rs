@@ -2,49 +2,10 @@
 
 mod common;
 
+use common::gelu_ref::*;
 use common::*;
 use proptest::prelude::*;
 use wgpipe_tensor::{BinaryOp, Device, Error, Tensor, UnaryOp};
-
-fn gelu_tanh(x: f32) -> f32 {
-    let c = (2.0f32 / std::f32::consts::PI).sqrt();
-    0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
-}
-
-fn gelu_tanh_grad(x: f32) -> f32 {
-    let c = (2.0f32 / std::f32::consts::PI).sqrt();
-    let t = (c * (x + 0.044715 * x * x * x)).tanh();
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
-}
-
-/// `x Phi(x)` in f64 from the Maclaurin series of erf (|z| <= 5; beyond, erf is +-1 in f32):
-/// a reference independent of the library's erfc fit.
-fn gelu_exact_ref(x: f32) -> f32 {
-    let z = x as f64 / std::f64::consts::SQRT_2;
-    let erf = if z.abs() > 5.0 {
-        z.signum()
-    } else {
-        let (mut term, mut sum) = (z, z);
-        for n in 1..200 {
-            term *= -z * z / n as f64;
-            sum += term / (2 * n + 1) as f64;
-        }
-        sum * 2.0 / std::f64::consts::PI.sqrt()
-    };
-    (x as f64 * 0.5 * (1.0 + erf)) as f32
-}
-
-/// d/dx of [`gelu_exact_ref`]: `Phi(x) + x phi(x)`.
-fn gelu_exact_grad_ref(x: f32) -> f32 {
-    let xf = x as f64;
-    let phi = (-0.5 * xf * xf).exp() / (2.0 * std::f64::consts::PI).sqrt();
-    let cdf = if x == 0.0 {
-        0.5
-    } else {
-        gelu_exact_ref(x) as f64 / xf
-    };
-    (cdf + xf * phi) as f32
-}
 
 /// A unary method, e.g. `Tensor::exp`.
 type UnaryFn = fn(&Tensor) -> wgpipe_tensor::Result<Tensor>;
@@ -303,22 +264,6 @@ fn binary_ref(op: BinaryOp, a: f32, b: f32) -> f32 {
     }
 }
 
-const BINARY_OPS: [BinaryOp; 13] = [
-    BinaryOp::Add,
-    BinaryOp::Sub,
-    BinaryOp::Mul,
-    BinaryOp::Div,
-    BinaryOp::Maximum,
-    BinaryOp::Minimum,
-    BinaryOp::Pow,
-    BinaryOp::Eq,
-    BinaryOp::Ne,
-    BinaryOp::Lt,
-    BinaryOp::Le,
-    BinaryOp::Gt,
-    BinaryOp::Ge,
-];
-
 /// Broadcast output shape and the two operand shapes derived from it.
 fn broadcast_pair() -> impl Strategy<Value = (Vec<usize>, Vec<usize>, Vec<usize>)> {
     (
@@ -350,7 +295,7 @@ proptest! {
         vb in 0..VARIANTS,
         seed in 0u64..1000,
     ) {
-        let op = BINARY_OPS[op_i];
+        let op = BinaryOp::ALL[op_i];
         // Positive bases keep pow real; rounding to halves makes the comparisons see ties.
         let a = Nd::rand(&sa, seed, 0.5, 3.0);
         let a = Nd::new(&sa, a.data.iter().map(|v| (v * 2.0).round() / 2.0).collect());

@@ -326,22 +326,6 @@ fn silu_and_its_grad_on_views() {
     );
 }
 
-const BINARY: [BinaryOp; 13] = [
-    BinaryOp::Add,
-    BinaryOp::Sub,
-    BinaryOp::Mul,
-    BinaryOp::Div,
-    BinaryOp::Maximum,
-    BinaryOp::Minimum,
-    BinaryOp::Pow,
-    BinaryOp::Eq,
-    BinaryOp::Ne,
-    BinaryOp::Lt,
-    BinaryOp::Le,
-    BinaryOp::Gt,
-    BinaryOp::Ge,
-];
-
 #[test]
 fn binary_ops_with_broadcasting_and_views() {
     let strat = (
@@ -349,11 +333,11 @@ fn binary_ops_with_broadcasting_and_views() {
         view(),
         view(),
         any::<u64>(),
-        0..BINARY.len(),
+        0..BinaryOp::ALL.len(),
         any::<u8>(),
     );
     run("binary", strat, |dev, (shape, va, vb, seed, op, drop)| {
-        let op = BINARY[op];
+        let op = BinaryOp::ALL[op];
         // b has some axes of size 1 or fewer axes: numpy broadcasting in the op itself.
         let mut bs: Vec<usize> = shape
             .iter()

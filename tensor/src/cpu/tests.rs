@@ -134,26 +134,11 @@ fn unary_ops_on_strided_views() {
 #[test]
 fn binary_and_where_on_strided_views() {
     let d = dev();
-    let ops = [
-        BinaryOp::Add,
-        BinaryOp::Sub,
-        BinaryOp::Mul,
-        BinaryOp::Div,
-        BinaryOp::Maximum,
-        BinaryOp::Minimum,
-        BinaryOp::Pow,
-        BinaryOp::Eq,
-        BinaryOp::Ne,
-        BinaryOp::Lt,
-        BinaryOp::Le,
-        BinaryOp::Gt,
-        BinaryOp::Ge,
-    ];
     let (va, vb) = (views(&d, 10), views(&d, 20));
     for a in &va {
         for b in &vb {
             let (xa, xb) = (naive(a), naive(b));
-            for op in ops {
+            for op in BinaryOp::ALL {
                 let y = K.to_host(&K.binary(op, a, b).unwrap()).unwrap();
                 let want: Vec<f32> = xa
                     .iter()

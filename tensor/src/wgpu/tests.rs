@@ -15,6 +15,10 @@ use crate::error::Error;
 use crate::layout::Layout;
 use crate::tensor::Tensor;
 
+#[path = "../../tests/common/gelu_ref.rs"]
+mod gelu_ref;
+use gelu_ref::{gelu_exact_grad_ref, gelu_exact_ref, gelu_tanh, gelu_tanh_grad};
+
 fn device() -> Option<Device> {
     match Device::test_wgpu() {
         Ok(d) => Some(d),
@@ -108,46 +112,6 @@ fn memory_is_charged_to_the_device() {
     assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
     drop(x);
     assert_eq!(v.memory_stats().live, before);
-}
-
-fn gelu_tanh(x: f32) -> f32 {
-    let k = (2.0f32 / std::f32::consts::PI).sqrt();
-    0.5 * x * (1.0 + (k * (x + 0.044715 * x * x * x)).tanh())
-}
-
-fn gelu_tanh_grad(x: f32) -> f32 {
-    let k = (2.0f32 / std::f32::consts::PI).sqrt();
-    let t = (k * (x + 0.044715 * x * x * x)).tanh();
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x)
-}
-
-/// `x Phi(x)` in f64 from the Maclaurin series of erf (|z| <= 5; beyond, erf is +-1 in f32):
-/// a reference independent of the library's erfc fit.
-fn gelu_exact_ref(x: f32) -> f32 {
-    let z = x as f64 / std::f64::consts::SQRT_2;
-    let erf = if z.abs() > 5.0 {
-        z.signum()
-    } else {
-        let (mut term, mut sum) = (z, z);
-        for n in 1..200 {
-            term *= -z * z / n as f64;
-            sum += term / (2 * n + 1) as f64;
-        }
-        sum * 2.0 / std::f64::consts::PI.sqrt()
-    };
-    (x as f64 * 0.5 * (1.0 + erf)) as f32
-}
-
-/// d/dx of [`gelu_exact_ref`]: `Phi(x) + x phi(x)`.
-fn gelu_exact_grad_ref(x: f32) -> f32 {
-    let xf = x as f64;
-    let phi = (-0.5 * xf * xf).exp() / (2.0 * std::f64::consts::PI).sqrt();
-    let cdf = if x == 0.0 {
-        0.5
-    } else {
-        gelu_exact_ref(x) as f64 / xf
-    };
-    (cdf + xf * phi) as f32
 }
 
 fn sign(x: f32) -> f32 {

@@ -1,6 +1,8 @@
 //! Shared helpers of the op tests: a naive n-d array for reference results, tensors of given
-//! values in several memory layouts, and tolerant comparisons.
+//! values in several memory layouts, tolerant comparisons, and the GELUs (`gelu_ref`).
 #![allow(dead_code)]
+
+pub mod gelu_ref;
 
 use wgpipe_tensor::{Device, Tensor};
 
