@@ -27,7 +27,7 @@ pub struct MatLayout {
     pub row_stride: usize,
     pub col_stride: usize,
     /// The outer batch axis, when the batch needs two (only backends whose
-    /// [`Kernels::matmul_grouped_batches`] says so are given one).
+    /// `Kernels::matmul_grouped_batches` says so are given one).
     pub groups: Option<MatGroups>,
 }
 

@@ -3,11 +3,12 @@
 //! with re-materialization, which the schedules call `checkpoint`.) The same tensors can also be
 //! one file per device plus an index: see [`crate::train::shards`].
 //!
-//! The file: parameters and buffers under their global names ([`layer_param_name`]:
-//! `"{layer}.{name}"`), the optimizers' state under `optim.` (per-parameter entries are keyed by
-//! the global parameter name, so they are disjoint across stages; the shared counters `@steps`
-//! and `@lr` are equal on every stage and stored once), and the step in the metadata. A file
-//! written by a pipeline of any K loads into a pipeline of any other K over the same layers.
+//! The file: parameters and buffers under their global names
+//! ([`wgpipe_autograd::layer_param_name`]: `"{layer}.{name}"`), the optimizers' state under
+//! `optim.` (per-parameter entries are keyed by the global parameter name, so they are disjoint
+//! across stages; the shared counters `@steps` and `@lr` are equal on every stage and stored
+//! once), and the step in the metadata. A file written by a pipeline of any K loads into a
+//! pipeline of any other K over the same layers.
 //!
 //! - [`Pipeline::save`] writes atomically (a unique temporary file created exclusively, fsync,
 //!   rename; see [`wgpipe_autograd::serialize`]): concurrent saves to one path each publish a

@@ -84,7 +84,7 @@ pub fn gelu_tanh_grad(x: f32) -> f32 {
 }
 
 /// [`gelu_tanh`] on `|x| <= GELU_NEAR`, as [`gelu_near`]: `x (0.5 + x S(x^2))`, `S` of degree 8
-/// in [`near_w`] (relative error ~1e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
+/// in `w = x^2 / 2 - 1` (relative error ~1e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
 #[inline(always)]
 pub fn gelu_tanh_near(x: f32) -> f32 {
     let s = horner(
@@ -105,7 +105,8 @@ pub fn gelu_tanh_near(x: f32) -> f32 {
 }
 
 /// [`gelu_tanh_grad`] on `|x| <= GELU_NEAR`, as [`gelu_grad_near`]: `0.5 + x G(x^2)`, `G` of
-/// degree 9 in [`near_w`] (relative error ~1.4e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
+/// degree 9 in `w = x^2 / 2 - 1` (relative error ~1.4e-7 in f32; fitted by
+/// `scripts/fit_gelu_near.py`).
 #[inline(always)]
 pub fn gelu_tanh_grad_near(x: f32) -> f32 {
     let g = horner(
@@ -238,7 +239,7 @@ fn near_w(x: f32) -> f32 {
 }
 
 /// [`gelu`] on `|x| <= GELU_NEAR`: `x Phi(x)` with `Phi(x) = 0.5 + x S(x^2)`, `S` of degree 7
-/// in [`near_w`] (relative error ~1e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
+/// in `w = x^2 / 2 - 1` (relative error ~1e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
 #[inline(always)]
 pub fn gelu_near(x: f32) -> f32 {
     let s = horner(
@@ -258,7 +259,7 @@ pub fn gelu_near(x: f32) -> f32 {
 }
 
 /// [`gelu_grad`] on `|x| <= GELU_NEAR`: `Phi(x) + x phi(x) = 0.5 + x G(x^2)`, `G` of degree 8 in
-/// [`near_w`] (relative error ~1e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
+/// `w = x^2 / 2 - 1` (relative error ~1e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
 #[inline(always)]
 pub fn gelu_grad_near(x: f32) -> f32 {
     let g = horner(

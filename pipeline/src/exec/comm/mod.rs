@@ -1,7 +1,7 @@
 //! What the replicas and processes of a step agree on, behind one trait: the step's outcome
 //! (failures, the overflow verdict, the loss), the gradient reduction across replicas, tied
 //! gradients across processes, the parts of a clipped norm, an optimizer step's outcome and a
-//! failure's broadcast. [`LocalComm`] is the communicator of one process (its replicas are all
+//! failure's broadcast. `LocalComm` is the communicator of one process (its replicas are all
 //! here); the MPI one (feature `mpi`) is the communicator of a job of ranks. The training code
 //! calls the trait and takes one path through the step whichever it is.
 

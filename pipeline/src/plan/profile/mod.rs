@@ -133,8 +133,8 @@ pub struct SkipProfile {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Profile {
     pub layers: Vec<LayerProfile>,
-    /// In [`resolve_skips`]' order (so [`crate::skips::skip_links`] numbers their links as the
-    /// builder does).
+    /// In [`wgpipe_autograd::resolve_skips`]' order (so [`crate::skips::skip_links`] numbers
+    /// their links as the builder does).
     pub skips: Vec<SkipProfile>,
     pub loss: LossProfile,
     pub input_bytes: Affine,

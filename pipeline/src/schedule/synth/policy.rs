@@ -71,7 +71,7 @@ impl std::fmt::Display for Policy {
 /// staircase), the two orders, weight parts filling or eager, and where devices hold several
 /// stages the two chunk orders and admission with or without the reserve; each with and without
 /// freeing memory for a forward first. (Deeper staircases and `FillAhead` never won on issue
-/// 33's grid and are left to callers of [`place`].)
+/// 33's grid and are left to callers of [`super::place`].)
 pub fn policies(chunked: bool) -> Vec<Policy> {
     let warmups = [Warmup::Cap, Warmup::Staircase { extra: 0 }];
     let deep: &[bool] = if chunked { &[true, false] } else { &[false] };
