@@ -11,7 +11,7 @@ use crate::layout::{Dims, Layout};
 pub(crate) struct Walk<const N: usize> {
     /// Sizes of the collapsed dims above the innermost one.
     outer_shape: Dims,
-    outer_strides: SmallVec<[[usize; N]; 6]>,
+    outer_strides: SmallVec<[[usize; N]; 4]>,
     offset: [usize; N],
     /// Length of the innermost collapsed dim (1 for a scalar).
     pub inner: usize,
@@ -22,7 +22,7 @@ pub(crate) struct Walk<const N: usize> {
 impl<const N: usize> Walk<N> {
     /// `layouts` must all have `shape` (broadcasts already applied as zero strides).
     pub fn new(shape: &[usize], layouts: [&Layout; N]) -> Self {
-        let mut dims: SmallVec<[(usize, [usize; N]); 6]> = SmallVec::new();
+        let mut dims: SmallVec<[(usize, [usize; N]); 4]> = SmallVec::new();
         for (i, &d) in shape.iter().enumerate() {
             if d == 1 {
                 continue;
