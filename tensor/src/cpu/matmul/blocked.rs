@@ -95,19 +95,19 @@ impl Out {
     }
 }
 
-/// Whether matmul should run [`gemm`] for a product; `big_transposed`: it is (or each of its
-/// batch is) at least [`BIG_SIDE`] rows and columns wide with an operand whose `k` axis is the
-/// wrong one for its packing (`w.t()`, `dy.t()`, an attention's `k.t()`). On CPUs with AVX2 and
-/// FMA but no AVX-512 it runs every product; with AVX-512 those only, where it packs the
-/// transposed operand through register transposes and the `gemm` crate packs it element by
-/// element or after a transposing copy (`matmul_by_panels`), and the crate's 16-lane kernels
-/// run the rest (ahead on the narrow and batched products of the main job's model: its 64 x
+/// Whether matmul should run [`gemm`] for a product; `on_avx512`: it does so on AVX-512 CPUs
+/// too (`blocked_on_avx512` in `matmul`: at least [`BIG_SIDE`] rows and columns wide with an
+/// operand whose `k` axis is the wrong one for its packing, `w.t()`, `dy.t()`, an attention's
+/// `k.t()`, or a single `x @ w.t()` of any size). On CPUs with AVX2 and FMA but no AVX-512 it
+/// runs every product; with AVX-512 those only, where it packs the transposed operand through
+/// register transposes and the `gemm` crate packs it element by element or after a transposing
+/// copy (`matmul_by_panels`), and the crate's 16-lane kernels run the rest (ahead on the narrow and batched products of the main job's model: its 64 x
 /// 2048 x 64 weight gradients take the crate ~100 us, this ~200). Timed inside whole steps on a
 /// Zen 4: a decoder block's `q @ k.t()` (32 heads of 128 x 64 x 128) 386-458 us here against
 /// 530-566 in the crate. `WGPIPE_CPU_MATMUL` overrides that, to compare the two on one machine:
 /// `gemm-crate` asks for the `gemm` crate everywhere, `blocked` for this product wherever AVX2
 /// and FMA are.
-pub(crate) fn chosen(big_transposed: bool) -> bool {
+pub(crate) fn chosen(on_avx512: bool) -> bool {
     static ASKED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     match ASKED
         .get_or_init(|| std::env::var("WGPIPE_CPU_MATMUL").ok())
@@ -118,12 +118,12 @@ pub(crate) fn chosen(big_transposed: bool) -> bool {
         // The CPU's own features (as `WGPIPE_CPU_SIMD` leaves them), not the level tests cap
         // the other kernels to: the `gemm` crate and this product sum in different orders,
         // and the choice must not change while another test's products run.
-        _ => supported() && (big_transposed || !cpu_runs(Level::Avx512)),
+        _ => supported() && (on_avx512 || !cpu_runs(Level::Avx512)),
     }
 }
 
 /// The fewest rows and columns of a product with a transposed operand that runs here on
-/// AVX-512 CPUs (see [`chosen`]).
+/// AVX-512 CPUs (see [`chosen`]; a single `x @ w.t()` runs here at any size).
 pub(crate) const BIG_SIDE: usize = 128;
 
 /// Whether [`gemm`] can run here at all: the CPU has AVX2 and FMA (whatever build level tests
@@ -976,6 +976,19 @@ mod tests {
             ("lm ffn1 2048x64x256 (w.t())", 2048, 64, 256, false, true),
             ("lm dW 64x2048x64 (dy.t())", 64, 2048, 64, true, false),
             ("lm att q @ k.t() 64x16x64", 64, 16, 64, false, true),
+            // The main job's micro-batches: one sequence of 64, d 64.
+            ("mb qkv 64x64x192 (w.t())", 64, 64, 192, false, true),
+            ("mb ffn1 64x64x256 (w.t())", 64, 64, 256, false, true),
+            ("mb ffn2 64x256x64 (w.t())", 64, 256, 64, false, true),
+            ("mb proj 64x64x64 (w.t())", 64, 64, 64, false, true),
+            ("mb head 64x64x28 (w.t())", 64, 64, 28, false, true),
+            ("mb dx 64x256x64 (dy @ w)", 64, 256, 64, false, false),
+            ("mb dx 64x64x256 (dy @ w)", 64, 64, 256, false, false),
+            ("mb dW 256x64x64 (dy.t())", 256, 64, 64, true, false),
+            ("mb dW 192x64x64 (dy.t())", 192, 64, 64, true, false),
+            ("few rows 16x1024x1024 (w.t())", 16, 1024, 1024, false, true),
+            ("few rows 64x1024x1024 (w.t())", 64, 1024, 1024, false, true),
+            ("few rows 96x256x768 (w.t())", 96, 256, 768, false, true),
         ];
         // `BENCH_SHAPES=x@w` runs only the shapes whose names contain it.
         let only = std::env::var("BENCH_SHAPES").unwrap_or_default();

@@ -73,7 +73,7 @@ fn products(
     let MatDims { batch, m, k, n } = d;
     let (mn, macs) = (m * n, m * n * k);
     #[cfg(target_arch = "x86_64")]
-    let own = blocked::chosen(big_transposed(la, lb, d));
+    let own = blocked::chosen(blocked_on_avx512(la, lb, d));
     #[cfg(not(target_arch = "x86_64"))]
     let own = false;
     // gemm packs a column-major right operand (e.g. the `w.t()` of a Linear layer) element by
@@ -188,16 +188,29 @@ fn products(
     }
 }
 
-/// Whether each product of this batch, at least [`blocked::BIG_SIDE`] rows and columns wide,
-/// has a transposed operand: `A` whose `k` axis is not its contiguous one (`dy.t()`), or `B`
-/// whose `k` axis is (`w.t()`, an attention's `k.t()`). Those run the blocked product on AVX-512
-/// CPUs too (see `blocked::chosen`).
-fn big_transposed(la: MatLayout, lb: MatLayout, d: MatDims) -> bool {
-    let MatDims { m, k, n, .. } = d;
+/// Whether this batch's products run the blocked product on AVX-512 CPUs too (see
+/// `blocked::chosen`): those at least [`blocked::BIG_SIDE`] rows and columns wide with a
+/// transposed operand (`A` whose `k` axis is not its contiguous one, `dy.t()`, or `B` whose `k`
+/// axis is, `w.t()` or an attention's `k.t()`), and a single `x @ w.t()` (a Linear layer's
+/// forward) at least [`LINEAR_MIN_SIDE`] rows and columns wide however narrow or short. The
+/// `gemm` crate packs such a `B` element by element, or after a transposing copy of all of it
+/// (`matmul_by_panels`), which products with few rows or columns do not amortise. One thread
+/// each way on this Zen 4 (GFLOP/s, blocked against the crate): the main job's micro-batches
+/// (64 rows, d 64) 96 / 87 for Q/K/V, 97 / 88 for the FFN's first layer, 100 / 63 for its
+/// second (64 x 256 x 64), 69 / 59 for the head; 16 and 64 rows of a 1024 x 1024 layer 68 / 33
+/// and 94 / 67; as wide as `BIG_SIDE`, the same within 2%.
+fn blocked_on_avx512(la: MatLayout, lb: MatLayout, d: MatDims) -> bool {
+    let MatDims { batch, m, k, n } = d;
     let a_transposed = la.col_stride != 1;
     let b_transposed = lb.row_stride == 1 && lb.col_stride != 1;
-    m.min(n) >= blocked::BIG_SIDE && k > 1 && (a_transposed || b_transposed)
+    let big = m.min(n) >= blocked::BIG_SIDE && (a_transposed || b_transposed);
+    let linear = batch == 1 && b_transposed && m.min(n) >= LINEAR_MIN_SIDE;
+    k > 1 && (big || linear)
 }
+
+/// The fewest rows and columns of a single `x @ w.t()` that [`blocked_on_avx512`] takes
+/// whatever its size: a tile's width (a matrix-vector product stays in the crate).
+const LINEAR_MIN_SIDE: usize = 16;
 
 /// One product (`d.batch == 1`) whose right operand is column-major: a panel of its columns at
 /// a time is copied to row-major and multiplied into those columns of `out`.
@@ -330,11 +343,11 @@ fn check_bounds(data: &[f32], l: MatLayout, batch: usize, rows: usize, cols: usi
 mod tests {
     use super::*;
 
-    /// Which products count as big and transposed: an MLP layer's `x @ w.t()` and `dy.t() @ x`
-    /// and a decoder block's `q @ k.t()` over 128 positions do, its `dy @ w` does not, nor
-    /// narrow ones (the main job's 64-wide heads and layers).
+    /// Which products run blocked on AVX-512: an MLP layer's `x @ w.t()` and `dy.t() @ x` and a
+    /// decoder block's `q @ k.t()` over 128 positions do, its `dy @ w` does not; of the narrow
+    /// ones (the main job's 64-wide heads and layers) only a single `x @ w.t()` does.
     #[test]
-    fn big_transposed_products_are_the_wide_ones_with_a_transposed_operand() {
+    fn blocked_products_are_the_wide_ones_with_a_transposed_operand_and_linear_layers() {
         let dims = |batch, m, k, n| MatDims { batch, m, k, n };
         // Row-major and column-major `rows x cols` operands.
         let rm = |rows: usize, cols: usize| MatLayout::new(0, rows * cols, cols, 1);
@@ -363,6 +376,20 @@ mod tests {
                 rm(m, k),
                 cm(k, 64),
                 dims(1, m, k, 64),
+                true,
+            ),
+            (
+                "a micro-batch's x @ w.t()",
+                rm(64, 64),
+                cm(64, 28),
+                dims(1, 64, 64, 28),
+                true,
+            ),
+            (
+                "one row's x @ w.t()",
+                rm(1, k),
+                cm(k, n),
+                dims(1, 1, k, n),
                 false,
             ),
             (
@@ -374,7 +401,7 @@ mod tests {
             ),
         ];
         for (name, la, lb, d, want) in cases {
-            assert_eq!(big_transposed(la, lb, d), want, "{name}");
+            assert_eq!(blocked_on_avx512(la, lb, d), want, "{name}");
         }
     }
 }
