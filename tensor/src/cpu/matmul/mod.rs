@@ -196,9 +196,9 @@ fn products(
 /// `gemm` crate packs such a `B` element by element, or after a transposing copy of all of it
 /// (`matmul_by_panels`), which products with few rows or columns do not amortise. One thread
 /// each way on this Zen 4 (GFLOP/s, blocked against the crate): the main job's micro-batches
-/// (64 rows, d 64) 96 / 87 for Q/K/V, 97 / 88 for the FFN's first layer, 100 / 63 for its
+/// (64 rows, d 64) 96 / 87 for Q/K/V, 97 / 88 for the FFN's first layer, 100 / 64 for its
 /// second (64 x 256 x 64), 69 / 59 for the head; 16 and 64 rows of a 1024 x 1024 layer 68 / 33
-/// and 94 / 67; as wide as `BIG_SIDE`, the same within 2%.
+/// and 94 / 67; the plain LM's narrow layers (2048 rows), the same within 2%.
 fn blocked_on_avx512(la: MatLayout, lb: MatLayout, d: MatDims) -> bool {
     let MatDims { batch, m, k, n } = d;
     let a_transposed = la.col_stride != 1;
