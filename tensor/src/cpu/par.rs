@@ -75,7 +75,7 @@ pub fn share_cpu_threads<R>(f: impl FnOnce() -> R) -> R {
 /// thread competes with it for whole time slices, holding a stolen share of an op while it
 /// waits to be scheduled, where a sleeping one is woken straight onto the core. Two spinning
 /// threads were also seen sharing one core for seconds (`bench_train`'s LM then ran 1.6x
-/// slower). README's "Where speed stands" has the figures.
+/// slower). docs/speed-history.md (2026-12-02, just after midnight) has the figures.
 ///
 /// Run one such loop at a time, and do not wait in `f` for another thread that runs CPU
 /// kernels (a pipeline's device threads, say): `f` holds one of the pool's threads, and the
