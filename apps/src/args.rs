@@ -617,6 +617,27 @@ pub fn one_line(e: &clap::Error) -> String {
     }
 }
 
+/// `program`'s flags parsed from `args` (without the program name); a bad flag is an error of one
+/// line ([`one_line`]).
+pub fn parse_args<T, I, S>(program: &str, args: I) -> AppResult<T>
+where
+    T: clap::Parser,
+    I: IntoIterator<Item = S>,
+    S: Into<std::ffi::OsString> + Clone,
+{
+    let argv =
+        std::iter::once(std::ffi::OsString::from(program)).chain(args.into_iter().map(Into::into));
+    T::try_parse_from(argv).map_err(|e| AppError(one_line(&e)))
+}
+
+/// The flags of this process's command line as `T`, with the matches they came from (to ask
+/// which flags were given); exits as [`command_line`] does on bad flags.
+pub fn from_command_line<T: clap::Parser>() -> (T, clap::ArgMatches) {
+    let matches = command_line(T::command());
+    let args = T::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    (args, matches)
+}
+
 /// The matches of this process's command line for `cmd`: `--help` and `--version` print as
 /// clap prints them; any other problem is one line naming the flag, and exit status 2.
 pub fn command_line(cmd: clap::Command) -> clap::ArgMatches {

@@ -127,14 +127,13 @@ pub struct BenchArgs {
 }
 
 impl BenchArgs {
+    /// The flags as parsed from `args` (without the program name).
     pub fn parse_from_args<I, S>(args: I) -> AppResult<BenchArgs>
     where
         I: IntoIterator<Item = S>,
         S: Into<std::ffi::OsString> + Clone,
     {
-        let argv = std::iter::once(std::ffi::OsString::from("bench_train"))
-            .chain(args.into_iter().map(Into::into));
-        BenchArgs::try_parse_from(argv).map_err(|e| AppError(e.to_string()))
+        crate::args::parse_args("bench_train", args)
     }
 }
 

@@ -14,7 +14,7 @@ use crate::bail;
 use std::sync::atomic::AtomicBool;
 
 use crate::args::{describe_replicas, describe_stages, PipelineArgs};
-use crate::error::{AppError, AppResult, Context};
+use crate::error::{AppResult, Context};
 use crate::files::{check_readable, is_optimizer_key, load_pipeline, save_pipeline};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
 use crate::metrics::write_curves;
@@ -114,17 +114,13 @@ impl CnnArgs {
         I: IntoIterator<Item = S>,
         S: Into<std::ffi::OsString> + Clone,
     {
-        let argv = std::iter::once(std::ffi::OsString::from("train_cnn"))
-            .chain(args.into_iter().map(Into::into));
-        CnnArgs::try_parse_from(argv).map_err(|e| AppError(crate::args::one_line(&e)))
+        crate::args::parse_args("train_cnn", args)
     }
 
     /// The flags of this process's command line, noting whether the pipeline's shape was
     /// given (for `--plan auto`); exits with clap's message on bad flags.
     pub fn from_command_line() -> CnnArgs {
-        let matches = crate::args::command_line(<CnnArgs as clap::CommandFactory>::command());
-        let mut args = <CnnArgs as clap::FromArgMatches>::from_arg_matches(&matches)
-            .unwrap_or_else(|e| e.exit());
+        let (mut args, matches) = crate::args::from_command_line::<CnnArgs>();
         args.pipe.shape_given = crate::plan::shape_given(&matches);
         args
     }

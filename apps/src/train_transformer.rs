@@ -86,18 +86,13 @@ impl TransformerArgs {
         I: IntoIterator<Item = S>,
         S: Into<std::ffi::OsString> + Clone,
     {
-        let argv = std::iter::once(std::ffi::OsString::from("train_transformer"))
-            .chain(args.into_iter().map(Into::into));
-        TransformerArgs::try_parse_from(argv).map_err(|e| AppError(crate::args::one_line(&e)))
+        crate::args::parse_args("train_transformer", args)
     }
 
     /// The flags of this process's command line, noting whether the pipeline's shape was
     /// given (for `--plan auto`); exits with clap's message on bad flags.
     pub fn from_command_line() -> TransformerArgs {
-        let matches =
-            crate::args::command_line(<TransformerArgs as clap::CommandFactory>::command());
-        let mut args = <TransformerArgs as clap::FromArgMatches>::from_arg_matches(&matches)
-            .unwrap_or_else(|e| e.exit());
+        let (mut args, matches) = crate::args::from_command_line::<TransformerArgs>();
         args.pipe.shape_given = crate::plan::shape_given(&matches);
         args
     }
