@@ -7,8 +7,8 @@
 //! Needs `mpirun` (Open MPI) on PATH; run with `cargo test -p wgpipe-tests --features mpi --test mpi`.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -30,6 +30,22 @@ fn mpirun_np(ranks: usize) -> Command {
     std::fs::create_dir_all(&tmp).unwrap();
     cmd.env("TMPDIR", &tmp);
     cmd
+}
+
+/// Starts `job` under `mpirun -np <ranks>`, writing into `dir`, with `env` set for every rank
+/// and its output piped (read it with [`output_within`]).
+fn spawn_job(job: &MpiJob, ranks: usize, dir: &Path, env: &[(&str, &str)]) -> Child {
+    let mut cmd = mpirun_np(ranks);
+    for (name, value) in env {
+        cmd.env(name, value).args(["-x", name]);
+    }
+    cmd.arg(env!("CARGO_BIN_EXE_mpi_worker"))
+        .args(job.args())
+        .arg(dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run mpirun (is Open MPI installed?): {e}"))
 }
 
 /// An empty folder of this test process for `name`.
@@ -424,14 +440,7 @@ fn a_rank_that_dies_ends_the_job_in_bounded_time_naming_it() {
     };
     let dir = fresh_dir("abort");
     let start = Instant::now();
-    let child = mpirun_np(2)
-        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
-        .args(job.args())
-        .arg(&dir)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = spawn_job(&job, 2, &dir, &[]);
     // The bound: well under the peer time limit (60 s), far over what it takes (about 1 s).
     let (ok, text, secs) = output_within(child, start, Duration::from_secs(20), "rank 1 died");
     assert!(!ok, "the job succeeded: {text}");
@@ -624,14 +633,7 @@ fn a_sharded_checkpoint_of_4x2_ranks_resumes_with_k_1_and_2_in_one_process_and_u
         ..base.clone()
     };
     let start = Instant::now();
-    let child = mpirun_np(8)
-        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
-        .args(saving.args())
-        .arg(&dir)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = spawn_job(&saving, 8, &dir, &[]);
     let (ok, out, _) = output_within(child, start, Duration::from_secs(120), "sharded save");
     assert!(ok, "{out}");
     let ckpt = dir.join("ckpt");
@@ -698,14 +700,7 @@ fn a_sharded_save_that_fails_on_one_rank_fails_on_every_rank_and_writes_no_index
     let blocked = "model-save1-00002-of-00002.safetensors";
     std::fs::create_dir_all(dir.join("ckpt").join(blocked)).unwrap();
     let start = Instant::now();
-    let child = mpirun_np(2)
-        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
-        .args(job.args())
-        .arg(&dir)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = spawn_job(&job, 2, &dir, &[]);
     let (ok, out, _) = output_within(child, start, Duration::from_secs(120), "failing save");
     assert!(!ok, "the job succeeded: {out}");
     // Each rank's report anywhere (mpirun can interleave the ranks' lines), both naming the
@@ -741,14 +736,7 @@ fn a_load_that_fails_on_one_rank_fails_on_every_rank() {
     let run = |job: &MpiJob, out: &std::path::Path| {
         std::fs::create_dir_all(out).unwrap();
         let start = Instant::now();
-        let child = mpirun_np(2)
-            .arg(env!("CARGO_BIN_EXE_mpi_worker"))
-            .args(job.args())
-            .arg(out)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let child = spawn_job(job, 2, out, &[]);
         output_within(child, start, Duration::from_secs(120), "job")
     };
     let (ok, out, _) = run(&job, &dir.join("save"));
@@ -1224,15 +1212,7 @@ fn killed_after_a_checkpoint(job: MpiJob) {
     let tag = format!("killed-{fault:?}");
     let dir = fresh_dir(&tag);
     // The ranks must not give up on the stopped rank before it is killed.
-    let mut child = mpirun_np(ranks)
-        .args(["-x", "WGPIPE_MPI_PEER_TIMEOUT=60"])
-        .arg(env!("CARGO_BIN_EXE_mpi_worker"))
-        .args(job.args())
-        .arg(&dir)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_job(&job, ranks, &dir, &[("WGPIPE_MPI_PEER_TIMEOUT", "60")]);
     let pid = stopped_rank(&mut child, &dir, victim, &tag);
     // Save 2 half done: rank 0 writes its shard while the victim stands still, which on a
     // loaded machine can take longer than the second below (the shard appears whole, by a
