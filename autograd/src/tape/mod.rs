@@ -18,7 +18,7 @@ use std::ops::Range;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use wgpipe_tensor::{DType, Error, Result, Tensor};
+use wgpipe_tensor::{DType, Dims, Error, Result, Tensor};
 
 pub use grads::{Grads, WeightGrads};
 pub use rerun::Rerun;
@@ -71,7 +71,7 @@ struct Node {
 
 struct NodeInput {
     id: usize,
-    shape: Vec<usize>,
+    shape: Dims,
     data: bool,
 }
 
@@ -282,7 +282,7 @@ impl Tape {
                 .map(|v| {
                     v.requires_grad.then(|| NodeInput {
                         id: v.id,
-                        shape: v.shape().to_vec(),
+                        shape: Dims::from_slice(v.shape()),
                         data: v.data,
                     })
                 })

@@ -5,6 +5,8 @@
 use std::collections::HashMap;
 use std::rc::Rc;
 
+use smallvec::SmallVec;
+
 use wgpipe_tensor::{Error, Result, Tensor};
 
 use super::grads::Grads;
@@ -92,7 +94,8 @@ pub(super) fn run_nodes(
             deferred.push((node, Vec::new()));
             continue;
         }
-        let g: Vec<Option<Tensor>> = node
+        // Inline for the usual one output and few inputs: a node's walk allocates nothing here.
+        let g: SmallVec<[Option<Tensor>; 2]> = node
             .outputs
             .clone()
             .map(|id| grads.get_mut(id).and_then(Option::take))
@@ -100,7 +103,7 @@ pub(super) fn run_nodes(
         if g.iter().all(Option::is_none) {
             continue; // no gradient reaches this node: drop it unrun
         }
-        let wants: Vec<bool> = node
+        let wants: SmallVec<[bool; 4]> = node
             .inputs
             .iter()
             .map(|i| i.as_ref().is_some_and(|i| part.wants(i)))
@@ -162,7 +165,7 @@ pub(super) fn run_nodes(
             });
         }
         if part == Part::Input && has_weight_side {
-            deferred.push((node, g));
+            deferred.push((node, g.into_vec()));
         }
     }
     Ok(())
