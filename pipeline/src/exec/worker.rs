@@ -442,8 +442,6 @@ impl<'a> Worker<'a, '_> {
         };
         let (popped, popped_finite) = self.take_skips_in(stage, m)?;
         let input_finite = input_finite && popped_finite;
-        let input = input_var(&tape, &x, s);
-        let skips_in: Vec<Var> = popped.iter().map(|t| tape.leaf(t.clone())).collect();
         let ctx = if io.forward_only {
             // Which micro-batch it is, as in training (a layer may log or check it).
             ForwardCtx {
@@ -454,13 +452,12 @@ impl<'a> Worker<'a, '_> {
             ForwardCtx::train(io.seed, io.step, io.first_micro_batch + m as u64)
         }
         .with_compute(io.compute);
-        let mut reruns = Vec::new();
-        let (output, skips_out) =
-            stage.run_with_skips(&input, &skips_in, ctx, &mut self.pos.layer, &mut reruns)?;
+        let recorded = self.record(s, tape, &x, &popped, ctx)?;
+        let output = &recorded.output;
         // A skip leaves at once (sent right after this forward); its recompute is not sent
         // again. Its finiteness is that of what the stage received: a non-finite skip is
         // caught where it is popped, as the stage's output is at the next stage.
-        for ((id, _), v) in stage.skips.outgoing.iter().zip(&skips_out) {
+        for ((id, _), v) in stage.skips.outgoing.iter().zip(&recorded.skips_out) {
             self.skips_out
                 .insert((*id, m, false), (v.value().clone(), input_finite));
         }
@@ -502,14 +499,7 @@ impl<'a> Worker<'a, '_> {
         let kept = if checkpointed {
             Stash::Input { x, skips: popped }
         } else {
-            Stash::Recorded(Box::new(Recorded {
-                tape,
-                input,
-                output,
-                skips_in,
-                skips_out,
-                reruns,
-            }))
+            Stash::Recorded(Box::new(recorded))
         };
         self.stash.insert((s, m), kept);
         Ok(())
@@ -532,9 +522,24 @@ impl<'a> Worker<'a, '_> {
         };
         // Both signals, as `autograd::checkpoint` gives: `ctx.recompute` and a recompute tape,
         // so a layer may check either to skip side effects.
-        let tape = Tape::recompute();
-        let input = input_var(&tape, &x, s);
-        let skips_in: Vec<Var> = popped.into_iter().map(|t| tape.leaf(t)).collect();
+        let recorded = self.record(s, Tape::recompute(), &x, &popped, ctx)?;
+        self.stash
+            .insert((s, m), Stash::Recorded(Box::new(recorded)));
+        Ok(())
+    }
+
+    /// Runs stage `s` forward on `tape` from `x` and the skips it popped, and keeps what its
+    /// backward needs: a forward's record, or a recompute's.
+    fn record(
+        &mut self,
+        s: usize,
+        tape: Tape,
+        x: &Tensor,
+        popped: &[Tensor],
+        ctx: ForwardCtx,
+    ) -> Result<Recorded, StageCause> {
+        let input = input_var(&tape, x, s);
+        let skips_in: Vec<Var> = popped.iter().map(|t| tape.leaf(t.clone())).collect();
         let mut reruns = Vec::new();
         let (output, skips_out) = self.stage(s)?.run_with_skips(
             &input,
@@ -543,18 +548,14 @@ impl<'a> Worker<'a, '_> {
             &mut self.pos.layer,
             &mut reruns,
         )?;
-        self.stash.insert(
-            (s, m),
-            Stash::Recorded(Box::new(Recorded {
-                tape,
-                input,
-                output,
-                skips_in,
-                skips_out,
-                reruns,
-            })),
-        );
-        Ok(())
+        Ok(Recorded {
+            tape,
+            input,
+            output,
+            skips_in,
+            skips_out,
+            reruns,
+        })
     }
 
     /// A full backward, or the input part of a split one (`split`), whose weight part is kept.
