@@ -733,7 +733,7 @@ fn a_load_that_fails_on_one_rank_fails_on_every_rank() {
         steps: 2,
         ..MpiJob::new(ScheduleKind::OneFOneB, 2)
     };
-    let run = |job: &MpiJob, out: &std::path::Path| {
+    let run = |job: &MpiJob, out: &Path| {
         std::fs::create_dir_all(out).unwrap();
         let start = Instant::now();
         let child = spawn_job(job, 2, out, &[]);
@@ -808,7 +808,7 @@ fn large_activations_cross_ranks_from_their_storage_and_train_like_one_process()
 
 /// Checks the summary an MPI job of `mpi_example` wrote against the same flags run in this
 /// process: the same losses, held-out loss and sample, bit for bit.
-fn same_as_one_process(summary: &std::path::Path, flags: Vec<String>) {
+fn same_as_one_process(summary: &Path, flags: Vec<String>) {
     let got: Value = serde_json::from_str(&std::fs::read_to_string(summary).unwrap()).unwrap();
     let args = wgpipe_apps::train_transformer::TransformerArgs::parse_from_args(flags).unwrap();
     let want =
@@ -1267,12 +1267,7 @@ fn killed_after_a_checkpoint(job: MpiJob) {
 /// The pid of rank `rank` of the job `child` runs (into `dir`) once that rank has stopped
 /// (its state in `/proc` is `T`); fails the test if the job ends first or nothing stops
 /// within 60 s.
-fn stopped_rank(
-    child: &mut std::process::Child,
-    dir: &std::path::Path,
-    rank: usize,
-    tag: &str,
-) -> u32 {
+fn stopped_rank(child: &mut std::process::Child, dir: &Path, rank: usize, tag: &str) -> u32 {
     let start = Instant::now();
     loop {
         assert!(

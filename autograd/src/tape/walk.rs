@@ -94,7 +94,7 @@ pub(super) fn run_nodes(
             deferred.push((node, Vec::new()));
             continue;
         }
-        // Inline for the usual one output and few inputs: a node's walk allocates nothing here.
+        // Inline for the usual one output and few inputs (the backward still returns a Vec).
         let g: SmallVec<[Option<Tensor>; 2]> = node
             .outputs
             .clone()
