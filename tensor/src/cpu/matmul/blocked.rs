@@ -101,10 +101,10 @@ impl Out {
 /// `k.t()`, or a single `x @ w.t()` of any size). On CPUs with AVX2 and FMA but no AVX-512 it
 /// runs every product; with AVX-512 those only, where it packs the transposed operand through
 /// register transposes and the `gemm` crate packs it element by element or after a transposing
-/// copy (`matmul_by_panels`), and the crate's 16-lane kernels run the rest (ahead on the narrow and batched products of the main job's model: its 64 x
-/// 2048 x 64 weight gradients take the crate ~100 us, this ~200). Timed inside whole steps on a
-/// Zen 4: a decoder block's `q @ k.t()` (32 heads of 128 x 64 x 128) 386-458 us here against
-/// 530-566 in the crate. `WGPIPE_CPU_MATMUL` overrides that, to compare the two on one machine:
+/// copy (`matmul_by_panels`), and the crate's 16-lane kernels run the rest (ahead on the narrow
+/// and batched products of the main job's model: its 64 x 2048 x 64 weight gradients take the
+/// crate ~100 us, this ~200). Timed inside whole steps on a Zen 4: a decoder block's
+/// `q @ k.t()` (32 heads of 128 x 64 x 128) 386-458 us here against 530-566 in the crate. `WGPIPE_CPU_MATMUL` overrides that, to compare the two on one machine:
 /// `gemm-crate` asks for the `gemm` crate everywhere, `blocked` for this product wherever AVX2
 /// and FMA are.
 pub(crate) fn chosen(on_avx512: bool) -> bool {
