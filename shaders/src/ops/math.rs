@@ -1,13 +1,13 @@
-//! Branch-free scalar math that LLVM vectorises (std's `expf` is a libm call per element):
-//! `exp` (Cephes-style, within 2 ulp of the true value), and sigmoid, `erfc` and the two GELUs
-//! (exact, through `erfc` or near zero through two polynomials, and the tanh approximation)
-//! built on it.
+//! Branch-free scalar math that LLVM vectorises (std's `expf` is a libm call per element): the
+//! f32 `exp` (Cephes-style, within 2 ulp of the true value) and sigmoid, and the two GELUs
+//! (exact, and the tanh approximation) with their derivatives, computed in f64 and rounded once
+//! (see below why), near zero through polynomials.
 //!
 //! Polynomials and reductions are written with `mul_add`: Rust never contracts `a * b + c`, and a
-//! fused multiply-add halves their instructions and the latency of their chains (the exact GELU
-//! 2.0 -> 1.5 ns per value forward on AVX2). Every CPU loop that calls these is built for
-//! AVX2 + FMA and AVX-512 (`cpu::simd`); in the baseline build, or on a target without FMA,
-//! `mul_add` is a libm call: the same correctly rounded result, only slower.
+//! fused multiply-add halves their instructions and the latency of their chains. Every CPU loop
+//! that calls these is built for AVX2 + FMA and AVX-512 (`cpu::simd`); in the baseline build, or
+//! on a target without FMA, `mul_add` is a libm call: the same correctly rounded result, only
+//! slower.
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
@@ -56,132 +56,213 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp(-x))
 }
 
-/// `sqrt(2 / pi)`, the GELU tanh-form constant.
-const GELU_C: f32 = 0.797_884_6;
-const GELU_A: f32 = 0.044_715;
+// The GELUs. Every value is computed in f64 and rounded once to f32: its error is then f32's
+// rounding alone, within about half an ulp and leaning neither way. An f32 approximation's own
+// error (a polynomial fit, `1 - s` cancelling in a sigmoid's derivative) has a sign that holds
+// over whole ranges of x; summed over the thousands of positions of a weight's or a norm's
+// gradient it does not average out: an f32 tanh-form GELU whose values were each within 1.2e-6
+// raised a 6-block model's layer-norm gradient error 10x past PyTorch's own f32 error (issue 62;
+// `tests/tests/accuracy.rs` holds whole models against float64 now). The f64 polynomials are
+// fitted by `scripts/fit_gelu.py` to ~1e-11 relative; LLVM vectorises the f64 loops like the
+// f32 ones, at half the lanes.
 
-/// Tanh-form GELU, `0.5 x (1 + tanh(u))` with `u = c (x + a x^3)`, computed as
-/// `x * sigmoid(2u)` (the same value; accurate on both tails); [`gelu_tanh_near`] where
-/// `|x| <= GELU_NEAR`.
+/// `sqrt(2 / pi)`, the GELU tanh-form constant.
+const GELU_C: f64 = 0.797_884_560_802_865_4;
+const GELU_A: f64 = 0.044_715;
+
+/// Where the two GELUs and their derivatives are polynomials ([`gelu_near`], [`gelu_grad_near`],
+/// [`gelu_tanh_near`], [`gelu_tanh_grad_near`]): `|x| <= 2`, 95% of a standard normal's values,
+/// and nearly all of a freshly initialised layer's (~0.6 of one's spread). Loops that find a
+/// whole run of values inside it skip the far forms' `exp` and division (`UnaryOpT::NEAR`).
+pub const GELU_NEAR: f32 = 2.0;
+
+/// `e^x` in f64 for the GELUs: `2^n e^r`, `n = round(x / ln 2)`, `|r| <= ln 2 / 2`, `e^r` by its
+/// Taylor polynomial of degree 11 (error below 1e-15 relative). `x` is clamped to
+/// `[-708, 709]`: past them the GELUs' f32 values no longer change.
+#[inline(always)]
+fn exp64(x: f64) -> f64 {
+    /// `1.5 * 2^52`: adding it rounds to an integer held in the low mantissa bits.
+    const MAGIC: f64 = 6_755_399_441_055_744.0;
+    const LN2_HI: f64 = 6.931_471_803_691_238e-1;
+    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
+    let xc = x.clamp(-708.0, 709.0); // NaN stays NaN
+    let t = xc.mul_add(std::f64::consts::LOG2_E, MAGIC);
+    let n = t - MAGIC;
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, xc));
+    let er = horner64(
+        r,
+        [
+            1.0,
+            1.0,
+            1.0 / 2.0,
+            1.0 / 6.0,
+            1.0 / 24.0,
+            1.0 / 120.0,
+            1.0 / 720.0,
+            1.0 / 5_040.0,
+            1.0 / 40_320.0,
+            1.0 / 362_880.0,
+            1.0 / 3_628_800.0,
+            1.0 / 39_916_800.0,
+        ],
+    );
+    // n is in -1022..=1023: 2^n is a normal f64.
+    let n_i = t.to_bits().wrapping_sub(MAGIC.to_bits()) as i64;
+    er * f64::from_bits(((n_i + 1023) as u64) << 52)
+}
+
+/// `c[0] + v (c[1] + v (c[2] + ..))`, one multiply-add a term (Horner's rule).
+#[inline(always)]
+fn horner64<const N: usize>(v: f64, c: [f64; N]) -> f64 {
+    c[..N - 1]
+        .iter()
+        .rev()
+        .fold(c[N - 1], |sum, &ci| v.mul_add(sum, ci))
+}
+
+/// `w = x^2 / 2 - 1`: the near polynomials' variable, `[-1, 1]` for `|x| <= GELU_NEAR` (in it
+/// their terms stay small and the sums well conditioned).
+#[inline(always)]
+fn near_w(x: f64) -> f64 {
+    (x * x).mul_add(2.0 / (GELU_NEAR as f64 * GELU_NEAR as f64), -1.0)
+}
+
+/// Tanh-form GELU (PyTorch's `gelu(approximate='tanh')`), `0.5 x (1 + tanh(u))` with
+/// `u = c (x + a x^3)`: [`gelu_tanh_near`] where `|x| <= GELU_NEAR`, else `x * sigmoid(2u)`.
 #[inline(always)]
 pub fn gelu_tanh(x: f32) -> f32 {
     if x.abs() <= GELU_NEAR {
         gelu_tanh_near(x)
     } else {
-        x * sigmoid(2.0 * GELU_C * (x + GELU_A * x * x * x))
+        let x = x as f64;
+        (x / (1.0 + tanh_exp(x))) as f32
     }
 }
 
-/// d/dx of [`gelu_tanh`]: `0.5 (1 + t) + 0.5 x (1 - t^2) u'`, with `0.5 (1 + t) = s = sigmoid(2u)`
-/// and `1 - t^2 = 4 s (1 - s)`; [`gelu_tanh_grad_near`] where `|x| <= GELU_NEAR`.
+/// `e^{-2u}`, `u = c (x + a x^3)`: `sigmoid(2u) = 1 / (1 + e^{-2u})`.
+#[inline(always)]
+fn tanh_exp(x: f64) -> f64 {
+    exp64(-2.0 * GELU_C * (GELU_A * x * x).mul_add(x, x))
+}
+
+/// d/dx of [`gelu_tanh`]: `s + 2 x s (1 - s) u'` with `s = sigmoid(2u)`, `u' = c (1 + 3 a x^2)`,
+/// and `s (1 - s) = e s^2` from `e = e^{-2u}` (no `1 - s` to cancel where `s` is near 1);
+/// [`gelu_tanh_grad_near`] where `|x| <= GELU_NEAR`.
 #[inline(always)]
 pub fn gelu_tanh_grad(x: f32) -> f32 {
     if x.abs() <= GELU_NEAR {
         return gelu_tanh_grad_near(x);
     }
-    let s = sigmoid(2.0 * GELU_C * (x + GELU_A * x * x * x));
-    s + 2.0 * x * s * (1.0 - s) * GELU_C * (1.0 + 3.0 * GELU_A * x * x)
+    let x = x as f64;
+    let e = tanh_exp(x);
+    let s = 1.0 / (1.0 + e);
+    let du = GELU_C * (3.0 * GELU_A * x).mul_add(x, 1.0);
+    ((2.0 * x * du * e * s).mul_add(s, s)) as f32
 }
 
-/// [`gelu_tanh`] on `|x| <= GELU_NEAR`, as [`gelu_near`]: `x (0.5 + x S(x^2))`, `S` of degree 8
-/// in `w = x^2 / 2 - 1` (relative error ~1e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
+/// [`gelu_tanh`] on `|x| <= GELU_NEAR`: `x (0.5 + x S(x^2))`, `S` of degree 11 in
+/// `w = x^2 / 2 - 1`.
 #[inline(always)]
 pub fn gelu_tanh_near(x: f32) -> f32 {
-    let s = horner(
+    let x = x as f64;
+    let s = horner64(
         near_w(x),
         [
-            0.297_823_94,
-            -7.544_265e-2,
-            2.006_795_3e-2,
-            -4.556_212e-3,
-            8.852_306_6e-4,
-            -1.467_912_1e-4,
-            1.918_042e-5,
-            -7.804_731e-7,
-            -4.447_502_7e-7,
+            0.297_823_934_046_387_2,
+            -0.075_442_638_690_600_53,
+            0.020_067_952_449_988_567,
+            -0.004_556_306_494_622_165,
+            0.000_885_245_332_924_064_7,
+            -0.000_146_453_129_261_426_24,
+            1.909_947_953_725_319_6e-5,
+            -1.218_451_891_763_053_2e-6,
+            -3.177_013_835_934_011_4e-7,
+            1.740_951_148_283_110_5e-7,
+            -6.164_422_017_540_165e-8,
+            1.423_100_277_145_434e-8,
         ],
     );
-    x * x.mul_add(s, 0.5)
+    (x * x.mul_add(s, 0.5)) as f32
 }
 
-/// [`gelu_tanh_grad`] on `|x| <= GELU_NEAR`, as [`gelu_grad_near`]: `0.5 + x G(x^2)`, `G` of
-/// degree 9 in `w = x^2 / 2 - 1` (relative error ~1.4e-7 in f32; fitted by
-/// `scripts/fit_gelu_near.py`).
+/// [`gelu_tanh_grad`] on `|x| <= GELU_NEAR`: `0.5 + x G(x^2)`, `G` of degree 12 in
+/// `w = x^2 / 2 - 1`.
 #[inline(always)]
 pub fn gelu_tanh_grad_near(x: f32) -> f32 {
-    let g = horner(
+    let x = x as f64;
+    let g = horner64(
         near_w(x),
         [
-            0.444_762_6,
-            -0.221_498_74,
-            9.306_997e-2,
-            -2.936_844_2e-2,
-            7.387_154_3e-3,
-            -1.528_281e-3,
-            2.525_417e-4,
-            -2.490_971_6e-5,
-            -5.155_937_3e-6,
-            2.914_203_6e-6,
+            0.444_762_590_705_343_5,
+            -0.221_498_744_604_021_14,
+            0.093_069_876_458_498_26,
+            -0.029_368_497_473_590_76,
+            0.007_387_910_248_820_394,
+            -0.001_528_192_339_853_113_1,
+            0.000_250_399_021_569_865_7,
+            -2.470_895_705_799_283_8e-5,
+            -2.737_479_148_672_145e-6,
+            2.392_396_349_059_155_5e-6,
+            -8.825_016_185_052_055e-7,
+            2.847_289_715_449_088e-7,
+            -6.189_419_859_017_484e-8,
         ],
     );
-    x.mul_add(g, 0.5)
+    x.mul_add(g, 0.5) as f32
 }
 
-/// d/dx of [`gelu_tanh_grad`]: with `q = s (1 - s)`, `u' = c (1 + 3 a x^2)`:
-/// `q (4 u' + 4 x u'^2 (1 - 2 s) + 12 c a x^2)`.
+/// d/dx of [`gelu_tanh_grad`] (the double backward only; f32): with `q = s (1 - s)`,
+/// `u' = c (1 + 3 a x^2)`: `q (4 u' + 4 x u'^2 (1 - 2 s) + 12 c a x^2)`.
 #[inline(always)]
 pub fn gelu_tanh_grad2(x: f32) -> f32 {
-    let s = sigmoid(2.0 * GELU_C * (x + GELU_A * x * x * x));
+    let (c, a) = (GELU_C as f32, GELU_A as f32);
+    let s = sigmoid(2.0 * c * (x + a * x * x * x));
     let q = s * (1.0 - s);
-    let u1 = GELU_C * (1.0 + 3.0 * GELU_A * x * x);
-    q * (4.0 * u1 + 4.0 * x * u1 * u1 * (1.0 - 2.0 * s) + 12.0 * GELU_C * GELU_A * x * x)
+    let u1 = c * (1.0 + 3.0 * a * x * x);
+    q * (4.0 * u1 + 4.0 * x * u1 * u1 * (1.0 - 2.0 * s) + 12.0 * c * a * x * x)
 }
 
-/// `erfc(z)` for `z >= 0` with relative error below 1.2e-7 (Numerical Recipes' `erfcc`, a
-/// Chebyshev fit of `erfc(z) e^{z^2}`): accurate on the tail, where `1 - erf` would cancel.
-/// The WGSL `erfc_pos` in `elementwise.wgsl` is the same polynomial, evaluated by Horner (a GPU
-/// hides the chain's latency behind other invocations).
-#[inline(always)]
-pub fn erfc_pos(z: f32) -> f32 {
-    let t = 1.0 / z.mul_add(0.5, 1.0);
-    // The degree-9 polynomial in Estrin's form: four levels of products instead of Horner's
-    // chain of nine, so vectorised loops are not bound by the chain's latency.
-    let t2 = t * t;
-    let t4 = t2 * t2;
-    let a0 = t.mul_add(1.000_023_7, -1.265_512_2);
-    let a1 = t.mul_add(0.096_784_18, 0.374_091_96);
-    let a2 = t.mul_add(0.278_868_07, -0.186_288_06);
-    let a3 = t.mul_add(1.488_515_9, -1.135_204);
-    let a4 = t.mul_add(0.170_872_77, -0.822_152_23);
-    let p = a4.mul_add(t4 * t4, a3.mul_add(t2, a2).mul_add(t4, a1.mul_add(t2, a0)));
-    t * exp((-z).mul_add(z, p))
-}
-
-/// `1 / sqrt(2)`.
-const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 /// `1 / sqrt(2 pi)`.
-const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
-/// The standard normal CDF `Phi(x) = erfc(-x / sqrt 2) / 2`, from the tail that does not
-/// cancel on either side.
+/// The standard normal CDF `Phi(x)` for `|x| > GELU_NEAR`, from its tail `erfc(z) / 2`,
+/// `z = |x| / sqrt 2`, which does not cancel: Numerical Recipes' form refitted in f64,
+/// `erfc(z) = t e^{-z^2 + Q(t)}`, `t = 1 / (1 + z / 2)`, `Q` of degree 12 (absolute error 1.2e-12
+/// for `sqrt 2 <= z <= 27`; `z` is clamped to 27, where `erfc` is below f64's normal range).
 #[inline(always)]
-pub fn normal_cdf(x: f32) -> f32 {
-    let half = 0.5 * erfc_pos(x.abs() * FRAC_1_SQRT_2);
+fn normal_cdf_far(x: f64) -> f64 {
+    const T_LO: f64 = 0.068_965_517_241_379_31;
+    const T_HI: f64 = 0.585_786_437_626_905;
+    let z = (x.abs() * std::f64::consts::FRAC_1_SQRT_2).min(27.0);
+    let t = 1.0 / z.mul_add(0.5, 1.0);
+    let q = horner64(
+        (t - T_LO) * (2.0 / (T_HI - T_LO)) - 1.0,
+        [
+            -0.896_629_122_419_053_7,
+            0.323_198_050_539_581_4,
+            0.022_922_335_252_979_927,
+            -0.003_481_589_623_148_909,
+            -0.001_365_510_154_928_189_3,
+            2.990_769_749_362_555_7e-5,
+            9.127_508_086_527_559e-5,
+            4.548_169_639_678_426e-6,
+            -7.040_065_030_553_138e-6,
+            -6.103_610_913_635_775e-7,
+            5.974_265_479_491_203e-7,
+            4.462_240_646_894_134_6e-8,
+            -4.254_856_859_334_276e-8,
+        ],
+    );
+    let half_tail = 0.5 * t * exp64((-z).mul_add(z, q));
     if x < 0.0 {
-        half
+        half_tail
     } else {
-        1.0 - half
+        1.0 - half_tail
     }
 }
 
-/// The standard normal density `phi(x)`.
-#[inline(always)]
-pub fn normal_pdf(x: f32) -> f32 {
-    FRAC_1_SQRT_2PI * exp(-0.5 * x * x)
-}
-
 /// Exact GELU, `x Phi(x)` (PyTorch's `gelu`, `approximate='none'`): [`gelu_near`] where
-/// `|x| <= GELU_NEAR`, else through [`normal_cdf`].
+/// `|x| <= GELU_NEAR`, else through the normal tail.
 #[inline(always)]
 pub fn gelu(x: f32) -> f32 {
     if x.abs() <= GELU_NEAR {
@@ -201,225 +282,77 @@ pub fn gelu_grad(x: f32) -> f32 {
     }
 }
 
-/// [`gelu`] for any `x`, through [`normal_cdf`] (what it runs past `GELU_NEAR`).
+/// [`gelu`] past `GELU_NEAR` (or anywhere: the tests compare the two forms inside the bound).
 #[inline(always)]
 fn gelu_far(x: f32) -> f32 {
-    x * normal_cdf(x)
+    let x = x as f64;
+    (x * normal_cdf_far(x)) as f32
 }
 
-/// [`gelu_grad`] for any `x`, through [`normal_cdf`] and [`normal_pdf`].
+/// [`gelu_grad`] past `GELU_NEAR`.
 #[inline(always)]
 fn gelu_grad_far(x: f32) -> f32 {
-    x.mul_add(normal_pdf(x), normal_cdf(x))
+    let x = x as f64;
+    // x^2 / 2 is exact in f64 for an f32 x.
+    let pdf = FRAC_1_SQRT_2PI * exp64(-0.5 * x * x);
+    x.mul_add(pdf, normal_cdf_far(x)) as f32
 }
 
-/// Where the two GELUs and their derivatives are polynomials ([`gelu_near`], [`gelu_grad_near`],
-/// [`gelu_tanh_near`], [`gelu_tanh_grad_near`]): `|x| <= 2`, 95% of a standard normal's values,
-/// and nearly all of a freshly initialised layer's (~0.6 of one's spread). Loops that find a
-/// whole run of values inside it skip the far forms' `exp` and division (`UnaryOpT::NEAR`): on
-/// AVX2 the exact GELU's far form is ~55 operations, the near one ~12. The bound is where the
-/// lower tail's cancellation (`Phi` as `0.5 + x S`) stays within 3e-6 of `x Phi(x)` relatively;
-/// past it, [`erfc_pos`] and the sigmoid have none.
-pub const GELU_NEAR: f32 = 2.0;
-
-/// `c[0] + w (c[1] + w (c[2] + ..))`, one multiply-add a term (Horner's rule).
-#[inline(always)]
-fn horner<const N: usize>(w: f32, c: [f32; N]) -> f32 {
-    c[..N - 1]
-        .iter()
-        .rev()
-        .fold(c[N - 1], |sum, &ci| w.mul_add(sum, ci))
-}
-
-/// `w = x^2 / 2 - 1`: the polynomials' variable, `[-1, 1]` for `|x| <= GELU_NEAR` (in it their
-/// terms stay small and the sums well conditioned; in `x^2` the derivative's cancelled 13-fold).
-#[inline(always)]
-fn near_w(x: f32) -> f32 {
-    (x * x).mul_add(2.0 / (GELU_NEAR * GELU_NEAR), -1.0)
-}
-
-/// [`gelu`] on `|x| <= GELU_NEAR`: `x Phi(x)` with `Phi(x) = 0.5 + x S(x^2)`, `S` of degree 7
-/// in `w = x^2 / 2 - 1` (relative error ~1e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
+/// [`gelu`] on `|x| <= GELU_NEAR`: `x Phi(x)` with `Phi(x) = 0.5 + x S(x^2)`, `S` of degree 10
+/// in `w = x^2 / 2 - 1`.
 #[inline(always)]
 pub fn gelu_near(x: f32) -> f32 {
-    let s = horner(
+    let x = x as f64;
+    let s = horner64(
         near_w(x),
         [
-            0.297_939_72,
-            -7.558_853e-2,
-            2.000_079_1e-2,
-            -4.437_038_7e-3,
-            8.245_678_6e-4,
-            -1.308_833_3e-4,
-            1.852_587_6e-5,
-            -2.218_527_7e-6,
+            0.297_939_722_603_048_4,
+            -0.075_588_529_716_454_52,
+            0.020_000_731_490_851_922,
+            -0.004_437_054_275_773_028,
+            0.000_824_867_052_704_114_1,
+            -0.000_130_869_448_429_927_07,
+            1.804_492_840_069_911_8e-5,
+            -2.195_761_926_822_512e-6,
+            2.390_133_529_084_501e-7,
+            -2.398_499_498_029_916_3e-8,
+            2.125_261_244_609_18e-9,
         ],
     );
-    x * x.mul_add(s, 0.5)
+    (x * x.mul_add(s, 0.5)) as f32
 }
 
-/// [`gelu_grad`] on `|x| <= GELU_NEAR`: `Phi(x) + x phi(x) = 0.5 + x G(x^2)`, `G` of degree 8 in
-/// `w = x^2 / 2 - 1` (relative error ~1e-7 in f32; fitted by `scripts/fit_gelu_near.py`).
+/// [`gelu_grad`] on `|x| <= GELU_NEAR`: `Phi(x) + x phi(x) = 0.5 + x G(x^2)`, `G` of degree 11
+/// in `w = x^2 / 2 - 1`.
 #[inline(always)]
 pub fn gelu_grad_near(x: f32) -> f32 {
-    let g = horner(
+    let x = x as f64;
+    let g = horner64(
         near_w(x),
         [
-            0.444_702_4,
-            -0.222_351_18,
-            9.338_208e-2,
-            -2.889_768_8e-2,
-            6.939_879e-3,
-            -1.353_187_4e-3,
-            2.220_030_9e-4,
-            -3.227_393_6e-5,
-            3.877_65e-6,
+            0.444_702_385_776_618_14,
+            -0.222_351_192_889_109_23,
+            0.093_382_063_089_577_57,
+            -0.028_897_498_160_511_896,
+            0.006_939_977_883_302_949,
+            -0.001_353_891_510_236_744,
+            0.000_221_882_525_410_747_23,
+            -3.131_565_827_837_04e-5,
+            3.877_888_701_024_713e-6,
+            -4.280_639_178_231_318e-7,
+            4.350_718_475_367_019e-8,
+            -3.849_737_502_745_337e-9,
         ],
     );
-    x.mul_add(g, 0.5)
+    x.mul_add(g, 0.5) as f32
 }
 
-/// d/dx of [`gelu_grad`]: `phi(x) (2 - x^2)`.
+/// d/dx of [`gelu_grad`] (the double backward only): `phi(x) (2 - x^2)`.
 #[inline(always)]
 pub fn gelu_grad2(x: f32) -> f32 {
-    normal_pdf(x) * (2.0 - x * x)
+    let x = x as f64;
+    (FRAC_1_SQRT_2PI * exp64(-0.5 * x * x) * (2.0 - x * x)) as f32
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn ulps(a: f32, b: f32) -> u32 {
-        (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
-    }
-
-    #[test]
-    fn exp_is_within_two_ulp_and_exact_at_the_edges() {
-        let mut worst = 0;
-        let mut x = -87.0f32;
-        while x < 88.5 {
-            let want = (x as f64).exp() as f32;
-            worst = worst.max(ulps(exp(x), want));
-            x += 0.001_3;
-        }
-        assert!(worst <= 2, "worst error {worst} ulp");
-        assert_eq!(exp(0.0), 1.0);
-        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp(-1000.0), 0.0);
-        assert_eq!(exp(f32::INFINITY), f32::INFINITY);
-        assert_eq!(exp(89.0), f32::INFINITY);
-        assert!(exp(f32::NAN).is_nan());
-        assert!((exp(HI) / (HI as f64).exp() as f32 - 1.0).abs() < 1e-6);
-    }
-
-    #[test]
-    fn gelu_tanh_matches_the_tanh_form() {
-        for i in -400..400 {
-            let x = i as f32 * 0.025;
-            let u = 0.797_884_560_802_865_4 * (x as f64 + 0.044715 * (x as f64).powi(3));
-            let want = 0.5 * x as f64 * (1.0 + u.tanh());
-            assert!(
-                (gelu_tanh(x) as f64 - want).abs() < 1e-6 * (1.0 + want.abs()),
-                "{x}"
-            );
-            let h = 1e-3;
-            let num = (gelu_tanh(x + h) as f64 - gelu_tanh(x - h) as f64) / (2.0 * h as f64);
-            assert!((gelu_tanh_grad(x) as f64 - num).abs() < 2e-3, "{x}");
-            let sg = 1.0 / (1.0 + (-(x as f64)).exp());
-            assert!((sigmoid(x) as f64 - sg).abs() < 1e-6, "{x}");
-        }
-    }
-
-    /// `Phi(x)` in f64 by Simpson's rule over the density from -12 (the lower tail directly, the
-    /// upper one by symmetry): a reference independent of any erf formula.
-    fn phi_reference(x: f64) -> f64 {
-        let lower = |x: f64| {
-            let (a, n) = (-12.0, 4000);
-            let h = (x - a) / n as f64;
-            let f = |t: f64| (-0.5 * t * t).exp() / (2.0 * std::f64::consts::PI).sqrt();
-            let mut s = f(a) + f(x);
-            for i in 1..n {
-                s += f(a + i as f64 * h) * if i % 2 == 1 { 4.0 } else { 2.0 };
-            }
-            s * h / 3.0
-        };
-        if x <= 0.0 {
-            lower(x)
-        } else {
-            1.0 - lower(-x)
-        }
-    }
-
-    #[test]
-    fn exact_gelu_and_its_derivatives_match_an_integrated_normal_cdf() {
-        for i in -320..=320 {
-            let x = i as f32 * 0.025;
-            let xf = x as f64;
-            let cdf = phi_reference(xf);
-            let pdf = (-0.5 * xf * xf).exp() / (2.0 * std::f64::consts::PI).sqrt();
-            // Relative on the lower tail too (where x Phi(x) is tiny): erfc_pos has no
-            // cancellation there.
-            let (want, got) = (xf * cdf, gelu(x) as f64);
-            assert!(
-                (got - want).abs() <= 4e-6 * want.abs().max(1e-3),
-                "gelu({x}): {got} vs {want}"
-            );
-            let d = cdf + xf * pdf;
-            assert!((gelu_grad(x) as f64 - d).abs() < 1e-6, "gelu_grad({x})");
-            let d2 = pdf * (2.0 - xf * xf);
-            assert!((gelu_grad2(x) as f64 - d2).abs() < 1e-6, "gelu_grad2({x})");
-        }
-        // PyTorch's values: gelu(-1) = -0.158655, gelu(2) = 1.954500 (2 is the near form's).
-        assert!((gelu(-1.0) + 0.158_655_25).abs() < 1e-6);
-        assert!((gelu(2.0) - 1.954_499_7).abs() < 1e-6);
-        assert_eq!(gelu(0.0), 0.0);
-    }
-
-    /// Inside `GELU_NEAR` the polynomials stand for the far forms: checked on a fine grid (the
-    /// references above are coarser) against the exact GELU's `erfc` forms (~1e-7 relative) and
-    /// the tanh form in f64, and across the bound.
-    #[test]
-    fn the_near_forms_agree_with_the_far_ones_inside_their_bound() {
-        type Forms = [fn(f32) -> f32; 4];
-        let exact: Forms = [gelu, gelu_near, gelu_grad, gelu_grad_near];
-        let tanh: Forms = [
-            gelu_tanh,
-            gelu_tanh_near,
-            gelu_tanh_grad,
-            gelu_tanh_grad_near,
-        ];
-        let exact_far = |x: f32| (gelu_far(x) as f64, gelu_grad_far(x) as f64);
-        let tanh_f64 = |x: f32| {
-            let (x, c, a) = (x as f64, (2.0 / std::f64::consts::PI).sqrt(), 0.044_715);
-            let t = (c * (x + a * x * x * x)).tanh();
-            let df = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * a * x * x);
-            (0.5 * x * (1.0 + t), df)
-        };
-        type Reference<'a> = &'a dyn Fn(f32) -> (f64, f64);
-        for (name, [f, near, df, df_near], reference) in [
-            ("exact", exact, &exact_far as Reference),
-            ("tanh", tanh, &tanh_f64 as Reference),
-        ] {
-            let (mut worst, mut worst_grad) = (0.0f64, 0.0f64);
-            for i in -20_000..=20_000 {
-                let x = i as f32 * (GELU_NEAR / 20_000.0);
-                assert_eq!(f(x).to_bits(), near(x).to_bits(), "{name} at {x}");
-                assert_eq!(df(x).to_bits(), df_near(x).to_bits(), "{name}' at {x}");
-                let (want, want_grad) = reference(x);
-                let rel = (near(x) as f64 - want).abs() / want.abs().max(1e-30);
-                worst = worst.max(if x == 0.0 { 0.0 } else { rel });
-                worst_grad = worst_grad.max((df_near(x) as f64 - want_grad).abs());
-            }
-            // The lower tail's cancellation is largest at -2 (`Phi(-2)` = 0.023 from 0.5 - 0.477).
-            assert!(worst < 3e-6, "{name}: worst relative error {worst:e}");
-            assert!(worst_grad < 3e-7, "{name}': worst error {worst_grad:e}");
-            // Across the bound the two forms meet: no step a gradient check would see.
-            let (inside, outside) = (GELU_NEAR, GELU_NEAR.next_up());
-            assert!(inside.abs() <= GELU_NEAR && outside.abs() > GELU_NEAR);
-            for (x, y) in [(inside, outside), (-inside, -outside)] {
-                assert!((f(x) - f(y)).abs() < 4e-7, "{name} at {x}");
-                assert!((df(x) - df(y)).abs() < 4e-7, "{name}' at {x}");
-            }
-        }
-    }
-}
+mod tests;

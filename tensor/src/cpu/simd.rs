@@ -11,7 +11,11 @@
 //! element (no reassociation), so all three give the same bits. The GELUs' loops run their
 //! polynomials over runs of values near zero ([`by_runs`]): on a Zen 4, 1M values drawn from a
 //! normal of spread 0.6 on one thread (`bias_act`), the exact GELU's AVX2 1.38 -> 0.42 ns per
-//! value forward and 2.10 -> 0.51 backward, AVX-512 0.80 -> 0.35 and 1.15 -> 0.40.
+//! value forward and 2.10 -> 0.51 backward, AVX-512 0.80 -> 0.35 and 1.15 -> 0.40. Those were
+//! f32 polynomials; the GELUs are computed in f64 now (`wgpipe_shaders::ops::math`, issue 62:
+//! the f32 forms' errors leaned one way), at about 1.5x their cost: on an Ice Lake Xeon, 64K
+//! values of spread 0.5 (`bias_act`, best of 28 batches), the tanh form 0.32 -> 0.57 ns forward
+//! and 0.38 -> 0.64 backward, the exact 0.33 -> 0.48 and 0.36 -> 0.67.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
