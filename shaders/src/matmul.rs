@@ -110,6 +110,7 @@ impl MatmulConfig {
         let (tm, tn4) = (self.tm, self.tn / 4);
         let comp = ["x", "y", "z", "w"];
         let (mut acc, mut inner, mut store) = (String::new(), String::new(), String::new());
+        let (mut slab_zero, mut slab_add) = (String::new(), String::new());
         // The invocation's rows are vec4 groups interleaved across ty, its vec4 columns are
         // interleaved across tx; one k step is TM x TN/4 vec4 FMAs.
         for r4 in 0..tm / 4 {
@@ -122,8 +123,10 @@ impl MatmulConfig {
             let (r4, lane) = (r / 4, r % 4);
             for q in 0..tn4 {
                 acc += &format!("    var acc_{r}_{q} = vec4<f32>(0.0);\n");
+                slab_zero += &format!("        var s_{r}_{q} = vec4<f32>(0.0);\n");
+                slab_add += &format!("        acc_{r}_{q} = acc_{r}_{q} + s_{r}_{q};\n");
                 inner += &format!(
-                    "            acc_{r}_{q} = fma(vec4<f32>(av{r4}.{}), bv{q}, acc_{r}_{q});\n",
+                    "            s_{r}_{q} = fma(vec4<f32>(av{r4}.{}), bv{q}, s_{r}_{q});\n",
                     comp[lane as usize]
                 );
                 store += &format!(
@@ -148,6 +151,8 @@ impl MatmulConfig {
                 ("LOAD_B", &self.b.load(Operand::B, self.half)),
                 ("STORE", store_fn(self.c_vec)),
                 ("ACC", acc.trim_end()),
+                ("SLAB_ZERO", slab_zero.trim_end()),
+                ("SLAB_ADD", slab_add.trim_end()),
                 ("INNER", inner.trim_end()),
                 ("STORE_ALL", store.trim_end()),
             ],
@@ -324,6 +329,7 @@ impl SubgroupMatmulConfig {
         let w = sg * q;
         let comp = ["x", "y", "z", "w"];
         let (mut acc, mut inner, mut store) = (String::new(), String::new(), String::new());
+        let (mut slab_zero, mut slab_add) = (String::new(), String::new());
         let (a_init, a_loads, a_step) = self.a_reads();
         let (b_init, b_loads, b_step) = self.b_reads();
         let loads = a_loads + &b_loads;
@@ -336,12 +342,14 @@ impl SubgroupMatmulConfig {
             for (e, cmp) in comp.iter().enumerate() {
                 for qq in 0..q {
                     inner += &format!(
-                        "        acc_{r}_{qq} = fma(vec4<f32>(a{r}.{cmp}), b{e}_{qq}, acc_{r}_{qq});\n"
+                        "            s_{r}_{qq} = fma(vec4<f32>(a{r}.{cmp}), b{e}_{qq}, s_{r}_{qq});\n"
                     );
                 }
             }
             for qq in 0..q {
                 acc += &format!("    var acc_{r}_{qq} = vec4<f32>(0.0);\n");
+                slab_zero += &format!("        var s_{r}_{qq} = vec4<f32>(0.0);\n");
+                slab_add += &format!("        acc_{r}_{qq} = acc_{r}_{qq} + s_{r}_{qq};\n");
                 store += &format!(
                     "    store4(c_base, row0 + {r}u, (wid.x * {w}u + {}u + lane) * 4u, acc_{r}_{qq});\n",
                     qq * sg
@@ -357,6 +365,8 @@ impl SubgroupMatmulConfig {
                 ("C_TYPE", if self.c_vec { "vec4<f32>" } else { "f32" }),
                 ("STORE", store_fn(self.c_vec)),
                 ("ACC", acc.trim_end()),
+                ("SLAB_ZERO", slab_zero.trim_end()),
+                ("SLAB_ADD", slab_add.trim_end()),
                 ("A_INIT", a_init.trim_end()),
                 ("B_INIT", b_init.trim_end()),
                 ("A_STEP", &a_step),

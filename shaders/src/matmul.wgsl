@@ -11,7 +11,13 @@
 // <LOAD_B> the file that defines `load_a` / `load_b`, which stage one slab
 // (matmul_load_{a,b}_{scalar,vec_k,vec_mn}.wgsl); <STORE> the file that defines `store4`
 // (matmul_store_{scalar,vec}.wgsl); <ACC> declares the TM x TN/4 vec4 accumulators acc_r_q;
+// <SLAB_ZERO> / <SLAB_ADD> declare a slab's accumulators s_r_q and add them to acc_r_q;
 // <INNER> one k step of the register tile; <STORE_ALL> calls `store4` for each accumulator.
+//
+// Each slab of BK is summed into fresh accumulators, then added to the totals: the rounding
+// error of a long k grows with K / BK + BK additions instead of K (the float64 model check).
+// It costs TM x TN/4 more vec4 registers, not yet measured on a GPU (the autotune picks the
+// faster tile where it runs).
 //
 // Element (b, i, j) of an operand is at off + b * bs + i * rs + j * cs. One dispatch covers k
 // in [k_begin, k_end); with `accumulate` it adds to c instead of storing, so the host can split
@@ -70,9 +76,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         load_a(lid, k0, row0, a_base);
         load_b(lid, k0, col0, b_base);
         workgroupBarrier();
+{{SLAB_ZERO}}
         for (var kk = 0u; kk < BK; kk = kk + 1u) {
 {{INNER}}
         }
+{{SLAB_ADD}}
         workgroupBarrier();
     }
 {{STORE_ALL}}

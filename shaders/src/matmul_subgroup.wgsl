@@ -17,6 +17,7 @@
 //
 // Placeholders: <SG> <TM> <W> (= SG * Q), <C_TYPE>; <STORE> the file that defines `store4`
 // (matmul_store_{scalar,vec}.wgsl); <ACC> declares the TM x Q vec4 accumulators acc_r_q;
+// <SLAB_ZERO> / <SLAB_ADD> declare a slab's accumulators s_r_q and add them to acc_r_q;
 // <A_INIT>, <B_INIT> set up each operand's index (packed or direct), <A_STEP>, <B_STEP> advance
 // it by one k4; <LOADS> one k4 step's loads; <INNER> its broadcasts and FMAs; <STORE_ALL> calls
 // `store4` for each accumulator.
@@ -30,6 +31,10 @@ struct SubgroupMatmulParams {
 }
 
 @group(0) @binding(0) var<storage, read> params: SubgroupMatmulParams;
+
+// k is summed in slabs of 4 * SLAB4 into fresh accumulators, each slab then added to the total:
+// the rounding error of a long k grows with K / 32 + 32 additions instead of K.
+const SLAB4: u32 = 8u;
 
 @group(0) @binding(1) var<storage, read> a: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> b: array<vec4<f32>>;
@@ -53,11 +58,15 @@ fn main(
 {{A_INIT}}
 {{B_INIT}}
 {{ACC}}
-    for (var k4 = k4_begin; k4 < k4_end; k4 = k4 + 1u) {
+    for (var k4_slab = k4_begin; k4_slab < k4_end; k4_slab = k4_slab + SLAB4) {
+{{SLAB_ZERO}}
+        for (var k4 = k4_slab; k4 < min(k4_slab + SLAB4, k4_end); k4 = k4 + 1u) {
 {{LOADS}}
 {{A_STEP}}
 {{B_STEP}}
 {{INNER}}
+        }
+{{SLAB_ADD}}
     }
     let c_base = batch * M * N;
 {{STORE_ALL}}

@@ -27,14 +27,24 @@ fn combine(a: Acc, b: Acc) -> Acc {
     {{COMBINE}}
 }
 
+const SLAB: u32 = 16u;
+
 @compute @workgroup_size({{WG}})
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let row = linear_index(gid, nwg, {{WG}}u);
     if (row >= params.rows) { return; }
     let base = params.x_offset + row * params.cols;
+    // Folded in slabs of SLAB columns, each into a fresh pair then into the total: a sum's
+    // rounding error grows with cols / SLAB + SLAB additions instead of cols (a batch-norm
+    // gradient summed over 256 positions was 10x PyTorch's error in one serial fold). The order
+    // of the columns is kept, so a first extreme stays the first.
     var acc = Acc({{IDENTITY}}, 0xffffffffu);
-    for (var j = 0u; j < params.cols; j = j + 1u) {
-        acc = combine(acc, Acc(x[base + j], j));
+    for (var j0 = 0u; j0 < params.cols; j0 = j0 + SLAB) {
+        var slab = Acc({{IDENTITY}}, 0xffffffffu);
+        for (var j = j0; j < min(j0 + SLAB, params.cols); j = j + 1u) {
+            slab = combine(slab, Acc(x[base + j], j));
+        }
+        acc = combine(acc, slab);
     }
     out[row] = result(acc);
 }
