@@ -89,22 +89,33 @@ fn spow(x: f32, y: f32) -> f32 {
 const GELU_K: f32 = 0.7978845608028654; // sqrt(2 / pi)
 const GELU_C: f32 = 0.044715;
 
+// The tanh-form GELU through s = (1 + tanh u) / 2 = sigmoid(2u), u = k (x + c x^3), with
+// e = exp(-2|u|) and r = 1 / (1 + e): s = r or e r, and q = s (1 - s) = (1 - tanh^2 u) / 4 = e r^2.
+// Both without the cancellation of 1 +- tanh u near tanh u = -+1, and nothing can overflow.
+fn gelu_tanh_sq(x: f32) -> vec2<f32> {
+    let u = GELU_K * (x + GELU_C * x * x * x);
+    let e = exp(-2.0 * abs(u));
+    let r = 1.0 / (1.0 + e);
+    return vec2<f32>(select(e * r, r, u >= 0.0), e * r * r);
+}
+
 fn gelu_tanh(x: f32) -> f32 {
-    return 0.5 * x * (1.0 + tanh_c(GELU_K * (x + GELU_C * x * x * x)));
+    return x * gelu_tanh_sq(x).x;
 }
 
+// d/dx x s(2u) = s + 2 x q u', u' = k (1 + 3 c x^2).
 fn gelu_tanh_grad(x: f32) -> f32 {
-    let t = tanh_c(GELU_K * (x + GELU_C * x * x * x));
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * x * x);
+    let sq = gelu_tanh_sq(x);
+    return sq.x + 2.0 * x * sq.y * GELU_K * (1.0 + 3.0 * GELU_C * x * x);
 }
 
-// d/dx of gelu_tanh_grad: with q = s (1 - s) = (1 - t^2) / 4, 1 - 2 s = -t, u' = k (1 + 3 c x^2):
+// d/dx of gelu_tanh_grad: with 1 - 2 s = -t, t = tanh u:
 // q (4 u' - 4 x u'^2 t + 12 k c x^2).
 fn gelu_tanh_grad2(x: f32) -> f32 {
-    let t = tanh_c(GELU_K * (x + GELU_C * x * x * x));
-    let q = 0.25 * (1.0 - t * t);
+    let sq = gelu_tanh_sq(x);
+    let t = 2.0 * sq.x - 1.0;
     let u1 = GELU_K * (1.0 + 3.0 * GELU_C * x * x);
-    return q * (4.0 * u1 - 4.0 * x * u1 * u1 * t + 12.0 * GELU_K * GELU_C * x * x);
+    return sq.y * (4.0 * u1 - 4.0 * x * u1 * u1 * t + 12.0 * GELU_K * GELU_C * x * x);
 }
 
 // erfc(z) for z >= 0, relative error below 1.2e-7: the formula of `erfc_pos` in

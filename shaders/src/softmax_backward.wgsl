@@ -1,5 +1,5 @@
 // The backward of a (scaled) softmax over each row of contiguous [rows, cols] matrices, one
-// workgroup per row: dx = scale * (g * y - y * sum(g * y)), where y is the softmax's output and g
+// workgroup per row: dx = scale * y * (g - sum(g * y)), where y is the softmax's output and g
 // its gradient. Masked entries (y = 0) get 0, so the causal softmax needs no mask here.
 //
 // Placeholders: <WG> workgroup size (a power of two). The output is contiguous from 0. Needs
@@ -32,6 +32,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
 
     for (var j = lid; j < cols; j = j + {{WG}}u) {
         let yv = y[yb + j];
-        out[base + j] = (g[gb + j] * yv - yv * total) * params.scale;
+        out[base + j] = yv * (g[gb + j] - total) * params.scale;
     }
 }

@@ -322,15 +322,18 @@ pub(crate) fn causal_softmax_rows(out: &mut [f32], x: &[f32], cols: usize, scale
 }
 
 multiversion! {
-/// `scale * (g * y - y * sum(g * y))`: the gradient of the scores of one softmaxed row `y`
-/// (the gradient of `softmax(scale * x)` with respect to `x`), in two passes.
+/// `scale * y * (g - sum(g * y))`: the gradient of the scores of one softmaxed row `y` (the
+/// gradient of `softmax(scale * x)` with respect to `x`), in two passes. The difference comes
+/// before the product, as in PyTorch: where a row is peaked, `g` is close to the sum at its
+/// largest `y`, and `g * y - y * sum` would round two products of about `g` each before
+/// cancelling them.
 pub(crate) fn softmax_backward_row(out: &mut [f32], y: &[f32], g: &[f32], scale: f32) {
     for ((o, &yv), &gv) in out.iter_mut().zip(y).zip(g) {
         *o = gv * yv;
     }
     let s = sum(out);
-    for (o, &yv) in out.iter_mut().zip(y) {
-        *o = (*o - yv * s) * scale;
+    for ((o, &yv), &gv) in out.iter_mut().zip(y).zip(g) {
+        *o = yv * (gv - s) * scale;
     }
 }
 }
