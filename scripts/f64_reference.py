@@ -36,6 +36,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 
@@ -197,7 +198,21 @@ def reference(name, cfg, make_params, loss_of, batch, out_dir):
     gen = torch.Generator().manual_seed(cfg["seed"])
     # The weights as wgpipe gets them: rounded to f32 first, so both runs start from the same.
     params = {k: v.float().double() for k, v in make_params(cfg, gen).items()}
-    batch = batch(cfg, gen)
+    write_reference(name, cfg, params, loss_of, batch(cfg, gen), out_dir)
+
+
+def from_wgpipe(path, name, out_dir):
+    """The reference for weights and a batch wgpipe wrote (`export_the_main_jobs_model_and_batch`
+    in tests/tests/accuracy.rs): its own initialisation and the main job's text."""
+    with safe_open(path, "pt") as f:
+        cfg = json.loads(f.metadata()["config"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    params = {k[len("param."):]: v.double() for k, v in tensors.items() if k.startswith("param.")}
+    batch = (tensors["input"].long(), tensors["target"].long())
+    write_reference(name, cfg, params, lm_loss, batch, out_dir)
+
+
+def write_reference(name, cfg, params, loss_of, batch, out_dir):
     loss_fn = lambda p, *b: loss_of(cfg, p, *b)  # noqa: E731
     loss64, g64 = grads(loss_fn, params, torch.float64, *batch)
     loss32, g32 = grads(loss_fn, params, torch.float32, *batch)
@@ -237,9 +252,15 @@ def resnet_batch(cfg, gen):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "f64"))
+    ap.add_argument("--from-wgpipe", metavar="FILE",
+                    help="write only the fixture --name, from the weights and batch wgpipe exported to FILE")
+    ap.add_argument("--name", default="lm_main_job", help="the fixture --from-wgpipe writes")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
+    if args.from_wgpipe:
+        from_wgpipe(args.from_wgpipe, args.name, args.out)
+        return
     # The main job's batch of 32 x 64 tokens: a bias of one op's error shows in the sums over
     # 2048 positions (the layer norms' and biases' gradients) the way it shows in training. The
     # untied tanh-GELU model is the main job's shape with 6 blocks and the identity norms wgpipe
