@@ -18,22 +18,23 @@
 //! reference column and the ratio; with `--torch-preload` PyTorch runs a second time in each
 //! round with that library preloaded (MKL's vendor check overridden, see README), and the table
 //! gets that column and ratio too. Burn's figures (wgpu on lavapipe) are quoted from issue 15.
+//!
+//! Here: the flags, the rows and their table, and the run over workloads, devices and rounds;
+//! in `workloads.rs` the workloads and wgpipe's timed steps on them, in `torch.rs` the PyTorch
+//! column's runs of `scripts/torch_reference.py`.
 
-use std::time::Instant;
+mod torch;
+mod workloads;
+
+pub use workloads::{workload, MatmulTimes, Work};
 
 use clap::{Parser, ValueEnum};
 
-use crate::autograd::optim::{zero_grad, Optimizer};
-use crate::autograd::{AdamW, ForwardCtx, Module, Sgd, Tape, Var};
 use crate::bail;
-use crate::error::{AppError, AppResult, Context};
-use crate::models::{
-    cross_entropy, finish_step_all, forward_all, mse, sequence_parameters, Gelu, Linear,
-    TransformerBlock, TransformerLm,
-};
-use crate::pipeline::{CheckpointMode, Pipeline};
-use crate::prim_block::PrimitiveBlock;
-use crate::tensor::{take_cpu_matmul_times, time_cpu_matmuls, Device, MatmulTime, Tensor, UnaryOp};
+use crate::error::{AppResult, Context};
+use crate::tensor::Device;
+use torch::{bench_torch, torch_python};
+use workloads::{bench_pipelined, bench_plain};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Workload {
@@ -79,9 +80,6 @@ impl Workload {
 
 /// The environment variable naming a Python with torch for the reference column.
 pub const TORCH_PYTHON_ENV: &str = "WGPIPE_TORCH_PYTHON";
-
-/// The PyTorch side of the benchmark (run with `python -`, the script on stdin).
-const TORCH_REFERENCE: &str = include_str!("../../scripts/torch_reference.py");
 
 #[derive(Parser, Clone, Debug)]
 #[command(
@@ -188,333 +186,6 @@ impl BenchRow {
             .filter(|_| self.flops_per_step > 0.0)
             .map(|p| p * 1e9 / self.flops_per_step)
     }
-}
-
-/// A workload's layers, inputs and targets (deterministic).
-pub struct Work {
-    pub layers: Vec<Box<dyn Module>>,
-    pub x: Tensor,
-    pub y: Tensor,
-}
-
-/// The layers and the batch of workload `w` on `dev` (the same for every bench that times it).
-pub fn workload(w: Workload, dev: &Device) -> AppResult<Work> {
-    Ok(match w {
-        Workload::Mlp => {
-            let mut layers: Vec<Box<dyn Module>> = Vec::new();
-            for i in 0..4 {
-                let linear = Linear::new(1024, 1024, i, dev)?;
-                layers.push(Box::new(if i < 3 {
-                    linear.with_activation(UnaryOp::Relu)?
-                } else {
-                    linear
-                }));
-            }
-            let x = Tensor::rand_normal(&[256, 1024], 0.0, 1.0, 1, dev)?;
-            let y = Tensor::rand_normal(&[256, 1024], 0.0, 1.0, 2, dev)?;
-            Work { layers, x, y }
-        }
-        Workload::Block => {
-            // q, k and v in one projection, as the PyTorch reference's block.
-            let block = TransformerBlock::new(256, 4, 0.0, 3, dev)?
-                .with_gelu(Gelu::Exact)
-                .with_packed_qkv()?;
-            let layers: Vec<Box<dyn Module>> = vec![Box::new(block)];
-            let x = Tensor::rand_normal(&[8, 128, 256], 0.0, 1.0, 4, dev)?;
-            let y = Tensor::rand_normal(&[8, 128, 256], 0.0, 1.0, 5, dev)?;
-            Work { layers, x, y }
-        }
-        Workload::Prim => {
-            let layers: Vec<Box<dyn Module>> =
-                vec![Box::new(PrimitiveBlock::new(256, 4, 128, 3, dev)?)];
-            let x = Tensor::rand_normal(&[8, 128, 256], 0.0, 1.0, 4, dev)?;
-            let y = Tensor::rand_normal(&[8, 128, 256], 0.0, 1.0, 5, dev)?;
-            Work { layers, x, y }
-        }
-        Workload::Lm => {
-            let cfg = TransformerLm {
-                vocab: 28,
-                d_model: 64,
-                heads: 4,
-                layers: 4,
-                seq_len: 64,
-                dropout: 0.0,
-                // As the PyTorch reference (torch_mainjob.py): an untied head.
-                tie_embeddings: false,
-            };
-            let layers = cfg.build(6, dev)?;
-            let ids = |seed: u64| -> AppResult<Tensor> {
-                let u = crate::tensor::rng::uniform_vec(seed, 0, 32 * 64, 0.0, 28.0);
-                let v = u.into_iter().map(|x| x.floor().min(27.0)).collect();
-                Ok(Tensor::from_vec(v, &[32, 64], dev)?)
-            };
-            Work {
-                layers,
-                x: ids(7)?,
-                y: ids(8)?,
-            }
-        }
-    })
-}
-
-/// The workload's loss: MSE, or cross-entropy over the vocabulary for the LM.
-fn loss_of(w: Workload, out: &Var, target: &Tensor) -> crate::tensor::Result<Var> {
-    match w {
-        Workload::Lm => cross_entropy(out, target),
-        _ => mse(out, target),
-    }
-}
-
-/// The workload's optimizer: SGD lr 1e-3, or AdamW lr 3e-4 (weight decay 0.01) for the LM, as
-/// the PyTorch reference.
-fn optimizer_of(w: Workload) -> Box<dyn Optimizer> {
-    match w {
-        Workload::Lm => Box::new(AdamW::new(3e-4).with_weight_decay(0.01)),
-        _ => Box::new(Sgd::new(1e-3)),
-    }
-}
-
-/// What [`time_steps`] measured.
-struct Timed {
-    /// One over the median step time: as the PyTorch reference (`torch_reference.py`) times its
-    /// steps, so that both columns use one estimator. The median also leaves out the stretches
-    /// of a fraction of a second where a shared machine runs slower (on the 2-core VM of
-    /// README's sitting, MLP steps went from ~35 to ~60 ms for half a second now and then, in
-    /// wgpipe's and PyTorch's step times alike), which a total-time mean counts in.
-    steps_per_sec: f64,
-    /// The last step's loss.
-    loss: f32,
-    /// FLOPs per measured step, from `dev`'s counter.
-    flops_per_step: f64,
-    /// The CPU products of the measured steps, when timed.
-    matmuls: MatmulTimes,
-}
-
-/// The CPU products of a round's measured steps, by kind (`--matmul-times`).
-#[derive(Debug, Clone, Default)]
-pub struct MatmulTimes {
-    pub times: Vec<MatmulTime>,
-    /// The steps they were timed over.
-    pub steps: usize,
-}
-
-impl MatmulTimes {
-    /// Where a step's product time went, a row per kind of product, the most time first:
-    /// calls per step, time per call and per step, GFLOP/s; then all of them together, against
-    /// `step_seconds` (the median step).
-    pub fn table(&self, step_seconds: f64) -> String {
-        let steps = self.steps.max(1) as f64;
-        let mut s = String::from(
-            "| product (batch x m x k x n) | A | B | kernel | calls per step | us per call | ms per step | GFLOP/s |\n|---|---|---|---|---|---|---|---|\n",
-        );
-        for t in &self.times {
-            s += &format!(
-                "| {} x {} x {} x {} | {:?} | {:?} | {} | {:.1} | {:.1} | {:.3} | {:.0} |\n",
-                t.batch,
-                t.m,
-                t.k,
-                t.n,
-                t.a,
-                t.b,
-                t.kernel,
-                t.calls as f64 / steps,
-                1e6 * t.seconds / t.calls.max(1) as f64,
-                1e3 * t.seconds / steps,
-                t.gflops()
-            );
-        }
-        let total: f64 = self.times.iter().map(|t| t.seconds).sum::<f64>() / steps;
-        s += &format!(
-            "all products: {:.2} ms per step, {:.0}% of the median step ({:.2} ms)\n",
-            1e3 * total,
-            100.0 * total / step_seconds,
-            1e3 * step_seconds
-        );
-        s
-    }
-}
-
-/// Runs `step` for `warmup` steps, then times it step by step for up to `seconds` /
-/// `max_steps`. Every step reads its loss back, so the device has finished when its clock stops.
-/// With `time_matmuls`, the CPU products of the measured steps are timed too.
-fn time_steps(
-    args: &BenchArgs,
-    dev: &Device,
-    time_matmuls: bool,
-    mut step: impl FnMut(u64) -> AppResult<f32>,
-) -> AppResult<Timed> {
-    let mut loss = 0.0;
-    for i in 0..args.warmup {
-        loss = step(i as u64)?;
-    }
-    // Timing is process-wide: turned off again on every way out, a failed step included.
-    struct StopTiming;
-    impl Drop for StopTiming {
-        fn drop(&mut self) {
-            time_cpu_matmuls(false);
-        }
-    }
-    let stop_timing = time_matmuls.then(|| {
-        take_cpu_matmul_times(); // the warm-up's
-        time_cpu_matmuls(true);
-        StopTiming
-    });
-    let flops0 = dev.flops();
-    let t0 = Instant::now();
-    let mut times = Vec::new();
-    while times.len() < args.max_steps.max(1)
-        && (times.is_empty() || t0.elapsed().as_secs_f64() < args.seconds)
-    {
-        let ts = Instant::now();
-        loss = step((args.warmup + times.len()) as u64)?;
-        times.push(ts.elapsed().as_secs_f64());
-    }
-    let mut matmuls = MatmulTimes::default();
-    if let Some(stop) = stop_timing {
-        drop(stop);
-        matmuls = MatmulTimes {
-            times: take_cpu_matmul_times(),
-            steps: times.len(),
-        };
-    }
-    Ok(Timed {
-        steps_per_sec: 1.0 / median(&times),
-        loss,
-        flops_per_step: (dev.flops() - flops0) as f64 / times.len() as f64,
-        matmuls,
-    })
-}
-
-/// A plain training loop; on the CPU it runs on the backend's threads (`on_cpu_pool`), as
-/// PyTorch's runs on its OpenMP threads.
-fn bench_plain(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<Timed> {
-    let Work { layers, x, y } = workload(w, dev)?;
-    let params = sequence_parameters(&layers);
-    let mut opt = optimizer_of(w);
-    let mut run = move || {
-        time_steps(args, dev, args.matmul_times && dev.is_cpu(), |step| {
-            let tape = Tape::new();
-            let input = tape.constant(x.clone());
-            let out = forward_all(&layers, &input, &ForwardCtx::train(0, step, 0))?;
-            let loss = loss_of(w, &out, &y)?;
-            tape.backward(&loss)?;
-            finish_step_all(&layers)?;
-            opt.step(&params)?;
-            zero_grad(&params);
-            Ok(loss.to_scalar()?)
-        })
-    };
-    if dev.is_cpu() {
-        crate::tensor::on_cpu_pool(run)
-    } else {
-        run()
-    }
-}
-
-fn bench_pipelined(args: &BenchArgs, w: Workload, dev: &Device) -> AppResult<Timed> {
-    let Work { layers, x, y } = workload(w, dev)?;
-    let mut pipe = Pipeline::builder(layers)
-        .devices(vec![dev.clone()])
-        .micro_batches(1)
-        .checkpoint(CheckpointMode::Never)
-        .optimizer(move || optimizer_of(w))
-        .build()?;
-    let loss_fn = move |o: &Var, t: &Tensor| loss_of(w, o, t);
-    time_steps(args, dev, false, |_| {
-        let r = pipe.train_step(&x, &y, &loss_fn)?;
-        pipe.optimizer_step()?;
-        Ok(r.loss)
-    })
-}
-
-/// The Python for the PyTorch column: `--torch-python`, else `$WGPIPE_TORCH_PYTHON`, when it
-/// imports torch (a clear note on stderr when it does not).
-fn torch_python(args: &BenchArgs) -> Option<String> {
-    let py = args
-        .torch_python
-        .clone()
-        .or_else(|| std::env::var(TORCH_PYTHON_ENV).ok())
-        .filter(|p| !p.trim().is_empty())?;
-    let probe = std::process::Command::new(&py)
-        .args([
-            "-c",
-            "import torch; print(int(torch.backends.mkl.is_available()))",
-        ])
-        .output();
-    match probe
-        .as_ref()
-        .map(|o| (o.status.success(), o.stdout.starts_with(b"1")))
-    {
-        Ok((true, uses_mkl)) => {
-            let amd = crate::peak::cpu_model().is_some_and(|m| m.starts_with("AuthenticAMD"));
-            if uses_mkl && amd && std::env::var_os("LD_PRELOAD").is_none() {
-                // MKL picks its kernels by vendor: on AMD it runs its AVX2 path even where the
-                // CPU has AVX-512 (here it gave ~200 against ~470 GFLOP/s on 1024^3).
-                eprintln!(
-                    "note: this PyTorch uses MKL on an AMD CPU, where MKL runs its slower \
-                     generic kernels; README (bench_train) shows how to measure it at full speed"
-                );
-            }
-            Some(py)
-        }
-        Ok((false, _)) => {
-            eprintln!("no PyTorch column: `{py} -c \"import torch\"` failed");
-            None
-        }
-        Err(e) => {
-            eprintln!("no PyTorch column: cannot run {py}: {e}");
-            None
-        }
-    }
-}
-
-/// PyTorch's steps/s for `w` on as many threads as wgpipe's CPU backend, measured by the
-/// embedded `torch_reference.py`, with `preload` in its LD_PRELOAD when given.
-fn bench_torch(args: &BenchArgs, py: &str, w: Workload, preload: Option<&str>) -> AppResult<f64> {
-    use std::io::Write;
-    let mut cmd = std::process::Command::new(py);
-    if let Some(lib) = preload {
-        cmd.env("LD_PRELOAD", lib);
-    }
-    let mut child = cmd
-        .arg("-")
-        .args(["--workloads", w.key()])
-        .args(["--threads", &crate::tensor::cpu_threads().to_string()])
-        .args(["--seconds", &args.seconds.to_string()])
-        .args(["--max-steps", &args.max_steps.to_string()])
-        .args(["--warmup", &args.warmup.max(1).to_string()])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .context(format!("starting {py}"))?;
-    child
-        .stdin
-        .take()
-        .expect("stdin was piped")
-        .write_all(TORCH_REFERENCE.as_bytes())
-        .context("sending torch_reference.py")?;
-    let out = child
-        .wait_with_output()
-        .context("running torch_reference.py")?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        bail!(
-            "torch_reference.py {} failed ({}): {}",
-            w.key(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    stdout
-        .lines()
-        .find_map(|l| l.strip_prefix(w.key())?.trim().parse::<f64>().ok())
-        .ok_or_else(|| {
-            AppError(format!(
-                "torch_reference.py printed no figure for {}: {stdout}",
-                w.key()
-            ))
-        })
 }
 
 /// The median of the rounds' ratios `own / reference` (`None` without reference rounds).
