@@ -2,6 +2,11 @@
 //!
 //! `cargo run --release --example train_transformer -- --help` lists the flags. [`run`] is the
 //! whole program (the example's `main` only parses the flags), so tests call it directly.
+//!
+//! Here: the flags, their checks, the data and the run, one function per phase; in
+//! `sampling.rs` the text sampled from the trained model.
+
+mod sampling;
 
 use std::path::PathBuf;
 
@@ -20,11 +25,12 @@ use crate::metrics::write_curves;
 use crate::models::data::TextDataset;
 use crate::models::{cross_entropy, TransformerLm};
 use crate::output::{out_path, report_outputs};
-use crate::pipeline::{Pipeline, StepReport};
+use crate::pipeline::{LossFn, Pipeline, PlanReport, StepReport};
+use crate::placement::Placement;
 use crate::plan::{build_or_plan, print_predicted_vs_measured, PlanRun};
-use crate::tensor::rng::SplitMix64;
 use crate::tensor::{Device, Tensor};
-use crate::train::{ctrl_c_flag, train_loop, LoopConfig};
+use crate::train::{ctrl_c_flag, train_loop, LoopConfig, LoopResult};
+use sampling::sample_after_training;
 
 /// Characters of the built-in synthetic corpus (see `wgpipe_models::data::text`).
 pub const SYNTHETIC_CHARS: usize = 300_000;
@@ -179,68 +185,6 @@ fn eval_loss(
     Ok(sum / n as f32)
 }
 
-/// Samples `len` tokens after `prompt` for `rows` sequences at once (the pipeline splits its
-/// input into M micro-batches, so it needs at least M rows). Returns the first row's text.
-/// Each token is a forward-only round (`Pipeline::predict`): the last stage keeps the logits
-/// of the last position and hands them to every rank, which all draw the same token from the
-/// same generator, so no rank needs the whole model.
-fn sample_text(
-    pipe: &mut Pipeline,
-    data: &TextDataset,
-    prompt: &[u32],
-    seq_len: usize,
-    len: usize,
-    temperature: f32,
-    seed: u64,
-) -> AppResult<String> {
-    let rows = pipe.num_micro_batches();
-    let mut seqs: Vec<Vec<u32>> = vec![prompt.to_vec(); rows];
-    let mut rng = SplitMix64::new(seed ^ 0x5EED);
-    let v = data.vocab_size();
-    for _ in 0..len {
-        let t = seqs[0].len().min(seq_len);
-        let ids: Vec<u32> = seqs
-            .iter()
-            .flat_map(|s| s[s.len() - t..].iter().copied())
-            .collect();
-        let last = pipe
-            .predict(&ids_tensor(&ids, &[rows, t])?, &move |logits| {
-                logits.narrow(1, t - 1, 1)
-            })?
-            .to_vec()?;
-        for (r, s) in seqs.iter_mut().enumerate() {
-            let row = &last[r * v..(r + 1) * v];
-            s.push(pick(row, temperature, &mut rng));
-        }
-    }
-    Ok(data.decode(&seqs[0]))
-}
-
-/// Greedy (temperature 0) or softmax(logits / temperature) sampling.
-fn pick(logits: &[f32], temperature: f32, rng: &mut SplitMix64) -> u32 {
-    let argmax = logits
-        .iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map_or(0, |(i, _)| i);
-    if temperature <= 0.0 {
-        return argmax as u32;
-    }
-    let m = logits[argmax];
-    let w: Vec<f64> = logits
-        .iter()
-        .map(|&l| (((l - m) / temperature) as f64).exp())
-        .collect();
-    let mut u = rng.unit() * w.iter().sum::<f64>();
-    for (i, wi) in w.iter().enumerate() {
-        u -= wi;
-        if u <= 0.0 {
-            return i as u32;
-        }
-    }
-    argmax as u32
-}
-
 /// The flags' ranges and the rules between them, checked before anything is allocated.
 fn check_flags(args: &TransformerArgs) -> AppResult<()> {
     check_range("layers", args.layers, 1, 1024)?;
@@ -339,17 +283,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     check_flags(&args)?;
     let (data, data_what) = load_data(&args)?;
     check_transformer_memory(&args, data.vocab_size())?;
-    // Hold out 5% of the text, and at least one evaluation batch of M sequences.
-    let held = (p.micro_batches * args.seq_len + 1).max(data.len() / 20);
-    if data.len() < held + args.seq_len + 1 {
-        bail!(
-            "the text has {} tokens: too short for --seq-len {} (it needs {} for training and {held} held out)",
-            data.len(),
-            args.seq_len,
-            args.seq_len + 1
-        );
-    }
-    let (train, val) = data.split(1.0 - held as f64 / data.len() as f64)?;
+    let (train, val) = split_data(&args, &data)?;
     let vocab = data.vocab_size();
     let cfg = TransformerLm {
         vocab,
@@ -360,60 +294,8 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         dropout: args.dropout,
         tie_embeddings: !args.untie_embeddings,
     };
-    let rank_local = p.builds_rank_local();
-    let model = if rank_local {
-        Model::Factory(cfg.factory(p.seed, &Device::cpu()))
-    } else {
-        Model::Layers(
-            cfg.build(p.seed, &Device::cpu())
-                .context("building the model")?,
-        )
-    };
-    let n_params = cfg.parameter_count();
-
-    let placement = p.placement()?;
-    let mb = args.batch / p.micro_batches;
-    let sample_in = ids_tensor(&vec![0; mb * args.seq_len], &[mb, args.seq_len])?;
-    let adam = AdamConfig {
-        lr: args.lr,
-        beta1: 0.9,
-        beta2: 0.99,
-        eps: 1e-8,
-        weight_decay: 0.01,
-    };
-    let copies = (1..p.local_replicas())
-        .map(|_| cfg.build(p.seed, &Device::cpu()))
-        .collect::<Result<Vec<_>, _>>()
-        .context("building the model's replicas")?;
     let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
-    let (x, y) = train.batch(args.batch, args.seq_len, p.seed, 0)?;
-    let (x, y) = (
-        ids_tensor(&x, &[args.batch, args.seq_len])?,
-        ids_tensor(&y, &[args.batch, args.seq_len])?,
-    );
-    let run = PlanRun {
-        inputs: &x,
-        targets: &y,
-        loss: &loss_fn,
-        batch: args.batch,
-        min_micro_batch: 1,
-        seed: p.seed,
-    };
-    let make_copy = {
-        let (cfg, seed) = (cfg.clone(), p.seed);
-        // A failure leaves the copy empty, which the builder reports as a model mismatch.
-        Box::new(move || cfg.build(seed, &Device::cpu()).unwrap_or_default())
-    };
-    let (mut pipe, plan) = build_or_plan(
-        model,
-        copies,
-        make_copy,
-        p,
-        &placement,
-        &sample_in,
-        &run,
-        move || Box::new(AdamW::with_config(adam)),
-    )?;
+    let (mut pipe, plan, placement) = build_lm_pipeline(&args, &cfg, &train, &loss_fn)?;
 
     let warmup = (args.steps / 10).clamp(1, 30);
     let schedule = LrSchedule::WarmupCosine {
@@ -432,7 +314,154 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         )?;
         start_step = step;
     }
+    print_setup(
+        &args,
+        &cfg,
+        &data_what,
+        &placement,
+        &pipe,
+        plan.as_ref(),
+        start_step,
+    );
 
+    let lc = LoopConfig {
+        start: start_step,
+        steps: args.steps,
+        base_lr: args.lr,
+        schedule,
+        clip: Some(1.0),
+        quiet: p.quiet,
+        items_per_step: args.batch * args.seq_len,
+        unit: "tok",
+        stop,
+        stop_at: p.stop_at,
+    };
+    let (b, t) = (args.batch, args.seq_len);
+    let r = train_loop(
+        &mut pipe,
+        &lc,
+        |step| {
+            let (x, y) = train.batch(b, t, lc_seed, step)?;
+            Ok((ids_tensor(&x, &[b, t])?, ids_tensor(&y, &[b, t])?))
+        },
+        &loss_fn,
+    )?;
+    let (wall, tokens_per_sec) = (r.wall_secs, r.items_per_sec);
+    let end_step = r.end_step(start_step);
+    let losses = r.losses.clone();
+    save_trained(&mut pipe, p, &cfg, &data_what, end_step)?;
+
+    let eval = report_held_out_loss(&mut pipe, &args, &val, &r, start_step, vocab)?;
+    let (trace, timeline) = write_outputs(&pipe, &args, &r, end_step, eval, vocab, plan.as_ref())?;
+    let sample = sample_after_training(&mut pipe, &args, &data, &val)?;
+    Ok(TrainSummary {
+        start_step,
+        losses,
+        eval_loss: eval,
+        uniform_loss: (vocab as f32).ln(),
+        tokens_per_sec,
+        wall_secs: wall,
+        sample,
+        trace,
+        timeline,
+        interrupted: r.interrupted,
+        last_report: r.last_report,
+        plan,
+    })
+}
+
+/// The training and held-out text.
+fn split_data(args: &TransformerArgs, data: &TextDataset) -> AppResult<(TextDataset, TextDataset)> {
+    let p = &args.pipe;
+    // Hold out 5% of the text, and at least one evaluation batch of M sequences.
+    let held = (p.micro_batches * args.seq_len + 1).max(data.len() / 20);
+    if data.len() < held + args.seq_len + 1 {
+        bail!(
+            "the text has {} tokens: too short for --seq-len {} (it needs {} for training and {held} held out)",
+            data.len(),
+            args.seq_len,
+            args.seq_len + 1
+        );
+    }
+    Ok(data.split(1.0 - held as f64 / data.len() as f64)?)
+}
+
+/// The pipeline of the flags (or the one the planner chose, with its report) for the model
+/// `cfg`, and the devices it runs on.
+fn build_lm_pipeline(
+    args: &TransformerArgs,
+    cfg: &TransformerLm,
+    train: &TextDataset,
+    loss_fn: &LossFn,
+) -> AppResult<(Pipeline, Option<PlanReport>, Placement)> {
+    let p = &args.pipe;
+    let rank_local = p.builds_rank_local();
+    let model = if rank_local {
+        Model::Factory(cfg.factory(p.seed, &Device::cpu()))
+    } else {
+        Model::Layers(
+            cfg.build(p.seed, &Device::cpu())
+                .context("building the model")?,
+        )
+    };
+
+    let placement = p.placement()?;
+    let mb = args.batch / p.micro_batches;
+    let sample_in = ids_tensor(&vec![0; mb * args.seq_len], &[mb, args.seq_len])?;
+    let adam = AdamConfig {
+        lr: args.lr,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.01,
+    };
+    let copies = (1..p.local_replicas())
+        .map(|_| cfg.build(p.seed, &Device::cpu()))
+        .collect::<Result<Vec<_>, _>>()
+        .context("building the model's replicas")?;
+    let (x, y) = train.batch(args.batch, args.seq_len, p.seed, 0)?;
+    let (x, y) = (
+        ids_tensor(&x, &[args.batch, args.seq_len])?,
+        ids_tensor(&y, &[args.batch, args.seq_len])?,
+    );
+    let run = PlanRun {
+        inputs: &x,
+        targets: &y,
+        loss: loss_fn,
+        batch: args.batch,
+        min_micro_batch: 1,
+        seed: p.seed,
+    };
+    let make_copy = {
+        let (cfg, seed) = (cfg.clone(), p.seed);
+        // A failure leaves the copy empty, which the builder reports as a model mismatch.
+        Box::new(move || cfg.build(seed, &Device::cpu()).unwrap_or_default())
+    };
+    let (pipe, plan) = build_or_plan(
+        model,
+        copies,
+        make_copy,
+        p,
+        &placement,
+        &sample_in,
+        &run,
+        move || Box::new(AdamW::with_config(adam)),
+    )?;
+    Ok((pipe, plan, placement))
+}
+
+/// What the run is about to train: the model, the data, the devices and stages, the schedule,
+/// the loss's references and where a resumed run starts.
+fn print_setup(
+    args: &TransformerArgs,
+    cfg: &TransformerLm,
+    data_what: &str,
+    placement: &Placement,
+    pipe: &Pipeline,
+    plan: Option<&PlanReport>,
+    start_step: u64,
+) {
+    let (p, vocab, n_params) = (&args.pipe, cfg.vocab, cfg.parameter_count());
     crate::say!(
         "TransformerLm: vocab {vocab}, d_model {}, {} heads, {} blocks, seq_len {} — {} parameters",
         args.d_model,
@@ -443,7 +472,7 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
     );
     crate::say!("data: {data_what}");
     crate::say!("devices: {}", placement.description);
-    crate::say_part!("{}", describe_stages(&pipe));
+    crate::say_part!("{}", describe_stages(pipe));
     crate::say_part!("{}", describe_replicas(p));
     if plan.is_none() {
         crate::say!(
@@ -481,29 +510,16 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
             args.steps
         );
     }
+}
 
-    let lc = LoopConfig {
-        start: start_step,
-        steps: args.steps,
-        base_lr: args.lr,
-        schedule,
-        clip: Some(1.0),
-        quiet: p.quiet,
-        items_per_step: args.batch * args.seq_len,
-        unit: "tok",
-        stop,
-        stop_at: p.stop_at,
-    };
-    let (b, t) = (args.batch, args.seq_len);
-    let r = train_loop(
-        &mut pipe,
-        &lc,
-        |step| {
-            let (x, y) = train.batch(b, t, lc_seed, step)?;
-            Ok((ids_tensor(&x, &[b, t])?, ids_tensor(&y, &[b, t])?))
-        },
-        &loss_fn,
-    )?;
+/// With `--save`, the trained pipeline saved (gathered to one rank first for a one-file save).
+fn save_trained(
+    pipe: &mut Pipeline,
+    p: &PipelineArgs,
+    cfg: &TransformerLm,
+    data_what: &str,
+    end_step: u64,
+) -> AppResult<()> {
     // Over MPI each rank held and trained only its own stages. Evaluation and sampling run across
     // the ranks as they are; a one-file checkpoint holds the whole model, so such a `--save` (not
     // a sharded `--save DIR/`, where each rank writes its own stages) gathers every stage to every
@@ -516,23 +532,33 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         pipe.gather_stages(|| cfg.build(p.seed, &Device::cpu()).unwrap_or_default())
             .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
     }
-    let (wall, tokens_per_sec) = (r.wall_secs, r.items_per_sec);
-    let end_step = r.end_step(start_step);
-    let losses = r.losses.clone();
     if let Some(path) = &p.save {
         save_pipeline(
-            &mut pipe,
+            pipe,
             path,
             &[
                 ("model".into(), format!("{cfg:?}")),
-                ("data".into(), data_what.clone()),
+                ("data".into(), data_what.to_string()),
             ],
         )?;
         crate::say!("saved checkpoint at step {end_step} to {}", path.display());
     }
+    Ok(())
+}
 
+/// The loss on held-out text after training, printed with the training's figures.
+fn report_held_out_loss(
+    pipe: &mut Pipeline,
+    args: &TransformerArgs,
+    val: &TextDataset,
+    r: &LoopResult,
+    start_step: u64,
+    vocab: usize,
+) -> AppResult<f32> {
+    let (wall, tokens_per_sec) = (r.wall_secs, r.items_per_sec);
+    let (end_step, losses) = (r.end_step(start_step), &r.losses);
     pipe.set_train(false);
-    let eval = eval_loss(&mut pipe, &val, args.batch, args.seq_len, 8)?;
+    let eval = eval_loss(pipe, val, args.batch, args.seq_len, 8)?;
     if let (Some(first), Some(last)) = (losses.first(), losses.last()) {
         let k = losses.len().min(10);
         let tail = r.tail_loss(k);
@@ -546,7 +572,21 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
             (vocab as f32).ln()
         );
     }
+    Ok(eval)
+}
 
+/// The loss curve, `--metrics`, the trace and the timeline (and the plan's predictions beside
+/// the measured step); the trace's and the timeline's paths.
+fn write_outputs(
+    pipe: &Pipeline,
+    args: &TransformerArgs,
+    r: &LoopResult,
+    end_step: u64,
+    eval: f32,
+    vocab: usize,
+    plan: Option<&PlanReport>,
+) -> AppResult<(PathBuf, PathBuf)> {
+    let p = &args.pipe;
     let trace = out_path(&p.trace, "trace.json");
     let timeline = out_path(&p.timeline, "timeline.svg");
     let mut references = vec![(format!("uniform ln({vocab})"), (vocab as f32).ln())];
@@ -567,44 +607,10 @@ pub fn run_with(args: TransformerArgs, stop: &AtomicBool) -> AppResult<TrainSumm
         p.metrics.as_deref(),
     )?;
     if let Some(rep) = &r.last_report {
-        report_outputs(&pipe, rep, "train_transformer", &trace, &timeline)?;
-        if let Some(plan) = &plan {
+        report_outputs(pipe, rep, "train_transformer", &trace, &timeline)?;
+        if let Some(plan) = plan {
             print_predicted_vs_measured(plan, rep);
         }
     }
-
-    let prompt_text = if args.data.is_none() {
-        "the ".to_string()
-    } else {
-        val.decode(&val.tokens()[..8.min(val.len())])
-    };
-    let prompt = data.encode(&prompt_text).unwrap_or_else(|_| vec![0]);
-    let sample = sample_text(
-        &mut pipe,
-        &data,
-        &prompt,
-        args.seq_len,
-        args.sample_len,
-        args.temperature,
-        p.seed,
-    )?;
-    crate::say!(
-        "\nsample (temperature {}):\n{}\n",
-        args.temperature,
-        sample.trim_end()
-    );
-    Ok(TrainSummary {
-        start_step,
-        losses,
-        eval_loss: eval,
-        uniform_loss: (vocab as f32).ln(),
-        tokens_per_sec,
-        wall_secs: wall,
-        sample,
-        trace,
-        timeline,
-        interrupted: r.interrupted,
-        last_report: r.last_report,
-        plan,
-    })
+    Ok((trace, timeline))
 }
