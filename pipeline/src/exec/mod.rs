@@ -5,6 +5,7 @@
 pub(crate) mod absent;
 pub mod comm;
 pub(crate) mod described;
+pub(crate) mod runner;
 pub mod stage;
 pub mod threads;
 pub(crate) mod tied;

@@ -12,6 +12,7 @@ use wgpipe_autograd::Param;
 use wgpipe_tensor::{DType, Device, Tensor};
 
 use crate::error::{NonFinite, PipelineError, Result};
+use crate::exec::runner::first_error;
 use crate::exec::transport::Transport;
 use crate::exec::worker::StageOutcome;
 use crate::exec::Stage;
@@ -19,7 +20,7 @@ use crate::microbatch::split_batch;
 use crate::schedule::Schedule;
 use crate::sim::SimCluster;
 
-use super::workers::{first_error, DeviceResult, LossSide, LossUse, Ran, StuckStep};
+use super::workers::{DeviceResult, LossSide, LossUse, Ran, StuckStep};
 
 /// One data-parallel replica: its stages on its K devices and one optimizer per stage.
 pub struct Replica {

@@ -13,12 +13,12 @@ use wgpipe_autograd::Tape;
 use wgpipe_tensor::memory::{Tag, TagGuard};
 use wgpipe_tensor::{Device, Tensor};
 
-use crate::error::{NonFinite, PipelineError, Result, StageCause};
+use crate::error::{NonFinite, PipelineError, StageCause};
+use crate::exec::runner::{describe, device_error, owns_the_cpu, run_device_step, start_device};
 use crate::exec::threads::{self, lock};
 use crate::exec::transport::wire_links;
-use crate::exec::worker::{run_device, LossRequest, Position, Running, StageOutcome, StepInputs};
+use crate::exec::worker::{LossRequest, Position, Running, StageOutcome, StepInputs};
 use crate::exec::Stage;
-use crate::schedule::Action;
 use crate::{HeadFn, LossFn};
 
 use super::replica::{Replica, Saved, StepCtx};
@@ -81,42 +81,18 @@ impl Replica {
                 running: running[device].clone(),
                 grads_final: ctx.grads_final.clone(),
             };
-            // The stages reach the thread through a channel, so that a thread that cannot be
-            // started does not take them with it.
-            let (give, take) = channel::<Vec<Stage>>();
-            let spawned = threads::spawn_named(device, move || -> DeviceResult {
-                let stages = take.recv().unwrap_or_default();
-                let alone = alone && stages.first().is_some_and(|s| s.device.is_cpu());
-                threads::run_stage_work(alone, move || {
-                    let mut pos = Position::default();
-                    let r = {
-                        let refs: Vec<&Stage> = stages.iter().collect();
-                        catch_unwind(AssertUnwindSafe(|| {
-                            run_device(&refs, &links, &io, &mut pos)
-                        }))
-                    };
-                    let r = match r {
-                        Ok(r) => r,
-                        Err(payload) => Err(StageCause::Panic(threads::panic_message(payload))),
-                    };
-                    if let Err(cause) = &r {
-                        io.abort.store(true, Ordering::SeqCst);
-                        if let Some(tell) = &links.abort_peers {
-                            tell(&cause.to_string());
-                        }
-                    }
-                    // Dropping the links closes this device's channels, which also wakes any
-                    // neighbour blocked on them.
-                    drop(links);
-                    (stages, pos, r)
+            let spawned = start_device(stages, |take| {
+                threads::spawn_named(device, move || -> DeviceResult {
+                    let stages = take.recv().unwrap_or_default();
+                    threads::run_stage_work(owns_the_cpu(alone, &stages), move || {
+                        let (pos, r) = run_device_step(&stages, &io, links);
+                        (stages, pos, r)
+                    })
                 })
             });
             match spawned {
-                Ok(h) => {
-                    let _ = give.send(stages);
-                    handles.push(Some(h));
-                }
-                Err(e) => {
+                Ok(h) => handles.push(Some(h)),
+                Err((stages, e)) => {
                     abort.store(true, Ordering::SeqCst);
                     let cause = StageCause::Disconnected(format!(
                         "could not start the device's thread: {e}"
@@ -237,79 +213,6 @@ impl Replica {
             losses,
         }
     }
-}
-
-/// The root cause among the devices' results (`devices[d]` is device d's first stage): a
-/// device's own failure wins over the "stopped because another stage failed" of the others. The
-/// error names the virtual stage of the failing action (the device's first stage before any).
-pub(super) fn first_error(
-    stages: &[Stage],
-    devices: &[&Stage],
-    results: Vec<(Position, std::result::Result<StageOutcome, StageCause>)>,
-) -> Result<Vec<StageOutcome>> {
-    let mut errors = Vec::new();
-    let mut ok = Vec::new();
-    for (first, (pos, r)) in devices.iter().zip(results) {
-        match r {
-            Ok(o) => ok.push(o),
-            Err(cause) => errors.push(device_error(
-                stages,
-                first.index,
-                first.device.name(),
-                pos,
-                cause,
-            )),
-        }
-    }
-    match root_cause(errors) {
-        Some(e) => Err(e),
-        None => Ok(ok),
-    }
-}
-
-/// The root cause among the devices' errors (in device order): the first that is a device's
-/// own failure, not a "stopped because another stage failed".
-pub(super) fn root_cause(errors: Vec<PipelineError>) -> Option<PipelineError> {
-    let root = errors
-        .iter()
-        .position(|e| !matches!(e.cause(), Some(StageCause::Disconnected(_))))
-        .unwrap_or(0);
-    errors.into_iter().nth(root)
-}
-
-/// A device's failure as an error: the virtual stage of the failing action (`first_stage`, the
-/// device's first, before any), and the layer when one was running (named from `stages`).
-pub(super) fn device_error(
-    stages: &[Stage],
-    first_stage: usize,
-    device: &str,
-    pos: Position,
-    cause: StageCause,
-) -> PipelineError {
-    let (stage, mut action) = match pos.action {
-        Some(a) => (a.stage, describe(a)),
-        None => (first_stage, "start".to_string()),
-    };
-    if let Some(index) = pos.layer {
-        let layer = stages
-            .iter()
-            .find(|s| (s.first_layer..s.first_layer + s.layers.len()).contains(&index))
-            .map(|s| s.layers[index - s.first_layer].name())
-            .unwrap_or_default();
-        action = format!("{action} in layer {index} ({layer})");
-    }
-    PipelineError::Stage {
-        stage,
-        device: device.to_string(),
-        micro_batch: pos.micro_batch,
-        action,
-        cause: Box::new(cause),
-    }
-}
-
-/// An action as error messages name it: `Forward (2F3)`.
-fn describe(a: Action) -> String {
-    format!("{:?} ({a})", a.kind)
 }
 
 /// How often the caller's thread looks at loss requests, finished devices and the time limit.

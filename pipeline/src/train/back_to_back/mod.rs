@@ -16,302 +16,35 @@
 //! step run again draws the same masks.
 
 use std::collections::VecDeque;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use wgpipe_autograd::optim::{grad_norm_sq, Optimizer};
 use wgpipe_tensor::{Device, Tensor};
 
-use crate::error::{NonFinite, PipelineError, Result, StageCause};
+use crate::error::{NonFinite, PipelineError, Result};
 use crate::exec::comm::ReplicaRun;
+use crate::exec::runner::{owns_the_cpu, root_cause, start_device};
 use crate::exec::threads::{self, spawn_stage};
-use crate::exec::transport::{wire_links, DeviceLinks};
-use crate::exec::worker::{run_device, LossRequest, Position, StageOutcome, StepInputs};
-use crate::exec::Stage;
-use crate::train::optim_step::{
-    clip_norm, scale_stage_grads, step_stage, unscaling, StageKeep, UNSCALING,
-};
+use crate::exec::transport::wire_links;
+use crate::exec::worker::{LossRequest, StageOutcome, StepInputs};
+use crate::train::optim_step::clip_norm;
 use crate::train::pipeline::shard_batch;
-use crate::train::replica::{micro_batches, Saved};
+use crate::train::replica::micro_batches;
 use crate::train::report::{ReportFrame, StepReport};
 use crate::train::scaler::GradScaler;
 use crate::train::steps::{failed, Batches, OnStep, Run, StepPhase, StepsError, StepsOptions};
-use crate::train::workers::{device_error, root_cause, LossSide, LossUse};
+use crate::train::workers::{LossSide, LossUse};
 use crate::LossFn;
 
 use super::Pipeline;
 
+mod device;
+use device::{device_loop, After, Ctl, Finished, Lent, Update, Work};
+
 /// How often the caller's thread looks at devices' reports between loss requests.
 const POLL: Duration = Duration::from_millis(1);
-
-/// One step's work for one device.
-struct Work {
-    /// The step's index in the run.
-    index: u64,
-    io: StepInputs,
-    links: DeviceLinks,
-    update: Update,
-}
-
-/// How a device updates its stages after a step, assuming the step valid.
-#[derive(Clone, Copy)]
-struct Update {
-    /// The learning rate of the update.
-    lr: Option<f32>,
-    /// The loss scale the step's gradients carry (`None`: no loss scaling).
-    scale: Option<f32>,
-    /// Whether the clip norm is checked: each stage's squared gradient norm is computed
-    /// before the update.
-    clip: bool,
-}
-
-/// What the caller's thread tells a device, in this order for steps 0, 1, 2...: work 0,
-/// work 1, verdict 0, work 2, verdict 1, ... The channel closing means stop: a device then
-/// gives back its stages with what undoes its unvalidated step.
-enum Ctl {
-    Work(Box<Work>),
-    /// The oldest unvalidated step is valid: its undo copies can go.
-    Commit,
-}
-
-/// A device's report of a step.
-struct Finished {
-    device: usize,
-    index: u64,
-    result: Result<After>,
-}
-
-/// What a device did after a step that ran well on it.
-struct After {
-    outcome: StageOutcome,
-    /// Its layers' deferred updates (`finish_step`): an error fails the step, as the
-    /// step-at-a-time reduction's does.
-    finish: Result<()>,
-    /// Each of its stages' squared gradient norm (stage, part), when clipping.
-    parts: Vec<(usize, f64)>,
-    /// Whether it applied its update. It does not when the step is void here (non-finite
-    /// values), or when a norm or an update failed: the step is then finished one step at a
-    /// time, which meets (and reports) the same failure.
-    updated: bool,
-}
-
-/// What undoes a device's step that is not validated yet.
-struct Pending {
-    index: u64,
-    /// Each stage's values, gradients (as the backward left them) and optimizer state before
-    /// the update; empty when none was applied.
-    keeps: Vec<StageKeep>,
-    /// The gradients and buffers before the step.
-    before: Saved,
-}
-
-/// A device's stages and optimizers, lent to its thread for a segment and given back with
-/// what undoes what was not validated.
-struct Lent {
-    stages: Vec<Stage>,
-    optimizers: Vec<Box<dyn Optimizer>>,
-    pending: Option<Pending>,
-    /// The gradients and buffers when it began the step after the pending one.
-    next: Option<Saved>,
-}
-
-impl Lent {
-    /// Undoes what is not validated: the step begun after the pending one, and the pending
-    /// one: back to just after its backward when `keep_trained` names it (its update undone,
-    /// its gradients kept), else to before it.
-    fn undo(&mut self, keep_trained: Option<u64>) -> Result<()> {
-        if let Some(next) = self.next.take() {
-            next.restore(&self.stages);
-        }
-        let Some(p) = self.pending.take() else {
-            return Ok(());
-        };
-        let mut errors = Vec::new();
-        for ((s, o), keep) in self.stages.iter().zip(&mut self.optimizers).zip(p.keeps) {
-            if let Err(e) = keep.restore(o.as_mut()) {
-                errors.push(format!("stage {}: {e}", s.index));
-            }
-        }
-        if keep_trained != Some(p.index) {
-            p.before.restore(&self.stages);
-        }
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(PipelineError::Config(format!(
-                "rolling back an update made ahead of its validation failed: {} (the optimizer's load_state does not take back its own state())",
-                errors.join("; ")
-            )))
-        }
-    }
-}
-
-/// A device's thread: step after step until the channel closes.
-fn device_loop(
-    device: usize,
-    mut lent: Lent,
-    ctl: Receiver<Ctl>,
-    events: Sender<Finished>,
-) -> Lent {
-    loop {
-        let work = match ctl.recv() {
-            Ok(Ctl::Work(w)) => w,
-            Ok(Ctl::Commit) => {
-                lent.pending = None;
-                continue;
-            }
-            Err(_) => return lent,
-        };
-        let Work {
-            index,
-            io,
-            links,
-            update,
-        } = *work;
-        lent.next = Some(Saved::of(&lent.stages));
-        let ran = run_step(&lent.stages, &io, links);
-        // This step's update goes on top of the previous one's: only once that is valid.
-        if lent.pending.is_some() {
-            match ctl.recv() {
-                Ok(Ctl::Commit) => lent.pending = None,
-                _ => return lent,
-            }
-        }
-        let before = lent.next.take().expect("saved when the step began");
-        let (result, keeps) = match ran {
-            Ok(outcome) => {
-                let (after, keeps) =
-                    after_step(&lent.stages, &mut lent.optimizers, outcome, update);
-                (Ok(after), keeps)
-            }
-            Err(e) => (Err(e), Vec::new()),
-        };
-        lent.pending = Some(Pending {
-            index,
-            keeps,
-            before,
-        });
-        if events
-            .send(Finished {
-                device,
-                index,
-                result,
-            })
-            .is_err()
-        {
-            return lent;
-        }
-    }
-}
-
-/// One step's actions on the device holding `stages`; a failure stops the step's other
-/// devices.
-fn run_step(stages: &[Stage], io: &StepInputs, links: DeviceLinks) -> Result<StageOutcome> {
-    let refs: Vec<&Stage> = stages.iter().collect();
-    let mut pos = Position::default();
-    let r = catch_unwind(AssertUnwindSafe(|| run_device(&refs, &links, io, &mut pos)))
-        .unwrap_or_else(|p| Err(StageCause::Panic(threads::panic_message(p))));
-    if r.is_err() {
-        io.abort.store(true, Ordering::SeqCst);
-    }
-    // Dropping the links closes this device's channels, which also wakes a neighbour blocked
-    // on them.
-    drop(links);
-    r.map_err(|cause| {
-        let (index, name) = stages
-            .first()
-            .map_or((0, ""), |s| (s.index, s.device.name()));
-        device_error(stages, index, name, pos, cause)
-    })
-}
-
-/// After a step ran well on a device: its layers' deferred updates, then its update applied
-/// as if the step were valid, with what undoes it.
-fn after_step(
-    stages: &[Stage],
-    optimizers: &mut [Box<dyn Optimizer>],
-    outcome: StageOutcome,
-    update: Update,
-) -> (After, Vec<StageKeep>) {
-    let finish = finish_layers(stages);
-    let mut after = After {
-        outcome,
-        finish,
-        parts: Vec::new(),
-        updated: false,
-    };
-    // Non-finite values here make the step void everywhere: nothing to apply.
-    if after.finish.is_err() || after.outcome.non_finite.is_some() {
-        return (after, Vec::new());
-    }
-    if update.clip {
-        for s in stages {
-            match grad_norm_sq(&s.named_parameters()) {
-                Ok(part) => after.parts.push((s.index, part)),
-                Err(_) => return (after, Vec::new()),
-            }
-        }
-    }
-    let keeps = stages
-        .iter()
-        .zip(optimizers.iter_mut())
-        .map(|(s, o)| {
-            if let Some(lr) = update.lr {
-                o.set_lr(lr);
-            }
-            StageKeep::take(s, o.as_ref())
-        })
-        .collect();
-    after.updated = apply_update(stages, optimizers, update.scale);
-    (after, keeps)
-}
-
-/// The layers' deferred updates (batch-norm statistics), a panic caught.
-fn finish_layers(stages: &[Stage]) -> Result<()> {
-    let finish = || -> Result<()> {
-        for s in stages {
-            for l in &s.layers {
-                l.finish_step()?;
-            }
-        }
-        Ok(())
-    };
-    catch_unwind(AssertUnwindSafe(finish)).unwrap_or_else(|p| {
-        Err(PipelineError::Config(format!(
-            "a layer's deferred update panicked: {}",
-            threads::panic_message(p)
-        )))
-    })
-}
-
-/// `optimizer_step`'s work on one device's stages: unscale, step each stage, drop the
-/// gradients. Whether it all went well (the undo copies cover a failure part way).
-fn apply_update(
-    stages: &[Stage],
-    optimizers: &mut [Box<dyn Optimizer>],
-    scale: Option<f32>,
-) -> bool {
-    if let Some(factor) = unscaling(scale) {
-        if scale_stage_grads(stages, factor, UNSCALING).is_err() {
-            return false;
-        }
-    }
-    // On the device's own loop's thread, wherever that runs (see `run_stage_work`).
-    for (s, o) in stages.iter().zip(optimizers.iter_mut()) {
-        if step_stage(&s.named_parameters(), o.as_mut(), false).is_err() {
-            return false;
-        }
-    }
-    for s in stages {
-        for (_, p) in s.named_parameters() {
-            p.zero_grad();
-        }
-    }
-    true
-}
 
 /// A step launched on the devices and not validated yet.
 struct InFlight {
@@ -434,24 +167,19 @@ impl Pipeline {
             let mut unstarted = Vec::new();
             for (d, lent) in by_device.into_iter().enumerate() {
                 let (ctl_tx, ctl_rx) = channel();
-                // The stages reach the thread through a channel, so that a thread that cannot
-                // be started does not take them with it.
-                let (give, take) = channel::<Lent>();
                 let events = events_tx.clone();
-                let spawned = spawn_stage(scope, d, move || {
-                    let lent = take.recv().ok()?;
-                    // The only device thread has the CPU's threads to itself.
-                    let alone = k == 1 && lent.stages.first().is_some_and(|s| s.device.is_cpu());
-                    Some(threads::run_stage_work(alone, move || {
-                        device_loop(d, lent, ctl_rx, events)
-                    }))
+                let spawned = start_device(lent, |take| {
+                    spawn_stage(scope, d, move || {
+                        let lent = take.recv().ok()?;
+                        Some(threads::run_stage_work(
+                            owns_the_cpu(k == 1, &lent.stages),
+                            move || device_loop(d, lent, ctl_rx, events),
+                        ))
+                    })
                 });
                 match spawned {
-                    Ok(h) => {
-                        let _ = give.send(lent);
-                        handles.push(h);
-                    }
-                    Err(e) => {
+                    Ok(h) => handles.push(h),
+                    Err((lent, e)) => {
                         unstarted.push((lent, format!("could not start device {d}'s thread: {e}")));
                     }
                 }
