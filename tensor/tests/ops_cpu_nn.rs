@@ -149,7 +149,7 @@ proptest! {
     }
 
     /// The fused softmax backward against an f64 reference of `scale * y * (g - sum(g * y))`
-    /// and against the unfused ops (mul, sum, mul, sub, mul_scalar).
+    /// and against the unfused ops in the same order (mul, sum, sub, mul, mul_scalar).
     #[test]
     fn softmax_backward_matches_naive_and_the_unfused_ops(
         shape in prop::collection::vec(1usize..9, 1..4),
@@ -175,9 +175,9 @@ proptest! {
         let gt = g.tensor_as(variant);
         let got = Tensor::softmax_backward(&y, &gt, scale).unwrap();
         assert_nd(&got, &want, 1e-5, 1e-6);
-        let gy = gt.mul(&y).unwrap();
-        let unfused = gy
-            .sub(&y.mul(&gy.sum(&[-1], true).unwrap()).unwrap())
+        let dot = gt.mul(&y).unwrap().sum(&[-1], true).unwrap();
+        let unfused = y
+            .mul(&gt.sub(&dot).unwrap())
             .unwrap()
             .mul_scalar(scale)
             .unwrap();
