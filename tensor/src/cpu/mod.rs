@@ -2,14 +2,11 @@
 //! through the `gemm` crate. This file only allocates outputs and dispatches; each kind of
 //! kernel lives in its own module.
 
-use std::borrow::Cow;
-
 use crate::backend::*;
 use crate::device::Device;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::layout::{numel, Layout};
-use crate::memory::Allocation;
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
@@ -19,6 +16,7 @@ mod conv;
 mod cross_entropy;
 mod elementwise;
 mod half_cast;
+mod host;
 pub(crate) mod host_pool;
 mod index;
 mod math;
@@ -36,36 +34,7 @@ mod tests;
 
 pub(crate) struct CpuKernels;
 
-/// A fresh output buffer whose bytes are already charged to its device.
-struct Out {
-    data: Vec<f32>,
-    alloc: Allocation,
-}
-
-impl Out {
-    /// Reserves `n` values on `dev` (failing with `OutOfMemory` before any memory is touched),
-    /// then takes them zeroed, for kernels that add into their output or leave parts of it.
-    fn zeros(dev: &Device, n: usize) -> Result<Out> {
-        let alloc = Storage::reserve(dev, n)?;
-        Ok(Out {
-            data: host_pool::take_zeroed(n),
-            alloc,
-        })
-    }
-
-    /// [`Out::zeros`] without the zeroing, for kernels that write every value.
-    fn for_overwrite(dev: &Device, n: usize) -> Result<Out> {
-        let alloc = Storage::reserve(dev, n)?;
-        Ok(Out {
-            data: host_pool::take_for_overwrite(n),
-            alloc,
-        })
-    }
-
-    fn into_tensor(self, shape: &[usize], dev: &Device) -> Tensor {
-        Tensor::from_storage(Storage::cpu(self.data, self.alloc), shape, dev)
-    }
-}
+use host::{contig, data, exclusive_host, Out};
 
 /// The plain SGD step `param - lr * grad` in one pass (CPU tensors of one shape), with exactly the
 /// arithmetic of `param.sub(&grad.mul_scalar(lr)?)`: `p - (g * lr + 0.0)`.
@@ -82,22 +51,6 @@ fn sgd_update(param: &Tensor, grad: &Tensor, lr: f32) -> Result<Tensor> {
     Ok(out.into_tensor(param.shape(), param.device()))
 }
 
-/// The host values of `t` for writing in place: the front-ends call in-place kernels only on
-/// exclusive tensors, so the error is a broken contract, reported rather than written through.
-fn exclusive_host<'a>(op: &'static str, t: &'a mut Tensor) -> Result<&'a mut [f32]> {
-    let shape = t.shape().to_vec();
-    t.exclusive_storage()
-        .and_then(Storage::as_cpu_mut)
-        .ok_or_else(|| {
-            Error::invalid(
-                op,
-                format!(
-                    "the tensor of shape {shape:?} to update in place is shared, a view or not f32 on the host"
-                ),
-            )
-        })
-}
-
 /// [`sgd_update`] written into exclusive `param`: `p = p - (g * lr + 0.0)`.
 fn sgd_update_in_place(param: &mut Tensor, grad: &Tensor, lr: f32) -> Result<()> {
     let p = exclusive_host("sgd_update", param)?;
@@ -110,27 +63,6 @@ fn sum_columns(x: &Tensor, width: usize) -> Result<Tensor> {
     let mut out = Out::for_overwrite(x.device(), width)?;
     reduce::sum_columns(&mut out.data, &contig(x));
     Ok(out.into_tensor(&[width], x.device()))
-}
-
-/// The whole host storage behind `x`.
-fn data(x: &Tensor) -> &[f32] {
-    x.storage()
-        .as_cpu()
-        .expect("CPU kernel called with a tensor whose storage is not on the host")
-}
-
-/// The elements of a tensor the contract says is contiguous, in row-major order (a view that is
-/// not contiguous after all is copied rather than misread).
-fn contig(x: &Tensor) -> Cow<'_, [f32]> {
-    let l = x.layout();
-    let d = data(x);
-    if l.is_contiguous() {
-        Cow::Borrowed(&d[l.offset..l.offset + l.numel()])
-    } else {
-        let mut v = vec![0.0; l.numel()];
-        elementwise::copy(&mut v, d, l);
-        Cow::Owned(v)
-    }
 }
 
 impl Kernels for CpuKernels {
