@@ -1,5 +1,5 @@
 //! One device's share of a step, as both drivers run it (`train/workers.rs` one step at a time,
-//! `train/back_to_back.rs` steps back to back): the thread that runs it, started before its
+//! `train/back_to_back/` steps back to back): the thread that runs it, started before its
 //! stages are handed over; its action list under `run_device` with a panic caught, the step
 //! aborted and the peers told on a failure, and its links closed after; and a failure named by
 //! the stage, device, action and layer where it happened.

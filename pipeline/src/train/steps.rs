@@ -1,6 +1,6 @@
 //! A training loop as one call: [`Pipeline::train_steps`] runs N steps (learning rate from a
 //! schedule, forward and backward, clipping, optimizer step) and reports each as it ends. Where
-//! it can, it runs them back to back (see `train/back_to_back.rs`); elsewhere it runs them one
+//! it can, it runs them back to back (see `train/back_to_back/`); elsewhere it runs them one
 //! at a time through `train_step`, `clip_grad_norm` and `optimizer_step`. Both give the same
 //! parameters and optimizer state, bit for bit, and say which ran ([`StepsReport::path`]).
 
