@@ -555,7 +555,7 @@ fn mpi_transport(args: &PipelineArgs) -> AppResult<crate::pipeline::Transport> {
 #[cfg(not(feature = "mpi"))]
 fn mpi_transport(_: &PipelineArgs) -> AppResult<crate::pipeline::Transport> {
     Err(AppError(
-        "--transport mpi needs the examples built with --features mpi (and Open MPI installed; see the README)".into(),
+        "--transport mpi needs the examples built with --features mpi (and Open MPI installed; see docs/mpi.md)".into(),
     ))
 }
 
