@@ -246,6 +246,7 @@ impl Device {
     }
     pub(crate) fn add_flops(&self, n: u64) {
         self.inner.flops.fetch_add(n, Ordering::Relaxed);
+        crate::work::count_flops(n);
     }
     /// Waits until the device has finished all queued work.
     pub fn synchronize(&self) -> Result<()> {

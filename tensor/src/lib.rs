@@ -17,6 +17,7 @@ pub mod rng;
 mod storage;
 pub mod tensor;
 mod wgpu;
+mod work;
 
 pub use backend::{BinaryOp, ReduceOp, UnaryOp};
 pub use cpu::host_pool::{clear_host_pool, pooled_host_bytes, HOST_POOL_ENV};
@@ -32,3 +33,4 @@ pub use memory::{MemoryStats, MemoryTracker, Tag, TagGuard};
 pub use tensor::Tensor;
 pub use wgpipe_shaders::BIAS_ACTIVATIONS;
 pub use wgpu::{AUTOTUNE_CACHE_ENV, AUTOTUNE_ENV};
+pub use work::{thread_flops, thread_net_bytes};

@@ -186,6 +186,7 @@ impl MemoryTracker {
         let d = dtype_index(dtype);
         c.live_by_dtype[d] += bytes;
         c.peak_by_dtype[d] = c.peak_by_dtype[d].max(c.live_by_dtype[d]);
+        crate::work::count_bytes(bytes as i64);
         Ok(Allocation {
             tracker: self.clone(),
             bytes,
@@ -203,6 +204,7 @@ impl MemoryTracker {
         c.live -= bytes;
         c.live_by_tag[tag.index()] -= bytes;
         c.live_by_dtype[dtype_index(dtype)] -= bytes;
+        crate::work::count_bytes(-(bytes as i64));
     }
 
     pub fn stats(&self) -> MemoryStats {
