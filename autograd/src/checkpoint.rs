@@ -11,7 +11,7 @@ use crate::var::Var;
 /// Runs `f(x)` keeping only `x`'s value and the result: on a recording tape, `f` runs on a
 /// [`Tape::no_grad`] tape (its activations are freed at once) and one node is recorded whose
 /// backward re-runs `f` on a fresh [`Tape::recompute`] tape from a leaf holding `x`'s value and
-/// back-propagates through it: parameters used by `f` (via `x.tape().param(..)`) get their
+/// back-propagates through it: parameters used by `f` (via `x.param(..)`) get their
 /// gradients, and `x`'s gradient flows on.
 ///
 /// `f` must compute the same thing twice: randomness must come from the [`ForwardCtx`]

@@ -270,7 +270,7 @@ mod tests {
             "Scale".into()
         }
         fn forward(&self, x: &Var, _: &ForwardCtx) -> Result<Var> {
-            let p = x.tape().param(&self.p);
+            let p = x.param(&self.p)?;
             let (xv, pv) = (x.value().clone(), p.value().clone());
             let k = if self.wrong { 2.0 } else { 1.0 };
             Var::from_op("scale", &[x, &p], xv.mul(&pv)?, move |g, _| {

@@ -16,11 +16,14 @@ pub mod tied;
 pub use tape::var;
 
 pub use checkpoint::{checkpoint, checkpoint_rerun_later, Rerun};
-pub use module::{layer_param_name, CostHint, ForwardCtx, ModelFactory, Module};
+pub use module::{layer_param_name, measured_cost, CostHint, ForwardCtx, ModelFactory, Module};
 pub use optim::{Adam, AdamW, LrSchedule, Optimizer, Sgd};
 pub use param::Param;
 pub use skips::{resolve_skips, SkipEdge, SkipError, SkipRouter, Skips};
 pub use tape::{BackwardFn, Grads, MultiBackwardFn, Tape, WeightGrads};
 pub use tied::{check_tied, sum_tied_grads, tied_groups};
 pub use var::Var;
+/// `#[derive(Module)]`: a layer's parameters declared once, as its fields (see the
+/// `wgpipe-derive` crate for the field attributes).
+pub use wgpipe_derive::Module;
 pub use wgpipe_tensor as tensor;

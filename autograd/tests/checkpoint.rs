@@ -41,14 +41,13 @@ impl Block {
     }
 
     fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
-        let tape = x.tape();
         let ctx = ctx.at_layer(self.layer);
         let h = x
-            .matmul(&tape.param(&self.w1))?
-            .add(&tape.param(&self.b1))?
+            .matmul(&x.param(&self.w1)?)?
+            .add(&x.param(&self.b1)?)?
             .gelu()?
             .dropout(self.p, &ctx, 0)?;
-        x.add(&h.matmul(&tape.param(&self.w2))?)?.tanh()
+        x.add(&h.matmul(&h.param(&self.w2)?)?)?.tanh()
     }
 
     fn params(&self) -> Vec<Param> {

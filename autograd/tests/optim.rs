@@ -551,7 +551,7 @@ fn model(dev: &Device) -> Vec<(String, Param)> {
 /// Loss (mean squared error over all outputs) and parameter gradients by autograd.
 fn loss_backward(params: &[(String, Param)], x: &Tensor, y: &Tensor) -> Result<f32> {
     let tape = Tape::new();
-    let p: Vec<_> = params.iter().map(|(_, p)| tape.param(p)).collect();
+    let p: Vec<_> = params.iter().map(|(_, p)| tape.stored_param(p)).collect();
     let x = tape.constant(x.clone());
     let y = tape.constant(y.clone());
     let h = x.matmul(&p[0])?.add(&p[1])?.tanh()?;
@@ -909,7 +909,7 @@ fn accumulated_grad(w: &(String, Param), x: &Tensor, y: &Tensor, sizes: &[usize]
     let mut start = 0;
     for &s in sizes {
         let tape = Tape::new();
-        let wv = tape.param(&w.1);
+        let wv = tape.stored_param(&w.1);
         let xm = tape.constant(x.narrow(0, start, s).unwrap());
         let ym = tape.constant(y.narrow(0, start, s).unwrap());
         let loss = xm

@@ -355,7 +355,7 @@ fn train_step(
     let mut total = 0.0;
     for (start, len) in [(0, 2), (2, 4)] {
         let tape = Tape::new();
-        let p: Vec<_> = params.iter().map(|(_, p)| tape.param(p)).collect();
+        let p: Vec<_> = params.iter().map(|(_, p)| tape.stored_param(p)).collect();
         let x = tape.constant(x.narrow(0, start, len)?);
         let y = tape.constant(y.narrow(0, start, len)?);
         let h = x.matmul(&p[0])?.add(&p[1])?.tanh()?;

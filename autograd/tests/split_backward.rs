@@ -82,8 +82,8 @@ fn check(name: &str, input_shape: &[usize], param_shapes: &[&[usize]], graph: Gr
 #[test]
 fn linear_with_broadcast_bias_and_activations() {
     check("linear", &[4, 6], &[&[6, 5], &[5]], |t, x, p| {
-        let w = t.param(&p[0]);
-        let b = t.param(&p[1]);
+        let w = t.stored_param(&p[0]);
+        let b = t.stored_param(&p[1]);
         x.matmul(&w)?.add(&b)?.gelu()?.tanh()?.relu()
     });
 }
@@ -91,7 +91,7 @@ fn linear_with_broadcast_bias_and_activations() {
 #[test]
 fn layer_norm_and_softmax() {
     check("layer_norm", &[3, 8], &[&[8], &[8]], |t, x, p| {
-        let (g, b) = (t.param(&p[0]), t.param(&p[1]));
+        let (g, b) = (t.stored_param(&p[0]), t.stored_param(&p[1]));
         x.layer_norm(&g, &b, 1e-5)?.softmax(-1)?.log()
     });
 }
@@ -101,7 +101,7 @@ fn parameter_transformed_before_use() {
     // The transpose and the scaling of the weight are parameter-only nodes: their gradients
     // come in the weight part.
     check("transformed weight", &[2, 3], &[&[4, 3]], |t, x, p| {
-        let w = t.param(&p[0]).t()?.mul_scalar(0.5)?;
+        let w = t.stored_param(&p[0]).t()?.mul_scalar(0.5)?;
         x.matmul(&w)?.square()
     });
 }
@@ -111,7 +111,7 @@ fn split_of_a_packed_weight_and_of_the_data() {
     // Multi-output nodes on both sides: the weight's split (parameter-only) runs in the weight
     // part, the data's in the input part; one piece of each goes unused.
     check("split", &[2, 9], &[&[3, 9]], |t, x, p| {
-        let w = t.param(&p[0]).split(3, 1)?;
+        let w = t.stored_param(&p[0]).split(3, 1)?;
         let xs = x.chunk(3, 1)?;
         let h = xs[0].matmul(&w[0])?.add(&xs[2].matmul(&w[2])?)?.tanh()?;
         h.matmul(&w[0].t()?)
@@ -121,8 +121,8 @@ fn split_of_a_packed_weight_and_of_the_data() {
 #[test]
 fn parameter_used_twice_and_times_itself() {
     check("tied", &[2, 4], &[&[4, 4], &[4]], |t, x, p| {
-        let w = t.param(&p[0]);
-        let s = t.param(&p[1]).mul(&t.param(&p[1]))?;
+        let w = t.stored_param(&p[0]);
+        let s = t.stored_param(&p[1]).mul(&t.stored_param(&p[1]))?;
         let h = x.matmul(&w)?.mul(&s)?.sigmoid()?;
         h.matmul(&w)?.add(x)
     });
@@ -134,7 +134,7 @@ fn embedding_lookup() {
     // parameter; the lookup's output is data, so the layers after it run in the input part.
     check("embedding", &[3, 4], &[&[10, 4]], |t, x, p| {
         let ids = Tensor::from_vec(vec![1.0, 7.0, 3.0], &[3], &Device::cpu())?;
-        let e = t.param(&p[0]).index_select(0, &ids)?;
+        let e = t.stored_param(&p[0]).index_select(0, &ids)?;
         e.add(x)?.mul(&e)
     });
 }
@@ -155,7 +155,7 @@ fn conv_and_pool() {
                 stride: (2, 2),
                 padding: (0, 0),
             };
-            let (w, b) = (t.param(&p[0]), t.param(&p[1]));
+            let (w, b) = (t.stored_param(&p[0]), t.stored_param(&p[1]));
             x.conv2d(&w, Some(&b), conv)?.relu()?.max_pool2d(pool)
         },
     );
@@ -167,7 +167,7 @@ fn split_backward_frees_what_the_weight_part_does_not_need() {
     let p = Param::new("w", values(&[4, 4], 1));
     let tape = Tape::new();
     let x = tape.leaf(values(&[2, 4], 2));
-    let y = x.matmul(&tape.param(&p)).unwrap();
+    let y = x.matmul(&tape.stored_param(&p)).unwrap();
     let out = y.relu().unwrap().exp().unwrap().tanh().unwrap();
     let (_, weights) = tape.backward_split(&out, &values(&[2, 4], 3)).unwrap();
     assert_eq!(
@@ -200,7 +200,7 @@ fn output_computed_from_parameters_alone() {
         let tape = Tape::new();
         let ids = Tensor::from_vec(vec![0.0, 4.0, 4.0], &[3], &Device::cpu()).unwrap();
         let out = tape
-            .param(&table)
+            .stored_param(&table)
             .index_select(0, &ids)
             .unwrap()
             .tanh()
@@ -231,12 +231,12 @@ fn a_lookup_marked_as_data_moves_the_work_after_it_to_the_input_part() {
         let tape = Tape::new();
         let ids = Tensor::from_vec(vec![0.0, 4.0, 4.0], &[3], &Device::cpu()).unwrap();
         let rows = tape
-            .param(&table)
+            .stored_param(&table)
             .index_select(0, &ids)
             .unwrap()
             .depending_on_data();
         assert!(rows.is_data());
-        let out = rows.matmul(&tape.param(&w)).unwrap().tanh().unwrap();
+        let out = rows.matmul(&tape.stored_param(&w)).unwrap().tanh().unwrap();
         let seed = values(out.shape(), 3);
         if split {
             let (_, weights) = tape.backward_split(&out, &seed).unwrap();

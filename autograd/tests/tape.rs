@@ -116,7 +116,11 @@ fn params_accumulate_across_tapes_and_frozen_params_get_none() {
         // one tape per micro-batch; the param is used twice on each
         let tape = Tape::new();
         let x = tape.constant(t(&[3.0, 4.0], &[2]));
-        let (wv, wv2, fv) = (tape.param(&w), tape.param(&w), tape.param(&frozen));
+        let (wv, wv2, fv) = (
+            tape.stored_param(&w),
+            tape.stored_param(&w),
+            tape.stored_param(&frozen),
+        );
         assert!(wv.requires_grad() && !fv.requires_grad());
         let loss = x
             .mul(&wv)
@@ -175,7 +179,7 @@ fn no_grad_records_and_keeps_nothing() {
     let x = tape.leaf(Tensor::ones(&[256], &dev).unwrap());
     let p = Param::new("p", Tensor::ones(&[256], &dev).unwrap());
     let base = dev.memory_stats().live;
-    let mut h = x.mul(&tape.param(&p)).unwrap();
+    let mut h = x.mul(&tape.stored_param(&p)).unwrap();
     for _ in 0..10 {
         h = h.tanh().unwrap().exp().unwrap();
     }
@@ -298,7 +302,7 @@ fn backward_from_several_roots_sums_their_contributions() {
     let tape = Tape::new();
     let x = tape.leaf(t(&[1.0, -2.0], &[2]));
     let w = Param::new("w", t(&[3.0, 0.5], &[2]));
-    let y1 = x.mul(&tape.param(&w)).unwrap();
+    let y1 = x.mul(&tape.stored_param(&w)).unwrap();
     let y2 = x.mul(&x).unwrap();
     let (g1, g2, g3) = (
         t(&[1.0, 2.0], &[2]),

@@ -1,5 +1,6 @@
 //! The autocast policy: the dtype each kind of layer computes in, read from
-//! [`ForwardCtx::compute`]. One table, here; the layers follow it.
+//! [`ForwardCtx::compute`]. One table, here; the layers follow it. Every layer reads its
+//! weights with `Var::param`, in the dtype of its input (cast first where the table says so).
 //!
 //! | layer kind | input | weights | output |
 //! |---|---|---|---|

@@ -430,28 +430,35 @@ fn f32_compute_runs_exactly_the_plain_ops() {
         .unwrap();
     let x = rand(&[4, 6], 1);
     let plain = |tape: &Tape, x: &Var| {
-        x.matmul(&tape.param(&lin.weight).t().unwrap())
+        x.matmul(&tape.stored_param(&lin.weight).t().unwrap())
             .unwrap()
-            .bias_act(&tape.param(lin.bias.as_ref().unwrap()), UnaryOp::Relu)
+            .bias_act(
+                &tape.stored_param(lin.bias.as_ref().unwrap()),
+                UnaryOp::Relu,
+            )
             .unwrap()
     };
     same_bits(&lin, &x, &ctx, plain);
     let conv = Conv2d::new(3, 4, 3, 2, &dev).unwrap();
     let plain = |tape: &Tape, x: &Var| {
-        let b = tape.param(conv.bias.as_ref().unwrap());
-        x.conv2d(&tape.param(&conv.weight), Some(&b), conv.params())
+        let b = tape.stored_param(conv.bias.as_ref().unwrap());
+        x.conv2d(&tape.stored_param(&conv.weight), Some(&b), conv.params())
             .unwrap()
     };
     same_bits(&conv, &rand(&[2, 3, 5, 5], 2), &ctx, plain);
     let ln = LayerNorm::new(6, &dev).unwrap();
     let plain = |tape: &Tape, x: &Var| {
-        x.layer_norm(&tape.param(&ln.weight), &tape.param(&ln.bias), ln.eps())
-            .unwrap()
+        x.layer_norm(
+            &tape.stored_param(&ln.weight),
+            &tape.stored_param(&ln.bias),
+            ln.eps(),
+        )
+        .unwrap()
     };
     same_bits(&ln, &x, &ctx, plain);
     let pos = PositionalEmbedding::new(8, 6, 3, &dev).unwrap();
     let plain = |tape: &Tape, x: &Var| {
-        x.add(&tape.param(&pos.weight).narrow(0, 0, 4).unwrap())
+        x.add(&tape.stored_param(&pos.weight).narrow(0, 0, 4).unwrap())
             .unwrap()
     };
     same_bits(&pos, &rand(&[2, 4, 6], 3), &ctx, plain);

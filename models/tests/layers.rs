@@ -371,7 +371,7 @@ fn packed_qkv_computes_the_separate_projections_function() {
 /// fused input gradient (the tape then added it to the input's other gradients).
 fn composed_layer_norm(ln: &LayerNorm, x: &Var) -> Var {
     let t = x.tape();
-    let (gamma, beta) = (t.param(&ln.weight), t.param(&ln.bias));
+    let (gamma, beta) = (t.stored_param(&ln.weight), t.stored_param(&ln.bias));
     let (y, mean, rstd) = x
         .value()
         .layer_norm(gamma.value(), beta.value(), ln.eps())

@@ -452,7 +452,7 @@ impl Module for Fault {
     }
     fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
         let armed = self.state.lock().unwrap_or_else(|p| p.into_inner()).armed;
-        let gated = || x.mul(&x.tape().param(&self.gate));
+        let gated = || x.mul(&x.param(&self.gate)?);
         let Some((kind, m)) = armed else {
             return gated();
         };
@@ -513,7 +513,7 @@ impl Module for Fault {
             }
             FaultKind::WeightBackwardError => {
                 let state = self.state.clone();
-                let gate = x.tape().param(&self.gate);
+                let gate = x.param(&self.gate)?;
                 let (xv, gv) = (x.value().clone(), gate.value().clone());
                 let y = xv.mul(&gv)?;
                 Var::from_op("fault", &[x, &gate], y, move |g, wants| {
@@ -584,9 +584,8 @@ impl Module for ShiftLinear {
         format!("ShiftLinear({})", self.width)
     }
     fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
-        let t = x.tape();
-        let h = x.add(&t.param(&self.shift))?;
-        h.matmul(&t.param(&self.weight).t()?)
+        let h = x.add(&x.param(&self.shift)?)?;
+        h.matmul(&h.param(&self.weight)?.t()?)
     }
     fn parameters(&self) -> Vec<(String, Param)> {
         vec![

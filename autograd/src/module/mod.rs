@@ -3,8 +3,12 @@
 use wgpipe_tensor::rng::{splitmix64, GOLDEN_GAMMA};
 use wgpipe_tensor::{DType, Device, Result, Tensor};
 
+mod cost;
+
 use crate::param::Param;
 use crate::var::Var;
+pub use cost::measured_cost;
+use cost::short_type_name;
 
 /// Where a forward call happens: which step, micro-batch and layer (the keys of the counter-based
 /// RNG, so dropout replays bit-identically on recompute), whether the model trains, and whether
@@ -159,6 +163,31 @@ impl From<ParamList> for Vec<(String, Param)> {
     }
 }
 
+/// A child module held as itself or boxed: how the code `#[derive(Module)]` writes reaches a
+/// `Linear` field and a `Box<dyn Module>` field the same way.
+pub trait AsModule {
+    fn as_module(&self) -> &dyn Module;
+    fn as_module_mut(&mut self) -> &mut dyn Module;
+}
+
+impl<M: Module> AsModule for M {
+    fn as_module(&self) -> &dyn Module {
+        self
+    }
+    fn as_module_mut(&mut self) -> &mut dyn Module {
+        self
+    }
+}
+
+impl AsModule for Box<dyn Module> {
+    fn as_module(&self) -> &dyn Module {
+        &**self
+    }
+    fn as_module_mut(&mut self) -> &mut dyn Module {
+        &mut **self
+    }
+}
+
 /// What a layer costs for a given input shape; the pipeline balances stages with these.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CostHint {
@@ -190,9 +219,56 @@ pub fn layer_param_name(layer: usize, name: &str) -> String {
 }
 
 /// A layer, or a sequence of layers. `Send` so a pipeline stage can own it on its own thread.
+///
+/// The one method a layer must write is [`Module::forward`]; the others have defaults that
+/// are right for most layers: the name is the type's, [`Module::cost`] is measured by running
+/// the layer once ([`measured_cost`]), and a layer with parameters either lists them in
+/// [`Module::parameters`] or declares them once, as fields, with `#[derive(Module)]` (its
+/// field attributes are in the `wgpipe-derive` crate). A layer reads each weight with
+/// [`Var::param`], which gives it in the input's dtype, so the same code runs in f32 and under
+/// f16/bf16 autocast:
+///
+/// ```
+/// use wgpipe_autograd::{ForwardCtx, Module, Param, Tape, Var};
+/// use wgpipe_tensor::{Device, Result, Tensor};
+///
+/// /// `x * scale + shift`, with a checkpoint naming its tensors `scale` and `shift`.
+/// #[derive(Module)]
+/// struct Affine {
+///     scale: Param,
+///     shift: Option<Param>,
+/// }
+///
+/// impl Affine {
+///     fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
+///         let y = x.mul(&x.param(&self.scale)?)?;
+///         match &self.shift {
+///             Some(b) => y.add(&x.param(b)?),
+///             None => Ok(y),
+///         }
+///     }
+/// }
+///
+/// # fn main() -> Result<()> {
+/// let cpu = Device::cpu();
+/// let affine = Affine {
+///     scale: Param::new("scale", Tensor::from_vec(vec![2.0; 4], &[4], &cpu)?),
+///     shift: Some(Param::new("shift", Tensor::zeros(&[4], &cpu)?)),
+/// };
+/// let names: Vec<String> = affine.parameters().into_iter().map(|(n, _)| n).collect();
+/// assert_eq!(names, ["scale", "shift"]);
+/// assert_eq!(affine.cost(&[3, 4]).output_shape, [3, 4]); // measured by one run
+/// let tape = Tape::new();
+/// let y = affine.apply(&tape.leaf(Tensor::from_vec(vec![1.0; 12], &[3, 4], &cpu)?))?;
+/// assert_eq!(y.value().to_vec()?, vec![2.0; 12]);
+/// # Ok(())
+/// # }
+/// ```
 pub trait Module: Send {
-    /// A short name for reports, e.g. `"Linear(512->512)"`.
-    fn name(&self) -> String;
+    /// A short name for reports, e.g. `"Linear(512->512)"`; by default the type's name.
+    fn name(&self) -> String {
+        short_type_name(std::any::type_name::<Self>())
+    }
     /// Runs the layer on `x`, recording on `x`'s tape (or not, if the tape does not record).
     fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var>;
     /// [`Module::forward`] with the default context ([`ForwardCtx::eval`]): no dropout, no
@@ -201,8 +277,11 @@ pub trait Module: Send {
     fn apply(&self, x: &Var) -> Result<Var> {
         self.forward(x, &ForwardCtx::eval())
     }
-    /// Trainable parameters with hierarchical names relative to this module (e.g. `attn.q.weight`).
-    fn parameters(&self) -> Vec<(String, Param)>;
+    /// Trainable parameters with hierarchical names relative to this module (e.g.
+    /// `attn.q.weight`); none by default.
+    fn parameters(&self) -> Vec<(String, Param)> {
+        Vec::new()
+    }
     /// Non-trainable state saved with the model (e.g. batch-norm running statistics).
     fn buffers(&self) -> Vec<(String, Param)> {
         Vec::new()
@@ -221,8 +300,12 @@ pub trait Module: Send {
     fn finish_step(&self) -> Result<()> {
         Ok(())
     }
-    /// Cost of one forward on an input of `input_shape`.
-    fn cost(&self, input_shape: &[usize]) -> CostHint;
+    /// Cost of one forward on an input of `input_shape`. By default measured by running the
+    /// layer once on zeros of that shape ([`measured_cost`]); a layer whose cost is cheap to
+    /// compute from the shape (or whose input must not be zeros) says it here instead.
+    fn cost(&self, input_shape: &[usize]) -> CostHint {
+        measured_cost(self, input_shape)
+    }
     /// The skips this layer pops and stashes (see [`skips`](super::skips)); none by default.
     fn skips(&self) -> Skips {
         Skips::default()

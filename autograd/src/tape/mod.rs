@@ -185,9 +185,11 @@ impl Tape {
         v
     }
 
-    /// The value of `param`; on a recording tape and when the param is trainable, backward adds
-    /// its gradient to the param (`Param::accumulate_grad`).
-    pub fn param(&self, param: &Param) -> Var {
+    /// The value of `param` as stored (an f32 master weight stays f32 under autocast); on a
+    /// recording tape and when the param is trainable, backward adds its gradient to the param
+    /// (`Param::accumulate_grad`). For code outside a layer (a loss over parameters, a test): a
+    /// layer reads its weights with [`Var::param`], which gives them in its input's dtype.
+    pub fn stored_param(&self, param: &Param) -> Var {
         let rec = self.is_recording() && param.is_trainable();
         let v = self.new_var(param.value(), rec, false);
         if rec {
@@ -199,9 +201,9 @@ impl Tape {
     /// The value of `param` in `dtype` (autocast's compute copy of an f32 master weight): the
     /// param's var cast to `dtype`, the cast being the param's cached copy
     /// ([`Param::value_in`]), so the gradient is cast back and accumulates in the param's own
-    /// dtype. Exactly [`Tape::param`] when the param already has `dtype`.
+    /// dtype. Exactly [`Tape::stored_param`] when the param already has `dtype`.
     pub fn param_in(&self, param: &Param, dtype: DType) -> Result<Var> {
-        let v = self.param(param);
+        let v = self.stored_param(param);
         if v.value().dtype() == dtype {
             return Ok(v);
         }

@@ -4,6 +4,7 @@
 use wgpipe_tensor::{Device, Result, Tensor};
 
 use super::{BackwardFn, CarrySlot, MultiBackwardFn, Tape};
+use crate::param::Param;
 
 /// A value on a [`Tape`]. Cloning is cheap (the value's storage is shared).
 #[derive(Clone)]
@@ -38,6 +39,14 @@ impl Var {
     }
     pub fn tape(&self) -> &Tape {
         &self.tape
+    }
+    /// Parameter `p` on this var's tape in this var's dtype: how a layer reads its weights.
+    /// Under autocast the stream between layers is half, so the weights come as the param's
+    /// cached half copy of its f32 master ([`Tape::param_in`]) and the layer computes in
+    /// half; in an f32 run they are the param itself. The gradient accumulates in the param's
+    /// own dtype either way.
+    pub fn param(&self, p: &Param) -> Result<Var> {
+        self.tape.param_in(p, self.value.dtype())
     }
     pub fn id(&self) -> usize {
         self.id

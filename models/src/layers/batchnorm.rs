@@ -102,8 +102,8 @@ impl Module for BatchNorm2d {
         // through copies in the input's dtype; means accumulate in f32 in the kernels.
         let (t, d) = (x.tape(), x.value().dtype());
         let cs = self.channel_shape(shape.len());
-        let gamma = t.param_in(&self.weight, d)?.reshape(&cs)?;
-        let beta = t.param_in(&self.bias, d)?.reshape(&cs)?;
+        let gamma = x.param(&self.weight)?.reshape(&cs)?;
+        let beta = x.param(&self.bias)?.reshape(&cs)?;
         if !(ctx.train && self.train) {
             let rm = t.constant(self.running_mean.value_in(d)?.reshape(&cs)?);
             let rv = t.constant(self.running_var.value_in(d)?.reshape(&cs)?);

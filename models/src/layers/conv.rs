@@ -152,11 +152,10 @@ impl Module for Conv2d {
                 format!("input {:?} must be [N, {}, H, W]", x.shape(), self.c_in),
             ));
         }
-        let t = x.tape();
         let x = compute_input(x, ctx)?;
-        let w = t.param_in(&self.weight, ctx.compute)?;
+        let w = x.param(&self.weight)?;
         let b = match &self.bias {
-            Some(b) => Some(t.param_in(b, ctx.compute)?),
+            Some(b) => Some(x.param(b)?),
             None => None,
         };
         x.conv2d(&w, b.as_ref(), self.params)

@@ -44,7 +44,7 @@ impl Embedding {
     }
     /// Rows of the table for the ids held in `ids` (any shape): `[.., dim]`.
     pub fn lookup(&self, tape_of: &Var, ids: &Tensor) -> Result<Var> {
-        let w = tape_of.tape().param(&self.weight);
+        let w = tape_of.tape().stored_param(&self.weight);
         let flat = ids.reshape(&[ids.numel()])?;
         let rows = w.index_select(0, &flat)?;
         let mut out = ids.shape().to_vec();
@@ -124,7 +124,7 @@ impl Module for PositionalEmbedding {
             ));
         }
         let t = s[s.len() - 2];
-        let w = x.tape().param_in(&self.weight, x.value().dtype())?;
+        let w = x.param(&self.weight)?;
         x.add(&w.narrow(0, 0, t)?)
     }
     fn parameters(&self) -> Vec<(String, Param)> {

@@ -121,9 +121,8 @@ impl Linear {
                 ),
             ));
         }
-        let tape = x.tape();
         let x = &compute_input(x, ctx)?;
-        let w = tape.param_in(&self.weight, ctx.compute)?;
+        let w = x.param(&self.weight)?;
         let rows: usize = shape[..shape.len() - 1].iter().product();
         let x2 = if shape.len() == 2 {
             x.clone()
@@ -132,8 +131,8 @@ impl Linear {
         };
         let mut y = x2.matmul(&w.t()?)?;
         y = match (&self.bias, act) {
-            (Some(b), Some(act)) => y.bias_act(&tape.param_in(b, ctx.compute)?, act)?,
-            (Some(b), None) => y.add(&tape.param_in(b, ctx.compute)?)?,
+            (Some(b), Some(act)) => y.bias_act(&x.param(b)?, act)?,
+            (Some(b), None) => y.add(&x.param(b)?)?,
             (None, Some(act)) => y.unary(act)?,
             (None, None) => y,
         };

@@ -32,13 +32,7 @@ impl LayerNorm {
     /// after it), bit for bit the add and then [`Module::forward`].
     pub fn forward_residual(&self, x: &Var, r: &Var) -> Result<(Var, Var)> {
         self.check_input(x)?;
-        let (t, d) = (x.tape(), x.value().dtype());
-        x.add_layer_norm(
-            r,
-            &t.param_in(&self.weight, d)?,
-            &t.param_in(&self.bias, d)?,
-            self.eps,
-        )
+        x.add_layer_norm(r, &x.param(&self.weight)?, &x.param(&self.bias)?, self.eps)
     }
 
     fn check_input(&self, x: &Var) -> Result<()> {
@@ -59,12 +53,7 @@ impl Module for LayerNorm {
     fn forward(&self, x: &Var, _ctx: &ForwardCtx) -> Result<Var> {
         self.check_input(x)?;
         // On the stream's dtype (autocast); the statistics accumulate in f32 in the kernel.
-        let (t, d) = (x.tape(), x.value().dtype());
-        x.layer_norm(
-            &t.param_in(&self.weight, d)?,
-            &t.param_in(&self.bias, d)?,
-            self.eps,
-        )
+        x.layer_norm(&x.param(&self.weight)?, &x.param(&self.bias)?, self.eps)
     }
     fn parameters(&self) -> Vec<(String, Param)> {
         vec![

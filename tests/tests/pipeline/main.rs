@@ -20,4 +20,5 @@ mod sim_time;
 mod skips;
 mod tied;
 mod transport;
+mod user_layer;
 mod wgpu;

@@ -60,8 +60,8 @@ impl Module for AutocastLinear {
     fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
         let t = x.tape();
         let x = x.to_dtype(ctx.compute)?;
-        let w = t.param(&self.weight).to_dtype(ctx.compute)?;
-        let b = t.param(&self.bias).to_dtype(ctx.compute)?;
+        let w = t.stored_param(&self.weight).to_dtype(ctx.compute)?;
+        let b = t.stored_param(&self.bias).to_dtype(ctx.compute)?;
         let y = x.matmul(&w.t()?)?.add(&b)?.tanh()?;
         let armed = self
             .trigger
@@ -512,7 +512,7 @@ impl Module for WeightGradBoost {
         "WeightGradBoost".into()
     }
     fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
-        let w = x.tape().param(&self.w).to_dtype(ctx.compute)?;
+        let w = x.tape().stored_param(&self.w).to_dtype(ctx.compute)?;
         x.to_dtype(ctx.compute)?.add(&w.mul_scalar(1e4)?)
     }
     fn parameters(&self) -> Vec<(String, Param)> {
