@@ -8,9 +8,13 @@ pub mod conv;
 pub mod dropout;
 pub mod embedding;
 pub mod flatten;
+pub mod gqa_attention;
 pub mod linear;
 pub mod norm;
 pub mod pool;
+pub mod rms_norm;
+pub mod rope;
+pub mod swiglu;
 pub mod transformer;
 
 pub use activation::{Gelu, Relu};
@@ -21,9 +25,13 @@ pub use conv::Conv2d;
 pub use dropout::Dropout;
 pub use embedding::{Embedding, PositionalEmbedding, TokenPositionEmbedding};
 pub use flatten::Flatten;
+pub use gqa_attention::{GqaAttention, GqaShape};
 pub use linear::Linear;
 pub use norm::LayerNorm;
 pub use pool::{AvgPool2d, GlobalAvgPool, MaxPool2d};
+pub use rms_norm::RmsNorm;
+pub use rope::{Rope, RopeScaling};
+pub use swiglu::SwiGluMlp;
 pub use transformer::{Mlp, TransformerBlock};
 
 use wgpipe_autograd::Param;
@@ -37,6 +45,14 @@ pub(crate) fn f32_bytes(shape: &[usize]) -> usize {
 /// A shape error naming the layer.
 pub(crate) fn shape_error(op: &'static str, msg: impl Into<String>) -> Error {
     Error::Shape {
+        op,
+        msg: msg.into(),
+    }
+}
+
+/// An invalid-argument error naming the layer.
+pub(crate) fn invalid(op: &'static str, msg: impl Into<String>) -> Error {
+    Error::Invalid {
         op,
         msg: msg.into(),
     }

@@ -2,10 +2,12 @@
 //! [`forward_all`](crate::forward_all) or to be cut into pipeline stages anywhere.
 
 pub mod amoebanet;
+pub mod llama;
 pub mod resnet;
 pub mod transformer_lm;
 
 pub use amoebanet::AmoebaNet;
+pub use llama::{LlamaDecoderLayer, LlamaLayerConfig};
 pub use resnet::ResNet;
 pub use transformer_lm::TransformerLm;
 

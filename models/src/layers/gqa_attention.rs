@@ -1,0 +1,175 @@
+//! Causal self-attention with grouped-query heads and rotary positions, as transformers'
+//! `LlamaAttention`: `q_proj` to `heads` heads of `head_dim`, `k_proj` and `v_proj` to
+//! `kv_heads` heads (query head `h` reads key/value head `h / (heads / kv_heads)`), RoPE on the
+//! queries and keys, scores scaled by `head_dim^-0.5`, `o_proj` back to the hidden size.
+
+use wgpipe_autograd::{ForwardCtx, Module, Var};
+use wgpipe_tensor::{Device, Result};
+
+use super::{invalid, shape_error, Linear, Rope};
+use crate::init::sub_seed;
+
+/// The sizes of a [`GqaAttention`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GqaShape {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl GqaShape {
+    /// Fails unless every size is positive and `kv_heads` divides `heads`.
+    pub fn check(&self) -> Result<()> {
+        let GqaShape {
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+        } = *self;
+        if hidden == 0 || heads == 0 || kv_heads == 0 || head_dim == 0 {
+            return Err(invalid(
+                "GqaAttention",
+                format!("sizes must be positive: {self:?}"),
+            ));
+        }
+        if !heads.is_multiple_of(kv_heads) {
+            return Err(invalid(
+                "GqaAttention",
+                format!("num_key_value_heads = {kv_heads} does not divide num_attention_heads = {heads}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Module)]
+pub struct GqaAttention {
+    #[wgpipe(module)]
+    pub q_proj: Linear,
+    #[wgpipe(module)]
+    pub k_proj: Linear,
+    #[wgpipe(module)]
+    pub v_proj: Linear,
+    #[wgpipe(module)]
+    pub o_proj: Linear,
+    shape: GqaShape,
+    rope: Rope,
+}
+
+impl GqaAttention {
+    /// Projections with PyTorch's Linear initialization from `seed`, biased when `bias`
+    /// (transformers' `attention_bias`; `o_proj` too, as there).
+    pub fn new(shape: GqaShape, rope: Rope, bias: bool, seed: u64, dev: &Device) -> Result<Self> {
+        shape.check()?;
+        let (h, q, kv) = (
+            shape.hidden,
+            shape.heads * shape.head_dim,
+            shape.kv_heads * shape.head_dim,
+        );
+        GqaAttention::from_projections(
+            [
+                Linear::with_bias(h, q, bias, sub_seed(seed, 0), dev)?,
+                Linear::with_bias(h, kv, bias, sub_seed(seed, 1), dev)?,
+                Linear::with_bias(h, kv, bias, sub_seed(seed, 2), dev)?,
+                Linear::with_bias(q, h, bias, sub_seed(seed, 3), dev)?,
+            ],
+            shape,
+            rope,
+        )
+    }
+
+    /// From given `[q_proj, k_proj, v_proj, o_proj]`, checked against `shape` and `rope`.
+    pub fn from_projections(projections: [Linear; 4], shape: GqaShape, rope: Rope) -> Result<Self> {
+        shape.check()?;
+        let [q_proj, k_proj, v_proj, o_proj] = projections;
+        let (q, kv) = (
+            shape.heads * shape.head_dim,
+            shape.kv_heads * shape.head_dim,
+        );
+        let want = [
+            (shape.hidden, q),
+            (shape.hidden, kv),
+            (shape.hidden, kv),
+            (q, shape.hidden),
+        ];
+        for ((name, l), (i, o)) in ["q_proj", "k_proj", "v_proj", "o_proj"]
+            .iter()
+            .zip([&q_proj, &k_proj, &v_proj, &o_proj])
+            .zip(want)
+        {
+            if (l.in_features(), l.out_features()) != (i, o) {
+                return Err(shape_error(
+                    "GqaAttention",
+                    format!(
+                        "{name} must map {i} -> {o} for {shape:?}, got {} -> {}",
+                        l.in_features(),
+                        l.out_features()
+                    ),
+                ));
+            }
+        }
+        if rope.head_dim() != shape.head_dim {
+            return Err(invalid(
+                "GqaAttention",
+                format!(
+                    "the rotary embedding is for head_dim {}, the heads have {}",
+                    rope.head_dim(),
+                    shape.head_dim
+                ),
+            ));
+        }
+        Ok(GqaAttention {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            shape,
+            rope,
+        })
+    }
+
+    pub fn shape(&self) -> GqaShape {
+        self.shape
+    }
+
+    pub fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
+        let s = x.shape().to_vec();
+        let GqaShape {
+            hidden,
+            heads,
+            kv_heads,
+            head_dim: d,
+        } = self.shape;
+        if s.len() != 3 || s[2] != hidden {
+            return Err(shape_error(
+                "GqaAttention",
+                format!("input {s:?} must be [B, T, {hidden}]"),
+            ));
+        }
+        let (b, t, group) = (s[0], s[1], heads / kv_heads);
+        // [B, T, n * d] -> [B, n, T, d], then the rotation of each position.
+        let split = |y: Var, n: usize| y.reshape(&[b, t, n, d])?.permute(&[0, 2, 1, 3]);
+        let q = self
+            .rope
+            .apply(&split(self.q_proj.forward(x, ctx)?, heads)?, 0)?;
+        let k = self
+            .rope
+            .apply(&split(self.k_proj.forward(x, ctx)?, kv_heads)?, 0)?;
+        let v = split(self.v_proj.forward(x, ctx)?, kv_heads)?;
+        // The queries as [B, kv_heads, group, T, d] and each key/value head broadcast over its
+        // group (a view): the repeat of K and V is never written out, and their gradients sum
+        // over the group in the broadcast's backward.
+        let grouped = [b, kv_heads, group, t, d];
+        let q = q.reshape(&grouped)?;
+        let k = k.unsqueeze(2)?.broadcast_to(&grouped)?;
+        let v = v.unsqueeze(2)?.broadcast_to(&grouped)?;
+        let scale = 1.0 / (d as f32).sqrt();
+        let y = q
+            .causal_attention(&k, &v, scale, None)?
+            .reshape(&[b, heads, t, d])?
+            .permute(&[0, 2, 1, 3])?
+            .reshape(&[b, t, heads * d])?;
+        self.o_proj.forward(&y, ctx)
+    }
+}
