@@ -10,6 +10,8 @@ pub mod device;
 pub mod dtype;
 mod dtype_policy;
 pub mod error;
+mod gpu_pool;
+mod host_pool;
 pub mod layout;
 pub mod memory;
 pub mod ops;
@@ -20,7 +22,7 @@ mod wgpu;
 mod work;
 
 pub use backend::{BinaryOp, ReduceOp, UnaryOp};
-pub use cpu::host_pool::{clear_host_pool, pooled_host_bytes, HOST_POOL_ENV};
+pub use host_pool::{clear_host_pool, pooled_host_bytes, HOST_POOL_ENV};
 pub use cpu::matmul::timing::{take_cpu_matmul_times, time_cpu_matmuls, MatmulTime, OperandLayout};
 pub use cpu::par::{
     cpu_threads, on_cpu_pool, on_spare_cpu_thread, set_cpu_threads, share_cpu_threads,

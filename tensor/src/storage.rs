@@ -16,7 +16,7 @@ pub(crate) enum StorageData {
     /// f32 values, or for a half dtype 16-bit patterns packed two per 32-bit word (element `2w`
     /// in the low half of word `w`): WGSL has no bf16 and its f16 needs `SHADER_F16`, so the
     /// shaders unpack both themselves.
-    Wgpu(crate::wgpu::GpuBuffer),
+    Wgpu(crate::gpu_pool::GpuBuffer),
 }
 
 pub(crate) struct Storage {
@@ -115,7 +115,7 @@ impl Drop for Storage {
     /// Host buffers go back to the CPU backend's pool for the next op of their length.
     fn drop(&mut self) {
         if let StorageData::Cpu(v) = &mut self.data {
-            crate::cpu::host_pool::give(std::mem::take(v));
+            crate::host_pool::give(std::mem::take(v));
         }
     }
 }

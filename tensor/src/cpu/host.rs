@@ -4,7 +4,8 @@
 
 use std::borrow::Cow;
 
-use super::{elementwise, host_pool};
+use super::elementwise;
+use crate::host_pool;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::Allocation;

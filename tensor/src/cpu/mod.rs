@@ -17,7 +17,6 @@ mod cross_entropy;
 mod elementwise;
 mod half_cast;
 mod host;
-pub(crate) mod host_pool;
 mod index;
 mod math;
 pub(crate) mod matmul;
@@ -34,6 +33,7 @@ mod tests;
 
 pub(crate) struct CpuKernels;
 
+use crate::host_pool;
 use host::{contig, data, exclusive_host, Out};
 
 /// The plain SGD step `param - lr * grad` in one pass (CPU tensors of one shape), with exactly the

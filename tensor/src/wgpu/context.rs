@@ -9,7 +9,7 @@ use wgpipe_shaders::RowGroup;
 use super::autotune::{default_cache_path, mode_from, Tuner, AUTOTUNE_ENV};
 use super::discovery::{discovery, AdapterInfo};
 use super::pipelines::PipelineCache;
-use super::pool::BufferPool;
+use crate::gpu_pool::BufferPool;
 use super::runtime::Recorder;
 use crate::error::{Error, Result};
 

@@ -4,7 +4,7 @@
 //! - `discovery`: the adapters of this machine, in a stable order.
 //! - `context`: `WgpuContext::open` (the adapter's real limits; `SHADER_F16` where present),
 //!   the error sink (wgpu errors become `Error::Wgpu`, never a panic).
-//! - `pool`: size-bucketed buffer pool; `GpuBuffer` goes back to it on drop.
+//! - (`crate::gpu_pool`: the size-bucketed buffer pool; a `GpuBuffer` goes back to it on drop.)
 //! - `pipelines`: one compiled pipeline per kernel variant, cached.
 //! - `runtime`: batching of dispatches into one encoder, parameter blocks, submit, read-back.
 //! - `kernels`: `impl Kernels for WgpuContext`.
@@ -23,7 +23,6 @@ mod discovery;
 mod kernels;
 mod matmul;
 mod pipelines;
-mod pool;
 mod runtime;
 #[cfg(test)]
 mod tests;
@@ -31,4 +30,3 @@ mod tests;
 pub use autotune::{AUTOTUNE_CACHE_ENV, AUTOTUNE_ENV};
 pub(crate) use context::WgpuContext;
 pub use discovery::{list_adapters, AdapterInfo};
-pub(crate) use pool::GpuBuffer;

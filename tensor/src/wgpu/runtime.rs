@@ -11,7 +11,7 @@ use std::sync::MutexGuard;
 use wgpipe_shaders::Kernel;
 
 use super::context::WgpuContext;
-use super::pool::GpuBuffer;
+use crate::gpu_pool::GpuBuffer;
 use crate::error::Result;
 
 /// Dispatches recorded before a submit is forced.

@@ -249,7 +249,7 @@ unsafe fn by_depth(
         .filter(|(k0, k1)| k0 < k1)
         .collect();
     // Every value is written (each range's first `KC` block stores, not adds).
-    let mut sums = crate::cpu::host_pool::take_for_overwrite((ranges.len() - 1) * m * n);
+    let mut sums = crate::host_pool::take_for_overwrite((ranges.len() - 1) * m * n);
     let outs: Vec<Out> = std::iter::once(out)
         .chain(sums.chunks_mut(m * n).map(|s| Out {
             ptr: s.as_mut_ptr(),
@@ -274,7 +274,7 @@ unsafe fn by_depth(
             c.iter_mut().zip(row).for_each(|(c, s)| *c += s);
         }
     }
-    crate::cpu::host_pool::give(sums);
+    crate::host_pool::give(sums);
 }
 
 /// The narrowest range of rows or columns a part has where the grid has more than one: it packs

@@ -284,13 +284,13 @@ fn matmul_by_panels(
         starts.par_iter().for_each(|&j0| {
             let w = width.min(n - j0);
             // From the host pool: the copy writes every value, and each step asks again.
-            let mut panel = super::host_pool::take_for_overwrite(k * w);
+            let mut panel = crate::host_pool::take_for_overwrite(k * w);
             panel_product(j0, w, &mut panel, Parallelism::None);
-            super::host_pool::give(panel);
+            crate::host_pool::give(panel);
         });
     } else {
         let width = (widest / 16 * 16).min(n);
-        let mut panel = super::host_pool::take_for_overwrite(k * width);
+        let mut panel = crate::host_pool::take_for_overwrite(k * width);
         let par = if threads > 1 {
             Parallelism::Rayon(0)
         } else {
@@ -300,7 +300,7 @@ fn matmul_by_panels(
             let w = width.min(n - j0);
             panel_product(j0, w, &mut panel[..k * w], par);
         }
-        super::host_pool::give(panel);
+        crate::host_pool::give(panel);
     }
 }
 

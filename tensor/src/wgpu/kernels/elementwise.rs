@@ -8,7 +8,7 @@ use super::{gpu, groups_for, u};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::wgpu::context::WgpuContext;
-use crate::wgpu::pool::GpuBuffer;
+use crate::gpu_pool::GpuBuffer;
 use crate::wgpu::runtime::Arg;
 
 /// Merges the dims of several same-shaped layouts: size-1 dims go, and neighbouring dims that

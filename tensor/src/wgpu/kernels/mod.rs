@@ -21,7 +21,7 @@ use wgpipe_shaders::params::{FillParams, ParamBlock};
 use wgpipe_shaders::{IndexKernel, Kernel, ELEMENTWISE_WG};
 
 use super::context::WgpuContext;
-use super::pool::GpuBuffer;
+use crate::gpu_pool::GpuBuffer;
 use super::runtime::Arg;
 use crate::backend::*;
 use crate::device::Device;
