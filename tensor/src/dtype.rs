@@ -56,19 +56,6 @@ impl std::fmt::Display for DType {
     }
 }
 
-impl std::str::FromStr for DType {
-    type Err = crate::Error;
-
-    fn from_str(s: &str) -> crate::Result<DType> {
-        DType::ALL
-            .into_iter()
-            .find(|d| d.name() == s)
-            .ok_or_else(|| {
-                crate::Error::invalid("dtype", format!("unknown dtype {s:?} (f32, f16 or bf16)"))
-            })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::DType;

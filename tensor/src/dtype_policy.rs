@@ -25,6 +25,7 @@ use crate::backend::Kernels;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::raw::RawTensor;
 use crate::tensor::Tensor;
 
 /// How an op's kernel meets half operands (see the module doc).
@@ -38,23 +39,50 @@ pub(crate) enum DTypePolicy {
 
 /// A kernel output that stays f32 under [`DTypePolicy::WidenThenRound`]: indices (f16 holds
 /// integers exactly only up to 2048) and the row statistics a backward recomputes from.
-pub(crate) struct StaysF32(pub(crate) Tensor);
+pub(crate) struct StaysF32<T>(pub(crate) T);
 
-/// What a kernel returns, as [`DTypePolicy::WidenThenRound`] rounds it back to half `dtype`:
-/// each tensor rounded, in order, except those wrapped in [`StaysF32`].
+/// What a kernel returns, as [`DTypePolicy::WidenThenRound`] rounds it back to half `dtype`
+/// (each tensor rounded, in order, except those wrapped in [`StaysF32`]), and as the front-end
+/// gets it: each [`RawTensor`] a [`Tensor`] on the device that ran the kernel.
 pub(crate) trait KernelOutputs: Sized {
+    type Tensors;
     fn round_to(self, dtype: DType, k: &dyn Kernels) -> Result<Self>;
+    fn on(self, device: &Device) -> Self::Tensors;
 }
 
-impl KernelOutputs for Tensor {
+impl KernelOutputs for RawTensor {
+    type Tensors = Tensor;
     fn round_to(self, dtype: DType, k: &dyn Kernels) -> Result<Self> {
         k.narrow(&self, dtype)
     }
+    fn on(self, device: &Device) -> Tensor {
+        Tensor::from_raw(self, device)
+    }
 }
 
-impl KernelOutputs for StaysF32 {
+impl KernelOutputs for StaysF32<RawTensor> {
+    type Tensors = StaysF32<Tensor>;
     fn round_to(self, _: DType, _: &dyn Kernels) -> Result<Self> {
         Ok(self)
+    }
+    fn on(self, device: &Device) -> StaysF32<Tensor> {
+        StaysF32(Tensor::from_raw(self.0, device))
+    }
+}
+
+impl<const N: usize> KernelOutputs for [RawTensor; N] {
+    type Tensors = [Tensor; N];
+    fn round_to(self, dtype: DType, k: &dyn Kernels) -> Result<Self> {
+        let rounded = self
+            .into_iter()
+            .map(|x| k.narrow(&x, dtype))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(rounded
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("N tensors round to N")))
+    }
+    fn on(self, device: &Device) -> [Tensor; N] {
+        self.map(|x| Tensor::from_raw(x, device))
     }
 }
 
@@ -62,10 +90,16 @@ impl KernelOutputs for StaysF32 {
 macro_rules! tuple_outputs {
     ($($t:ident),+) => {
         impl<$($t: KernelOutputs),+> KernelOutputs for ($($t,)+) {
+            type Tensors = ($($t::Tensors,)+);
             #[allow(non_snake_case)]
             fn round_to(self, dtype: DType, k: &dyn Kernels) -> Result<Self> {
                 let ($($t,)+) = self;
                 Ok(($($t.round_to(dtype, k)?,)+))
+            }
+            #[allow(non_snake_case)]
+            fn on(self, device: &Device) -> Self::Tensors {
+                let ($($t,)+) = self;
+                ($($t.on(device),)+)
             }
         }
     };
@@ -89,16 +123,17 @@ fn common_dtype(op: &'static str, operands: &[&Tensor]) -> Result<DType> {
 
 impl Device {
     /// Runs `kernel` on this device's backend under `policy` (see the module doc): on
-    /// `operands` themselves when they are f32, else as the policy says.
+    /// `operands` themselves when they are f32, else as the policy says; its outputs are
+    /// tensors on this device.
     pub(crate) fn run<const N: usize, O: KernelOutputs>(
         &self,
         op: &'static str,
         policy: DTypePolicy,
         operands: [&Tensor; N],
-        kernel: impl FnOnce(&dyn Kernels, [&Tensor; N]) -> Result<O>,
-    ) -> Result<O> {
+        kernel: impl FnOnce(&dyn Kernels, [&RawTensor; N]) -> Result<O>,
+    ) -> Result<O::Tensors> {
         self.run_all(op, policy, &operands, |k, xs| {
-            let xs: [&Tensor; N] = xs.try_into().expect("as many operands as were given");
+            let xs: [&RawTensor; N] = xs.try_into().expect("as many operands as were given");
             kernel(k, xs)
         })
     }
@@ -109,8 +144,8 @@ impl Device {
         op: &'static str,
         policy: DTypePolicy,
         operands: &[&Tensor],
-        kernel: impl FnOnce(&dyn Kernels, &[&Tensor]) -> Result<O>,
-    ) -> Result<O> {
+        kernel: impl FnOnce(&dyn Kernels, &[&RawTensor]) -> Result<O>,
+    ) -> Result<O::Tensors> {
         let k = self.kernels();
         let dtype = match policy {
             DTypePolicy::F32Only => {
@@ -120,31 +155,32 @@ impl Device {
             DTypePolicy::WidenThenRound => common_dtype(op, operands)?,
         };
         if !dtype.is_half() {
-            return kernel(k, operands);
+            let raws: Vec<&RawTensor> = operands.iter().map(|x| x.raw()).collect();
+            return Ok(kernel(k, &raws)?.on(self));
         }
         let wide = operands
             .iter()
-            .map(|x| k.widen(x))
+            .map(|x| k.widen(x.raw()))
             .collect::<Result<Vec<_>>>()?;
-        let refs: Vec<&Tensor> = wide.iter().collect();
+        let refs: Vec<&RawTensor> = wide.iter().collect();
         let outs = kernel(k, &refs)?;
         // The widened copies go before the outputs are rounded: a lower peak of memory.
         drop(refs);
         drop(wide);
-        outs.round_to(dtype, k)
+        Ok(outs.round_to(dtype, k)?.on(self))
     }
 
     /// Runs a kernel that some backends have for operands of one `precision` only (a fused f32
     /// step, a native half product): `None` when the operands (which must share one dtype) are
     /// of the other precision or the backend has no such kernel, for the front-end to take its
     /// general path.
-    pub(crate) fn run_if<const N: usize, T>(
+    pub(crate) fn run_if<const N: usize, O: KernelOutputs>(
         &self,
         op: &'static str,
         precision: Precision,
         operands: [&Tensor; N],
-        kernel: impl FnOnce(&dyn Kernels, [&Tensor; N]) -> Option<Result<T>>,
-    ) -> Option<Result<T>> {
+        kernel: impl FnOnce(&dyn Kernels, [&RawTensor; N]) -> Option<Result<O>>,
+    ) -> Option<Result<O::Tensors>> {
         let dtype = match common_dtype(op, &operands) {
             Ok(d) => d,
             Err(e) => return Some(Err(e)),
@@ -154,7 +190,7 @@ impl Device {
             Precision::Half => dtype.is_half(),
         };
         if wanted {
-            kernel(self.kernels(), operands)
+            kernel(self.kernels(), operands.map(|x| x.raw())).map(|r| r.map(|o| o.on(self)))
         } else {
             None
         }

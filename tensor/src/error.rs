@@ -78,3 +78,18 @@ impl Error {
         }
     }
 }
+
+/// A dtype by its name (`f32`, `f16`, `bf16`), here rather than in `dtype`, which errors build
+/// on.
+impl std::str::FromStr for crate::dtype::DType {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<crate::dtype::DType> {
+        crate::dtype::DType::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| {
+                Error::invalid("dtype", format!("unknown dtype {s:?} (f32, f16 or bf16)"))
+            })
+    }
+}

@@ -15,6 +15,7 @@ mod host_pool;
 pub mod layout;
 pub mod memory;
 pub mod ops;
+mod raw;
 pub mod rng;
 mod storage;
 pub mod tensor;
@@ -22,7 +23,6 @@ mod wgpu;
 mod work;
 
 pub use backend::{BinaryOp, ReduceOp, UnaryOp};
-pub use host_pool::{clear_host_pool, pooled_host_bytes, HOST_POOL_ENV};
 pub use cpu::matmul::timing::{take_cpu_matmul_times, time_cpu_matmuls, MatmulTime, OperandLayout};
 pub use cpu::par::{
     cpu_threads, on_cpu_pool, on_spare_cpu_thread, set_cpu_threads, share_cpu_threads,
@@ -30,6 +30,7 @@ pub use cpu::par::{
 pub use device::{AdapterInfo, Device, DEVICE_ENV, TEST_WGPU_ENV};
 pub use dtype::DType;
 pub use error::{Error, Result};
+pub use host_pool::{clear_host_pool, pooled_host_bytes, HOST_POOL_ENV};
 pub use layout::{Dims, Layout};
 pub use memory::{MemoryStats, MemoryTracker, Tag, TagGuard};
 pub use tensor::Tensor;

@@ -276,6 +276,13 @@ impl Drop for Allocation {
     }
 }
 
+/// The device the tracker accounts for, by name (what errors say).
+impl std::fmt::Display for MemoryTracker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.inner.device_name)
+    }
+}
+
 impl std::fmt::Debug for Allocation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(

@@ -2,10 +2,9 @@
 
 use std::sync::Mutex;
 
-use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::memory::{current_tag, Allocation, Tag};
+use crate::memory::{current_tag, Allocation, MemoryTracker, Tag};
 
 /// Backend data. Immutable while shared: ops make new storage, so views can share it freely;
 /// only the one holder of a storage may write into it (see `Tensor::exclusive_storage`).
@@ -42,10 +41,14 @@ impl Storage {
         }
     }
 
-    /// Charges `elements` values of `dtype` to `dev` under the thread's current tag.
-    pub(crate) fn reserve_dtype(dev: &Device, elements: usize, dtype: DType) -> Result<Allocation> {
+    /// Charges `elements` values of `dtype` to `memory` under the thread's current tag.
+    pub(crate) fn reserve_dtype(
+        memory: &MemoryTracker,
+        elements: usize,
+        dtype: DType,
+    ) -> Result<Allocation> {
         let bytes = elements * dtype.size_of();
-        dev.memory().alloc_as(bytes, current_tag(), dtype)
+        memory.alloc_as(bytes, current_tag(), dtype)
     }
 
     /// A host storage of half `dtype` holding the bit patterns `bits`.
@@ -58,9 +61,9 @@ impl Storage {
         self.dtype
     }
 
-    /// Charges `elements` f32 values to `dev` under the thread's current tag.
-    pub(crate) fn reserve(dev: &Device, elements: usize) -> Result<Allocation> {
-        dev.memory().alloc(elements * std::mem::size_of::<f32>())
+    /// Charges `elements` f32 values to `memory` under the thread's current tag.
+    pub(crate) fn reserve(memory: &MemoryTracker, elements: usize) -> Result<Allocation> {
+        memory.alloc(elements * std::mem::size_of::<f32>())
     }
 
     /// A host storage of `data`, with its token taken by `reserve` beforehand.

@@ -5,43 +5,52 @@ use std::sync::Arc;
 
 use crate::device::Device;
 use crate::dtype::DType;
-use crate::dtype_policy::DTypePolicy::WidenThenRound;
 use crate::error::{Error, Result};
 use crate::layout::{numel, resolve_axis, Dims, Layout};
 use crate::memory::Tag;
+use crate::raw::RawTensor;
 use crate::storage::Storage;
 
 /// An immutable n-dimensional array of f32 (or f16/bf16, see [`Tensor::dtype`]). Cloning is cheap (shares the storage).
 #[derive(Clone)]
 pub struct Tensor {
-    storage: Arc<Storage>,
-    layout: Layout,
+    /// The storage and layout the kernels work on, charged to `device`'s tracker.
+    raw: RawTensor,
     device: Device,
 }
 
 impl Tensor {
     // ---- construction (crate-internal) ----
 
-    /// A contiguous tensor of `shape` over freshly made `storage` (used by the backends).
-    pub(crate) fn from_storage(storage: Storage, shape: &[usize], device: &Device) -> Tensor {
+    /// `raw` (a kernel's output, or a view) as a tensor on `device`, whose tracker it is
+    /// charged to.
+    pub(crate) fn from_raw(raw: RawTensor, device: &Device) -> Tensor {
         Tensor {
-            storage: Arc::new(storage),
-            layout: Layout::contiguous(shape),
+            raw,
             device: device.clone(),
         }
+    }
+
+    /// What the kernels read.
+    pub(crate) fn raw(&self) -> &RawTensor {
+        &self.raw
+    }
+
+    /// What the in-place kernels write.
+    pub(crate) fn raw_mut(&mut self) -> &mut RawTensor {
+        &mut self.raw
     }
 
     /// A view of the same storage with another layout.
     pub(crate) fn with_layout(&self, layout: Layout) -> Tensor {
         Tensor {
-            storage: self.storage.clone(),
-            layout,
+            raw: self.raw.with_layout(layout),
             device: self.device.clone(),
         }
     }
 
     pub(crate) fn storage(&self) -> &Storage {
-        &self.storage
+        self.raw.storage()
     }
 
     // ---- creation ----
@@ -58,7 +67,8 @@ impl Tensor {
                 ),
             ));
         }
-        device.kernels().from_vec(device, data, shape)
+        let raw = device.kernels().from_vec(device.memory(), data, shape)?;
+        Ok(Tensor::from_raw(raw, device))
     }
 
     /// A mask tensor from booleans: 1.0 for true, 0.0 for false. Tensors are f32 only, and
@@ -81,7 +91,8 @@ impl Tensor {
     }
 
     pub fn full(shape: &[usize], value: f32, device: &Device) -> Result<Tensor> {
-        device.kernels().fill(device, shape, value)
+        let raw = device.kernels().fill(device.memory(), shape, value)?;
+        Ok(Tensor::from_raw(raw, device))
     }
     pub fn zeros(shape: &[usize], device: &Device) -> Result<Tensor> {
         Tensor::full(shape, 0.0, device)
@@ -170,40 +181,40 @@ impl Tensor {
     // ---- inspection ----
 
     pub fn shape(&self) -> &[usize] {
-        &self.layout.shape
+        self.raw.shape()
     }
     pub fn dims(&self) -> &[usize] {
-        &self.layout.shape
+        self.raw.shape()
     }
     pub fn rank(&self) -> usize {
-        self.layout.rank()
+        self.raw.rank()
     }
     pub fn numel(&self) -> usize {
-        self.layout.numel()
+        self.raw.numel()
     }
     pub fn strides(&self) -> &[usize] {
-        &self.layout.strides
+        self.raw.strides()
     }
     pub fn layout(&self) -> &Layout {
-        &self.layout
+        self.raw.layout()
     }
     pub fn device(&self) -> &Device {
         &self.device
     }
     /// The element type. Ops take operands of one dtype and give results in it.
     pub fn dtype(&self) -> DType {
-        self.storage.dtype()
+        self.raw.dtype()
     }
     pub fn is_contiguous(&self) -> bool {
-        self.layout.is_contiguous()
+        self.raw.is_contiguous()
     }
     /// Size of axis `axis` (negative counts from the end).
     pub fn dim(&self, axis: isize) -> Result<usize> {
-        Ok(self.layout.shape[resolve_axis("dim", axis, self.rank())?])
+        Ok(self.shape()[resolve_axis("dim", axis, self.rank())?])
     }
     /// True when both tensors view the same storage.
     pub fn shares_storage(&self, other: &Tensor) -> bool {
-        Arc::ptr_eq(&self.storage, &other.storage)
+        Arc::ptr_eq(self.raw.shared_storage(), other.raw.shared_storage())
     }
     /// True when writing into this tensor's storage could change no other tensor: this handle
     /// is the storage's only holder (no clone or view of it exists) and it views every element of
@@ -216,23 +227,18 @@ impl Tensor {
     /// This tensor's storage for writing, when [`Tensor::is_exclusive`]. `&mut self` makes the
     /// check race-free: no other thread can clone this handle while it is borrowed.
     pub(crate) fn exclusive_storage(&mut self) -> Option<&mut Storage> {
-        if self.layout.offset != 0 || !self.layout.is_contiguous() {
-            return None;
-        }
-        let n = self.layout.numel();
-        let storage = Arc::get_mut(&mut self.storage)?;
-        (storage.elements() == n).then_some(storage)
+        self.raw.exclusive_storage()
     }
 
     /// Bytes of the storage behind this tensor (what the device's accounting charged).
     pub fn storage_bytes(&self) -> usize {
-        self.storage.bytes()
+        self.raw.storage().bytes()
     }
 
     /// The values in row-major order (reads back from the GPU when needed); half values are
     /// widened to f32, which is exact.
     pub fn to_vec(&self) -> Result<Vec<f32>> {
-        self.device.kernels().to_host(self)
+        self.device.kernels().to_host(&self.raw)
     }
 
     /// The values' bytes where they lie in host memory (f32 values, or a half dtype's 16-bit
@@ -244,11 +250,11 @@ impl Tensor {
         if !self.is_contiguous() {
             return None;
         }
-        let at = self.layout.offset..self.layout.offset + self.numel();
-        if let Some(values) = self.storage.as_cpu() {
+        let at = self.layout().offset..self.layout().offset + self.numel();
+        if let Some(values) = self.storage().as_cpu() {
             return Some(bytemuck::cast_slice(&values[at]));
         }
-        self.storage
+        self.storage()
             .as_cpu_half()
             .map(|bits| bytemuck::cast_slice(&bits[at]))
     }
@@ -256,7 +262,7 @@ impl Tensor {
     /// [`Tensor::to_vec`] with room for `extra` more values, so that appending them (a
     /// message header, say) does not copy the values again.
     pub fn to_vec_reserving(&self, extra: usize) -> Result<Vec<f32>> {
-        self.device.kernels().to_host_reserving(self, extra)
+        self.device.kernels().to_host_reserving(&self.raw, extra)
     }
 
     /// The single value of a tensor with one element.
@@ -283,26 +289,6 @@ impl Tensor {
             .collect())
     }
 
-    /// Moves (copies) the tensor to `device`. Same device: a cheap clone. Same arithmetic
-    /// (virtual devices over one backing device): a device-local copy charged to `device`.
-    /// Otherwise through host memory.
-    pub fn to_device(&self, device: &Device) -> Result<Tensor> {
-        if &self.device == device {
-            return Ok(self.clone());
-        }
-        if self.device.same_backend(device) {
-            let moved = Tensor {
-                storage: self.storage.clone(),
-                layout: self.layout.clone(),
-                device: device.clone(),
-            };
-            return device.run("contiguous", WidenThenRound, [&moved], |k, [x]| {
-                k.contiguous(x)
-            });
-        }
-        Tensor::from_vec_in(self.to_vec()?, self.shape(), self.dtype(), device)
-    }
-
     /// A contiguous copy in `dtype` (rounded to nearest even when narrowing; widening is exact),
     /// or `self` when it already has that dtype. The differentiable version is `Var::to_dtype`.
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
@@ -312,12 +298,12 @@ impl Tensor {
         }
         let k = self.device.kernels();
         let wide = if from.is_half() {
-            k.widen(self)?.contiguous()?
+            Tensor::from_raw(k.widen(&self.raw)?, &self.device).contiguous()?
         } else {
             self.contiguous()?
         };
         if dtype.is_half() {
-            k.narrow(&wide, dtype)
+            Ok(Tensor::from_raw(k.narrow(&wide.raw, dtype)?, &self.device))
         } else {
             Ok(wide)
         }
@@ -325,35 +311,24 @@ impl Tensor {
 
     /// Moves this tensor's bytes to accounting tag `tag` (e.g. after building a parameter).
     pub fn retag(&self, tag: Tag) {
-        self.storage.retag(tag);
+        self.storage().retag(tag);
     }
 
     // ---- views (free) ----
-
-    /// A contiguous copy, or `self` when already contiguous.
-    pub fn contiguous(&self) -> Result<Tensor> {
-        if self.is_contiguous() {
-            return Ok(self.clone());
-        }
-        self.device
-            .run("contiguous", WidenThenRound, [self], |k, [x]| {
-                k.contiguous(x)
-            })
-    }
 
     /// The same elements in a new shape; one dimension may be given as `usize::MAX` to be
     /// inferred. A view (strided, as PyTorch's `reshape` gives, see [`Layout::reshape`]) where
     /// the strides allow one; a contiguous copy only where they do not.
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
         let shape = infer_shape("reshape", shape, self.numel(), self.shape())?;
-        match self.layout.reshape(&shape) {
+        match self.layout().reshape(&shape) {
             Some(l) => Ok(self.with_layout(l)),
             None => Ok(self.contiguous()?.with_layout(Layout::contiguous(&shape))),
         }
     }
 
     pub fn permute(&self, perm: &[usize]) -> Result<Tensor> {
-        Ok(self.with_layout(self.layout.permute("permute", perm)?))
+        Ok(self.with_layout(self.layout().permute("permute", perm)?))
     }
 
     /// Swaps two axes (negative counts from the end).
@@ -382,7 +357,7 @@ impl Tensor {
     /// `len` elements of `axis` starting at `start`.
     pub fn narrow(&self, axis: isize, start: usize, len: usize) -> Result<Tensor> {
         let a = resolve_axis("narrow", axis, self.rank())?;
-        Ok(self.with_layout(self.layout.narrow("narrow", a, start, len)?))
+        Ok(self.with_layout(self.layout().narrow("narrow", a, start, len)?))
     }
 
     /// Views of consecutive pieces of `axis` with the given lengths, which must add up to the
@@ -434,7 +409,7 @@ impl Tensor {
 
     /// A view broadcast to `shape` (numpy rules; stretched axes get stride 0).
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor> {
-        Ok(self.with_layout(self.layout.broadcast_to("broadcast_to", shape)?))
+        Ok(self.with_layout(self.layout().broadcast_to("broadcast_to", shape)?))
     }
 
     /// Alias of [`Tensor::broadcast_to`] (PyTorch's name).
@@ -446,7 +421,7 @@ impl Tensor {
     pub fn unsqueeze(&self, axis: isize) -> Result<Tensor> {
         let r = self.rank() as isize + 1;
         let a = resolve_axis("unsqueeze", axis, r as usize)?;
-        let mut l = self.layout.clone();
+        let mut l = self.layout().clone();
         let stride = if a < l.rank() {
             l.strides[a] * l.shape[a]
         } else {
@@ -470,7 +445,7 @@ impl Tensor {
                 ),
             ));
         }
-        let mut l = self.layout.clone();
+        let mut l = self.layout().clone();
         l.shape.remove(a);
         l.strides.remove(a);
         Ok(self.with_layout(l))

@@ -5,12 +5,12 @@
 use std::borrow::Cow;
 
 use super::elementwise;
-use crate::host_pool;
-use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::host_pool;
 use crate::memory::Allocation;
+use crate::memory::MemoryTracker;
+use crate::raw::RawTensor;
 use crate::storage::Storage;
-use crate::tensor::Tensor;
 
 /// A fresh output buffer whose bytes are already charged to its device.
 pub(super) struct Out {
@@ -19,10 +19,10 @@ pub(super) struct Out {
 }
 
 impl Out {
-    /// Reserves `n` values on `dev` (failing with `OutOfMemory` before any memory is touched),
+    /// Reserves `n` values on `mem` (failing with `OutOfMemory` before any memory is touched),
     /// then takes them zeroed, for kernels that add into their output or leave parts of it.
-    pub(super) fn zeros(dev: &Device, n: usize) -> Result<Out> {
-        let alloc = Storage::reserve(dev, n)?;
+    pub(super) fn zeros(mem: &MemoryTracker, n: usize) -> Result<Out> {
+        let alloc = Storage::reserve(mem, n)?;
         Ok(Out {
             data: host_pool::take_zeroed(n),
             alloc,
@@ -30,22 +30,22 @@ impl Out {
     }
 
     /// [`Out::zeros`] without the zeroing, for kernels that write every value.
-    pub(super) fn for_overwrite(dev: &Device, n: usize) -> Result<Out> {
-        let alloc = Storage::reserve(dev, n)?;
+    pub(super) fn for_overwrite(mem: &MemoryTracker, n: usize) -> Result<Out> {
+        let alloc = Storage::reserve(mem, n)?;
         Ok(Out {
             data: host_pool::take_for_overwrite(n),
             alloc,
         })
     }
 
-    pub(super) fn into_tensor(self, shape: &[usize], dev: &Device) -> Tensor {
-        Tensor::from_storage(Storage::cpu(self.data, self.alloc), shape, dev)
+    pub(super) fn into_raw(self, shape: &[usize], mem: &MemoryTracker) -> RawTensor {
+        RawTensor::new(Storage::cpu(self.data, self.alloc), shape, mem)
     }
 }
 
 /// The host values of `t` for writing in place: the front-ends call in-place kernels only on
 /// exclusive tensors, so the error is a broken contract, reported rather than written through.
-pub(super) fn exclusive_host<'a>(op: &'static str, t: &'a mut Tensor) -> Result<&'a mut [f32]> {
+pub(super) fn exclusive_host<'a>(op: &'static str, t: &'a mut RawTensor) -> Result<&'a mut [f32]> {
     let shape = t.shape().to_vec();
     t.exclusive_storage()
         .and_then(Storage::as_cpu_mut)
@@ -60,7 +60,7 @@ pub(super) fn exclusive_host<'a>(op: &'static str, t: &'a mut Tensor) -> Result<
 }
 
 /// The whole host storage behind `x`.
-pub(super) fn data(x: &Tensor) -> &[f32] {
+pub(super) fn data(x: &RawTensor) -> &[f32] {
     x.storage()
         .as_cpu()
         .expect("CPU kernel called with a tensor whose storage is not on the host")
@@ -68,7 +68,7 @@ pub(super) fn data(x: &Tensor) -> &[f32] {
 
 /// The elements of a tensor the contract says is contiguous, in row-major order (a view that is
 /// not contiguous after all is copied rather than misread).
-pub(super) fn contig(x: &Tensor) -> Cow<'_, [f32]> {
+pub(super) fn contig(x: &RawTensor) -> Cow<'_, [f32]> {
     let l = x.layout();
     let d = data(x);
     if l.is_contiguous() {

@@ -3,12 +3,12 @@
 //! kernel lives in its own module.
 
 use crate::backend::*;
-use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::layout::{numel, Layout};
+use crate::memory::MemoryTracker;
+use crate::raw::RawTensor;
 use crate::storage::Storage;
-use crate::tensor::Tensor;
 
 mod attention;
 mod bias_act;
@@ -36,50 +36,28 @@ pub(crate) struct CpuKernels;
 use crate::host_pool;
 use host::{contig, data, exclusive_host, Out};
 
-/// The plain SGD step `param - lr * grad` in one pass (CPU tensors of one shape), with exactly the
-/// arithmetic of `param.sub(&grad.mul_scalar(lr)?)`: `p - (g * lr + 0.0)`.
-fn sgd_update(param: &Tensor, grad: &Tensor, lr: f32) -> Result<Tensor> {
-    let mut out = Out::for_overwrite(param.device(), param.numel())?;
-    elementwise::map2(
-        &mut out.data,
-        data(param),
-        param.layout(),
-        data(grad),
-        grad.layout(),
-        move |p, g| p - (g * lr + 0.0),
-    );
-    Ok(out.into_tensor(param.shape(), param.device()))
-}
-
-/// [`sgd_update`] written into exclusive `param`: `p = p - (g * lr + 0.0)`.
-fn sgd_update_in_place(param: &mut Tensor, grad: &Tensor, lr: f32) -> Result<()> {
-    let p = exclusive_host("sgd_update", param)?;
-    elementwise::map2_assign(p, data(grad), grad.layout(), move |p, g| p - (g * lr + 0.0));
-    Ok(())
-}
-
 /// Sums contiguous CPU tensor `x`, seen as `[x.numel() / width, width]`, over its rows: `[width]`.
-fn sum_columns(x: &Tensor, width: usize) -> Result<Tensor> {
-    let mut out = Out::for_overwrite(x.device(), width)?;
+fn sum_columns(x: &RawTensor, width: usize) -> Result<RawTensor> {
+    let mut out = Out::for_overwrite(x.memory(), width)?;
     reduce::sum_columns(&mut out.data, &contig(x));
-    Ok(out.into_tensor(&[width], x.device()))
+    Ok(out.into_raw(&[width], x.memory()))
 }
 
 impl Kernels for CpuKernels {
-    fn from_host(&self, dev: &Device, src: &[f32], shape: &[usize]) -> Result<Tensor> {
-        self.from_vec(dev, src.to_vec(), shape)
+    fn from_host(&self, mem: &MemoryTracker, src: &[f32], shape: &[usize]) -> Result<RawTensor> {
+        self.from_vec(mem, src.to_vec(), shape)
     }
 
-    fn from_vec(&self, dev: &Device, data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
-        let alloc = Storage::reserve(dev, data.len())?;
-        Ok(Tensor::from_storage(Storage::cpu(data, alloc), shape, dev))
+    fn from_vec(&self, mem: &MemoryTracker, data: Vec<f32>, shape: &[usize]) -> Result<RawTensor> {
+        let alloc = Storage::reserve(mem, data.len())?;
+        Ok(RawTensor::new(Storage::cpu(data, alloc), shape, mem))
     }
 
-    fn to_host_f32(&self, x: &Tensor) -> Result<Vec<f32>> {
+    fn to_host_f32(&self, x: &RawTensor) -> Result<Vec<f32>> {
         Ok(contig(x).into_owned())
     }
 
-    fn to_host_reserving(&self, x: &Tensor, extra: usize) -> Result<Vec<f32>> {
+    fn to_host_reserving(&self, x: &RawTensor, extra: usize) -> Result<Vec<f32>> {
         if x.dtype().is_half() {
             let mut v = self.to_host(x)?;
             v.reserve_exact(extra);
@@ -91,85 +69,94 @@ impl Kernels for CpuKernels {
         Ok(v)
     }
 
-    fn widen(&self, x: &Tensor) -> Result<Tensor> {
+    fn widen(&self, x: &RawTensor) -> Result<RawTensor> {
         let l = x.layout();
         let bits = &x
             .storage()
             .as_cpu_half()
             .expect("widen called with a tensor whose storage is not half on the host")
             [l.offset..l.offset + l.span()];
-        let mut out = Out::for_overwrite(x.device(), bits.len())?;
+        let mut out = Out::for_overwrite(x.memory(), bits.len())?;
         half_cast::widen(&mut out.data, bits, x.dtype());
-        Ok(out
-            .into_tensor(&[bits.len()], x.device())
-            .with_layout(Layout {
-                offset: 0,
-                ..l.clone()
-            }))
+        Ok(out.into_raw(&[bits.len()], x.memory()).with_layout(Layout {
+            offset: 0,
+            ..l.clone()
+        }))
     }
 
-    fn narrow(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
-        let dev = x.device();
-        let alloc = Storage::reserve_dtype(dev, x.numel(), dtype)?;
+    fn narrow(&self, x: &RawTensor, dtype: DType) -> Result<RawTensor> {
+        let mem = x.memory();
+        let alloc = Storage::reserve_dtype(mem, x.numel(), dtype)?;
         let mut bits = vec![0u16; x.numel()];
         half_cast::narrow(&mut bits, &contig(x), dtype);
-        Ok(Tensor::from_storage(
+        Ok(RawTensor::new(
             Storage::cpu_half(bits, dtype, alloc),
             x.shape(),
-            dev,
+            mem,
         ))
     }
 
-    fn fill(&self, dev: &Device, shape: &[usize], value: f32) -> Result<Tensor> {
+    fn fill(&self, mem: &MemoryTracker, shape: &[usize], value: f32) -> Result<RawTensor> {
         let n = numel(shape);
-        let alloc = Storage::reserve(dev, n)?;
-        Ok(Tensor::from_storage(
+        let alloc = Storage::reserve(mem, n)?;
+        Ok(RawTensor::new(
             Storage::cpu(vec![value; n], alloc),
             shape,
-            dev,
+            mem,
         ))
     }
 
-    fn contiguous(&self, x: &Tensor) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(x.device(), x.numel())?;
+    fn contiguous(&self, x: &RawTensor) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(x.memory(), x.numel())?;
         elementwise::copy(&mut out.data, data(x), x.layout());
-        Ok(out.into_tensor(x.shape(), x.device()))
+        Ok(out.into_raw(x.shape(), x.memory()))
     }
 
-    fn unary(&self, op: UnaryOp, x: &Tensor) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(x.device(), x.numel())?;
+    fn unary(&self, op: UnaryOp, x: &RawTensor) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(x.memory(), x.numel())?;
         elementwise::unary(op, &mut out.data, data(x), x.layout());
-        Ok(out.into_tensor(x.shape(), x.device()))
+        Ok(out.into_raw(x.shape(), x.memory()))
     }
 
-    fn unary_grad(&self, op: UnaryOp, x: &Tensor, g: &Tensor) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(x.device(), x.numel())?;
+    fn unary_grad(&self, op: UnaryOp, x: &RawTensor, g: &RawTensor) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(x.memory(), x.numel())?;
         elementwise::unary_grad(op, &mut out.data, data(x), x.layout(), data(g), g.layout());
-        Ok(out.into_tensor(x.shape(), x.device()))
+        Ok(out.into_raw(x.shape(), x.memory()))
     }
 
-    fn bias_act(&self, op: UnaryOp, z: &Tensor, b: &Tensor) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(z.device(), z.numel())?;
+    fn bias_act(&self, op: UnaryOp, z: &RawTensor, b: &RawTensor) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(z.memory(), z.numel())?;
         bias_act::bias_act(op, &mut out.data, &contig(z), &contig(b), None);
-        Ok(out.into_tensor(z.shape(), z.device()))
+        Ok(out.into_raw(z.shape(), z.memory()))
     }
 
-    fn bias_act_grad(&self, op: UnaryOp, z: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(z.device(), z.numel())?;
+    fn bias_act_grad(
+        &self,
+        op: UnaryOp,
+        z: &RawTensor,
+        b: &RawTensor,
+        g: &RawTensor,
+    ) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(z.memory(), z.numel())?;
         let g = contig(g);
         bias_act::bias_act(op, &mut out.data, &contig(z), &contig(b), Some(&g));
-        Ok(out.into_tensor(z.shape(), z.device()))
+        Ok(out.into_raw(z.shape(), z.memory()))
     }
 
-    fn sum_leading(&self, x: &Tensor, width: usize) -> Option<Result<Tensor>> {
+    fn sum_leading(&self, x: &RawTensor, width: usize) -> Option<Result<RawTensor>> {
         Some(sum_columns(x, width))
     }
 
-    fn sgd_update(&self, param: &Tensor, grad: &Tensor, lr: f32) -> Option<Result<Tensor>> {
-        Some(sgd_update(param, grad, lr))
+    fn sgd_update(
+        &self,
+        param: &RawTensor,
+        grad: &RawTensor,
+        lr: f32,
+    ) -> Option<Result<RawTensor>> {
+        Some(optim::sgd_update(param, grad, lr))
     }
 
-    fn binary_assign(&self, op: BinaryOp, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+    fn binary_assign(&self, op: BinaryOp, acc: &mut RawTensor, x: &RawTensor) -> Result<()> {
         let out = exclusive_host(op.name(), acc)?;
         elementwise::binary_assign(op, out, data(x), x.layout());
         Ok(())
@@ -177,21 +164,21 @@ impl Kernels for CpuKernels {
 
     fn sgd_update_in_place(
         &self,
-        param: &mut Tensor,
-        grad: &Tensor,
+        param: &mut RawTensor,
+        grad: &RawTensor,
         lr: f32,
     ) -> Option<Result<()>> {
-        Some(sgd_update_in_place(param, grad, lr))
+        Some(optim::sgd_update_in_place(param, grad, lr))
     }
 
-    fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(a.device(), a.numel())?;
+    fn binary(&self, op: BinaryOp, a: &RawTensor, b: &RawTensor) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(a.memory(), a.numel())?;
         elementwise::binary(op, &mut out.data, data(a), a.layout(), data(b), b.layout());
-        Ok(out.into_tensor(a.shape(), a.device()))
+        Ok(out.into_raw(a.shape(), a.memory()))
     }
 
-    fn where_cond(&self, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(a.device(), a.numel())?;
+    fn where_cond(&self, cond: &RawTensor, a: &RawTensor, b: &RawTensor) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(a.memory(), a.numel())?;
         elementwise::where_cond(
             &mut out.data,
             data(cond),
@@ -201,48 +188,60 @@ impl Kernels for CpuKernels {
             data(b),
             b.layout(),
         );
-        Ok(out.into_tensor(a.shape(), a.device()))
+        Ok(out.into_raw(a.shape(), a.memory()))
     }
 
-    fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(x.device(), rows)?;
+    fn reduce_rows(
+        &self,
+        op: ReduceOp,
+        x: &RawTensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(x.memory(), rows)?;
         reduce::reduce_rows(op, &mut out.data, &contig(x), cols);
-        Ok(out.into_tensor(&[rows], x.device()))
+        Ok(out.into_raw(&[rows], x.memory()))
     }
 
-    fn softmax_rows(&self, x: &Tensor, rows: usize, cols: usize, log: bool) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(x.device(), rows * cols)?;
+    fn softmax_rows(
+        &self,
+        x: &RawTensor,
+        rows: usize,
+        cols: usize,
+        log: bool,
+    ) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(x.memory(), rows * cols)?;
         reduce::softmax_rows(&mut out.data, &contig(x), cols, log);
-        Ok(out.into_tensor(&[rows, cols], x.device()))
+        Ok(out.into_raw(&[rows, cols], x.memory()))
     }
 
     fn causal_softmax_rows(
         &self,
-        x: &Tensor,
+        x: &RawTensor,
         rows: usize,
         cols: usize,
         scale: f32,
-    ) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(x.device(), rows * cols)?;
+    ) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(x.memory(), rows * cols)?;
         reduce::causal_softmax_rows(&mut out.data, &contig(x), cols, scale);
-        Ok(out.into_tensor(&[rows, cols], x.device()))
+        Ok(out.into_raw(&[rows, cols], x.memory()))
     }
 
     fn causal_attention(
         &self,
-        [(q, lq), (k, lk), (v, lv)]: [(&Tensor, MatLayout); 3],
+        [(q, lq), (k, lk), (v, lv)]: [(&RawTensor, MatLayout); 3],
         y_at: MatLayout,
         d: HeadDims,
         scale: f32,
-    ) -> Option<Result<(Tensor, Tensor)>> {
+    ) -> Option<Result<(RawTensor, RawTensor)>> {
         if !attention::chosen() {
             return None;
         }
         let run = || {
-            let dev = q.device();
+            let mem = q.memory();
             let n = d.batch * d.t * d.dh;
-            let mut y = Out::for_overwrite(dev, n)?;
-            let mut p = Out::for_overwrite(dev, d.batch * d.t * d.t)?;
+            let mut y = Out::for_overwrite(mem, n)?;
+            let mut p = Out::for_overwrite(mem, d.batch * d.t * d.t)?;
             let heads = |x, layout| attention::Heads {
                 data: data(x),
                 layout,
@@ -250,33 +249,30 @@ impl Kernels for CpuKernels {
             let qkv = [heads(q, lq), heads(k, lk), heads(v, lv)];
             let y_heads = attention::HeadsMut::new(&mut y.data, y_at, d);
             attention::forward(y_heads, &mut p.data, qkv, d, scale);
-            Ok((
-                y.into_tensor(&[n], dev),
-                p.into_tensor(&[d.batch, d.t, d.t], dev),
-            ))
+            Ok((y.into_raw(&[n], mem), p.into_raw(&[d.batch, d.t, d.t], mem)))
         };
         Some(run())
     }
 
     fn causal_attention_backward(
         &self,
-        [(q, lq), (k, lk), (v, lv)]: [(&Tensor, MatLayout); 3],
-        p: &Tensor,
-        (g, lg): (&Tensor, MatLayout),
+        [(q, lq), (k, lk), (v, lv)]: [(&RawTensor, MatLayout); 3],
+        p: &RawTensor,
+        (g, lg): (&RawTensor, MatLayout),
         at: [MatLayout; 3],
         d: HeadDims,
         scale: f32,
-    ) -> Option<Result<[Tensor; 3]>> {
+    ) -> Option<Result<[RawTensor; 3]>> {
         if !attention::chosen() {
             return None;
         }
         let run = || {
-            let dev = q.device();
+            let mem = q.memory();
             let n = d.batch * d.t * d.dh;
             let mut grads = [
-                Out::for_overwrite(dev, n)?,
-                Out::for_overwrite(dev, n)?,
-                Out::for_overwrite(dev, n)?,
+                Out::for_overwrite(mem, n)?,
+                Out::for_overwrite(mem, n)?,
+                Out::for_overwrite(mem, n)?,
             ];
             let heads = |x, layout| attention::Heads {
                 data: data(x),
@@ -287,22 +283,22 @@ impl Kernels for CpuKernels {
             let outs = [(gq, at[0]), (gk, at[1]), (gv, at[2])]
                 .map(|(o, l)| attention::HeadsMut::new(&mut o.data, l, d));
             attention::backward(outs, qkv, &contig(p), heads(g, lg), d, scale);
-            Ok(grads.map(|o| o.into_tensor(&[n], dev)))
+            Ok(grads.map(|o| o.into_raw(&[n], mem)))
         };
         Some(run())
     }
 
     fn softmax_backward_rows(
         &self,
-        y: &Tensor,
-        g: &Tensor,
+        y: &RawTensor,
+        g: &RawTensor,
         rows: usize,
         cols: usize,
         scale: f32,
-    ) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(y.device(), rows * cols)?;
+    ) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(y.memory(), rows * cols)?;
         reduce::softmax_backward_rows(&mut out.data, &contig(y), &contig(g), cols, scale);
-        Ok(out.into_tensor(&[rows, cols], y.device()))
+        Ok(out.into_raw(&[rows, cols], y.memory()))
     }
 
     fn matmul_grouped_batches(&self) -> bool {
@@ -311,31 +307,31 @@ impl Kernels for CpuKernels {
 
     fn matmul(
         &self,
-        a: &Tensor,
+        a: &RawTensor,
         la: MatLayout,
-        b: &Tensor,
+        b: &RawTensor,
         lb: MatLayout,
         dims: MatDims,
-    ) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(a.device(), dims.batch * dims.m * dims.n)?;
+    ) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(a.memory(), dims.batch * dims.m * dims.n)?;
         matmul::matmul(&mut out.data, data(a), la, data(b), lb, dims);
-        Ok(out.into_tensor(&[dims.batch, dims.m, dims.n], a.device()))
+        Ok(out.into_raw(&[dims.batch, dims.m, dims.n], a.memory()))
     }
 
     fn layer_norm_rows(
         &self,
-        x: &Tensor,
-        gamma: &Tensor,
-        beta: &Tensor,
+        x: &RawTensor,
+        gamma: &RawTensor,
+        beta: &RawTensor,
         rows: usize,
         cols: usize,
         eps: f32,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        let dev = x.device();
+    ) -> Result<(RawTensor, RawTensor, RawTensor)> {
+        let mem = x.memory();
         let (ay, am, ar) = (
-            Storage::reserve(dev, rows * cols)?,
-            Storage::reserve(dev, rows)?,
-            Storage::reserve(dev, rows)?,
+            Storage::reserve(mem, rows * cols)?,
+            Storage::reserve(mem, rows)?,
+            Storage::reserve(mem, rows)?,
         );
         let (mut y, mut mean, mut rstd) = (
             host_pool::take_for_overwrite(rows * cols),
@@ -352,32 +348,32 @@ impl Kernels for CpuKernels {
             eps,
         );
         Ok((
-            Out { data: y, alloc: ay }.into_tensor(&[rows, cols], dev),
+            Out { data: y, alloc: ay }.into_raw(&[rows, cols], mem),
             Out {
                 data: mean,
                 alloc: am,
             }
-            .into_tensor(&[rows], dev),
+            .into_raw(&[rows], mem),
             Out {
                 data: rstd,
                 alloc: ar,
             }
-            .into_tensor(&[rows], dev),
+            .into_raw(&[rows], mem),
         ))
     }
 
     fn cross_entropy_rows(
         &self,
-        x: &Tensor,
-        targets: &Tensor,
+        x: &RawTensor,
+        targets: &RawTensor,
         rows: usize,
         cols: usize,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<(RawTensor, RawTensor, RawTensor)> {
         debug_assert_eq!(x.numel(), rows * cols);
-        let dev = x.device();
-        let mut loss = Out::for_overwrite(dev, rows)?;
-        let mut max = Out::for_overwrite(dev, rows)?;
-        let mut logsum = Out::for_overwrite(dev, rows)?;
+        let mem = x.memory();
+        let mut loss = Out::for_overwrite(mem, rows)?;
+        let mut max = Out::for_overwrite(mem, rows)?;
+        let mut logsum = Out::for_overwrite(mem, rows)?;
         cross_entropy::cross_entropy_rows(
             &mut loss.data,
             &mut max.data,
@@ -386,23 +382,23 @@ impl Kernels for CpuKernels {
             &contig(targets),
         );
         Ok((
-            loss.into_tensor(&[rows], dev),
-            max.into_tensor(&[rows], dev),
-            logsum.into_tensor(&[rows], dev),
+            loss.into_raw(&[rows], mem),
+            max.into_raw(&[rows], mem),
+            logsum.into_raw(&[rows], mem),
         ))
     }
 
     fn cross_entropy_backward_rows(
         &self,
-        x: &Tensor,
-        targets: &Tensor,
-        max: &Tensor,
-        logsum: &Tensor,
-        g: &Tensor,
+        x: &RawTensor,
+        targets: &RawTensor,
+        max: &RawTensor,
+        logsum: &RawTensor,
+        g: &RawTensor,
         rows: usize,
         cols: usize,
-    ) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(x.device(), rows * cols)?;
+    ) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(x.memory(), rows * cols)?;
         cross_entropy::cross_entropy_backward_rows(
             &mut out.data,
             &contig(x),
@@ -411,24 +407,24 @@ impl Kernels for CpuKernels {
             &contig(logsum),
             &contig(g),
         );
-        Ok(out.into_tensor(&[rows, cols], x.device()))
+        Ok(out.into_raw(&[rows, cols], x.memory()))
     }
 
     fn add_layer_norm_rows(
         &self,
-        x: &Tensor,
-        r: &Tensor,
-        gamma: &Tensor,
-        beta: &Tensor,
+        x: &RawTensor,
+        r: &RawTensor,
+        gamma: &RawTensor,
+        beta: &RawTensor,
         rows: usize,
         cols: usize,
         eps: f32,
-    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
-        let dev = x.device();
-        let mut s = Out::for_overwrite(dev, rows * cols)?;
-        let mut y = Out::for_overwrite(dev, rows * cols)?;
-        let mut mean = Out::for_overwrite(dev, rows)?;
-        let mut rstd = Out::for_overwrite(dev, rows)?;
+    ) -> Result<(RawTensor, RawTensor, RawTensor, RawTensor)> {
+        let mem = x.memory();
+        let mut s = Out::for_overwrite(mem, rows * cols)?;
+        let mut y = Out::for_overwrite(mem, rows * cols)?;
+        let mut mean = Out::for_overwrite(mem, rows)?;
+        let mut rstd = Out::for_overwrite(mem, rows)?;
         norm::add_layer_norm_rows(
             &mut s.data,
             &mut y.data,
@@ -441,25 +437,25 @@ impl Kernels for CpuKernels {
             eps,
         );
         Ok((
-            s.into_tensor(&[rows, cols], dev),
-            y.into_tensor(&[rows, cols], dev),
-            mean.into_tensor(&[rows], dev),
-            rstd.into_tensor(&[rows], dev),
+            s.into_raw(&[rows, cols], mem),
+            y.into_raw(&[rows, cols], mem),
+            mean.into_raw(&[rows], mem),
+            rstd.into_raw(&[rows], mem),
         ))
     }
 
     fn layer_norm_backward_rows(
         &self,
-        x: &Tensor,
-        mean: &Tensor,
-        rstd: &Tensor,
-        gamma: &Tensor,
-        g: &Tensor,
-        carry: Option<&Tensor>,
+        x: &RawTensor,
+        mean: &RawTensor,
+        rstd: &RawTensor,
+        gamma: &RawTensor,
+        g: &RawTensor,
+        carry: Option<&RawTensor>,
         rows: usize,
         cols: usize,
-    ) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(x.device(), rows * cols)?;
+    ) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(x.memory(), rows * cols)?;
         let carry = carry.map(contig);
         norm::layer_norm_backward_rows(
             &mut out.data,
@@ -470,67 +466,67 @@ impl Kernels for CpuKernels {
             &contig(g),
             carry.as_deref(),
         );
-        Ok(out.into_tensor(&[rows, cols], x.device()))
+        Ok(out.into_raw(&[rows, cols], x.memory()))
     }
 
     fn index_select(
         &self,
-        x: &Tensor,
-        idx: &Tensor,
+        x: &RawTensor,
+        idx: &RawTensor,
         outer: usize,
         dim: usize,
         inner: usize,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         let n = idx.numel();
-        let mut out = Out::for_overwrite(x.device(), outer * n * inner)?;
+        let mut out = Out::for_overwrite(x.memory(), outer * n * inner)?;
         index::index_select(&mut out.data, &contig(x), &contig(idx), dim, inner);
-        Ok(out.into_tensor(&[outer, n, inner], x.device()))
+        Ok(out.into_raw(&[outer, n, inner], x.memory()))
     }
 
     fn index_add(
         &self,
-        src: &Tensor,
-        idx: &Tensor,
+        src: &RawTensor,
+        idx: &RawTensor,
         outer: usize,
         dim: usize,
         inner: usize,
-    ) -> Result<Tensor> {
-        let mut out = Out::zeros(src.device(), outer * dim * inner)?;
+    ) -> Result<RawTensor> {
+        let mut out = Out::zeros(src.memory(), outer * dim * inner)?;
         index::index_add(&mut out.data, &contig(src), &contig(idx), dim, inner);
-        Ok(out.into_tensor(&[outer, dim, inner], src.device()))
+        Ok(out.into_raw(&[outer, dim, inner], src.memory()))
     }
 
     fn gather(
         &self,
-        x: &Tensor,
-        idx: &Tensor,
+        x: &RawTensor,
+        idx: &RawTensor,
         outer: usize,
         dim: usize,
         inner: usize,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         let n = idx.numel().checked_div(outer * inner).unwrap_or(0);
-        let mut out = Out::for_overwrite(x.device(), outer * n * inner)?;
+        let mut out = Out::for_overwrite(x.memory(), outer * n * inner)?;
         index::gather(&mut out.data, &contig(x), &contig(idx), n, dim, inner);
-        Ok(out.into_tensor(&[outer, n, inner], x.device()))
+        Ok(out.into_raw(&[outer, n, inner], x.memory()))
     }
 
     fn scatter_add(
         &self,
-        src: &Tensor,
-        idx: &Tensor,
+        src: &RawTensor,
+        idx: &RawTensor,
         outer: usize,
         dim: usize,
         inner: usize,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         let n = idx.numel().checked_div(outer * inner).unwrap_or(0);
-        let mut out = Out::zeros(src.device(), outer * dim * inner)?;
+        let mut out = Out::zeros(src.memory(), outer * dim * inner)?;
         index::scatter_add(&mut out.data, &contig(src), &contig(idx), n, dim, inner);
-        Ok(out.into_tensor(&[outer, dim, inner], src.device()))
+        Ok(out.into_raw(&[outer, dim, inner], src.memory()))
     }
 
-    fn concat(&self, xs: &[&Tensor], axis: usize, out_shape: &[usize]) -> Result<Tensor> {
-        let dev = xs[0].device();
-        let mut out = Out::for_overwrite(dev, numel(out_shape))?;
+    fn concat(&self, xs: &[&RawTensor], axis: usize, out_shape: &[usize]) -> Result<RawTensor> {
+        let mem = xs[0].memory();
+        let mut out = Out::for_overwrite(mem, numel(out_shape))?;
         let inner: usize = out_shape[axis + 1..].iter().product();
         let row = out_shape[axis] * inner;
         let readers: Vec<_> = xs
@@ -548,26 +544,26 @@ impl Kernels for CpuKernels {
                 }
             }
         });
-        Ok(out.into_tensor(out_shape, dev))
+        Ok(out.into_raw(out_shape, mem))
     }
 
-    fn im2col(&self, x: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
+    fn im2col(&self, x: &RawTensor, g: &Conv2dGeometry) -> Result<RawTensor> {
         let (rows, cols) = (g.col_rows(), g.col_cols());
-        let mut out = Out::for_overwrite(x.device(), g.n * g.groups * rows * cols)?;
+        let mut out = Out::for_overwrite(x.memory(), g.n * g.groups * rows * cols)?;
         conv::im2col(&mut out.data, &contig(x), g);
-        Ok(out.into_tensor(&[g.n, g.groups, rows, cols], x.device()))
+        Ok(out.into_raw(&[g.n, g.groups, rows, cols], x.memory()))
     }
 
-    fn col2im(&self, cols: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
-        let mut out = Out::zeros(cols.device(), g.n * g.c_in * g.h * g.w)?;
+    fn col2im(&self, cols: &RawTensor, g: &Conv2dGeometry) -> Result<RawTensor> {
+        let mut out = Out::zeros(cols.memory(), g.n * g.c_in * g.h * g.w)?;
         conv::col2im(&mut out.data, &contig(cols), g);
-        Ok(out.into_tensor(&[g.n, g.c_in, g.h, g.w], cols.device()))
+        Ok(out.into_raw(&[g.n, g.c_in, g.h, g.w], cols.memory()))
     }
 
-    fn max_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<(Tensor, Tensor)> {
-        let dev = x.device();
+    fn max_pool2d(&self, x: &RawTensor, g: &Pool2dGeometry) -> Result<(RawTensor, RawTensor)> {
+        let mem = x.memory();
         let n = g.n * g.c * g.h_out * g.w_out;
-        let (ay, aa) = (Storage::reserve(dev, n)?, Storage::reserve(dev, n)?);
+        let (ay, aa) = (Storage::reserve(mem, n)?, Storage::reserve(mem, n)?);
         let (mut y, mut am) = (
             host_pool::take_for_overwrite(n),
             host_pool::take_for_overwrite(n),
@@ -575,65 +571,65 @@ impl Kernels for CpuKernels {
         pool::max_pool2d(&mut y, &mut am, &contig(x), g);
         let shape = [g.n, g.c, g.h_out, g.w_out];
         Ok((
-            Out { data: y, alloc: ay }.into_tensor(&shape, dev),
+            Out { data: y, alloc: ay }.into_raw(&shape, mem),
             Out {
                 data: am,
                 alloc: aa,
             }
-            .into_tensor(&shape, dev),
+            .into_raw(&shape, mem),
         ))
     }
 
     fn max_pool2d_backward(
         &self,
-        dy: &Tensor,
-        argmax: &Tensor,
+        dy: &RawTensor,
+        argmax: &RawTensor,
         g: &Pool2dGeometry,
-    ) -> Result<Tensor> {
-        let mut out = Out::zeros(dy.device(), g.n * g.c * g.h * g.w)?;
+    ) -> Result<RawTensor> {
+        let mut out = Out::zeros(dy.memory(), g.n * g.c * g.h * g.w)?;
         pool::max_pool2d_backward(&mut out.data, &contig(dy), &contig(argmax), g);
-        Ok(out.into_tensor(&[g.n, g.c, g.h, g.w], dy.device()))
+        Ok(out.into_raw(&[g.n, g.c, g.h, g.w], dy.memory()))
     }
 
-    fn avg_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(x.device(), g.n * g.c * g.h_out * g.w_out)?;
+    fn avg_pool2d(&self, x: &RawTensor, g: &Pool2dGeometry) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(x.memory(), g.n * g.c * g.h_out * g.w_out)?;
         pool::avg_pool2d(&mut out.data, &contig(x), g);
-        Ok(out.into_tensor(&[g.n, g.c, g.h_out, g.w_out], x.device()))
+        Ok(out.into_raw(&[g.n, g.c, g.h_out, g.w_out], x.memory()))
     }
 
-    fn avg_pool2d_backward(&self, dy: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
-        let mut out = Out::zeros(dy.device(), g.n * g.c * g.h * g.w)?;
+    fn avg_pool2d_backward(&self, dy: &RawTensor, g: &Pool2dGeometry) -> Result<RawTensor> {
+        let mut out = Out::zeros(dy.memory(), g.n * g.c * g.h * g.w)?;
         pool::avg_pool2d_backward(&mut out.data, &contig(dy), g);
-        Ok(out.into_tensor(&[g.n, g.c, g.h, g.w], dy.device()))
+        Ok(out.into_raw(&[g.n, g.c, g.h, g.w], dy.memory()))
     }
 
     fn dropout_mask(
         &self,
-        dev: &Device,
+        mem: &MemoryTracker,
         shape: &[usize],
         p: f32,
         seed: u64,
         offset: u64,
-    ) -> Result<Tensor> {
-        let mut out = Out::for_overwrite(dev, numel(shape))?;
+    ) -> Result<RawTensor> {
+        let mut out = Out::for_overwrite(mem, numel(shape))?;
         random::dropout_mask(&mut out.data, p, seed, offset);
-        Ok(out.into_tensor(shape, dev))
+        Ok(out.into_raw(shape, mem))
     }
 
     fn adam_update(
         &self,
-        param: &Tensor,
-        grad: &Tensor,
-        m: &Tensor,
-        v: &Tensor,
+        param: &RawTensor,
+        grad: &RawTensor,
+        m: &RawTensor,
+        v: &RawTensor,
         hp: &AdamStep,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        let dev = param.device();
+    ) -> Result<(RawTensor, RawTensor, RawTensor)> {
+        let mem = param.memory();
         let n = param.numel();
         let (ap, am, av) = (
-            Storage::reserve(dev, n)?,
-            Storage::reserve(dev, n)?,
-            Storage::reserve(dev, n)?,
+            Storage::reserve(mem, n)?,
+            Storage::reserve(mem, n)?,
+            Storage::reserve(mem, n)?,
         );
         let (mut p2, mut m2, mut v2) = (
             host_pool::take_for_overwrite(n),
@@ -654,26 +650,26 @@ impl Kernels for CpuKernels {
                 data: p2,
                 alloc: ap,
             }
-            .into_tensor(shape, dev),
+            .into_raw(shape, mem),
             Out {
                 data: m2,
                 alloc: am,
             }
-            .into_tensor(shape, dev),
+            .into_raw(shape, mem),
             Out {
                 data: v2,
                 alloc: av,
             }
-            .into_tensor(shape, dev),
+            .into_raw(shape, mem),
         ))
     }
 
     fn adam_update_in_place(
         &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        v: &mut Tensor,
+        param: &mut RawTensor,
+        grad: &RawTensor,
+        m: &mut RawTensor,
+        v: &mut RawTensor,
         hp: &AdamStep,
     ) -> Result<()> {
         let g = contig(grad);

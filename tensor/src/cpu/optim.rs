@@ -1,11 +1,38 @@
-//! The fused Adam/AdamW step, elementwise over contiguous parameter, gradient and moments.
+//! The optimizer steps: the plain SGD step, and the fused Adam/AdamW step elementwise over
+//! contiguous parameter, gradient and moments.
 
 use rayon::prelude::*;
 
 use crate::backend::AdamStep;
+use crate::error::Result;
+use crate::raw::RawTensor;
 
+use super::elementwise;
+use super::host::{data, exclusive_host, Out};
 use super::par::rows_per_chunk;
 use super::simd::multiversion;
+
+/// The plain SGD step `param - lr * grad` in one pass (CPU tensors of one shape), with exactly the
+/// arithmetic of `param.sub(&grad.mul_scalar(lr)?)`: `p - (g * lr + 0.0)`.
+pub(super) fn sgd_update(param: &RawTensor, grad: &RawTensor, lr: f32) -> Result<RawTensor> {
+    let mut out = Out::for_overwrite(param.memory(), param.numel())?;
+    elementwise::map2(
+        &mut out.data,
+        data(param),
+        param.layout(),
+        data(grad),
+        grad.layout(),
+        move |p, g| p - (g * lr + 0.0),
+    );
+    Ok(out.into_raw(param.shape(), param.memory()))
+}
+
+/// [`sgd_update`] written into exclusive `param`: `p = p - (g * lr + 0.0)`.
+pub(super) fn sgd_update_in_place(param: &mut RawTensor, grad: &RawTensor, lr: f32) -> Result<()> {
+    let p = exclusive_host("sgd_update", param)?;
+    elementwise::map2_assign(p, data(grad), grad.layout(), move |p, g| p - (g * lr + 0.0));
+    Ok(())
+}
 
 /// One element: returns `(p', m', v')` exactly as documented on [`AdamStep`].
 #[inline]

@@ -5,6 +5,7 @@ use super::*;
 use crate::error::Error;
 use crate::layout::Layout;
 use crate::rng::uniform_vec;
+use crate::{Device, Tensor};
 
 const K: CpuKernels = CpuKernels;
 
@@ -16,12 +17,18 @@ fn rand(n: usize, seed: u64) -> Vec<f32> {
     uniform_vec(seed, 0, n, -2.0, 2.0)
 }
 
-fn t(v: Vec<f32>, shape: &[usize], d: &Device) -> Tensor {
+/// What the kernels take: the storage and layout of a tensor of `v`.
+fn t(v: Vec<f32>, shape: &[usize], d: &Device) -> RawTensor {
+    Tensor::from_vec(v, shape, d).unwrap().raw().clone()
+}
+
+/// A tensor of `v`, for the tests of whole ops.
+fn tensor(v: Vec<f32>, shape: &[usize], d: &Device) -> Tensor {
     Tensor::from_vec(v, shape, d).unwrap()
 }
 
 /// The logical elements of a view, read one by one through `index_of`.
-fn naive(x: &Tensor) -> Vec<f32> {
+fn naive(x: &RawTensor) -> Vec<f32> {
     let d = data(x);
     (0..x.numel()).map(|i| d[x.layout().index_of(i)]).collect()
 }
@@ -47,7 +54,7 @@ fn dot(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// A few views of the same shape `[4, 6, 5]`: contiguous, permuted, narrowed, broadcast.
-fn views(d: &Device, seed: u64) -> Vec<Tensor> {
+fn views(d: &Device, seed: u64) -> Vec<RawTensor> {
     let base = t(rand(120, seed), &[4, 6, 5], d);
     let permuted = t(rand(120, seed + 1), &[5, 4, 6], d)
         .permute(&[1, 2, 0])
@@ -195,9 +202,9 @@ fn big_elementwise_runs_in_parallel_and_matches() {
 #[test]
 fn fill_from_host_contiguous_and_concat() {
     let d = dev();
-    let f = K.fill(&d, &[2, 3], 1.5).unwrap();
+    let f = K.fill(d.memory(), &[2, 3], 1.5).unwrap();
     assert_eq!(K.to_host(&f).unwrap(), vec![1.5; 6]);
-    let h = K.from_host(&d, &[1.0, 2.0], &[2]).unwrap();
+    let h = K.from_host(d.memory(), &[1.0, 2.0], &[2]).unwrap();
     assert_eq!(K.to_host(&h).unwrap(), vec![1.0, 2.0]);
     // Transposed copies (tiled path), with tiles that cross batch boundaries and an offset.
     let x = t(rand(3 * 50 * 41, 9), &[3, 50, 41], &d);
@@ -709,7 +716,7 @@ fn dropout_mask_equals_rng_dropout_value() {
         (64, 0.0),
     ] {
         let y = K
-            .to_host(&K.dropout_mask(&d, &[n], p, 42, 9).unwrap())
+            .to_host(&K.dropout_mask(d.memory(), &[n], p, 42, 9).unwrap())
             .unwrap();
         let want: Vec<f32> = (0..n as u64)
             .map(|i| crate::rng::dropout_value(42, 9, i, p))
@@ -730,7 +737,9 @@ fn dropout_mask_equals_rng_dropout_value() {
         assert_eq!(out, want);
         assert_eq!(fast, want);
     }
-    let y = K.dropout_mask(&d, &[3, 5], 0.5, 1, 1u64 << 40).unwrap();
+    let y = K
+        .dropout_mask(d.memory(), &[3, 5], 0.5, 1, 1u64 << 40)
+        .unwrap();
     assert_eq!(y.shape(), &[3, 5]);
     let want: Vec<f32> = (0..15)
         .map(|i| crate::rng::dropout_value(1, 1 << 40, i, 0.5))
@@ -923,7 +932,7 @@ fn bench_kernels() {
         drop(K.layer_norm_rows(&x, &g, &g, r, c, 1e-5).unwrap())
     });
     time("dropout mask", 4 * n, &|| {
-        drop(K.dropout_mask(&d, &[n], 0.1, 1, 2).unwrap())
+        drop(K.dropout_mask(d.memory(), &[n], 0.1, 1, 2).unwrap())
     });
     let hp = AdamStep {
         lr: 1e-3,
@@ -976,7 +985,7 @@ fn sums_over_leading_axes_are_column_sums() {
     let dv = dev();
     let (a, b, c) = (37, 5, 70);
     let v = rand(a * b * c, 77);
-    let x = t(v.clone(), &[a, b, c], &dv);
+    let x = tensor(v.clone(), &[a, b, c], &dv);
     let s01 = x.sum(&[0, 1], false).unwrap();
     assert_eq!(s01.shape(), &[c]);
     let want: Vec<f32> = (0..c)
@@ -1008,7 +1017,7 @@ fn transposed_copies_match_elementwise_reads_for_whole_partial_and_batch_spannin
         (1, 9, 300),
     ] {
         let x = t(rand(batch * r * c, 40), &[batch, r, c], &dv);
-        let xt = x.transpose(-2, -1).unwrap();
+        let xt = x.t().unwrap();
         let y = K.contiguous(&xt).unwrap();
         assert!(
             same(&K.to_host(&y).unwrap(), &naive(&xt)),
@@ -1033,17 +1042,17 @@ impl Drop for WidestBuildAfter {
 fn every_simd_build_gives_the_same_bits() {
     let d = dev();
     let (rows, cols) = (67, 131); // odd sizes: every loop has a tail
-    let x = t(rand(rows * cols, 11), &[rows, cols], &d);
-    let g = t(rand(rows * cols, 12), &[rows, cols], &d);
-    let bias = t(rand(cols, 13), &[cols], &d);
-    let gamma = t(rand(cols, 14), &[cols], &d);
-    let beta = t(rand(cols, 15), &[cols], &d);
+    let x = tensor(rand(rows * cols, 11), &[rows, cols], &d);
+    let g = tensor(rand(rows * cols, 12), &[rows, cols], &d);
+    let bias = tensor(rand(cols, 13), &[cols], &d);
+    let gamma = tensor(rand(cols, 14), &[cols], &d);
+    let beta = tensor(rand(cols, 15), &[cols], &d);
     let targets: Vec<f32> = (0..rows).map(|r| (r * 7 % cols) as f32).collect();
-    let targets = t(targets, &[rows], &d);
-    let row_g = t(rand(rows, 16), &[rows], &d);
+    let targets = tensor(targets, &[rows], &d);
+    let row_g = tensor(rand(rows, 16), &[rows], &d);
     let run = || -> Vec<(String, Vec<f32>)> {
         let mut out = Vec::new();
-        let mut keep = |name: String, y: Tensor| out.push((name, K.to_host(&y).unwrap()));
+        let mut keep = |name: String, y: Tensor| out.push((name, y.to_vec().unwrap()));
         for op in UnaryOp::ALL {
             keep(format!("{op:?}"), x.unary(op).unwrap());
             keep(format!("{op:?} grad"), x.unary_grad(op, &g).unwrap());
@@ -1132,10 +1141,10 @@ fn near_forms_run_only_where_a_whole_run_is_inside_and_give_the_scalar_bits() {
     xs.extend((0..run).map(|i| [f32::NAN, 0.5, f32::INFINITY, f32::NEG_INFINITY][i % 4]));
     xs.extend(rand(9, 30)); // a tail
     let n = xs.len();
-    let zero_bias = t(vec![0.0; n], &[n], &d);
-    let x = t(xs.clone(), &[n], &d);
-    let g = t(rand(n, 31), &[n], &d);
-    let gs = K.to_host(&g).unwrap();
+    let zero_bias = tensor(vec![0.0; n], &[n], &d);
+    let x = tensor(xs.clone(), &[n], &d);
+    let g = tensor(rand(n, 31), &[n], &d);
+    let gs = g.to_vec().unwrap();
     let _restore = WidestBuildAfter;
     for level in [
         simd::Level::Avx512,
@@ -1152,7 +1161,7 @@ fn near_forms_run_only_where_a_whole_run_is_inside_and_give_the_scalar_bits() {
         for op in ops {
             let f: Vec<f32> = xs.iter().map(|&v| op.eval(v)).collect();
             let df: Vec<f32> = xs.iter().zip(&gs).map(|(&v, &g)| g * op.grad(v)).collect();
-            let got = |y: Tensor| K.to_host(&y).unwrap();
+            let got = |y: Tensor| y.to_vec().unwrap();
             assert!(same(&got(x.unary(op).unwrap()), &f), "{op:?}, {level:?}");
             let y = x.unary_grad(op, &g).unwrap();
             assert!(same(&got(y), &df), "{op:?} grad, {level:?}");

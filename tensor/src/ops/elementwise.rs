@@ -79,7 +79,7 @@ impl Tensor {
             let b = other.broadcast_to(&shape)?;
             let dev = self.device().clone();
             // In-place kernels are f32 only: half tensors took the out-of-place path below.
-            dev.kernels().binary_assign(op, self, &b)?;
+            dev.kernels().binary_assign(op, self.raw_mut(), b.raw())?;
             dev.add_flops(self.numel() as u64);
             return Ok(());
         }

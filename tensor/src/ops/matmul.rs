@@ -6,6 +6,7 @@ use crate::backend::{Kernels, MatDims, MatGroups, MatLayout};
 use crate::dtype_policy::{DTypePolicy::WidenThenRound, Precision};
 use crate::error::{Error, Result};
 use crate::layout::{broadcast_shapes, Dims};
+use crate::raw::RawTensor;
 use crate::tensor::Tensor;
 
 impl Tensor {
@@ -51,12 +52,12 @@ impl Tensor {
         // A native half product (f32 accumulation) where the backend has one, else the f32
         // kernel, on widened copies for half operands.
         let native =
-            |kern: &dyn Kernels, [a, b]: [&Tensor; 2]| kern.matmul_half(a, la, b, lb, dims);
+            |kern: &dyn Kernels, [a, b]: [&RawTensor; 2]| kern.matmul_half(a, la, b, lb, dims);
         let out = match dev.run_if(OP, Precision::Half, [&a, &b], native) {
             Some(out) => out?,
             // A widened copy starts at its view's first element: its layout moves with it.
             None => dev.run(OP, WidenThenRound, [&a, &b], |kern, [a, b]| {
-                let at = |l: MatLayout, x: &Tensor| MatLayout {
+                let at = |l: MatLayout, x: &RawTensor| MatLayout {
                     offset: x.layout().offset,
                     ..l
                 };

@@ -10,6 +10,7 @@
 //! elements.
 
 mod bias_act;
+mod copy;
 mod elementwise;
 mod index;
 mod matmul;

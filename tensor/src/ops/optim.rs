@@ -6,6 +6,7 @@ use crate::backend::Kernels;
 use crate::dtype::DType;
 use crate::dtype_policy::{DTypePolicy::F32Only, Precision};
 use crate::error::{Error, Result};
+use crate::raw::RawTensor;
 use crate::tensor::Tensor;
 
 /// Checks the operands of an Adam step: one device, one shape.
@@ -94,7 +95,13 @@ impl Tensor {
         {
             let dev = param.device().clone();
             // In-place kernels are f32 only: anything else took the out-of-place path below.
-            dev.kernels().adam_update_in_place(param, grad, m, v, hp)?;
+            dev.kernels().adam_update_in_place(
+                param.raw_mut(),
+                grad.raw(),
+                m.raw_mut(),
+                v.raw_mut(),
+                hp,
+            )?;
             dev.add_flops(param.numel() as u64);
             return Ok(true);
         }
@@ -110,7 +117,7 @@ impl Tensor {
         let dev = param.device();
         if param.numel() > 0 {
             // The fused step is f32 only; half tensors take the composed path below.
-            let fused = |k: &dyn Kernels, [p, g]: [&Tensor; 2]| k.sgd_update(p, g, lr);
+            let fused = |k: &dyn Kernels, [p, g]: [&RawTensor; 2]| k.sgd_update(p, g, lr);
             if let Some(out) = dev.run_if("sgd_update", Precision::F32, [param, grad], fused) {
                 dev.add_flops(2 * param.numel() as u64);
                 return out;
@@ -128,7 +135,10 @@ impl Tensor {
         if param.numel() > 0 && f32s && param.is_exclusive() {
             let dev = param.device().clone();
             // In-place kernels are f32 only: anything else took the out-of-place path below.
-            if let Some(r) = dev.kernels().sgd_update_in_place(param, grad, lr) {
+            if let Some(r) = dev
+                .kernels()
+                .sgd_update_in_place(param.raw_mut(), grad.raw(), lr)
+            {
                 r?;
                 dev.add_flops(2 * param.numel() as u64);
                 return Ok(true);

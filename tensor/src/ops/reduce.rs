@@ -10,6 +10,7 @@ use crate::dtype_policy::{DTypePolicy::WidenThenRound, Precision, StaysF32};
 use crate::error::{Error, Result};
 use crate::layout::{resolve_axis, Layout};
 use crate::ops::resolve_axes;
+use crate::raw::RawTensor;
 use crate::tensor::Tensor;
 
 impl Tensor {
@@ -58,7 +59,7 @@ impl Tensor {
         if op == ReduceOp::Sum && leading && !kept.is_empty() && self.is_contiguous() {
             // Sums over the leading axes (a bias gradient): column sums, no transposing copy,
             // where the backend has such a kernel.
-            let fused = |k: &dyn Kernels, [x]: [&Tensor; 1]| k.sum_leading(x, rows);
+            let fused = |k: &dyn Kernels, [x]: [&RawTensor; 1]| k.sum_leading(x, rows);
             if let Some(out) = dev.run_if(op.name(), Precision::F32, [self], fused) {
                 dev.add_flops(self.numel() as u64);
                 return out?.reshape(&out_shape);
@@ -66,11 +67,11 @@ impl Tensor {
         }
         let perm: Vec<usize> = kept.iter().chain(axes).copied().collect();
         let x = self.permute(&perm)?.contiguous()?;
-        let reduce = |k: &dyn Kernels, [x]: [&Tensor; 1]| k.reduce_rows(op, x, rows, cols);
+        let reduce = |k: &dyn Kernels, [x]: [&RawTensor; 1]| k.reduce_rows(op, x, rows, cols);
         let out = if matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin) {
             // Indices stay f32 whatever the input's dtype: f16 holds integers exactly only up
             // to 2048.
-            let index = |k: &dyn Kernels, [x]: [&Tensor; 1]| reduce(k, [x]).map(StaysF32);
+            let index = |k: &dyn Kernels, [x]: [&RawTensor; 1]| reduce(k, [x]).map(StaysF32);
             dev.run(op.name(), WidenThenRound, [&x], index)?.0
         } else {
             dev.run(op.name(), WidenThenRound, [&x], reduce)?

@@ -9,9 +9,9 @@ use wgpipe_shaders::RowGroup;
 use super::autotune::{default_cache_path, mode_from, Tuner, AUTOTUNE_ENV};
 use super::discovery::{discovery, AdapterInfo};
 use super::pipelines::PipelineCache;
-use crate::gpu_pool::BufferPool;
 use super::runtime::Recorder;
 use crate::error::{Error, Result};
+use crate::gpu_pool::BufferPool;
 
 /// Errors wgpu reported outside an error scope (validation of recorded commands, device loss),
 /// collected by the device's handler and returned by the next call that checks.

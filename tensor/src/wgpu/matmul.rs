@@ -14,7 +14,7 @@ use super::runtime::Arg;
 use crate::backend::{Kernels, MatDims, MatLayout};
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::raw::RawTensor;
 
 /// The most elements of B the subgroup matmul reads in place (1 MiB of f32, about a core's L2):
 /// larger ones are packed (see `direct_operands`).
@@ -188,12 +188,12 @@ impl WgpuContext {
     /// keeps for its shape class, or the heuristic's.
     pub(super) fn matmul_tuned(
         &self,
-        a: &Tensor,
+        a: &RawTensor,
         la: MatLayout,
-        b: &Tensor,
+        b: &RawTensor,
         lb: MatLayout,
         d: MatDims,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         let choice = self.matmul_choice(d, a.dtype(), |c| {
             self.time_op(|| self.matmul_as(a, la, b, lb, d, c))
         })?;
@@ -206,13 +206,13 @@ impl WgpuContext {
     /// accumulate in f32 and round the result once.
     pub(super) fn matmul_as(
         &self,
-        a: &Tensor,
+        a: &RawTensor,
         la: MatLayout,
-        b: &Tensor,
+        b: &RawTensor,
         lb: MatLayout,
         d: MatDims,
         choice: MatmulChoice,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         let dtype = a.dtype();
         match choice {
             MatmulChoice::Subgroup => {
@@ -252,18 +252,18 @@ impl WgpuContext {
     /// Batched matmul with the variant chosen for the operands, or `forced` (tests).
     pub(super) fn matmul_with(
         &self,
-        a: &Tensor,
+        a: &RawTensor,
         la: MatLayout,
-        b: &Tensor,
+        b: &RawTensor,
         lb: MatLayout,
         dims: MatDims,
         forced: Option<MatmulConfig>,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         if dims.batch == 0 || dims.m == 0 || dims.n == 0 {
-            return self.empty(a.device(), &[dims.batch, dims.m, dims.n]);
+            return self.empty(a.memory(), &[dims.batch, dims.m, dims.n]);
         }
         if dims.k == 0 {
-            return self.fill(a.device(), &[dims.batch, dims.m, dims.n], 0.0);
+            return self.fill(a.memory(), &[dims.batch, dims.m, dims.n], 0.0);
         }
         // Strides of size-1 axes never matter; zero them so that they do not block vec4 loads.
         let norm = |l: MatLayout, rows: usize, cols: usize| MatLayout {
@@ -284,14 +284,14 @@ impl WgpuContext {
     /// The tiled kernel as `cfg` on normalised operands (`m`, `n`, `k`, `batch` non-zero).
     fn matmul_tiled(
         &self,
-        a: &Tensor,
+        a: &RawTensor,
         la: MatLayout,
-        b: &Tensor,
+        b: &RawTensor,
         lb: MatLayout,
         dims: MatDims,
         cfg: MatmulConfig,
-    ) -> Result<Tensor> {
-        let out = self.empty(a.device(), &[dims.batch, dims.m, dims.n])?;
+    ) -> Result<RawTensor> {
+        let out = self.empty(a.memory(), &[dims.batch, dims.m, dims.n])?;
         let tiles_n = dims.n.div_ceil(cfg.bn as usize);
         let tiles = dims.m.div_ceil(cfg.bm as usize) * tiles_n;
         let max = self.limits.max_compute_workgroups_per_dimension as usize;
@@ -374,21 +374,21 @@ impl WgpuContext {
     #[allow(clippy::too_many_arguments)]
     fn pack(
         &self,
-        x: &Tensor,
+        x: &RawTensor,
         l: &MatLayout,
         batch: usize,
         (r, c): (usize, usize),
         (t0, t1): (usize, usize),
         (n0, n1): (usize, usize),
         col_outer: bool,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         if !t1.is_power_of_two() || t1 < 4 {
             return Err(self.err(format!(
                 "pack: tile {t0} x {t1}: its width must be a power of two of at least 4"
             )));
         }
         let (padded_rows, padded_cols) = (n0 * t0, n1 * t1);
-        let out = self.empty(x.device(), &[batch * padded_rows * padded_cols])?;
+        let out = self.empty(x.memory(), &[batch * padded_rows * padded_cols])?;
         let kernel = match x.dtype() {
             DType::F32 => Kernel::Pack,
             DType::F16 => Kernel::PackHalf(HalfFormat::F16),
@@ -466,13 +466,13 @@ impl WgpuContext {
     /// the variant; by default [`Self::half_tiled_config`].
     pub(super) fn matmul_half_tiled(
         &self,
-        a: &Tensor,
+        a: &RawTensor,
         la: MatLayout,
-        b: &Tensor,
+        b: &RawTensor,
         lb: MatLayout,
         dims: MatDims,
         forced: Option<MatmulConfig>,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         let cfg = match forced {
             Some(cfg) => cfg,
             None => self.half_tiled_config(a.dtype(), &la, &lb, &dims)?,
@@ -484,15 +484,15 @@ impl WgpuContext {
     /// Matmul through packed operands and the subgroup kernel.
     pub(super) fn matmul_subgroup(
         &self,
-        a: &Tensor,
+        a: &RawTensor,
         la: MatLayout,
-        b: &Tensor,
+        b: &RawTensor,
         lb: MatLayout,
         dims: MatDims,
         cfg: SubgroupMatmulConfig,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         let MatDims { batch, m, k, n } = dims;
-        let out = self.empty(a.device(), &[batch, m, n])?;
+        let out = self.empty(a.memory(), &[batch, m, n])?;
         if batch == 0 || m == 0 || n == 0 {
             return Ok(out);
         }

@@ -11,8 +11,8 @@ use std::sync::MutexGuard;
 use wgpipe_shaders::Kernel;
 
 use super::context::WgpuContext;
-use crate::gpu_pool::GpuBuffer;
 use crate::error::Result;
+use crate::gpu_pool::GpuBuffer;
 
 /// Dispatches recorded before a submit is forced.
 pub(crate) const FLUSH_EVERY: usize = 64;

@@ -9,11 +9,12 @@ use super::kernels::gpu;
 use super::runtime::Arg;
 use super::WgpuContext;
 use crate::backend::*;
-use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Error;
 use crate::layout::Layout;
-use crate::tensor::Tensor;
+use crate::raw::RawTensor;
+// The tests build their operands through the crate's public types.
+use crate::{Device, Tensor};
 
 #[path = "../../tests/common/gelu_ref.rs"]
 mod gelu_ref;
@@ -37,11 +38,11 @@ fn k(d: &Device) -> &dyn Kernels {
     d.kernels()
 }
 
-fn t(d: &Device, data: &[f32], shape: &[usize]) -> Tensor {
-    k(d).from_host(d, data, shape).unwrap()
+fn t(d: &Device, data: &[f32], shape: &[usize]) -> RawTensor {
+    k(d).from_host(d.memory(), data, shape).unwrap()
 }
 
-fn host(d: &Device, x: &Tensor) -> Vec<f32> {
+fn host(d: &Device, x: &RawTensor) -> Vec<f32> {
     k(d).to_host(x).unwrap()
 }
 
@@ -81,7 +82,7 @@ fn upload_read_fill_and_views() {
     let x = t(&d, &data, &[2, 3, 4]);
     assert_eq!(host(&d, &x), data);
     assert_eq!(
-        host(&d, &k(&d).fill(&d, &[3, 5], 2.5).unwrap()),
+        host(&d, &k(&d).fill(d.memory(), &[3, 5], 2.5).unwrap()),
         vec![2.5; 15]
     );
     // permuted, narrowed, broadcast views read through the strided copy
@@ -106,9 +107,9 @@ fn memory_is_charged_to_the_device() {
     let Some(d) = device() else { return };
     let v = d.virtual_device("sim", Some(1000));
     let before = v.memory_stats().live;
-    let x = k(&v).fill(&v, &[100], 1.0).unwrap();
+    let x = k(&v).fill(v.memory(), &[100], 1.0).unwrap();
     assert_eq!(v.memory_stats().live - before, 400);
-    let e = k(&v).fill(&v, &[200], 1.0).unwrap_err();
+    let e = k(&v).fill(v.memory(), &[200], 1.0).unwrap_err();
     assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
     drop(x);
     assert_eq!(v.memory_stats().live, before);
@@ -964,7 +965,12 @@ fn dropout_is_bit_identical_to_the_host_philox() {
         (13, 0.0, 0, 0),
         (4099, 0.9, 0x1234_5678_9abc_def0, 1 << 40),
     ] {
-        let got = host(&d, &k(&d).dropout_mask(&d, &[n], p, seed, offset).unwrap());
+        let got = host(
+            &d,
+            &k(&d)
+                .dropout_mask(d.memory(), &[n], p, seed, offset)
+                .unwrap(),
+        );
         let want: Vec<f32> = (0..n as u64)
             .map(|i| crate::rng::dropout_value(seed, offset, i, p))
             .collect();
@@ -1029,7 +1035,7 @@ fn dispatches_wider_than_65535_workgroups() {
     let Some(d) = device() else { return };
     // 65536 * 256 + 3 elements: 65537 workgroups of 256, more than one grid row.
     let n = 65536 * 256 + 3;
-    let x = k(&d).fill(&d, &[n], 1.5).unwrap();
+    let x = k(&d).fill(d.memory(), &[n], 1.5).unwrap();
     let y = k(&d)
         .unary(UnaryOp::Affine { mul: 2.0, add: 1.0 }, &x)
         .unwrap();
@@ -1066,7 +1072,7 @@ fn many_batches_and_threads() {
         for th in 0..2 {
             let d = d.clone();
             s.spawn(move || {
-                let mut x = k(&d).fill(&d, &[257], th as f32).unwrap();
+                let mut x = k(&d).fill(d.memory(), &[257], th as f32).unwrap();
                 for _ in 0..150 {
                     x = k(&d)
                         .unary(UnaryOp::Affine { mul: 1.0, add: 1.0 }, &x)
@@ -1082,7 +1088,7 @@ fn many_batches_and_threads() {
 fn wgpu_validation_errors_come_back_as_errors() {
     let Some(d) = device() else { return };
     let c = ctx(&d);
-    let x = k(&d).fill(&d, &[16], 1.0).unwrap();
+    let x = k(&d).fill(d.memory(), &[16], 1.0).unwrap();
     // A dispatch past the per-dimension workgroup limit: wgpu rejects it when the batch is
     // submitted; the error must come back from the next sync point, not as a panic.
     let too_many = c.limits.max_compute_workgroups_per_dimension + 1;
@@ -1102,10 +1108,10 @@ fn wgpu_validation_errors_come_back_as_errors() {
     eprintln!("caught: {e}");
     // ... and through the public path.
     let huge = (c.limits.max_buffer_size / 4 + 1) as usize;
-    let e = k(&d).fill(&d, &[huge], 0.0).unwrap_err();
+    let e = k(&d).fill(d.memory(), &[huge], 0.0).unwrap_err();
     assert!(matches!(e, Error::Wgpu { .. }), "{e}");
     // The device keeps working afterwards.
-    let y = k(&d).fill(&d, &[4], 3.0).unwrap();
+    let y = k(&d).fill(d.memory(), &[4], 3.0).unwrap();
     assert_eq!(host(&d, &y), vec![3.0; 4]);
 }
 
@@ -1256,7 +1262,7 @@ fn tune_row_groups() {
     let (_, mean, rstd) = k(&d)
         .layer_norm_rows(&x, &gamma, &beta, lr, lc, 1e-5)
         .unwrap();
-    type Run<'a> = &'a dyn Fn() -> Result<Tensor, Error>;
+    type Run<'a> = &'a dyn Fn() -> Result<RawTensor, Error>;
     let ops: [(&str, usize, Run); 4] = [
         ("causal softmax 4096x128", sc, &|| {
             k(&d).causal_softmax_rows(&scores, sr, sc, 0.125)
@@ -1561,7 +1567,12 @@ fn autotune_of_the_half_matmul_keeps_the_fastest_candidate() {
         layout(m, kk, false, 0, false),
         layout(kk, n, true, 0, false),
     );
-    let half = |v: &[f32]| Tensor::from_vec_in(v.to_vec(), &[v.len()], dtype, &d).unwrap();
+    let half = |v: &[f32]| {
+        Tensor::from_vec_in(v.to_vec(), &[v.len()], dtype, &d)
+            .unwrap()
+            .raw()
+            .clone()
+    };
     let (a, b) = (half(&a_data), half(&b_data));
     let want = matmul_ref(&a_data, la, &b_data, lb, dims);
     // One f16 rounding of the result, plus the f32 accumulation.
@@ -1651,7 +1662,7 @@ fn the_kept_choice_is_the_variant_that_runs() {
         t(&d, &vals(48 * 36, 53), &[48 * 36]),
     );
     k(&d).matmul(&a, la, &b, lb, dims).unwrap();
-    let half = |x: &Tensor| x.to_dtype(DType::F16).unwrap();
+    let half = |x: &RawTensor| k(&d).narrow(x, DType::F16).unwrap();
     k(&d)
         .matmul_half(&half(&a), la, &half(&b), lb, dims)
         .unwrap()
@@ -1710,8 +1721,12 @@ fn matmul_half_loads_match_the_rounded_product() {
                 let la = layout(m, kk, ta, offset, true);
                 let lb = layout(kk, n, tb, offset, false);
                 let dims = MatDims { batch, m, k: kk, n };
-                let half =
-                    |v: &[f32]| Tensor::from_vec_in(v.to_vec(), &[v.len()], dtype, &d).unwrap();
+                let half = |v: &[f32]| {
+                    Tensor::from_vec_in(v.to_vec(), &[v.len()], dtype, &d)
+                        .unwrap()
+                        .raw()
+                        .clone()
+                };
                 let (a, b) = (half(&a_data), half(&b_data));
                 let want = matmul_ref(&a_data, la, &b_data, lb, dims);
                 let tol = rel + kk as f32 * 2f32.powi(-22);

@@ -9,6 +9,7 @@ use crate::dtype_policy::{DTypePolicy::WidenThenRound, Precision};
 use crate::error::{Error, Result};
 use crate::layout::{Dims, Layout};
 use crate::ops::matmul::{as_matrix, batch_strides};
+use crate::raw::RawTensor;
 use crate::tensor::Tensor;
 
 impl Tensor {
@@ -35,7 +36,7 @@ impl Tensor {
                 heads(v, batch_shape, d)?,
             ];
             let (y_layout, y_at) = output_layout(self, batch_shape, d);
-            let fused = |kern: &dyn Kernels, [q, k, v]: [&Tensor; 3]| {
+            let fused = |kern: &dyn Kernels, [q, k, v]: [&RawTensor; 3]| {
                 kern.causal_attention([(q, lq), (k, lk), (v, lv)], y_at, d, scale)
             };
             let ops = [&q, &k, &v];
@@ -93,7 +94,7 @@ impl Tensor {
             let [(lgq, gq_at), (lgk, gk_at), (lgv, gv_at)] =
                 [q, k, v].map(|x| output_layout(x, batch_shape, d));
             let at = [gq_at, gk_at, gv_at];
-            let fused = |kern: &dyn Kernels, [q, k, v, p, g]: [&Tensor; 5]| {
+            let fused = |kern: &dyn Kernels, [q, k, v, p, g]: [&RawTensor; 5]| {
                 let qkv = [(q, lq), (k, lk), (v, lv)];
                 kern.causal_attention_backward(qkv, p, (g, lg), at, d, scale)
             };

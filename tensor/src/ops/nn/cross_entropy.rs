@@ -27,7 +27,7 @@ impl Tensor {
         dev.require_f32("cross_entropy (targets)", &[&t])?;
         let (loss, StaysF32(max), StaysF32(logsum)) =
             dev.run(OP, WidenThenRound, [&x], |k, [x]| {
-                let (loss, max, logsum) = k.cross_entropy_rows(x, &t, n, c)?;
+                let (loss, max, logsum) = k.cross_entropy_rows(x, t.raw(), n, c)?;
                 Ok((loss, StaysF32(max), StaysF32(logsum)))
             })?;
         let out = (loss, max, logsum);
@@ -73,7 +73,7 @@ impl Tensor {
         let statistics = "cross_entropy backward (targets, statistics)";
         dev.require_f32(statistics, &[&t, &max, &logsum])?;
         let dx = dev.run(OP, WidenThenRound, [&x, &g], |k, [x, g]| {
-            k.cross_entropy_backward_rows(x, &t, &max, &logsum, g, n, c)
+            k.cross_entropy_backward_rows(x, t.raw(), max.raw(), logsum.raw(), g, n, c)
         })?;
         dev.add_flops(4 * logits.numel() as u64);
         Ok(dx)

@@ -127,7 +127,11 @@ impl Tensor {
         if shape.iter().product::<usize>() == 0 {
             return Tensor::zeros(shape, dev);
         }
-        let out = dev.kernels().dropout_mask(dev, shape, p, seed, offset)?;
+        let out = Tensor::from_raw(
+            dev.kernels()
+                .dropout_mask(dev.memory(), shape, p, seed, offset)?,
+            dev,
+        );
         dev.add_flops(out.numel() as u64);
         Ok(out)
     }

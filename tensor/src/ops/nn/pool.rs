@@ -114,7 +114,7 @@ impl Tensor {
         let (dy, argmax) = (dy.contiguous()?, argmax.contiguous()?);
         dev.require_f32("max_pool2d backward (argmax)", &[&argmax])?;
         let dx = dev.run("max_pool2d backward", WidenThenRound, [&dy], |k, [dy]| {
-            k.max_pool2d_backward(dy, &argmax, &g)
+            k.max_pool2d_backward(dy, argmax.raw(), &g)
         })?;
         dev.add_flops(dy.numel() as u64);
         dx.reshape(input_shape)

@@ -5,16 +5,16 @@ use wgpipe_shaders::Kernel;
 
 use super::u;
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::raw::RawTensor;
 use crate::wgpu::context::WgpuContext;
 
 /// `(loss, max, logsum)` of logits `x` (`dims = [rows, cols]`) against class ids `targets`.
 pub(super) fn forward(
     ctx: &WgpuContext,
-    x: &Tensor,
-    targets: &Tensor,
+    x: &RawTensor,
+    targets: &RawTensor,
     dims: [usize; 2],
-) -> Result<(Tensor, Tensor, Tensor)> {
+) -> Result<(RawTensor, RawTensor, RawTensor)> {
     let [rows, cols] = dims;
     let [loss, max, logsum] = ctx.row_kernel(
         "cross_entropy",
@@ -39,9 +39,9 @@ pub(super) fn forward(
 /// `max` and `logsum`.
 pub(super) fn backward(
     ctx: &WgpuContext,
-    inputs: [&Tensor; 5],
+    inputs: [&RawTensor; 5],
     dims: [usize; 2],
-) -> Result<Tensor> {
+) -> Result<RawTensor> {
     let [rows, cols] = dims;
     // No one-subgroup variant: this kernel has no tree reduction.
     let [out] = ctx.row_kernel(
@@ -51,7 +51,7 @@ pub(super) fn backward(
         inputs,
         [&dims],
         |group, [x, t, max, logsum, g]| {
-            let off = |v: &Tensor| u(v.layout().offset);
+            let off = |v: &RawTensor| u(v.layout().offset);
             let params = CrossEntropyBackwardParams {
                 rows: u(rows),
                 cols: u(cols),

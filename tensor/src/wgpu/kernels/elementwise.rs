@@ -6,9 +6,9 @@ use wgpipe_shaders::{EwLayout, Kernel};
 
 use super::{gpu, groups_for, u};
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
-use crate::wgpu::context::WgpuContext;
 use crate::gpu_pool::GpuBuffer;
+use crate::raw::RawTensor;
+use crate::wgpu::context::WgpuContext;
 use crate::wgpu::runtime::Arg;
 
 /// Merges the dims of several same-shaped layouts: size-1 dims go, and neighbouring dims that
@@ -64,12 +64,12 @@ impl WgpuContext {
     pub(super) fn map(
         &self,
         kernel: impl Fn(EwLayout) -> Kernel,
-        inputs: &[&Tensor],
+        inputs: &[&RawTensor],
         s0: f32,
         s1: f32,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         let x0 = inputs[0];
-        let out = self.empty(x0.device(), x0.shape())?;
+        let out = self.empty(x0.memory(), x0.shape())?;
         self.map_into(kernel, inputs, s0, s1, gpu(&out)?, false)?;
         Ok(out)
     }
@@ -79,7 +79,7 @@ impl WgpuContext {
     pub(super) fn map_into(
         &self,
         kernel: impl Fn(EwLayout) -> Kernel,
-        inputs: &[&Tensor],
+        inputs: &[&RawTensor],
         s0: f32,
         s1: f32,
         out: &GpuBuffer,
@@ -156,7 +156,7 @@ impl WgpuContext {
     /// Records the strided copy of `src` into `dst` at (`out_offset`, `out_strides`).
     fn copy_into(
         &self,
-        src: &Tensor,
+        src: &RawTensor,
         dst: &GpuBuffer,
         out_offset: usize,
         out_strides: &[usize],
@@ -190,15 +190,15 @@ impl WgpuContext {
 /// strided copy per input, each into its slab of the output.
 pub(super) fn concat(
     ctx: &WgpuContext,
-    xs: &[&Tensor],
+    xs: &[&RawTensor],
     axis: usize,
     out_shape: &[usize],
-) -> Result<Tensor> {
-    let dev = xs
+) -> Result<RawTensor> {
+    let mem = xs
         .first()
-        .map(|x| x.device().clone())
+        .map(|x| x.memory().clone())
         .ok_or_else(|| Error::invalid("concat", "no tensors to concatenate"))?;
-    let out = ctx.empty(&dev, out_shape)?;
+    let out = ctx.empty(&mem, out_shape)?;
     let strides = out.strides().to_vec();
     let o = gpu(&out)?;
     let mut start = 0;

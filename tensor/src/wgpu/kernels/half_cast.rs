@@ -5,12 +5,12 @@ use wgpipe_shaders::params::{CastParams, ParamBlock};
 use wgpipe_shaders::{HalfFormat, Kernel};
 
 use super::{gpu, groups_for, u};
-use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::layout::Layout;
+use crate::memory::MemoryTracker;
+use crate::raw::RawTensor;
 use crate::storage::{Storage, StorageData};
-use crate::tensor::Tensor;
 use crate::wgpu::context::WgpuContext;
 use crate::wgpu::runtime::Arg;
 
@@ -24,26 +24,31 @@ fn half_format(dtype: DType) -> HalfFormat {
 
 /// A fresh contiguous tensor of half `dtype`: 16-bit values packed two per 32-bit word,
 /// charged at two bytes an element.
-fn empty_half(ctx: &WgpuContext, dev: &Device, shape: &[usize], dtype: DType) -> Result<Tensor> {
+fn empty_half(
+    ctx: &WgpuContext,
+    mem: &MemoryTracker,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<RawTensor> {
     let n = ctx.indexable(shape)?;
-    let allocation = Storage::reserve_dtype(dev, n, dtype)?;
+    let allocation = Storage::reserve_dtype(mem, n, dtype)?;
     let buffer = ctx
         .pool
         .alloc((n.div_ceil(2) * 4) as u64)
         .map_err(|m| ctx.err(m))?;
-    Ok(Tensor::from_storage(
+    Ok(RawTensor::new(
         Storage::with_dtype(StorageData::Wgpu(buffer), dtype, allocation),
         shape,
-        dev,
+        mem,
     ))
 }
 
 /// Half `x` (any view) as f32 over the storage elements the view spans, with `x`'s shape and
 /// strides from offset 0 (see `Kernels::widen`).
-pub(super) fn widen(ctx: &WgpuContext, x: &Tensor) -> Result<Tensor> {
+pub(super) fn widen(ctx: &WgpuContext, x: &RawTensor) -> Result<RawTensor> {
     let l = x.layout();
     let n = l.span();
-    let out = ctx.empty(x.device(), &[n])?;
+    let out = ctx.empty(x.memory(), &[n])?;
     ctx.dispatch(
         Kernel::Widen(half_format(x.dtype())),
         &CastParams {
@@ -63,9 +68,9 @@ pub(super) fn widen(ctx: &WgpuContext, x: &Tensor) -> Result<Tensor> {
 }
 
 /// f32 `x` rounded to half `dtype`, as a fresh contiguous tensor.
-pub(super) fn narrow(ctx: &WgpuContext, x: &Tensor, dtype: DType) -> Result<Tensor> {
+pub(super) fn narrow(ctx: &WgpuContext, x: &RawTensor, dtype: DType) -> Result<RawTensor> {
     let x = ctx.packed(x)?;
-    let out = empty_half(ctx, x.device(), x.shape(), dtype)?;
+    let out = empty_half(ctx, x.memory(), x.shape(), dtype)?;
     let n = x.numel();
     ctx.dispatch(
         Kernel::Narrow(half_format(dtype)),

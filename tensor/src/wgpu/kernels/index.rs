@@ -6,7 +6,7 @@ use wgpipe_shaders::{IndexKernel, Kernel};
 use super::{gpu, groups_for, u, LOOP_BUDGET};
 use crate::backend::Kernels;
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::raw::RawTensor;
 use crate::wgpu::context::WgpuContext;
 use crate::wgpu::runtime::Arg;
 
@@ -18,22 +18,22 @@ use crate::wgpu::runtime::Arg;
 pub(super) fn run(
     ctx: &WgpuContext,
     k: IndexKernel,
-    src: &Tensor,
-    idx: &Tensor,
+    src: &RawTensor,
+    idx: &RawTensor,
     dims: [usize; 4],
-) -> Result<Tensor> {
+) -> Result<RawTensor> {
     let [outer, dim, inner, n] = dims;
     let src = ctx.dense(src)?;
     let idx = ctx.dense(idx)?;
     let accumulates = matches!(k, IndexKernel::IndexAdd | IndexKernel::ScatterAdd);
     let (out, items) = if accumulates {
         (
-            ctx.fill(src.device(), &[outer, dim, inner], 0.0)?,
+            ctx.fill(src.memory(), &[outer, dim, inner], 0.0)?,
             outer * inner,
         )
     } else {
         (
-            ctx.empty(src.device(), &[outer, n, inner])?,
+            ctx.empty(src.memory(), &[outer, n, inner])?,
             outer * n * inner,
         )
     };

@@ -21,15 +21,15 @@ use wgpipe_shaders::params::{FillParams, ParamBlock};
 use wgpipe_shaders::{IndexKernel, Kernel, ELEMENTWISE_WG};
 
 use super::context::WgpuContext;
-use crate::gpu_pool::GpuBuffer;
 use super::runtime::Arg;
 use crate::backend::*;
-use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::gpu_pool::GpuBuffer;
 use crate::layout::numel;
+use crate::memory::MemoryTracker;
+use crate::raw::RawTensor;
 use crate::storage::{Storage, StorageData};
-use crate::tensor::Tensor;
 
 mod cross_entropy;
 mod elementwise;
@@ -49,19 +49,19 @@ pub(super) use elementwise::rows_grid;
 pub(super) use reduce::thin_row_cols;
 
 /// The GPU buffer behind a tensor (an error for a tensor of another backend).
-pub(super) fn gpu(x: &Tensor) -> Result<&GpuBuffer> {
+pub(super) fn gpu(x: &RawTensor) -> Result<&GpuBuffer> {
     match &x.storage().data {
         StorageData::Wgpu(b) => Ok(b),
         _ => Err(Error::invalid(
             "wgpu kernel",
-            format!("tensor on {} is not a wgpu tensor", x.device()),
+            format!("tensor on {} is not a wgpu tensor", x.memory()),
         )),
     }
 }
 
 /// Fails unless `t` [is exclusive](Tensor::is_exclusive): the in-place kernels' contract,
 /// checked so that a broken one is an error rather than a write into a shared buffer.
-fn exclusive(op: &'static str, t: &mut Tensor) -> Result<()> {
+fn exclusive(op: &'static str, t: &mut RawTensor) -> Result<()> {
     if t.exclusive_storage().is_none() {
         return Err(Error::invalid(
             op,
@@ -97,15 +97,15 @@ fn all_ok<T, const N: usize>(results: [Result<T>; N]) -> Result<[T; N]> {
 }
 
 impl WgpuContext {
-    /// A fresh contiguous tensor of `shape` on `dev` (charged to `dev`'s tracker first).
-    pub(super) fn empty(&self, dev: &Device, shape: &[usize]) -> Result<Tensor> {
+    /// A fresh contiguous tensor of `shape` on `mem` (charged to `mem`'s tracker first).
+    pub(super) fn empty(&self, mem: &MemoryTracker, shape: &[usize]) -> Result<RawTensor> {
         let n = self.indexable(shape)?;
-        let allocation = Storage::reserve(dev, n)?;
+        let allocation = Storage::reserve(mem, n)?;
         let buffer = self.pool.alloc((n * 4) as u64).map_err(|m| self.err(m))?;
-        Ok(Tensor::from_storage(
+        Ok(RawTensor::new(
             Storage::new(StorageData::Wgpu(buffer), allocation),
             shape,
-            dev,
+            mem,
         ))
     }
 
@@ -123,7 +123,7 @@ impl WgpuContext {
 
     /// `x` itself when contiguous from element 0, else a contiguous copy (kernels that index
     /// their inputs as dense arrays).
-    fn dense(&self, x: &Tensor) -> Result<Tensor> {
+    fn dense(&self, x: &RawTensor) -> Result<RawTensor> {
         if x.is_contiguous() && x.layout().offset == 0 {
             Ok(x.clone())
         } else {
@@ -132,7 +132,7 @@ impl WgpuContext {
     }
 
     /// `x` contiguous (offset allowed).
-    fn packed(&self, x: &Tensor) -> Result<Tensor> {
+    fn packed(&self, x: &RawTensor) -> Result<RawTensor> {
         if x.is_contiguous() {
             Ok(x.clone())
         } else {
@@ -142,27 +142,27 @@ impl WgpuContext {
 }
 
 impl Kernels for WgpuContext {
-    fn from_host(&self, dev: &Device, data: &[f32], shape: &[usize]) -> Result<Tensor> {
-        let out = self.empty(dev, shape)?;
+    fn from_host(&self, mem: &MemoryTracker, data: &[f32], shape: &[usize]) -> Result<RawTensor> {
+        let out = self.empty(mem, shape)?;
         self.upload(gpu(&out)?, data)?;
         Ok(out)
     }
 
-    fn to_host_f32(&self, x: &Tensor) -> Result<Vec<f32>> {
+    fn to_host_f32(&self, x: &RawTensor) -> Result<Vec<f32>> {
         let x = self.packed(x)?;
         self.read(gpu(&x)?, x.layout().offset, x.numel())
     }
 
-    fn widen(&self, x: &Tensor) -> Result<Tensor> {
+    fn widen(&self, x: &RawTensor) -> Result<RawTensor> {
         half_cast::widen(self, x)
     }
 
-    fn narrow(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+    fn narrow(&self, x: &RawTensor, dtype: DType) -> Result<RawTensor> {
         half_cast::narrow(self, x, dtype)
     }
 
-    fn fill(&self, dev: &Device, shape: &[usize], value: f32) -> Result<Tensor> {
-        let out = self.empty(dev, shape)?;
+    fn fill(&self, mem: &MemoryTracker, shape: &[usize], value: f32) -> Result<RawTensor> {
+        let out = self.empty(mem, shape)?;
         let n = out.numel();
         self.dispatch(
             Kernel::Fill,
@@ -175,28 +175,34 @@ impl Kernels for WgpuContext {
         Ok(out)
     }
 
-    fn contiguous(&self, x: &Tensor) -> Result<Tensor> {
+    fn contiguous(&self, x: &RawTensor) -> Result<RawTensor> {
         self.map(|layout| Kernel::Copy { layout }, &[x], 0.0, 0.0)
     }
 
-    fn unary(&self, op: UnaryOp, x: &Tensor) -> Result<Tensor> {
+    fn unary(&self, op: UnaryOp, x: &RawTensor) -> Result<RawTensor> {
         let [s0, s1] = op.scalars();
         self.map(|layout| Kernel::unary(op, layout), &[x], s0, s1)
     }
 
-    fn unary_grad(&self, op: UnaryOp, x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    fn unary_grad(&self, op: UnaryOp, x: &RawTensor, g: &RawTensor) -> Result<RawTensor> {
         let [s0, s1] = op.scalars();
         self.map(|layout| Kernel::unary_grad(op, layout), &[x, g], s0, s1)
     }
 
-    fn bias_act(&self, op: UnaryOp, z: &Tensor, b: &Tensor) -> Result<Tensor> {
+    fn bias_act(&self, op: UnaryOp, z: &RawTensor, b: &RawTensor) -> Result<RawTensor> {
         let [s0, s1] = op.scalars();
         let op = op.kernel_key();
         let b = b.broadcast_to(z.shape())?;
         self.map(|layout| Kernel::BiasAct { op, layout }, &[z, &b], s0, s1)
     }
 
-    fn bias_act_grad(&self, op: UnaryOp, z: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
+    fn bias_act_grad(
+        &self,
+        op: UnaryOp,
+        z: &RawTensor,
+        b: &RawTensor,
+        g: &RawTensor,
+    ) -> Result<RawTensor> {
         let [s0, s1] = op.scalars();
         let op = op.kernel_key();
         let b = b.broadcast_to(z.shape())?;
@@ -208,11 +214,11 @@ impl Kernels for WgpuContext {
         )
     }
 
-    fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    fn binary(&self, op: BinaryOp, a: &RawTensor, b: &RawTensor) -> Result<RawTensor> {
         self.map(|layout| Kernel::Binary { op, layout }, &[a, b], 0.0, 0.0)
     }
 
-    fn binary_assign(&self, op: BinaryOp, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+    fn binary_assign(&self, op: BinaryOp, acc: &mut RawTensor, x: &RawTensor) -> Result<()> {
         exclusive(op.name(), acc)?;
         let acc = &*acc;
         let out = gpu(acc)?;
@@ -226,63 +232,75 @@ impl Kernels for WgpuContext {
         )
     }
 
-    fn where_cond(&self, cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    fn where_cond(&self, cond: &RawTensor, a: &RawTensor, b: &RawTensor) -> Result<RawTensor> {
         self.map(|layout| Kernel::Where { layout }, &[cond, a, b], 0.0, 0.0)
     }
 
-    fn sum_leading(&self, x: &Tensor, width: usize) -> Option<Result<Tensor>> {
+    fn sum_leading(&self, x: &RawTensor, width: usize) -> Option<Result<RawTensor>> {
         Some(reduce::column_sums(self, x, width))
     }
 
-    fn reduce_rows(&self, op: ReduceOp, x: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
+    fn reduce_rows(
+        &self,
+        op: ReduceOp,
+        x: &RawTensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<RawTensor> {
         reduce::reduce_rows(self, op, x, [rows, cols])
     }
 
-    fn softmax_rows(&self, x: &Tensor, rows: usize, cols: usize, log: bool) -> Result<Tensor> {
+    fn softmax_rows(
+        &self,
+        x: &RawTensor,
+        rows: usize,
+        cols: usize,
+        log: bool,
+    ) -> Result<RawTensor> {
         reduce::softmax(self, "softmax", x, [rows, cols], log, 1.0, false)
     }
 
     fn causal_softmax_rows(
         &self,
-        x: &Tensor,
+        x: &RawTensor,
         rows: usize,
         cols: usize,
         scale: f32,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         reduce::softmax(self, "causal_softmax", x, [rows, cols], false, scale, true)
     }
 
     fn softmax_backward_rows(
         &self,
-        y: &Tensor,
-        g: &Tensor,
+        y: &RawTensor,
+        g: &RawTensor,
         rows: usize,
         cols: usize,
         scale: f32,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         reduce::softmax_backward(self, y, g, [rows, cols], scale)
     }
 
     fn matmul(
         &self,
-        a: &Tensor,
+        a: &RawTensor,
         la: MatLayout,
-        b: &Tensor,
+        b: &RawTensor,
         lb: MatLayout,
         dims: MatDims,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         super::matmul::one_batch_stride(&la, &lb)?;
         self.matmul_with(a, la, b, lb, dims, None)
     }
 
     fn matmul_half(
         &self,
-        a: &Tensor,
+        a: &RawTensor,
         la: MatLayout,
-        b: &Tensor,
+        b: &RawTensor,
         lb: MatLayout,
         dims: MatDims,
-    ) -> Option<Result<Tensor>> {
+    ) -> Option<Result<RawTensor>> {
         Some(
             super::matmul::one_batch_stride(&la, &lb)
                 .and_then(|()| self.matmul_tuned(a, la, b, lb, dims)),
@@ -291,74 +309,74 @@ impl Kernels for WgpuContext {
 
     fn layer_norm_rows(
         &self,
-        x: &Tensor,
-        gamma: &Tensor,
-        beta: &Tensor,
+        x: &RawTensor,
+        gamma: &RawTensor,
+        beta: &RawTensor,
         rows: usize,
         cols: usize,
         eps: f32,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<(RawTensor, RawTensor, RawTensor)> {
         norm::layer_norm(self, x, gamma, beta, [rows, cols], eps)
     }
 
     fn cross_entropy_rows(
         &self,
-        x: &Tensor,
-        targets: &Tensor,
+        x: &RawTensor,
+        targets: &RawTensor,
         rows: usize,
         cols: usize,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<(RawTensor, RawTensor, RawTensor)> {
         cross_entropy::forward(self, x, targets, [rows, cols])
     }
 
     fn cross_entropy_backward_rows(
         &self,
-        x: &Tensor,
-        targets: &Tensor,
-        max: &Tensor,
-        logsum: &Tensor,
-        g: &Tensor,
+        x: &RawTensor,
+        targets: &RawTensor,
+        max: &RawTensor,
+        logsum: &RawTensor,
+        g: &RawTensor,
         rows: usize,
         cols: usize,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         cross_entropy::backward(self, [x, targets, max, logsum, g], [rows, cols])
     }
 
     fn add_layer_norm_rows(
         &self,
-        x: &Tensor,
-        r: &Tensor,
-        gamma: &Tensor,
-        beta: &Tensor,
+        x: &RawTensor,
+        r: &RawTensor,
+        gamma: &RawTensor,
+        beta: &RawTensor,
         rows: usize,
         cols: usize,
         eps: f32,
-    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    ) -> Result<(RawTensor, RawTensor, RawTensor, RawTensor)> {
         norm::add_layer_norm(self, [x, r, gamma, beta], [rows, cols], eps)
     }
 
     fn layer_norm_backward_rows(
         &self,
-        x: &Tensor,
-        mean: &Tensor,
-        rstd: &Tensor,
-        gamma: &Tensor,
-        g: &Tensor,
-        carry: Option<&Tensor>,
+        x: &RawTensor,
+        mean: &RawTensor,
+        rstd: &RawTensor,
+        gamma: &RawTensor,
+        g: &RawTensor,
+        carry: Option<&RawTensor>,
         rows: usize,
         cols: usize,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         norm::layer_norm_backward(self, [x, mean, rstd, gamma, g], carry, [rows, cols])
     }
 
     fn index_select(
         &self,
-        x: &Tensor,
-        idx: &Tensor,
+        x: &RawTensor,
+        idx: &RawTensor,
         o: usize,
         d: usize,
         i: usize,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         index::run(
             self,
             IndexKernel::IndexSelect,
@@ -370,12 +388,12 @@ impl Kernels for WgpuContext {
 
     fn index_add(
         &self,
-        src: &Tensor,
-        idx: &Tensor,
+        src: &RawTensor,
+        idx: &RawTensor,
         o: usize,
         d: usize,
         i: usize,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         index::run(
             self,
             IndexKernel::IndexAdd,
@@ -385,84 +403,91 @@ impl Kernels for WgpuContext {
         )
     }
 
-    fn gather(&self, x: &Tensor, idx: &Tensor, o: usize, d: usize, i: usize) -> Result<Tensor> {
+    fn gather(
+        &self,
+        x: &RawTensor,
+        idx: &RawTensor,
+        o: usize,
+        d: usize,
+        i: usize,
+    ) -> Result<RawTensor> {
         let n = idx.numel().checked_div(o * i).unwrap_or(0);
         index::run(self, IndexKernel::Gather, x, idx, [o, d, i, n])
     }
 
     fn scatter_add(
         &self,
-        src: &Tensor,
-        idx: &Tensor,
+        src: &RawTensor,
+        idx: &RawTensor,
         o: usize,
         d: usize,
         i: usize,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         let n = idx.numel().checked_div(o * i).unwrap_or(0);
         index::run(self, IndexKernel::ScatterAdd, src, idx, [o, d, i, n])
     }
 
-    fn concat(&self, xs: &[&Tensor], axis: usize, out_shape: &[usize]) -> Result<Tensor> {
+    fn concat(&self, xs: &[&RawTensor], axis: usize, out_shape: &[usize]) -> Result<RawTensor> {
         elementwise::concat(self, xs, axis, out_shape)
     }
 
-    fn im2col(&self, x: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
+    fn im2col(&self, x: &RawTensor, g: &Conv2dGeometry) -> Result<RawTensor> {
         spatial::im2col(self, x, g)
     }
 
-    fn col2im(&self, cols: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
+    fn col2im(&self, cols: &RawTensor, g: &Conv2dGeometry) -> Result<RawTensor> {
         spatial::col2im(self, cols, g)
     }
 
-    fn max_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<(Tensor, Tensor)> {
+    fn max_pool2d(&self, x: &RawTensor, g: &Pool2dGeometry) -> Result<(RawTensor, RawTensor)> {
         spatial::max_pool2d(self, x, g)
     }
 
     fn max_pool2d_backward(
         &self,
-        dy: &Tensor,
-        argmax: &Tensor,
+        dy: &RawTensor,
+        argmax: &RawTensor,
         g: &Pool2dGeometry,
-    ) -> Result<Tensor> {
+    ) -> Result<RawTensor> {
         spatial::max_pool2d_backward(self, dy, argmax, g)
     }
 
-    fn avg_pool2d(&self, x: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
+    fn avg_pool2d(&self, x: &RawTensor, g: &Pool2dGeometry) -> Result<RawTensor> {
         spatial::avg_pool2d(self, x, g)
     }
 
-    fn avg_pool2d_backward(&self, dy: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
+    fn avg_pool2d_backward(&self, dy: &RawTensor, g: &Pool2dGeometry) -> Result<RawTensor> {
         spatial::avg_pool2d_backward(self, dy, g)
     }
 
     fn dropout_mask(
         &self,
-        dev: &Device,
+        mem: &MemoryTracker,
         shape: &[usize],
         p: f32,
         seed: u64,
         offset: u64,
-    ) -> Result<Tensor> {
-        random::dropout_mask(self, dev, shape, p, seed, offset)
+    ) -> Result<RawTensor> {
+        random::dropout_mask(self, mem, shape, p, seed, offset)
     }
 
     fn adam_update(
         &self,
-        param: &Tensor,
-        grad: &Tensor,
-        m: &Tensor,
-        v: &Tensor,
+        param: &RawTensor,
+        grad: &RawTensor,
+        m: &RawTensor,
+        v: &RawTensor,
         hp: &AdamStep,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<(RawTensor, RawTensor, RawTensor)> {
         optim::adam(self, [param, grad, m, v], hp)
     }
 
     fn adam_update_in_place(
         &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        v: &mut Tensor,
+        param: &mut RawTensor,
+        grad: &RawTensor,
+        m: &mut RawTensor,
+        v: &mut RawTensor,
         hp: &AdamStep,
     ) -> Result<()> {
         for t in [&mut *param, &mut *m, &mut *v] {

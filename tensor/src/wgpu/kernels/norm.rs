@@ -5,19 +5,19 @@ use wgpipe_shaders::Kernel;
 
 use super::u;
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::raw::RawTensor;
 use crate::wgpu::context::WgpuContext;
 
 /// `(y, mean, rstd)` of the rows of `x` (`dims = [rows, cols]`), scaled by `gamma`, shifted by
 /// `beta`.
 pub(super) fn layer_norm(
     ctx: &WgpuContext,
-    x: &Tensor,
-    gamma: &Tensor,
-    beta: &Tensor,
+    x: &RawTensor,
+    gamma: &RawTensor,
+    beta: &RawTensor,
     dims: [usize; 2],
     eps: f32,
-) -> Result<(Tensor, Tensor, Tensor)> {
+) -> Result<(RawTensor, RawTensor, RawTensor)> {
     let rows = dims[0];
     let [y, mean, rstd] = ctx.row_kernel(
         "layer_norm",
@@ -37,7 +37,7 @@ pub(super) fn layer_norm(
 fn norm_params(
     [rows, cols]: [usize; 2],
     eps: f32,
-    [x, gamma, beta]: [&Tensor; 3],
+    [x, gamma, beta]: [&RawTensor; 3],
     r_offset: u32,
 ) -> LayerNormParams {
     LayerNormParams {
@@ -55,10 +55,10 @@ fn norm_params(
 /// come back as views of one `[2, rows]` buffer (the kernel's binding budget).
 pub(super) fn add_layer_norm(
     ctx: &WgpuContext,
-    [x, r, gamma, beta]: [&Tensor; 4],
+    [x, r, gamma, beta]: [&RawTensor; 4],
     dims: [usize; 2],
     eps: f32,
-) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+) -> Result<(RawTensor, RawTensor, RawTensor, RawTensor)> {
     let rows = dims[0];
     let [y, stats, s] = ctx.row_kernel(
         "add_layer_norm",
@@ -80,10 +80,10 @@ pub(super) fn add_layer_norm(
 /// in the same pass when given.
 pub(super) fn layer_norm_backward(
     ctx: &WgpuContext,
-    [x, mean, rstd, gamma, g]: [&Tensor; 5],
-    carry: Option<&Tensor>,
+    [x, mean, rstd, gamma, g]: [&RawTensor; 5],
+    carry: Option<&RawTensor>,
     dims: [usize; 2],
-) -> Result<Tensor> {
+) -> Result<RawTensor> {
     let [rows, cols] = dims;
     // Without a carry, g is bound in its place and not read.
     let has_carry = carry.is_some();
@@ -95,7 +95,7 @@ pub(super) fn layer_norm_backward(
         inputs,
         [&dims],
         |group, [x, mean, rstd, gamma, g, carry]| {
-            let off = |v: &Tensor| u(v.layout().offset);
+            let off = |v: &RawTensor| u(v.layout().offset);
             let params = LayerNormBackwardParams {
                 rows: u(rows),
                 cols: u(cols),

@@ -7,7 +7,7 @@ use wgpipe_shaders::Kernel;
 use super::{gpu, groups_for, u};
 use crate::backend::AdamStep;
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::raw::RawTensor;
 use crate::wgpu::context::WgpuContext;
 use crate::wgpu::runtime::Arg;
 
@@ -29,21 +29,21 @@ fn adam_params(n: usize, hp: &AdamStep) -> AdamParams {
 /// `(param', m', v')` of one Adam step, as fresh tensors.
 pub(super) fn adam(
     ctx: &WgpuContext,
-    [param, grad, m, v]: [&Tensor; 4],
+    [param, grad, m, v]: [&RawTensor; 4],
     hp: &AdamStep,
-) -> Result<(Tensor, Tensor, Tensor)> {
+) -> Result<(RawTensor, RawTensor, RawTensor)> {
     let (p, g, m, v) = (
         ctx.dense(param)?,
         ctx.dense(grad)?,
         ctx.dense(m)?,
         ctx.dense(v)?,
     );
-    let dev = param.device();
+    let mem = param.memory();
     let shape = param.shape();
     let (po, mo, vo) = (
-        ctx.empty(dev, shape)?,
-        ctx.empty(dev, shape)?,
-        ctx.empty(dev, shape)?,
+        ctx.empty(mem, shape)?,
+        ctx.empty(mem, shape)?,
+        ctx.empty(mem, shape)?,
     );
     let n = po.numel();
     ctx.dispatch(
@@ -68,7 +68,7 @@ pub(super) fn adam(
 /// One Adam step written into `param`, `m` and `v` (exclusive, contiguous from 0).
 pub(super) fn adam_in_place(
     ctx: &WgpuContext,
-    [param, grad, m, v]: [&Tensor; 4],
+    [param, grad, m, v]: [&RawTensor; 4],
     hp: &AdamStep,
 ) -> Result<()> {
     let g = ctx.dense(grad)?;

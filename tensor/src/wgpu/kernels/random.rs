@@ -4,22 +4,22 @@ use wgpipe_shaders::params::{DropoutParams, ParamBlock};
 use wgpipe_shaders::Kernel;
 
 use super::{gpu, groups_for, u};
-use crate::device::Device;
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::memory::MemoryTracker;
+use crate::raw::RawTensor;
 use crate::wgpu::context::WgpuContext;
 use crate::wgpu::runtime::Arg;
 
 /// Dropout multipliers of `shape`: element i is `crate::rng::dropout_value(seed, offset, i, p)`.
 pub(super) fn dropout_mask(
     ctx: &WgpuContext,
-    dev: &Device,
+    mem: &MemoryTracker,
     shape: &[usize],
     p: f32,
     seed: u64,
     offset: u64,
-) -> Result<Tensor> {
-    let out = ctx.empty(dev, shape)?;
+) -> Result<RawTensor> {
+    let out = ctx.empty(mem, shape)?;
     let n = out.numel();
     // The same f32 arithmetic as `rng::dropout_value`, so the multipliers match bit for bit.
     let scale = 1.0 / (1.0 - p);

@@ -9,7 +9,7 @@ use wgpipe_shaders::{Kernel, ReduceMode, ELEMENTWISE_WG};
 use super::{gpu, groups_for, u, LOOP_BUDGET};
 use crate::backend::ReduceOp;
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::raw::RawTensor;
 use crate::wgpu::context::WgpuContext;
 use crate::wgpu::runtime::Arg;
 
@@ -43,8 +43,8 @@ const COLUMN_SUM_MIN_CHUNK: usize = 32;
 /// `[width]` sums of the columns of contiguous `x` seen as `[rows, width]` (`sum_leading`):
 /// passes of `sum_leading.wgsl`, each summing chunks of rows into partials, until one chunk
 /// is left. Chunks are at most `LOOP_BUDGET` rows (lavapipe's loop limit).
-pub(super) fn column_sums(ctx: &WgpuContext, x: &Tensor, width: usize) -> Result<Tensor> {
-    let dev = x.device();
+pub(super) fn column_sums(ctx: &WgpuContext, x: &RawTensor, width: usize) -> Result<RawTensor> {
+    let mem = x.memory();
     let (mut src, mut offset) = (x.clone(), x.layout().offset);
     let mut rows = x.numel() / width.max(1);
     loop {
@@ -53,7 +53,7 @@ pub(super) fn column_sums(ctx: &WgpuContext, x: &Tensor, width: usize) -> Result
             .div_ceil(wanted)
             .clamp(COLUMN_SUM_MIN_CHUNK, LOOP_BUDGET);
         let chunks = rows.div_ceil(chunk).max(1);
-        let out = ctx.empty(dev, &[chunks * width])?;
+        let out = ctx.empty(mem, &[chunks * width])?;
         let params = SumLeadingParams {
             rows: u(rows),
             width: u(width),
@@ -82,9 +82,9 @@ pub(super) fn column_sums(ctx: &WgpuContext, x: &Tensor, width: usize) -> Result
 pub(super) fn reduce_rows(
     ctx: &WgpuContext,
     op: ReduceOp,
-    x: &Tensor,
+    x: &RawTensor,
     [rows, cols]: [usize; 2],
-) -> Result<Tensor> {
+) -> Result<RawTensor> {
     let x = ctx.packed(x)?;
     if cols <= thin_row_cols(ctx.info.is_software) {
         // One invocation per row: no workgroup to tune.
@@ -102,11 +102,11 @@ pub(super) fn reduce_rows(
 fn reduce_rows_in_groups(
     ctx: &WgpuContext,
     op: ReduceOp,
-    x: &Tensor,
+    x: &RawTensor,
     [rows, cols]: [usize; 2],
     wg: u32,
-) -> Result<Tensor> {
-    let out = ctx.empty(x.device(), &[rows])?;
+) -> Result<RawTensor> {
+    let out = ctx.empty(x.memory(), &[rows])?;
     let off = u(x.layout().offset);
     let segment = wg as usize * REDUCE_SEGMENT_STEPS;
     let thin = cols <= thin_row_cols(ctx.info.is_software);
@@ -132,8 +132,8 @@ fn reduce_rows_in_groups(
         )?;
     } else {
         let segs = cols.div_ceil(segment);
-        let pv = ctx.empty(x.device(), &[rows, segs])?;
-        let pi = ctx.empty(x.device(), &[rows, segs])?;
+        let pv = ctx.empty(x.memory(), &[rows, segs])?;
+        let pi = ctx.empty(x.memory(), &[rows, segs])?;
         ctx.dispatch(
             Kernel::Reduce {
                 op,
@@ -180,12 +180,12 @@ fn reduce_rows_in_groups(
 pub(super) fn softmax(
     ctx: &WgpuContext,
     op: &'static str,
-    x: &Tensor,
+    x: &RawTensor,
     dims: [usize; 2],
     log: bool,
     scale: f32,
     causal: bool,
-) -> Result<Tensor> {
+) -> Result<RawTensor> {
     let [rows, cols] = dims;
     let [out] = ctx.row_kernel(op, dims, true, [x], [&dims], |group, [x]| {
         let params = SoftmaxParams {
@@ -203,11 +203,11 @@ pub(super) fn softmax(
 /// The gradient of softmaxed rows `y` given theirs, `g` (`dims = [rows, cols]`).
 pub(super) fn softmax_backward(
     ctx: &WgpuContext,
-    y: &Tensor,
-    g: &Tensor,
+    y: &RawTensor,
+    g: &RawTensor,
     dims: [usize; 2],
     scale: f32,
-) -> Result<Tensor> {
+) -> Result<RawTensor> {
     let [rows, cols] = dims;
     let [out] = ctx.row_kernel(
         "softmax_backward",

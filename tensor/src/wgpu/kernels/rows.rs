@@ -5,7 +5,7 @@ use wgpipe_shaders::{Kernel, RowGroup, ROW_SUBGROUP_SIZES, ROW_WG_CHOICES};
 
 use super::{all_ok, gpu};
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::raw::RawTensor;
 use crate::wgpu::autotune::row_class;
 use crate::wgpu::context::WgpuContext;
 use crate::wgpu::runtime::Arg;
@@ -99,18 +99,18 @@ impl WgpuContext {
         op: &'static str,
         [rows, cols]: [usize; 2],
         subgroups: bool,
-        inputs: [&Tensor; I],
+        inputs: [&RawTensor; I],
         outputs: [&[usize]; O],
-        launch: impl Fn(RowGroup, &[Tensor; I]) -> (Kernel, Vec<u32>),
-    ) -> Result<[Tensor; O]> {
+        launch: impl Fn(RowGroup, &[RawTensor; I]) -> (Kernel, Vec<u32>),
+    ) -> Result<[RawTensor; O]> {
         self.check_row_len(op, cols)?;
         let inputs = all_ok(inputs.map(|x| self.packed(x)))?;
-        let dev = inputs[0].device();
+        let mem = inputs[0].memory();
         // `op` is the front-end's name (in errors); the autotune's classes, saved in its cache,
         // spell it with underscores ("layer_norm backward" is "layer_norm_backward").
         let class = op.replace(' ', "_");
         self.with_row_group(&class, [rows, cols], subgroups, |group| {
-            let outs = all_ok(outputs.map(|shape| self.empty(dev, shape)))?;
+            let outs = all_ok(outputs.map(|shape| self.empty(mem, shape)))?;
             if outs.iter().any(|y| y.numel() > 0) {
                 let (kernel, params) = launch(group, &inputs);
                 let args = inputs

@@ -9,7 +9,7 @@ use super::{all_ok, gpu, groups_for, u};
 use crate::backend::{Conv2dGeometry, Pool2dGeometry};
 use crate::error::Result;
 use crate::layout::numel;
-use crate::tensor::Tensor;
+use crate::raw::RawTensor;
 use crate::wgpu::context::WgpuContext;
 use crate::wgpu::runtime::Arg;
 
@@ -19,12 +19,12 @@ fn spatial<const I: usize, const O: usize>(
     ctx: &WgpuContext,
     kernel: SpatialKernel,
     params: &SpatialParams,
-    inputs: [&Tensor; I],
+    inputs: [&RawTensor; I],
     out_shape: &[usize],
-) -> Result<[Tensor; O]> {
-    let dev = inputs[0].device();
+) -> Result<[RawTensor; O]> {
+    let mem = inputs[0].memory();
     let inputs = all_ok(inputs.map(|x| ctx.dense(x)))?;
-    let outs = all_ok([(); O].map(|_| ctx.empty(dev, out_shape)))?;
+    let outs = all_ok([(); O].map(|_| ctx.empty(mem, out_shape)))?;
     let args = inputs
         .iter()
         .chain(&outs)
@@ -80,13 +80,13 @@ fn conv_params(g: &Conv2dGeometry) -> SpatialParams {
     }
 }
 
-pub(super) fn im2col(ctx: &WgpuContext, x: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
+pub(super) fn im2col(ctx: &WgpuContext, x: &RawTensor, g: &Conv2dGeometry) -> Result<RawTensor> {
     let shape = [g.n, g.groups, g.col_rows(), g.col_cols()];
     let [out] = spatial(ctx, SpatialKernel::Im2col, &conv_params(g), [x], &shape)?;
     Ok(out)
 }
 
-pub(super) fn col2im(ctx: &WgpuContext, cols: &Tensor, g: &Conv2dGeometry) -> Result<Tensor> {
+pub(super) fn col2im(ctx: &WgpuContext, cols: &RawTensor, g: &Conv2dGeometry) -> Result<RawTensor> {
     let shape = [g.n, g.c_in, g.h, g.w];
     let [out] = spatial(ctx, SpatialKernel::Col2im, &conv_params(g), [cols], &shape)?;
     Ok(out)
@@ -94,9 +94,9 @@ pub(super) fn col2im(ctx: &WgpuContext, cols: &Tensor, g: &Conv2dGeometry) -> Re
 
 pub(super) fn max_pool2d(
     ctx: &WgpuContext,
-    x: &Tensor,
+    x: &RawTensor,
     g: &Pool2dGeometry,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<(RawTensor, RawTensor)> {
     let shape = [g.n, g.c, g.h_out, g.w_out];
     let params = spatial_params(g);
     let [y, arg] = spatial(ctx, SpatialKernel::MaxPool2d, &params, [x], &shape)?;
@@ -105,10 +105,10 @@ pub(super) fn max_pool2d(
 
 pub(super) fn max_pool2d_backward(
     ctx: &WgpuContext,
-    dy: &Tensor,
-    argmax: &Tensor,
+    dy: &RawTensor,
+    argmax: &RawTensor,
     g: &Pool2dGeometry,
-) -> Result<Tensor> {
+) -> Result<RawTensor> {
     let shape = [g.n, g.c, g.h, g.w];
     let params = spatial_params(g);
     let kernel = SpatialKernel::MaxPool2dBackward;
@@ -116,7 +116,11 @@ pub(super) fn max_pool2d_backward(
     Ok(dx)
 }
 
-pub(super) fn avg_pool2d(ctx: &WgpuContext, x: &Tensor, g: &Pool2dGeometry) -> Result<Tensor> {
+pub(super) fn avg_pool2d(
+    ctx: &WgpuContext,
+    x: &RawTensor,
+    g: &Pool2dGeometry,
+) -> Result<RawTensor> {
     let shape = [g.n, g.c, g.h_out, g.w_out];
     let params = spatial_params(g);
     let [y] = spatial(ctx, SpatialKernel::AvgPool2d, &params, [x], &shape)?;
@@ -125,9 +129,9 @@ pub(super) fn avg_pool2d(ctx: &WgpuContext, x: &Tensor, g: &Pool2dGeometry) -> R
 
 pub(super) fn avg_pool2d_backward(
     ctx: &WgpuContext,
-    dy: &Tensor,
+    dy: &RawTensor,
     g: &Pool2dGeometry,
-) -> Result<Tensor> {
+) -> Result<RawTensor> {
     let shape = [g.n, g.c, g.h, g.w];
     let params = spatial_params(g);
     let [dx] = spatial(ctx, SpatialKernel::AvgPool2dBackward, &params, [dy], &shape)?;
