@@ -16,8 +16,8 @@
 //! pipe.train_steps(&opts, |i| batch(i), &loss_fn, |report| ControlFlow::Continue(()))?;
 //! ```
 
-//! The crate in layers, each folder importing only from those below it (a test in
-//! `layers.rs` reads every `use crate::` and holds it):
+//! The crate in layers, each folder importing only from those below it (a test in the
+//! workspace's `tests/tests/pipeline/layering.rs` reads every `use crate::` and holds it):
 //!
 //! - [`schedule`]: the action IR, validation, text form, generators and their registry;
 //! - [`sim`]: simulated time (timelines, the virtual cluster, collectives' cost, pictures);
@@ -38,9 +38,6 @@ pub mod schedule;
 pub mod sim;
 pub mod skips;
 pub mod train;
-
-#[cfg(test)]
-mod layers;
 
 pub use error::{NonFinite, PipelineError, Result, StageCause};
 #[cfg(feature = "mpi")]
