@@ -10,6 +10,7 @@
 
 pub mod autocast;
 pub mod data;
+pub mod hf;
 pub mod init;
 pub mod layers;
 pub mod loss;
@@ -18,7 +19,9 @@ pub mod sequence;
 
 pub use layers::*;
 pub use loss::{cross_entropy, mse};
-pub use models::{factory, replace_head, AmoebaNet, BuildsRanges, ResNet, TransformerLm};
+pub use models::{
+    factory, replace_head, AmoebaNet, BuildsRanges, Llama, LlamaConfig, ResNet, TransformerLm,
+};
 pub use sequence::{
     finish_step_all, forward_all, parameter_count, sequence_buffers, sequence_parameters,
 };

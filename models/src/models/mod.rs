@@ -3,11 +3,13 @@
 
 pub mod amoebanet;
 pub mod llama;
+pub mod llama_config;
 pub mod resnet;
 pub mod transformer_lm;
 
 pub use amoebanet::AmoebaNet;
-pub use llama::{LlamaDecoderLayer, LlamaLayerConfig};
+pub use llama::{Llama, LlamaDecoderLayer, LlamaLayerConfig, LLAMA_EMBEDDING_TIE};
+pub use llama_config::LlamaConfig;
 pub use resnet::ResNet;
 pub use transformer_lm::TransformerLm;
 

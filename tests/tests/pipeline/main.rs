@@ -6,6 +6,7 @@ mod back_to_back;
 mod cpu_threads;
 mod equivalence;
 mod faults;
+mod hf_llama;
 mod layering;
 mod locality;
 mod memory;

@@ -1,0 +1,265 @@
+//! A Hugging Face checkpoint folder's tensors: `model.safetensors`, or
+//! `model.safetensors.index.json` and the shards its `weight_map` names. Only the headers are
+//! read when the folder is opened; a tensor's bytes are read when it is asked for, so a pipeline
+//! stage reads its own layers' tensors and nothing else. f32, f16 and bf16 tensors all come back
+//! as f32 (the run's precision casts them, as it does its f32 master weights).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use wgpipe_tensor::{Device, Error, Result, Tensor};
+
+/// Where one tensor lies: its file, dtype, shape and byte range in the file.
+#[derive(Debug, Clone)]
+struct Entry {
+    file: PathBuf,
+    dtype: StoredDType,
+    shape: Vec<usize>,
+    start: u64,
+    len: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StoredDType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl StoredDType {
+    fn parse(s: &str) -> Option<StoredDType> {
+        match s {
+            "F32" => Some(StoredDType::F32),
+            "F16" => Some(StoredDType::F16),
+            "BF16" => Some(StoredDType::BF16),
+            _ => None,
+        }
+    }
+    fn size(self) -> u64 {
+        match self {
+            StoredDType::F32 => 4,
+            StoredDType::F16 | StoredDType::BF16 => 2,
+        }
+    }
+}
+
+fn bad(path: &Path, msg: impl std::fmt::Display) -> Error {
+    Error::Invalid {
+        op: "checkpoint",
+        msg: format!("{}: {msg}", path.display()),
+    }
+}
+
+/// The tensors of a checkpoint folder, by name.
+pub struct HfCheckpoint {
+    dir: PathBuf,
+    entries: HashMap<String, Entry>,
+}
+
+impl HfCheckpoint {
+    /// Reads the headers of `dir`'s safetensors (one file, or the shards of its index).
+    pub fn open(dir: &Path) -> Result<HfCheckpoint> {
+        let index = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if index.exists() {
+            shards(&index, dir)?
+        } else {
+            let single = dir.join("model.safetensors");
+            if !single.exists() {
+                return Err(bad(
+                    dir,
+                    "has neither model.safetensors nor model.safetensors.index.json",
+                ));
+            }
+            vec![single]
+        };
+        let mut entries = HashMap::new();
+        for file in files {
+            for (name, entry) in header(&file)? {
+                if let Some(first) = entries.insert(name.clone(), entry) {
+                    return Err(bad(
+                        dir,
+                        format!(
+                            "tensor {name} is in both {} and {}",
+                            first.file.display(),
+                            file.display()
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(HfCheckpoint {
+            dir: dir.to_path_buf(),
+            entries,
+        })
+    }
+
+    /// The names of every tensor, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.entries.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// Tensor `name` as f32 on `dev`, which must have `shape`; `wanted_by` says who asked (a
+    /// stage and layer) in the error for a missing tensor.
+    pub fn read(
+        &self,
+        name: &str,
+        shape: &[usize],
+        wanted_by: &str,
+        dev: &Device,
+    ) -> Result<Tensor> {
+        let e = self.entries.get(name).ok_or_else(|| {
+            bad(
+                &self.dir,
+                format!("has no tensor {name} (wanted by {wanted_by})"),
+            )
+        })?;
+        if e.shape != shape {
+            return Err(bad(
+                &e.file,
+                format!(
+                    "tensor {name} has shape {:?}, {wanted_by} expects {shape:?}",
+                    e.shape
+                ),
+            ));
+        }
+        let mut bytes = vec![0u8; e.len as usize];
+        let mut f = File::open(&e.file).map_err(|err| bad(&e.file, err))?;
+        f.seek(SeekFrom::Start(e.start))
+            .and_then(|_| f.read_exact(&mut bytes))
+            .map_err(|err| bad(&e.file, format!("reading {name}: {err}")))?;
+        let values: Vec<f32> = match e.dtype {
+            StoredDType::F32 => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            StoredDType::F16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            StoredDType::BF16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        };
+        Tensor::from_vec(values, shape, dev)
+    }
+}
+
+/// The shard files an index names, each once, each inside `dir`.
+fn shards(index: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
+    let text = std::fs::read_to_string(index).map_err(|e| bad(index, e))?;
+    let value: Value =
+        serde_json::from_str(&text).map_err(|e| bad(index, format!("is not JSON: {e}")))?;
+    let map = value
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| bad(index, "has no weight_map object"))?;
+    let mut files: Vec<PathBuf> = Vec::new();
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(index, format!("weight_map[{name}] is not a file name")))?;
+        let plain = Path::new(file);
+        if plain.components().count() != 1 || plain.is_absolute() {
+            return Err(bad(
+                index,
+                format!("weight_map[{name}] = {file:?} is not a file inside the folder"),
+            ));
+        }
+        let path = dir.join(plain);
+        if !files.contains(&path) {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Every tensor of a safetensors file, from its header: an 8-byte little-endian length, then
+/// that many bytes of JSON (`{name: {dtype, shape, data_offsets}, "__metadata__": ..}`); the
+/// offsets count from the end of the header and must lie inside the file.
+fn header(file: &Path) -> Result<Vec<(String, Entry)>> {
+    let mut f = File::open(file).map_err(|e| bad(file, e))?;
+    let file_len = f.metadata().map_err(|e| bad(file, e))?.len();
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len)
+        .map_err(|e| bad(file, format!("too short for a safetensors header: {e}")))?;
+    let n = u64::from_le_bytes(len);
+    if n > file_len.saturating_sub(8) {
+        return Err(bad(
+            file,
+            format!("its header claims {n} bytes, the file has {file_len}"),
+        ));
+    }
+    let mut text = vec![0u8; n as usize];
+    f.read_exact(&mut text).map_err(|e| bad(file, e))?;
+    let value: Value =
+        serde_json::from_slice(&text).map_err(|e| bad(file, format!("header is not JSON: {e}")))?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| bad(file, "header is not a JSON object"))?;
+    let data_start = 8 + n;
+    let mut out = Vec::new();
+    for (name, info) in obj {
+        if name == "__metadata__" {
+            continue;
+        }
+        let what = |msg: &str| bad(file, format!("tensor {name}: {msg}"));
+        let dtype_name = info.get("dtype").and_then(Value::as_str).unwrap_or("?");
+        let dtype = StoredDType::parse(dtype_name).ok_or_else(|| {
+            what(&format!(
+                "dtype {dtype_name} is not supported (F32, F16, BF16)"
+            ))
+        })?;
+        let shape: Vec<usize> = info
+            .get("shape")
+            .and_then(Value::as_array)
+            .ok_or_else(|| what("no shape"))?
+            .iter()
+            .map(|d| d.as_u64().map(|d| d as usize))
+            .collect::<Option<_>>()
+            .ok_or_else(|| what("shape is not a list of sizes"))?;
+        let offsets = info
+            .get("data_offsets")
+            .and_then(Value::as_array)
+            .filter(|o| o.len() == 2)
+            .and_then(|o| Some((o[0].as_u64()?, o[1].as_u64()?)))
+            .ok_or_else(|| what("data_offsets is not [begin, end]"))?;
+        let numel = shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+            .ok_or_else(|| what("the shape's size overflows"))?;
+        let (begin, end) = offsets;
+        if end < begin || end - begin != numel.saturating_mul(dtype.size()) {
+            return Err(what(&format!(
+                "data_offsets [{begin}, {end}] do not hold {shape:?} of {dtype_name}"
+            )));
+        }
+        if data_start + end > file_len {
+            return Err(what(&format!(
+                "its bytes end at {}, past the file's {file_len} (truncated?)",
+                data_start + end
+            )));
+        }
+        out.push((
+            name.clone(),
+            Entry {
+                file: file.to_path_buf(),
+                dtype,
+                shape,
+                start: data_start + begin,
+                len: end - begin,
+            },
+        ));
+    }
+    Ok(out)
+}

@@ -1,0 +1,332 @@
+//! Llama checkpoints from Hugging Face folders against transformers itself: the folders of
+//! `tests/fixtures/llama_*` were written by transformers' `save_pretrained`, and their
+//! `reference.safetensors` holds its logits, loss and gradients for one batch, computed in
+//! float64 (`scripts/hf_models_reference.py`). Also `config.json` and checkpoint files that are
+//! wrong in each way a user's can be, each refused with an error naming what is wrong.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use common::*;
+use wgpipe_autograd::{sum_tied_grads, ForwardCtx, Tape};
+use wgpipe_models::hf::load_llama;
+use wgpipe_models::{cross_entropy, forward_all, sequence_parameters, LlamaConfig};
+use wgpipe_tensor::{Device, Tensor};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+/// A safetensors file's tensors as f32 values with their shapes.
+fn read_all(path: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = match view.dtype() {
+                safetensors::Dtype::F64 => view
+                    .data()
+                    .chunks_exact(8)
+                    .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
+                    .collect(),
+                safetensors::Dtype::F32 => view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect(),
+                d => panic!("{name}: dtype {d:?}"),
+            };
+            (name, (view.shape().to_vec(), values))
+        })
+        .collect()
+}
+
+/// Largest |got - want| over the largest |want|.
+fn norm_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let diff = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0.0, f32::max);
+    diff / want
+        .iter()
+        .map(|w| w.abs())
+        .fold(f32::MIN_POSITIVE, f32::max)
+}
+
+#[track_caller]
+fn assert_near(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    let e = norm_err(got, want);
+    eprintln!("{what}: {e:.2e}");
+    assert!(e <= tol, "{what}: error {e:.2e} past {tol:.0e}");
+}
+
+/// The whole model from `folder`, one forward and backward of the reference batch on `dev`:
+/// logits within 1e-5 of transformers' (largest error over largest value), the loss within
+/// 1e-6 relatively, every parameter's gradient within 1e-4 (a tied table's: the sum over its
+/// two uses, as torch accumulates it on the one shared tensor).
+fn equals_transformers(folder: &str, dev: &Device) {
+    let dir = fixture(folder);
+    let r = read_all(&dir.join("reference.safetensors"));
+    let cfg = LlamaConfig::from_file(&dir.join("config.json")).unwrap();
+    let (llama, layers) = load_llama(&dir, 0..cfg.num_hidden_layers + 3, dev).unwrap();
+    let tensor = |name: &str| {
+        let (shape, v) = &r[name];
+        Tensor::from_vec(v.clone(), shape, dev).unwrap()
+    };
+    let tape = Tape::new();
+    let logits = forward_all(
+        &layers,
+        &tape.constant(tensor("input_ids")),
+        &ForwardCtx::eval(),
+    )
+    .unwrap();
+    assert_near(
+        &vals(logits.value()),
+        &r["logits"].1,
+        1e-5,
+        &format!("{folder} logits"),
+    );
+    let loss = cross_entropy(&logits, &tensor("targets")).unwrap();
+    let want = r["loss"].1[0];
+    let got = loss.to_scalar().unwrap();
+    assert!(
+        (got - want).abs() <= 1e-6 * want.abs(),
+        "{folder} loss {got} vs {want}"
+    );
+    tape.backward(&loss).unwrap();
+    let params = sequence_parameters(&layers);
+    sum_tied_grads(&params).unwrap();
+    for (k, layer) in layers.iter().enumerate() {
+        for (name, p) in layer.parameters() {
+            let key = format!("grad.{}", llama.checkpoint_name(k, &name));
+            assert_near(
+                &vals(&p.grad().unwrap()),
+                &r[&key].1,
+                1e-4,
+                &format!("{folder} {key}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn a_gqa_llama_with_llama3_rope_equals_transformers() {
+    equals_transformers("llama_gqa", &cpu());
+}
+
+#[test]
+fn a_tied_llama_equals_transformers() {
+    equals_transformers("llama_tied", &cpu());
+}
+
+#[test]
+fn a_llama_on_wgpu_equals_transformers() {
+    match Device::test_wgpu() {
+        Ok(dev) => equals_transformers("llama_gqa", &dev),
+        Err(e) => eprintln!("SKIPPED: no wgpu test device: {e}"),
+    }
+}
+
+/// A stage reads only its own layers: layers 1..3 of the GQA model (the two decoder layers)
+/// equal the same layers of the whole model, and need no embedding or head tensors.
+#[test]
+fn a_range_of_layers_reads_its_own_tensors() {
+    let dir = fixture("llama_gqa");
+    let (_, whole) = load_llama(&dir, 0..5, &cpu()).unwrap();
+    let (_, part) = load_llama(&dir, 1..3, &cpu()).unwrap();
+    let names = |ls: &[Box<dyn wgpipe_autograd::Module>]| {
+        ls.iter()
+            .flat_map(|l| l.parameters())
+            .map(|(n, p)| (n, vals(&p.value())))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(names(&part), names(&whole[1..3]));
+}
+
+#[test]
+fn configs_read_both_rope_key_styles_and_transformers_defaults() {
+    let cfg = LlamaConfig::from_json(
+        r#"{"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
+            "rope_theta": 250000.0, "rope_scaling": {"type": "linear", "factor": 4.0}}"#,
+    )
+    .unwrap();
+    assert_eq!(cfg.layer.rope_theta, 250000.0);
+    assert_eq!(
+        cfg.layer.rope_scaling,
+        wgpipe_models::RopeScaling::Linear { factor: 4.0 }
+    );
+    // Absent keys: transformers' defaults (kv heads = heads, head_dim = hidden / heads).
+    assert_eq!(cfg.layer.num_key_value_heads, 4);
+    assert_eq!(cfg.layer.head_dim, 8);
+    assert_eq!(cfg.layer.rms_norm_eps, 1e-6);
+    assert_eq!(cfg.vocab_size, 32000);
+    assert!(!cfg.tie_word_embeddings);
+}
+
+#[test]
+fn bad_configs_name_the_key_and_the_value() {
+    let base = r#""model_type": "llama", "hidden_size": 32, "num_attention_heads": 4"#;
+    for (extra, says) in [
+        (
+            r#", "num_key_value_heads": 3"#,
+            "num_key_value_heads = 3 does not divide num_attention_heads = 4",
+        ),
+        (r#", "head_dim": 5"#, "head_dim = 5 must be even"),
+        (
+            r#", "rms_norm_eps": -1e-6"#,
+            "rms_norm_eps = -0.000001 must not be negative",
+        ),
+        (
+            r#", "vocab_size": "many""#,
+            "vocab_size must be a positive integer, got \"many\"",
+        ),
+        (
+            r#", "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0}"#,
+            "rope_parameters.rope_type \"yarn\" is not supported",
+        ),
+        (
+            r#", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}"#,
+            "rope_scaling.low_freq_factor is missing",
+        ),
+        (
+            r#", "hidden_act": "gelu""#,
+            "hidden_act \"gelu\" is not supported",
+        ),
+    ] {
+        let e = LlamaConfig::from_json(&format!("{{{base}{extra}}}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(says), "{extra}: {e}");
+    }
+    let e = LlamaConfig::from_json(r#"{"model_type": "gpt2"}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model_type must be \"llama\", got \"gpt2\""),
+        "{e}"
+    );
+}
+
+/// A copy of the tied fixture's folder, with its checkpoint replaced by `tensors` written by
+/// the safetensors crate (or by raw `bytes`).
+fn folder_with(test: &str, file: &str, bytes: Vec<u8>) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("wgpipe-hf-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(
+        fixture("llama_tied").join("config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    std::fs::write(dir.join(file), bytes).unwrap();
+    dir
+}
+
+/// The tied fixture's tensors, edited by `edit`, as safetensors bytes.
+fn edited_checkpoint(edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<f32>)>)) -> Vec<u8> {
+    let mut all: Vec<(String, Vec<usize>, Vec<f32>)> =
+        read_all(&fixture("llama_tied").join("model.safetensors"))
+            .into_iter()
+            .map(|(n, (s, v))| (n, s, v))
+            .collect();
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    edit(&mut all);
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = all
+        .into_iter()
+        .map(|(n, s, v)| (n, s, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = bytes
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize(views, None).unwrap()
+}
+
+#[test]
+fn bad_checkpoints_are_refused_naming_what_is_wrong() {
+    let load = |dir: &Path| {
+        load_llama(dir, 0..4, &cpu())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+
+    let missing = folder_with(
+        "missing",
+        "model.safetensors",
+        edited_checkpoint(|t| t.retain(|(n, _, _)| n != "model.norm.weight")),
+    );
+    let e = load(&missing);
+    assert!(
+        e.contains("has no tensor model.norm.weight (wanted by layer 2"),
+        "{e}"
+    );
+
+    let reshaped = folder_with(
+        "reshaped",
+        "model.safetensors",
+        edited_checkpoint(|t| {
+            let w = t
+                .iter_mut()
+                .find(|(n, _, _)| n == "model.norm.weight")
+                .unwrap();
+            w.1 = vec![2, 4];
+        }),
+    );
+    let e = load(&reshaped);
+    assert!(
+        e.contains("tensor model.norm.weight has shape [2, 4], layer 2"),
+        "{e}"
+    );
+    assert!(e.contains("expects [8]"), "{e}");
+
+    let extra = folder_with(
+        "extra",
+        "model.safetensors",
+        edited_checkpoint(|t| t.push(("classifier.weight".into(), vec![2], vec![0.0, 1.0]))),
+    );
+    let e = load(&extra);
+    assert!(
+        e.contains("tensors no layer of the model takes: classifier.weight"),
+        "{e}"
+    );
+
+    let mut cut = edited_checkpoint(|_| {});
+    cut.truncate(cut.len() - 100);
+    let e = load(&folder_with("truncated", "model.safetensors", cut));
+    assert!(
+        e.contains("past the file's") && e.contains("(truncated?)"),
+        "{e}"
+    );
+
+    let outside = folder_with(
+        "outside",
+        "model.safetensors.index.json",
+        br#"{"weight_map": {"model.norm.weight": "../elsewhere.safetensors"}}"#.to_vec(),
+    );
+    let e = load(&outside);
+    assert!(
+        e.contains("\"../elsewhere.safetensors\" is not a file inside the folder"),
+        "{e}"
+    );
+
+    let empty = folder_with("empty", "notes.txt", b"no checkpoint here".to_vec());
+    let e = load(&empty);
+    assert!(
+        e.contains("has neither model.safetensors nor model.safetensors.index.json"),
+        "{e}"
+    );
+}
