@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use common::*;
 use wgpipe_autograd::{sum_tied_grads, ForwardCtx, Tape};
-use wgpipe_models::hf::load_llama;
+use wgpipe_models::hf::{load_llama, save_llama, SaveOptions};
 use wgpipe_models::{cross_entropy, forward_all, sequence_parameters, LlamaConfig};
 use wgpipe_tensor::{Device, Tensor};
 
@@ -329,4 +329,164 @@ fn bad_checkpoints_are_refused_naming_what_is_wrong() {
         e.contains("has neither model.safetensors nor model.safetensors.index.json"),
         "{e}"
     );
+}
+
+fn temp_dir(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("wgpipe-hf-save-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// Every tensor of a folder (one file or shards), by name, as f32 bits.
+fn folder_bits(dir: &Path) -> Vec<(String, Vec<u32>)> {
+    let ck = wgpipe_models::hf::HfCheckpoint::open(dir).unwrap();
+    let (_, layers) = load_llama(dir, 0..5, &cpu()).unwrap();
+    let mut v: Vec<(String, Vec<u32>)> = sequence_parameters(&layers)
+        .into_iter()
+        .map(|(n, p)| (n, vals(&p.value()).iter().map(|x| x.to_bits()).collect()))
+        .collect();
+    v.sort();
+    assert!(!ck.names().is_empty());
+    v
+}
+
+/// Load, one SGD step, save; the saved folder loads back to the same bits, in one file and in
+/// shards (an index and its files); in bf16, to the values rounded once.
+#[test]
+fn a_trained_llama_saves_back_and_loads_bit_identically() {
+    use wgpipe_autograd::optim::{Optimizer, Sgd};
+    let dir = fixture("llama_gqa");
+    let r = read_all(&dir.join("reference.safetensors"));
+    let (llama, layers) = load_llama(&dir, 0..5, &cpu()).unwrap();
+    let tensor = |name: &str| Tensor::from_vec(r[name].1.clone(), &r[name].0, &cpu()).unwrap();
+    let tape = Tape::new();
+    let logits = forward_all(
+        &layers,
+        &tape.constant(tensor("input_ids")),
+        &ForwardCtx::eval(),
+    )
+    .unwrap();
+    tape.backward(&cross_entropy(&logits, &tensor("targets")).unwrap())
+        .unwrap();
+    let params = sequence_parameters(&layers);
+    Sgd::new(0.1).step(&params).unwrap();
+    let trained: Vec<(String, Vec<u32>)> = {
+        let mut v: Vec<_> = params
+            .iter()
+            .map(|(n, p)| {
+                (
+                    n.clone(),
+                    vals(&p.value()).iter().map(|x| x.to_bits()).collect(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+
+    let one = temp_dir("one");
+    save_llama(&one, &llama, &params, SaveOptions::default()).unwrap();
+    assert!(one.join("model.safetensors").exists());
+    assert_eq!(folder_bits(&one), trained, "one file");
+
+    let sharded = temp_dir("sharded");
+    let options = SaveOptions {
+        max_shard_bytes: Some(4096),
+        ..SaveOptions::default()
+    };
+    save_llama(&sharded, &llama, &params, options).unwrap();
+    assert!(sharded.join("model.safetensors.index.json").exists());
+    let shards = std::fs::read_dir(&sharded)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("model-")
+        })
+        .count();
+    assert!(shards > 2, "{shards} shards");
+    assert_eq!(folder_bits(&sharded), trained, "shards");
+
+    let bf16 = temp_dir("bf16");
+    let options = SaveOptions {
+        dtype: wgpipe_tensor::DType::BF16,
+        ..SaveOptions::default()
+    };
+    save_llama(&bf16, &llama, &params, options).unwrap();
+    let rounded: Vec<(String, Vec<u32>)> = trained
+        .iter()
+        .map(|(n, bits)| {
+            let b = bits
+                .iter()
+                .map(|&x| half::bf16::from_f32(f32::from_bits(x)).to_f32().to_bits());
+            (n.clone(), b.collect())
+        })
+        .collect();
+    assert_eq!(folder_bits(&bf16), rounded, "bf16");
+}
+
+/// The saved folder, read by transformers' `from_pretrained`, gives the logits wgpipe gives.
+/// Needs a Python with torch and transformers (`WGPIPE_PYTHON`, else `python3`); skipped,
+/// saying so, where there is none.
+#[test]
+fn transformers_loads_a_saved_llama_and_agrees() {
+    let python = std::env::var("WGPIPE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = std::process::Command::new(&python)
+        .args(["-c", "import torch, transformers"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIPPED: {python} cannot import torch and transformers (set WGPIPE_PYTHON)");
+        return;
+    }
+    for folder in ["llama_gqa", "llama_tied"] {
+        let src = fixture(folder);
+        let cfg = LlamaConfig::from_file(&src.join("config.json")).unwrap();
+        let n = cfg.num_hidden_layers + 3;
+        let (llama, layers) = load_llama(&src, 0..n, &cpu()).unwrap();
+        let out = temp_dir(&format!("torch-{folder}"));
+        save_llama(
+            &out,
+            &llama,
+            &sequence_parameters(&layers),
+            SaveOptions::default(),
+        )
+        .unwrap();
+        let ids: Vec<f32> = read_all(&src.join("reference.safetensors"))["input_ids"]
+            .1
+            .clone();
+        let t = ids.len() / 2;
+        let script = format!(
+            "import json, torch, transformers\n\
+             m = transformers.AutoModelForCausalLM.from_pretrained({:?}, dtype=torch.float32).eval()\n\
+             ids = torch.tensor({:?}).long().reshape(2, {t})\n\
+             print(json.dumps(m(input_ids=ids).logits.flatten().tolist()))",
+            out.display().to_string(),
+            ids
+        );
+        let run = std::process::Command::new(&python)
+            .args(["-c", &script])
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let theirs: Vec<f32> = String::from_utf8_lossy(&run.stdout)
+            .trim()
+            .trim_matches(|c| c == '[' || c == ']')
+            .split(',')
+            .map(|v| v.trim().parse().unwrap())
+            .collect();
+        let x = Tensor::from_vec(ids, &[2, t], &cpu()).unwrap();
+        let ours = forward_all(&layers, &Tape::new().constant(x), &ForwardCtx::eval()).unwrap();
+        assert_near(
+            &vals(ours.value()),
+            &theirs,
+            1e-5,
+            &format!("{folder} via from_pretrained"),
+        );
+    }
 }

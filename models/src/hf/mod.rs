@@ -1,9 +1,11 @@
-//! Hugging Face checkpoint folders: reading their tensors ([`HfCheckpoint`]) and building a
-//! model's layers from them under the names transformers writes.
+//! Hugging Face checkpoint folders: reading their tensors ([`HfCheckpoint`]), building a model's
+//! layers from them under the names transformers writes, and writing them back ([`save_llama`]).
 
 pub mod checkpoint;
+pub mod save;
 
 pub use checkpoint::HfCheckpoint;
+pub use save::{save_llama, SaveOptions};
 
 use std::ops::Range;
 use std::path::Path;
