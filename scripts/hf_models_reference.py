@@ -11,7 +11,8 @@ named parameter for that batch, computed in float64 on a copy of the model. The 
 
 - llama_gqa: LlamaForCausalLM, 2 layers, 4 query and 2 key/value heads, untied head, llama3
   rope scaling with rope_theta 500000, rms_norm_eps 1e-5;
-- llama_tied: LlamaForCausalLM with tie_word_embeddings, default rope, 1 layer.
+- llama_tied: LlamaForCausalLM with tie_word_embeddings, default rope, 1 layer;
+- gpt2: GPT2LMHeadModel, 2 blocks, 4 heads, tied head, its Conv1D weights stored [in, out].
 """
 import json
 import os
@@ -19,7 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "models", "tests", "fixtures")
 B, T = 2, 6
@@ -57,21 +58,30 @@ MODELS = {
     ),
 }
 
-for seed, (name, kw) in enumerate(MODELS.items()):
+GPT2 = dict(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=4)
+
+for seed, (name, kw) in enumerate(list(MODELS.items()) + [("gpt2", GPT2)]):
     torch.manual_seed(seed)
-    config = LlamaConfig(attn_implementation="eager", **kw)
-    model = LlamaForCausalLM(config).eval()
+    if name == "gpt2":
+        config = GPT2Config(attn_implementation="eager", **kw)
+        cls = GPT2LMHeadModel
+    else:
+        config = LlamaConfig(attn_implementation="eager", **kw)
+        cls = LlamaForCausalLM
+    model = cls(config).eval()
     with torch.no_grad():
         # Random norm weights too, so that a norm loaded as ones would show.
         for n, p in model.named_parameters():
-            if "norm" in n:
+            if "norm" in n or ".ln_" in n:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif n.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     folder = os.path.join(ROOT, name)
     model.save_pretrained(folder, safe_serialization=True)
 
     ids = torch.randint(0, config.vocab_size, (B, T))
     targets = torch.randint(0, config.vocab_size, (B, T))
-    wide = LlamaForCausalLM(config).double().eval()
+    wide = cls(config).double().eval()
     wide.load_state_dict(model.state_dict())
     if config.tie_word_embeddings:
         wide.tie_weights()

@@ -20,7 +20,8 @@ pub mod sequence;
 pub use layers::*;
 pub use loss::{cross_entropy, mse};
 pub use models::{
-    factory, replace_head, AmoebaNet, BuildsRanges, Llama, LlamaConfig, ResNet, TransformerLm,
+    factory, replace_head, AmoebaNet, BuildsRanges, Gpt2, Gpt2Config, HfNames, Llama, LlamaConfig,
+    ResNet, TransformerLm,
 };
 pub use sequence::{
     finish_step_all, forward_all, parameter_count, sequence_buffers, sequence_parameters,

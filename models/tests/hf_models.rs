@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 
 use common::*;
 use wgpipe_autograd::{sum_tied_grads, ForwardCtx, Tape};
-use wgpipe_models::hf::{load_llama, save_llama, SaveOptions};
-use wgpipe_models::{cross_entropy, forward_all, sequence_parameters, LlamaConfig};
+use wgpipe_models::hf::{load_gpt2, load_llama, save_gpt2, save_llama, SaveOptions};
+use wgpipe_models::{cross_entropy, forward_all, sequence_parameters, HfNames, LlamaConfig};
 use wgpipe_tensor::{Device, Tensor};
 
 fn fixture(name: &str) -> PathBuf {
@@ -67,15 +67,18 @@ fn assert_near(got: &[f32], want: &[f32], tol: f32, what: &str) {
     assert!(e <= tol, "{what}: error {e:.2e} past {tol:.0e}");
 }
 
-/// The whole model from `folder`, one forward and backward of the reference batch on `dev`:
-/// logits within 1e-5 of transformers' (largest error over largest value), the loss within
-/// 1e-6 relatively, every parameter's gradient within 1e-4 (a tied table's: the sum over its
-/// two uses, as torch accumulates it on the one shared tensor).
-fn equals_transformers(folder: &str, dev: &Device) {
+/// The whole model from `folder` (loaded by `load`), one forward and backward of the
+/// reference batch on `dev`: logits within 1e-5 of transformers' (largest error over largest
+/// value), the loss within 1e-6 relatively, every parameter's gradient within 1e-4 (a tied
+/// table's: the sum over its two uses, as torch accumulates it on the one shared tensor).
+fn equals_transformers<M: HfNames>(
+    folder: &str,
+    dev: &Device,
+    load: impl Fn(&Path, &Device) -> (M, Vec<Box<dyn wgpipe_autograd::Module>>),
+) {
     let dir = fixture(folder);
     let r = read_all(&dir.join("reference.safetensors"));
-    let cfg = LlamaConfig::from_file(&dir.join("config.json")).unwrap();
-    let (llama, layers) = load_llama(&dir, 0..cfg.num_hidden_layers + 3, dev).unwrap();
+    let (model, layers) = load(&dir, dev);
     let tensor = |name: &str| {
         let (shape, v) = &r[name];
         Tensor::from_vec(v.clone(), shape, dev).unwrap()
@@ -103,33 +106,61 @@ fn equals_transformers(folder: &str, dev: &Device) {
     tape.backward(&loss).unwrap();
     let params = sequence_parameters(&layers);
     sum_tied_grads(&params).unwrap();
+    let mut compared = std::collections::HashSet::new();
     for (k, layer) in layers.iter().enumerate() {
         for (name, p) in layer.parameters() {
-            let key = format!("grad.{}", llama.checkpoint_name(k, &name));
-            assert_near(
-                &vals(&p.grad().unwrap()),
-                &r[&key].1,
-                1e-4,
-                &format!("{folder} {key}"),
-            );
+            let (key, transposed) = model.checkpoint_key(k, &name);
+            let mut g = p.grad().unwrap();
+            if transposed {
+                g = g.t().unwrap().contiguous().unwrap();
+            }
+            let key = format!("grad.{key}");
+            assert_near(&vals(&g), &r[&key].1, 1e-4, &format!("{folder} {key}"));
+            compared.insert(key);
         }
     }
+    let all = r.keys().filter(|n| n.starts_with("grad.")).count();
+    assert_eq!(
+        compared.len(),
+        all,
+        "{folder}: every reference gradient compared"
+    );
+}
+
+fn llama(
+    dir: &Path,
+    dev: &Device,
+) -> (wgpipe_models::Llama, Vec<Box<dyn wgpipe_autograd::Module>>) {
+    let cfg = LlamaConfig::from_file(&dir.join("config.json")).unwrap();
+    load_llama(dir, 0..cfg.num_hidden_layers + 3, dev).unwrap()
+}
+
+fn gpt2(dir: &Path, dev: &Device) -> (wgpipe_models::Gpt2, Vec<Box<dyn wgpipe_autograd::Module>>) {
+    load_gpt2(dir, 0..5, dev).unwrap()
+}
+
+#[test]
+fn a_gpt2_with_its_conv1d_weights_equals_transformers() {
+    equals_transformers("gpt2", &cpu(), gpt2);
 }
 
 #[test]
 fn a_gqa_llama_with_llama3_rope_equals_transformers() {
-    equals_transformers("llama_gqa", &cpu());
+    equals_transformers("llama_gqa", &cpu(), llama);
 }
 
 #[test]
 fn a_tied_llama_equals_transformers() {
-    equals_transformers("llama_tied", &cpu());
+    equals_transformers("llama_tied", &cpu(), llama);
 }
 
 #[test]
 fn a_llama_on_wgpu_equals_transformers() {
     match Device::test_wgpu() {
-        Ok(dev) => equals_transformers("llama_gqa", &dev),
+        Ok(dev) => {
+            equals_transformers("llama_gqa", &dev, llama);
+            equals_transformers("gpt2", &dev, gpt2);
+        }
         Err(e) => eprintln!("SKIPPED: no wgpu test device: {e}"),
     }
 }
@@ -427,11 +458,12 @@ fn a_trained_llama_saves_back_and_loads_bit_identically() {
     assert_eq!(folder_bits(&bf16), rounded, "bf16");
 }
 
-/// The saved folder, read by transformers' `from_pretrained`, gives the logits wgpipe gives.
+/// The saved folders (two Llamas, a GPT-2), read by transformers' `from_pretrained`, give the
+/// logits wgpipe gives.
 /// Needs a Python with torch and transformers (`WGPIPE_PYTHON`, else `python3`); skipped,
 /// saying so, where there is none.
 #[test]
-fn transformers_loads_a_saved_llama_and_agrees() {
+fn transformers_loads_saved_models_and_agrees() {
     let python = std::env::var("WGPIPE_PYTHON").unwrap_or_else(|_| "python3".into());
     let probe = std::process::Command::new(&python)
         .args(["-c", "import torch, transformers"])
@@ -440,19 +472,39 @@ fn transformers_loads_a_saved_llama_and_agrees() {
         eprintln!("SKIPPED: {python} cannot import torch and transformers (set WGPIPE_PYTHON)");
         return;
     }
-    for folder in ["llama_gqa", "llama_tied"] {
+    for folder in ["llama_gqa", "llama_tied", "gpt2"] {
         let src = fixture(folder);
-        let cfg = LlamaConfig::from_file(&src.join("config.json")).unwrap();
-        let n = cfg.num_hidden_layers + 3;
-        let (llama, layers) = load_llama(&src, 0..n, &cpu()).unwrap();
         let out = temp_dir(&format!("torch-{folder}"));
-        save_llama(
-            &out,
-            &llama,
-            &sequence_parameters(&layers),
-            SaveOptions::default(),
-        )
-        .unwrap();
+        let layers = if folder == "gpt2" {
+            let (model, layers) = gpt2(&src, &cpu());
+            save_gpt2(
+                &out,
+                &model,
+                &sequence_parameters(&layers),
+                SaveOptions::default(),
+            )
+            .unwrap();
+            // What was saved loads back bit for bit.
+            let (_, again) = gpt2(&out, &cpu());
+            let bits = |ls: &[Box<dyn wgpipe_autograd::Module>]| -> Vec<Vec<u32>> {
+                sequence_parameters(ls)
+                    .iter()
+                    .map(|(_, p)| vals(&p.value()).iter().map(|x| x.to_bits()).collect())
+                    .collect()
+            };
+            assert_eq!(bits(&again), bits(&layers), "gpt2 round trip");
+            layers
+        } else {
+            let (model, layers) = llama(&src, &cpu());
+            save_llama(
+                &out,
+                &model,
+                &sequence_parameters(&layers),
+                SaveOptions::default(),
+            )
+            .unwrap();
+            layers
+        };
         let ids: Vec<f32> = read_all(&src.join("reference.safetensors"))["input_ids"]
             .1
             .clone();
@@ -489,4 +541,34 @@ fn transformers_loads_a_saved_llama_and_agrees() {
             &format!("{folder} via from_pretrained"),
         );
     }
+}
+
+#[test]
+fn bad_gpt2_configs_name_the_key_and_the_value() {
+    use wgpipe_models::Gpt2Config;
+    let base = r#""model_type": "gpt2", "n_embd": 16, "n_head": 4"#;
+    for (extra, says) in [
+        (r#", "n_head": 3"#, "n_head = 3 does not divide n_embd = 16"),
+        (r#", "n_inner": 40"#, "n_inner = 40 is not supported"),
+        (
+            r#", "activation_function": "relu""#,
+            "activation_function \"relu\" is not supported",
+        ),
+        (
+            r#", "scale_attn_by_inverse_layer_idx": true"#,
+            "scale_attn_by_inverse_layer_idx = true is not supported",
+        ),
+        (r#", "attn_pdrop": 0.2"#, "must be one rate in [0, 1)"),
+    ] {
+        let e = Gpt2Config::from_json(&format!("{{{base}{extra}}}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(says), "{extra}: {e}");
+    }
+    let c = Gpt2Config::from_json(&format!("{{{base}}}")).unwrap();
+    assert_eq!(
+        (c.vocab_size, c.n_positions, c.n_layer, c.dropout),
+        (50257, 1024, 12, 0.1)
+    );
+    assert!(c.tie_word_embeddings);
 }

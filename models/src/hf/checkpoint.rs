@@ -96,6 +96,11 @@ impl HfCheckpoint {
         })
     }
 
+    /// The folder the checkpoint was opened from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// The names of every tensor, sorted.
     pub fn names(&self) -> Vec<String> {
         let mut v: Vec<String> = self.entries.keys().cloned().collect();

@@ -1,7 +1,8 @@
-//! Writing a Llama back as a Hugging Face folder that transformers' `from_pretrained` loads:
+//! Writing a model back as a Hugging Face folder that transformers' `from_pretrained` loads:
 //! `config.json` with transformers' keys, the tensors under their transformers names (a tied
-//! head written once, as the table), in the dtype asked for, in one `model.safetensors` or, past
-//! a shard size, in shards with `model.safetensors.index.json`.
+//! head written once, as the table; GPT-2's Conv1D weights as `[in, out]`), in the dtype asked
+//! for, in one `model.safetensors` or, past a shard size, in shards with
+//! `model.safetensors.index.json`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -13,7 +14,7 @@ use wgpipe_autograd::Param;
 use wgpipe_tensor::{DType, Error, Result};
 
 use crate::layers::RopeScaling;
-use crate::models::{Llama, LlamaConfig};
+use crate::models::{Gpt2, Gpt2Config, HfNames, Llama, LlamaConfig};
 
 /// How [`save_llama`] writes the tensors.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -49,8 +50,45 @@ pub fn save_llama(
     params: &[(String, Param)],
     options: SaveOptions,
 ) -> Result<()> {
+    save(
+        dir,
+        llama,
+        params,
+        options,
+        &llama_config_json(&llama.config, options.dtype),
+    )
+}
+
+/// [`save_llama`] for GPT-2 (written as `GPT2LMHeadModel`, its names under `transformer.`).
+pub fn save_gpt2(
+    dir: &Path,
+    gpt2: &Gpt2,
+    params: &[(String, Param)],
+    options: SaveOptions,
+) -> Result<()> {
+    let as_lm_head_model = Gpt2 {
+        prefix: "transformer.".into(),
+        ..gpt2.clone()
+    };
+    save(
+        dir,
+        &as_lm_head_model,
+        params,
+        options,
+        &gpt2_config_json(&gpt2.config, options.dtype),
+    )
+}
+
+/// The tensors of `params` under `model`'s checkpoint keys, then `config`.
+fn save<M: HfNames>(
+    dir: &Path,
+    model: &M,
+    params: &[(String, Param)],
+    options: SaveOptions,
+    config: &Value,
+) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-    // By checkpoint name: a tied head is the table again, written once.
+    // By checkpoint key: a tied head is the table again, written once.
     let mut tensors: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
     for (name, p) in params {
         let (layer, rest) = name
@@ -62,12 +100,19 @@ pub fn save_llama(
                     format!("parameter {name} is not named {{layer}}.{{name}}"),
                 )
             })?;
-        let key = llama.checkpoint_name(layer, rest);
+        let (key, transposed) = model.checkpoint_key(layer, rest);
         if tensors.contains_key(&key) {
             continue;
         }
-        let values = p.value().to_vec()?;
-        tensors.insert(key, (p.shape(), encode(&values, options.dtype)));
+        let mut value = p.value();
+        if transposed {
+            value = value.t()?.contiguous()?;
+        }
+        let values = value.to_vec()?;
+        tensors.insert(
+            key,
+            (value.shape().to_vec(), encode(&values, options.dtype)),
+        );
     }
     let dtype = match options.dtype {
         DType::F32 => Dtype::F32,
@@ -104,10 +149,7 @@ pub fn save_llama(
         let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
         write_json(&dir.join("model.safetensors.index.json"), &index)?;
     }
-    write_json(
-        &dir.join("config.json"),
-        &config_json(&llama.config, options.dtype),
-    )
+    write_json(&dir.join("config.json"), config)
 }
 
 fn write_json(path: &Path, value: &Value) -> Result<()> {
@@ -153,7 +195,7 @@ fn split(
 
 /// `config.json` as transformers writes a LlamaConfig (the rotary scaling in the
 /// `rope_theta` + `rope_scaling` form, which transformers 4 reads and 5 converts).
-fn config_json(c: &LlamaConfig, dtype: DType) -> Value {
+fn llama_config_json(c: &LlamaConfig, dtype: DType) -> Value {
     let l = &c.layer;
     let rope_scaling = match l.rope_scaling {
         RopeScaling::Default => Value::Null,
@@ -170,11 +212,6 @@ fn config_json(c: &LlamaConfig, dtype: DType) -> Value {
             "high_freq_factor": high_freq_factor,
             "original_max_position_embeddings": original_max_position_embeddings,
         }),
-    };
-    let torch_dtype = match dtype {
-        DType::F32 => "float32",
-        DType::F16 => "float16",
-        DType::BF16 => "bfloat16",
     };
     json!({
         "architectures": ["LlamaForCausalLM"],
@@ -194,6 +231,36 @@ fn config_json(c: &LlamaConfig, dtype: DType) -> Value {
         "attention_bias": l.attention_bias,
         "mlp_bias": l.mlp_bias,
         "tie_word_embeddings": c.tie_word_embeddings,
-        "torch_dtype": torch_dtype,
+        "torch_dtype": torch_dtype(dtype),
     })
+}
+
+/// `config.json` as transformers writes a GPT2Config.
+fn gpt2_config_json(c: &Gpt2Config, dtype: DType) -> Value {
+    json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": c.vocab_size,
+        "n_positions": c.n_positions,
+        "n_embd": c.n_embd,
+        "n_layer": c.n_layer,
+        "n_head": c.n_head,
+        "n_inner": Value::Null,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": c.layer_norm_epsilon,
+        "resid_pdrop": c.dropout,
+        "embd_pdrop": c.dropout,
+        "attn_pdrop": c.dropout,
+        "scale_attn_weights": true,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "torch_dtype": torch_dtype(dtype),
+    })
+}
+
+fn torch_dtype(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "float32",
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+    }
 }

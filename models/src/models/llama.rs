@@ -107,6 +107,12 @@ impl Llama {
     }
 }
 
+impl super::HfNames for Llama {
+    fn checkpoint_key(&self, layer: usize, name: &str) -> (String, bool) {
+        (self.checkpoint_name(layer, name), false)
+    }
+}
+
 impl super::BuildsRanges for Llama {
     fn num_layers(&self) -> usize {
         Llama::num_layers(self)

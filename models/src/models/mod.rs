@@ -2,12 +2,14 @@
 //! [`forward_all`](crate::forward_all) or to be cut into pipeline stages anywhere.
 
 pub mod amoebanet;
+pub mod gpt2;
 pub mod llama;
 pub mod llama_config;
 pub mod resnet;
 pub mod transformer_lm;
 
 pub use amoebanet::AmoebaNet;
+pub use gpt2::{Gpt2, Gpt2Config, GPT2_EMBEDDING_TIE};
 pub use llama::{Llama, LlamaDecoderLayer, LlamaLayerConfig, LLAMA_EMBEDDING_TIE};
 pub use llama_config::LlamaConfig;
 pub use resnet::ResNet;
@@ -20,6 +22,20 @@ use wgpipe_autograd::{ModelFactory, Module};
 use wgpipe_tensor::{Device, Error, Result};
 
 use crate::layers::Linear;
+
+/// How a model's parameters lie in its Hugging Face checkpoint (what the `hf` module reads and
+/// writes them by).
+pub trait HfNames: BuildsRanges {
+    /// The checkpoint key of parameter `name` of layer `layer`, and whether the checkpoint
+    /// stores that matrix transposed (`[in, out]`, as GPT-2's Conv1D does). A tied head gives
+    /// the key of the table it copies.
+    fn checkpoint_key(&self, layer: usize, name: &str) -> (String, bool);
+    /// Whether a checkpoint tensor that no parameter reads may be there anyway (GPT-2's
+    /// attention-mask buffers); any other is refused when the whole model is loaded.
+    fn ignorable(&self, _key: &str) -> bool {
+        false
+    }
+}
 
 /// A model description whose layers can be built by range, each from the seed and its own
 /// index alone (so any cut, built in any order, gives the whole model's values).

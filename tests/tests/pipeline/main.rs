@@ -6,7 +6,7 @@ mod back_to_back;
 mod cpu_threads;
 mod equivalence;
 mod faults;
-mod hf_llama;
+mod hf_models;
 mod layering;
 mod locality;
 mod memory;
