@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
-"""Reference values of Llama's layers from transformers itself, for models/tests/hf_layers.rs.
+"""Reference values of Llama's and BiT's layers from transformers, torch and timm themselves,
+for models/tests/hf_layers.rs.
 
-    python3 -m venv .venv && .venv/bin/pip install torch transformers safetensors
+    python3 -m venv .venv && .venv/bin/pip install torch transformers timm safetensors
     .venv/bin/python scripts/hf_layers_reference.py   # writes models/tests/fixtures/hf_layers.safetensors
 
 Everything is computed by transformers' own modules in float64 (the reference the f32 tests
 compare against): LlamaRotaryEmbedding's inverse frequencies for the default, linear and llama3
 rope types and apply_rotary_pos_emb at two position offsets; LlamaRMSNorm; LlamaMLP; and one
 LlamaDecoderLayer with grouped-query attention (4 query heads, 2 key/value heads), its output
-and the gradients of every parameter and of the input for the loss sum(out * r). Inputs and
-weights are stored beside them (f64), with the config as metadata."""
+and the gradients of every parameter and of the input for the loss sum(out * r); and BiT's
+torch.nn.GroupNorm and timm's StdConv2d (weight standardization, eps 1e-8, stride 2), their
+outputs and gradients alike. Inputs and weights are stored beside them (f64), with the config
+as metadata."""
 import json
 import os
 
@@ -102,6 +105,27 @@ for n, p in layer.named_parameters():
     out[f"layer.{n}"] = p.detach().clone()
     out[f"layer.grad.{n}"] = p.grad.detach().clone()
 
+# BiT's layers: GroupNorm(4 groups, 8 channels) and timm's StdConv2d(8 -> 6, 3x3, stride 2).
+from timm.layers import StdConv2d
+
+img = torch.randn(2, 8, 5, 5, dtype=DT, requires_grad=True)
+gn = torch.nn.GroupNorm(4, 8, eps=1e-5).to(DT)
+conv = StdConv2d(8, 6, kernel_size=3, stride=2, bias=True, eps=1e-8).to(DT)
+with torch.no_grad():
+    for p in list(gn.parameters()) + list(conv.parameters()):
+        p.copy_(torch.randn_like(p))
+y = conv(gn(img))
+r = torch.randn_like(y)
+(y * r).sum().backward()
+out["bit.x"] = img.detach().clone()
+out["bit.r"] = r
+out["bit.out"] = y.detach()
+out["bit.gn.out"] = gn(img).detach()
+out["bit.grad.x"] = img.grad.detach()
+for n, p in list(gn.named_parameters(prefix="gn")) + list(conv.named_parameters(prefix="conv")):
+    out[f"bit.{n}"] = p.detach().clone()
+    out[f"bit.grad.{n}"] = p.grad.detach().clone()
+
 meta = {
     "hidden": HIDDEN,
     "heads": HEADS,
@@ -111,6 +135,7 @@ meta = {
     "ropes": ROPES,
     "transformers": __import__("transformers").__version__,
     "torch": torch.__version__,
+    "timm": __import__("timm").__version__,
 }
 path = os.path.join(os.path.dirname(__file__), "..", "models", "tests", "fixtures")
 os.makedirs(path, exist_ok=True)

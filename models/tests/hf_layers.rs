@@ -1,6 +1,7 @@
 //! Llama's layers (RMSNorm, rotary embeddings of three scaling types, the SwiGLU MLP,
-//! grouped-query attention, the decoder layer) against transformers itself: the values of
-//! `tests/fixtures/hf_layers.safetensors`, computed by transformers' modules in float64 by
+//! grouped-query attention, the decoder layer) against transformers itself, and BiT's
+//! (GroupNorm, the weight-standardized convolution) against torch and timm: the values of
+//! `tests/fixtures/hf_layers.safetensors`, computed by their modules in float64 by
 //! `scripts/hf_layers_reference.py`. Also central differences for each layer's backward,
 //! the CPU against the wgpu test device, and half precision.
 
@@ -307,4 +308,103 @@ fn bad_sizes_are_errors_naming_them() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("does not end in dim = 4"), "{e}");
+}
+
+/// BiT's GroupNorm and timm's StdConv2d, chained, against torch and timm: the output, the
+/// input's and every parameter's gradient for `sum(out * r)`.
+fn bit_layers_against_torch(dev: &Device) {
+    let f = fixture();
+    let gn = GroupNorm::new(4, 8, 1e-5, dev).unwrap();
+    let pad = StdConv2d::same_padding(3, 2);
+    let geometry = wgpipe_tensor::ops::Conv2dParams {
+        stride: (2, 2),
+        padding: (pad, pad),
+        ..Default::default()
+    };
+    let biased = Conv2d::with_params(8, 6, (3, 3), geometry, true, 0, dev).unwrap();
+    let conv = StdConv2d::from_conv(biased, 1e-8);
+    load(&gn, &f, "bit.gn", dev);
+    load(&conv, &f, "bit.conv", dev);
+    let tape = Tape::new();
+    let x = tape.leaf(tensor(&f, "bit.x", dev));
+    let normed = gn.apply(&x).unwrap();
+    assert_near(&vals(normed.value()), &f["bit.gn.out"].1, 1e-5, "GroupNorm");
+    let y = conv.apply(&normed).unwrap();
+    assert_near(&vals(y.value()), &f["bit.out"].1, 1e-5, "StdConv2d");
+    let r = tape.constant(tensor(&f, "bit.r", dev));
+    let grads = tape
+        .backward(&y.mul(&r).unwrap().sum_all().unwrap())
+        .unwrap();
+    assert_near(
+        &vals(grads.get(&x).unwrap()),
+        &f["bit.grad.x"].1,
+        1e-5,
+        "grad of x",
+    );
+    for (prefix, m) in [("gn", &gn as &dyn Module), ("conv", &conv)] {
+        for (name, p) in m.parameters() {
+            let want = &f[&format!("bit.grad.{prefix}.{name}")].1;
+            assert_near(
+                &vals(&p.grad().unwrap()),
+                want,
+                1e-5,
+                &format!("grad of {prefix}.{name}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn group_norm_and_std_conv_equal_torch_and_timm() {
+    bit_layers_against_torch(&cpu());
+    match Device::test_wgpu() {
+        Ok(dev) => bit_layers_against_torch(&dev),
+        Err(e) => eprintln!("SKIPPED (the wgpu half): no wgpu test device: {e}"),
+    }
+}
+
+#[test]
+fn group_norm_and_std_conv_match_central_differences_and_run_in_half() {
+    let gn = GroupNorm::new(2, 4, 1e-5, &cpu()).unwrap();
+    gn.weight.set_value(rand(&[4], 1));
+    gn.bias.set_value(rand(&[4], 2));
+    grad_check_module(&gn, &rand(&[2, 4, 3, 3], 3), &ForwardCtx::eval(), true);
+    let conv = StdConv2d::new(4, 3, 3, 1, 1e-6, 4, &cpu()).unwrap();
+    grad_check_module(&conv, &rand(&[1, 4, 4, 4], 5), &ForwardCtx::eval(), true);
+    // Under f16 and bf16: the stream stays half, the masters' gradients f32, within half's
+    // rounding of the f32 run.
+    let run = |dtype: DType| {
+        let tape = Tape::new();
+        let x = tape.leaf(rand(&[2, 4, 5, 5], 6)).to_dtype(dtype).unwrap();
+        let ctx = ForwardCtx::eval().with_compute(dtype);
+        let y = conv.forward(&gn.forward(&x, &ctx).unwrap(), &ctx).unwrap();
+        assert_eq!(y.value().dtype(), dtype);
+        tape.backward(
+            &y.to_dtype(DType::F32)
+                .unwrap()
+                .square()
+                .unwrap()
+                .sum_all()
+                .unwrap(),
+        )
+        .unwrap();
+        let out: Vec<Vec<f32>> = [&gn.weight, &conv.weight]
+            .iter()
+            .map(|p| {
+                let g = p.grad().unwrap();
+                assert_eq!(g.dtype(), DType::F32);
+                p.zero_grad();
+                vals(&g)
+            })
+            .collect();
+        (vals(&y.value().to_dtype(DType::F32).unwrap()), out)
+    };
+    let (y32, g32) = run(DType::F32);
+    for (dtype, tol) in [(DType::F16, 5e-3), (DType::BF16, 4e-2)] {
+        let (y, g) = run(dtype);
+        assert_near(&y, &y32, tol, &format!("{dtype:?} output"));
+        for (a, b) in g.iter().zip(&g32) {
+            assert_near(a, b, tol, &format!("{dtype:?} gradient"));
+        }
+    }
 }

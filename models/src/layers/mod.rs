@@ -9,11 +9,13 @@ pub mod dropout;
 pub mod embedding;
 pub mod flatten;
 pub mod gqa_attention;
+pub mod group_norm;
 pub mod linear;
 pub mod norm;
 pub mod pool;
 pub mod rms_norm;
 pub mod rope;
+pub mod std_conv;
 pub mod swiglu;
 pub mod transformer;
 
@@ -26,11 +28,13 @@ pub use dropout::Dropout;
 pub use embedding::{Embedding, PositionalEmbedding, TokenPositionEmbedding};
 pub use flatten::Flatten;
 pub use gqa_attention::{GqaAttention, GqaShape};
+pub use group_norm::GroupNorm;
 pub use linear::Linear;
 pub use norm::LayerNorm;
 pub use pool::{AvgPool2d, GlobalAvgPool, MaxPool2d};
 pub use rms_norm::RmsNorm;
 pub use rope::{Rope, RopeScaling};
+pub use std_conv::StdConv2d;
 pub use swiglu::SwiGluMlp;
 pub use transformer::{Mlp, TransformerBlock};
 
