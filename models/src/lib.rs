@@ -21,7 +21,7 @@ pub use layers::*;
 pub use loss::{cross_entropy, mse};
 pub use models::{
     factory, replace_head, AmoebaNet, BuildsRanges, Gpt2, Gpt2Config, HfNames, Llama, LlamaConfig,
-    ResNet, TransformerLm,
+    ResNet, ResNetV2, TransformerLm,
 };
 pub use sequence::{
     finish_step_all, forward_all, parameter_count, sequence_buffers, sequence_parameters,

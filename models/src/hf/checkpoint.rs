@@ -96,7 +96,16 @@ impl HfCheckpoint {
         })
     }
 
-    /// The folder the checkpoint was opened from.
+    /// One safetensors file on its own (a timm checkpoint, say).
+    pub fn open_file(file: &Path) -> Result<HfCheckpoint> {
+        let entries = header(file)?.into_iter().collect();
+        Ok(HfCheckpoint {
+            dir: file.to_path_buf(),
+            entries,
+        })
+    }
+
+    /// The folder (or the file) the checkpoint was opened from.
     pub fn dir(&self) -> &Path {
         &self.dir
     }

@@ -6,6 +6,7 @@ pub mod gpt2;
 pub mod llama;
 pub mod llama_config;
 pub mod resnet;
+pub mod resnetv2;
 pub mod transformer_lm;
 
 pub use amoebanet::AmoebaNet;
@@ -13,6 +14,7 @@ pub use gpt2::{Gpt2, Gpt2Config, GPT2_EMBEDDING_TIE};
 pub use llama::{Llama, LlamaDecoderLayer, LlamaLayerConfig, LLAMA_EMBEDDING_TIE};
 pub use llama_config::LlamaConfig;
 pub use resnet::ResNet;
+pub use resnetv2::ResNetV2;
 pub use transformer_lm::TransformerLm;
 
 use std::ops::Range;

@@ -1,0 +1,122 @@
+//! BiT's ResNetV2 read from a timm checkpoint against timm itself: the fixture's
+//! `model.safetensors` is a small random `ResNetV2` as `resnetv2_50x1_bit` builds it (the fixed
+//! stem, StdConv2d, GroupNorm(32), pre-activation bottlenecks, a 1x1-conv head), and
+//! `reference.safetensors` timm's logits, loss and gradients for two images in float64
+//! (`scripts/timm_resnetv2_reference.py`).
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use common::*;
+use wgpipe_autograd::{ForwardCtx, Tape};
+use wgpipe_models::hf::{load_layers, HfCheckpoint};
+use wgpipe_models::{cross_entropy, forward_all, HfNames, ResNetV2};
+use wgpipe_tensor::{Device, Tensor};
+
+fn read_all(path: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
+                .collect();
+            (name, (view.shape().to_vec(), values))
+        })
+        .collect()
+}
+
+fn norm_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let diff = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0.0, f32::max);
+    diff / want
+        .iter()
+        .map(|w| w.abs())
+        .fold(f32::MIN_POSITIVE, f32::max)
+}
+
+fn model() -> ResNetV2 {
+    ResNetV2 {
+        depths: vec![1, 1],
+        channels: vec![128, 256],
+        stem_channels: 32,
+        in_channels: 3,
+        num_classes: 5,
+        groups: 32,
+    }
+}
+
+fn equals_timm(dev: &Device) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/bit");
+    let r = read_all(&dir.join("reference.safetensors"));
+    let resnet = model();
+    let checkpoint = HfCheckpoint::open_file(&dir.join("model.safetensors")).unwrap();
+    let layers = load_layers(&resnet, &checkpoint, 0..resnet.num_layers(), dev).unwrap();
+    let tensor = |name: &str| Tensor::from_vec(r[name].1.clone(), &r[name].0, dev).unwrap();
+    let tape = Tape::new();
+    let logits = forward_all(
+        &layers,
+        &tape.constant(tensor("images")),
+        &ForwardCtx::eval(),
+    )
+    .unwrap();
+    let e = norm_err(&vals(logits.value()), &r["logits"].1);
+    eprintln!("logits: {e:.2e}");
+    assert!(e <= 1e-5, "logits off by {e:.2e}");
+    let loss = cross_entropy(&logits, &tensor("labels")).unwrap();
+    let want = r["loss"].1[0];
+    assert!((loss.to_scalar().unwrap() - want).abs() <= 1e-5 * want.abs());
+    tape.backward(&loss).unwrap();
+    let mut compared = 0;
+    for (k, layer) in layers.iter().enumerate() {
+        for (name, p) in layer.parameters() {
+            let key = format!("grad.{}", resnet.checkpoint_key(k, &name).0);
+            let e = norm_err(&vals(&p.grad().unwrap()), &r[&key].1);
+            eprintln!("{key}: {e:.2e}");
+            assert!(e <= 1e-4, "{key} off by {e:.2e}");
+            compared += 1;
+        }
+    }
+    assert_eq!(
+        compared,
+        r.keys().filter(|n| n.starts_with("grad.")).count()
+    );
+}
+
+#[test]
+fn a_bit_resnetv2_from_a_timm_checkpoint_equals_timm() {
+    equals_timm(&cpu());
+}
+
+#[test]
+fn a_bit_resnetv2_on_wgpu_equals_timm() {
+    match Device::test_wgpu() {
+        Ok(dev) => equals_timm(&dev),
+        Err(e) => eprintln!("SKIPPED: no wgpu test device: {e}"),
+    }
+}
+
+#[test]
+fn resnetv2_sizes_are_checked() {
+    let mut bad = model();
+    bad.channels = vec![128, 100];
+    let e = bad.build(0, &cpu()).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("multiples of 32 groups"), "{e}");
+    let bit = ResNetV2::bit50(1, 10);
+    assert_eq!(bit.num_layers(), 3 + 4 + 6 + 3 + 3);
+    assert_eq!(
+        bit.checkpoint_key(5, "conv2.weight").0,
+        "stages.1.blocks.1.conv2.weight"
+    );
+    assert_eq!(bit.checkpoint_key(0, "conv.weight").0, "stem.conv.weight");
+    assert_eq!(bit.checkpoint_key(18, "fc.bias").0, "head.fc.bias");
+}
