@@ -1,6 +1,7 @@
-//! The registry: [`Kernel`] names one compiled variant and says what its source, entry point,
-//! bindings, workgroup size and parameter block are. The sources come from the families
-//! (`elementwise.rs`, `rows.rs`, `matmul.rs`) and the plain `.wgsl` files below.
+//! The registry: [`Kernel`] names one compiled variant, and [`Kernel::spec`] says in one table
+//! what its source, entry point, bindings, workgroup size and parameter block are. The sources
+//! come from the families (`elementwise.rs`, `rows.rs`, `matmul.rs`) and the plain `.wgsl` files
+//! below.
 
 use crate::elementwise::{self, EwLayout};
 use crate::half::HalfFormat;
@@ -254,6 +255,37 @@ pub enum Kernel {
     AdamInPlace,
 }
 
+/// What [`Kernel::spec`] says of one variant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelSpec {
+    /// The WGSL, without the common prelude ([`Kernel::source`] adds it).
+    pub body: String,
+    /// The name of the parameter block at binding 0 (a struct of [`params`]).
+    pub params: &'static str,
+    /// The bindings after the parameter block, `(binding, access)`, inputs first.
+    pub bindings: Vec<(u32, Access)>,
+    /// Invocations per workgroup.
+    pub workgroup: u32,
+    pub entry_point: &'static str,
+}
+
+impl KernelSpec {
+    fn new(
+        body: String,
+        params: &'static str,
+        bindings: Vec<(u32, Access)>,
+        workgroup: u32,
+    ) -> Self {
+        KernelSpec {
+            body,
+            params,
+            bindings,
+            workgroup,
+            entry_point: "main",
+        }
+    }
+}
+
 impl Kernel {
     /// The kernel of `op` (one per op, whatever its scalars).
     pub fn unary(op: UnaryOp, layout: EwLayout) -> Kernel {
@@ -271,8 +303,12 @@ impl Kernel {
         }
     }
 
-    /// The complete WGSL of this variant.
-    pub fn source(&self) -> String {
+    /// Everything about this variant, from one table: its WGSL (without the common prelude),
+    /// parameter block, bindings, workgroup size and entry point. Asked for when a pipeline is
+    /// compiled (the runtime keeps what it needs of it beside the pipeline).
+    pub fn spec(&self) -> KernelSpec {
+        use params::*;
+        use Access::{Read as R, ReadWrite as W};
         let wg = ELEMENTWISE_WG.to_string();
         let plain = |src: &str| render(src, &[("WG", &wg)]);
         // `SRC` goes in before `FORMAT`, which fills both the template and the source.
@@ -280,167 +316,210 @@ impl Kernel {
             let vars = [("WG", wg.as_str()), ("SRC", HALF_SRC), ("FORMAT", f.wgsl())];
             format!("{HALF}\n{}", render(template, &vars))
         };
-        let body = match *self {
-            Kernel::Copy { layout } => elementwise::source(1, layout, "a"),
-            Kernel::Unary { op, layout } => elementwise::source(1, layout, op.wgsl()),
-            Kernel::UnaryGrad { op, layout } => {
-                elementwise::source(2, layout, &format!("b * ({})", op.wgsl_grad()))
-            }
-            Kernel::Binary { op, layout } => elementwise::source(2, layout, op.wgsl()),
-            Kernel::BinaryAssign { op, layout } => elementwise::source_assign(layout, op.wgsl()),
-            Kernel::Where { layout } => elementwise::source(3, layout, "select(c, b, a != 0.0)"),
-            Kernel::BiasAct { op, layout } => {
-                with_act(op, &elementwise::source(2, layout, "act(a + b, s0, s1)"))
-            }
-            Kernel::BiasActGrad { op, layout } => with_act(
-                op,
-                &elementwise::source(3, layout, "c * act_grad(a + b, s0, s1)"),
-            ),
-            Kernel::CopyStrided => plain(COPY_STRIDED),
-            Kernel::Fill => plain(FILL),
-            Kernel::Widen(f) => half(WIDEN, f),
-            Kernel::Narrow(f) => half(NARROW, f),
-            Kernel::Reduce { op, mode, wg } => rows::reduce(op, mode, wg),
-            Kernel::Softmax { log, group } => rows::softmax(log, group),
-            Kernel::SoftmaxBackward { group } => rows::softmax_backward(group),
-            Kernel::LayerNorm { group } => rows::layer_norm(group, false),
-            Kernel::AddLayerNorm { group } => rows::layer_norm(group, true),
-            Kernel::LayerNormBackward { group } => rows::layer_norm_backward(group),
-            Kernel::CrossEntropy { group } => rows::cross_entropy(group),
-            Kernel::CrossEntropyBackward { wg } => rows::cross_entropy_backward(wg),
-            Kernel::Matmul(cfg) => cfg.source(),
-            Kernel::MatmulSubgroup(cfg) => cfg.source(),
-            Kernel::Pack => render(PACK, &[("WG", &wg), ("SRC", PACK_SRC_F32)]),
-            Kernel::PackHalf(f) => half(PACK, f),
-            Kernel::SumLeading => plain(SUM_LEADING),
-            Kernel::Index(_) => plain(INDEX),
-            Kernel::Spatial(_) => plain(SPATIAL),
-            Kernel::Dropout => format!("{PHILOX}\n{}", plain(DROPOUT)),
-            Kernel::Adam => adam(false),
-            Kernel::AdamInPlace => adam(true),
-        };
-        format!("{COMMON}\n{body}")
-    }
-
-    /// The name of the parameter block (binding 0): a struct of [`params`] and of the source.
-    pub fn params(&self) -> &'static str {
-        use params::*;
-        match self {
-            Kernel::Copy { .. }
-            | Kernel::Unary { .. }
-            | Kernel::UnaryGrad { .. }
-            | Kernel::Binary { .. }
-            | Kernel::BinaryAssign { .. }
-            | Kernel::Where { .. }
-            | Kernel::BiasAct { .. }
-            | Kernel::BiasActGrad { .. } => EwParams::NAME,
-            Kernel::CopyStrided => CopyParams::NAME,
-            Kernel::Fill => FillParams::NAME,
-            Kernel::Widen(_) | Kernel::Narrow(_) => CastParams::NAME,
-            Kernel::Reduce { .. } => ReduceParams::NAME,
-            Kernel::Softmax { .. } => SoftmaxParams::NAME,
-            Kernel::SoftmaxBackward { .. } => SoftmaxBackwardParams::NAME,
-            Kernel::LayerNorm { .. } | Kernel::AddLayerNorm { .. } => LayerNormParams::NAME,
-            Kernel::LayerNormBackward { .. } => LayerNormBackwardParams::NAME,
-            Kernel::CrossEntropy { .. } => CrossEntropyParams::NAME,
-            Kernel::CrossEntropyBackward { .. } => CrossEntropyBackwardParams::NAME,
-            Kernel::Matmul(_) => MatmulParams::NAME,
-            Kernel::MatmulSubgroup(_) => SubgroupMatmulParams::NAME,
-            Kernel::Pack | Kernel::PackHalf(_) => PackParams::NAME,
-            Kernel::SumLeading => SumLeadingParams::NAME,
-            Kernel::Index(_) => IndexParams::NAME,
-            Kernel::Spatial(_) => SpatialParams::NAME,
-            Kernel::Dropout => DropoutParams::NAME,
-            Kernel::Adam | Kernel::AdamInPlace => AdamParams::NAME,
-        }
-    }
-
-    /// The workgroup of a row kernel with tree reductions.
-    fn row_group(&self) -> Option<RowGroup> {
-        match self {
-            Kernel::Softmax { group, .. }
-            | Kernel::SoftmaxBackward { group }
-            | Kernel::LayerNorm { group }
-            | Kernel::AddLayerNorm { group }
-            | Kernel::LayerNormBackward { group }
-            | Kernel::CrossEntropy { group } => Some(*group),
-            _ => None,
-        }
-    }
-
-    /// Whether the variant needs the `SUBGROUP` device feature (and naga capability).
-    pub fn needs_subgroups(&self) -> bool {
-        matches!(self, Kernel::MatmulSubgroup(_)) || self.row_group().is_some_and(|g| g.subgroup)
-    }
-
-    /// The entry point to compile.
-    pub fn entry_point(&self) -> &'static str {
-        match self {
-            Kernel::Index(k) => k.entry_point(),
-            Kernel::Spatial(k) => k.entry_point(),
-            _ => "main",
-        }
-    }
-
-    /// The bindings after the parameter block (binding 0), as `(binding, access)` in the order
-    /// the runtime passes buffers: inputs first, then outputs.
-    pub fn bindings(&self) -> Vec<(u32, Access)> {
-        use Access::{Read as R, ReadWrite as W};
+        // `reads` inputs at bindings 1.., then `writes` outputs after them.
         let seq = |reads: u32, writes: u32| -> Vec<(u32, Access)> {
             (1..=reads)
                 .map(|b| (b, R))
                 .chain((reads + 1..=reads + writes).map(|b| (b, W)))
                 .collect()
         };
-        match self {
-            Kernel::Copy { .. } | Kernel::Unary { .. } => seq(1, 1),
-            Kernel::UnaryGrad { .. } | Kernel::Binary { .. } => seq(2, 1),
-            Kernel::BinaryAssign { .. } => vec![(2, R), (3, W)],
-            Kernel::Where { .. } => seq(3, 1),
-            Kernel::BiasAct { .. } => seq(2, 1),
-            Kernel::BiasActGrad { .. } => seq(3, 1),
-            Kernel::CopyStrided | Kernel::Widen(_) | Kernel::Narrow(_) => seq(1, 1),
-            Kernel::Fill | Kernel::Dropout => seq(0, 1),
-            Kernel::Reduce { mode, .. } => match mode {
-                ReduceMode::Direct | ReduceMode::Thin => seq(1, 1),
-                ReduceMode::Partial => seq(1, 2),
-                ReduceMode::Final => seq(2, 1),
-            },
-            Kernel::Softmax { .. } => seq(1, 1),
-            Kernel::SoftmaxBackward { .. } => seq(2, 1),
-            Kernel::LayerNorm { .. } => seq(3, 3),
-            // x, gamma, beta, r; then y, the stats, the sum (binding numbers of the template).
-            Kernel::AddLayerNorm { .. } => {
-                vec![(1, R), (2, R), (3, R), (6, R), (4, W), (5, W), (7, W)]
+        let ew = |body: String, bindings| {
+            KernelSpec::new(body, EwParams::NAME, bindings, ELEMENTWISE_WG)
+        };
+        let row = |body: String, params, bindings, group: RowGroup| {
+            KernelSpec::new(body, params, bindings, group.wg)
+        };
+        match *self {
+            Kernel::Copy { layout } => ew(elementwise::source(1, layout, "a"), seq(1, 1)),
+            Kernel::Unary { op, layout } => {
+                ew(elementwise::source(1, layout, op.wgsl()), seq(1, 1))
             }
-            Kernel::LayerNormBackward { .. } => seq(6, 1),
-            Kernel::CrossEntropy { .. } => seq(2, 3),
-            Kernel::CrossEntropyBackward { .. } => seq(5, 1),
-            Kernel::Matmul(_) | Kernel::MatmulSubgroup(_) => seq(2, 1),
-            Kernel::Pack | Kernel::PackHalf(_) => seq(1, 1),
-            Kernel::SumLeading => seq(1, 1),
-            Kernel::Index(_) => seq(2, 1),
-            Kernel::Spatial(k) => match k {
-                SpatialKernel::MaxPool2d => vec![(1, R), (3, W), (4, W)],
-                SpatialKernel::MaxPool2dBackward => vec![(1, R), (2, R), (3, W)],
-                _ => vec![(1, R), (3, W)],
+            Kernel::UnaryGrad { op, layout } => ew(
+                elementwise::source(2, layout, &format!("b * ({})", op.wgsl_grad())),
+                seq(2, 1),
+            ),
+            Kernel::Binary { op, layout } => {
+                ew(elementwise::source(2, layout, op.wgsl()), seq(2, 1))
+            }
+            Kernel::BinaryAssign { op, layout } => ew(
+                elementwise::source_assign(layout, op.wgsl()),
+                vec![(2, R), (3, W)],
+            ),
+            Kernel::Where { layout } => ew(
+                elementwise::source(3, layout, "select(c, b, a != 0.0)"),
+                seq(3, 1),
+            ),
+            Kernel::BiasAct { op, layout } => ew(
+                with_act(op, &elementwise::source(2, layout, "act(a + b, s0, s1)")),
+                seq(2, 1),
+            ),
+            Kernel::BiasActGrad { op, layout } => ew(
+                with_act(
+                    op,
+                    &elementwise::source(3, layout, "c * act_grad(a + b, s0, s1)"),
+                ),
+                seq(3, 1),
+            ),
+            Kernel::CopyStrided => KernelSpec::new(
+                plain(COPY_STRIDED),
+                CopyParams::NAME,
+                seq(1, 1),
+                ELEMENTWISE_WG,
+            ),
+            Kernel::Fill => {
+                KernelSpec::new(plain(FILL), FillParams::NAME, seq(0, 1), ELEMENTWISE_WG)
+            }
+            Kernel::Widen(f) => {
+                KernelSpec::new(half(WIDEN, f), CastParams::NAME, seq(1, 1), ELEMENTWISE_WG)
+            }
+            Kernel::Narrow(f) => {
+                KernelSpec::new(half(NARROW, f), CastParams::NAME, seq(1, 1), ELEMENTWISE_WG)
+            }
+            Kernel::Reduce { op, mode, wg } => {
+                let bindings = match mode {
+                    ReduceMode::Direct | ReduceMode::Thin => seq(1, 1),
+                    ReduceMode::Partial => seq(1, 2),
+                    ReduceMode::Final => seq(2, 1),
+                };
+                KernelSpec::new(rows::reduce(op, mode, wg), ReduceParams::NAME, bindings, wg)
+            }
+            Kernel::Softmax { log, group } => row(
+                rows::softmax(log, group),
+                SoftmaxParams::NAME,
+                seq(1, 1),
+                group,
+            ),
+            Kernel::SoftmaxBackward { group } => row(
+                rows::softmax_backward(group),
+                SoftmaxBackwardParams::NAME,
+                seq(2, 1),
+                group,
+            ),
+            Kernel::LayerNorm { group } => row(
+                rows::layer_norm(group, false),
+                LayerNormParams::NAME,
+                seq(3, 3),
+                group,
+            ),
+            // x, gamma, beta, r; then y, the stats, the sum (binding numbers of the template).
+            Kernel::AddLayerNorm { group } => row(
+                rows::layer_norm(group, true),
+                LayerNormParams::NAME,
+                vec![(1, R), (2, R), (3, R), (6, R), (4, W), (5, W), (7, W)],
+                group,
+            ),
+            Kernel::LayerNormBackward { group } => row(
+                rows::layer_norm_backward(group),
+                LayerNormBackwardParams::NAME,
+                seq(6, 1),
+                group,
+            ),
+            Kernel::CrossEntropy { group } => row(
+                rows::cross_entropy(group),
+                CrossEntropyParams::NAME,
+                seq(2, 3),
+                group,
+            ),
+            Kernel::CrossEntropyBackward { wg } => KernelSpec::new(
+                rows::cross_entropy_backward(wg),
+                CrossEntropyBackwardParams::NAME,
+                seq(5, 1),
+                wg,
+            ),
+            Kernel::Matmul(cfg) => {
+                KernelSpec::new(cfg.source(), MatmulParams::NAME, seq(2, 1), cfg.threads())
+            }
+            Kernel::MatmulSubgroup(cfg) => {
+                KernelSpec::new(cfg.source(), SubgroupMatmulParams::NAME, seq(2, 1), cfg.sg)
+            }
+            Kernel::Pack => KernelSpec::new(
+                render(PACK, &[("WG", &wg), ("SRC", PACK_SRC_F32)]),
+                PackParams::NAME,
+                seq(1, 1),
+                ELEMENTWISE_WG,
+            ),
+            Kernel::PackHalf(f) => {
+                KernelSpec::new(half(PACK, f), PackParams::NAME, seq(1, 1), ELEMENTWISE_WG)
+            }
+            Kernel::SumLeading => KernelSpec::new(
+                plain(SUM_LEADING),
+                SumLeadingParams::NAME,
+                seq(1, 1),
+                ELEMENTWISE_WG,
+            ),
+            Kernel::Index(k) => KernelSpec {
+                entry_point: k.entry_point(),
+                ..KernelSpec::new(plain(INDEX), IndexParams::NAME, seq(2, 1), ELEMENTWISE_WG)
             },
-            Kernel::Adam => seq(4, 3),
-            Kernel::AdamInPlace => seq(1, 3),
+            Kernel::Spatial(k) => {
+                let bindings = match k {
+                    SpatialKernel::MaxPool2d => vec![(1, R), (3, W), (4, W)],
+                    SpatialKernel::MaxPool2dBackward => vec![(1, R), (2, R), (3, W)],
+                    _ => vec![(1, R), (3, W)],
+                };
+                KernelSpec {
+                    entry_point: k.entry_point(),
+                    ..KernelSpec::new(
+                        plain(SPATIAL),
+                        SpatialParams::NAME,
+                        bindings,
+                        ELEMENTWISE_WG,
+                    )
+                }
+            }
+            Kernel::Dropout => KernelSpec::new(
+                format!("{PHILOX}\n{}", plain(DROPOUT)),
+                DropoutParams::NAME,
+                seq(0, 1),
+                ELEMENTWISE_WG,
+            ),
+            Kernel::Adam => {
+                KernelSpec::new(adam(false), AdamParams::NAME, seq(4, 3), ELEMENTWISE_WG)
+            }
+            Kernel::AdamInPlace => {
+                KernelSpec::new(adam(true), AdamParams::NAME, seq(1, 3), ELEMENTWISE_WG)
+            }
         }
+    }
+
+    /// The complete WGSL of this variant: the common prelude and [`Kernel::spec`]'s body.
+    pub fn source(&self) -> String {
+        format!("{COMMON}\n{}", self.spec().body)
+    }
+
+    /// The name of the parameter block (binding 0): a struct of [`params`] and of the source.
+    pub fn params(&self) -> &'static str {
+        self.spec().params
+    }
+
+    /// Whether the variant needs the `SUBGROUP` device feature (and naga capability).
+    pub fn needs_subgroups(&self) -> bool {
+        match self {
+            Kernel::MatmulSubgroup(_) => true,
+            Kernel::Softmax { group, .. }
+            | Kernel::SoftmaxBackward { group }
+            | Kernel::LayerNorm { group }
+            | Kernel::AddLayerNorm { group }
+            | Kernel::LayerNormBackward { group }
+            | Kernel::CrossEntropy { group } => group.subgroup,
+            _ => false,
+        }
+    }
+
+    /// The entry point to compile.
+    pub fn entry_point(&self) -> &'static str {
+        self.spec().entry_point
+    }
+
+    /// The bindings after the parameter block (binding 0), as `(binding, access)` in the order
+    /// the runtime passes buffers: inputs first, then outputs.
+    pub fn bindings(&self) -> Vec<(u32, Access)> {
+        self.spec().bindings
     }
 
     /// Invocations per workgroup (the host sizes dispatches with it).
     pub fn workgroup_size(&self) -> u32 {
-        if let Some(group) = self.row_group() {
-            return group.wg;
-        }
-        match self {
-            Kernel::Reduce { wg, .. } | Kernel::CrossEntropyBackward { wg } => *wg,
-            Kernel::Matmul(cfg) => cfg.threads(),
-            Kernel::MatmulSubgroup(cfg) => cfg.sg,
-            _ => ELEMENTWISE_WG,
-        }
+        self.spec().workgroup
     }
 
     /// Every variant the runtime can ask for (what the validation test compiles).

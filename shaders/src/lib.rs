@@ -25,7 +25,7 @@ mod wgsl;
 
 pub use elementwise::EwLayout;
 pub use half::HalfFormat;
-pub use kernel::{IndexKernel, Kernel, SpatialKernel, BIAS_ACTIVATIONS};
+pub use kernel::{IndexKernel, Kernel, KernelSpec, SpatialKernel, BIAS_ACTIVATIONS};
 pub use matmul::{MatmulConfig, OperandLoad, SubgroupMatmulConfig};
 pub use ops::{BinaryOp, GradFrom, ReduceOp, UnaryOp};
 pub use rows::{ReduceMode, RowGroup};
