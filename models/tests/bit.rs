@@ -120,3 +120,34 @@ fn resnetv2_sizes_are_checked() {
     assert_eq!(bit.checkpoint_key(0, "conv.weight").0, "stem.conv.weight");
     assert_eq!(bit.checkpoint_key(18, "fc.bias").0, "head.fc.bias");
 }
+
+/// Fine-tuning on other classes: the body from the checkpoint, a fresh head for 3 classes
+/// (timm's initialization: N(0, 0.01), zero bias); the output has 3 columns, the body's values
+/// are the checkpoint's, and one step's gradient reaches the stem.
+#[test]
+fn a_pretrained_body_takes_a_new_head_for_other_classes() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/bit");
+    let resnet = model();
+    let checkpoint = HfCheckpoint::open_file(&dir.join("model.safetensors")).unwrap();
+    let n = resnet.num_layers();
+    let mut layers = load_layers(&resnet, &checkpoint, 0..n - 1, &cpu()).unwrap();
+    let head = resnet.new_head(3, 7, &cpu()).unwrap();
+    let params = head.parameters();
+    assert_eq!(params[0].1.shape(), [3, 256, 1, 1]);
+    let w = vals(&params[0].1.value());
+    let std = (w.iter().map(|v| v * v).sum::<f32>() / w.len() as f32).sqrt();
+    assert!((0.007..0.013).contains(&std), "head weight std {std}");
+    assert!(vals(&params[1].1.value()).iter().all(|&b| b == 0.0));
+    layers.push(head);
+    let r = read_all(&dir.join("reference.safetensors"));
+    let x = Tensor::from_vec(r["images"].1.clone(), &r["images"].0, &cpu()).unwrap();
+    let tape = Tape::new();
+    let logits = forward_all(&layers, &tape.constant(x), &ForwardCtx::eval()).unwrap();
+    assert_eq!(logits.shape(), [2, 3]);
+    let labels = Tensor::from_vec(vec![0.0, 2.0], &[2], &cpu()).unwrap();
+    tape.backward(&cross_entropy(&logits, &labels).unwrap())
+        .unwrap();
+    let stem = &layers[0].parameters()[0].1;
+    assert!(vals(&stem.grad().unwrap()).iter().any(|&g| g != 0.0));
+    assert!(resnet.new_head(0, 0, &cpu()).is_err());
+}

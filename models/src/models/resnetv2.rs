@@ -96,6 +96,43 @@ impl ResNetV2 {
         }
     }
 
+    /// A fresh head for `num_classes` classes on this model's features, as timm initializes
+    /// one (`reset_classifier`: weight N(0, 0.01), bias zero): for fine-tuning a pretrained body
+    /// on other classes, load layers `0..num_layers() - 1` and push this instead of the
+    /// checkpoint's head.
+    pub fn new_head(&self, num_classes: usize, seed: u64, dev: &Device) -> Result<Box<dyn Module>> {
+        let features = *self.channels.last().ok_or_else(|| Error::Invalid {
+            op: "ResNetV2::new_head",
+            msg: "the model has no stages".into(),
+        })?;
+        if num_classes == 0 {
+            return Err(Error::Invalid {
+                op: "ResNetV2::new_head",
+                msg: "num_classes must be positive".into(),
+            });
+        }
+        let fc = Conv2d::with_params(
+            features,
+            num_classes,
+            (1, 1),
+            Conv2dParams::default(),
+            true,
+            seed,
+            dev,
+        )?;
+        fc.weight.set_value(crate::init::normal(
+            &fc.weight.shape(),
+            0.0,
+            0.01,
+            seed,
+            dev,
+        )?);
+        if let Some(b) = &fc.bias {
+            b.set_value(b.value().zeros_like()?);
+        }
+        Ok(Box::new(ConvHead { fc }))
+    }
+
     pub fn build(&self, seed: u64, dev: &Device) -> Result<Vec<Box<dyn Module>>> {
         self.build_range(seed, 0..self.num_layers(), dev)
     }
