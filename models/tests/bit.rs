@@ -6,43 +6,11 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::path::Path;
-
 use common::*;
 use wgpipe_autograd::{ForwardCtx, Tape};
 use wgpipe_models::hf::{load_layers, HfCheckpoint};
 use wgpipe_models::{cross_entropy, forward_all, HfNames, ResNetV2};
 use wgpipe_tensor::{Device, Tensor};
-
-fn read_all(path: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    file.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let values = view
-                .data()
-                .chunks_exact(8)
-                .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
-                .collect();
-            (name, (view.shape().to_vec(), values))
-        })
-        .collect()
-}
-
-fn norm_err(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let diff = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (g - w).abs())
-        .fold(0.0, f32::max);
-    diff / want
-        .iter()
-        .map(|w| w.abs())
-        .fold(f32::MIN_POSITIVE, f32::max)
-}
 
 fn model() -> ResNetV2 {
     ResNetV2 {
@@ -56,8 +24,8 @@ fn model() -> ResNetV2 {
 }
 
 fn equals_timm(dev: &Device) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/bit");
-    let r = read_all(&dir.join("reference.safetensors"));
+    let dir = fixture_path("bit");
+    let r = read_reference(&dir.join("reference.safetensors"));
     let resnet = model();
     let checkpoint = HfCheckpoint::open_file(&dir.join("model.safetensors")).unwrap();
     let layers = load_layers(&resnet, &checkpoint, 0..resnet.num_layers(), dev).unwrap();
@@ -126,7 +94,7 @@ fn resnetv2_sizes_are_checked() {
 /// are the checkpoint's, and one step's gradient reaches the stem.
 #[test]
 fn a_pretrained_body_takes_a_new_head_for_other_classes() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/bit");
+    let dir = fixture_path("bit");
     let resnet = model();
     let checkpoint = HfCheckpoint::open_file(&dir.join("model.safetensors")).unwrap();
     let n = resnet.num_layers();
@@ -139,7 +107,7 @@ fn a_pretrained_body_takes_a_new_head_for_other_classes() {
     assert!((0.007..0.013).contains(&std), "head weight std {std}");
     assert!(vals(&params[1].1.value()).iter().all(|&b| b == 0.0));
     layers.push(head);
-    let r = read_all(&dir.join("reference.safetensors"));
+    let r = read_reference(&dir.join("reference.safetensors"));
     let x = Tensor::from_vec(r["images"].1.clone(), &r["images"].0, &cpu()).unwrap();
     let tape = Tape::new();
     let logits = forward_all(&layers, &tape.constant(x), &ForwardCtx::eval()).unwrap();

@@ -7,8 +7,6 @@
 
 mod common;
 
-use std::collections::HashMap;
-
 use common::*;
 use wgpipe_autograd::{ForwardCtx, Module, Tape, Var};
 use wgpipe_models::layers::*;
@@ -16,60 +14,15 @@ use wgpipe_models::models::{LlamaDecoderLayer, LlamaLayerConfig};
 use wgpipe_tensor::{DType, Device, Result, Tensor};
 
 /// The fixture's tensors as f32 values with their shapes.
-fn fixture() -> HashMap<String, (Vec<usize>, Vec<f32>)> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/hf_layers.safetensors"
-    );
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    file.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let values = match view.dtype() {
-                safetensors::Dtype::F64 => view
-                    .data()
-                    .chunks_exact(8)
-                    .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
-                    .collect(),
-                safetensors::Dtype::F32 => view
-                    .data()
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-                d => panic!("{name}: dtype {d:?}"),
-            };
-            (name, (view.shape().to_vec(), values))
-        })
-        .collect()
+fn fixture() -> Reference {
+    read_reference(&fixture_path("hf_layers.safetensors"))
 }
 
-fn tensor(f: &HashMap<String, (Vec<usize>, Vec<f32>)>, name: &str, dev: &Device) -> Tensor {
+fn tensor(f: &Reference, name: &str, dev: &Device) -> Tensor {
     let (shape, v) = f
         .get(name)
         .unwrap_or_else(|| panic!("no {name} in the fixture"));
     Tensor::from_vec(v.clone(), shape, dev).unwrap()
-}
-
-/// Largest |got - want| over the largest |want|.
-fn norm_err(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let diff = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (g - w).abs())
-        .fold(0.0, f32::max);
-    diff / want
-        .iter()
-        .map(|w| w.abs())
-        .fold(f32::MIN_POSITIVE, f32::max)
-}
-
-#[track_caller]
-fn assert_near(got: &[f32], want: &[f32], tol: f32, what: &str) {
-    let e = norm_err(got, want);
-    eprintln!("{what}: {e:.2e}");
-    assert!(e <= tol, "{what}: error {e:.2e} past {tol:.0e}");
 }
 
 const HIDDEN: usize = 16;
@@ -112,7 +65,7 @@ fn layer_config() -> LlamaLayerConfig {
 }
 
 /// Every parameter of `m` set from the fixture's `{prefix}.{name}`.
-fn load(m: &dyn Module, f: &HashMap<String, (Vec<usize>, Vec<f32>)>, prefix: &str, dev: &Device) {
+fn load(m: &dyn Module, f: &Reference, prefix: &str, dev: &Device) {
     for (name, p) in m.parameters() {
         p.set_value(tensor(f, &format!("{prefix}.{name}"), dev));
     }

@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use common::*;
@@ -14,58 +13,6 @@ use wgpipe_autograd::{sum_tied_grads, ForwardCtx, Tape};
 use wgpipe_models::hf::{load_gpt2, load_llama, save_gpt2, save_llama, SaveOptions};
 use wgpipe_models::{cross_entropy, forward_all, sequence_parameters, HfNames, LlamaConfig};
 use wgpipe_tensor::{Device, Tensor};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-/// A safetensors file's tensors as f32 values with their shapes.
-fn read_all(path: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    file.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let values = match view.dtype() {
-                safetensors::Dtype::F64 => view
-                    .data()
-                    .chunks_exact(8)
-                    .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
-                    .collect(),
-                safetensors::Dtype::F32 => view
-                    .data()
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-                d => panic!("{name}: dtype {d:?}"),
-            };
-            (name, (view.shape().to_vec(), values))
-        })
-        .collect()
-}
-
-/// Largest |got - want| over the largest |want|.
-fn norm_err(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let diff = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (g - w).abs())
-        .fold(0.0, f32::max);
-    diff / want
-        .iter()
-        .map(|w| w.abs())
-        .fold(f32::MIN_POSITIVE, f32::max)
-}
-
-#[track_caller]
-fn assert_near(got: &[f32], want: &[f32], tol: f32, what: &str) {
-    let e = norm_err(got, want);
-    eprintln!("{what}: {e:.2e}");
-    assert!(e <= tol, "{what}: error {e:.2e} past {tol:.0e}");
-}
 
 /// The whole model from `folder` (loaded by `load`), one forward and backward of the
 /// reference batch on `dev`: logits within 1e-5 of transformers' (largest error over largest
@@ -76,8 +23,8 @@ fn equals_transformers<M: HfNames>(
     dev: &Device,
     load: impl Fn(&Path, &Device) -> (M, Vec<Box<dyn wgpipe_autograd::Module>>),
 ) {
-    let dir = fixture(folder);
-    let r = read_all(&dir.join("reference.safetensors"));
+    let dir = fixture_path(folder);
+    let r = read_reference(&dir.join("reference.safetensors"));
     let (model, layers) = load(&dir, dev);
     let tensor = |name: &str| {
         let (shape, v) = &r[name];
@@ -169,7 +116,7 @@ fn a_llama_on_wgpu_equals_transformers() {
 /// equal the same layers of the whole model, and need no embedding or head tensors.
 #[test]
 fn a_range_of_layers_reads_its_own_tensors() {
-    let dir = fixture("llama_gqa");
+    let dir = fixture_path("llama_gqa");
     let (_, whole) = load_llama(&dir, 0..5, &cpu()).unwrap();
     let (_, part) = load_llama(&dir, 1..3, &cpu()).unwrap();
     let names = |ls: &[Box<dyn wgpipe_autograd::Module>]| {
@@ -252,7 +199,7 @@ fn folder_with(test: &str, file: &str, bytes: Vec<u8>) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::copy(
-        fixture("llama_tied").join("config.json"),
+        fixture_path("llama_tied").join("config.json"),
         dir.join("config.json"),
     )
     .unwrap();
@@ -263,7 +210,7 @@ fn folder_with(test: &str, file: &str, bytes: Vec<u8>) -> PathBuf {
 /// The tied fixture's tensors, edited by `edit`, as safetensors bytes.
 fn edited_checkpoint(edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<f32>)>)) -> Vec<u8> {
     let mut all: Vec<(String, Vec<usize>, Vec<f32>)> =
-        read_all(&fixture("llama_tied").join("model.safetensors"))
+        read_reference(&fixture_path("llama_tied").join("model.safetensors"))
             .into_iter()
             .map(|(n, (s, v))| (n, s, v))
             .collect();
@@ -386,8 +333,8 @@ fn folder_bits(dir: &Path) -> Vec<(String, Vec<u32>)> {
 #[test]
 fn a_trained_llama_saves_back_and_loads_bit_identically() {
     use wgpipe_autograd::optim::{Optimizer, Sgd};
-    let dir = fixture("llama_gqa");
-    let r = read_all(&dir.join("reference.safetensors"));
+    let dir = fixture_path("llama_gqa");
+    let r = read_reference(&dir.join("reference.safetensors"));
     let (llama, layers) = load_llama(&dir, 0..5, &cpu()).unwrap();
     let tensor = |name: &str| Tensor::from_vec(r[name].1.clone(), &r[name].0, &cpu()).unwrap();
     let tape = Tape::new();
@@ -473,7 +420,7 @@ fn transformers_loads_saved_models_and_agrees() {
         return;
     }
     for folder in ["llama_gqa", "llama_tied", "gpt2"] {
-        let src = fixture(folder);
+        let src = fixture_path(folder);
         let out = temp_dir(&format!("torch-{folder}"));
         let layers = if folder == "gpt2" {
             let (model, layers) = gpt2(&src, &cpu());
@@ -505,7 +452,7 @@ fn transformers_loads_saved_models_and_agrees() {
             .unwrap();
             layers
         };
-        let ids: Vec<f32> = read_all(&src.join("reference.safetensors"))["input_ids"]
+        let ids: Vec<f32> = read_reference(&src.join("reference.safetensors"))["input_ids"]
             .1
             .clone();
         let t = ids.len() / 2;

@@ -98,3 +98,60 @@ pub fn grouped_strided_conv(kernel: (usize, usize), seed: u64) -> Conv2d {
     };
     Conv2d::with_params(4, 6, kernel, p, true, seed, &cpu()).unwrap()
 }
+
+/// The tensors of a reference safetensors file (f64 or f32) as f32 values with their shapes,
+/// by name.
+pub type Reference = std::collections::HashMap<String, (Vec<usize>, Vec<f32>)>;
+
+pub fn read_reference(path: &std::path::Path) -> Reference {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = match view.dtype() {
+                safetensors::Dtype::F64 => view
+                    .data()
+                    .chunks_exact(8)
+                    .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
+                    .collect(),
+                safetensors::Dtype::F32 => view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect(),
+                d => panic!("{name}: dtype {d:?}"),
+            };
+            (name, (view.shape().to_vec(), values))
+        })
+        .collect()
+}
+
+/// The folder or file `name` under `tests/fixtures`.
+pub fn fixture_path(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+/// Largest |got - want| over the largest |want|: a norm-wise relative error.
+pub fn norm_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let diff = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0.0, f32::max);
+    diff / want
+        .iter()
+        .map(|w| w.abs())
+        .fold(f32::MIN_POSITIVE, f32::max)
+}
+
+/// [`norm_err`] at most `tol`; the error is printed (`--nocapture` shows every figure).
+#[track_caller]
+pub fn assert_near(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    let e = norm_err(got, want);
+    eprintln!("{what}: {e:.2e}");
+    assert!(e <= tol, "{what}: error {e:.2e} past {tol:.0e}");
+}
