@@ -125,9 +125,7 @@ impl Kernels for CpuKernels {
     }
 
     fn bias_act(&self, op: UnaryOp, z: &RawTensor, b: &RawTensor) -> Result<RawTensor> {
-        let mut out = Out::for_overwrite(z.memory(), z.numel())?;
-        bias_act::bias_act(op, &mut out.data, &contig(z), &contig(b), None);
-        Ok(out.into_raw(z.shape(), z.memory()))
+        bias_act::forward(op, z, b)
     }
 
     fn bias_act_grad(
@@ -137,10 +135,7 @@ impl Kernels for CpuKernels {
         b: &RawTensor,
         g: &RawTensor,
     ) -> Result<RawTensor> {
-        let mut out = Out::for_overwrite(z.memory(), z.numel())?;
-        let g = contig(g);
-        bias_act::bias_act(op, &mut out.data, &contig(z), &contig(b), Some(&g));
-        Ok(out.into_raw(z.shape(), z.memory()))
+        bias_act::backward(op, z, b, g)
     }
 
     fn sum_leading(&self, x: &RawTensor, width: usize) -> Option<Result<RawTensor>> {

@@ -253,26 +253,6 @@ pub(crate) fn unary_grad<T: UnaryOpT>(o: &mut [f32], x: &[f32], g: &[f32], s: [f
 }
 }
 
-multiversion! {
-/// `o[i] = T(z[i] + b[i])`, the op inlined into the loop (as [`unary_grad`]).
-pub(crate) fn bias_act<T: UnaryOpT>(o: &mut [f32], z: &[f32], b: &[f32], s: [f32; 2]) {
-    by_runs::<T>(o, z, Some(b), None, s)
-}
-}
-
-multiversion! {
-/// `o[i] = g[i] * T'(z[i] + b[i])`, the derivative inlined into the loop.
-pub(crate) fn bias_act_grad<T: UnaryOpT>(
-    o: &mut [f32],
-    z: &[f32],
-    b: &[f32],
-    g: &[f32],
-    s: [f32; 2],
-) {
-    by_runs::<T>(o, z, Some(b), Some(g), s)
-}
-}
-
 /// Values in a run that [`by_runs`] tests for an op's near form: two AVX2 registers, one
 /// AVX-512 one. (Longer runs fall outside more often: with the values of a standard normal,
 /// a run of 16 lies inside the GELUs' `|x| <= 2` 47% of the time, one of 64 5%.)
@@ -284,7 +264,7 @@ const RUN: usize = 16;
 /// the result does not depend on where runs start or on the build. Inlined into each loop
 /// above, where the `Option`s are constants.
 #[inline(always)]
-fn by_runs<T: UnaryOpT>(
+pub(crate) fn by_runs<T: UnaryOpT>(
     o: &mut [f32],
     x: &[f32],
     b: Option<&[f32]>,
