@@ -40,8 +40,36 @@ pub fn kaiming_uniform_bound(fan_in: usize) -> f32 {
     1.0 / (fan_in.max(1) as f32).sqrt()
 }
 
+std::thread_local! {
+    /// Set while [`without_random_init`] runs on this thread.
+    static SKIPPED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `build` with every random draw of this module ([`uniform`], [`normal`] and what calls
+/// them) giving zeros instead: for layers whose values are overwritten right after (by a
+/// checkpoint's), as transformers' `no_init_weights`. Zeros cost no time, and on the host no
+/// memory until written (the allocator hands out zeroed pages untouched), so loading a model
+/// neither draws its random values nor holds them. Only this thread's builds are affected.
+pub fn without_random_init<R>(build: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SKIPPED.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SKIPPED.with(|s| s.replace(true)));
+    build()
+}
+
+fn random_init_skipped() -> bool {
+    SKIPPED.with(|s| s.get())
+}
+
 /// `U(-bound, bound)`.
 pub fn uniform(shape: &[usize], bound: f32, seed: u64, dev: &Device) -> Result<Tensor> {
+    if random_init_skipped() {
+        return Tensor::zeros(shape, dev);
+    }
     Tensor::rand_uniform(shape, -bound, bound, seed, dev)
 }
 
@@ -52,5 +80,47 @@ pub fn kaiming_uniform(shape: &[usize], fan_in: usize, seed: u64, dev: &Device) 
 
 /// `N(mean, std)` (nn.Embedding's default is `N(0, 1)`).
 pub fn normal(shape: &[usize], mean: f32, std: f32, seed: u64, dev: &Device) -> Result<Tensor> {
+    if random_init_skipped() {
+        return Tensor::zeros(shape, dev);
+    }
     Tensor::rand_normal(shape, mean, std, seed, dev)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_zero(t: &Tensor) -> bool {
+        t.to_vec().unwrap().iter().all(|&v| v == 0.0)
+    }
+
+    #[test]
+    fn without_random_init_gives_zeros_on_its_thread_only_and_restores() {
+        let dev = Device::cpu();
+        let drawn = || normal(&[64], 0.0, 1.0, 7, &dev).unwrap();
+        assert!(!all_zero(&drawn()));
+        let (inside, nested, after_nested, other_thread) = without_random_init(|| {
+            let inside = drawn();
+            let nested = without_random_init(drawn);
+            let after_nested = uniform(&[64], 1.0, 7, &dev).unwrap();
+            let other_thread = std::thread::scope(|s| s.spawn(drawn).join().unwrap());
+            (inside, nested, after_nested, other_thread)
+        });
+        assert!(all_zero(&inside) && all_zero(&nested) && all_zero(&after_nested));
+        assert!(
+            !all_zero(&other_thread),
+            "another thread's init is not affected"
+        );
+        assert_eq!(
+            drawn().to_vec().unwrap(),
+            normal(&[64], 0.0, 1.0, 7, &dev).unwrap().to_vec().unwrap()
+        );
+        assert!(!all_zero(&drawn()), "random init is back after the scope");
+        let panicked = std::panic::catch_unwind(|| without_random_init(|| panic!("build failed")));
+        assert!(panicked.is_err());
+        assert!(
+            !all_zero(&drawn()),
+            "a panicking build restores random init too"
+        );
+    }
 }

@@ -10,8 +10,11 @@ use std::path::{Path, PathBuf};
 
 use common::*;
 use wgpipe_autograd::{sum_tied_grads, ForwardCtx, Tape};
-use wgpipe_models::hf::{load_gpt2, load_llama, save_gpt2, save_llama, SaveOptions};
+use wgpipe_models::hf::{
+    load_gpt2, load_llama, save_hf, save_shard, write_index, HfCheckpoint, HfFolder, SaveOptions,
+};
 use wgpipe_models::{cross_entropy, forward_all, sequence_parameters, HfNames, LlamaConfig};
+use wgpipe_tensor::DType;
 use wgpipe_tensor::{Device, Tensor};
 
 /// The whole model from `folder` (loaded by `load`), one forward and backward of the
@@ -363,7 +366,7 @@ fn a_trained_llama_saves_back_and_loads_bit_identically() {
     };
 
     let one = temp_dir("one");
-    save_llama(&one, &llama, &params, SaveOptions::default()).unwrap();
+    save_hf(&one, &llama, &params, SaveOptions::default()).unwrap();
     assert!(one.join("model.safetensors").exists());
     assert_eq!(folder_bits(&one), trained, "one file");
 
@@ -372,7 +375,7 @@ fn a_trained_llama_saves_back_and_loads_bit_identically() {
         max_shard_bytes: Some(4096),
         ..SaveOptions::default()
     };
-    save_llama(&sharded, &llama, &params, options).unwrap();
+    save_hf(&sharded, &llama, &params, options).unwrap();
     assert!(sharded.join("model.safetensors.index.json").exists());
     let shards = std::fs::read_dir(&sharded)
         .unwrap()
@@ -392,7 +395,7 @@ fn a_trained_llama_saves_back_and_loads_bit_identically() {
         dtype: wgpipe_tensor::DType::BF16,
         ..SaveOptions::default()
     };
-    save_llama(&bf16, &llama, &params, options).unwrap();
+    save_hf(&bf16, &llama, &params, options).unwrap();
     let rounded: Vec<(String, Vec<u32>)> = trained
         .iter()
         .map(|(n, bits)| {
@@ -405,7 +408,81 @@ fn a_trained_llama_saves_back_and_loads_bit_identically() {
     assert_eq!(folder_bits(&bf16), rounded, "bf16");
 }
 
-/// The saved folders (two Llamas, a GPT-2), read by transformers' `from_pretrained`, give the
+/// `params` of a layer sequence written as a pipeline's stages write them, one shard per
+/// stage of `balance`, then the index.
+fn save_by_stage<M: HfFolder>(
+    dir: &Path,
+    model: &M,
+    layers: &[Box<dyn wgpipe_autograd::Module>],
+    balance: &[usize],
+) {
+    let mut first = 0;
+    for (shard, &n) in balance.iter().enumerate() {
+        let params = sequence_parameters(&layers[first..first + n])
+            .into_iter()
+            .map(|(name, p)| {
+                let (l, rest) = name.split_once('.').unwrap();
+                (format!("{}.{rest}", first + l.parse::<usize>().unwrap()), p)
+            })
+            .collect::<Vec<_>>();
+        save_shard(dir, model, &params, shard, balance.len(), DType::F32).unwrap();
+        first += n;
+    }
+    write_index(dir, model, balance.len(), DType::F32).unwrap();
+}
+
+/// A tied Llama saved stage by stage (as each rank under MPI writes its own): the tied head's
+/// table is written once, by the first stage; the folder loads back to the bits of the
+/// one-file save; before the index is written it does not load at all.
+#[test]
+fn a_llama_saved_stage_by_stage_loads_like_one_file() {
+    let dir = fixture_path("llama_tied");
+    let (llama, layers) = load_llama(&dir, 0..4, &cpu()).unwrap();
+    let whole = temp_dir("by-stage-whole");
+    save_hf(
+        &whole,
+        &llama,
+        &sequence_parameters(&layers),
+        SaveOptions::default(),
+    )
+    .unwrap();
+    let by_stage = temp_dir("by-stage");
+    let params = sequence_parameters(&layers[..2]);
+    save_shard(&by_stage, &llama, &params, 0, 2, DType::F32).unwrap();
+    let e = HfCheckpoint::open(&by_stage).err().unwrap().to_string();
+    assert!(e.contains("has neither model.safetensors"), "{e}");
+    save_by_stage(&by_stage, &llama, &layers, &[2, 2]);
+    let names = |d: &Path| HfCheckpoint::open(d).unwrap().names();
+    assert_eq!(names(&by_stage), names(&whole));
+    assert!(!names(&by_stage).contains(&"lm_head.weight".to_string()));
+    let second = wgpipe_models::hf::shard_file(1, 2);
+    let in_second = HfCheckpoint::open_file(&by_stage.join(&second))
+        .unwrap()
+        .names();
+    assert_eq!(
+        in_second,
+        ["model.norm.weight"],
+        "the head's table stays in shard 1"
+    );
+    let bits = |d: &Path| {
+        let (_, ls) = load_llama(d, 0..4, &cpu()).unwrap();
+        sequence_parameters(&ls)
+            .iter()
+            .map(|(n, p)| {
+                (
+                    n.clone(),
+                    vals(&p.value())
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(bits(&by_stage), bits(&whole));
+}
+
+/// The saved folders (two Llamas, a GPT-2, and the tied Llama written stage by stage), read by transformers' `from_pretrained`, give the
 /// logits wgpipe gives.
 /// Needs a Python with torch and transformers (`WGPIPE_PYTHON`, else `python3`); skipped,
 /// saying so, where there is none.
@@ -419,12 +496,16 @@ fn transformers_loads_saved_models_and_agrees() {
         eprintln!("SKIPPED: {python} cannot import torch and transformers (set WGPIPE_PYTHON)");
         return;
     }
-    for folder in ["llama_gqa", "llama_tied", "gpt2"] {
-        let src = fixture_path(folder);
-        let out = temp_dir(&format!("torch-{folder}"));
-        let layers = if folder == "gpt2" {
+    for folder in ["llama_gqa", "llama_tied", "gpt2", "llama_tied by stage"] {
+        let src = fixture_path(folder.trim_end_matches(" by stage"));
+        let out = temp_dir(&format!("torch-{}", folder.replace(' ', "-")));
+        let layers = if folder.ends_with("by stage") {
+            let (model, layers) = llama(&src, &cpu());
+            save_by_stage(&out, &model, &layers, &[1, 2, 1]);
+            layers
+        } else if folder == "gpt2" {
             let (model, layers) = gpt2(&src, &cpu());
-            save_gpt2(
+            save_hf(
                 &out,
                 &model,
                 &sequence_parameters(&layers),
@@ -443,7 +524,7 @@ fn transformers_loads_saved_models_and_agrees() {
             layers
         } else {
             let (model, layers) = llama(&src, &cpu());
-            save_llama(
+            save_hf(
                 &out,
                 &model,
                 &sequence_parameters(&layers),

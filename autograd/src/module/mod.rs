@@ -339,6 +339,13 @@ pub trait ModelFactory: Send + Sync {
     fn num_layers(&self) -> usize;
     /// Layers `range` of the model (indices into the whole model), in order.
     fn build_range(&self, range: std::ops::Range<usize>) -> Result<Vec<Box<dyn Module>>>;
+    /// Layers `range` built only to be described (their names, shapes, skips and costs; a
+    /// pipeline builds every layer of the model once so, on every rank): their values are
+    /// never read, so a factory may skip making them, as a checkpoint's does not read its
+    /// tensors. The layers must be those of [`ModelFactory::build_range`] in all but values.
+    fn describe_range(&self, range: std::ops::Range<usize>) -> Result<Vec<Box<dyn Module>>> {
+        self.build_range(range)
+    }
 }
 
 /// What a layer pops (extra inputs, in this order in `forward_skips`' `popped`) and stashes

@@ -145,27 +145,46 @@ impl HfCheckpoint {
                 ),
             ));
         }
-        let mut bytes = vec![0u8; e.len as usize];
-        let mut f = File::open(&e.file).map_err(|err| bad(&e.file, err))?;
-        f.seek(SeekFrom::Start(e.start))
-            .and_then(|_| f.read_exact(&mut bytes))
-            .map_err(|err| bad(&e.file, format!("reading {name}: {err}")))?;
-        let values: Vec<f32> = match e.dtype {
-            StoredDType::F32 => bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            StoredDType::F16 => bytes
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            StoredDType::BF16 => bytes
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-        };
+        let values =
+            read_values(e).map_err(|err| bad(&e.file, format!("reading {name}: {err}")))?;
         Tensor::from_vec(values, shape, dev)
     }
+}
+
+/// The values of `e` as f32, read from its file in blocks of 1 MiB converted as they come:
+/// the tensor's f32 values are the only allocation the size of the tensor (a 131 MB bf16
+/// table would otherwise be read whole beside its 262 MB of f32).
+fn read_values(e: &Entry) -> std::io::Result<Vec<f32>> {
+    const BLOCK: usize = 1 << 20;
+    let size = e.dtype.size() as usize;
+    let mut f = File::open(&e.file)?;
+    f.seek(SeekFrom::Start(e.start))?;
+    let mut values = Vec::with_capacity(e.len as usize / size);
+    let mut block = vec![0u8; BLOCK.min(e.len as usize)];
+    let mut left = e.len as usize;
+    while left > 0 {
+        let bytes = &mut block[..BLOCK.min(left)];
+        f.read_exact(bytes)?;
+        match e.dtype {
+            StoredDType::F32 => values.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            ),
+            StoredDType::F16 => values.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
+            ),
+            StoredDType::BF16 => values.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+            ),
+        }
+        left -= bytes.len();
+    }
+    Ok(values)
 }
 
 /// The shard files an index names, each once, each inside `dir`.
@@ -201,6 +220,14 @@ fn shards(index: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
 /// Every tensor of a safetensors file, from its header: an 8-byte little-endian length, then
 /// that many bytes of JSON (`{name: {dtype, shape, data_offsets}, "__metadata__": ..}`); the
 /// offsets count from the end of the header and must lie inside the file.
+/// The tensors of one safetensors file and their sizes in bytes, from its header alone.
+pub(crate) fn tensor_sizes(file: &Path) -> Result<Vec<(String, usize)>> {
+    Ok(header(file)?
+        .into_iter()
+        .map(|(name, e)| (name, e.len as usize))
+        .collect())
+}
+
 fn header(file: &Path) -> Result<Vec<(String, Entry)>> {
     let mut f = File::open(file).map_err(|e| bad(file, e))?;
     let file_len = f.metadata().map_err(|e| bad(file, e))?.len();

@@ -1,17 +1,19 @@
 //! Hugging Face checkpoint folders: reading their tensors ([`HfCheckpoint`]), building a model's
 //! layers from them under the names transformers writes ([`load_llama`], [`load_gpt2`]), and
-//! writing them back ([`save_llama`], [`save_gpt2`]).
+//! writing them back ([`save_hf`]; one stage's part at a time: [`save_shard`], [`write_index`]).
 
 pub mod checkpoint;
 pub mod save;
 
 pub use checkpoint::HfCheckpoint;
-pub use save::{save_gpt2, save_llama, SaveOptions};
+pub use save::{save_hf, save_shard, shard_file, write_index, HfFolder, SaveOptions};
 
+use std::collections::HashSet;
 use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 
-use wgpipe_autograd::Module;
+use wgpipe_autograd::{ModelFactory, Module};
 use wgpipe_tensor::{Device, Error, Result};
 
 use crate::models::{Gpt2, Gpt2Config, HfNames, Llama, LlamaConfig};
@@ -67,7 +69,7 @@ pub fn load_gpt2(
 /// back where the checkpoint stores it so), so a pipeline stage reads its own layers only. When
 /// `range` is the whole model, a tensor of the checkpoint that no layer took (and that the model
 /// does not call ignorable) is an error listing them: a checkpoint of another model, or a
-/// renamed one.
+/// renamed one ([`check_all_taken`] makes that check for a model loaded in parts).
 pub fn load_layers<M: HfNames>(
     model: &M,
     checkpoint: &HfCheckpoint,
@@ -76,8 +78,9 @@ pub fn load_layers<M: HfNames>(
 ) -> Result<Vec<Box<dyn Module>>> {
     let whole = range == (0..model.num_layers());
     let first = range.start;
-    let layers = model.build_range(0, range, dev)?;
-    let mut taken = std::collections::HashSet::new();
+    // Built with zeros, not random values: every parameter is read from the checkpoint next.
+    let layers = crate::init::without_random_init(|| model.build_range(0, range, dev))?;
+    let mut taken = HashSet::new();
     for (k, layer) in layers.iter().enumerate() {
         let i = first + k;
         for (name, p) in layer.parameters().into_iter().chain(layer.buffers()) {
@@ -98,21 +101,84 @@ pub fn load_layers<M: HfNames>(
         }
     }
     if whole {
-        let unused: Vec<String> = checkpoint
-            .names()
-            .into_iter()
-            .filter(|n| !taken.contains(n) && !model.ignorable(n))
-            .collect();
-        if !unused.is_empty() {
-            return Err(Error::Invalid {
-                op: "load",
-                msg: format!(
-                    "{}: tensors no layer of the model takes: {}",
-                    checkpoint.dir().display(),
-                    unused.join(", ")
-                ),
-            });
-        }
+        refuse_untaken(model, checkpoint, &taken)?;
     }
     Ok(layers)
+}
+
+/// Fails unless every tensor of `checkpoint` is one that some layer of `model` takes (or one
+/// the model calls ignorable), without reading any tensor: the check [`load_layers`] makes
+/// for a whole model, for a model whose stages load their own layers (each rank of an MPI job
+/// calls it once). Each layer is built alone on the host with zeros and dropped, so this
+/// costs about one layer's memory, and no time drawing values.
+pub fn check_all_taken<M: HfNames>(model: &M, checkpoint: &HfCheckpoint) -> Result<()> {
+    let mut taken = HashSet::new();
+    for i in 0..model.num_layers() {
+        let layer =
+            crate::init::without_random_init(|| model.build_range(0, i..i + 1, &Device::cpu()))?;
+        for (name, _) in layer[0].parameters().into_iter().chain(layer[0].buffers()) {
+            taken.insert(model.checkpoint_key(i, &name).0);
+        }
+    }
+    refuse_untaken(model, checkpoint, &taken)
+}
+
+fn refuse_untaken<M: HfNames>(
+    model: &M,
+    checkpoint: &HfCheckpoint,
+    taken: &HashSet<String>,
+) -> Result<()> {
+    let unused: Vec<String> = checkpoint
+        .names()
+        .into_iter()
+        .filter(|n| !taken.contains(n) && !model.ignorable(n))
+        .collect();
+    if unused.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Invalid {
+        op: "load",
+        msg: format!(
+            "{}: tensors no layer of the model takes: {}",
+            checkpoint.dir().display(),
+            unused.join(", ")
+        ),
+    })
+}
+
+/// A [`ModelFactory`] whose layers are read from `checkpoint` ([`load_layers`] of the range
+/// asked for), for `Pipeline::builder_from`: under MPI each rank then reads only the tensors
+/// of the stages it holds (and, once, builds each other layer alone with zeros to describe
+/// it). The checkpoint is checked whole first ([`check_all_taken`]).
+pub fn checkpoint_factory<M: HfNames>(
+    model: &M,
+    checkpoint: Arc<HfCheckpoint>,
+    dev: &Device,
+) -> Result<Arc<dyn ModelFactory>> {
+    check_all_taken(model, &checkpoint)?;
+    Ok(Arc::new(CheckpointFactory {
+        model: model.clone(),
+        checkpoint,
+        device: dev.clone(),
+    }))
+}
+
+/// [`checkpoint_factory`].
+struct CheckpointFactory<M> {
+    model: M,
+    checkpoint: Arc<HfCheckpoint>,
+    device: Device,
+}
+
+impl<M: HfNames> ModelFactory for CheckpointFactory<M> {
+    fn num_layers(&self) -> usize {
+        self.model.num_layers()
+    }
+    fn build_range(&self, range: Range<usize>) -> Result<Vec<Box<dyn Module>>> {
+        load_layers(&self.model, &self.checkpoint, range, &self.device)
+    }
+    /// Zeros, untouched: no tensor is read, and on the host no memory is used.
+    fn describe_range(&self, range: Range<usize>) -> Result<Vec<Box<dyn Module>>> {
+        crate::init::without_random_init(|| self.model.build_range(0, range, &self.device))
+    }
 }

@@ -7,8 +7,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use safetensors::tensor::TensorView;
-use safetensors::Dtype;
+use std::io::Write;
+
 use serde_json::{json, Value};
 use wgpipe_autograd::Param;
 use wgpipe_tensor::{DType, Error, Result};
@@ -16,7 +16,7 @@ use wgpipe_tensor::{DType, Error, Result};
 use crate::layers::RopeScaling;
 use crate::models::{Gpt2, Gpt2Config, HfNames, Llama, LlamaConfig};
 
-/// How [`save_llama`] writes the tensors.
+/// How [`save_hf`] writes the tensors.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SaveOptions {
     /// The dtype of the stored tensors (f32, or f16/bf16 rounded to nearest even).
@@ -37,88 +37,53 @@ impl Default for SaveOptions {
 
 fn io(path: &Path, e: impl std::fmt::Display) -> Error {
     Error::Invalid {
-        op: "save_llama",
+        op: "save_hf",
         msg: format!("{}: {e}", path.display()),
     }
 }
 
+/// A model written back as a Hugging Face folder: its `config.json`, and the form its names
+/// take there.
+pub trait HfFolder: HfNames {
+    /// The model as it is saved (GPT-2 as `GPT2LMHeadModel`, its names under `transformer.`).
+    fn as_saved(&self) -> Self;
+    /// `config.json` as transformers writes it, for tensors stored as `dtype`.
+    fn config_json(&self, dtype: DType) -> Value;
+}
+
+impl HfFolder for Llama {
+    fn as_saved(&self) -> Self {
+        self.clone()
+    }
+    fn config_json(&self, dtype: DType) -> Value {
+        llama_config_json(&self.config, dtype)
+    }
+}
+
+impl HfFolder for Gpt2 {
+    fn as_saved(&self) -> Self {
+        Gpt2 {
+            prefix: "transformer.".into(),
+            ..self.clone()
+        }
+    }
+    fn config_json(&self, dtype: DType) -> Value {
+        gpt2_config_json(&self.config, dtype)
+    }
+}
+
 /// Writes `params` (named `{layer}.{name}`, as a layer sequence or a pipeline names them) of
-/// `llama` into folder `dir` (made if absent).
-pub fn save_llama(
-    dir: &Path,
-    llama: &Llama,
-    params: &[(String, Param)],
-    options: SaveOptions,
-) -> Result<()> {
-    save(
-        dir,
-        llama,
-        params,
-        options,
-        &llama_config_json(&llama.config, options.dtype),
-    )
-}
-
-/// [`save_llama`] for GPT-2 (written as `GPT2LMHeadModel`, its names under `transformer.`).
-pub fn save_gpt2(
-    dir: &Path,
-    gpt2: &Gpt2,
-    params: &[(String, Param)],
-    options: SaveOptions,
-) -> Result<()> {
-    let as_lm_head_model = Gpt2 {
-        prefix: "transformer.".into(),
-        ..gpt2.clone()
-    };
-    save(
-        dir,
-        &as_lm_head_model,
-        params,
-        options,
-        &gpt2_config_json(&gpt2.config, options.dtype),
-    )
-}
-
-/// The tensors of `params` under `model`'s checkpoint keys, then `config`.
-fn save<M: HfNames>(
+/// `model` into folder `dir` (made if absent): one file, or shards with an index past
+/// `options.max_shard_bytes`, then `config.json`.
+pub fn save_hf<M: HfFolder>(
     dir: &Path,
     model: &M,
     params: &[(String, Param)],
     options: SaveOptions,
-    config: &Value,
 ) -> Result<()> {
+    let model = model.as_saved();
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-    // By checkpoint key: a tied head is the table again, written once.
-    let mut tensors: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
-    for (name, p) in params {
-        let (layer, rest) = name
-            .split_once('.')
-            .and_then(|(l, r)| Some((l.parse::<usize>().ok()?, r)))
-            .ok_or_else(|| {
-                io(
-                    dir,
-                    format!("parameter {name} is not named {{layer}}.{{name}}"),
-                )
-            })?;
-        let (key, transposed) = model.checkpoint_key(layer, rest);
-        if tensors.contains_key(&key) {
-            continue;
-        }
-        let mut value = p.value();
-        if transposed {
-            value = value.t()?.contiguous()?;
-        }
-        let values = value.to_vec()?;
-        tensors.insert(
-            key,
-            (value.shape().to_vec(), encode(&values, options.dtype)),
-        );
-    }
-    let dtype = match options.dtype {
-        DType::F32 => Dtype::F32,
-        DType::F16 => Dtype::F16,
-        DType::BF16 => Dtype::BF16,
-    };
+    let tensors = by_key(dir, &model, params, options.dtype)?;
     let shards = split(&tensors, options.max_shard_bytes);
     let count = shards.len();
     let mut weight_map = serde_json::Map::new();
@@ -126,30 +91,200 @@ fn save<M: HfNames>(
         let file = if count == 1 {
             "model.safetensors".to_string()
         } else {
-            format!("model-{:05}-of-{count:05}.safetensors", i + 1)
+            shard_file(i, count)
         };
-        let views = names
-            .iter()
-            .map(|n| {
-                let (shape, bytes) = &tensors[n];
-                TensorView::new(dtype, shape.clone(), bytes)
-                    .map(|v| (n.clone(), v))
-                    .map_err(|e| io(dir, format!("{n}: {e}")))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-        let path = dir.join(&file);
-        safetensors::serialize_to_file(views, Some(metadata), &path).map_err(|e| io(&path, e))?;
+        write_file(&dir.join(&file), names, &tensors, options.dtype)?;
         for n in names {
             weight_map.insert(n.clone(), Value::String(file.clone()));
         }
     }
     if count > 1 {
-        let total: usize = tensors.values().map(|(_, b)| b.len()).sum();
-        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-        write_json(&dir.join("model.safetensors.index.json"), &index)?;
+        let total: usize = tensors.values().map(|t| t.bytes).sum();
+        write_index_json(dir, weight_map, total)?;
     }
-    write_json(&dir.join("config.json"), config)
+    write_json(&dir.join("config.json"), &model.config_json(options.dtype))
+}
+
+/// The file name of shard `shard` (from 0) of `shards`, as transformers names them
+/// (`model-00001-of-00004.safetensors`).
+pub fn shard_file(shard: usize, shards: usize) -> String {
+    format!("model-{:05}-of-{shards:05}.safetensors", shard + 1)
+}
+
+/// Writes shard `shard` of `shards` of a folder that several writers fill, each its own part
+/// of the model (a pipeline's device, a rank under MPI): `params`, but for tied copies, whose
+/// table another shard writes. Once every shard is written, [`write_index`] completes the
+/// folder; until then it does not load.
+pub fn save_shard<M: HfFolder>(
+    dir: &Path,
+    model: &M,
+    params: &[(String, Param)],
+    shard: usize,
+    shards: usize,
+    dtype: DType,
+) -> Result<()> {
+    let model = model.as_saved();
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let own: Vec<(String, Param)> = params
+        .iter()
+        .filter(|(name, _)| match split_name(dir, name) {
+            Ok((layer, rest)) => !model.is_tied_copy(layer, rest),
+            Err(_) => true, // refused with its name by by_key
+        })
+        .cloned()
+        .collect();
+    let tensors = by_key(dir, &model, &own, dtype)?;
+    let names: Vec<String> = tensors.keys().cloned().collect();
+    write_file(
+        &dir.join(shard_file(shard, shards)),
+        &names,
+        &tensors,
+        dtype,
+    )
+}
+
+/// Completes a folder whose `shards` shards [`save_shard`] wrote: the index, built from the
+/// shards' own headers (every tensor in exactly one shard), and `config.json`.
+pub fn write_index<M: HfFolder>(dir: &Path, model: &M, shards: usize, dtype: DType) -> Result<()> {
+    let mut weight_map = serde_json::Map::new();
+    let mut total = 0;
+    for shard in 0..shards {
+        let file = shard_file(shard, shards);
+        for (name, bytes) in super::checkpoint::tensor_sizes(&dir.join(&file))? {
+            if let Some(first) = weight_map.insert(name.clone(), Value::String(file.clone())) {
+                return Err(io(
+                    dir,
+                    format!("tensor {name} is in both {first} and {file}"),
+                ));
+            }
+            total += bytes;
+        }
+    }
+    write_index_json(dir, weight_map, total)?;
+    write_json(
+        &dir.join("config.json"),
+        &model.as_saved().config_json(dtype),
+    )
+}
+
+fn write_index_json(
+    dir: &Path,
+    weight_map: serde_json::Map<String, Value>,
+    total: usize,
+) -> Result<()> {
+    let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+    write_json(&dir.join("model.safetensors.index.json"), &index)
+}
+
+/// `{layer}.{name}` split.
+fn split_name<'a>(dir: &Path, name: &'a str) -> Result<(usize, &'a str)> {
+    name.split_once('.')
+        .and_then(|(l, r)| Some((l.parse::<usize>().ok()?, r)))
+        .ok_or_else(|| {
+            io(
+                dir,
+                format!("parameter {name} is not named {{layer}}.{{name}}"),
+            )
+        })
+}
+
+/// A tensor to write: the parameter, whether the checkpoint stores it transposed, its shape
+/// as stored and its size in bytes once encoded.
+struct ToWrite {
+    param: Param,
+    transposed: bool,
+    shape: Vec<usize>,
+    bytes: usize,
+}
+
+/// The tensors of `params` by `model`'s checkpoint keys, in key order (a key met twice, a
+/// tied head, is kept once); nothing is read or encoded yet.
+fn by_key<M: HfNames>(
+    dir: &Path,
+    model: &M,
+    params: &[(String, Param)],
+    dtype: DType,
+) -> Result<BTreeMap<String, ToWrite>> {
+    let mut tensors = BTreeMap::new();
+    for (name, p) in params {
+        let (layer, rest) = split_name(dir, name)?;
+        let (key, transposed) = model.checkpoint_key(layer, rest);
+        let mut shape = p.shape();
+        if transposed {
+            shape.reverse();
+        }
+        let bytes = shape.iter().product::<usize>() * dtype.size_of();
+        tensors.entry(key).or_insert(ToWrite {
+            param: p.clone(),
+            transposed,
+            shape,
+            bytes,
+        });
+    }
+    Ok(tensors)
+}
+
+/// Values read and encoded at a time by [`write_file`] (4 MiB of f32).
+const BLOCK_VALUES: usize = 1 << 20;
+
+/// One safetensors file of the tensors `names`, streamed: the header first (from the shapes),
+/// then each tensor read, encoded and written in turn, so that writing a stage's shard holds
+/// one tensor's bytes at a time, not the shard's.
+fn write_file(
+    path: &Path,
+    names: &[String],
+    tensors: &BTreeMap<String, ToWrite>,
+    dtype: DType,
+) -> Result<()> {
+    let stored = match dtype {
+        DType::F32 => "F32",
+        DType::F16 => "F16",
+        DType::BF16 => "BF16",
+    };
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), json!({"format": "pt"}));
+    let mut offset = 0;
+    for n in names {
+        let t = &tensors[n];
+        header.insert(
+            n.clone(),
+            json!({"dtype": stored, "shape": t.shape, "data_offsets": [offset, offset + t.bytes]}),
+        );
+        offset += t.bytes;
+    }
+    let mut text = serde_json::to_string(&Value::Object(header)).map_err(|e| io(path, e))?;
+    // The data starts 8-byte aligned, as the format's own writer pads it.
+    while !text.len().is_multiple_of(8) {
+        text.push(' ');
+    }
+    let file = std::fs::File::create(path).map_err(|e| io(path, e))?;
+    let mut out = std::io::BufWriter::new(file);
+    let write = |out: &mut std::io::BufWriter<std::fs::File>, bytes: &[u8]| {
+        out.write_all(bytes).map_err(|e| io(path, e))
+    };
+    write(&mut out, &(text.len() as u64).to_le_bytes())?;
+    write(&mut out, text.as_bytes())?;
+    for n in names {
+        let t = &tensors[n];
+        let mut value = t.param.value();
+        if t.transposed {
+            value = value.t()?.contiguous()?;
+        }
+        // Read and encoded a block of rows at a time: a 262 MB table would otherwise be
+        // copied out whole, then encoded whole, beside itself.
+        let rows = value.shape().first().copied().unwrap_or(1);
+        let per_row = value.numel() / rows.max(1);
+        let block = (BLOCK_VALUES / per_row.max(1)).max(1);
+        for start in (0..rows.max(1)).step_by(block) {
+            let part = if value.shape().is_empty() {
+                value.clone()
+            } else {
+                value.narrow(0, start, block.min(rows - start))?
+            };
+            write(&mut out, &encode(&part.to_vec()?, dtype))?;
+        }
+    }
+    out.flush().map_err(|e| io(path, e))
 }
 
 fn write_json(path: &Path, value: &Value) -> Result<()> {
@@ -173,22 +308,19 @@ fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
 }
 
 /// The tensor names in shards of at most `max` bytes each, in name order.
-fn split(
-    tensors: &BTreeMap<String, (Vec<usize>, Vec<u8>)>,
-    max: Option<usize>,
-) -> Vec<Vec<String>> {
+fn split(tensors: &BTreeMap<String, ToWrite>, max: Option<usize>) -> Vec<Vec<String>> {
     let Some(max) = max else {
         return vec![tensors.keys().cloned().collect()];
     };
     let mut shards: Vec<Vec<String>> = Vec::new();
     let mut size = 0;
-    for (name, (_, bytes)) in tensors {
-        if shards.is_empty() || (size + bytes.len() > max && size > 0) {
+    for (name, t) in tensors {
+        if shards.is_empty() || (size + t.bytes > max && size > 0) {
             shards.push(Vec::new());
             size = 0;
         }
         shards.last_mut().expect("a shard").push(name.clone());
-        size += bytes.len();
+        size += t.bytes;
     }
     shards
 }

@@ -265,6 +265,10 @@ impl super::HfNames for Gpt2 {
         }
     }
 
+    fn is_tied_copy(&self, layer: usize, _name: &str) -> bool {
+        self.config.tie_word_embeddings && layer == self.num_layers() - 1
+    }
+
     /// The causal-mask buffers older checkpoints hold (`attn.bias`, `attn.masked_bias`).
     fn ignorable(&self, key: &str) -> bool {
         key.ends_with(".attn.bias") || key.ends_with(".attn.masked_bias")

@@ -111,6 +111,9 @@ impl super::HfNames for Llama {
     fn checkpoint_key(&self, layer: usize, name: &str) -> (String, bool) {
         (self.checkpoint_name(layer, name), false)
     }
+    fn is_tied_copy(&self, layer: usize, _name: &str) -> bool {
+        self.config.tie_word_embeddings && layer == self.num_layers() - 1
+    }
 }
 
 impl super::BuildsRanges for Llama {

@@ -37,6 +37,12 @@ pub trait HfNames: BuildsRanges {
     fn ignorable(&self, _key: &str) -> bool {
         false
     }
+    /// Whether layer `layer`'s parameter `name` is a copy of a tensor an earlier layer also
+    /// holds (a tied head: the checkpoint stores the table once, under the table's key), so that
+    /// a writer of one stage's tensors leaves it to the stage holding the table.
+    fn is_tied_copy(&self, _layer: usize, _name: &str) -> bool {
+        false
+    }
 }
 
 /// A model description whose layers can be built by range, each from the seed and its own
@@ -76,6 +82,10 @@ impl<M: BuildsRanges> ModelFactory for RangeFactory<M> {
     }
     fn build_range(&self, range: Range<usize>) -> Result<Vec<Box<dyn Module>>> {
         self.config.build_range(self.seed, range, &self.device)
+    }
+    /// Without drawing values: every rank describes every layer of the model.
+    fn describe_range(&self, range: Range<usize>) -> Result<Vec<Box<dyn Module>>> {
+        crate::init::without_random_init(|| self.config.build_range(self.seed, range, &self.device))
     }
 }
 

@@ -53,7 +53,7 @@ impl DescribedLayer {
         }
         let built = self
             .factory
-            .build_range(self.index..self.index + 1)
+            .describe_range(self.index..self.index + 1)
             .ok()
             .and_then(|mut v| v.pop());
         // `describe` built this layer once already; a factory that fails now reports nothing.
@@ -124,7 +124,7 @@ pub(crate) fn describe(factory: &Arc<dyn ModelFactory>) -> Result<Vec<Box<dyn Mo
     let n = factory.num_layers();
     let mut out: Vec<Box<dyn Module>> = Vec::with_capacity(n);
     for index in 0..n {
-        let mut built = factory.build_range(index..index + 1).map_err(|e| {
+        let mut built = factory.describe_range(index..index + 1).map_err(|e| {
             PipelineError::Config(format!("building layer {index} of {n} to describe it: {e}"))
         })?;
         let layer = match (built.pop(), built.is_empty()) {

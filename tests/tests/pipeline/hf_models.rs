@@ -154,3 +154,62 @@ fn a_bit_resnetv2_from_a_timm_checkpoint_trains_like_timm_at_k2_and_k4() {
         &[(2, vec![2, 3]), (4, vec![1, 1, 1, 2])],
     );
 }
+
+/// A Llama whose stages read their own layers from the folder (`checkpoint_factory`, what
+/// each rank does under MPI) trains like the one loaded whole: the same loss and gradients,
+/// bit for bit. Describing its layers (every rank does, for every layer) reads no tensor.
+#[test]
+fn a_llama_built_stage_by_stage_from_its_folder_trains_like_the_loaded_one() {
+    use wgpipe_pipeline::{Balance, Pipeline, SimCluster};
+    let dir = fixture("llama_gqa");
+    let r = reference(&dir);
+    let tensor = |name: &str| {
+        let (shape, v) = &r[name];
+        Tensor::from_vec(v.clone(), shape, &Device::cpu()).unwrap()
+    };
+    let (x, y) = (tensor("input_ids"), tensor("targets"));
+    let cpu = Device::cpu();
+    let (llama, layers) = load_llama(&dir, 0..5, &cpu).unwrap();
+    let checkpoint = std::sync::Arc::new(HfCheckpoint::open(&dir).unwrap());
+    let factory = wgpipe_models::hf::checkpoint_factory(&llama, checkpoint, &cpu).unwrap();
+    let described = factory.describe_range(0..5).unwrap();
+    for (name, p) in wgpipe_models::sequence_parameters(&described) {
+        let v = p.value().to_vec().unwrap();
+        let zeros = v.iter().all(|&x| x == 0.0);
+        let ones = v.iter().all(|&x| x == 1.0); // the norms' weights, built as ones
+        assert!(zeros || ones, "{name} was read to describe it");
+    }
+    let step = |pipe: &mut Pipeline| {
+        let loss = pipe
+            .train_step(&x, &y, &|l, t| cross_entropy(l, t))
+            .unwrap()
+            .loss;
+        let grads: Vec<(String, Vec<u32>)> = pipe
+            .named_parameters()
+            .into_iter()
+            .map(|(n, p)| {
+                let g = p.grad().unwrap().to_vec().unwrap();
+                (n, g.iter().map(|v| v.to_bits()).collect())
+            })
+            .collect();
+        (loss.to_bits(), grads)
+    };
+    let sim = || SimCluster::uniform(&cpu, 2, 1 << 30, 1e9, wgpipe_pipeline::LinkSpec::FREE);
+    let mut by_stage = Pipeline::builder_from(factory)
+        .unwrap()
+        .sim(sim())
+        .balance(Balance::Explicit(vec![2, 3]))
+        .micro_batches(2)
+        .build()
+        .unwrap();
+    let mut whole = Pipeline::builder(layers)
+        .sim(sim())
+        .balance(Balance::Explicit(vec![2, 3]))
+        .micro_batches(2)
+        .build()
+        .unwrap();
+    let (got, want) = (step(&mut by_stage), step(&mut whole));
+    assert_eq!(got, want);
+    let loss = f32::from_bits(got.0);
+    assert!((loss - r["loss"].1[0]).abs() <= 2e-6 * loss, "loss {loss}");
+}
