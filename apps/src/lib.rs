@@ -13,7 +13,7 @@
 //! - [`train`]: the training loop and Ctrl-C;
 //! - [`output`]: the progress bar, the per-device table, the trace and the SVG timeline;
 //! - [`metrics`]: `--metrics` (JSON Lines) and the loss-curve SVG;
-//! - the programs: [`train_transformer`], [`train_cnn`], [`bench_train`] (and the model only it
+//! - the programs: [`train_transformer`], [`train_cnn`], [`finetune_lm`], [`bench_train`] (and the model only it
 //!   runs, [`prim_block`]).
 
 pub use clap::Parser;
@@ -35,6 +35,7 @@ pub mod prim_block;
 pub mod train;
 
 pub mod bench_train;
+pub mod finetune_lm;
 pub mod train_cnn;
 pub mod train_transformer;
 

@@ -156,6 +156,21 @@ pub fn place_rank(choice: DeviceChoice, k: usize, sim: SimSpec) -> AppResult<Pla
     })
 }
 
+impl Placement {
+    /// The device this process's layers are built on: under MPI (`rank_local`), the device of
+    /// its own stage (rank r runs device r mod K), so that layers built there are not copied
+    /// to it at build; in one process, the host.
+    pub fn build_device(&self, rank_local: bool) -> Device {
+        let env = |name: &str| std::env::var(name).ok();
+        match rank_from_env(&env, WORLD_RANK_VARS) {
+            Some(rank) if rank_local && !self.devices.is_empty() => {
+                self.devices[rank % self.devices.len()].clone()
+            }
+            _ => Device::cpu(),
+        }
+    }
+}
+
 /// Where the launchers put a process's rank in the job (Open MPI, MPICH/Hydra).
 const WORLD_RANK_VARS: &[&str] = &["OMPI_COMM_WORLD_RANK", "PMI_RANK"];
 /// Where they put its rank among the processes on its host.

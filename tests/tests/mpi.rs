@@ -1293,3 +1293,93 @@ fn stopped_rank(child: &mut std::process::Child, dir: &Path, rank: usize, tag: &
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// A tied Llama from its Hugging Face folder fine-tuned over 2 ranks (`finetune_lm
+/// --transport mpi`; each rank reads only its own stage's tensors, the tied table on both):
+/// the held-out losses and every step's loss equal one process's, bit for bit, and the folder
+/// each rank wrote its own shard of (`--save-hf`) holds one process's tensors, bit for bit.
+#[test]
+fn a_hugging_face_llama_fine_tuned_over_mpi_equals_one_process_and_saves_by_rank() {
+    let dir = fresh_dir("mpi-finetune");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/llama_tied");
+    let flags = |save: &Path| -> Vec<String> {
+        let from = fixture.display().to_string();
+        let save = save.display().to_string();
+        [
+            "--from",
+            &from,
+            "--quiet",
+            "--device",
+            "cpu",
+            "--stages",
+            "2",
+            "--micro-batches",
+            "2",
+            "--batch",
+            "4",
+            "--seq-len",
+            "8",
+            "--steps",
+            "3",
+            "--plan",
+            "off",
+            "--schedule",
+            "1f1b",
+            "--save-hf",
+            &save,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let summary = dir.join("np2.json");
+    let out = mpirun_np(2)
+        .arg(env!("CARGO_BIN_EXE_mpi_finetune"))
+        .arg(&summary)
+        .args(flags(&dir.join("by-rank")))
+        .args(["--transport", "mpi"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    let args =
+        wgpipe_apps::finetune_lm::FinetuneArgs::parse_from_args(flags(&dir.join("one"))).unwrap();
+    let want = wgpipe_apps::finetune_lm::run(args).unwrap();
+    assert_eq!(floats(&got["losses"]), want.losses);
+    assert!(want.losses.len() == 3 && want.losses.iter().all(|l| l.is_finite()));
+    assert_eq!(
+        got["eval_before"].as_f64().unwrap() as f32,
+        want.eval_before
+    );
+    assert_eq!(got["eval_after"].as_f64().unwrap() as f32, want.eval_after);
+    let tensors = |folder: &str| {
+        let ck = wgpipe_models::hf::HfCheckpoint::open(&dir.join(folder)).unwrap();
+        let (_, layers) =
+            wgpipe_models::hf::load_llama(&dir.join(folder), 0..4, &wgpipe_tensor::Device::cpu())
+                .unwrap();
+        let bits: Vec<Vec<u32>> = wgpipe_models::sequence_parameters(&layers)
+            .iter()
+            .map(|(_, p)| {
+                p.value()
+                    .to_vec()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            })
+            .collect();
+        (ck.names(), bits)
+    };
+    let (by_rank, one) = (tensors("by-rank"), tensors("one"));
+    assert_eq!(by_rank, one);
+    assert!(
+        !by_rank.0.contains(&"lm_head.weight".to_string()),
+        "tied: the table once"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -6,6 +6,7 @@
 mod back_to_back;
 pub mod builder;
 mod eval;
+mod export;
 mod optim_step;
 pub mod persist;
 pub mod pipeline;
