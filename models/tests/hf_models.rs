@@ -104,6 +104,36 @@ fn a_tied_llama_equals_transformers() {
     equals_transformers("llama_tied", &cpu(), llama);
 }
 
+/// A Llama transformers saved as bf16 shards with an index (`llama_bf16_shards`, from
+/// `scripts/hf_bf16_shards_reference.py`; a stage's layers span several files): read into f32
+/// (exactly: bf16 values are f32 values) it computes like the float64 reference of the model
+/// the files hold, at f32's tolerances. Computing in bf16 (autocast), its logits' error from
+/// the float64 ones is at most 2x transformers' own in bf16.
+#[test]
+fn a_llama_in_bf16_shards_equals_transformers() {
+    equals_transformers("llama_bf16_shards", &cpu(), llama);
+    let dir = fixture_path("llama_bf16_shards");
+    let r = read_reference(&dir.join("reference.safetensors"));
+    let (_, layers) = llama(&dir, &cpu());
+    let ids = Tensor::from_vec(r["input_ids"].1.clone(), &r["input_ids"].0, &cpu()).unwrap();
+    let ctx = ForwardCtx {
+        compute: DType::BF16,
+        ..ForwardCtx::eval()
+    };
+    let logits = forward_all(&layers, &Tape::new().constant(ids), &ctx).unwrap();
+    assert_eq!(logits.value().dtype(), DType::BF16);
+    let ours = norm_err(
+        &vals(&logits.value().to_dtype(DType::F32).unwrap()),
+        &r["logits"].1,
+    );
+    let theirs = norm_err(&r["logits_bf16"].1, &r["logits"].1);
+    eprintln!("bf16 logits: wgpipe {ours:.2e}, transformers {theirs:.2e}");
+    assert!(
+        ours <= 2.0 * theirs,
+        "bf16 logits off by {ours:.2e} (transformers {theirs:.2e})"
+    );
+}
+
 #[test]
 fn a_llama_on_wgpu_equals_transformers() {
     match Device::test_wgpu() {

@@ -113,6 +113,12 @@ fn trains_like_the_reference<M: HfNames>(
 fn a_llama_from_a_hugging_face_folder_trains_like_transformers_at_k2_and_k4() {
     let load = |dir: &Path| load_llama(dir, 0..5, &Device::cpu()).unwrap();
     trains_like_transformers("llama_gqa", load, &[(2, vec![2, 3]), (4, vec![1, 1, 1, 2])]);
+    // Its bf16 shards with an index, as transformers saves a bf16 checkpoint.
+    trains_like_transformers(
+        "llama_bf16_shards",
+        load,
+        &[(2, vec![3, 2]), (4, vec![2, 1, 1, 1])],
+    );
 }
 
 #[test]
