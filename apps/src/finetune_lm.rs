@@ -49,9 +49,10 @@ pub struct FinetuneArgs {
     /// Sequences per mini-batch (split into --micro-batches; 1..=1048576).
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
-    /// Tokens per sequence (1..=65536, at most the model's positions).
-    #[arg(long, default_value_t = 32)]
-    pub seq_len: usize,
+    /// Tokens per sequence (1..=65536, at most the model's positions; default: 32, or the
+    /// model's positions if fewer).
+    #[arg(long)]
+    pub seq_len: Option<usize>,
     /// Peak learning rate of AdamW (linear warm-up, then cosine decay to a tenth; 0..=10).
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f32,
@@ -99,7 +100,9 @@ impl FinetuneArgs {
 /// The whole program: load, evaluate, train, evaluate, save.
 pub fn run(args: FinetuneArgs) -> AppResult<FinetuneSummary> {
     check_range("batch", args.batch, 1, 1 << 20)?;
-    check_range("seq-len", args.seq_len, 1, 65536)?;
+    if let Some(t) = args.seq_len {
+        check_range("seq-len", t, 1, 65536)?;
+    }
     check_range("steps", args.steps, 0, 1 << 40)?;
     check_real("lr", args.lr as f64, 0.0, 10.0)?;
     let config = args.from.join("config.json");
@@ -159,10 +162,10 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
     let p = &args.pipe;
     let n = model.num_layers();
     p.validate(n, "the model's layers", args.batch, "sequences")?;
-    if args.seq_len > positions {
+    let seq_len = args.seq_len.unwrap_or(positions.min(32));
+    if seq_len > positions {
         return Err(AppError(format!(
-            "--seq-len {} is longer than the model's {positions} positions",
-            args.seq_len
+            "--seq-len {seq_len} is longer than the model's {positions} positions"
         )));
     }
     let data = TextDataset::synthetic(p.seed, 200_000);
@@ -188,7 +191,7 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
     let copies = (1..p.local_replicas())
         .map(|_| load_whole(&model, &checkpoint))
         .collect::<AppResult<Vec<_>>>()?;
-    let (b, t) = (args.batch, args.seq_len);
+    let (b, t) = (args.batch, seq_len);
     let (x, y) = batch_tensors(&train, b, t, p.seed, 0)?;
     let loss_fn = |l: &Var, t: &Tensor| cross_entropy(l, t);
     let run = PlanRun {
