@@ -4,9 +4,10 @@
 //! `cargo run --release --example finetune_lm -- --from DIR --help` lists the flags. Every
 //! pipeline flag of the main job works (stages, schedule, balance, precision, replicas,
 //! `--transport mpi`); under MPI each rank reads only its own stages' tensors from the folder
-//! and, with `--save-hf`, writes its own shard. The training text is the built-in synthetic
-//! corpus, its characters taken as token ids (until `tokenizer.json` is read: issue 58); what
-//! this example shows is the loading, the pipelined training and evaluation, and the save.
+//! and, with `--save-hf`, writes its own shard. The text: `--data` files (plain text, or JSON
+//! Lines with a `text` field) through the folder's `tokenizer.json` (or `--tokenizer`), 5% held
+//! out; without `--data`, the built-in synthetic corpus, its characters taken as token ids.
+//! `--prompt` prints the model's continuation after training.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -18,7 +19,9 @@ use crate::args::{describe_stages, Model, PipelineArgs};
 use crate::autograd::optim::{AdamConfig, LrSchedule};
 use crate::autograd::{AdamW, Module, Var};
 use crate::error::{AppError, AppResult, Context};
+use crate::generate::{generate, Sampling};
 use crate::limits::{check_range, check_real};
+use crate::models::data::tokenizer::{read_documents, HfTokenizer};
 use crate::models::data::TextDataset;
 use crate::models::hf::{
     check_all_taken, checkpoint_factory, load_layers, save_shard, write_index, HfCheckpoint,
@@ -63,6 +66,28 @@ pub struct FinetuneArgs {
     /// The dtype of the saved tensors: f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     pub save_dtype: DType,
+    /// Text to train on: plain text files (each a document) or JSON Lines (`.jsonl`, a `text`
+    /// field per line); default: the built-in synthetic corpus, characters as token ids.
+    #[arg(long, num_args = 1..)]
+    pub data: Vec<PathBuf>,
+    /// The tokenizer of --data and --prompt (default: tokenizer.json in the --from folder).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// After training, print the model's continuation of this text.
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Tokens to generate after --prompt (1..=100000).
+    #[arg(long, default_value_t = 32)]
+    pub new_tokens: usize,
+    /// Sampling temperature (0 = greedy; 0..=100).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Sample among the k most likely tokens only (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Sample among the most likely tokens holding this much probability (0..=1; 1: all).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
 }
 
 /// What a run did.
@@ -75,6 +100,9 @@ pub struct FinetuneSummary {
     pub eval_before: f32,
     pub losses: Vec<f32>,
     pub eval_after: f32,
+    /// The ids generated after `--prompt` (empty without it), and their text.
+    pub generated: Vec<u32>,
+    pub generated_text: String,
     /// This process's peak resident memory (Linux's VmHWM), bytes; `None` elsewhere.
     pub peak_resident_bytes: Option<u64>,
 }
@@ -105,6 +133,9 @@ pub fn run(args: FinetuneArgs) -> AppResult<FinetuneSummary> {
     }
     check_range("steps", args.steps, 0, 1 << 40)?;
     check_real("lr", args.lr as f64, 0.0, 10.0)?;
+    check_range("new-tokens", args.new_tokens, 1, 100_000)?;
+    check_real("temperature", args.temperature as f64, 0.0, 100.0)?;
+    check_real("top-p", args.top_p as f64, 0.0, 1.0)?;
     let config = args.from.join("config.json");
     let text = std::fs::read_to_string(&config)
         .map_err(|e| AppError(format!("--from: {}: {e}", config.display())))?;
@@ -168,13 +199,8 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
             "--seq-len {seq_len} is longer than the model's {positions} positions"
         )));
     }
-    let data = TextDataset::synthetic(p.seed, 200_000);
-    if data.vocab_size() > vocab {
-        return Err(AppError(format!(
-            "the model's vocabulary ({vocab} tokens) is smaller than the corpus's {}",
-            data.vocab_size()
-        )));
-    }
+    let text = Text::load(args, vocab)?;
+    let data = &text.data;
     let (train, val) = data.split(0.95)?;
     let started = Instant::now();
     let placement = p.placement()?;
@@ -241,10 +267,7 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
     );
     crate::say!("devices: {}", placement.description);
     crate::say_part!("{}", describe_stages(&pipe));
-    crate::say!(
-        "data: the built-in synthetic corpus, characters as token ids (vocab {})",
-        data.vocab_size()
-    );
+    crate::say!("data: {}", text.what);
 
     pipe.set_train(false);
     let eval_before = eval_loss(&mut pipe, &val, b, t)?;
@@ -279,6 +302,29 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
         "held-out loss after {} steps: {eval_after:.4}",
         r.losses.len()
     );
+    let (generated, generated_text) = match &args.prompt {
+        Some(prompt) => {
+            let ids = text.encode(prompt)?;
+            let sampling = Sampling {
+                temperature: args.temperature,
+                top_k: args.top_k,
+                top_p: args.top_p,
+                seed: p.seed,
+            };
+            let new = generate(
+                &mut pipe,
+                &ids,
+                args.new_tokens,
+                positions,
+                vocab,
+                &sampling,
+            )?;
+            let out = text.decode(&new)?;
+            crate::say!("\n{prompt}{out}\n");
+            (new, out)
+        }
+        None => (Vec::new(), String::new()),
+    };
     if let Some(dir) = &args.save_hf {
         save_folder(&mut pipe, &model, dir, args.save_dtype)?;
         crate::say!("saved to {} ({:?})", dir.display(), args.save_dtype);
@@ -299,8 +345,86 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
         eval_before,
         losses: r.losses,
         eval_after,
+        generated,
+        generated_text,
         peak_resident_bytes,
     })
+}
+
+/// The training text and how its tokens and text convert.
+struct Text {
+    data: TextDataset,
+    tokenizer: Option<HfTokenizer>,
+    what: String,
+}
+
+impl Text {
+    /// `--data` through the tokenizer, or the synthetic corpus, for a model of `vocab` tokens.
+    fn load(args: &FinetuneArgs, vocab: usize) -> AppResult<Text> {
+        let path = args
+            .tokenizer
+            .clone()
+            .unwrap_or_else(|| args.from.join("tokenizer.json"));
+        let tokenizer = if args.tokenizer.is_some() || path.exists() {
+            Some(HfTokenizer::from_file(&path).context("--tokenizer")?)
+        } else {
+            None
+        };
+        if args.data.is_empty() {
+            let data = TextDataset::synthetic(args.pipe.seed, 200_000);
+            if data.vocab_size() > vocab {
+                return Err(AppError(format!(
+                    "the model's vocabulary ({vocab} tokens) is smaller than the corpus's {}",
+                    data.vocab_size()
+                )));
+            }
+            let what = format!(
+                "the built-in synthetic corpus, characters as token ids (vocab {})",
+                data.vocab_size()
+            );
+            // Prompts still go through the folder's tokenizer where it has one (what the
+            // model was trained with), else they are characters too.
+            return Ok(Text {
+                data,
+                tokenizer,
+                what,
+            });
+        }
+        let Some(tok) = tokenizer else {
+            return Err(AppError(format!(
+                "--data needs a tokenizer: {} does not exist (give --tokenizer FILE)",
+                path.display()
+            )));
+        };
+        let docs = read_documents(&args.data).context("--data")?;
+        let data = tok.dataset(&docs, vocab).context("--data")?;
+        let what = format!(
+            "{} document(s) from {} file(s), {} tokens by {}",
+            docs.len(),
+            args.data.len(),
+            data.len(),
+            path.display()
+        );
+        Ok(Text {
+            data,
+            tokenizer: Some(tok),
+            what,
+        })
+    }
+
+    fn encode(&self, text: &str) -> AppResult<Vec<u32>> {
+        match &self.tokenizer {
+            Some(t) => Ok(t.encode(text).context("--prompt")?),
+            None => Ok(self.data.encode(text).context("--prompt")?),
+        }
+    }
+
+    fn decode(&self, ids: &[u32]) -> AppResult<String> {
+        match &self.tokenizer {
+            Some(t) => Ok(t.decode(ids).context("decoding")?),
+            None => Ok(self.data.decode(ids)),
+        }
+    }
 }
 
 /// Writes the pipeline's model into `dir` as a Hugging Face folder: each device's stages as

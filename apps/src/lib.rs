@@ -11,6 +11,7 @@
 //! - [`plan`]: `--plan`, the pipeline chosen by the planner;
 //! - [`files`]: `--save` / `--resume` checkpoint files (through `wgpipe_pipeline::train::persist`);
 //! - [`train`]: the training loop and Ctrl-C;
+//! - [`generate`]: text generation through the pipeline (greedy, temperature, top-k, top-p);
 //! - [`output`]: the progress bar, the per-device table, the trace and the SVG timeline;
 //! - [`metrics`]: `--metrics` (JSON Lines) and the loss-curve SVG;
 //! - the programs: [`train_transformer`], [`train_cnn`], [`finetune_lm`], [`bench_train`] (and the model only it
@@ -25,6 +26,7 @@ pub use wgpipe_tensor as tensor;
 pub mod args;
 pub mod error;
 pub mod files;
+pub mod generate;
 pub mod limits;
 pub mod metrics;
 pub mod output;

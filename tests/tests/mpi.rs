@@ -1296,7 +1296,8 @@ fn stopped_rank(child: &mut std::process::Child, dir: &Path, rank: usize, tag: &
 
 /// A tied Llama from its Hugging Face folder fine-tuned over 2 ranks (`finetune_lm
 /// --transport mpi`; each rank reads only its own stage's tensors, the tied table on both):
-/// the held-out losses and every step's loss equal one process's, bit for bit, and the folder
+/// the held-out losses, every step's loss and the sampled continuation of a prompt (top-k at a
+/// temperature) equal one process's, bit for bit, and the folder
 /// each rank wrote its own shard of (`--save-hf`) holds one process's tensors, bit for bit.
 #[test]
 fn a_hugging_face_llama_fine_tuned_over_mpi_equals_one_process_and_saves_by_rank() {
@@ -1327,6 +1328,14 @@ fn a_hugging_face_llama_fine_tuned_over_mpi_equals_one_process_and_saves_by_rank
             "1f1b",
             "--save-hf",
             &save,
+            "--prompt",
+            "ab",
+            "--new-tokens",
+            "5",
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "10",
         ]
         .map(String::from)
         .to_vec()
@@ -1357,6 +1366,14 @@ fn a_hugging_face_llama_fine_tuned_over_mpi_equals_one_process_and_saves_by_rank
         want.eval_before
     );
     assert_eq!(got["eval_after"].as_f64().unwrap() as f32, want.eval_after);
+    let generated: Vec<u32> = got["generated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(generated, want.generated, "sampled ids");
+    assert_eq!(generated.len(), 5);
     let tensors = |folder: &str| {
         let ck = wgpipe_models::hf::HfCheckpoint::open(&dir.join(folder)).unwrap();
         let (_, layers) =

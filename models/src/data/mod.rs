@@ -8,14 +8,17 @@
 //!   ([`SyntheticTask::Shapes`], [`SyntheticTask::Stripes`]) for training and transfer tests.
 //! * [`idx`]: the MNIST IDX file format (reader and writer).
 //! * [`cifar`]: the CIFAR-10 binary file format (reader and writer).
+//! * [`tokenizer`]: Hugging Face `tokenizer.json` files (the `tokenizers` crate), and text and
+//!   JSON Lines documents encoded into one stream.
 //!
-//! Everything depends only on `std`. Randomness comes from a small seeded splitmix64
+//! Everything else depends only on `std`. Randomness comes from a small seeded splitmix64
 //! generator, so every synthetic set and every batch is a pure function of its seeds.
 
 pub mod cifar;
 pub mod idx;
 pub mod images;
 pub mod text;
+pub mod tokenizer;
 
 pub use cifar::{read_cifar10_bin, read_cifar10_bins, write_cifar10_bin};
 pub use idx::{

@@ -18,6 +18,7 @@ fn main() {
                     "eval_before": r.eval_before,
                     "losses": r.losses,
                     "eval_after": r.eval_after,
+                    "generated": r.generated,
                 });
                 std::fs::write(summary, text.to_string()).expect("writing the summary");
             }
