@@ -67,7 +67,8 @@ fn finetune_lm_trains_a_gpt2_folder_and_its_save_resumes_exactly() {
 }
 
 /// The tiny Llama with its own tokenizer (`llama_tok`, `scripts/hf_tokenizer_reference.py`):
-/// through K=2, greedy generation after a prompt gives the ids transformers' `generate` gives;
+/// through K=2, greedy generation after a prompt gives the ids transformers' `generate` gives,
+/// with the KV cache in each stage and without it;
 /// fine-tuned on a text this checkout has (README.md) through its tokenizer, the held-out loss
 /// falls.
 #[test]
@@ -110,9 +111,12 @@ fn finetune_lm_generates_like_transformers_and_fine_tunes_on_a_text_file() {
         "--new-tokens",
         "12",
     ]);
-    let r = run(FinetuneArgs::parse_from_args(flags).unwrap()).unwrap();
-    assert_eq!(r.generated, want, "greedy ids");
+    let r = run(FinetuneArgs::parse_from_args(flags.clone()).unwrap()).unwrap();
+    assert_eq!(r.generated, want, "greedy ids with the KV cache");
     assert!(r.generated_text.chars().count() > 0);
+    flags.push("--no-kv-cache");
+    let uncached = run(FinetuneArgs::parse_from_args(flags).unwrap()).unwrap();
+    assert_eq!(uncached.generated, want, "greedy ids without it");
 
     let readme = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
     let readme = readme.display().to_string();

@@ -88,6 +88,14 @@ pub struct FinetuneArgs {
     /// Sample among the most likely tokens holding this much probability (0..=1; 1: all).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
+    /// Sequences generated at once from --prompt (a multiple of --micro-batches; default:
+    /// one per micro-batch). The first is printed.
+    #[arg(long)]
+    pub rows: Option<usize>,
+    /// Generate without the KV cache (each token runs the whole sequence again; GPT-2 always
+    /// does, its attention keeps no cache).
+    #[arg(long)]
+    pub no_kv_cache: bool,
 }
 
 /// What a run did.
@@ -153,7 +161,7 @@ pub fn run(args: FinetuneArgs) -> AppResult<FinetuneSummary> {
                 llama.config.vocab_size,
                 llama.config.max_position_embeddings,
             ];
-            run_model(&args, llama, checkpoint, sizes)
+            run_model(&args, llama, checkpoint, sizes, true)
         }
         Some("gpt2") => {
             let prefix = if checkpoint.contains("transformer.wte.weight") {
@@ -166,7 +174,7 @@ pub fn run(args: FinetuneArgs) -> AppResult<FinetuneSummary> {
                 prefix: prefix.into(),
             };
             let sizes = [gpt2.config.vocab_size, gpt2.config.n_positions];
-            run_model(&args, gpt2, checkpoint, sizes)
+            run_model(&args, gpt2, checkpoint, sizes, false)
         }
         other => Err(AppError(format!(
             "--from: {} has model_type {other:?}; this example fine-tunes \"llama\" and \"gpt2\"",
@@ -183,12 +191,14 @@ fn load_whole<M: HfFolder>(
     load_layers(model, checkpoint, 0..model.num_layers(), &Device::cpu()).context("--from")
 }
 
-/// [`run`] for one kind of model, of `[vocabulary, positions]` (the longest sequence it takes).
+/// [`run`] for one kind of model, of `[vocabulary, positions]` (the longest sequence it takes),
+/// whose attention layers keep a KV cache or not (`caches`).
 fn run_model<M: HfFolder + std::fmt::Debug>(
     args: &FinetuneArgs,
     model: M,
     checkpoint: Arc<HfCheckpoint>,
     [vocab, positions]: [usize; 2],
+    caches: bool,
 ) -> AppResult<FinetuneSummary> {
     let p = &args.pipe;
     let n = model.num_layers();
@@ -310,17 +320,28 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
                 top_k: args.top_k,
                 top_p: args.top_p,
                 seed: p.seed,
+                kv_cache: caches && !args.no_kv_cache,
             };
+            let clock = Instant::now();
+            let rows = args.rows.unwrap_or(pipe.num_micro_batches());
             let new = generate(
                 &mut pipe,
+                rows,
                 &ids,
                 args.new_tokens,
                 positions,
                 vocab,
                 &sampling,
             )?;
+            let secs = clock.elapsed().as_secs_f64();
             let out = text.decode(&new)?;
-            crate::say!("\n{prompt}{out}\n");
+            crate::say!(
+                "\n{prompt}{out}\n\n({} tokens in {secs:.2} s: {:.1} tokens/s per row, {} rows, {})",
+                new.len(),
+                new.len() as f64 / secs,
+                rows,
+                if sampling.kv_cache { "KV cache" } else { "no KV cache" }
+            );
             (new, out)
         }
         None => (Vec::new(), String::new()),

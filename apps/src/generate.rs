@@ -1,8 +1,10 @@
-//! Text generation through the pipeline: each new token a forward-only round
-//! (`Pipeline::predict`: the last stage keeps the logits of the last position and hands them to
-//! every rank, which all draw the same token from the same generator, so no rank needs the whole
-//! model), drawn greedily or from the softmax at a temperature, optionally within the top k
-//! tokens or the top-p nucleus.
+//! Text generation through the pipeline: each new token a forward-only round (the last stage
+//! keeps the logits of the last position and hands them to every rank, which all draw the same
+//! token from the same generator, so no rank needs the whole model), drawn greedily or from the
+//! softmax at a temperature, optionally within the top k tokens or the top-p nucleus. With a
+//! KV cache (`Pipeline::predict_cached`) the prompt runs once and each round then carries one
+//! token per row, every stage attending to the keys and values it kept; without one each round
+//! runs the whole window again (`Pipeline::predict`), for models whose layers keep no cache.
 
 use crate::error::AppResult;
 use crate::pipeline::Pipeline;
@@ -19,6 +21,8 @@ pub struct Sampling {
     /// Draw among the most likely tokens whose probabilities add up to p (1: all).
     pub top_p: f32,
     pub seed: u64,
+    /// Decode with a KV cache kept in each stage (the model's attention layers must keep one).
+    pub kv_cache: bool,
 }
 
 impl Sampling {
@@ -28,15 +32,18 @@ impl Sampling {
             top_k: 0,
             top_p: 1.0,
             seed: 0,
+            kv_cache: true,
         }
     }
 }
 
-/// `new_tokens` tokens after `prompt` (every one of the pipeline's M rows starts from it; row
-/// 0's continuation is returned), each drawn from the logits of a model of `vocab` tokens that
-/// sees at most the last `context` tokens.
+/// `new_tokens` tokens after `prompt` for `rows` sequences at once (each starts from it, drawn
+/// in turn; row 0's continuation is returned; `rows` a multiple of the pipeline's M, which
+/// splits them into micro-batches so the stages overlap), each drawn from the logits of a model
+/// of `vocab` tokens that sees at most the last `context` tokens.
 pub fn generate(
     pipe: &mut Pipeline,
+    rows: usize,
     prompt: &[u32],
     new_tokens: usize,
     context: usize,
@@ -46,19 +53,40 @@ pub fn generate(
     if prompt.is_empty() {
         crate::bail!("the prompt is empty: give at least one token");
     }
-    let rows = pipe.num_micro_batches();
+    let m = pipe.num_micro_batches();
+    if rows == 0 || !rows.is_multiple_of(m) {
+        crate::bail!("{rows} rows to generate do not split into the pipeline's {m} micro-batches");
+    }
+    if sampling.kv_cache && prompt.len() + new_tokens > context {
+        crate::bail!(
+            "the prompt ({} tokens) and {new_tokens} new tokens pass the model's {context} positions: ask for fewer, or generate without the KV cache (a sliding window)",
+            prompt.len()
+        );
+    }
     let mut seqs: Vec<Vec<u32>> = vec![prompt.to_vec(); rows];
     let mut rng = SplitMix64::new(sampling.seed ^ 0x5EED);
-    for _ in 0..new_tokens {
-        let t = seqs[0].len().min(context);
+    for step in 0..new_tokens {
+        // With the cache: the prompt at position 0, then the token drawn last at its own
+        // position; without: the last `context` tokens, every time.
+        let (from, position) = if sampling.kv_cache && step > 0 {
+            (seqs[0].len() - 1, Some(seqs[0].len() - 1))
+        } else if sampling.kv_cache {
+            (0, Some(0))
+        } else {
+            (seqs[0].len() - seqs[0].len().min(context), None)
+        };
+        let t = seqs[0].len() - from;
         let ids: Vec<f32> = seqs
             .iter()
-            .flat_map(|s| s[s.len() - t..].iter().map(|&i| i as f32))
+            .flat_map(|s| s[from..].iter().map(|&i| i as f32))
             .collect();
         let ids = Tensor::from_vec(ids, &[rows, t], &Device::cpu())?;
-        let last = pipe
-            .predict(&ids, &move |logits| logits.narrow(1, t - 1, 1))?
-            .to_vec()?;
+        let head = move |logits: &Tensor| logits.narrow(1, t - 1, 1);
+        let last = match position {
+            Some(p) => pipe.predict_cached(&ids, p, &head)?,
+            None => pipe.predict(&ids, &head)?,
+        }
+        .to_vec()?;
         for (r, s) in seqs.iter_mut().enumerate() {
             s.push(pick(&last[r * vocab..(r + 1) * vocab], sampling, &mut rng));
         }
@@ -129,6 +157,7 @@ mod tests {
                 top_k,
                 top_p,
                 seed: 0,
+                kv_cache: false,
             };
             let mut rng = SplitMix64::new(3);
             (0..2000)

@@ -54,7 +54,18 @@ fn sample_text(
         top_k: 0,
         top_p: 1.0,
         seed,
+        // The main job's attention keeps no cache: each token runs the window again.
+        kv_cache: false,
     };
-    let new = generate(pipe, prompt, len, seq_len, data.vocab_size(), &sampling)?;
+    let rows = pipe.num_micro_batches();
+    let new = generate(
+        pipe,
+        rows,
+        prompt,
+        len,
+        seq_len,
+        data.vocab_size(),
+        &sampling,
+    )?;
     Ok(data.decode(&[prompt, &new].concat()))
 }

@@ -29,6 +29,12 @@ pub struct ForwardCtx {
     /// to it, norms run on the half stream, losses in f32 (the policy table is in
     /// `wgpipe_models::autocast`). Set by the pipeline's precision.
     pub compute: DType,
+    /// Cached decoding (generation with a KV cache): `Some(p)` says the input holds the tokens
+    /// at positions `p..p + t` of each sequence, and attention layers keep their keys and
+    /// values per micro-batch between calls: `p = 0` starts a micro-batch's cache anew (the
+    /// prompt), a later call appends its one token to the `p` positions the cache holds. A
+    /// layer that keeps no cache and depends on positions refuses it. `None`: no cache.
+    pub kv_position: Option<usize>,
 }
 
 /// The default context is [`ForwardCtx::eval`]: what deterministic layers (and inference) need.
@@ -51,6 +57,7 @@ impl ForwardCtx {
             train: false,
             recompute: false,
             compute: DType::F32,
+            kv_position: None,
         }
     }
     /// Context for training step `step`, micro-batch `micro_batch`, with RNG seed `seed`.
@@ -63,10 +70,18 @@ impl ForwardCtx {
             train: true,
             recompute: false,
             compute: DType::F32,
+            kv_position: None,
         }
     }
     pub fn at_layer(self, layer: u64) -> Self {
         ForwardCtx { layer, ..self }
+    }
+    /// The same context decoding at `position` with a KV cache (see [`ForwardCtx::kv_position`]).
+    pub fn at_kv_position(self, position: usize) -> Self {
+        ForwardCtx {
+            kv_position: Some(position),
+            ..self
+        }
     }
     /// The same context computing in `compute` (see [`ForwardCtx::compute`]).
     pub fn with_compute(self, compute: DType) -> Self {

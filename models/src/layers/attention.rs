@@ -108,6 +108,15 @@ impl Module for CausalSelfAttention {
     }
 
     fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
+        if let Some(p) = ctx.kv_position {
+            // Without its keys and values, one new token would attend to itself alone.
+            return Err(super::invalid(
+                "CausalSelfAttention",
+                format!(
+                    "keeps no KV cache (asked to decode at position {p}): generate without one"
+                ),
+            ));
+        }
         let s = x.shape().to_vec();
         if s.len() != 3 || s[2] != self.d_model {
             return Err(shape_error(

@@ -4,7 +4,7 @@
 //! queries and keys, scores scaled by `head_dim^-0.5`, `o_proj` back to the hidden size.
 
 use wgpipe_autograd::{ForwardCtx, Module, Var};
-use wgpipe_tensor::{Device, Result};
+use wgpipe_tensor::{Device, Result, Tensor};
 
 use super::{invalid, shape_error, Linear, Rope};
 use crate::init::sub_seed;
@@ -55,6 +55,44 @@ pub struct GqaAttention {
     pub o_proj: Linear,
     shape: GqaShape,
     rope: Rope,
+    /// Keys and values kept for cached decoding (see `ForwardCtx::kv_position`).
+    cache: KvCache,
+}
+
+/// The keys and values (`[B, kv_heads, positions, d]`, after the rotation) of each micro-batch
+/// decoded with a KV cache, so that each new token attends to them without recomputing them.
+#[derive(Default)]
+struct KvCache(std::sync::Mutex<std::collections::HashMap<u64, (Tensor, Tensor)>>);
+
+impl KvCache {
+    /// `k`, `v` of the positions from `start` appended to micro-batch `mb`'s (its cache begun
+    /// anew at `start = 0`): the keys and values of every position so far.
+    fn extend(&self, mb: u64, start: usize, k: &Var, v: &Var) -> Result<(Tensor, Tensor)> {
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let (k, v) = if start == 0 {
+            (k.value().clone(), v.value().clone())
+        } else {
+            let (ck, cv) = map.get(&mb).ok_or_else(|| {
+                invalid(
+                    "GqaAttention",
+                    format!("no KV cache for micro-batch {mb}: decode position 0 (the prompt) first, not {start}"),
+                )
+            })?;
+            let held = ck.shape()[2];
+            if held != start {
+                return Err(invalid(
+                    "GqaAttention",
+                    format!("the KV cache of micro-batch {mb} holds {held} positions; a call at position {start} does not follow it"),
+                ));
+            }
+            (
+                Tensor::concat(&[ck, k.value()], 2)?,
+                Tensor::concat(&[cv, v.value()], 2)?,
+            )
+        };
+        map.insert(mb, (k.clone(), v.clone()));
+        Ok((k, v))
+    }
 }
 
 impl GqaAttention {
@@ -126,6 +164,7 @@ impl GqaAttention {
             o_proj,
             shape,
             rope,
+            cache: KvCache::default(),
         })
     }
 
@@ -148,15 +187,23 @@ impl GqaAttention {
             ));
         }
         let (b, t, group) = (s[0], s[1], heads / kv_heads);
+        let start = ctx.kv_position.unwrap_or(0);
         // [B, T, n * d] -> [B, n, T, d], then the rotation of each position.
         let split = |y: Var, n: usize| y.reshape(&[b, t, n, d])?.permute(&[0, 2, 1, 3]);
         let q = self
             .rope
-            .apply(&split(self.q_proj.forward(x, ctx)?, heads)?, 0)?;
+            .apply(&split(self.q_proj.forward(x, ctx)?, heads)?, start)?;
         let k = self
             .rope
-            .apply(&split(self.k_proj.forward(x, ctx)?, kv_heads)?, 0)?;
+            .apply(&split(self.k_proj.forward(x, ctx)?, kv_heads)?, start)?;
         let v = split(self.v_proj.forward(x, ctx)?, kv_heads)?;
+        let scale = 1.0 / (d as f32).sqrt();
+        if ctx.kv_position.is_some() {
+            let (k_all, v_all) = self.cache.extend(ctx.micro_batch, start, &k, &v)?;
+            if start > 0 {
+                return self.attend_cached(&q, &k_all, &v_all, [b, t, start], scale, ctx);
+            }
+        }
         // The queries as [B, kv_heads, group, T, d] and each key/value head broadcast over its
         // group (a view): the repeat of K and V is never written out, and their gradients sum
         // over the group in the broadcast's backward.
@@ -164,12 +211,55 @@ impl GqaAttention {
         let q = q.reshape(&grouped)?;
         let k = k.unsqueeze(2)?.broadcast_to(&grouped)?;
         let v = v.unsqueeze(2)?.broadcast_to(&grouped)?;
-        let scale = 1.0 / (d as f32).sqrt();
         let y = q
             .causal_attention(&k, &v, scale, None)?
             .reshape(&[b, heads, t, d])?
             .permute(&[0, 2, 1, 3])?
             .reshape(&[b, t, heads * d])?;
+        self.o_proj.forward(&y, ctx)
+    }
+
+    /// Attention of one new token's queries `q` (`[B, heads, 1, d]`, at position `start`) over
+    /// every cached key and value (`[B, kv_heads, start + 1, d]`): nothing to mask, all of them
+    /// lie at or before it.
+    fn attend_cached(
+        &self,
+        q: &Var,
+        k: &Tensor,
+        v: &Tensor,
+        [b, t, start]: [usize; 3],
+        scale: f32,
+        ctx: &ForwardCtx,
+    ) -> Result<Var> {
+        let GqaShape {
+            heads,
+            kv_heads,
+            head_dim: d,
+            ..
+        } = self.shape;
+        if t != 1 {
+            return Err(invalid(
+                "GqaAttention",
+                format!("cached decoding takes one token per call after the prompt; got {t} at position {start}"),
+            ));
+        }
+        let (group, total) = (heads / kv_heads, start + 1);
+        let tape = q.tape();
+        let grouped = |x: &Tensor| -> Result<Var> {
+            tape.constant(x.clone())
+                .unsqueeze(2)?
+                .broadcast_to(&[b, kv_heads, group, total, d])
+        };
+        let q = q.reshape(&[b, kv_heads, group, 1, d])?;
+        let p = q
+            .matmul(&grouped(k)?.transpose(-1, -2)?)?
+            .mul_scalar(scale)?
+            .softmax(-1)?;
+        let y = p
+            .matmul(&grouped(v)?)?
+            .reshape(&[b, heads, 1, d])?
+            .permute(&[0, 2, 1, 3])?
+            .reshape(&[b, 1, heads * d])?;
         self.o_proj.forward(&y, ctx)
     }
 }

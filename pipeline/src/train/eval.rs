@@ -79,7 +79,7 @@ impl Pipeline {
     /// step), so it does not depend on R either. Every rank of the job must call it at the
     /// same point; all return the same value or the same error.
     pub fn evaluate(&mut self, inputs: &Tensor, targets: &Tensor, loss_fn: &LossFn) -> Result<f32> {
-        let (loss, _) = self.forward_round(inputs, targets, LossUse::Evaluate(loss_fn))?;
+        let (loss, _) = self.forward_round(inputs, targets, LossUse::Evaluate(loss_fn), None)?;
         Ok(loss)
     }
 
@@ -90,7 +90,31 @@ impl Pipeline {
     /// the whole batch (each of its ranks needs every row's result). Every rank must call it
     /// at the same point.
     pub fn predict(&mut self, inputs: &Tensor, head: &HeadFn) -> Result<Tensor> {
-        let (_, kept) = self.forward_round(inputs, inputs, LossUse::Collect(head))?;
+        self.predict_round(inputs, head, None)
+    }
+
+    /// [`Pipeline::predict`] decoding with a KV cache: `inputs` hold the tokens at positions
+    /// `position..` of each row, and each stage's attention layers keep the keys and values of
+    /// its own layers per micro-batch (so over MPI each rank holds its stages' cache). Position
+    /// 0 starts the cache (the prompt, any length); each later call gives one token per row at
+    /// the position the cache has reached. Rows must stay in the same micro-batches (the same
+    /// number of rows) from call to call. A layer that keeps no cache refuses the call.
+    pub fn predict_cached(
+        &mut self,
+        inputs: &Tensor,
+        position: usize,
+        head: &HeadFn,
+    ) -> Result<Tensor> {
+        self.predict_round(inputs, head, Some(position))
+    }
+
+    fn predict_round(
+        &mut self,
+        inputs: &Tensor,
+        head: &HeadFn,
+        kv_position: Option<usize>,
+    ) -> Result<Tensor> {
+        let (_, kept) = self.forward_round(inputs, inputs, LossUse::Collect(head), kv_position)?;
         let kept = match kept {
             Some(parts) => {
                 let refs: Vec<&Tensor> = parts.iter().collect();
@@ -114,6 +138,7 @@ impl Pipeline {
         inputs: &Tensor,
         targets: &Tensor,
         use_: LossUse<'_>,
+        kv_position: Option<usize>,
     ) -> Result<(f32, Option<Vec<Tensor>>)> {
         self.settle()?;
         self.round += 1;
@@ -132,6 +157,7 @@ impl Pipeline {
             // No gradient is made: nothing to reduce.
             grads_final: None,
             forward_only: true,
+            kv_position,
             clock: std::time::Instant::now(),
             replicas_running: 1,
         };

@@ -292,6 +292,7 @@ impl Pipeline {
             grads_final,
             clock,
             forward_only: false,
+            kv_position: None,
             replicas_running: held,
         };
         let steps = run_held(

@@ -56,6 +56,8 @@ pub(crate) struct StepCtx<'a> {
     /// A forward-only round (`schedule` is then forwards only; see
     /// [`Schedule::forward_only`]).
     pub forward_only: bool,
+    /// Decoding with a KV cache at this position (forward-only rounds of generation).
+    pub kv_position: Option<usize>,
     /// How many replicas run their part of this step side by side in this process, each on
     /// device threads of its own.
     pub replicas_running: usize,

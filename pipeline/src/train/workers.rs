@@ -77,6 +77,7 @@ impl Replica {
                 non_finite: ctx.non_finite,
                 compute: ctx.precision,
                 forward_only: ctx.forward_only,
+                kv_position: ctx.kv_position,
                 loss: loss_tx.clone(),
                 running: running[device].clone(),
                 grads_final: ctx.grads_final.clone(),

@@ -38,6 +38,7 @@ impl Worker<'_, '_> {
             // Which micro-batch it is, as in training (a layer may log or check it).
             ForwardCtx {
                 micro_batch: io.first_micro_batch + m as u64,
+                kv_position: io.kv_position,
                 ..ForwardCtx::eval()
             }
         } else {

@@ -68,6 +68,9 @@ pub(crate) struct StepInputs {
     /// tape, nothing is kept for a backward, and the last stage's output goes to the caller's
     /// thread, whose answer carries no gradient to use.
     pub forward_only: bool,
+    /// In a forward-only round, decoding with a KV cache at this position
+    /// ([`ForwardCtx::kv_position`](wgpipe_autograd::ForwardCtx::kv_position)).
+    pub kv_position: Option<usize>,
     pub loss: Sender<LossRequest>,
     /// The compute action running and since when, for the step's watchdog.
     pub running: Running,

@@ -391,6 +391,7 @@ impl Pipeline {
                 non_finite: seg.non_finite,
                 compute: self.precision,
                 forward_only: false,
+                kv_position: None,
                 loss: seg.loss_tx.clone(),
                 running: Arc::new(Mutex::new(None)),
                 grads_final: None,

@@ -14,6 +14,7 @@ mod avx512;
 mod blocked;
 #[cfg(all(test, target_arch = "x86_64"))]
 pub(crate) use blocked::chosen as blocked_chosen;
+mod skinny;
 pub(crate) mod timing;
 
 use gemm::Parallelism;
@@ -72,6 +73,10 @@ fn products(
 ) -> &'static str {
     let MatDims { batch, m, k, n } = d;
     let (mn, macs) = (m * n, m * n * k);
+    if skinny::takes(la, lb, d) {
+        skinny::product(out, a, la, b, lb, d);
+        return "skinny";
+    }
     #[cfg(target_arch = "x86_64")]
     let own = blocked::chosen(blocked_on_avx512(la, lb, d));
     #[cfg(not(target_arch = "x86_64"))]
