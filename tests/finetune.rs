@@ -140,3 +140,71 @@ fn finetune_lm_generates_like_transformers_and_fine_tunes_on_a_text_file() {
     .to_string();
     assert!(e.contains("--data needs a tokenizer"), "{e}");
 }
+
+/// `--freeze 1` keeps the embedding and the first decoder layer as they were (the saved folder
+/// holds their tensors bit for bit) while the rest trains; the held-out loss through K=2 is the
+/// one through K=1, bit for bit.
+#[test]
+fn finetune_lm_freezes_the_first_layers_and_evaluates_alike_at_any_k() {
+    let dir = fixture("llama_tok");
+    let out = std::env::temp_dir().join(format!("wgpipe-freeze-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let from = dir.display().to_string();
+    let save = out.display().to_string();
+    let run_with = |stages: &str, extra: &[&str]| {
+        let mut v = vec![
+            "--from",
+            &from,
+            "--quiet",
+            "--device",
+            "sim",
+            "--stages",
+            stages,
+            "--micro-batches",
+            "2",
+            "--batch",
+            "4",
+            "--seq-len",
+            "16",
+            "--plan",
+            "off",
+        ];
+        v.extend_from_slice(extra);
+        run(FinetuneArgs::parse_from_args(v).unwrap()).unwrap()
+    };
+    let one = run_with("1", &["--steps", "0"]);
+    let two = run_with("2", &["--steps", "0"]);
+    assert_eq!(one.eval_before.to_bits(), two.eval_before.to_bits());
+
+    let r = run_with(
+        "2",
+        &[
+            "--steps",
+            "5",
+            "--lr",
+            "1e-2",
+            "--freeze",
+            "1",
+            "--save-hf",
+            &save,
+        ],
+    );
+    assert!(r.eval_after < r.eval_before);
+    let tensors = |d: &Path| {
+        let ck = wgpipe::models::hf::HfCheckpoint::open(d).unwrap();
+        ck.names()
+            .into_iter()
+            .map(|n| {
+                let shape = ck.shape(&n).unwrap().to_vec();
+                let t = ck.read(&n, &shape, "the test", &wgpipe::tensor::Device::cpu());
+                (n, t.unwrap().to_vec().unwrap())
+            })
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let (before, after) = (tensors(&dir), tensors(&out));
+    for (name, was) in &before {
+        let frozen = name.starts_with("model.embed_tokens") || name.starts_with("model.layers.0.");
+        assert_eq!(&after[name] == was, frozen, "{name}: frozen {frozen}");
+    }
+    std::fs::remove_dir_all(&out).unwrap();
+}

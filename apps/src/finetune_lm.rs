@@ -92,6 +92,10 @@ pub struct FinetuneArgs {
     /// one per micro-batch). The first is printed.
     #[arg(long)]
     pub rows: Option<usize>,
+    /// Freeze the embedding and the first N decoder layers (0: the embedding alone); a tied
+    /// head is frozen with its table.
+    #[arg(long)]
+    pub freeze: Option<usize>,
     /// Generate without the KV cache (each token runs the whole sequence again; GPT-2 always
     /// does, its attention keeps no cache).
     #[arg(long)]
@@ -280,8 +284,17 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
     crate::say!("data: {}", text.what);
 
     pipe.set_train(false);
+    if let Some(n) = args.freeze {
+        let frozen = freeze_first(&pipe, n + 1);
+        crate::say!(
+            "frozen: the embedding and {n} decoder layer(s), {frozen} tensors on this rank"
+        );
+    }
     let eval_before = eval_loss(&mut pipe, &val, b, t)?;
-    crate::say!("held-out loss before: {eval_before:.4}");
+    crate::say!(
+        "held-out loss before: {eval_before:.4} (perplexity {:.2})",
+        eval_before.exp()
+    );
     pipe.set_train(true);
     let lc = LoopConfig {
         start: 0,
@@ -309,8 +322,9 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
     pipe.set_train(false);
     let eval_after = eval_loss(&mut pipe, &val, b, t)?;
     crate::say!(
-        "held-out loss after {} steps: {eval_after:.4}",
-        r.losses.len()
+        "held-out loss after {} steps: {eval_after:.4} (perplexity {:.2})",
+        r.losses.len(),
+        eval_after.exp()
     );
     let (generated, generated_text) = match &args.prompt {
         Some(prompt) => {
@@ -446,6 +460,22 @@ impl Text {
             None => Ok(self.data.decode(ids)),
         }
     }
+}
+
+/// Makes the parameters of layers `0..layers` untrainable (the embedding first), and every tied
+/// parameter: the only ties of a Llama or a GPT-2 are the head's to the embedding's table, which
+/// is always frozen here, and a rank holding the head alone knows its tie group, not the
+/// table's layer. The number of tensors frozen on this rank.
+fn freeze_first(pipe: &Pipeline, layers: usize) -> usize {
+    let layer_of = |name: &str| name.split('.').next().and_then(|l| l.parse::<usize>().ok());
+    let mut frozen = 0;
+    for (name, p) in pipe.named_parameters() {
+        if layer_of(&name).is_some_and(|l| l < layers) || p.tie_group().is_some() {
+            p.set_trainable(false);
+            frozen += 1;
+        }
+    }
+    frozen
 }
 
 /// Writes the pipeline's model into `dir` as a Hugging Face folder: each device's stages as

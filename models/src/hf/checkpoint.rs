@@ -121,6 +121,11 @@ impl HfCheckpoint {
         self.entries.contains_key(name)
     }
 
+    /// The shape tensor `name` is stored with.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.entries.get(name).map(|e| e.shape.as_slice())
+    }
+
     /// Tensor `name` as f32 on `dev`, which must have `shape`; `wanted_by` says who asked (a
     /// stage and layer) in the error for a missing tensor.
     pub fn read(
