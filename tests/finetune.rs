@@ -6,6 +6,24 @@ use std::path::{Path, PathBuf};
 
 use wgpipe_apps::finetune_lm::{run, FinetuneArgs};
 
+/// `--trace` and `--timeline` into a folder of the test's own (the tests run side by side).
+fn outputs(test: &str) -> Vec<String> {
+    let dir =
+        std::env::temp_dir().join(format!("wgpipe-finetune-out-{}-{test}", std::process::id()));
+    ["trace.json", "timeline.svg"]
+        .iter()
+        .zip(["--trace", "--timeline"])
+        .flat_map(|(f, flag)| [flag.to_string(), dir.join(f).display().to_string()])
+        .collect()
+}
+
+/// `flags` and [`outputs`] for `test`.
+fn parse(flags: Vec<&str>, test: &str) -> FinetuneArgs {
+    let mut all: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
+    all.extend(outputs(test));
+    FinetuneArgs::parse_from_args(all).unwrap()
+}
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("models/tests/fixtures")
@@ -43,7 +61,7 @@ fn finetune_lm_trains_a_gpt2_folder_and_its_save_resumes_exactly() {
             steps,
         ];
         v.extend_from_slice(extra);
-        FinetuneArgs::parse_from_args(v).unwrap()
+        parse(v, "gpt2")
     };
     let save = out.display().to_string();
     let trained = run(args(&fixture("gpt2"), "40", &["--save-hf", &save])).unwrap();
@@ -111,18 +129,18 @@ fn finetune_lm_generates_like_transformers_and_fine_tunes_on_a_text_file() {
         "--new-tokens",
         "12",
     ]);
-    let r = run(FinetuneArgs::parse_from_args(flags.clone()).unwrap()).unwrap();
+    let r = run(parse(flags.clone(), "generate")).unwrap();
     assert_eq!(r.generated, want, "greedy ids with the KV cache");
     assert!(r.generated_text.chars().count() > 0);
     flags.push("--no-kv-cache");
-    let uncached = run(FinetuneArgs::parse_from_args(flags).unwrap()).unwrap();
+    let uncached = run(parse(flags, "generate")).unwrap();
     assert_eq!(uncached.generated, want, "greedy ids without it");
 
     let readme = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
     let readme = readme.display().to_string();
     let mut flags: Vec<&str> = base.to_vec();
     flags.extend(["--steps", "30", "--lr", "3e-3", "--data", &readme]);
-    let r = run(FinetuneArgs::parse_from_args(flags).unwrap()).unwrap();
+    let r = run(parse(flags, "generate")).unwrap();
     assert!(
         r.eval_after < r.eval_before - 0.3,
         "held-out loss {} -> {}",
@@ -170,7 +188,7 @@ fn finetune_lm_freezes_the_first_layers_and_evaluates_alike_at_any_k() {
             "off",
         ];
         v.extend_from_slice(extra);
-        run(FinetuneArgs::parse_from_args(v).unwrap()).unwrap()
+        run(parse(v, "freeze")).unwrap()
     };
     let one = run_with("1", &["--steps", "0"]);
     let two = run_with("2", &["--steps", "0"]);

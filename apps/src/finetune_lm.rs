@@ -21,6 +21,7 @@ use crate::autograd::{AdamW, Module, Var};
 use crate::error::{AppError, AppResult, Context};
 use crate::generate::{generate, Sampling};
 use crate::limits::{check_range, check_real};
+use crate::metrics::write_curves;
 use crate::models::data::tokenizer::{read_documents, HfTokenizer};
 use crate::models::data::TextDataset;
 use crate::models::hf::{
@@ -28,6 +29,7 @@ use crate::models::hf::{
     HfFolder,
 };
 use crate::models::{cross_entropy, Gpt2, Gpt2Config, Llama, LlamaConfig};
+use crate::output::{out_path, report_outputs};
 use crate::pipeline::Pipeline;
 use crate::plan::{build_or_plan, PlanRun};
 use crate::tensor::{DType, Device, Tensor};
@@ -326,6 +328,7 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
         r.losses.len(),
         eval_after.exp()
     );
+    write_outputs(&pipe, p, &r, eval_after, vocab)?;
     let (generated, generated_text) = match &args.prompt {
         Some(prompt) => {
             let ids = text.encode(prompt)?;
@@ -476,6 +479,37 @@ fn freeze_first(pipe: &Pipeline, layers: usize) -> usize {
         }
     }
     frozen
+}
+
+/// The loss curve (`loss.svg`), `--metrics`, and the last step's per-device table, trace and
+/// timeline, as the main job writes them.
+fn write_outputs(
+    pipe: &Pipeline,
+    p: &PipelineArgs,
+    r: &crate::train::LoopResult,
+    eval: f32,
+    vocab: usize,
+) -> AppResult<()> {
+    let trace = out_path(&p.trace, "trace.json");
+    let timeline = out_path(&p.timeline, "timeline.svg");
+    let uniform = vec![(format!("uniform ln({vocab})"), (vocab as f32).ln())];
+    write_curves(
+        &r.metrics,
+        Some((
+            "held_out_loss",
+            r.losses.len().saturating_sub(1) as u64,
+            eval,
+        )),
+        &uniform,
+        "finetune_lm: loss per step (nats/token)",
+        &timeline,
+        "loss.svg",
+        p.metrics.as_deref(),
+    )?;
+    if let Some(rep) = &r.last_report {
+        report_outputs(pipe, rep, "finetune_lm", &trace, &timeline)?;
+    }
+    Ok(())
 }
 
 /// Writes the pipeline's model into `dir` as a Hugging Face folder: each device's stages as

@@ -1305,6 +1305,8 @@ fn a_hugging_face_llama_fine_tuned_over_mpi_equals_one_process_and_saves_by_rank
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/llama_tied");
     let flags = |save: &Path| -> Vec<String> {
         let from = fixture.display().to_string();
+        let trace = save.with_extension("trace.json").display().to_string();
+        let timeline = save.with_extension("timeline.svg").display().to_string();
         let save = save.display().to_string();
         [
             "--from",
@@ -1336,6 +1338,10 @@ fn a_hugging_face_llama_fine_tuned_over_mpi_equals_one_process_and_saves_by_rank
             "0.8",
             "--top-k",
             "10",
+            "--trace",
+            &trace,
+            "--timeline",
+            &timeline,
         ]
         .map(String::from)
         .to_vec()
