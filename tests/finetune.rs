@@ -17,9 +17,31 @@ fn outputs(test: &str) -> Vec<String> {
         .collect()
 }
 
-/// `flags` and [`outputs`] for `test`.
-fn parse(flags: Vec<&str>, test: &str) -> FinetuneArgs {
-    let mut all: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
+/// The flags of a small run of the folder `from` (`--stages`, `--seq-len` as given; 2
+/// micro-batches of 2 sequences on simulated devices), then `extra` and [`outputs`] for `test`.
+fn small(from: &Path, stages: &str, seq_len: &str, extra: &[&str], test: &str) -> FinetuneArgs {
+    let from = from.display().to_string();
+    let mut all: Vec<String> = [
+        "--from",
+        &from,
+        "--quiet",
+        "--device",
+        "sim",
+        "--stages",
+        stages,
+        "--micro-batches",
+        "2",
+        "--batch",
+        "4",
+        "--seq-len",
+        seq_len,
+        "--plan",
+        "off",
+    ]
+    .iter()
+    .chain(extra)
+    .map(|f| f.to_string())
+    .collect();
     all.extend(outputs(test));
     FinetuneArgs::parse_from_args(all).unwrap()
 }
@@ -38,30 +60,9 @@ fn finetune_lm_trains_a_gpt2_folder_and_its_save_resumes_exactly() {
     let out = std::env::temp_dir().join(format!("wgpipe-finetune-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let args = |from: &Path, steps: &str, extra: &[&str]| {
-        let from = from.display().to_string();
-        let mut v = vec![
-            "--from",
-            &from,
-            "--quiet",
-            "--device",
-            "sim",
-            "--stages",
-            "2",
-            "--micro-batches",
-            "2",
-            "--batch",
-            "4",
-            "--seq-len",
-            "8",
-            "--lr",
-            "3e-3",
-            "--plan",
-            "off",
-            "--steps",
-            steps,
-        ];
+        let mut v = vec!["--lr", "3e-3", "--steps", steps];
         v.extend_from_slice(extra);
-        parse(v, "gpt2")
+        small(from, "2", "8", &v, "gpt2")
     };
     let save = out.display().to_string();
     let trained = run(args(&fixture("gpt2"), "40", &["--save-hf", &save])).unwrap();
@@ -102,25 +103,7 @@ fn finetune_lm_generates_like_transformers_and_fine_tunes_on_a_text_file() {
         .iter()
         .map(|v| v.as_u64().unwrap() as u32)
         .collect();
-    let from = dir.display().to_string();
-    let base = [
-        "--from",
-        &from,
-        "--quiet",
-        "--device",
-        "sim",
-        "--stages",
-        "2",
-        "--micro-batches",
-        "2",
-        "--batch",
-        "4",
-        "--seq-len",
-        "16",
-        "--plan",
-        "off",
-    ];
-    let mut flags: Vec<&str> = base.to_vec();
+    let mut flags: Vec<&str> = Vec::new();
     flags.extend([
         "--steps",
         "0",
@@ -129,18 +112,18 @@ fn finetune_lm_generates_like_transformers_and_fine_tunes_on_a_text_file() {
         "--new-tokens",
         "12",
     ]);
-    let r = run(parse(flags.clone(), "generate")).unwrap();
+    let r = run(small(&dir, "2", "16", &flags, "generate")).unwrap();
     assert_eq!(r.generated, want, "greedy ids with the KV cache");
     assert!(r.generated_text.chars().count() > 0);
     flags.push("--no-kv-cache");
-    let uncached = run(parse(flags, "generate")).unwrap();
+    let uncached = run(small(&dir, "2", "16", &flags, "generate")).unwrap();
     assert_eq!(uncached.generated, want, "greedy ids without it");
 
     let readme = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
     let readme = readme.display().to_string();
-    let mut flags: Vec<&str> = base.to_vec();
+    let mut flags: Vec<&str> = Vec::new();
     flags.extend(["--steps", "30", "--lr", "3e-3", "--data", &readme]);
-    let r = run(parse(flags, "generate")).unwrap();
+    let r = run(small(&dir, "2", "16", &flags, "generate")).unwrap();
     assert!(
         r.eval_after < r.eval_before - 0.3,
         "held-out loss {} -> {}",
@@ -167,29 +150,9 @@ fn finetune_lm_freezes_the_first_layers_and_evaluates_alike_at_any_k() {
     let dir = fixture("llama_tok");
     let out = std::env::temp_dir().join(format!("wgpipe-freeze-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let from = dir.display().to_string();
     let save = out.display().to_string();
-    let run_with = |stages: &str, extra: &[&str]| {
-        let mut v = vec![
-            "--from",
-            &from,
-            "--quiet",
-            "--device",
-            "sim",
-            "--stages",
-            stages,
-            "--micro-batches",
-            "2",
-            "--batch",
-            "4",
-            "--seq-len",
-            "16",
-            "--plan",
-            "off",
-        ];
-        v.extend_from_slice(extra);
-        run(parse(v, "freeze")).unwrap()
-    };
+    let run_with =
+        |stages: &str, extra: &[&str]| run(small(&dir, stages, "16", extra, "freeze")).unwrap();
     let one = run_with("1", &["--steps", "0"]);
     let two = run_with("2", &["--steps", "0"]);
     assert_eq!(one.eval_before.to_bits(), two.eval_before.to_bits());

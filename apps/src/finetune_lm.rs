@@ -21,14 +21,15 @@ use crate::autograd::{AdamW, Module, Var};
 use crate::error::{AppError, AppResult, Context};
 use crate::generate::{generate, Sampling};
 use crate::limits::{check_range, check_real};
+use crate::lm::{held_out_loss, ids_tensor};
 use crate::metrics::write_curves;
+use crate::models::cross_entropy;
 use crate::models::data::tokenizer::{read_documents, HfTokenizer};
 use crate::models::data::TextDataset;
 use crate::models::hf::{
-    check_all_taken, checkpoint_factory, load_layers, save_shard, write_index, HfCheckpoint,
+    checkpoint_factory, gpt2_of, llama_of, load_layers, save_shard, write_index, HfCheckpoint,
     HfFolder,
 };
-use crate::models::{cross_entropy, Gpt2, Gpt2Config, Llama, LlamaConfig};
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::Pipeline;
 use crate::plan::{build_or_plan, PlanRun};
@@ -160,27 +161,15 @@ pub fn run(args: FinetuneArgs) -> AppResult<FinetuneSummary> {
     let checkpoint = Arc::new(HfCheckpoint::open(&args.from).context("--from")?);
     match model_type.as_deref() {
         Some("llama") => {
-            let llama = Llama {
-                config: LlamaConfig::from_file(&config).context("--from")?,
-            };
-            let sizes = [
-                llama.config.vocab_size,
-                llama.config.max_position_embeddings,
-            ];
-            run_model(&args, llama, checkpoint, sizes, true)
+            let llama = llama_of(&args.from).context("--from")?;
+            let c = &llama.config;
+            let sizes = [c.vocab_size, c.max_position_embeddings];
+            run_model(&args, llama, checkpoint, sizes, "Llama", true)
         }
         Some("gpt2") => {
-            let prefix = if checkpoint.contains("transformer.wte.weight") {
-                "transformer."
-            } else {
-                ""
-            };
-            let gpt2 = Gpt2 {
-                config: Gpt2Config::from_json(&text).context("--from")?,
-                prefix: prefix.into(),
-            };
+            let gpt2 = gpt2_of(&args.from, &checkpoint).context("--from")?;
             let sizes = [gpt2.config.vocab_size, gpt2.config.n_positions];
-            run_model(&args, gpt2, checkpoint, sizes, false)
+            run_model(&args, gpt2, checkpoint, sizes, "GPT-2", false)
         }
         other => Err(AppError(format!(
             "--from: {} has model_type {other:?}; this example fine-tunes \"llama\" and \"gpt2\"",
@@ -197,13 +186,14 @@ fn load_whole<M: HfFolder>(
     load_layers(model, checkpoint, 0..model.num_layers(), &Device::cpu()).context("--from")
 }
 
-/// [`run`] for one kind of model, of `[vocabulary, positions]` (the longest sequence it takes),
-/// whose attention layers keep a KV cache or not (`caches`).
-fn run_model<M: HfFolder + std::fmt::Debug>(
+/// [`run`] for one kind of model (`kind`, as printed), of `[vocabulary, positions]` (the longest
+/// sequence it takes), whose attention layers keep a KV cache or not (`caches`).
+fn run_model<M: HfFolder>(
     args: &FinetuneArgs,
     model: M,
     checkpoint: Arc<HfCheckpoint>,
     [vocab, positions]: [usize; 2],
+    kind: &str,
     caches: bool,
 ) -> AppResult<FinetuneSummary> {
     let p = &args.pipe;
@@ -227,7 +217,7 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
         let device = placement.build_device(true);
         Model::Factory(checkpoint_factory(&model, checkpoint.clone(), &device).context("--from")?)
     } else {
-        check_all_taken(&model, &checkpoint).context("--from")?;
+        // Loading the whole model refuses tensors no layer takes, as the factory checks first.
         Model::Layers(load_whole(&model, &checkpoint)?)
     };
     let copies = (1..p.local_replicas())
@@ -270,15 +260,8 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
     )?;
     let load_secs = started.elapsed().as_secs_f64();
     let parameters: usize = pipe.stages().iter().map(|s| s.num_params()).sum();
-    let name = format!("{model:?}");
-    let short = name
-        .split(['{', '('])
-        .next()
-        .unwrap_or("model")
-        .trim()
-        .to_string();
     crate::say!(
-        "{short} from {}: {n} layers, vocab {vocab}, {parameters} parameters (a tied table once per copy); loaded in {load_secs:.1} s",
+        "{kind} from {}: {n} layers, vocab {vocab}, {parameters} parameters (a tied table once per copy); loaded in {load_secs:.1} s",
         args.from.display()
     );
     crate::say!("devices: {}", placement.description);
@@ -292,7 +275,7 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
             "frozen: the embedding and {n} decoder layer(s), {frozen} tensors on this rank"
         );
     }
-    let eval_before = eval_loss(&mut pipe, &val, b, t)?;
+    let eval_before = held_out_loss(&mut pipe, &val, b, t, 4)?;
     crate::say!(
         "held-out loss before: {eval_before:.4} (perplexity {:.2})",
         eval_before.exp()
@@ -322,7 +305,7 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
         &loss_fn,
     )?;
     pipe.set_train(false);
-    let eval_after = eval_loss(&mut pipe, &val, b, t)?;
+    let eval_after = held_out_loss(&mut pipe, &val, b, t, 4)?;
     crate::say!(
         "held-out loss after {} steps: {eval_after:.4} (perplexity {:.2})",
         r.losses.len(),
@@ -377,7 +360,7 @@ fn run_model<M: HfFolder + std::fmt::Debug>(
         );
     }
     Ok(FinetuneSummary {
-        model: short,
+        model: kind.to_string(),
         parameters,
         load_secs,
         eval_before,
@@ -536,30 +519,7 @@ fn batch_tensors(
     step: u64,
 ) -> AppResult<(Tensor, Tensor)> {
     let (x, y) = data.batch(b, t, seed, step)?;
-    Ok((ids(&x, &[b, t])?, ids(&y, &[b, t])?))
-}
-
-fn ids(v: &[u32], shape: &[usize]) -> AppResult<Tensor> {
-    let v: Vec<f32> = v.iter().map(|&i| i as f32).collect();
-    Ok(Tensor::from_vec(v, shape, &Device::cpu())?)
-}
-
-/// Mean loss over up to 4 held-out batches through the stages (`Pipeline::evaluate`).
-fn eval_loss(pipe: &mut Pipeline, val: &TextDataset, b: usize, t: usize) -> AppResult<f32> {
-    let batches = val.eval_batches(b, t)?;
-    let n = batches.len().min(4);
-    if n == 0 {
-        return Err(AppError(format!(
-            "the held-out text is too short for one batch of {b} x {t}"
-        )));
-    }
-    let mut sum = 0.0;
-    for (x, y) in batches.iter().take(n) {
-        sum += pipe.evaluate(&ids(x, &[b, t])?, &ids(y, &[b, t])?, &|l, t| {
-            cross_entropy(l, t)
-        })?;
-    }
-    Ok(sum / n as f32)
+    Ok((ids_tensor(&x, &[b, t])?, ids_tensor(&y, &[b, t])?))
 }
 
 /// This process's peak resident memory, from /proc/self/status (Linux).

@@ -7,9 +7,10 @@
 //! runs the whole window again (`Pipeline::predict`), for models whose layers keep no cache.
 
 use crate::error::AppResult;
+use crate::lm::ids_tensor;
 use crate::pipeline::Pipeline;
 use crate::tensor::rng::SplitMix64;
-use crate::tensor::{Device, Tensor};
+use crate::tensor::Tensor;
 
 /// How each next token is drawn.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -76,11 +77,11 @@ pub fn generate(
             (seqs[0].len() - seqs[0].len().min(context), None)
         };
         let t = seqs[0].len() - from;
-        let ids: Vec<f32> = seqs
+        let ids: Vec<u32> = seqs
             .iter()
-            .flat_map(|s| s[from..].iter().map(|&i| i as f32))
+            .flat_map(|s| s[from..].iter().copied())
             .collect();
-        let ids = Tensor::from_vec(ids, &[rows, t], &Device::cpu())?;
+        let ids = ids_tensor(&ids, &[rows, t])?;
         let head = move |logits: &Tensor| logits.narrow(1, t - 1, 1);
         let last = match position {
             Some(p) => pipe.predict_cached(&ids, p, &head)?,

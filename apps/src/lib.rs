@@ -11,6 +11,7 @@
 //! - [`plan`]: `--plan`, the pipeline chosen by the planner;
 //! - [`files`]: `--save` / `--resume` checkpoint files (through `wgpipe_pipeline::train::persist`);
 //! - [`train`]: the training loop and Ctrl-C;
+//! - [`lm`]: token ids as tensors and the held-out loss, for the language-model examples;
 //! - [`generate`]: text generation through the pipeline (greedy, temperature, top-k, top-p);
 //! - [`output`]: the progress bar, the per-device table, the trace and the SVG timeline;
 //! - [`metrics`]: `--metrics` (JSON Lines) and the loss-curve SVG;
@@ -28,6 +29,7 @@ pub mod error;
 pub mod files;
 pub mod generate;
 pub mod limits;
+pub mod lm;
 pub mod metrics;
 pub mod output;
 pub mod peak;

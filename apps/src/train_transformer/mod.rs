@@ -21,6 +21,7 @@ use crate::args::{describe_replicas, describe_stages, Model, PipelineArgs};
 use crate::error::{AppError, AppResult, Context};
 use crate::files::{load_pipeline, save_pipeline};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
+use crate::lm::{held_out_loss, ids_tensor};
 use crate::metrics::write_curves;
 use crate::models::data::TextDataset;
 use crate::models::{cross_entropy, TransformerLm};
@@ -128,11 +129,6 @@ pub struct TrainSummary {
     pub plan: Option<crate::pipeline::PlanReport>,
 }
 
-fn ids_tensor(ids: &[u32], shape: &[usize]) -> AppResult<Tensor> {
-    let v: Vec<f32> = ids.iter().map(|&i| i as f32).collect();
-    Ok(Tensor::from_vec(v, shape, &Device::cpu())?)
-}
-
 /// Loads the text: the file given, or the synthetic corpus.
 fn load_data(args: &TransformerArgs) -> AppResult<(TextDataset, String)> {
     match &args.data {
@@ -151,38 +147,6 @@ fn load_data(args: &TransformerArgs) -> AppResult<(TextDataset, String)> {
             Ok((d, what))
         }
     }
-}
-
-/// Mean loss over up to `max_batches` held-out batches, through `Pipeline::evaluate`: a
-/// forward-only schedule across the stages (and ranks), so that no process needs the whole
-/// model. Each batch's loss weighs its micro-batches by their rows, as a training step's does.
-fn eval_loss(
-    pipe: &mut Pipeline,
-    val: &TextDataset,
-    batch: usize,
-    seq_len: usize,
-    max_batches: usize,
-) -> AppResult<f32> {
-    let rows = batch
-        .min(val.len().saturating_sub(1) / seq_len)
-        .max(pipe.num_micro_batches());
-    let batches = val.eval_batches(rows, seq_len)?;
-    if batches.is_empty() {
-        bail!(
-            "the held-out text ({} tokens) is too short for one batch of {rows} x {seq_len}",
-            val.len()
-        );
-    }
-    let mut sum = 0.0;
-    let n = batches.len().min(max_batches);
-    for (x, y) in batches.iter().take(n) {
-        sum += pipe.evaluate(
-            &ids_tensor(x, &[rows, seq_len])?,
-            &ids_tensor(y, &[rows, seq_len])?,
-            &|logits, t| cross_entropy(logits, t),
-        )?;
-    }
-    Ok(sum / n as f32)
 }
 
 /// The flags' ranges and the rules between them, checked before anything is allocated.
@@ -558,7 +522,7 @@ fn report_held_out_loss(
     let (wall, tokens_per_sec) = (r.wall_secs, r.items_per_sec);
     let (end_step, losses) = (r.end_step(start_step), &r.losses);
     pipe.set_train(false);
-    let eval = eval_loss(pipe, val, args.batch, args.seq_len, 8)?;
+    let eval = held_out_loss(pipe, val, args.batch, args.seq_len, 8)?;
     if let (Some(first), Some(last)) = (losses.first(), losses.last()) {
         let k = losses.len().min(10);
         let tail = r.tail_loss(k);

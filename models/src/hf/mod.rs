@@ -25,12 +25,17 @@ pub fn load_llama(
     range: Range<usize>,
     dev: &Device,
 ) -> Result<(Llama, Vec<Box<dyn Module>>)> {
-    let llama = Llama {
-        config: LlamaConfig::from_file(&dir.join("config.json"))?,
-    };
+    let llama = llama_of(dir)?;
     let checkpoint = HfCheckpoint::open(dir)?;
     let layers = load_layers(&llama, &checkpoint, range, dev)?;
     Ok((llama, layers))
+}
+
+/// The Llama of folder `dir`, from its `config.json`.
+pub fn llama_of(dir: &Path) -> Result<Llama> {
+    Ok(Llama {
+        config: LlamaConfig::from_file(&dir.join("config.json"))?,
+    })
 }
 
 /// Layers `range` of the GPT-2 in folder `dir`, whether its names start with `transformer.`
@@ -40,12 +45,20 @@ pub fn load_gpt2(
     range: Range<usize>,
     dev: &Device,
 ) -> Result<(Gpt2, Vec<Box<dyn Module>>)> {
+    let checkpoint = HfCheckpoint::open(dir)?;
+    let gpt2 = gpt2_of(dir, &checkpoint)?;
+    let layers = load_layers(&gpt2, &checkpoint, range, dev)?;
+    Ok((gpt2, layers))
+}
+
+/// The GPT-2 of folder `dir`: its `config.json`, its names under `transformer.` or not as
+/// `checkpoint` (the folder's) has them.
+pub fn gpt2_of(dir: &Path, checkpoint: &HfCheckpoint) -> Result<Gpt2> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| Error::Invalid {
         op: "load_gpt2",
         msg: format!("{}: {e}", path.display()),
     })?;
-    let checkpoint = HfCheckpoint::open(dir)?;
     let prefix = if checkpoint.contains("transformer.wte.weight") {
         "transformer."
     } else {
@@ -61,8 +74,7 @@ pub fn load_gpt2(
         })?,
         prefix: prefix.into(),
     };
-    let layers = load_layers(&gpt2, &checkpoint, range, dev)?;
-    Ok((gpt2, layers))
+    Ok(gpt2)
 }
 
 /// Layers `range` of `model`, each parameter read from `checkpoint` under its key (transposed
