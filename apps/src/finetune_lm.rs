@@ -9,7 +9,7 @@
 //! out; without `--data`, the built-in synthetic corpus, its characters taken as token ids.
 //! `--prompt` prints the model's continuation after training.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,6 +19,7 @@ use crate::args::{describe_stages, Model, PipelineArgs};
 use crate::autograd::optim::{AdamConfig, LrSchedule};
 use crate::autograd::{AdamW, Module, Var};
 use crate::error::{AppError, AppResult, Context};
+use crate::finetune::{freeze_first, save_folder};
 use crate::generate::{generate, Sampling};
 use crate::limits::{check_range, check_real};
 use crate::lm::{held_out_loss, ids_tensor};
@@ -27,8 +28,7 @@ use crate::models::cross_entropy;
 use crate::models::data::tokenizer::{read_documents, HfTokenizer};
 use crate::models::data::TextDataset;
 use crate::models::hf::{
-    checkpoint_factory, gpt2_of, llama_of, load_layers, save_shard, write_index, HfCheckpoint,
-    HfFolder,
+    checkpoint_factory, gpt2_of, llama_of, load_layers, HfCheckpoint, HfFolder,
 };
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::Pipeline;
@@ -347,7 +347,7 @@ fn run_model<M: HfFolder>(
         None => (Vec::new(), String::new()),
     };
     if let Some(dir) = &args.save_hf {
-        save_folder(&mut pipe, &model, dir, args.save_dtype)?;
+        save_folder(&mut pipe, &model, dir, args.save_dtype, "--save-hf")?;
         crate::say!("saved to {} ({:?})", dir.display(), args.save_dtype);
     }
     let peak_resident_bytes = peak_resident_bytes();
@@ -448,22 +448,6 @@ impl Text {
     }
 }
 
-/// Makes the parameters of layers `0..layers` untrainable (the embedding first), and every tied
-/// parameter: the only ties of a Llama or a GPT-2 are the head's to the embedding's table, which
-/// is always frozen here, and a rank holding the head alone knows its tie group, not the
-/// table's layer. The number of tensors frozen on this rank.
-fn freeze_first(pipe: &Pipeline, layers: usize) -> usize {
-    let layer_of = |name: &str| name.split('.').next().and_then(|l| l.parse::<usize>().ok());
-    let mut frozen = 0;
-    for (name, p) in pipe.named_parameters() {
-        if layer_of(&name).is_some_and(|l| l < layers) || p.tie_group().is_some() {
-            p.set_trainable(false);
-            frozen += 1;
-        }
-    }
-    frozen
-}
-
 /// The loss curve (`loss.svg`), `--metrics`, and the last step's per-device table, trace and
 /// timeline, as the main job writes them.
 fn write_outputs(
@@ -493,22 +477,6 @@ fn write_outputs(
         report_outputs(pipe, rep, "finetune_lm", &trace, &timeline)?;
     }
     Ok(())
-}
-
-/// Writes the pipeline's model into `dir` as a Hugging Face folder: each device's stages as
-/// one shard, by the process that trains them, then (rank 0) the index and config.json.
-fn save_folder<M: HfFolder>(
-    pipe: &mut Pipeline,
-    model: &M,
-    dir: &Path,
-    dtype: DType,
-) -> AppResult<()> {
-    let k = pipe.num_devices();
-    pipe.write_by_device(
-        |d, params| save_shard(dir, model, params, d, k, dtype).map_err(|e| e.to_string()),
-        || write_index(dir, model, k, dtype).map_err(|e| e.to_string()),
-    )
-    .map_err(|e| AppError(format!("--save-hf {}: {e}", dir.display())))
 }
 
 fn batch_tensors(

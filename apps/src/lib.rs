@@ -11,6 +11,10 @@
 //! - [`plan`]: `--plan`, the pipeline chosen by the planner;
 //! - [`files`]: `--save` / `--resume` checkpoint files (through `wgpipe_pipeline::train::persist`);
 //! - [`train`]: the training loop and Ctrl-C;
+//! - [`finetune`]: freezing the first layers and saving a Hugging Face / timm folder, for
+//!   both fine-tuning examples;
+//! - [`cnn_data`]: train_cnn's images (synthetic, CIFAR-10, MNIST, image folders) and accuracy;
+//! - [`bit`]: train_cnn's `--from`, a BiT ResNetV2 from a timm checkpoint with a fresh head;
 //! - [`lm`]: token ids as tensors and the held-out loss, for the language-model examples;
 //! - [`generate`]: text generation through the pipeline (greedy, temperature, top-k, top-p);
 //! - [`output`]: the progress bar, the per-device table, the trace and the SVG timeline;
@@ -25,8 +29,11 @@ pub use wgpipe_pipeline as pipeline;
 pub use wgpipe_tensor as tensor;
 
 pub mod args;
+pub mod bit;
+pub mod cnn_data;
 pub mod error;
 pub mod files;
+pub mod finetune;
 pub mod generate;
 pub mod limits;
 pub mod lm;

@@ -81,11 +81,25 @@ impl LoopResult {
 pub fn train_loop(
     pipe: &mut Pipeline,
     cfg: &LoopConfig<'_>,
-    mut batch: impl FnMut(u64) -> AppResult<(Tensor, Tensor)>,
+    batch: impl FnMut(u64) -> AppResult<(Tensor, Tensor)>,
     loss_fn: &LossFn,
 ) -> AppResult<LoopResult> {
+    train_loop_evaluated(pipe, cfg, None, batch, loss_fn, |_, _| Ok(()))
+}
+
+/// [`train_loop`], calling `evaluate(pipe, step)` after every step that is a multiple of
+/// `every` (an epoch's end) and after the last step, `step` being the number of steps done.
+/// The steps run back to back between evaluations; the evaluation's time is not counted in
+/// the throughput. Not called after a step that Ctrl-C or `--stop-at` stopped the loop at.
+pub fn train_loop_evaluated(
+    pipe: &mut Pipeline,
+    cfg: &LoopConfig<'_>,
+    every: Option<u64>,
+    mut batch: impl FnMut(u64) -> AppResult<(Tensor, Tensor)>,
+    loss_fn: &LossFn,
+    mut evaluate: impl FnMut(&mut Pipeline, u64) -> AppResult<()>,
+) -> AppResult<LoopResult> {
     let pb = progress_bar(cfg.start, cfg.steps, cfg.quiet);
-    let clock = std::time::Instant::now();
     let mut r = LoopResult {
         losses: Vec::new(),
         metrics: Vec::new(),
@@ -97,98 +111,94 @@ pub fn train_loop(
     };
     let log_every = (cfg.steps / 10).max(1);
     let mut items = 0usize;
+    // Training time only: the evaluations between spans are left out.
+    let mut trained_secs = 0.0;
     // One learning rate for every stage of every replica (all step together): replicas with
     // their own rates would drift apart. train_steps sets it before each step from the
     // optimizer steps done; the metrics follow the same count (a skipped step does not add).
     let lr = |done: u64| cfg.schedule.lr_at(cfg.base_lr, done);
     let mut done = pipe.optimizers().first().map(|o| o.steps());
-    let opts = StepsOptions {
-        steps: cfg.steps.saturating_sub(cfg.start),
-        clip: cfg.clip,
-        lr: Some(&lr),
-        step_at_a_time: false,
-    };
-    // The batch's own error comes back as it was (train_steps carries it as text).
-    let mut batch_error = None;
-    let ran = pipe.train_steps(
-        &opts,
-        |i| {
-            batch(cfg.start + i).map_err(|e| {
-                let msg = e.to_string();
-                batch_error = Some(e);
-                PipelineError::Config(msg)
-            })
-        },
-        loss_fn,
-        |report| {
-            let step = cfg.start + r.losses.len() as u64;
-            items += cfg.items_per_step;
-            r.losses.push(report.loss);
-            let elapsed = clock.elapsed().as_secs_f64();
-            r.metrics.push(crate::metrics::StepMetrics {
-                step,
-                loss: report.loss,
-                items_per_sec: items as f64 / elapsed,
-                bubble: report.bubble_fraction(),
-                lr: done.map_or(cfg.base_lr, lr),
-                loss_scale: report.loss_scale,
-                skipped: report.skipped.is_some(),
-            });
-            if report.skipped.is_none() {
-                done = done.map(|d| d + 1);
-            }
-            let msg = format!(
-                "loss {:.3}  {:.0} {}/s  bubble {:.0}%{}",
-                report.loss,
-                items as f64 / elapsed,
-                cfg.unit,
-                report.bubble_fraction() * 100.0,
-                if report.simulated.is_some() {
-                    " (simulated)"
+    let mut span_start = cfg.start;
+    while span_start < cfg.steps && !r.interrupted {
+        let span_end = match every {
+            Some(e) if e > 0 => ((span_start / e + 1) * e).min(cfg.steps),
+            _ => cfg.steps,
+        };
+        let clock = std::time::Instant::now();
+        let opts = StepsOptions {
+            steps: span_end - span_start,
+            clip: cfg.clip,
+            lr: Some(&lr),
+            step_at_a_time: false,
+        };
+        // The batch's own error comes back as it was (train_steps carries it as text).
+        let mut batch_error = None;
+        let ran = pipe.train_steps(
+            &opts,
+            |i| {
+                batch(span_start + i).map_err(|e| {
+                    let msg = e.to_string();
+                    batch_error = Some(e);
+                    PipelineError::Config(msg)
+                })
+            },
+            loss_fn,
+            |report| {
+                let step = cfg.start + r.losses.len() as u64;
+                items += cfg.items_per_step;
+                r.losses.push(report.loss);
+                let elapsed = trained_secs + clock.elapsed().as_secs_f64();
+                r.metrics.push(crate::metrics::StepMetrics {
+                    step,
+                    loss: report.loss,
+                    items_per_sec: items as f64 / elapsed,
+                    bubble: report.bubble_fraction(),
+                    lr: done.map_or(cfg.base_lr, lr),
+                    loss_scale: report.loss_scale,
+                    skipped: report.skipped.is_some(),
+                });
+                if report.skipped.is_none() {
+                    done = done.map(|d| d + 1);
+                }
+                let msg = step_message(report, items as f64 / elapsed, cfg.unit);
+                pb.set_message(msg.clone());
+                pb.set_position(step + 1);
+                if cfg.quiet && ((step + 1).is_multiple_of(log_every) || step + 1 == cfg.steps) {
+                    crate::say!("step {:>5}/{}  {msg}", step + 1, cfg.steps);
+                }
+                r.last_report = Some(report.clone());
+                let why = if cfg.stop.load(Ordering::SeqCst) {
+                    Some("Ctrl-C")
+                } else if cfg.stop_at == Some(step + 1) && step + 1 < cfg.steps {
+                    Some("--stop-at")
                 } else {
-                    " (measured)"
+                    None
+                };
+                match why {
+                    Some(why) => {
+                        r.interrupted = true;
+                        pb.abandon();
+                        eprintln!("stopped by {why} after step {}", step + 1);
+                        ControlFlow::Break(())
+                    }
+                    None => ControlFlow::Continue(()),
                 }
-            );
-            // With loss scaling an overflowed step is skipped, not an error.
-            let msg = match (&report.skipped, report.loss_scale) {
-                (Some(at), Some(scale)) => format!(
-                    "{msg}  skipped: overflow at stage {} (scale {scale} halved)",
-                    at.stage
-                ),
-                _ => msg,
-            };
-            pb.set_message(msg.clone());
-            pb.set_position(step + 1);
-            if cfg.quiet && ((step + 1).is_multiple_of(log_every) || step + 1 == cfg.steps) {
-                crate::say!("step {:>5}/{}  {msg}", step + 1, cfg.steps);
+            },
+        );
+        trained_secs += clock.elapsed().as_secs_f64();
+        let ran = match (ran, batch_error) {
+            (Ok(ran), _) => ran,
+            (Err(_), Some(e)) => return Err(e),
+            (Err(e), None) => {
+                return Err(AppError(format!("{}: {}", e.context(span_start), e.error)));
             }
-            r.last_report = Some(report.clone());
-            let why = if cfg.stop.load(Ordering::SeqCst) {
-                Some("Ctrl-C")
-            } else if cfg.stop_at == Some(step + 1) && step + 1 < cfg.steps {
-                Some("--stop-at")
-            } else {
-                None
-            };
-            match why {
-                Some(why) => {
-                    r.interrupted = true;
-                    pb.abandon();
-                    eprintln!("stopped by {why} after step {}", step + 1);
-                    ControlFlow::Break(())
-                }
-                None => ControlFlow::Continue(()),
-            }
-        },
-    );
-    let ran = match (ran, batch_error) {
-        (Ok(ran), _) => ran,
-        (Err(_), Some(e)) => return Err(e),
-        (Err(e), None) => {
-            return Err(AppError(format!("{}: {}", e.context(cfg.start), e.error)));
+        };
+        r.path = Some(ran.path);
+        if !r.interrupted {
+            pb.suspend(|| evaluate(pipe, span_end))?;
         }
-    };
-    r.path = Some(ran.path);
+        span_start = span_end;
+    }
     pb.finish();
     if let Some(s) = pipe.loss_scaler() {
         crate::say!(
@@ -199,11 +209,33 @@ pub fn train_loop(
             r.losses.len()
         );
     }
-    r.wall_secs = clock.elapsed().as_secs_f64();
+    r.wall_secs = trained_secs;
     if r.wall_secs > 0.0 {
         r.items_per_sec = items as f64 / r.wall_secs;
     }
     Ok(r)
+}
+
+/// The progress line of a step: loss, throughput, bubble, and an overflow skip.
+fn step_message(report: &StepReport, rate: f64, unit: &str) -> String {
+    let msg = format!(
+        "loss {:.3}  {rate:.0} {unit}/s  bubble {:.0}%{}",
+        report.loss,
+        report.bubble_fraction() * 100.0,
+        if report.simulated.is_some() {
+            " (simulated)"
+        } else {
+            " (measured)"
+        }
+    );
+    // With loss scaling an overflowed step is skipped, not an error.
+    match (&report.skipped, report.loss_scale) {
+        (Some(at), Some(scale)) => format!(
+            "{msg}  skipped: overflow at stage {} (scale {scale} halved)",
+            at.stage
+        ),
+        _ => msg,
+    }
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! Image classification through a K-stage pipeline: a ResNet-style CNN or an AmoebaNet-D-style
-//! network on synthetic images (default), CIFAR-10 binaries or MNIST IDX files, with transfer
-//! learning (`--init` a previously trained model, a fresh head, optionally a frozen body).
+//! network on synthetic images (default), CIFAR-10 binaries, MNIST IDX files or an image folder,
+//! with transfer learning: `--init` a previously trained model, or `--from` a timm BiT
+//! ResNetV2 checkpoint; a fresh head, optionally a frozen body; held-out accuracy per epoch.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -14,17 +15,20 @@ use crate::bail;
 use std::sync::atomic::AtomicBool;
 
 use crate::args::{describe_replicas, describe_stages, PipelineArgs};
+use crate::bit::{open_bit, BitCheckpoint};
+use crate::cnn_data::{accuracy, images_tensor, load_images, ImageArgs, SYNTHETIC_SIDE};
 use crate::error::{AppResult, Context};
 use crate::files::{check_readable, is_optimizer_key, load_pipeline, save_pipeline};
+use crate::finetune::{freeze_first, save_folder};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
 use crate::metrics::write_curves;
-use crate::models::data::{read_cifar10_bins, read_mnist, ImageSet, SyntheticTask};
+use crate::models::data::ImageSet;
 use crate::models::{cross_entropy, factory, parameter_count, AmoebaNet, ResNet};
 use crate::output::{out_path, report_outputs};
 use crate::pipeline::{Pipeline, StepReport};
 use crate::plan::{build_or_plan, print_predicted_vs_measured, PlanRun};
-use crate::tensor::{Device, Tensor};
-use crate::train::{ctrl_c_flag, train_loop, LoopConfig};
+use crate::tensor::{DType, Device, Tensor};
+use crate::train::{ctrl_c_flag, train_loop_evaluated, LoopConfig};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum CnnModel {
@@ -32,23 +36,6 @@ pub enum CnnModel {
     Resnet,
     /// AmoebaNet-D-style: a stem, `--depth` normal cells per stage and 2 reduction cells.
     Amoebanet,
-}
-
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
-pub enum TaskArg {
-    /// Which shape is drawn (disc, square, cross, ring, ...).
-    Shapes,
-    /// The orientation of a grating.
-    Stripes,
-}
-
-impl From<TaskArg> for SyntheticTask {
-    fn from(t: TaskArg) -> SyntheticTask {
-        match t {
-            TaskArg::Shapes => SyntheticTask::Shapes,
-            TaskArg::Stripes => SyntheticTask::Stripes,
-        }
-    }
 }
 
 #[derive(Parser, Clone, Debug)]
@@ -68,27 +55,8 @@ pub struct CnnArgs {
     /// Blocks (ResNet) or normal cells (AmoebaNet) per stage; 3 stages.
     #[arg(long, default_value_t = 1)]
     pub depth: usize,
-    /// Synthetic task (when neither --cifar nor --mnist is given).
-    #[arg(long, value_enum, default_value_t = TaskArg::Shapes)]
-    pub task: TaskArg,
-    /// Classes of the synthetic task (2..=10).
-    #[arg(long, default_value_t = 10)]
-    pub classes: usize,
-    /// Side of the synthetic images in pixels (a multiple of 4 in 8..=4096).
-    #[arg(long, default_value_t = 16)]
-    pub image_size: usize,
-    /// Synthetic training images (another quarter as many are held out for testing).
-    #[arg(long, default_value_t = 4000)]
-    pub train_size: usize,
-    /// Keep only this many training images per class (few-shot fine-tuning).
-    #[arg(long)]
-    pub per_class: Option<usize>,
-    /// CIFAR-10 binary data: a file (data_batch_1.bin) or the folder cifar-10-batches-bin.
-    #[arg(long, conflicts_with = "mnist")]
-    pub cifar: Option<PathBuf>,
-    /// MNIST IDX files: images,labels (decompressed), e.g. train-images-idx3-ubyte,train-labels-idx1-ubyte.
-    #[arg(long)]
-    pub mnist: Option<String>,
+    #[command(flatten)]
+    pub data: ImageArgs,
     /// Total training steps (a resumed run continues up to this step).
     #[arg(long, default_value_t = 150)]
     pub steps: u64,
@@ -100,11 +68,27 @@ pub struct CnnArgs {
     pub lr: f32,
     /// Start from the weights of a previously trained model (safetensors, e.g. a --save file):
     /// every tensor whose name and shape match is loaded; the classifier head is always fresh.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "from")]
     pub init: Option<PathBuf>,
-    /// With --init: train only the new head (the body's parameters are frozen).
-    #[arg(long, requires = "init")]
+    /// Fine-tune a BiT ResNetV2 (timm's `resnetv2_50x1_bit` and family): its model.safetensors,
+    /// or the folder holding it and timm's config.json (whose mean and std prepare the
+    /// images; BiT's 0.5 and 0.5 without one). The head is replaced by a fresh one for the
+    /// data's classes; --model, --width and --depth do not apply.
+    #[arg(long, conflicts_with_all = ["model", "width", "depth"])]
+    pub from: Option<PathBuf>,
+    /// With --init or --from: train only the new head (the body's parameters are frozen).
+    #[arg(long, conflicts_with = "freeze")]
     pub freeze_body: bool,
+    /// With --init or --from: freeze the stem and the first N blocks (layers 0..=N).
+    #[arg(long)]
+    pub freeze: Option<usize>,
+    /// With --from: write the trained model as a timm folder (model.safetensors or shards,
+    /// config.json) into this directory.
+    #[arg(long, requires = "from")]
+    pub save_hf: Option<PathBuf>,
+    /// The dtype of --save-hf's tensors: f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub save_dtype: DType,
 }
 
 impl CnnArgs {
@@ -135,6 +119,8 @@ pub struct CnnSummary {
     pub losses: Vec<f32>,
     /// Accuracy on the held-out images after training.
     pub test_accuracy: f64,
+    /// `(steps done, held-out accuracy)` after every epoch and after the last step.
+    pub epoch_accuracy: Vec<(u64, f64)>,
     /// `1 / classes`.
     pub chance: f64,
     pub images_per_sec: f64,
@@ -149,154 +135,29 @@ pub struct CnnSummary {
     pub plan: Option<crate::pipeline::PlanReport>,
 }
 
-/// Train and test sets from the flags, normalised with the training set's statistics.
-fn load_images(args: &CnnArgs) -> AppResult<(ImageSet, ImageSet, String)> {
-    let (mut train, mut test, what) = if let Some(p) = &args.cifar {
-        let (train, test) = read_cifar(p)?;
-        (train, test, format!("CIFAR-10 from {}", p.display()))
-    } else if let Some(spec) = &args.mnist {
-        let v: Vec<&str> = spec.split(',').collect();
-        if v.len() != 2 {
-            bail!("--mnist {spec}: expected two files, images,labels");
-        }
-        let set = read_mnist(v[0], v[1]).context("--mnist")?;
-        let (train, test) = set.split(0.9)?;
-        (
-            train,
-            test,
-            format!("MNIST from {} (90% train, 10% test)", v[0]),
-        )
-    } else {
-        if !(2..=SyntheticTask::MAX_CLASSES).contains(&args.classes) {
-            bail!(
-                "--classes {} is outside the 2..={} classes of the synthetic tasks",
-                args.classes,
-                SyntheticTask::MAX_CLASSES
-            );
-        }
-        if args.image_size < 8 || !args.image_size.is_multiple_of(4) {
-            bail!(
-                "--image-size {} must be at least 8 and a multiple of 4",
-                args.image_size
-            );
-        }
-        let s = args.image_size;
-        let n_test = (args.train_size / 4).max(args.classes * 10);
-        let all = ImageSet::synthetic(
-            args.task.into(),
-            args.train_size + n_test,
-            3,
-            s,
-            s,
-            args.classes,
-            args.pipe.seed,
-        )?;
-        let (train, test) = all.split(args.train_size as f64 / all.n as f64)?;
-        (
-            train,
-            test,
-            format!(
-                "synthetic {:?} task, {} classes, {s}x{s} RGB",
-                args.task, args.classes
-            ),
-        )
-    };
-    if let Some(k) = args.per_class {
-        train = train.take_per_class(k);
-    }
-    if train.is_empty() || test.is_empty() {
-        bail!(
-            "no images to train on or to test with ({} train, {} test)",
-            train.n,
-            test.n
-        );
-    }
-    let (mean, std) = train.normalize();
-    test.normalize_with(&mean, &std)?;
-    let what = format!(
-        "{what}: {} training images, {} test images",
-        train.n, test.n
-    );
-    Ok((train, test, what))
-}
-
-/// A CIFAR-10 binary file (train on 90%, test on 10%) or the extracted folder (the five
-/// `data_batch_*.bin` to train, `test_batch.bin` to test).
-fn read_cifar(p: &Path) -> AppResult<(ImageSet, ImageSet)> {
-    if p.is_dir() {
-        let train: Vec<PathBuf> = (1..=5)
-            .map(|i| p.join(format!("data_batch_{i}.bin")))
-            .filter(|f| f.exists())
-            .collect();
-        let test = p.join("test_batch.bin");
-        if train.is_empty() || !test.exists() {
-            bail!(
-                "--cifar {}: the folder has no data_batch_*.bin and test_batch.bin",
-                p.display()
-            );
-        }
-        let tr = read_cifar10_bins(&train).context("--cifar")?;
-        let te = read_cifar10_bins(&[test]).context("--cifar")?;
-        Ok((tr, te))
-    } else {
-        let set = read_cifar10_bins(&[p]).context("--cifar")?;
-        Ok(set.split(0.9)?)
-    }
-}
-
-fn images_tensor(set: &ImageSet, idx: &[usize]) -> AppResult<(Tensor, Tensor)> {
-    let (px, labels) = set.batch(idx)?;
-    let cpu = Device::cpu();
-    let x = Tensor::from_vec(px, &[idx.len(), set.c, set.h, set.w], &cpu)?;
-    let y = Tensor::from_vec(
-        labels.iter().map(|&l| l as f32).collect(),
-        &[idx.len()],
-        &cpu,
-    )?;
-    Ok((x, y))
-}
-
-/// Accuracy on `set` through `Pipeline::predict` (a forward-only round across the stages and
-/// ranks, in eval mode; the last stage keeps each image's predicted class), in chunks of
-/// `chunk` images (at least M each; a last chunk smaller than M is merged into the one before).
-pub fn accuracy(pipe: &mut Pipeline, set: &ImageSet, chunk: usize) -> AppResult<f64> {
-    let m = pipe.num_micro_batches();
-    let chunk = chunk.max(m);
-    let mut correct = 0usize;
-    let mut start = 0;
-    while start < set.n {
-        let mut end = (start + chunk).min(set.n);
-        if set.n - end < m {
-            end = set.n;
-        }
-        if end - start < m {
-            break;
-        }
-        let idx: Vec<usize> = (start..end).collect();
-        let (x, _) = images_tensor(set, &idx)?;
-        let pred = pipe
-            .predict(&x, &|logits| logits.argmax(-1, false))?
-            .to_vec()?;
-        correct += pred
-            .iter()
-            .zip(&set.labels[start..end])
-            .filter(|(p, l)| **p as u32 == **l)
-            .count();
-        start = end;
-    }
-    Ok(correct as f64 / set.n.max(1) as f64)
-}
-
-fn build_model(args: &CnnArgs, train: &ImageSet) -> AppResult<Vec<Box<dyn Module>>> {
-    let factory = cnn_factory(args, train)?;
+fn build_model(
+    args: &CnnArgs,
+    train: &ImageSet,
+    bit: Option<&BitCheckpoint>,
+) -> AppResult<Vec<Box<dyn Module>>> {
+    let factory = cnn_factory(args, train, bit)?;
     factory
         .build_range(0..factory.num_layers())
         .context("building the model")
 }
 
 /// The chosen CNN for `train`'s images as a factory of layer ranges (the whole model, or
-/// under MPI only a rank's stages), after checking the flags and the images' size.
-fn cnn_factory(args: &CnnArgs, train: &ImageSet) -> AppResult<Arc<dyn ModelFactory>> {
+/// under MPI only a rank's stages), after checking the flags and the images' size: `bit`'s
+/// ResNetV2 with a head for the images' classes (`--from`), or a fresh `--model`.
+fn cnn_factory(
+    args: &CnnArgs,
+    train: &ImageSet,
+    bit: Option<&BitCheckpoint>,
+) -> AppResult<Arc<dyn ModelFactory>> {
+    if let Some(bit) = bit {
+        let model = bit.for_classes(train.num_classes);
+        return bit.factory(&model, args.pipe.seed, &Device::cpu());
+    }
     if args.width == 0 || args.depth == 0 {
         bail!("--width and --depth must be positive");
     }
@@ -373,23 +234,39 @@ fn init_from(pipe: &Pipeline, path: &Path) -> AppResult<(usize, Vec<String>)> {
 fn check_flags(args: &CnnArgs) -> AppResult<()> {
     check_range("width", args.width, 1, 4096)?;
     check_range("depth", args.depth, 1, 256)?;
-    check_range("image-size", args.image_size, 8, 4096)?;
-    check_range("train-size", args.train_size, 1, 10_000_000)?;
+    if let Some(side) = args.data.image_size {
+        check_range("image-size", side, 8, 4096)?;
+    }
+    if let Some(n) = args.freeze {
+        check_range("freeze", n, 0, 1 << 20)?;
+    }
+    if (args.freeze_body || args.freeze.is_some()) && args.init.is_none() && args.from.is_none() {
+        bail!("--freeze-body and --freeze keep a pretrained body: they need --init or --from");
+    }
+    check_range("train-size", args.data.train_size, 1, 10_000_000)?;
     check_range("batch", args.batch, 1, 1 << 20)?;
     check_range("steps", args.steps, 0, 1 << 40)?;
-    if let Some(k) = args.per_class {
+    if let Some(k) = args.data.per_class {
         check_range("per-class", k, 1, 10_000_000)?;
     }
     check_real("lr", args.lr as f64, 0.0, 10.0)?;
     if let Some(p) = &args.init {
         check_readable("init", p)?;
     }
-    let synthetic = args.cifar.is_none() && args.mnist.is_none();
+    if args.from.is_some() || args.data.images.is_some() {
+        // The estimate below is a fresh ResNet's on files of known size: a checkpoint's model
+        // and a folder's images are what they are, and are not estimated here.
+        return Ok(());
+    }
+    let synthetic = args.data.cifar.is_none() && args.data.mnist.is_none();
     let (side, n) = if synthetic {
-        let n = args.train_size + (args.train_size / 4).max(args.classes * 10);
-        (args.image_size as f64, n as f64)
+        let n = args.data.train_size + (args.data.train_size / 4).max(args.data.classes * 10);
+        (
+            args.data.image_size.unwrap_or(SYNTHETIC_SIDE) as f64,
+            n as f64,
+        )
     } else {
-        (32.0, 60_000.0)
+        (args.data.image_size.unwrap_or(32) as f64, 60_000.0)
     };
     let (w, depth, b) = (args.width as f64, args.depth as f64, args.batch as f64);
     // Three resolutions (full, 1/2, 1/4) of width w, 2w, 4w channels; 3x3 convolutions.
@@ -401,7 +278,7 @@ fn check_flags(args: &CnnArgs) -> AppResult<()> {
             bytes: n * 3.0 * side * side * 4.0 * if synthetic { 2.0 } else { 1.0 },
             flags: vec![
                 ("image-size", side, 16.0),
-                ("train-size", args.train_size as f64, 4000.0),
+                ("train-size", args.data.train_size as f64, 4000.0),
             ],
         },
         MemoryPart {
@@ -444,7 +321,9 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
     ];
     let p = &args.pipe;
     check_flags(&args)?;
-    let (train, test, data_what) = load_images(&args)?;
+    let bit = args.from.as_deref().map(open_bit).transpose()?;
+    let images = load_images(&args.data, p.seed, bit.as_ref().map(|b| &b.preprocessing))?;
+    let (train, test) = (&images.train, &images.test);
     let batch = args.batch.min(train.n);
     if batch < p.micro_batches {
         bail!(
@@ -453,19 +332,18 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
             p.micro_batches
         );
     }
-    let cnn = cnn_factory(&args, &train)?;
+    let cnn = cnn_factory(&args, train, bit.as_ref())?;
     let rank_local = p.builds_rank_local();
     let n_layers = cnn.num_layers();
-    p.validate(
-        n_layers,
-        &format!("{:?} with --depth {}", args.model, args.depth),
-        batch,
-        "images",
-    )?;
+    let model_name = match &bit {
+        Some(b) => format!("BiT ResNetV2 from {}", b.dir.display()),
+        None => format!("{:?} with --depth {}", args.model, args.depth),
+    };
+    p.validate(n_layers, &model_name, batch, "images")?;
     // Counted one layer at a time: no process holds the whole model to count it.
     let mut n_params = 0;
     for i in 0..n_layers {
-        let layer = cnn.build_range(i..i + 1).context("building the model")?;
+        let layer = cnn.describe_range(i..i + 1).context("building the model")?;
         n_params += parameter_count(&layer);
     }
     let model = if rank_local {
@@ -484,11 +362,11 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         weight_decay: 1e-4,
     };
     let copies = (1..p.local_replicas())
-        .map(|_| build_model(&args, &train))
+        .map(|_| build_model(&args, train, bit.as_ref()))
         .collect::<AppResult<Vec<_>>>()?;
     let loss_fn = |y: &Var, t: &Tensor| cross_entropy(y, t);
     let first = &train.shuffled_batches(batch, p.seed, 0)?[0];
-    let (x, y) = images_tensor(&train, first)?;
+    let (x, y) = images_tensor(train, first)?;
     let run = PlanRun {
         inputs: &x,
         targets: &y,
@@ -514,16 +392,29 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         move || Box::new(AdamW::with_config(adam)),
     )?;
 
-    crate::say!(
-        "{:?}: width {}, depth {}, {} layers, {} parameters, {} classes",
-        args.model,
-        args.width,
-        args.depth,
-        n_layers,
-        n_params,
-        train.num_classes
-    );
-    crate::say!("data: {data_what}");
+    match &bit {
+        Some(b) => crate::say!(
+            "BiT ResNetV2 from {}: blocks {:?}, channels {:?}, {} layers, {} parameters; \
+             its head for {} classes replaced by a fresh one for {}",
+            b.dir.display(),
+            b.pretrained.depths,
+            b.pretrained.channels,
+            n_layers,
+            n_params,
+            b.pretrained.num_classes,
+            train.num_classes
+        ),
+        None => crate::say!(
+            "{:?}: width {}, depth {}, {} layers, {} parameters, {} classes",
+            args.model,
+            args.width,
+            args.depth,
+            n_layers,
+            n_params,
+            train.num_classes
+        ),
+    }
+    crate::say!("data: {}", images.what);
     crate::say!("devices: {}", placement.description);
     crate::say_part!("{}", describe_stages(&pipe));
     crate::say_part!("{}", describe_replicas(p));
@@ -542,22 +433,32 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
                 skipped.join(", ")
             }
         );
-        if args.freeze_body {
-            let head = n_layers - 1;
-            let mut frozen = 0;
-            for (name, prm) in pipe.named_parameters() {
-                if name.split('.').next() != Some(head.to_string().as_str()) {
-                    prm.set_trainable(false);
-                    frozen += 1;
-                }
-            }
-            crate::say!("--freeze-body: {frozen} parameters frozen, only the head trains");
-        }
     }
-    let model_what = format!(
-        "{:?} width {} depth {}, {} classes, {}x{}x{} images",
-        args.model, args.width, args.depth, train.num_classes, train.c, train.h, train.w
-    );
+    if bit.is_some() {
+        // Every parameter but the head's two was read from the checkpoint.
+        let head = n_layers - 1;
+        loaded_tensors = pipe
+            .named_parameters()
+            .iter()
+            .filter(|(name, _)| layer_of(name) != Some(head))
+            .count();
+    }
+    freeze(&args, &pipe, n_layers);
+    let model_what = match &bit {
+        Some(b) => format!(
+            "BiT ResNetV2 blocks {:?} channels {:?}, {} classes, {}x{}x{} images",
+            b.pretrained.depths,
+            b.pretrained.channels,
+            train.num_classes,
+            train.c,
+            train.h,
+            train.w
+        ),
+        None => format!(
+            "{:?} width {} depth {}, {} classes, {}x{}x{} images",
+            args.model, args.width, args.depth, train.num_classes, train.c, train.h, train.w
+        ),
+    };
     let mut start_step = 0;
     if let Some(path) = &p.resume {
         start_step = load_pipeline(&mut pipe, path, &model_what, p.resume_other_settings)?.0;
@@ -582,16 +483,29 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         stop,
         stop_at: p.stop_at,
     };
-    let r = train_loop(
+    let mut epoch_accuracy = Vec::new();
+    let r = train_loop_evaluated(
         &mut pipe,
         &lc,
+        Some(steps_per_epoch),
         |step| {
             let epoch = step / steps_per_epoch;
             let i = (step % steps_per_epoch) as usize;
             let batches = train.shuffled_batches(batch, seed, epoch)?;
-            images_tensor(&train, &batches[i])
+            images_tensor(train, &batches[i])
         },
         &loss_fn,
+        |pipe, done| {
+            let acc = accuracy(pipe, test, 256)?;
+            crate::say!(
+                "epoch {:.2} (step {done}): held-out accuracy {:.1}% on {} images",
+                done as f64 / steps_per_epoch as f64,
+                acc * 100.0,
+                test.n
+            );
+            epoch_accuracy.push((done, acc));
+            Ok(())
+        },
     )?;
     // Over MPI each rank held and trained only its own stages. The accuracy is measured across the
     // ranks as they are; a one-file checkpoint holds the whole model, so such a `--save` (not a
@@ -602,7 +516,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         .as_deref()
         .is_some_and(|s| !crate::files::is_folder_path(s))
     {
-        pipe.gather_stages(|| build_model(&args, &train).unwrap_or_default())
+        pipe.gather_stages(|| build_model(&args, train, bit.as_ref()).unwrap_or_default())
             .map_err(|e| crate::error::AppError(format!("gathering the stages: {e}")))?;
     }
     let end_step = r.end_step(start_step);
@@ -612,13 +526,26 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
             path,
             &[
                 ("model".into(), model_what.clone()),
-                ("data".into(), data_what.clone()),
+                ("data".into(), images.what.clone()),
             ],
         )?;
         crate::say!("saved checkpoint at step {end_step} to {}", path.display());
     }
+    if let (Some(dir), Some(b)) = (&args.save_hf, &bit) {
+        let model = b.for_classes(train.num_classes);
+        save_folder(&mut pipe, &model, dir, args.save_dtype, "--save-hf")?;
+        crate::say!(
+            "saved to {} as timm writes it ({:?})",
+            dir.display(),
+            args.save_dtype
+        );
+    }
     pipe.set_train(false);
-    let acc = accuracy(&mut pipe, &test, 256)?;
+    // The last evaluation was after the last step, unless the loop was stopped early.
+    let acc = match epoch_accuracy.last() {
+        Some(&(done, acc)) if done == end_step => acc,
+        _ => accuracy(&mut pipe, test, 256)?,
+    };
     let chance = 1.0 / train.num_classes as f64;
     if let (Some(first), Some(last)) = (r.losses.first(), r.losses.last()) {
         crate::say!(
@@ -656,6 +583,7 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         start_step,
         num_params: n_params,
         test_accuracy: acc,
+        epoch_accuracy,
         chance,
         images_per_sec: r.items_per_sec,
         wall_secs: r.wall_secs,
@@ -667,4 +595,27 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         last_report: r.last_report,
         plan,
     })
+}
+
+/// The layer a pipeline's parameter name (`{layer}.{name}`) belongs to.
+fn layer_of(name: &str) -> Option<usize> {
+    name.split('.').next()?.parse().ok()
+}
+
+/// `--freeze-body` (every layer but the head) or `--freeze N` (layers 0..=N).
+fn freeze(args: &CnnArgs, pipe: &Pipeline, n_layers: usize) {
+    let layers = match (args.freeze_body, args.freeze) {
+        (true, _) => n_layers - 1,
+        (false, Some(n)) => (n + 1).min(n_layers - 1),
+        (false, None) => return,
+    };
+    let frozen = freeze_first(pipe, layers);
+    crate::say!(
+        "frozen: layers 0..{layers} ({frozen} parameters{}); the rest trains",
+        if args.freeze_body {
+            ", the whole body"
+        } else {
+            ""
+        }
+    );
 }

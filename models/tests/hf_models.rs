@@ -518,14 +518,9 @@ fn a_llama_saved_stage_by_stage_loads_like_one_file() {
 /// saying so, where there is none.
 #[test]
 fn transformers_loads_saved_models_and_agrees() {
-    let python = std::env::var("WGPIPE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let probe = std::process::Command::new(&python)
-        .args(["-c", "import torch, transformers"])
-        .output();
-    if !probe.is_ok_and(|o| o.status.success()) {
-        eprintln!("SKIPPED: {python} cannot import torch and transformers (set WGPIPE_PYTHON)");
+    let Some(python) = python_with("torch, transformers") else {
         return;
-    }
+    };
     for folder in ["llama_gqa", "llama_tied", "gpt2", "llama_tied by stage"] {
         let src = fixture_path(folder.trim_end_matches(" by stage"));
         let out = temp_dir(&format!("torch-{}", folder.replace(' ', "-")));
@@ -575,21 +570,7 @@ fn transformers_loads_saved_models_and_agrees() {
             out.display().to_string(),
             ids
         );
-        let run = std::process::Command::new(&python)
-            .args(["-c", &script])
-            .output()
-            .unwrap();
-        assert!(
-            run.status.success(),
-            "{}",
-            String::from_utf8_lossy(&run.stderr)
-        );
-        let theirs: Vec<f32> = String::from_utf8_lossy(&run.stdout)
-            .trim()
-            .trim_matches(|c| c == '[' || c == ']')
-            .split(',')
-            .map(|v| v.trim().parse().unwrap())
-            .collect();
+        let theirs = python_floats(&python, &script);
         let x = Tensor::from_vec(ids, &[2, t], &cpu()).unwrap();
         let ours = forward_all(&layers, &Tape::new().constant(x), &ForwardCtx::eval()).unwrap();
         assert_near(

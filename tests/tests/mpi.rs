@@ -806,6 +806,27 @@ fn large_activations_cross_ranks_from_their_storage_and_train_like_one_process()
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The summary that `program` (an example as one rank) writes, run by `mpirun -np 2` with
+/// `flags` and `--transport mpi`, into `dir`; fails the test, with the job's output, if it fails.
+fn summary_over_mpi(program: &str, dir: &Path, flags: Vec<String>) -> Value {
+    let summary = dir.join("np2.json");
+    let out = mpirun_np(2)
+        .arg(program)
+        .arg(&summary)
+        .args(flags)
+        .args(["--transport", "mpi"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap()
+}
+
 /// Checks the summary an MPI job of `mpi_example` wrote against the same flags run in this
 /// process: the same losses, held-out loss and sample, bit for bit.
 fn same_as_one_process(summary: &Path, flags: Vec<String>) {
@@ -1346,22 +1367,11 @@ fn a_hugging_face_llama_fine_tuned_over_mpi_equals_one_process_and_saves_by_rank
         .map(String::from)
         .to_vec()
     };
-    let summary = dir.join("np2.json");
-    let out = mpirun_np(2)
-        .arg(env!("CARGO_BIN_EXE_mpi_finetune"))
-        .arg(&summary)
-        .args(flags(&dir.join("by-rank")))
-        .args(["--transport", "mpi"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let got = summary_over_mpi(
+        env!("CARGO_BIN_EXE_mpi_finetune"),
+        &dir,
+        flags(&dir.join("by-rank")),
     );
-    let got: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
     let args =
         wgpipe_apps::finetune_lm::FinetuneArgs::parse_from_args(flags(&dir.join("one"))).unwrap();
     let want = wgpipe_apps::finetune_lm::run(args).unwrap();
@@ -1404,5 +1414,93 @@ fn a_hugging_face_llama_fine_tuned_over_mpi_equals_one_process_and_saves_by_rank
         !by_rank.0.contains(&"lm_head.weight".to_string()),
         "tied: the table once"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `train_cnn --from` a BiT checkpoint over `mpirun -np 2` (K=2, `--transport mpi`, each rank
+/// reading only its own stages' tensors) on the committed image folder: the losses and the
+/// held-out accuracy after each epoch equal one process's, bit for bit, and the timm folder each
+/// rank wrote its shard of (`--save-hf`) holds one process's tensors, bit for bit.
+#[test]
+fn a_bit_checkpoint_fine_tuned_over_mpi_equals_one_process() {
+    let dir = fresh_dir("mpi-bit");
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures");
+    let flags = |save: &Path| -> Vec<String> {
+        let from = fixtures.join("bit/model.safetensors").display().to_string();
+        let images = fixtures.join("image_folder").display().to_string();
+        let trace = save.with_extension("trace.json").display().to_string();
+        let timeline = save.with_extension("timeline.svg").display().to_string();
+        let save = save.display().to_string();
+        [
+            "--from",
+            &from,
+            "--images",
+            &images,
+            "--image-size",
+            "32",
+            "--quiet",
+            "--device",
+            "cpu",
+            "--stages",
+            "2",
+            "--micro-batches",
+            "2",
+            "--batch",
+            "4",
+            "--steps",
+            "4",
+            "--plan",
+            "off",
+            "--freeze",
+            "0",
+            "--save-hf",
+            &save,
+            "--trace",
+            &trace,
+            "--timeline",
+            &timeline,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let got = summary_over_mpi(
+        env!("CARGO_BIN_EXE_mpi_cnn"),
+        &dir,
+        flags(&dir.join("by-rank")),
+    );
+    let args = wgpipe_apps::train_cnn::CnnArgs::parse_from_args(flags(&dir.join("one"))).unwrap();
+    let want =
+        wgpipe_apps::train_cnn::run_with(args, &std::sync::atomic::AtomicBool::new(false)).unwrap();
+    assert_eq!(floats(&got["losses"]), want.losses);
+    assert!(want.losses.len() == 4 && want.losses.iter().all(|l| l.is_finite()));
+    let accuracies: Vec<(u64, f64)> = got["epoch_accuracy"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap()))
+        .collect();
+    assert_eq!(accuracies, want.epoch_accuracy);
+    // 6 training images, batch 4: an epoch is one step.
+    assert_eq!(accuracies.len(), 4);
+    let tensors = |folder: &str| {
+        let ck = wgpipe_models::hf::HfCheckpoint::open(&dir.join(folder)).unwrap();
+        let bits: Vec<(String, Vec<u32>)> = ck
+            .names()
+            .into_iter()
+            .map(|n| {
+                let shape = ck.shape(&n).unwrap().to_vec();
+                let v = ck
+                    .read(&n, &shape, "the test", &wgpipe_tensor::Device::cpu())
+                    .unwrap()
+                    .to_vec()
+                    .unwrap();
+                (n, v.iter().map(|x| x.to_bits()).collect())
+            })
+            .collect();
+        bits
+    };
+    let (by_rank, one) = (tensors("by-rank"), tensors("one"));
+    assert_eq!(by_rank.len(), one.len());
+    assert!(by_rank == one, "the folders differ");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -8,14 +8,17 @@
 //!   ([`SyntheticTask::Shapes`], [`SyntheticTask::Stripes`]) for training and transfer tests.
 //! * [`idx`]: the MNIST IDX file format (reader and writer).
 //! * [`cifar`]: the CIFAR-10 binary file format (reader and writer).
+//! * [`image_folder`]: folders of PNG and JPEG files, one sub-folder per class (the `image`
+//!   crate decodes and resizes them as timm's eval transform does).
 //! * [`tokenizer`]: Hugging Face `tokenizer.json` files (the `tokenizers` crate), and text and
 //!   JSON Lines documents encoded into one stream.
 //!
-//! Everything else depends only on `std`. Randomness comes from a small seeded splitmix64
+//! Randomness comes from a small seeded splitmix64
 //! generator, so every synthetic set and every batch is a pure function of its seeds.
 
 pub mod cifar;
 pub mod idx;
+pub mod image_folder;
 pub mod images;
 pub mod text;
 pub mod tokenizer;
@@ -23,6 +26,9 @@ pub mod tokenizer;
 pub use cifar::{read_cifar10_bin, read_cifar10_bins, write_cifar10_bin};
 pub use idx::{
     read_idx_images, read_idx_labels, read_mnist, write_idx_images, write_idx_labels, IdxImages,
+};
+pub use image_folder::{
+    read_image_folder, read_image_folder_split, resize_set, ImageFolder, Interpolation, Resize,
 };
 pub use images::{ImageSet, SyntheticTask};
 pub use text::{empirical_bigram_entropy, empirical_unigram_entropy};

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -36,6 +36,13 @@ impl StoredDType {
             "F16" => Some(StoredDType::F16),
             "BF16" => Some(StoredDType::BF16),
             _ => None,
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            StoredDType::F32 => "F32",
+            StoredDType::F16 => "F16",
+            StoredDType::BF16 => "BF16",
         }
     }
     fn size(self) -> u64 {
@@ -231,6 +238,71 @@ pub(crate) fn tensor_sizes(file: &Path) -> Result<Vec<(String, usize)>> {
         .into_iter()
         .map(|(name, e)| (name, e.len as usize))
         .collect())
+}
+
+/// A safetensors file's beginning for `tensors` (name, stored dtype, shape, bytes), their data
+/// following in this order: the header's length, then the header padded with spaces so that
+/// the data starts 8-byte aligned, as the format's own writer pads it.
+pub(crate) fn safetensors_header(tensors: &[(String, &str, Vec<usize>, u64)]) -> Vec<u8> {
+    let mut map = serde_json::Map::new();
+    map.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    let mut offset = 0;
+    for (name, dtype, shape, len) in tensors {
+        map.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len]}),
+        );
+        offset += len;
+    }
+    let mut text = Value::Object(map).to_string();
+    while !text.len().is_multiple_of(8) {
+        text.push(' ');
+    }
+    let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(text.as_bytes());
+    bytes
+}
+
+/// The tensors of the safetensors files `sources` (no name in two of them) as one file `out`,
+/// in name order, their bytes copied as stored, a block at a time: no tensor is held whole.
+pub(crate) fn merge_files(sources: &[PathBuf], out: &Path) -> Result<()> {
+    let mut entries = std::collections::BTreeMap::new();
+    for file in sources {
+        for (name, e) in header(file)? {
+            if let Some(first) = entries.insert(name.clone(), e) {
+                return Err(bad(
+                    out,
+                    format!(
+                        "tensor {name} is in both {} and {}",
+                        first.file.display(),
+                        file.display()
+                    ),
+                ));
+            }
+        }
+    }
+    let listed: Vec<(String, &str, Vec<usize>, u64)> = entries
+        .iter()
+        .map(|(name, e)| (name.clone(), e.dtype.name(), e.shape.clone(), e.len))
+        .collect();
+    let mut w = std::io::BufWriter::new(File::create(out).map_err(|e| bad(out, e))?);
+    let fail = |e: std::io::Error| bad(out, e);
+    w.write_all(&safetensors_header(&listed)).map_err(fail)?;
+    let mut block = vec![0u8; 1 << 20];
+    for e in entries.values() {
+        let mut f = File::open(&e.file).map_err(|err| bad(&e.file, err))?;
+        f.seek(SeekFrom::Start(e.start))
+            .map_err(|err| bad(&e.file, err))?;
+        let mut left = e.len as usize;
+        while left > 0 {
+            let n = left.min(block.len());
+            f.read_exact(&mut block[..n])
+                .map_err(|err| bad(&e.file, err))?;
+            w.write_all(&block[..n]).map_err(fail)?;
+            left -= n;
+        }
+    }
+    w.flush().map_err(fail)
 }
 
 fn header(file: &Path) -> Result<Vec<(String, Entry)>> {

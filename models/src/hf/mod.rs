@@ -1,12 +1,15 @@
 //! Hugging Face checkpoint folders: reading their tensors ([`HfCheckpoint`]), building a model's
 //! layers from them under the names transformers writes ([`load_llama`], [`load_gpt2`]), and
-//! writing them back ([`save_hf`]; one stage's part at a time: [`save_shard`], [`write_index`]).
+//! writing them back ([`save_hf`]; one stage's part at a time: [`save_shard`], [`write_index`]);
+//! timm's BiT checkpoints ([`resnetv2_of`]).
 
 pub mod checkpoint;
 pub mod save;
+pub mod timm;
 
 pub use checkpoint::HfCheckpoint;
-pub use save::{save_hf, save_shard, shard_file, write_index, HfFolder, SaveOptions};
+pub use save::{save_hf, save_shard, shard_file, write_index, write_single, HfFolder, SaveOptions};
+pub use timm::{image_preprocessing, resnetv2_of, Preprocessing};
 
 use std::collections::HashSet;
 use std::ops::Range;

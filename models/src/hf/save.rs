@@ -49,6 +49,12 @@ pub trait HfFolder: HfNames {
     fn as_saved(&self) -> Self;
     /// `config.json` as transformers writes it, for tensors stored as `dtype`.
     fn config_json(&self, dtype: DType) -> Value;
+    /// Whether its library reads one `model.safetensors` only (timm does; transformers reads
+    /// shards and their index too), so that a folder written shard by shard is completed by
+    /// [`write_single`] rather than [`write_index`].
+    fn single_file(&self) -> bool {
+        false
+    }
 }
 
 impl HfFolder for Llama {
@@ -167,6 +173,23 @@ pub fn write_index<M: HfFolder>(dir: &Path, model: &M, shards: usize, dtype: DTy
     )
 }
 
+/// Completes a folder whose `shards` shards [`save_shard`] wrote as one `model.safetensors`
+/// (the shards merged a block at a time, then removed) and `config.json`: for a library that
+/// reads one file (timm's `local-dir:`), where [`write_index`] leaves the shards and an index.
+pub fn write_single<M: HfFolder>(dir: &Path, model: &M, shards: usize, dtype: DType) -> Result<()> {
+    let files: Vec<std::path::PathBuf> = (0..shards)
+        .map(|s| dir.join(shard_file(s, shards)))
+        .collect();
+    super::checkpoint::merge_files(&files, &dir.join("model.safetensors"))?;
+    for f in &files {
+        std::fs::remove_file(f).map_err(|e| io(f, e))?;
+    }
+    write_json(
+        &dir.join("config.json"),
+        &model.as_saved().config_json(dtype),
+    )
+}
+
 fn write_index_json(
     dir: &Path,
     weight_map: serde_json::Map<String, Value>,
@@ -241,29 +264,23 @@ fn write_file(
         DType::F16 => "F16",
         DType::BF16 => "BF16",
     };
-    let mut header = serde_json::Map::new();
-    header.insert("__metadata__".into(), json!({"format": "pt"}));
-    let mut offset = 0;
-    for n in names {
-        let t = &tensors[n];
-        header.insert(
-            n.clone(),
-            json!({"dtype": stored, "shape": t.shape, "data_offsets": [offset, offset + t.bytes]}),
-        );
-        offset += t.bytes;
-    }
-    let mut text = serde_json::to_string(&Value::Object(header)).map_err(|e| io(path, e))?;
-    // The data starts 8-byte aligned, as the format's own writer pads it.
-    while !text.len().is_multiple_of(8) {
-        text.push(' ');
-    }
+    let listed: Vec<(String, &str, Vec<usize>, u64)> = names
+        .iter()
+        .map(|n| {
+            (
+                n.clone(),
+                stored,
+                tensors[n].shape.clone(),
+                tensors[n].bytes as u64,
+            )
+        })
+        .collect();
     let file = std::fs::File::create(path).map_err(|e| io(path, e))?;
     let mut out = std::io::BufWriter::new(file);
     let write = |out: &mut std::io::BufWriter<std::fs::File>, bytes: &[u8]| {
         out.write_all(bytes).map_err(|e| io(path, e))
     };
-    write(&mut out, &(text.len() as u64).to_le_bytes())?;
-    write(&mut out, text.as_bytes())?;
+    write(&mut out, &super::checkpoint::safetensors_header(&listed))?;
     for n in names {
         let t = &tensors[n];
         let mut value = t.param.value();

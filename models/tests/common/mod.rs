@@ -155,3 +155,37 @@ pub fn assert_near(got: &[f32], want: &[f32], tol: f32, what: &str) {
     eprintln!("{what}: {e:.2e}");
     assert!(e <= tol, "{what}: error {e:.2e} past {tol:.0e}");
 }
+
+/// A Python that imports `modules` (`WGPIPE_PYTHON`, else `python3`), or `None` after saying
+/// on stderr that the test is skipped and why.
+pub fn python_with(modules: &str) -> Option<String> {
+    let python = std::env::var("WGPIPE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = std::process::Command::new(&python)
+        .args(["-c", &format!("import {modules}")])
+        .output();
+    if probe.is_ok_and(|o| o.status.success()) {
+        Some(python)
+    } else {
+        eprintln!("SKIPPED: {python} cannot import {modules} (set WGPIPE_PYTHON)");
+        None
+    }
+}
+
+/// The numbers a Python `script` prints as one JSON list, failing with its stderr if it fails.
+pub fn python_floats(python: &str, script: &str) -> Vec<f32> {
+    let run = std::process::Command::new(python)
+        .args(["-c", script])
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    String::from_utf8_lossy(&run.stdout)
+        .trim()
+        .trim_matches(|c| c == '[' || c == ']')
+        .split(',')
+        .map(|v| v.trim().parse().unwrap())
+        .collect()
+}
