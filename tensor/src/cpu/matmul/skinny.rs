@@ -156,4 +156,41 @@ mod tests {
             "a row-major B stays with gemm"
         );
     }
+
+    /// GB/s of the weight read by decode-time products (`cargo test -p wgpipe-tensor --release
+    /// --lib skinny::tests::bench -- --ignored --nocapture`): the bound is the memory's.
+    #[test]
+    #[ignore]
+    fn bench_decode_products() {
+        for (name, m, k, n) in [
+            ("head 2x512x32000", 2, 512, 32000),
+            ("head 1x512x32000", 1, 512, 32000),
+            ("q 2x512x512", 2, 512, 512),
+            ("kv 2x512x256", 2, 512, 256),
+            ("gate 2x512x1408", 2, 512, 1408),
+            ("down 2x1408x512", 2, 1408, 512),
+        ] {
+            let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
+            let b: Vec<f32> = (0..n * k).map(|i| (i % 5) as f32 * 0.1).collect();
+            let d = MatDims { batch: 1, m, k, n };
+            let (la, lb) = (layout(0, k, 1), layout(0, 1, k));
+            let mut out = vec![0.0; m * n];
+            let reps = (200_000_000 / (n * k)).max(3);
+            let mut times = Vec::new();
+            for _ in 0..5 {
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    product(&mut out, &a, la, &b, lb, d);
+                }
+                times.push(t.elapsed().as_secs_f64() / reps as f64);
+            }
+            times.sort_by(f64::total_cmp);
+            let t = times[2];
+            eprintln!(
+                "{name}: {:.3} ms, {:.1} GB/s of weight",
+                t * 1e3,
+                (n * k * 4) as f64 / t / 1e9
+            );
+        }
+    }
 }
