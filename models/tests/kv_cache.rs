@@ -20,7 +20,8 @@ fn ids(v: &[u32], dev: &Device) -> Tensor {
 fn cached_logits_equal_the_full_forward_at_every_position() {
     let dir = fixture_path("llama_tok");
     let (_, layers) = load_llama(&dir, 0..5, &cpu()).unwrap();
-    let seq: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % 384).collect();
+    // All 128 positions the model takes: the cache's buffers grow from 64 positions to 128.
+    let seq: Vec<u32> = (0..128).map(|i| (i * 37 + 5) % 384).collect();
     let tape = Tape::no_grad();
     let full = forward_all(
         &layers,
@@ -28,7 +29,7 @@ fn cached_logits_equal_the_full_forward_at_every_position() {
         &ForwardCtx::eval(),
     )
     .unwrap();
-    let full = vals(full.value()); // [1, 20, 384]
+    let full = vals(full.value()); // [1, 128, 384]
     let v = 384;
     for (mb, prompt) in [(0u64, 6usize), (1, 1)] {
         let ctx = ForwardCtx {

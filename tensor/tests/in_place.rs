@@ -227,3 +227,85 @@ fn half_tensors_take_the_out_of_place_path_with_the_same_values() {
         assert_eq!(e.to_string(), a.add(&f).unwrap_err().to_string());
     }
 }
+
+/// `write_narrow` against the concatenation it stands for: in place (and with no new memory of
+/// the buffer's size) into an exclusive host tensor, at the start, the middle and the end of
+/// each axis; a copy, with the same values, when the buffer is shared (the clone keeps its own)
+/// or a view; and on a wgpu device where there is one.
+#[test]
+fn write_narrow_equals_the_concatenation_and_writes_in_place_when_it_may() {
+    let dev = fresh_device("write_narrow");
+    let shape = [2, 3, 8, 4];
+    for axis in 0..4 {
+        let dim = shape[axis];
+        for start in [0, 1, dim - 1] {
+            let mut src_shape = shape;
+            src_shape[axis] = 1;
+            let src = tensor(&src_shape, 7, &dev);
+            let want = {
+                let buf = tensor(&shape, 3, &dev);
+                let a = axis as isize;
+                let before = buf.narrow(a, 0, start).unwrap();
+                let after = buf.narrow(a, start + 1, dim - start - 1).unwrap();
+                let parts: Vec<&Tensor> = [&before, &src, &after]
+                    .into_iter()
+                    .filter(|t| t.shape()[axis] > 0)
+                    .collect();
+                bits(&Tensor::concat(&parts, a).unwrap())
+            };
+            let mut buf = tensor(&shape, 3, &dev);
+            let extra = extra_peak_bytes(&dev, || {
+                assert!(buf.write_narrow(axis as isize, start, &src).unwrap());
+            });
+            assert_eq!(bits(&buf), want, "axis {axis} at {start}");
+            // The source's host copy only: far below the buffer's 768 bytes.
+            assert!(extra <= 4 * 24, "axis {axis}: {extra} bytes");
+            let mut shared = tensor(&shape, 3, &dev);
+            let clone = shared.clone();
+            assert!(!shared.write_narrow(axis as isize, start, &src).unwrap());
+            assert_eq!(bits(&shared), want);
+            assert_eq!(
+                bits(&clone),
+                bits(&tensor(&shape, 3, &dev)),
+                "the clone saw it"
+            );
+        }
+    }
+    let big = tensor(&[2, 3, 16, 4], 3, &dev);
+    let mut view = big.narrow(2, 0, 8).unwrap();
+    let src = tensor(&[2, 3, 1, 4], 7, &dev);
+    assert!(!view.write_narrow(2, 8 - 1, &src).unwrap());
+    assert_eq!(
+        bits(&view.narrow(2, 7, 1).unwrap()),
+        bits(&src),
+        "a view is written as a copy"
+    );
+    let mut buf = tensor(&shape, 3, &dev);
+    for (bad, start) in [
+        (&[2, 3, 2, 4][..], 7),
+        (&[2, 2, 1, 4][..], 0),
+        (&[2, 3, 4][..], 0),
+    ] {
+        let e = buf
+            .write_narrow(2, start, &tensor(bad, 1, &dev))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("write_narrow") && e.contains("cannot write"),
+            "{e}"
+        );
+    }
+    match Device::test_wgpu() {
+        Ok(gpu) => {
+            let mut on_gpu = tensor(&shape, 3, &gpu);
+            let src_gpu = tensor(&[2, 3, 1, 4], 7, &gpu);
+            assert!(!on_gpu.write_narrow(2, 5, &src_gpu).unwrap());
+            let mut on_cpu = tensor(&shape, 3, &dev);
+            on_cpu
+                .write_narrow(2, 5, &tensor(&[2, 3, 1, 4], 7, &dev))
+                .unwrap();
+            assert_eq!(bits(&on_gpu), bits(&on_cpu));
+        }
+        Err(e) => eprintln!("SKIPPED (the wgpu half): no wgpu test device: {e}"),
+    }
+}

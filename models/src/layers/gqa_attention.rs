@@ -62,36 +62,80 @@ pub struct GqaAttention {
 /// The keys and values (`[B, kv_heads, positions, d]`, after the rotation) of each micro-batch
 /// decoded with a KV cache, so that each new token attends to them without recomputing them.
 #[derive(Default)]
-struct KvCache(std::sync::Mutex<std::collections::HashMap<u64, (Tensor, Tensor)>>);
+struct KvCache(std::sync::Mutex<std::collections::HashMap<u64, Cached>>);
+
+/// One micro-batch's keys and values: buffers of `[B, kv_heads, capacity, d]` whose first `len`
+/// positions are filled. A new token is written into them in place (on the host), and they
+/// double when full, so that decoding T tokens copies O(T) values, not O(T^2) as appending by
+/// concatenation did (a fresh buffer of the whole cache per token and layer: at 1500 tokens a
+/// quarter of the step went to copying it and to the new pages' faults).
+struct Cached {
+    k: Tensor,
+    v: Tensor,
+    len: usize,
+}
+
+/// The least capacity a cache starts with, in positions.
+const MIN_CACHE_POSITIONS: usize = 64;
+
+/// `buf`'s first `len` positions in a buffer of `capacity` positions, zeros after them.
+fn regrown(buf: &Tensor, len: usize, capacity: usize) -> Result<Tensor> {
+    let mut shape = buf.shape().to_vec();
+    shape[2] = capacity;
+    let mut grown = Tensor::zeros(&shape, buf.device())?.to_dtype(buf.dtype())?;
+    grown.write_narrow(2, 0, &buf.narrow(2, 0, len)?)?;
+    Ok(grown)
+}
 
 impl KvCache {
     /// `k`, `v` of the positions from `start` appended to micro-batch `mb`'s (its cache begun
-    /// anew at `start = 0`): the keys and values of every position so far.
+    /// anew at `start = 0`): the keys and values of every position so far (views of the
+    /// cache's buffers).
     fn extend(&self, mb: u64, start: usize, k: &Var, v: &Var) -> Result<(Tensor, Tensor)> {
         let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let (k, v) = if start == 0 {
-            (k.value().clone(), v.value().clone())
+        let (k, v) = (k.value(), v.value());
+        let t = k.shape()[2];
+        if start == 0 {
+            map.remove(&mb);
         } else {
-            let (ck, cv) = map.get(&mb).ok_or_else(|| {
+            let held = map.get(&mb).map(|c| c.len).ok_or_else(|| {
                 invalid(
                     "GqaAttention",
                     format!("no KV cache for micro-batch {mb}: decode position 0 (the prompt) first, not {start}"),
                 )
             })?;
-            let held = ck.shape()[2];
             if held != start {
                 return Err(invalid(
                     "GqaAttention",
                     format!("the KV cache of micro-batch {mb} holds {held} positions; a call at position {start} does not follow it"),
                 ));
             }
-            (
-                Tensor::concat(&[ck, k.value()], 2)?,
-                Tensor::concat(&[cv, v.value()], 2)?,
-            )
+        }
+        let need = start + t;
+        let mut c = match map.remove(&mb) {
+            Some(c) if c.k.shape()[2] >= need => c,
+            old => {
+                let capacity = need.next_power_of_two().max(MIN_CACHE_POSITIONS);
+                let (ok, ov) = match &old {
+                    Some(c) => (
+                        regrown(&c.k, c.len, capacity)?,
+                        regrown(&c.v, c.len, capacity)?,
+                    ),
+                    None => (regrown(k, 0, capacity)?, regrown(v, 0, capacity)?),
+                };
+                Cached {
+                    k: ok,
+                    v: ov,
+                    len: start,
+                }
+            }
         };
-        map.insert(mb, (k.clone(), v.clone()));
-        Ok((k, v))
+        c.k.write_narrow(2, start, k)?;
+        c.v.write_narrow(2, start, v)?;
+        c.len = need;
+        let views = (c.k.narrow(2, 0, need)?, c.v.narrow(2, 0, need)?);
+        map.insert(mb, c);
+        Ok(views)
     }
 }
 

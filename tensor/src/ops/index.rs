@@ -147,6 +147,62 @@ impl Tensor {
     pub fn stack(xs: &[&Tensor], axis: isize) -> Result<Tensor> {
         join("stack", xs, axis, true)
     }
+
+    /// Sets positions `start..start + src.shape()[axis]` of `self` along `axis` to `src` (of
+    /// `self`'s shape elsewhere), keeping the others: written into `self`'s storage when it is
+    /// an [exclusive](Tensor::is_exclusive), contiguous f32 tensor on the host (no allocation
+    /// of `self`'s size, and no other tensor sees the change: a KV cache's append), else
+    /// replaced by a new tensor of the same values (the parts around `src` concatenated with
+    /// it). Returns whether it was written in place.
+    pub fn write_narrow(&mut self, axis: isize, start: usize, src: &Tensor) -> Result<bool> {
+        const OP: &str = "write_narrow";
+        self.same_device(OP, src)?;
+        let a = resolve_axis(OP, axis, self.rank())?;
+        let (dst_shape, src_shape) = (self.shape().to_vec(), src.shape().to_vec());
+        let len = src_shape.get(a).copied().unwrap_or(0);
+        if src.rank() != self.rank()
+            || with_axis(&src_shape, a, 0) != with_axis(&dst_shape, a, 0)
+            || start + len > dst_shape[a]
+        {
+            return Err(Error::shape(
+                OP,
+                format!("cannot write {src_shape:?} at {start} along axis {a} of {dst_shape:?}"),
+            ));
+        }
+        if len == 0 {
+            return Ok(true);
+        }
+        let (outer, dim) = (dst_shape[..a].iter().product::<usize>(), dst_shape[a]);
+        let inner = dst_shape[a + 1..].iter().product::<usize>();
+        let host = self.device().is_cpu()
+            && self.dtype() == crate::DType::F32
+            && self.is_contiguous()
+            && self.layout().offset == 0;
+        if host {
+            let values = src.to_vec()?;
+            if let Some(dst) = self
+                .exclusive_storage()
+                .and_then(crate::storage::Storage::as_cpu_mut)
+            {
+                let run = len * inner;
+                for (o, part) in values.chunks_exact(run).enumerate() {
+                    let at = (o * dim + start) * inner;
+                    dst[at..at + run].copy_from_slice(part);
+                }
+                debug_assert_eq!(values.len(), outer * run);
+                return Ok(true);
+            }
+        }
+        let before = self.narrow(a as isize, 0, start)?;
+        let after = self.narrow(a as isize, start + len, dim - start - len)?;
+        let src = src.to_dtype(self.dtype())?;
+        let parts: Vec<&Tensor> = [&before, &src, &after]
+            .into_iter()
+            .filter(|t| t.shape()[a] > 0)
+            .collect();
+        *self = Tensor::concat(&parts, a as isize)?;
+        Ok(false)
+    }
 }
 
 /// Shared body of concat and stack (`new_axis`: insert `axis` in every input first).
