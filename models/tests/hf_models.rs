@@ -334,6 +334,82 @@ fn bad_checkpoints_are_refused_naming_what_is_wrong() {
         "{e}"
     );
 
+    // A shard name inside the folder that is a link leading out of it.
+    let linked = folder_with(
+        "linked",
+        "model.safetensors.index.json",
+        br#"{"weight_map": {"model.norm.weight": "shard.safetensors"}}"#.to_vec(),
+    );
+    let outside_file = linked.with_extension("outside.safetensors");
+    std::fs::write(&outside_file, edited_checkpoint(|_| {})).unwrap();
+    std::os::unix::fs::symlink(&outside_file, linked.join("shard.safetensors")).unwrap();
+    let e = load(&linked);
+    assert!(
+        e.contains("\"shard.safetensors\" leads out of the folder"),
+        "{e}"
+    );
+    std::fs::remove_file(&outside_file).unwrap();
+
+    // An index that places a tensor in a shard that does not hold it, or names a tensor no
+    // shard holds.
+    let misplaced = folder_with("misplaced", "a.safetensors", edited_checkpoint(|_| {}));
+    std::fs::write(
+        misplaced.join("b.safetensors"),
+        edited_checkpoint(|t| t.retain(|_| false)),
+    )
+    .unwrap();
+    let index =
+        |map: &str| std::fs::write(misplaced.join("model.safetensors.index.json"), map).unwrap();
+    index(
+        r#"{"weight_map": {"model.norm.weight": "b.safetensors", "model.embed_tokens.weight": "a.safetensors"}}"#,
+    );
+    let e = load(&misplaced);
+    assert!(
+        e.contains(
+            "weight_map[model.norm.weight] = \"b.safetensors\", but model.norm.weight is in"
+        ) && e.contains("a.safetensors"),
+        "{e}"
+    );
+    index(r#"{"weight_map": {"model.ghost.weight": "a.safetensors"}}"#);
+    let e = load(&misplaced);
+    assert!(e.contains("but no shard holds model.ghost.weight"), "{e}");
+
+    // Two tensors on the same bytes.
+    let mut bytes = edited_checkpoint(|_| {});
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut header = header.as_object().unwrap().clone();
+    let names: Vec<String> = header
+        .keys()
+        .filter(|k| *k != "__metadata__")
+        .cloned()
+        .collect();
+    let (a, b) = (&names[0], &names[1]);
+    let (la, lb) = (
+        header[a]["data_offsets"].clone(),
+        header[b]["data_offsets"].clone(),
+    );
+    let size = |o: &serde_json::Value| o[1].as_u64().unwrap() - o[0].as_u64().unwrap();
+    if size(&la) == size(&lb) {
+        header.get_mut(b).unwrap()["data_offsets"] = la;
+    } else {
+        // Shift b to begin inside a's range, keeping its length.
+        let start = la[0].as_u64().unwrap();
+        header.get_mut(b).unwrap()["data_offsets"] = serde_json::json!([start, start + size(&lb)]);
+    }
+    let mut text = serde_json::Value::Object(header).to_string();
+    while text.len() < n {
+        text.push(' ');
+    }
+    assert_eq!(
+        text.len(),
+        n,
+        "the edited header fits the original's length"
+    );
+    bytes.splice(8..8 + n, text.into_bytes());
+    let e = load(&folder_with("overlap", "model.safetensors", bytes));
+    assert!(e.contains("overlap"), "{e}");
+
     let empty = folder_with("empty", "notes.txt", b"no checkpoint here".to_vec());
     let e = load(&empty);
     assert!(

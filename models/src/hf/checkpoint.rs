@@ -97,6 +97,9 @@ impl HfCheckpoint {
                 }
             }
         }
+        if index.exists() {
+            check_weight_map(&index, &entries)?;
+        }
         Ok(HfCheckpoint {
             dir: dir.to_path_buf(),
             entries,
@@ -200,16 +203,24 @@ fn read_values(e: &Entry) -> std::io::Result<Vec<f32>> {
 }
 
 /// The shard files an index names, each once, each inside `dir`.
-fn shards(index: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
+/// The `weight_map` object of the index file `index`.
+fn weight_map(index: &Path) -> Result<serde_json::Map<String, Value>> {
     let text = std::fs::read_to_string(index).map_err(|e| bad(index, e))?;
     let value: Value =
         serde_json::from_str(&text).map_err(|e| bad(index, format!("is not JSON: {e}")))?;
-    let map = value
-        .get("weight_map")
-        .and_then(Value::as_object)
-        .ok_or_else(|| bad(index, "has no weight_map object"))?;
+    match value {
+        Value::Object(mut o) => match o.remove("weight_map") {
+            Some(Value::Object(map)) => Ok(map),
+            _ => Err(bad(index, "has no weight_map object")),
+        },
+        _ => Err(bad(index, "has no weight_map object")),
+    }
+}
+
+fn shards(index: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
+    let map = weight_map(index)?;
     let mut files: Vec<PathBuf> = Vec::new();
-    for (name, file) in map {
+    for (name, file) in &map {
         let file = file
             .as_str()
             .ok_or_else(|| bad(index, format!("weight_map[{name}] is not a file name")))?;
@@ -221,12 +232,53 @@ fn shards(index: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
             ));
         }
         let path = dir.join(plain);
+        // A name inside the folder may still be a link that leads out of it.
+        if let (Ok(real), Ok(root)) = (path.canonicalize(), dir.canonicalize()) {
+            if !real.starts_with(&root) {
+                return Err(bad(
+                    index,
+                    format!(
+                        "weight_map[{name}] = {file:?} leads out of the folder (to {})",
+                        real.display()
+                    ),
+                ));
+            }
+        }
         if !files.contains(&path) {
             files.push(path);
         }
     }
     files.sort();
     Ok(files)
+}
+
+/// Fails unless every tensor `index`'s weight map places in a file is in that file's header:
+/// an index that names another shard than the one holding a tensor, or a tensor no shard
+/// holds, is a folder copied half-way or edited by hand.
+fn check_weight_map(index: &Path, entries: &HashMap<String, Entry>) -> Result<()> {
+    let map = weight_map(index)?;
+    for (name, file) in &map {
+        let file = file.as_str().unwrap_or_default();
+        match entries.get(name) {
+            None => {
+                return Err(bad(
+                    index,
+                    format!("weight_map[{name}] = {file:?}, but no shard holds {name}"),
+                ))
+            }
+            Some(e) if e.file.file_name() != Some(std::ffi::OsStr::new(file)) => {
+                return Err(bad(
+                    index,
+                    format!(
+                        "weight_map[{name}] = {file:?}, but {name} is in {}",
+                        e.file.display()
+                    ),
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
 
 /// Every tensor of a safetensors file, from its header: an 8-byte little-endian length, then
@@ -378,6 +430,18 @@ fn header(file: &Path) -> Result<Vec<(String, Entry)>> {
                 len: end - begin,
             },
         ));
+    }
+    // Two tensors on the same bytes: a writer's bug or a crafted file; either way not data.
+    let mut by_start: Vec<&(String, Entry)> = out.iter().filter(|(_, e)| e.len > 0).collect();
+    by_start.sort_by_key(|(_, e)| e.start);
+    for pair in by_start.windows(2) {
+        let ((a, ea), (b, eb)) = (pair[0], pair[1]);
+        if eb.start < ea.start + ea.len {
+            return Err(bad(
+                file,
+                format!("tensors {a} and {b} overlap (their byte ranges share bytes)"),
+            ));
+        }
     }
     Ok(out)
 }
