@@ -13,7 +13,6 @@ use crate::tensor::DType;
 /// embedding's table, which is always frozen here, and a rank holding the head alone knows its
 /// tie group, not the table's layer. The number of tensors frozen on this rank.
 pub fn freeze_first(pipe: &Pipeline, layers: usize) -> usize {
-    let layer_of = |name: &str| name.split('.').next().and_then(|l| l.parse::<usize>().ok());
     let mut frozen = 0;
     for (name, p) in pipe.named_parameters() {
         if layer_of(&name).is_some_and(|l| l < layers) || p.tie_group().is_some() {
@@ -22,6 +21,11 @@ pub fn freeze_first(pipe: &Pipeline, layers: usize) -> usize {
         }
     }
     frozen
+}
+
+/// The layer a pipeline's parameter name (`{layer}.{name}`) belongs to.
+pub fn layer_of(name: &str) -> Option<usize> {
+    name.split('.').next()?.parse().ok()
 }
 
 /// Writes the pipeline's model into `dir` as a Hugging Face (or timm) folder: each device's

@@ -19,7 +19,7 @@ use crate::bit::{open_bit, BitCheckpoint};
 use crate::cnn_data::{accuracy, images_tensor, load_images, ImageArgs, SYNTHETIC_SIDE};
 use crate::error::{AppResult, Context};
 use crate::files::{check_readable, is_optimizer_key, load_pipeline, save_pipeline};
-use crate::finetune::{freeze_first, save_folder};
+use crate::finetune::{freeze_first, layer_of, save_folder};
 use crate::limits::{check_memory, check_range, check_real, memory_limit_bytes, MemoryPart};
 use crate::metrics::write_curves;
 use crate::models::data::ImageSet;
@@ -201,7 +201,6 @@ fn init_from(pipe: &Pipeline, path: &Path) -> AppResult<(usize, Vec<String>)> {
     check_readable("init", path)?;
     let file = load_tensors(path, &Device::cpu()).context(format!("--init {}", path.display()))?;
     let head = pipe.balance().iter().sum::<usize>() - 1;
-    let is_head = |n: &str| n.split('.').next() == Some(head.to_string().as_str());
     let ours: std::collections::HashMap<String, crate::autograd::Param> = pipe
         .named_parameters()
         .into_iter()
@@ -213,7 +212,7 @@ fn init_from(pipe: &Pipeline, path: &Path) -> AppResult<(usize, Vec<String>)> {
             continue;
         }
         match ours.get(&name) {
-            Some(p) if !is_head(&name) && p.shape() == t.shape() => {
+            Some(p) if layer_of(&name) != Some(head) && p.shape() == t.shape() => {
                 p.set_value(t.to_device(&p.device())?);
                 loaded += 1;
             }
@@ -595,11 +594,6 @@ pub fn run_with(args: CnnArgs, stop: &AtomicBool) -> AppResult<CnnSummary> {
         last_report: r.last_report,
         plan,
     })
-}
-
-/// The layer a pipeline's parameter name (`{layer}.{name}`) belongs to.
-fn layer_of(name: &str) -> Option<usize> {
-    name.split('.').next()?.parse().ok()
 }
 
 /// `--freeze-body` (every layer but the head) or `--freeze N` (layers 0..=N).

@@ -17,8 +17,7 @@ use wgpipe_models::hf::Preprocessing;
 /// its horizontal and vertical passes and the `image` crate does not, and the JPEG decoders
 /// (libjpeg-turbo, zune-jpeg) differ in their inverse DCT and chroma upsampling. Measured, in
 /// levels of 255: bilinear at most 1 on PNGs and 3 on JPEGs (mean under 0.47); bicubic the
-/// same but 5 on the palette PNG upsampled 24 -> 27 (its overshoots clamped after PIL's
-/// rounding), mean under 0.49. The bounds: 4 (bilinear) and 6 (bicubic) levels for any value,
+/// same but 5 on the palette PNG upsampled 24 -> 27, mean under 0.49. The bounds: 4 (bilinear) and 6 (bicubic) levels for any value,
 /// 0.5 on average.
 const MEAN_LEVELS: f32 = 0.5;
 

@@ -193,14 +193,15 @@ impl HfFolder for ResNetV2 {
     }
 
     /// timm's `config.json` (as `save_for_hf` writes it): the architecture (its registered
-    /// name, or for other sizes `resnetv2_50x1_bit` with `model_args` giving the sizes, which
-    /// `timm.create_model` passes on), the classes and features, and the preprocessing
+    /// name; for other sizes `resnetv2`, which timm does not register, with `model_args` giving
+    /// the sizes for building timm's `ResNetV2` in code), the classes and features, and the preprocessing
     /// (`pretrained_cfg`: BiT's bilinear resize, centre crop of the whole image, mean and
     /// std 0.5).
     fn config_json(&self, _dtype: DType) -> Value {
         let features = self.channels.last().copied().unwrap_or(0);
+        let registered = timm_architecture(self);
         let mut config = json!({
-            "architecture": timm_architecture(self).unwrap_or_else(|| "resnetv2".into()),
+            "architecture": registered.clone().unwrap_or_else(|| "resnetv2".into()),
             "num_classes": self.num_classes,
             "num_features": features,
             "global_pool": "avg",
@@ -216,7 +217,7 @@ impl HfFolder for ResNetV2 {
                 "classifier": "head.fc",
             },
         });
-        if timm_architecture(self).is_none() {
+        if registered.is_none() {
             config["model_args"] = json!({
                 "layers": self.depths,
                 "channels": self.channels,

@@ -67,8 +67,8 @@ struct KvCache(std::sync::Mutex<std::collections::HashMap<u64, Cached>>);
 /// One micro-batch's keys and values: buffers of `[B, kv_heads, capacity, d]` whose first `len`
 /// positions are filled. A new token is written into them in place (on the host), and they
 /// double when full, so that decoding T tokens copies O(T) values, not O(T^2) as appending by
-/// concatenation did (a fresh buffer of the whole cache per token and layer: at 1500 tokens a
-/// quarter of the step went to copying it and to the new pages' faults).
+/// concatenation did (a fresh buffer of the whole cache per token and layer: at 1500 tokens about
+/// a fifth of the profile was that copy and the new pages' faults).
 struct Cached {
     k: Tensor,
     v: Tensor,

@@ -178,7 +178,7 @@ impl Tensor {
             && self.dtype() == crate::DType::F32
             && self.is_contiguous()
             && self.layout().offset == 0;
-        if host {
+        if host && self.is_exclusive() {
             let values = src.to_vec()?;
             if let Some(dst) = self
                 .exclusive_storage()
